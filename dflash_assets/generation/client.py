@@ -1,0 +1,618 @@
+"""Async client for OpenAI-compatible ``POST /v1/chat/completions`` servers (SGLang, vLLM, transformers serve).
+
+Design choices, each answering a failure seen in hand-run generation:
+
+- One long read timeout (default 3600 s, sized for long reasoning) instead of the usual 600 s: a
+  request the server is still working on is not abandoned and silently re-sent (that doubles load).
+  If the timeout does fire, it is a failure like any other transient one: retried at most
+  ``max_attempts`` times in total, and every retry is logged.
+- Only transient failures are retried (connection errors/resets, timeouts, HTTP 408/429/5xx), with
+  exponential backoff and jitter (tenacity). Any other 4xx fails at once with the server's message.
+- Each attempt goes to the server with the fewest requests in flight; a server that just failed with
+  a connection error or 5xx is avoided for a backoff period, so a dead server (which fails fast and so
+  always looks idle) does not attract every request.
+- ``max_consecutive_failures`` final failures in a row stop the run: no new request is sent, the
+  requests in flight finish and are delivered, then :class:`TooManyFailuresError` is raised.
+- The API key only ever goes into the ``Authorization`` header; it is scrubbed from every error
+  string, log line and result.
+
+No Dagster imports: the asset wraps this and logs :meth:`CompletionClient.progress` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+__all__ = [
+    "CompletionClient",
+    "CompletionResult",
+    "GenerationProgress",
+    "TooManyFailuresError",
+    "parse_chat_completion",
+]
+
+logger = logging.getLogger(__name__)
+
+# HTTP statuses worth another attempt: request timeout, rate limit, and server-side errors.
+_TRANSIENT_STATUSES = frozenset({408, 429})
+_MAX_ERROR_CHARS = 500
+
+
+class TooManyFailuresError(RuntimeError):
+    """Raised by :meth:`CompletionClient.generate` after ``max_consecutive_failures`` rows failed in a row.
+
+    Attributes:
+        consecutive_failures: the number of final failures in a row that triggered the stop.
+        servers: labels (URLs without credentials) of the servers those failures came from.
+        last_error: the last failure's message (API key scrubbed).
+    """
+
+    def __init__(self, consecutive_failures: int, servers: list[str], last_error: str) -> None:
+        self.consecutive_failures = consecutive_failures
+        self.servers = servers
+        self.last_error = last_error
+        super().__init__(
+            f"stopped after {consecutive_failures} requests failed in a row (after retries) on "
+            f"server(s) {', '.join(servers) or '?'}; last error: {last_error}. Requests already in "
+            f"flight were finished and delivered; no new requests were sent."
+        )
+
+
+@dataclass(frozen=True)
+class CompletionResult:
+    """One prompt's outcome, delivered to ``on_result`` exactly once per ``(index, body)`` item.
+
+    Attributes:
+        index: the prompt index given with the request body.
+        reasoning_content: ``choices[0].message.reasoning_content`` (SGLang/vLLM with a reasoning parser;
+            ``message.reasoning`` is accepted too), None when absent.
+        content: ``choices[0].message.content`` (the answer text), None when absent.
+        finish_reason: ``choices[0].finish_reason`` as the server said it ("stop", "length", "abort", ...).
+        prompt_tokens: ``usage.prompt_tokens`` (tokens), None when absent.
+        completion_tokens: ``usage.completion_tokens`` (tokens, reasoning + answer), None when absent.
+        output_token_ids: generated token ids when the server returns them (``choices[0].token_ids``
+            with SGLang/vLLM ``return_token_ids: true``; also ``choices[0].output_ids`` or integer
+            ``token_id`` entries in ``choices[0].logprobs.content``), else None.
+        latency_s: wall seconds from the first attempt's start to this result, retries and backoff included.
+        server: label (URL without credentials) of the server that answered the last attempt.
+        attempts: HTTP attempts made (1 = no retry).
+        error: None on success; otherwise why the row failed finally (API key scrubbed). When set, the
+            text fields are None.
+        prompt_token_ids: prompt token ids when the server returns them (``choices[0].prompt_token_ids``
+            or top-level ``prompt_token_ids``; SGLang ``return_prompt_token_ids``), else None.
+    """
+
+    index: int
+    reasoning_content: str | None
+    content: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    output_token_ids: list[int] | None
+    latency_s: float
+    server: str
+    attempts: int
+    error: str | None
+    prompt_token_ids: list[int] | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the request succeeded (``error`` is None)."""
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class GenerationProgress:
+    """A snapshot of a running (or finished) :meth:`CompletionClient.generate` call.
+
+    Attributes:
+        rows_done: results delivered so far (successes + final failures).
+        rows_failed: of those, final failures.
+        requests_sent: HTTP attempts started (>= rows_done when retries happened).
+        in_flight: requests currently being processed (attempts on the wire or waiting to retry).
+        output_tokens: sum of ``completion_tokens`` of the successful rows (tokens).
+        elapsed_s: seconds since the ``generate`` call started.
+        requests_per_s: rows_done / elapsed_s.
+        output_tokens_per_s: output_tokens / elapsed_s.
+    """
+
+    rows_done: int
+    rows_failed: int
+    requests_sent: int
+    in_flight: int
+    output_tokens: int
+    elapsed_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+
+    def eta_s(self, rows_total: int) -> float | None:
+        """Seconds left to finish ``rows_total`` rows at the current rate; None before any row is done."""
+        if self.requests_per_s <= 0:
+            return None
+        return max(rows_total - self.rows_done, 0) / self.requests_per_s
+
+    def format(self, rows_total: int | None = None) -> str:
+        """One log line, e.g. ``"120/1000 rows (2 failed), 3.1 req/s, 7450 output tok/s, ETA 283 s"``."""
+        total = f"/{rows_total}" if rows_total is not None else ""
+        line = (
+            f"{self.rows_done}{total} rows ({self.rows_failed} failed), {self.requests_per_s:.1f} req/s, "
+            f"{self.output_tokens_per_s:.0f} output tok/s, {self.in_flight} in flight"
+        )
+        if rows_total is not None:
+            eta = self.eta_s(rows_total)
+            line += f", ETA {eta:.0f} s" if eta is not None else ", ETA ?"
+        return line
+
+
+class _AttemptError(Exception):
+    """One failed HTTP attempt; ``transient`` decides whether another attempt may be made."""
+
+    def __init__(self, message: str, transient: bool, server: str, *, server_fault: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.transient = transient
+        self.server = server
+        # Connection failures and 5xx say the server itself is unwell: route around it for a while.
+        self.server_fault = server_fault
+
+
+class _Server:
+    """Routing state of one base URL."""
+
+    __slots__ = ("label", "endpoint", "in_flight", "avoid_until", "recent_faults")
+
+    def __init__(self, base_url: str) -> None:
+        self.label = _strip_credentials(base_url.rstrip("/"))
+        base = base_url.rstrip("/")
+        self.endpoint = base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
+        self.in_flight = 0
+        self.avoid_until = 0.0
+        self.recent_faults = 0
+
+
+def _strip_credentials(url: str) -> str:
+    """The URL without ``user:password@`` (labels go into logs and errors)."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host += f":{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _int_list_or_none(value: Any) -> list[int] | None:
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    return None
+
+
+def parse_chat_completion(payload: Any) -> dict[str, Any]:
+    """Fields of a non-streaming chat-completion reply, as :class:`CompletionResult` names them.
+
+    Args:
+        payload: the decoded JSON reply of ``POST /v1/chat/completions``.
+
+    Returns:
+        dict with reasoning_content, content, finish_reason, prompt_tokens, completion_tokens,
+        output_token_ids, prompt_token_ids (each None when the reply lacks it).
+
+    Raises:
+        ValueError: the reply has no ``choices[0]`` object (not a chat completion).
+    """
+    if not isinstance(payload, dict):
+        raise ValueError(f"reply is not a JSON object: {type(payload).__name__}")
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ValueError("reply has no choices[0]")
+    choice = choices[0]
+    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    reasoning = message.get("reasoning_content")
+    if reasoning is None:
+        reasoning = message.get("reasoning")  # vLLM >= 0.10 name
+    usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else {}
+
+    # Generated ids: SGLang/vLLM `return_token_ids` -> choices[0].token_ids; older SGLang output_ids;
+    # last resort, logprobs entries that carry an integer token_id.
+    output_ids = _int_list_or_none(choice.get("token_ids"))
+    if output_ids is None:
+        output_ids = _int_list_or_none(choice.get("output_ids"))
+    if output_ids is None:
+        logprobs = choice.get("logprobs")
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if isinstance(entries, list) and entries:
+            ids = [e.get("token_id") if isinstance(e, dict) else None for e in entries]
+            output_ids = _int_list_or_none(ids)
+    prompt_ids = _int_list_or_none(choice.get("prompt_token_ids"))
+    if prompt_ids is None:
+        prompt_ids = _int_list_or_none(payload.get("prompt_token_ids"))
+
+    return {
+        "reasoning_content": reasoning if isinstance(reasoning, str) else None,
+        "content": message.get("content") if isinstance(message.get("content"), str) else None,
+        "finish_reason": choice.get("finish_reason") if isinstance(choice.get("finish_reason"), str) else None,
+        "prompt_tokens": _int_or_none(usage.get("prompt_tokens")),
+        "completion_tokens": _int_or_none(usage.get("completion_tokens")),
+        "output_token_ids": output_ids,
+        "prompt_token_ids": prompt_ids,
+    }
+
+
+def _server_error_message(response: httpx.Response) -> str:
+    """The server's own error text: OpenAI ``{"error": {"message"}}``, SGLang ``{"message"}``,
+    FastAPI ``{"detail"}``, else the raw body (truncated)."""
+    text = response.text
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    message: Any = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            message = err.get("message")
+        elif isinstance(err, str):
+            message = err
+        if message is None:
+            message = data.get("message", data.get("detail"))
+    if message is None:
+        message = text
+    if not isinstance(message, str):
+        message = json.dumps(message)
+    message = " ".join(message.split())
+    return message[:_MAX_ERROR_CHARS] + ("..." if len(message) > _MAX_ERROR_CHARS else "")
+
+
+class CompletionClient:
+    """Sends chat-completion requests to one or more OpenAI-compatible servers, with bounded concurrency.
+
+    Args:
+        base_urls: server roots, e.g. ``["http://10.0.0.1:30000", "http://10.0.0.2:30000/v1"]``
+            (``/v1/chat/completions`` is appended; a trailing ``/v1`` is understood).
+        api_key: sent as ``Authorization: Bearer <key>``; never logged nor put in errors or results.
+        concurrency: requests in flight at once, over all servers together.
+        connect_timeout_s: seconds to open a TCP connection (also used for sending the request body).
+        read_timeout_s: seconds to wait for the reply (non-streaming, so the whole generation fits in
+            it). Default 3600 s: long reasoning at the cap must not be cut and re-sent.
+        max_attempts: HTTP attempts per row, first one included (1 = never retry).
+        backoff_base_s, backoff_max_s: retry ``k`` (k = 1, 2, ...) waits
+            ``min(backoff_max_s, backoff_base_s * 2**(k-1) + U(0, backoff_base_s))`` seconds.
+        max_consecutive_failures: final failures in a row after which :meth:`generate` stops.
+        retry_read_timeouts: whether a read timeout counts as transient (retried); a timed-out request
+            may still be running on the server, so each such retry is logged at WARNING.
+        log: logger for retries and failures (default: this module's).
+
+    Raises:
+        ValueError: no base URL, or a limit below 1.
+    """
+
+    def __init__(
+        self,
+        base_urls: list[str],
+        api_key: str | None = None,
+        concurrency: int = 64,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 3600.0,
+        max_attempts: int = 5,
+        backoff_base_s: float = 1.0,
+        backoff_max_s: float = 60.0,
+        max_consecutive_failures: int = 20,
+        *,
+        retry_read_timeouts: bool = True,
+        log: logging.Logger | None = None,
+    ) -> None:
+        if isinstance(base_urls, str):
+            base_urls = [base_urls]
+        if not base_urls:
+            raise ValueError("CompletionClient needs at least one base URL")
+        for name, value in (
+            ("concurrency", concurrency),
+            ("max_attempts", max_attempts),
+            ("max_consecutive_failures", max_consecutive_failures),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self._servers = [_Server(u) for u in base_urls]
+        self._api_key = api_key or None
+        self.concurrency = concurrency
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_attempts = max_attempts
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.max_consecutive_failures = max_consecutive_failures
+        self.retry_read_timeouts = retry_read_timeouts
+        self._log = log or logger
+        self._rr = itertools.count()
+        self._reset_counters()
+
+    def __repr__(self) -> str:  # no api key in reprs
+        servers = ", ".join(s.label for s in self._servers)
+        return f"CompletionClient(servers=[{servers}], concurrency={self.concurrency})"
+
+    @property
+    def servers(self) -> list[str]:
+        """Server labels (base URLs without credentials)."""
+        return [s.label for s in self._servers]
+
+    def requests_per_server(self) -> dict[str, int]:
+        """HTTP attempts sent to each server label during the current/last :meth:`generate` call."""
+        return dict(self._sent_per_server)
+
+    # -- counters ---------------------------------------------------------------------------------
+
+    def _reset_counters(self) -> None:
+        self._start = time.monotonic()
+        self._rows_done = 0
+        self._rows_failed = 0
+        self._requests_sent = 0
+        self._rows_in_flight = 0
+        self._output_tokens = 0
+        self._consecutive_failures = 0
+        self._failure_servers: list[str] = []
+        self._stopping = False
+        self._too_many: TooManyFailuresError | None = None
+        self._sent_per_server = {s.label: 0 for s in self._servers}
+
+    def progress(self) -> GenerationProgress:
+        """Snapshot of the counters of the current (or last) :meth:`generate` call."""
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        return GenerationProgress(
+            rows_done=self._rows_done,
+            rows_failed=self._rows_failed,
+            requests_sent=self._requests_sent,
+            in_flight=self._rows_in_flight,
+            output_tokens=self._output_tokens,
+            elapsed_s=elapsed,
+            requests_per_s=self._rows_done / elapsed,
+            output_tokens_per_s=self._output_tokens / elapsed,
+        )
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _redact(self, text: str) -> str:
+        if self._api_key and self._api_key in text:
+            text = text.replace(self._api_key, "***")
+        return text
+
+    def _pick_server(self) -> _Server:
+        """Least in-flight server among those not being avoided; ties rotate."""
+        now = time.monotonic()
+        candidates = [s for s in self._servers if s.avoid_until <= now]
+        if not candidates:  # every server recently failed: take the one that comes back first
+            return min(self._servers, key=lambda s: (s.avoid_until, s.in_flight))
+        if len(candidates) == 1:
+            return candidates[0]
+        offset = next(self._rr) % len(candidates)
+        rotated = candidates[offset:] + candidates[:offset]
+        return min(rotated, key=lambda s: s.in_flight)
+
+    def _note_fault(self, server: _Server) -> None:
+        server.recent_faults += 1
+        pause = min(self.backoff_max_s, self.backoff_base_s * 2 ** (server.recent_faults - 1))
+        server.avoid_until = time.monotonic() + pause
+
+    async def _attempt(self, http: httpx.AsyncClient, body: dict[str, Any]) -> tuple[dict[str, Any], _Server]:
+        """One HTTP attempt on the least-loaded server; raises :class:`_AttemptError` on any failure."""
+        server = self._pick_server()
+        server.in_flight += 1
+        self._requests_sent += 1
+        self._sent_per_server[server.label] += 1
+        try:
+            try:
+                response = await http.post(server.endpoint, json=body)
+            except httpx.ReadTimeout as exc:
+                raise _AttemptError(
+                    f"read timeout after {self.read_timeout_s:g} s from {server.label} (the server may "
+                    f"still be generating): {type(exc).__name__}",
+                    transient=self.retry_read_timeouts,
+                    server=server.label,
+                ) from None
+            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+                detail = str(exc) or "no detail"
+                raise _AttemptError(
+                    f"{type(exc).__name__} talking to {server.label}: {detail}",
+                    transient=True,
+                    server=server.label,
+                    server_fault=True,
+                ) from None
+            except httpx.HTTPError as exc:  # unsupported protocol, bad URL, ...: retrying cannot help
+                raise _AttemptError(
+                    f"{type(exc).__name__} talking to {server.label}: {exc}", transient=False, server=server.label
+                ) from None
+            status = response.status_code
+            if status != 200:
+                transient = status in _TRANSIENT_STATUSES or status >= 500
+                raise _AttemptError(
+                    f"HTTP {status} from {server.label}: {_server_error_message(response)}",
+                    transient=transient,
+                    server=server.label,
+                    server_fault=status >= 500,
+                )
+            try:
+                fields = parse_chat_completion(response.json())
+            except ValueError as exc:
+                # The server finished (and paid for) the generation: re-sending would redo it.
+                raise _AttemptError(
+                    f"malformed reply from {server.label}: {exc}", transient=False, server=server.label
+                ) from None
+            server.recent_faults = 0
+            server.avoid_until = 0.0
+            return fields, server
+        except _AttemptError as exc:
+            if exc.server_fault:
+                self._note_fault(server)
+            raise
+        finally:
+            server.in_flight -= 1
+
+    async def _request(self, http: httpx.AsyncClient, index: int, body: dict[str, Any]) -> CompletionResult:
+        """All attempts for one row; never raises for request failures (they become ``error``)."""
+        start = time.monotonic()
+        attempts = 0
+        last_error: _AttemptError | None = None
+
+        def should_retry(exc: BaseException) -> bool:
+            return isinstance(exc, _AttemptError) and exc.transient and not self._stopping
+
+        def log_retry(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            wait = state.next_action.sleep if state.next_action else 0.0
+            self._log.warning(
+                "row %d: attempt %d/%d failed (%s); retrying in %.1f s",
+                index,
+                state.attempt_number,
+                self.max_attempts,
+                self._redact(str(exc)),
+                wait,
+            )
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.max_attempts),
+            wait=wait_exponential_jitter(
+                initial=self.backoff_base_s, max=self.backoff_max_s, exp_base=2, jitter=self.backoff_base_s
+            ),
+            retry=retry_if_exception(should_retry),
+            before_sleep=log_retry,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    if attempts and self._stopping and last_error is not None:
+                        # Stop was decided during our backoff: do not send again.
+                        raise _AttemptError(
+                            last_error.message + " (not retried: generation is stopping)",
+                            transient=False,
+                            server=last_error.server,
+                        )
+                    attempts += 1
+                    try:
+                        fields, server = await self._attempt(http, body)
+                    except _AttemptError as exc:
+                        last_error = exc
+                        raise
+        except _AttemptError as exc:
+            message = self._redact(exc.message)
+            if exc.transient and attempts >= self.max_attempts:
+                message += f" (gave up after {attempts} attempts)"
+            self._log.error("row %d failed: %s", index, message)
+            return CompletionResult(
+                index=index,
+                reasoning_content=None,
+                content=None,
+                finish_reason=None,
+                prompt_tokens=None,
+                completion_tokens=None,
+                output_token_ids=None,
+                latency_s=time.monotonic() - start,
+                server=exc.server,
+                attempts=attempts,
+                error=message,
+            )
+        return CompletionResult(
+            index=index,
+            latency_s=time.monotonic() - start,
+            server=server.label,
+            attempts=attempts,
+            error=None,
+            **fields,
+        )
+
+    def _record(self, result: CompletionResult) -> None:
+        """Update counters after delivery; decide whether to stop."""
+        self._rows_done += 1
+        if result.error is None:
+            self._output_tokens += result.completion_tokens or 0
+            self._consecutive_failures = 0
+            self._failure_servers = []
+            return
+        self._rows_failed += 1
+        self._consecutive_failures += 1
+        if result.server not in self._failure_servers:
+            self._failure_servers.append(result.server)
+        if self._consecutive_failures >= self.max_consecutive_failures and not self._stopping:
+            self._stopping = True
+            self._too_many = TooManyFailuresError(
+                self._consecutive_failures, list(self._failure_servers), result.error or "?"
+            )
+            self._log.error("%s", self._too_many)
+
+    async def generate(
+        self,
+        items: Iterable[tuple[int, dict[str, Any]]],
+        on_result: Callable[[CompletionResult], None],
+    ) -> GenerationProgress:
+        """Send every ``(index, body)`` item and call ``on_result`` as each row finishes (completion order).
+
+        Args:
+            items: ``(index, body)`` pairs; ``body`` is the complete request JSON
+                (``GenerationSettings.request_body``), sent as is. Consumed lazily, so a generator over
+                millions of rows is fine; at most ``concurrency`` rows are in flight.
+            on_result: sync callback, called once per item that was started (success or final failure),
+                on the event loop thread; keep it quick (an fsync'd journal append is fine).
+
+        Returns:
+            the final :class:`GenerationProgress`.
+
+        Raises:
+            TooManyFailuresError: ``max_consecutive_failures`` rows failed in a row; raised after the rows
+                in flight finished and were delivered. Items not yet started are not sent.
+            Exception: whatever ``on_result`` raised; the other rows in flight are then cancelled
+                (their results could not be recorded either).
+        """
+        self._reset_counters()
+        iterator = iter(items)
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        timeout = httpx.Timeout(
+            connect=self.connect_timeout_s, read=self.read_timeout_s, write=self.connect_timeout_s, pool=None
+        )
+        # Our own semaphore bounds concurrency; the pool only keeps connections alive for reuse.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.concurrency)
+
+        async def worker(http: httpx.AsyncClient) -> None:
+            while not self._stopping:
+                try:
+                    index, body = next(iterator)
+                except StopIteration:
+                    return
+                self._rows_in_flight += 1
+                try:
+                    result = await self._request(http, index, body)
+                finally:
+                    self._rows_in_flight -= 1
+                on_result(result)
+                self._record(result)
+
+        async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as http:
+            workers = [asyncio.create_task(worker(http)) for _ in range(self.concurrency)]
+            try:
+                # Wait for all; on the first callback error cancel the rest and re-raise it.
+                done, pending = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    if not task.cancelled() and task.exception() is not None:
+                        self._stopping = True
+                        raise task.exception()  # type: ignore[misc]
+            finally:
+                for task in workers:
+                    if not task.done():
+                        task.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+        if self._too_many is not None:
+            raise self._too_many
+        return self.progress()

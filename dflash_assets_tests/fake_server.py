@@ -1,0 +1,322 @@
+"""A stand-in OpenAI-compatible ``/v1/chat/completions`` server on a real 127.0.0.1 socket, for fault tests.
+
+It stands in only for faults a real server cannot be made to show on demand (503 bursts, hangs,
+connections dropped mid-reply, sudden death) and for a client throughput bench (instant replies).
+Behaviour is scripted per request: ``script(n, body) -> Behaviour`` where ``n`` is the 0-based arrival
+number of the request and ``body`` its decoded JSON.
+
+Minimal HTTP/1.1 over asyncio streams (keep-alive, Content-Length bodies), run on its own event loop in
+a background thread so the client under test can use the main thread's loop. Stdlib only.
+
+Run as a script for the bench: ``python fake_server.py [--port P]`` prints ``PORT <n>`` and serves
+instant replies until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A normal 200 chat-completion reply (after ``delay_s`` seconds)."""
+
+    content: str | None = "The answer."
+    reasoning: str | None = "Some thinking."
+    reasoning_field: str = "reasoning_content"  # SGLang name; vLLM >= 0.10 says "reasoning"
+    finish_reason: str | None = "stop"
+    prompt_tokens: int | None = 12
+    completion_tokens: int | None = 7
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    delay_s: float = 0.0
+
+    def payload(self) -> dict[str, Any]:
+        """The reply JSON."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            message[self.reasoning_field] = self.reasoning
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": self.finish_reason}
+        if self.token_ids is not None:
+            choice["token_ids"] = self.token_ids
+        if self.prompt_token_ids is not None:
+            choice["prompt_token_ids"] = self.prompt_token_ids
+        payload: dict[str, Any] = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "fake",
+            "choices": [choice],
+        }
+        if self.prompt_tokens is not None or self.completion_tokens is not None:
+            payload["usage"] = {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": (self.prompt_tokens or 0) + (self.completion_tokens or 0),
+            }
+        return payload
+
+
+@dataclass(frozen=True)
+class Error:
+    """An HTTP error reply in SGLang's shape ``{"object": "error", "message", "type", "code"}``.
+
+    ``echo_auth`` appends the request's Authorization header to the message (a leaky server, to
+    prove the client scrubs the API key).
+    """
+
+    status: int = 503
+    message: str = "Service Unavailable"
+    echo_auth: bool = False
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Hang:
+    """Read the request, then never answer (sleeps ``seconds``, cancelled when the server stops)."""
+
+    seconds: float = 3600.0
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Send the status line, headers and part of the body, then close the connection mid-reply."""
+
+    delay_s: float = 0.0
+
+
+Behaviour = Union[Reply, Error, Hang, Drop]
+Script = Callable[[int, dict[str, Any]], Behaviour]
+
+
+def fail_first(k: int, failure: Behaviour | None = None, then: Behaviour | None = None) -> Script:
+    """Script: requests 0..k-1 get ``failure`` (default 503), the rest ``then`` (default a Reply)."""
+    failure = failure if failure is not None else Error(503)
+    then = then if then is not None else Reply()
+    return lambda n, body: failure if n < k else then
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 408: "Request Timeout",
+            429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway",
+            503: "Service Unavailable", 504: "Gateway Timeout"}
+
+
+def _response(status: int, payload: bytes) -> bytes:
+    head = (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    return head.encode() + payload
+
+
+@dataclass
+class _Stats:
+    requests_received: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    auth_headers: list[str | None] = field(default_factory=list)
+    replied_ok: list[dict[str, Any]] = field(default_factory=list)
+
+
+class FakeServer:
+    """Scriptable fake chat-completions server. Use as a context manager or ``start()``/``stop()``.
+
+    Args:
+        script: per-request behaviour, ``script(n, body)``; or one fixed :data:`Behaviour`; default Reply().
+        record_bodies: keep every request body (turn off for the bench).
+
+    Attributes (read from the test thread; appended under a lock):
+        url: ``http://127.0.0.1:<port>``.
+        requests_received: requests fully read so far.
+        bodies: their JSON bodies in arrival order; auth_headers: their Authorization headers.
+        replied_ok: bodies of requests whose 200 reply was completely written.
+    """
+
+    def __init__(self, script: Script | Behaviour | None = None, *, record_bodies: bool = True) -> None:
+        if script is None:
+            script = Reply()
+        if not callable(script):
+            fixed = script
+            script = lambda n, body: fixed  # noqa: E731
+        self._script: Script = script
+        self._record = record_bodies
+        self._stats = _Stats()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self.port: int = 0
+
+    # stats, read from other threads
+    @property
+    def requests_received(self) -> int:
+        return self._stats.requests_received
+
+    @property
+    def bodies(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._stats.bodies)
+
+    @property
+    def auth_headers(self) -> list[str | None]:
+        with self._lock:
+            return list(self._stats.auth_headers)
+
+    @property
+    def replied_ok(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._stats.replied_ok)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, port: int = 0) -> FakeServer:
+        """Bind 127.0.0.1:``port`` (0 = any free port) and serve from a background thread."""
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                self._server = loop.run_until_complete(
+                    asyncio.start_server(self._handle, "127.0.0.1", port, backlog=1024)
+                )
+                self.port = self._server.sockets[0].getsockname()[1]
+            except BaseException as exc:  # surfaced to start()'s caller
+                errors.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="fake-openai-server", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if errors:
+            raise errors[0]
+        return self
+
+    def stop(self) -> None:
+        """Die abruptly: close the listener, reset every open connection, cancel pending handlers."""
+        loop = self._loop
+        if loop is None or self._thread is None:
+            return
+        done = threading.Event()
+
+        def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+            for writer in list(self._writers):
+                writer.transport.abort()
+            for task in list(self._tasks):
+                task.cancel()
+            done.set()
+
+        loop.call_soon_threadsafe(shutdown)
+        done.wait(5)
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(5)
+        self._loop = None
+        self._thread = None
+
+    def __enter__(self) -> FakeServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)  # type: ignore[arg-type]
+        self._writers.add(writer)
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                headers = {}
+                for line in lines[1:]:
+                    if ":" in line:
+                        name, value = line.split(":", 1)
+                        headers[name.strip().lower()] = value.strip()
+                length = int(headers.get("content-length", "0"))
+                raw = await reader.readexactly(length) if length else b""
+                try:
+                    body = json.loads(raw) if raw else {}
+                except ValueError:
+                    body = {}
+                with self._lock:
+                    n = self._stats.requests_received
+                    self._stats.requests_received += 1
+                    if self._record:
+                        self._stats.bodies.append(body)
+                        self._stats.auth_headers.append(headers.get("authorization"))
+                behaviour = self._script(n, body)
+                if not await self._respond(writer, behaviour, body, headers):
+                    return
+                if headers.get("connection", "").lower() == "close":
+                    return
+        except (asyncio.CancelledError, ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            self._writers.discard(writer)
+            self._tasks.discard(task)  # type: ignore[arg-type]
+            writer.close()
+
+    async def _respond(self, writer: asyncio.StreamWriter, behaviour: Behaviour, body: dict[str, Any],
+                       headers: dict[str, str]) -> bool:
+        """Act out one behaviour; False when the connection must end."""
+        if isinstance(behaviour, Hang):
+            await asyncio.sleep(behaviour.seconds)
+            return False
+        if behaviour.delay_s:
+            await asyncio.sleep(behaviour.delay_s)
+        if isinstance(behaviour, Reply):
+            writer.write(_response(200, json.dumps(behaviour.payload()).encode()))
+            await writer.drain()
+            if self._record:
+                with self._lock:
+                    self._stats.replied_ok.append(body)
+            return True
+        if isinstance(behaviour, Error):
+            message = behaviour.message
+            if behaviour.echo_auth:
+                message += f" (got Authorization: {headers.get('authorization')})"
+            payload = {"object": "error", "message": message, "type": "BadRequestError", "code": behaviour.status}
+            writer.write(_response(behaviour.status, json.dumps(payload).encode()))
+            await writer.drain()
+            return True
+        if isinstance(behaviour, Drop):
+            full = json.dumps(Reply().payload()).encode()
+            writer.write(_response(200, full)[: -len(full) // 2])
+            await writer.drain()
+            writer.transport.abort()
+            return False
+        raise TypeError(f"unknown behaviour {behaviour!r}")
+
+
+def main() -> None:
+    """Serve instant replies until killed; prints ``PORT <n>`` once listening (for the bench)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    server = FakeServer(Reply(), record_bodies=False).start(args.port)
+    print(f"PORT {server.port}", flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()
