@@ -1,7 +1,8 @@
 """A stand-in OpenAI-compatible ``/v1/chat/completions`` server on a real 127.0.0.1 socket, for fault tests.
 
 It stands in only for faults a real server cannot be made to show on demand (503 bursts, hangs,
-connections dropped mid-reply, sudden death) and for a client throughput bench (instant replies).
+connections dropped mid-reply, malformed replies, sudden death) and for a client throughput bench
+(instant replies).
 Behaviour is scripted per request: ``script(n, body) -> Behaviour`` where ``n`` is the 0-based arrival
 number of the request and ``body`` its decoded JSON.
 
@@ -91,7 +92,15 @@ class Drop:
     delay_s: float = 0.0
 
 
-Behaviour = Union[Reply, Error, Hang, Drop]
+@dataclass(frozen=True)
+class Raw:
+    """A reply with this exact status and body (e.g. a 200 whose body is not JSON)."""
+
+    status: int = 200
+    payload: bytes = b"not json"
+
+
+Behaviour = Union[Reply, Error, Hang, Drop, Raw]
 Script = Callable[[int, dict[str, Any]], Behaviour]
 
 
@@ -121,6 +130,8 @@ class _Stats:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     auth_headers: list[str | None] = field(default_factory=list)
     replied_ok: list[dict[str, Any]] = field(default_factory=list)
+    active: int = 0
+    max_active: int = 0
 
 
 class FakeServer:
@@ -135,6 +146,7 @@ class FakeServer:
         requests_received: requests fully read so far.
         bodies: their JSON bodies in arrival order; auth_headers: their Authorization headers.
         replied_ok: bodies of requests whose 200 reply was completely written.
+        max_concurrent: most requests being handled at once (read but not yet answered).
     """
 
     def __init__(self, script: Script | Behaviour | None = None, *, record_bodies: bool = True) -> None:
@@ -173,6 +185,10 @@ class FakeServer:
     def replied_ok(self) -> list[dict[str, Any]]:
         with self._lock:
             return list(self._stats.replied_ok)
+
+    @property
+    def max_concurrent(self) -> int:
+        return self._stats.max_active
 
     @property
     def url(self) -> str:
@@ -264,8 +280,15 @@ class FakeServer:
                     if self._record:
                         self._stats.bodies.append(body)
                         self._stats.auth_headers.append(headers.get("authorization"))
-                behaviour = self._script(n, body)
-                if not await self._respond(writer, behaviour, body, headers):
+                    self._stats.active += 1
+                    self._stats.max_active = max(self._stats.max_active, self._stats.active)
+                try:
+                    behaviour = self._script(n, body)
+                    keep_open = await self._respond(writer, behaviour, body, headers)
+                finally:
+                    with self._lock:
+                        self._stats.active -= 1
+                if not keep_open:
                     return
                 if headers.get("connection", "").lower() == "close":
                     return
@@ -282,7 +305,7 @@ class FakeServer:
         if isinstance(behaviour, Hang):
             await asyncio.sleep(behaviour.seconds)
             return False
-        if behaviour.delay_s:
+        if getattr(behaviour, "delay_s", 0.0):
             await asyncio.sleep(behaviour.delay_s)
         if isinstance(behaviour, Reply):
             writer.write(_response(200, json.dumps(behaviour.payload()).encode()))
@@ -297,6 +320,10 @@ class FakeServer:
                 message += f" (got Authorization: {headers.get('authorization')})"
             payload = {"object": "error", "message": message, "type": "BadRequestError", "code": behaviour.status}
             writer.write(_response(behaviour.status, json.dumps(payload).encode()))
+            await writer.drain()
+            return True
+        if isinstance(behaviour, Raw):
+            writer.write(_response(behaviour.status, behaviour.payload))
             await writer.drain()
             return True
         if isinstance(behaviour, Drop):

@@ -13,6 +13,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -59,6 +60,7 @@ def dflash_loss(
     if q % block_size:
         raise ValueError(f"{q} block tokens is not a multiple of block_size {block_size}")
     pos = torch.arange(q, device=flat_labels.device) % block_size
+    flat_mask = flat_mask.bool() & (pos > 0)  # the anchor position never counts
     w = position_weights(block_size, gamma, device=flat_labels.device)[pos] * flat_mask.float()
     sel = torch.nonzero(flat_mask, as_tuple=False).flatten()
     correct = torch.zeros(block_size, device=flat_labels.device)
@@ -74,6 +76,69 @@ def dflash_loss(
         hit = (sel_logits.argmax(-1) == flat_labels[sel]).float()
         correct.index_add_(0, pos[sel], hit)
         count.index_add_(0, pos[sel], torch.ones_like(hit))
+    return {"loss": loss, "correct": correct, "count": count, "weight_sum": ws.sum()}
+
+
+def _chunk_ce(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor):
+    # under autocast F.linear casts itself; casting a bf16 LM head to fp32 here would copy it per chunk
+    w = head_weight if torch.is_autocast_enabled(hidden.device.type) else head_weight.to(hidden.dtype)
+    logits = F.linear(hidden, w).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    hit = (logits.detach().argmax(-1) == labels).float()
+    return ce, hit
+
+
+def dflash_loss_from_hidden(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    label_mask: torch.Tensor,
+    block_size: int,
+    gamma: float | None = None,
+    logits_budget: int = 2**28,
+) -> dict[str, torch.Tensor]:
+    """Same result as :func:`dflash_loss` but computes logits only at counted positions, in chunks.
+
+    Logits for a chunk of ``logits_budget // vocab_size`` positions are built, reduced and dropped;
+    when there is more than one chunk each is recomputed in backward (activation checkpointing), so
+    peak memory stays about ``logits_budget * 4`` bytes however many blocks are trained at once.
+
+    Args:
+        hidden: [..., Q, H] draft hidden states; head_weight: [V, H] target LM head;
+        labels, label_mask: [..., Q] as in :func:`dflash_loss`.
+    """
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    flat_mask = label_mask.reshape(-1)
+    q = flat_labels.shape[0]
+    if q % block_size:
+        raise ValueError(f"{q} block tokens is not a multiple of block_size {block_size}")
+    device = flat_labels.device
+    pos = torch.arange(q, device=device) % block_size
+    flat_mask = flat_mask.bool() & (pos > 0)  # the anchor position never counts
+    correct = torch.zeros(block_size, device=device)
+    count = torch.zeros(block_size, device=device)
+    sel = torch.nonzero(flat_mask, as_tuple=False).flatten()
+    if sel.numel() == 0:
+        zero = flat_hidden.sum() * 0.0
+        return {"loss": zero, "correct": correct, "count": count, "weight_sum": zero.detach()}
+    ws = position_weights(block_size, gamma, device=device)[pos[sel]]
+    h, y = flat_hidden[sel], flat_labels[sel]
+    chunk = max(1, logits_budget // head_weight.shape[0])
+    ces, hits = [], []
+    for start in range(0, h.shape[0], chunk):
+        args = (h[start : start + chunk], head_weight, y[start : start + chunk])
+        if h.shape[0] > chunk and torch.is_grad_enabled():
+            ce, hit = torch.utils.checkpoint.checkpoint(_chunk_ce, *args, use_reentrant=False)
+        else:
+            ce, hit = _chunk_ce(*args)
+        ces.append(ce)
+        hits.append(hit)
+    ce, hit = torch.cat(ces), torch.cat(hits)
+    loss = (ce * ws).sum() / ws.sum()
+    correct.index_add_(0, pos[sel], hit.detach())
+    count.index_add_(0, pos[sel], torch.ones_like(hit))
     return {"loss": loss, "correct": correct, "count": count, "weight_sum": ws.sum()}
 
 
@@ -97,4 +162,11 @@ def expected_acceptance_length(acc: list[float]) -> float:
     return tau
 
 
-__all__ = ["accuracy_per_position", "default_gamma", "dflash_loss", "expected_acceptance_length", "position_weights"]
+__all__ = [
+    "accuracy_per_position",
+    "default_gamma",
+    "dflash_loss",
+    "dflash_loss_from_hidden",
+    "expected_acceptance_length",
+    "position_weights",
+]

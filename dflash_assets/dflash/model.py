@@ -391,7 +391,10 @@ class DFlashDraftModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target LM head: [..., H] -> [..., vocab_size] logits."""
         self._require_target()
-        return F.linear(hidden, self.target_lm_head_weight.to(hidden.dtype))
+        w = self.target_lm_head_weight
+        if not torch.is_autocast_enabled(hidden.device.type):
+            w = w.to(hidden.dtype)
+        return F.linear(hidden, w)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """``state_dict()`` (already without target buffers): the tensors an export writes."""

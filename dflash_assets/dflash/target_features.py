@@ -44,7 +44,7 @@ def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
     (half to even); for ``n == 1`` the middle layer ``L // 2``. Id ``i`` means the output of decoder
     layer ``i`` (0-based), i.e. HF ``hidden_states[i + 1]``.
 
-    Examples: ``L=64 -> [1, 16, 31, 46, 61]``; ``L=30 -> [1, 7, 14, 20, 27]``.
+    Examples: ``L=64 -> [1, 16, 31, 46, 61]``; ``L=30 -> [1, 8, 14, 20, 27]`` (7.5 rounds to 8, 20.5 to 20).
 
     Raises:
         ValueError: ``n < 1`` or ``num_target_layers < 4`` when ``n > 1`` (the span would be empty).
@@ -62,13 +62,17 @@ def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
 def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     """Return ``(base_model, decoder_layers)`` of an HF decoder-only model.
 
-    Accepts a ``*ForCausalLM`` (layers at ``model.model.layers``, Llama/Qwen/Mistral style) or the
-    bare base model (``model.layers``). Calling ``base_model`` skips the LM head.
+    Accepts a ``*ForCausalLM`` (layers at ``model.model.layers``, Llama/Qwen/Mistral style), the
+    bare base model (``model.layers``) or a multimodal wrapper whose text decoder is
+    ``model.model.language_model``. Calling ``base_model`` skips the LM head.
 
     Raises:
         TypeError: no ``layers`` ModuleList is found.
     """
-    for base in (getattr(model, "model", None), model):
+    inner = getattr(model, "model", None)
+    # Causal LMs keep the decoder at .model; multimodal wrappers (e.g. Qwen3.5/3.6
+    # *ForConditionalGeneration) at .model.language_model.
+    for base in (inner, model, getattr(inner, "language_model", None), getattr(model, "language_model", None)):
         layers = getattr(base, "layers", None) if base is not None else None
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
             return base, layers

@@ -143,7 +143,7 @@ class GenerationProgress:
         return max(rows_total - self.rows_done, 0) / self.requests_per_s
 
     def format(self, rows_total: int | None = None) -> str:
-        """One log line, e.g. ``"120/1000 rows (2 failed), 3.1 req/s, 7450 output tok/s, ETA 283 s"``."""
+        """One log line, e.g. ``"120/1000 rows (2 failed), 3.1 req/s, 7450 output tok/s, 64 in flight, ETA 283 s"``."""
         total = f"/{rows_total}" if rows_total is not None else ""
         line = (
             f"{self.rows_done}{total} rows ({self.rows_failed} failed), {self.requests_per_s:.1f} req/s, "
@@ -170,12 +170,13 @@ class _AttemptError(Exception):
 class _Server:
     """Routing state of one base URL."""
 
-    __slots__ = ("label", "endpoint", "in_flight", "avoid_until", "recent_faults")
+    __slots__ = ("label", "endpoint", "url", "in_flight", "avoid_until", "recent_faults")
 
     def __init__(self, base_url: str) -> None:
         self.label = _strip_credentials(base_url.rstrip("/"))
         base = base_url.rstrip("/")
         self.endpoint = base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
+        self.url = httpx.URL(self.endpoint)  # parsed once, not per request
         self.in_flight = 0
         self.avoid_until = 0.0
         self.recent_faults = 0
@@ -297,6 +298,9 @@ class CompletionClient:
             may still be running on the server, so each such retry is logged at WARNING.
         log: logger for retries and failures (default: this module's).
 
+    One :meth:`generate` call at a time per instance (the counters belong to the running call). To log
+    progress, call ``client.progress().format(rows_total)`` from ``on_result`` every N rows or seconds.
+
     Raises:
         ValueError: no base URL, or a limit below 1.
     """
@@ -338,6 +342,17 @@ class CompletionClient:
         self.max_consecutive_failures = max_consecutive_failures
         self.retry_read_timeouts = retry_read_timeouts
         self._log = log or logger
+        self._headers = [("Content-Type", "application/json"), ("Accept", "application/json")]
+        if self._api_key:
+            self._headers.append(("Authorization", f"Bearer {self._api_key}"))
+        # httpx timeout extension: connect/write bounded, read sized for a whole generation, and no
+        # pool wait (each worker owns its pool).
+        self._timeouts = {
+            "connect": connect_timeout_s,
+            "read": read_timeout_s,
+            "write": connect_timeout_s,
+            "pool": None,
+        }
         self._rr = itertools.count()
         self._reset_counters()
 
@@ -367,6 +382,7 @@ class CompletionClient:
         self._failure_servers: list[str] = []
         self._stopping = False
         self._too_many: TooManyFailuresError | None = None
+        self._callback_failed = False
         self._sent_per_server = {s.label: 0 for s in self._servers}
 
     def progress(self) -> GenerationProgress:
@@ -407,7 +423,7 @@ class CompletionClient:
         pause = min(self.backoff_max_s, self.backoff_base_s * 2 ** (server.recent_faults - 1))
         server.avoid_until = time.monotonic() + pause
 
-    async def _attempt(self, http: httpx.AsyncClient, body: dict[str, Any]) -> tuple[dict[str, Any], _Server]:
+    async def _attempt(self, http: httpx.AsyncHTTPTransport, payload: bytes) -> tuple[dict[str, Any], _Server]:
         """One HTTP attempt on the least-loaded server; raises :class:`_AttemptError` on any failure."""
         server = self._pick_server()
         server.in_flight += 1
@@ -415,7 +431,18 @@ class CompletionClient:
         self._sent_per_server[server.label] += 1
         try:
             try:
-                response = await http.post(server.endpoint, json=body)
+                request = httpx.Request(
+                    "POST",
+                    server.url,
+                    headers=self._headers,
+                    content=payload,
+                    extensions={"timeout": self._timeouts},
+                )
+                response = await http.handle_async_request(request)
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
             except httpx.ReadTimeout as exc:
                 raise _AttemptError(
                     f"read timeout after {self.read_timeout_s:g} s from {server.label} (the server may "
@@ -461,9 +488,10 @@ class CompletionClient:
         finally:
             server.in_flight -= 1
 
-    async def _request(self, http: httpx.AsyncClient, index: int, body: dict[str, Any]) -> CompletionResult:
+    async def _request(self, http: httpx.AsyncHTTPTransport, index: int, body: dict[str, Any]) -> CompletionResult:
         """All attempts for one row; never raises for request failures (they become ``error``)."""
         start = time.monotonic()
+        payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
         attempts = 0
         last_error: _AttemptError | None = None
 
@@ -485,7 +513,7 @@ class CompletionClient:
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.max_attempts),
             wait=wait_exponential_jitter(
-                initial=self.backoff_base_s, max=self.backoff_max_s, exp_base=2, jitter=self.backoff_base_s
+                multiplier=self.backoff_base_s, max=self.backoff_max_s, exp_base=2, jitter=self.backoff_base_s
             ),
             retry=retry_if_exception(should_retry),
             before_sleep=log_retry,
@@ -503,7 +531,7 @@ class CompletionClient:
                         )
                     attempts += 1
                     try:
-                        fields, server = await self._attempt(http, body)
+                        fields, server = await self._attempt(http, payload)
                     except _AttemptError as exc:
                         last_error = exc
                         raise
@@ -578,41 +606,67 @@ class CompletionClient:
         """
         self._reset_counters()
         iterator = iter(items)
-        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        timeout = httpx.Timeout(
-            connect=self.connect_timeout_s, read=self.read_timeout_s, write=self.connect_timeout_s, pool=None
-        )
-        # Our own semaphore bounds concurrency; the pool only keeps connections alive for reuse.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.concurrency)
+        # One small transport (connection pool) per worker ("lane"): a worker has at most one request
+        # in flight, so its pool never queues. A single shared httpcore pool re-scans every connection
+        # for each request and hands one idle connection to several queued requests at once, which
+        # capped a 64-wide run at ~300 req/s on 2 cores. The transport is used directly (no
+        # httpx.AsyncClient): cookies, redirects and auth flows are not wanted here and cost CPU.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(self._servers))
+        ssl_context = httpx.create_ssl_context()  # loading CA certificates costs ~25 ms: do it once
 
-        async def worker(http: httpx.AsyncClient) -> None:
-            while not self._stopping:
-                try:
-                    index, body = next(iterator)
-                except StopIteration:
-                    return
-                self._rows_in_flight += 1
-                try:
-                    result = await self._request(http, index, body)
-                finally:
-                    self._rows_in_flight -= 1
-                on_result(result)
-                self._record(result)
+        async def worker() -> None:
+            async with httpx.AsyncHTTPTransport(verify=ssl_context, limits=limits, retries=0) as http:
+                while not self._stopping:
+                    try:
+                        index, body = next(iterator)
+                    except StopIteration:
+                        return
+                    self._rows_in_flight += 1
+                    try:
+                        result = await self._request(http, index, body)
+                    finally:
+                        self._rows_in_flight -= 1
+                    if self._callback_failed:
+                        return  # another worker's on_result raised: the run is being aborted
+                    try:
+                        on_result(result)
+                    except BaseException:
+                        self._callback_failed = self._stopping = True
+                        raise
+                    self._record(result)
 
-        async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as http:
-            workers = [asyncio.create_task(worker(http)) for _ in range(self.concurrency)]
-            try:
-                # Wait for all; on the first callback error cancel the rest and re-raise it.
-                done, pending = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
-                for task in done:
-                    if not task.cancelled() and task.exception() is not None:
-                        self._stopping = True
-                        raise task.exception()  # type: ignore[misc]
-            finally:
-                for task in workers:
-                    if not task.done():
-                        task.cancel()
-                await asyncio.gather(*workers, return_exceptions=True)
+        workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
+        try:
+            # Wait for all; on the first callback error cancel the rest and re-raise it.
+            done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    self._stopping = True
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            for task in workers:
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
         if self._too_many is not None:
             raise self._too_many
         return self.progress()
+
+    def generate_blocking(
+        self,
+        items: Iterable[tuple[int, dict[str, Any]]],
+        on_result: Callable[[CompletionResult], None],
+    ) -> GenerationProgress:
+        """:meth:`generate` for synchronous callers (a Dagster asset body): runs it on a fresh event loop,
+        uvloop's when installed (it comes with ``uvicorn[standard]``; ~15% less client CPU per request).
+
+        Must not be called from a running event loop. Returns and raises as :meth:`generate`.
+        """
+        try:
+            import uvloop
+
+            loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+        except ImportError:
+            loop_factory = None
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(self.generate(items, on_result))

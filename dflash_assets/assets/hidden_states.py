@@ -1,0 +1,140 @@
+"""Stage 5: ``hidden_states[pk]``: target-layer features for every tokenized sequence, sharded, resumable."""
+
+import hashlib
+import json
+import os
+import time
+
+import dagster as dg
+import torch
+from pydantic import Field
+
+from dflash_assets.assets.prompts import CORPUS_FILE
+from dflash_assets.assets.tokenized import tokenized_file
+from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, read_shard
+from dflash_assets.dflash.target_features import bytes_per_token, default_target_layer_ids
+from dflash_assets.partitions import prompt_ranges
+from dflash_assets.resources.storage import StorageResource
+from dflash_assets.resources.target_model import TargetModelResource
+
+CHECK_IDS = "stored_input_ids_match_tokenized"
+CHECK_FINITE = "hidden_states_finite"
+
+
+class HiddenStatesConfig(dg.Config):
+    """Which target layers to keep and how to shard them."""
+
+    target_layer_ids: list[int] = Field(default_factory=list, description="Decoder layer ids; empty = DFlash rule for 5 layers.")
+    rows_per_shard: int = Field(default=64, ge=1, description="Sequences per safetensors shard.")
+
+
+def resolve_layer_ids(config_ids: list[int], num_target_layers: int) -> list[int]:
+    """Configured ids, or ``round(1 + i*(L-4)/4)`` for i in 0..4 (DFlash, arXiv 2602.06036).
+
+    Raises:
+        dagster.Failure: an id outside ``0 .. L-1``.
+    """
+    ids = list(config_ids) or default_target_layer_ids(num_target_layers, 5)
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise dg.Failure(f"target_layer_ids {bad} are outside 0..{num_target_layers - 1} for this target model")
+    return ids
+
+
+def partition_dir(storage: StorageResource, pk: str) -> str:
+    """Local directory the shards are written to (the storage root itself for local storage)."""
+    return os.path.dirname(storage.local_scratch("hidden_states", pk, INDEX_NAME))
+
+
+@dg.asset(
+    partitions_def=prompt_ranges,
+    deps=["tokenized_sequences"],
+    group_name="hidden_states",
+    kinds={"pytorch", "safetensors"},
+    owners=["team:dflash"],
+    op_tags={"dflash/gpu": "target"},
+    check_specs=[
+        dg.AssetCheckSpec(CHECK_IDS, asset="hidden_states", blocking=True, description="Stored input_ids equal the tokenized partition's."),
+        dg.AssetCheckSpec(CHECK_FINITE, asset="hidden_states", blocking=True, description="No NaN or Inf in the stored features."),
+    ],
+    description=(
+        "Runs the target model over tokenized_sequences/<pk>.parquet (batched by a token budget, sorted by length, "
+        "stopping after the last needed layer) and writes hidden_states/<pk>/shard-NNNNN.safetensors holding "
+        "hidden_states [tokens, n_layers*hidden] bf16, input_ids, loss_mask, cu_seqlens, row_index, plus index.json. "
+        "Shards are atomic; complete ones are kept on rerun. Checks free disk space before writing."
+    ),
+)
+def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig, storage: StorageResource, target_model: TargetModelResource):
+    pk = context.partition_key
+    store = storage.open()
+    tokenized = store.read_parquet(*tokenized_file(pk))
+    rows = [{"index": r["index"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in tokenized.iter_rows(named=True)]
+    if not rows:
+        raise dg.Failure(f"{pk}: tokenized_sequences has no row; nothing to extract (see its set-aside rows)")
+    model = target_model.load_model()
+    layer_ids = resolve_layer_ids(config.target_layer_ids, model.config.num_hidden_layers)
+    per_token = bytes_per_token(len(layer_ids), model.config.hidden_size, 2)
+    num_tokens = sum(len(r["input_ids"]) for r in rows)
+    corpus_rows = store.read_parquet(*CORPUS_FILE).height
+    corpus_estimate = per_token * num_tokens / len(rows) * corpus_rows
+    context.log.info(
+        f"{pk}: {len(rows)} rows, {num_tokens} tokens, layers {layer_ids}: ~{per_token * num_tokens / 1e6:.1f} MB at {per_token} B/token; "
+        f"the whole corpus ({corpus_rows} prompts) at this rate: ~{corpus_estimate / 1e9:.2f} GB"
+    )
+    started = time.monotonic()
+
+    def progress(p: dict) -> None:
+        context.log.info(f"{pk}: shard {p['shard_number'] + 1}/{p['num_shards']} {'kept' if p['skipped'] else 'written'}, "
+                         f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)")
+
+    out_dir = partition_dir(storage, pk)
+    torch.set_grad_enabled(False)
+    result = extract_partition(
+        model, rows, out_dir, layer_ids, rows_per_shard=config.rows_per_shard,
+        max_tokens_per_batch=target_model.max_tokens_per_batch, dtype=torch.bfloat16, progress_cb=progress,
+        model_name=target_model.model_name(),
+    )
+    wall = time.monotonic() - started
+    index = result.index
+    if not store.is_local:
+        for shard in index["shards"]:
+            with open(os.path.join(out_dir, shard["name"]), "rb") as f:
+                store.write_bytes(f.read(), "hidden_states", pk, shard["name"])
+        store.write_json(index, "hidden_states", pk, INDEX_NAME)  # last: readers trust only a complete index
+    version = hashlib.sha256(json.dumps([s["rows_sha256"] for s in index["shards"]] + [index["target_layer_ids"], index["model_name"]]).encode()).hexdigest()[:20]
+    yield dg.MaterializeResult(
+        metadata={
+            "rows": index["num_rows"],
+            "tokens": index["num_tokens"],
+            "bytes": index["total_bytes"],
+            "bytes_per_token": round(index["total_bytes"] / max(index["num_tokens"], 1), 1),
+            "bytes_per_token_expected": per_token,
+            "estimated_corpus_bytes": int(corpus_estimate),
+            "target_layer_ids": layer_ids,
+            "shards": len(index["shards"]),
+            "shards_written": len(result.written_shards),
+            "shards_kept": len(result.skipped_shards),
+            "tokens_per_s": round(num_tokens / max(wall, 1e-9), 1) if result.written_shards else 0.0,
+            "wall_s": round(wall, 2),
+            "path": dg.MetadataValue.path(store.uri("hidden_states", pk)),
+        },
+        data_version=dg.DataVersion(version),
+    )
+    yield from run_checks(out_dir, index, rows)
+
+
+def run_checks(out_dir: str, index: dict, rows: list[dict]):
+    """Re-read every shard: token ids equal the tokenized rows; features are finite."""
+    expected = {r["index"]: r["input_ids"] for r in rows}
+    mismatched, nonfinite = [], []
+    for shard in index["shards"]:
+        data = read_shard(os.path.join(out_dir, shard["name"]))
+        cu = data.cu_seqlens.tolist()
+        for r, idx in enumerate(data.row_index.tolist()):
+            if data.input_ids[cu[r]:cu[r + 1]].tolist() != expected.get(idx):
+                mismatched.append(idx)
+        if not torch.isfinite(data.hidden_states.float()).all():
+            nonfinite.append(shard["name"])
+    yield dg.AssetCheckResult(check_name=CHECK_IDS, passed=not mismatched, metadata={"mismatched_rows": len(mismatched), "first": str(mismatched[:10])})
+    yield dg.AssetCheckResult(check_name=CHECK_FINITE, passed=not nonfinite, metadata={"shards_with_nan_or_inf": str(nonfinite)})
+

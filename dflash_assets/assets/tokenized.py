@@ -1,0 +1,134 @@
+"""Stage 4: ``tokenized_sequences[pk]``: ``input_ids`` + ``loss_mask`` per completion, with blocking checks."""
+
+import hashlib
+import json
+
+import dagster as dg
+import polars as pl
+from pydantic import Field
+
+from dflash_assets.assets.completions import load_prompts, partition_file
+from dflash_assets.partitions import prompt_ranges
+from dflash_assets.resources.generation import GenerationResource
+from dflash_assets.resources.storage import StorageResource
+from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.tokenization import SequenceBuilder, TokenizePolicy, degenerate_mask_mode, tokenize_partition
+
+CHECK_NONEMPTY = "no_empty_loss_mask"
+CHECK_DEGENERATE = "no_degenerate_mask_length_mode"
+CHECK_ROUNDTRIP = "completion_decodes_to_recorded_text"
+CHECK_MAX_LENGTH = "max_length_fits_prompt_plus_cap"
+
+
+def tokenized_file(pk: str) -> tuple[str, str]:
+    return ("tokenized_sequences", f"{pk}.parquet")
+
+
+class TokenizeConfig(dg.Config):
+    """Policies for rows that are not plain finished completions (counts go to metadata)."""
+
+    max_length: int = Field(default=3072, ge=8, description="Longest sequence kept, tokens (DFlash trains at 3072).")
+    truncated: str = Field(default="drop", description="drop | keep rows with finish_reason length (kept without end token).")
+    over_max_length: str = Field(default="drop", description="drop | cut sequences longer than max_length.")
+    end_token: str = Field(default="", description="End-of-turn token; empty = <|im_end|> if in the vocabulary, else eos.")
+    degenerate_small_tokens: int = Field(default=16, description="A mask-length mode at or below this many tokens...")
+    degenerate_share: float = Field(default=0.5, description="...held by more than this share of rows fails the check.")
+
+
+@dg.asset(
+    partitions_def=prompt_ranges,
+    deps=["completions"],
+    group_name="tokenization",
+    kinds={"transformers", "parquet"},
+    owners=["team:dflash"],
+    check_specs=[
+        dg.AssetCheckSpec(CHECK_NONEMPTY, asset="tokenized_sequences", blocking=True,
+                          description="Every kept row supervises at least one token."),
+        dg.AssetCheckSpec(CHECK_DEGENERATE, asset="tokenized_sequences", blocking=True,
+                          description="No small num_loss_tokens value held by most rows (the empty-answer signature)."),
+        dg.AssetCheckSpec(CHECK_ROUNDTRIP, asset="tokenized_sequences", blocking=True,
+                          description="The supervised tokens decode back to the recorded reasoning and answer."),
+        dg.AssetCheckSpec(CHECK_MAX_LENGTH, asset="tokenized_sequences",
+                          description="Warns with the share of rows that max_length would cut at the current cap."),
+    ],
+    description=(
+        "Reads completions/<pk>.parquet and the prompt corpus; builds input_ids = chat-template prompt ids + generated "
+        "ids (server ids when returned, else the completion re-tokenized as emitted, plus the end-of-turn token for "
+        "stop rows) and loss_mask = 0 on the prompt, 1 on the completion. Writes tokenized_sequences/<pk>.parquet "
+        "(index, prompt_id, input_ids int32, loss_mask int8, prompt_len, num_loss_tokens, finish_reason)."
+    ),
+)
+def tokenized_sequences(
+    context: dg.AssetExecutionContext,
+    config: TokenizeConfig,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    generation: GenerationResource,
+):
+    pk = context.partition_key
+    store = storage.open()
+    completions = store.read_parquet(*partition_file(pk))
+    prompts = load_prompts(store, pk)
+    builder = SequenceBuilder(target_model.load_tokenizer(), end_token=config.end_token or None)
+    policy = TokenizePolicy(config.max_length, config.truncated, config.over_max_length)
+    tokenized, aside, counts = tokenize_partition(completions, prompts, builder, policy)
+    uri = store.write_parquet(tokenized, *tokenized_file(pk))
+    store.write_parquet(aside, "tokenized_sequences", f"{pk}.set_aside.parquet")
+    for row in aside.head(10).iter_rows(named=True):
+        context.log.warning(f"{pk}: row {row['index']} set aside: {row['reason']}")
+    lengths = tokenized["num_loss_tokens"].to_list()
+    yield dg.MaterializeResult(
+        metadata={
+            "rows": tokenized.height,
+            "counts": dict(counts),
+            "loss_tokens": int(sum(lengths)),
+            "total_tokens": int(tokenized["input_ids"].list.len().sum() or 0),
+            "num_loss_tokens_min": min(lengths, default=0),
+            "num_loss_tokens_median": float(pl.Series(lengths).median() or 0) if lengths else 0.0,
+            "end_token": builder.end_token,
+            "path": dg.MetadataValue.path(uri),
+        },
+        data_version=dg.DataVersion(hashlib.sha256(store.read_bytes(*tokenized_file(pk))).hexdigest()[:20]),
+    )
+    yield from run_checks(tokenized, completions, builder, config, generation.settings().max_output_tokens)
+
+
+def run_checks(tokenized: pl.DataFrame, completions: pl.DataFrame, builder: SequenceBuilder, config: TokenizeConfig, cap: int):
+    """The four per-partition checks as AssetCheckResults (the first three block downstream stages)."""
+    empty = tokenized.filter(pl.col("num_loss_tokens") == 0)["index"].to_list()
+    yield dg.AssetCheckResult(
+        check_name=CHECK_NONEMPTY, passed=not empty and tokenized.height > 0,
+        metadata={"empty_mask_rows": len(empty), "first_indexes": str(empty[:10]), "rows": tokenized.height},
+        description=None if tokenized.height else "no row was kept",
+    )
+    mode = degenerate_mask_mode(tokenized["num_loss_tokens"].to_list(), config.degenerate_small_tokens, config.degenerate_share)
+    yield dg.AssetCheckResult(
+        check_name=CHECK_DEGENERATE, passed=mode is None,
+        metadata={"mode_num_loss_tokens": mode[0] if mode else -1, "mode_share": round(mode[1], 3) if mode else 0.0},
+        description=(f"{mode[1]:.0%} of rows supervise exactly {mode[0]} tokens: empty answers?" if mode else None),
+    )
+    by_index = {r["index"]: r for r in completions.iter_rows(named=True)}
+    bad = []
+    for row in tokenized.iter_rows(named=True):
+        rec = by_index[row["index"]]
+        decoded = builder.decode_completion(row["input_ids"], row["prompt_len"], row["finish_reason"])
+        if row["cut"]:
+            continue
+        expected = [t for t in (rec.get("reasoning_content"), rec.get("content")) if t and t.strip()]
+        if not all(_squash(t) in _squash(decoded) for t in expected):
+            bad.append(row["index"])
+    yield dg.AssetCheckResult(
+        check_name=CHECK_ROUNDTRIP, passed=not bad,
+        metadata={"mismatched_rows": len(bad), "first_indexes": json.dumps(bad[:10])},
+    )
+    prompt_lens = tokenized["prompt_len"].to_list()
+    would_cut = sum(1 for p in prompt_lens if p + cap > config.max_length)
+    share = would_cut / len(prompt_lens) if prompt_lens else 0.0
+    yield dg.AssetCheckResult(
+        check_name=CHECK_MAX_LENGTH, passed=share <= 0.5, severity=dg.AssetCheckSeverity.WARN,
+        metadata={"share_prompt_plus_cap_over_max_length": round(share, 4), "max_length": config.max_length, "cap": cap},
+    )
+
+
+def _squash(text: str) -> str:
+    return " ".join(text.split())

@@ -1,0 +1,106 @@
+"""Stage 3: ``truncation_report``: how often the cap cut completions, and what another cap would cost."""
+
+import base64
+import time
+
+import dagster as dg
+import polars as pl
+
+from dflash_assets.assets.completions import partition_file
+from dflash_assets.partitions import prompt_ranges
+from dflash_assets.resources.generation import GenerationResource
+from dflash_assets.resources.storage import StorageResource
+from dflash_assets.truncation import LogNormalFit, cap_advice, length_histogram_png, predict_cap, truncation_stats
+
+REPORT_DIR = "truncation_report"
+
+
+def load_all_completions(store, keys: list[str]) -> tuple[pl.DataFrame, list[str]]:
+    """Every materialized completions partition stacked (with a ``partition`` column), and the missing keys."""
+    frames, missing = [], []
+    for pk in keys:
+        if store.exists(*partition_file(pk)):
+            frames.append(store.read_parquet(*partition_file(pk)).with_columns(partition=pl.lit(pk)))
+        else:
+            missing.append(pk)
+    return (pl.concat(frames) if frames else pl.DataFrame()), missing
+
+
+def prediction_check(previous: dict | None, stats: dict, cap: int) -> dict | None:
+    """After a cap change: what the previous report predicted for the current cap beside what happened."""
+    if not previous or previous.get("cap") == cap or not (previous.get("advice") or {}).get("fit"):
+        return None
+    adv = previous["advice"]
+    fit = LogNormalFit(**adv["fit"])
+    pred = predict_cap(fit, previous["cap"], adv["observed_truncation_rate"], adv["truncated_rows"], cap)
+    return {
+        "previous_cap": previous["cap"], "new_cap": cap,
+        "predicted_truncation_rate": pred["truncation_rate"], "actual_truncation_rate": stats["truncation_rate"],
+    }
+
+
+@dg.asset(
+    deps=["completions"],
+    group_name="generation",
+    kinds={"matplotlib", "json"},
+    owners=["team:dflash"],
+    description=(
+        "Reads every materialized completions partition (missing ones listed) and writes "
+        "truncation_report/report.json and completion_lengths.png: finish_reason counts, truncation rate overall / "
+        "per partition / per source, completion-token percentiles, truncated-inside-reasoning and empty-answer "
+        "counts, a length histogram with the cap marked, and advice for larger caps from a censored fit."
+    ),
+)
+def truncation_report(context: dg.AssetExecutionContext, storage: StorageResource, generation: GenerationResource) -> dg.MaterializeResult:
+    store = storage.open()
+    keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
+    frame, missing = load_all_completions(store, keys)
+    if frame.is_empty():
+        raise dg.Failure(f"no completions partition is materialized yet ({len(missing)} missing): materialize completions first")
+    cap = generation.settings().max_output_tokens
+    stats = truncation_stats(frame)
+    ok = frame.filter(pl.col("error").is_null())
+    advice = cap_advice(ok, cap)
+    previous = store.read_json(REPORT_DIR, "report.json") if store.exists(REPORT_DIR, "report.json") else None
+    check = prediction_check(previous, stats, cap)
+    png = length_histogram_png(
+        ok["completion_tokens"].to_numpy(), cap,
+        f"{ok.height} completions, {stats['truncation_rate']:.1%} hit the cap",
+    )
+    report = {
+        "cap": cap, "generated_at": time.time(), "partitions_included": sorted(set(frame["partition"].to_list())),
+        "partitions_missing": missing, **stats, "advice": advice, "prediction_vs_actual": check,
+    }
+    store.write_json(report, REPORT_DIR, "report.json")
+    png_uri = store.write_bytes(png, REPORT_DIR, "completion_lengths.png")
+    if stats["truncation_rate"] > 0.05:
+        context.log.warning(f"{stats['truncation_rate']:.1%} of completions hit the {cap}-token cap; see the cap advice")
+    advice_md = "\n".join(
+        f"| {c['cap']} | {c['truncation_rate']:.2%} | "
+        f"{'%.2f%%–%.2f%%' % tuple(100 * x for x in c['truncation_rate_90ci']) if 'truncation_rate_90ci' in c else '-'} | "
+        f"{c['requests']} | {c['tokens_to_generate']:.0f} | {c['extra_output_tokens']:.0f} |"
+        for c in advice["candidates"]
+    )
+    return dg.MaterializeResult(
+        metadata={
+            "cap": cap,
+            "rows": stats["rows"],
+            "finish_reasons": stats["finish_reasons"],
+            "truncation_rate": round(stats["truncation_rate"], 4),
+            "truncation_rate_per_source": {k: round(v["rate"], 4) for k, v in stats["per_source"].items()},
+            "truncation_rate_per_partition": {k: round(v["rate"], 4) for k, v in stats["per_partition"].items()},
+            "completion_tokens": stats["completion_tokens"],
+            "truncated_in_reasoning": stats["truncated_in_reasoning"],
+            "empty_answer": stats["empty_answer"],
+            "partitions_missing": len(missing),
+            "prediction_vs_actual": check or {},
+            "histogram": dg.MetadataValue.md(f"![completion lengths](data:image/png;base64,{base64.b64encode(png).decode()})"),
+            "histogram_path": dg.MetadataValue.path(png_uri),
+            "cap_advice": dg.MetadataValue.md(
+                f"Method: {advice['method']}.\n\n| cap | predicted truncation | 90% interval | requests | tokens to generate | extra tokens |\n"
+                "|---|---|---|---|---|---|\n" + advice_md if advice["candidates"] else advice.get("note", "")
+            ),
+        }
+    )
+
+

@@ -1,0 +1,173 @@
+"""Export a trained drafter as the HF directory SGLang (``--speculative-algorithm DFLASH``) and vLLM load.
+
+Layout (matches z-lab's released DFlash drafters and SGLang's ``models/dflash.py`` loader):
+
+* ``config.json``: Qwen3-style fields (``model_type: "qwen3"``, hidden_size, heads, head_dim,
+  intermediate_size, rms_norm_eps, rope_theta / rope_parameters, vocab_size, max_position_embeddings,
+  ...) plus ``architectures: ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers``,
+  ``num_hidden_layers``, ``layer_types`` (all ``full_attention``: non-causal in SGLang) and
+  ``dflash_config: {mask_token_id, target_layer_ids, block_size}``. SGLang resolves
+  ``dflash_config.target_layer_ids`` first, ``dflash_config.block_size`` before the top-level one,
+  and uses ``dflash_config.mask_token_id`` instead of looking up its ``<|MASK|>`` string when given.
+* ``model.safetensors``: ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``...q_norm/k_norm.weight``,
+  ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
+  ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``; never the embedding or LM head (the target's
+  are used at inference).
+
+The directory is written to a temporary sibling and renamed into place, so a reader never sees a
+half-written export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+FORBIDDEN_TENSOR_MARKERS = ("embed_tokens", "lm_head", "target_")
+
+
+def hf_config_dict(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The ``config.json`` content for ``config`` (see module docstring for the fields' readers)."""
+    n = config.num_hidden_layers
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": n,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
+        "rope_scaling": None,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": config.attention_bias,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": n,
+        "layer_types": ["full_attention"] * n,
+        "initializer_range": 0.02,
+        "dtype": _DTYPE_NAMES[dtype],
+        "torch_dtype": _DTYPE_NAMES[dtype],
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        "dflash_config": {
+            "mask_token_id": config.mask_token_id,
+            "target_layer_ids": list(config.target_layer_ids),
+            "block_size": config.block_size,
+        },
+    }
+
+
+def config_from_hf_dict(d: dict) -> DFlashConfig:
+    """Inverse of :func:`hf_config_dict` (also reads z-lab/SGLang drafter configs).
+
+    Raises:
+        ValueError: ``dflash_config.target_layer_ids`` or ``mask_token_id`` missing.
+    """
+    dfc = d.get("dflash_config") or {}
+    layer_ids = dfc.get("target_layer_ids", d.get("target_layer_ids"))
+    mask = dfc.get("mask_token_id", d.get("mask_token_id"))
+    if layer_ids is None or mask is None:
+        raise ValueError("config lacks dflash_config.target_layer_ids / mask_token_id")
+    rope = d.get("rope_parameters") or {}
+    return DFlashConfig(
+        hidden_size=d["hidden_size"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+        head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        intermediate_size=d["intermediate_size"],
+        vocab_size=d["vocab_size"],
+        mask_token_id=int(mask),
+        target_layer_ids=list(layer_ids),
+        num_target_layers=int(d.get("num_target_layers") or max(layer_ids) + 1),
+        num_hidden_layers=d["num_hidden_layers"],
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))),
+        block_size=int(dfc.get("block_size", d.get("block_size", 16))),
+        max_position_embeddings=d.get("max_position_embeddings", 32768),
+        attention_bias=d.get("attention_bias", False),
+        hidden_act=d.get("hidden_act", "silu"),
+    )
+
+
+def export_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (tensors cast to ``dtype``) into ``out_dir``.
+
+    Replaces an existing ``out_dir`` atomically (write to a temp sibling, rename).
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        ValueError: a tensor name that must not be exported (embedding / LM head) slipped in.
+    """
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    module = getattr(model, "module", model)  # unwrap DDP
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in module.trainable_state_dict().items()}
+    bad = [k for k in tensors if any(m in k for m in FORBIDDEN_TENSOR_MARKERS)]
+    if bad:
+        raise ValueError(f"refusing to export target tensors {bad}")
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(module.config, dtype), indent=2) + "\n")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old.{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_exported(
+    model_dir: str | os.PathLike,
+    *,
+    embed_weight: torch.Tensor | None = None,
+    lm_head_weight: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> DFlashDraftModel:
+    """Load an exported drafter directory into :class:`DFlashDraftModel` (parameters in ``dtype``).
+
+    Optionally attaches the target's embedding / LM head. Strict: missing or unexpected tensors raise.
+
+    Raises:
+        FileNotFoundError: no config.json / model.safetensors. RuntimeError: tensor names/shapes differ.
+    """
+    d = Path(model_dir)
+    config = config_from_hf_dict(json.loads((d / "config.json").read_text()))
+    model = DFlashDraftModel(config)
+    state = {}
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        for k in f.keys():
+            state[k] = f.get_tensor(k)
+    model.load_state_dict(state, strict=True)
+    model.to(dtype)
+    if embed_weight is not None:
+        model.attach_target(embed_weight.to(dtype), None if lm_head_weight is None else lm_head_weight.to(dtype))
+    return model
+
+
+__all__ = ["config_from_hf_dict", "export_drafter", "hf_config_dict", "load_exported"]

@@ -1,0 +1,737 @@
+"""DFlash drafter training loop: single process or ``torchrun`` (DDP), resumable, logged.
+
+Recipe (DFlash paper arXiv 2602.06036 and its trainers): AdamW lr 6e-4, cosine schedule with 4%
+linear warmup, gradient clipping at 1.0, 6 epochs, rows truncated to 3072 tokens, up to 512 anchors
+per row, decay-weighted block CE (:mod:`dflash_assets.dflash.loss`). bf16 autocast on CUDA, float32
+on CPU.
+
+Determinism and resume: the row order of epoch ``e`` is a permutation seeded by ``(seed, e)`` and the
+anchors of a row by ``(seed, e, row)``, so the data of step ``s`` is a pure function of ``s``. A
+checkpoint (model, optimizer, scheduler, RNG states, step) is written atomically (temp file +
+``os.replace``) every ``checkpoint_every`` steps; resuming restores it, drops log lines written after
+it, and continues, giving the same losses as an uninterrupted run with the same seed.
+
+Distributed: launched by ``torchrun`` the same code runs one process per rank (NCCL on GPU, gloo on
+CPU); each optimizer step consumes ``world_size * batch_size`` rows, rank ``r`` taking its slice.
+
+Entry point: ``python -m dflash_assets.dflash.train --shards S1 S2 --out DIR --target-model MODEL_DIR``
+(also under ``torchrun --nproc_per_node N``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import queue
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dflash_assets.dflash.data import HiddenStateShards, TrainingBatch, collate_training_batch
+from dflash_assets.dflash.loss import accuracy_per_position, dflash_loss_from_hidden, expected_acceptance_length
+from dflash_assets.dflash.masks import sample_anchors
+from dflash_assets.dflash.model import (
+    DFlashConfig,
+    DFlashDraftModel,
+    default_mask_token_id,
+    load_target_head,
+)
+
+LOG_FILE = "train_log.jsonl"
+SUMMARY_FILE = "summary.json"
+CHECKPOINT_DIR = "checkpoints"
+LATEST_FILE = "latest.json"
+
+
+@dataclass
+class TrainConfig:
+    """Training run settings (units: tokens, steps, seconds).
+
+    ``batch_size`` is rows per rank per optimizer step. ``max_steps`` (if set) overrides
+    ``epochs * steps_per_epoch`` as the schedule length. ``checkpoint_every`` in steps (0: only at the
+    end). ``target_model_path`` supplies the embedding / LM head / config / tokenizer unless passed to
+    :func:`train` directly. ``draft_overrides`` replaces fields of the derived :class:`DFlashConfig`
+    (e.g. ``{"intermediate_size": 512}`` for tests).
+    """
+
+    shards: list[str]
+    out_dir: str
+    target_model_path: str | None = None
+    num_hidden_layers: int = 5
+    num_context_features: int = 5
+    block_size: int = 16
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    draft_overrides: dict = field(default_factory=dict)
+    max_length: int = 3072
+    max_anchors: int = 512
+    eval_fraction: float = 0.0
+    batch_size: int = 1
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    epochs: int = 6
+    max_steps: int | None = None
+    loss_gamma: float | None = None
+    seed: int = 0
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    eval_every: int = 0
+    eval_max_rows: int = 256
+    device: str = "auto"
+    resume: bool = True
+    init_std: float = 0.02
+    prefetch: int = 2
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns (on every rank): the unwrapped model, the log records this process
+    produced (rank 0 only), final step, tokens/s of block tokens over the loop (all ranks), the
+    summary dict written to ``summary.json``."""
+
+    model: DFlashDraftModel
+    records: list[dict]
+    step: int
+    tokens_per_s: float
+    summary: dict
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _atomic_write_bytes(path: Path, write: Callable[[Any], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    _atomic_write_bytes(path, lambda f: f.write(text.encode()))
+
+
+def _seed_for(*parts: int) -> int:
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float = 0.0) -> Callable[[int], float]:
+    """Multiplier of the base lr at step s: linear warmup over ``ceil(warmup_ratio*total)`` steps
+    (``(s+1)/warmup``), then cosine from 1 to ``min_lr_ratio`` at ``total_steps``."""
+    warmup = max(1, math.ceil(warmup_ratio * total_steps))
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+class _Dist:
+    """Rank / world size / device; initialises torch.distributed when WORLD_SIZE > 1."""
+
+    def __init__(self, device: str) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+        if use_cuda:
+            index = self.local_rank if device in ("auto", "cuda") else (torch.device(device).index or 0)
+            self.device = torch.device("cuda", index)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.owns_group = False
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+            self.owns_group = True
+        self.enabled = self.world > 1
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _param_checksum(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------
+# data order
+
+
+class StepPlan:
+    """Which rows and anchors each (step, rank) trains on: a pure function of the step.
+
+    Epoch ``e`` visits a permutation of the rows seeded by ``(seed, e)``, padded by wrapping to a
+    multiple of ``world * batch_size`` so every rank runs the same number of steps.
+    """
+
+    def __init__(self, num_rows: int, world: int, batch_size: int, seed: int) -> None:
+        if num_rows == 0:
+            raise ValueError("no training rows (all held out, empty, or without room for a block)")
+        self.num_rows, self.world, self.batch_size, self.seed = num_rows, world, batch_size, seed
+        self.rows_per_step = world * batch_size
+        self.steps_per_epoch = math.ceil(num_rows / self.rows_per_step)
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._cache:
+            g = torch.Generator().manual_seed(_seed_for(self.seed, epoch))
+            perm = torch.randperm(self.num_rows, generator=g)
+            need = self.steps_per_epoch * self.rows_per_step
+            self._cache = {epoch: perm.repeat(math.ceil(need / self.num_rows))[:need]}
+        return self._cache[epoch]
+
+    def rows(self, step: int, rank: int) -> tuple[int, list[int]]:
+        """(epoch, row indices) for ``rank`` at global ``step``."""
+        epoch, s = divmod(step, self.steps_per_epoch)
+        order = self._order(epoch)
+        lo = s * self.rows_per_step + rank * self.batch_size
+        return epoch, order[lo : lo + self.batch_size].tolist()
+
+
+def build_batch(
+    dataset: HiddenStateShards, rows: list[int], epoch: int, seed: int, block_size: int, max_anchors: int, mask_token_id: int
+) -> TrainingBatch:
+    """Read ``rows``, sample anchors with generators seeded by ``(seed, epoch, row)``, collate."""
+    samples, anchors = [], []
+    for r in rows:
+        s = dataset[r]
+        g = torch.Generator().manual_seed(_seed_for(seed, epoch, r, 1))
+        samples.append(s)
+        anchors.append(sample_anchors(s["loss_mask"], block_size, max_anchors, g))
+    return collate_training_batch(samples, anchors, block_size, mask_token_id)
+
+
+class _Prefetcher:
+    """Builds batches for steps [start, stop) in a background thread (bounded queue)."""
+
+    def __init__(self, make: Callable[[int], TrainingBatch], start: int, stop: int, depth: int, pin: bool) -> None:
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+
+        def run() -> None:
+            try:
+                for step in range(start, stop):
+                    b = make(step)
+                    if pin:
+                        b = b.pin_memory()
+                    while not self._stop.is_set():
+                        try:
+                            self._q.put((step, b), timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if self._stop.is_set():
+                        return
+            except BaseException as e:  # surfaced in the training thread
+                self._q.put((None, e))
+
+        self._thread = threading.Thread(target=run, daemon=True, name="dflash-prefetch")
+        self._thread.start()
+
+    def get(self) -> tuple[int, TrainingBatch]:
+        step, item = self._q.get()
+        if step is None:
+            raise item
+        return step, item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# model setup
+
+
+def resolve_draft_config(cfg: TrainConfig, dataset: HiddenStateShards) -> DFlashConfig:
+    """Derive the drafter config from ``cfg.target_model_path`` (``config.json`` + tokenizer).
+
+    ``target_layer_ids``: ``cfg.target_layer_ids``, else the shards' metadata, else the DFlash default.
+
+    Raises:
+        ValueError: no target model path, or the shards' feature width is not ``n * hidden_size``.
+    """
+    if not cfg.target_model_path:
+        raise ValueError("TrainConfig.target_model_path is required unless draft_config is passed")
+    target_config = json.loads((Path(cfg.target_model_path) / "config.json").read_text())
+    mask_token_id = cfg.mask_token_id
+    if mask_token_id is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(cfg.target_model_path)
+        text = target_config.get("text_config") or target_config
+        mask_token_id = default_mask_token_id(tok, int(text["vocab_size"]))
+    dc = DFlashConfig.from_target_config(
+        target_config,
+        mask_token_id=mask_token_id,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_context_features=cfg.num_context_features,
+        target_layer_ids=cfg.target_layer_ids if cfg.target_layer_ids is not None else dataset.target_layer_ids,
+        block_size=cfg.block_size,
+        **cfg.draft_overrides,
+    )
+    check_feature_dim(dc, dataset)
+    return dc
+
+
+def check_feature_dim(dc: DFlashConfig, dataset: HiddenStateShards) -> None:
+    """Raise ValueError unless the shards hold ``len(target_layer_ids) * hidden_size`` features per token
+    and, when the shards record their ``target_layer_ids``, they are the drafter's."""
+    if dataset.target_layer_ids is not None and dataset.target_layer_ids != dc.target_layer_ids:
+        raise ValueError(f"shards hold target layers {dataset.target_layer_ids}, drafter expects {dc.target_layer_ids}")
+    want = dc.num_context_features * dc.hidden_size
+    if dataset.feature_dim != want:
+        raise ValueError(
+            f"shards hold {dataset.feature_dim} features per token, drafter expects "
+            f"{dc.num_context_features} x {dc.hidden_size} = {want}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation
+
+
+@torch.no_grad()
+def evaluate(
+    model: DFlashDraftModel,
+    dataset: HiddenStateShards,
+    *,
+    max_anchors: int = 512,
+    batch_size: int = 1,
+    seed: int = 0,
+    gamma: float | None = None,
+    max_rows: int | None = None,
+    device: torch.device | str | None = None,
+) -> dict:
+    """Loss and per-position accuracy of ``model`` on ``dataset`` with fixed (seeded) anchors.
+
+    Returns:
+        ``{"loss", "acc_per_position": [block_size floats, NaN at 0], "tau_estimate", "rows"}``.
+    """
+    was_training = model.training
+    model.eval()
+    device = torch.device(device) if device is not None else model.fc.weight.device
+    bs = model.config.block_size
+    n = len(dataset) if max_rows is None else min(len(dataset), max_rows)
+    correct = torch.zeros(bs, device=device)
+    count = torch.zeros(bs, device=device)
+    loss_sum = weight_sum = 0.0
+    for lo in range(0, n, batch_size):
+        batch = build_batch(dataset, list(range(lo, min(n, lo + batch_size))), 0, seed, bs, max_anchors, model.config.mask_token_id)
+        batch = batch.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = _loss(model, model, batch, gamma)
+        loss_sum += float(out["loss"]) * float(out["weight_sum"])
+        weight_sum += float(out["weight_sum"])
+        correct += out["correct"]
+        count += out["count"]
+    model.train(was_training)
+    acc = accuracy_per_position(correct.cpu(), count.cpu())
+    return {
+        "loss": loss_sum / weight_sum if weight_sum else math.nan,
+        "acc_per_position": acc,
+        "tau_estimate": expected_acceptance_length(acc),
+        "rows": n,
+    }
+
+
+def _loss(model_call, model: DFlashDraftModel, batch: TrainingBatch, gamma: float | None) -> dict:
+    hidden = model_call(
+        batch.block_input_ids,
+        target_hidden=batch.context_hidden,
+        position_ids=batch.position_ids,
+        attention_mask=batch.attention_mask,
+    )
+    return dflash_loss_from_hidden(
+        hidden, model.target_lm_head_weight, batch.labels, batch.label_mask, model.config.block_size, gamma
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _ckpt_dir(out_dir: str | Path) -> Path:
+    return Path(out_dir) / CHECKPOINT_DIR
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """Path of the newest complete checkpoint under ``out_dir/checkpoints`` (None if none)."""
+    pointer = _ckpt_dir(out_dir) / LATEST_FILE
+    if not pointer.is_file():
+        return None
+    path = _ckpt_dir(out_dir) / json.loads(pointer.read_text())["file"]
+    return path if path.is_file() else None
+
+
+def _save_checkpoint(cfg: TrainConfig, dc: DFlashConfig, model, opt, sched, step: int, tokens: int, plan: StepPlan, world: int) -> Path:
+    d = _ckpt_dir(cfg.out_dir)
+    name = f"step_{step:08d}.pt"
+    epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": _rng_state(),
+        "data_position": {"epoch": epoch, "step_in_epoch": in_epoch, "rows_per_step": plan.rows_per_step},
+        "tokens_seen": tokens,
+        "world_size": world,
+        "train_config": asdict(cfg),
+        "draft_config": dc.to_dict(),
+    }
+    _atomic_write_bytes(d / name, lambda f: torch.save(state, f))
+    _atomic_write_text(d / LATEST_FILE, json.dumps({"file": name, "step": step}))
+    old = sorted(d.glob("step_*.pt"))[: -max(1, cfg.keep_checkpoints)]
+    for p in old:
+        p.unlink(missing_ok=True)
+    return d / name
+
+
+def _truncate_log(path: Path, step: int) -> list[dict]:
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a torn last line from a kill
+        if rec.get("step", 0) <= step:
+            kept.append(rec)
+    _atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    draft_config: DFlashConfig | None = None,
+    target_head: tuple[torch.Tensor, torch.Tensor] | None = None,
+    progress_callback: Callable[[dict], None] | None = None,
+) -> TrainResult:
+    """Train (or resume) a drafter on ``cfg.shards``; write log, checkpoints and summary under ``cfg.out_dir``.
+
+    Args:
+        draft_config: drafter config; default derived from ``cfg.target_model_path``.
+        target_head: (embed_weight, lm_head_weight) [vocab, H]; default read from the target model.
+        progress_callback: called on rank 0 with each log record (dict with ``step``, ``total_steps``,
+            ``epoch``, ``loss``, ``acc_per_position``, ``lr``, ``grad_norm``, ``tokens_per_s``,
+            ``elapsed_s``, ...). Returning ``True`` stops training after that step (a checkpoint is
+            written; a later call with a larger schedule resumes); an exception raised by it aborts
+            training (checkpoints stay valid).
+
+    Output files: ``train_log.jsonl`` (one record per logged step), ``checkpoints/step_*.pt`` +
+    ``checkpoints/latest.json``, ``summary.json`` (final step/loss/eval, tokens/s, per-rank parameter
+    checksums, which must all be equal).
+
+    Raises:
+        ValueError: no usable rows, or shard features do not match the drafter.
+    """
+    dd = _Dist(cfg.device)
+    try:
+        return _train(cfg, dd, draft_config, target_head, progress_callback)
+    finally:
+        dd.close()
+
+
+def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback) -> TrainResult:
+    out = Path(cfg.out_dir)
+    if dd.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed % 2**32)
+    torch.manual_seed(cfg.seed)
+
+    dataset = HiddenStateShards(
+        cfg.shards, split="train", eval_fraction=cfg.eval_fraction, max_length=cfg.max_length, block_size=cfg.block_size
+    )
+    eval_set = None
+    if cfg.eval_fraction > 0:
+        eval_set = HiddenStateShards(
+            cfg.shards, split="eval", eval_fraction=cfg.eval_fraction, max_length=cfg.max_length, block_size=cfg.block_size
+        )
+    dc = draft_config or resolve_draft_config(cfg, dataset)
+    check_feature_dim(dc, dataset)
+    if dc.block_size != cfg.block_size:
+        raise ValueError(f"draft_config.block_size {dc.block_size} != TrainConfig.block_size {cfg.block_size}")
+    if target_head is None:
+        if not cfg.target_model_path:
+            raise ValueError("pass target_head or TrainConfig.target_model_path")
+        target_head = load_target_head(cfg.target_model_path)
+
+    device = dd.device
+    use_cuda = device.type == "cuda"
+    model = DFlashDraftModel(dc)
+    model.reset_parameters(cfg.init_std, seed=cfg.seed)
+    model.to(device)
+    head_dtype = torch.bfloat16 if use_cuda else torch.float32
+    model.attach_target(target_head[0].to(head_dtype), target_head[1].to(head_dtype))
+
+    plan = StepPlan(len(dataset), dd.world, cfg.batch_size, cfg.seed)
+    total_steps = cfg.max_steps if cfg.max_steps is not None else cfg.epochs * plan.steps_per_epoch
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, cfg.warmup_ratio, cfg.min_lr_ratio))
+
+    start_step, tokens_seen = 0, 0
+    ckpt = latest_checkpoint(out) if cfg.resume else None
+    if ckpt is not None:
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        start_step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        if state.get("world_size") != dd.world:
+            print(f"[dflash.train] warning: checkpoint from world size {state.get('world_size')}, now {dd.world}: "
+                  "data order differs from an uninterrupted run", flush=True)
+    log_path = out / LOG_FILE
+    records: list[dict] = []
+    if dd.rank == 0:
+        records = _truncate_log(log_path, start_step) if ckpt is not None else []
+        if ckpt is None and log_path.exists():
+            log_path.unlink()
+    dd.barrier()
+
+    train_model: torch.nn.Module = model
+    if dd.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        train_model = DDP(model, device_ids=[device.index] if use_cuda else None, broadcast_buffers=False)
+    model.train()
+
+    def make(step: int) -> TrainingBatch:
+        epoch, rows = plan.rows(step, dd.rank)
+        return build_batch(dataset, rows, epoch, cfg.seed, cfg.block_size, cfg.max_anchors, dc.mask_token_id)
+
+    prefetch = _Prefetcher(make, start_step, total_steps, cfg.prefetch, pin=use_cuda)
+    window_start = time.perf_counter()
+    loop_start, loop_tokens = window_start, 0
+    acc_correct = torch.zeros(cfg.block_size, device=device)
+    acc_count = torch.zeros(cfg.block_size, device=device)
+    loss_sum = torch.zeros(2, device=device)  # sum of loss, number of steps
+    tok_sum = torch.zeros(2, device=device, dtype=torch.float64)  # block tokens, context tokens
+    stop = torch.zeros(1, device=device)  # set when the progress callback asks to stop early
+    done = start_step
+    step = start_step
+    try:
+        for step in range(start_step, total_steps):
+            got, batch = prefetch.get()
+            assert got == step
+            batch = batch.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_cuda):
+                res = _loss(train_model, model, batch, cfg.loss_gamma)
+            res["loss"].backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+
+            loss_sum += torch.stack([res["loss"].detach().float(), torch.ones((), device=device)])
+            acc_correct += res["correct"]
+            acc_count += res["count"]
+            tok_sum[0] += batch.num_block_tokens
+            tok_sum[1] += batch.num_context_tokens
+            loop_tokens += batch.num_block_tokens
+            done = step + 1
+            tokens_seen += batch.num_block_tokens * dd.world
+
+            if done % cfg.log_every == 0 or done == total_steps:
+                stats = torch.cat([loss_sum.double(), acc_correct.double(), acc_count.double(), tok_sum])
+                dd.all_reduce_sum(stats)
+                now = time.perf_counter()
+                nb = cfg.block_size
+                rec = {
+                    "step": done,
+                    "total_steps": total_steps,
+                    "epoch": step // plan.steps_per_epoch,
+                    "loss": float(stats[0] / stats[1]),
+                    "acc_per_position": accuracy_per_position(stats[2 : 2 + nb], stats[2 + nb : 2 + 2 * nb]),
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "block_tokens": int(stats[-2]),
+                    "context_tokens": int(stats[-1]),
+                    "tokens_per_s": float(stats[-2]) / max(now - window_start, 1e-9),
+                    "elapsed_s": now - loop_start,
+                }
+                if eval_set is not None and len(eval_set) and cfg.eval_every and (done % cfg.eval_every == 0 or done == total_steps):
+                    ev = evaluate(model, eval_set, max_anchors=cfg.max_anchors, seed=cfg.seed, gamma=cfg.loss_gamma,
+                                  max_rows=cfg.eval_max_rows)
+                    rec.update({"eval_loss": ev["loss"], "eval_acc_per_position": ev["acc_per_position"],
+                                "eval_tau_estimate": ev["tau_estimate"]})
+                for t in (loss_sum, acc_correct, acc_count, tok_sum):
+                    t.zero_()
+                window_start = time.perf_counter()  # eval/log time stays out of the next window
+                if dd.rank == 0:
+                    records.append(rec)
+                    with open(log_path, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    if progress_callback is not None and progress_callback(rec) is True:
+                        stop[0] = 1.0
+                if dd.enabled:
+                    dd.all_reduce_sum(stop)  # every rank stops at the same step
+            stopping = bool(stop[0] > 0)
+            if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == total_steps or stopping:
+                if dd.rank == 0:
+                    _save_checkpoint(cfg, dc, model, opt, sched, done, tokens_seen, plan, dd.world)
+                dd.barrier()
+            if stopping:
+                break
+    finally:
+        prefetch.close()
+    loop_s = time.perf_counter() - loop_start
+    tokens_per_s = loop_tokens * dd.world / loop_s if loop_s > 0 and loop_tokens else 0.0
+
+    checksum = _param_checksum(model)
+    checksums = [checksum]
+    if dd.enabled:
+        checksums = [None] * dd.world
+        dist.all_gather_object(checksums, checksum)
+    summary = {
+        "step": done,
+        "total_steps": total_steps,
+        "stopped_early": bool(stop[0] > 0),
+        "resumed_from_step": start_step,
+        "world_size": dd.world,
+        "train_rows": len(dataset),
+        "dropped_rows": dataset.dropped_rows,
+        "train_tokens": dataset.num_tokens,
+        "tokens_seen": tokens_seen,
+        "tokens_per_s": tokens_per_s,
+        "final_loss": records[-1]["loss"] if records else None,
+        "rank_param_checksums": checksums,
+        "draft_config": dc.to_dict(),
+    }
+    if eval_set is not None and len(eval_set):
+        summary["eval"] = evaluate(model, eval_set, max_anchors=cfg.max_anchors, seed=cfg.seed, gamma=cfg.loss_gamma,
+                                   max_rows=cfg.eval_max_rows)
+    if dd.rank == 0:
+        _atomic_write_text(out / SUMMARY_FILE, json.dumps(summary, indent=2))
+    dd.barrier()
+    return TrainResult(model=model, records=records, step=done, tokens_per_s=tokens_per_s, summary=summary)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _parse(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
+    p = argparse.ArgumentParser(description="Train a DFlash drafter on hidden-state shards (torchrun-ready).")
+    p.add_argument("--shards", nargs="+", required=True, help="safetensors hidden-state shards")
+    p.add_argument("--out", required=True, help="output dir (log, checkpoints, summary)")
+    p.add_argument("--target-model", help="HF dir of the target (config, tokenizer, embedding, LM head)")
+    p.add_argument("--export", help="export the trained drafter to this HF dir (rank 0)")
+    p.add_argument("--config-json", help="JSON file of TrainConfig fields (CLI flags override it)")
+    flags = {
+        "num_hidden_layers": int, "block_size": int, "max_anchors": int, "max_length": int, "batch_size": int,
+        "lr": float, "epochs": int, "max_steps": int, "checkpoint_every": int, "seed": int, "log_every": int,
+        "eval_fraction": float, "eval_every": int, "mask_token_id": int, "warmup_ratio": float, "grad_clip": float,
+        "device": str,
+    }
+    for name, typ in flags.items():
+        p.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
+    p.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    p.add_argument("--draft-overrides", type=json.loads, default=None, help='JSON, e.g. {"intermediate_size": 512}')
+    p.add_argument("--no-resume", action="store_true")
+    a = p.parse_args(argv)
+    base: dict = json.loads(Path(a.config_json).read_text()) if a.config_json else {}
+    base.update(shards=a.shards, out_dir=a.out)
+    if a.target_model:
+        base["target_model_path"] = a.target_model
+    for name in list(flags) + ["target_layer_ids", "draft_overrides"]:
+        v = getattr(a, name)
+        if v is not None:
+            base[name] = v
+    if a.no_resume:
+        base["resume"] = False
+    return TrainConfig(**base), a.export
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; prints one JSON line per logged step on rank 0 and the summary at the end."""
+    cfg, export_dir = _parse(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    cb = (lambda rec: print(json.dumps(rec), flush=True)) if rank == 0 else None
+    result = train(cfg, progress_callback=cb)
+    if export_dir and rank == 0:
+        from dflash_assets.dflash.export import export_drafter
+
+        export_drafter(result.model, export_dir)
+    if rank == 0:
+        print(json.dumps({"summary": {k: v for k, v in result.summary.items() if k != "draft_config"}}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = [
+    "StepPlan",
+    "TrainConfig",
+    "TrainResult",
+    "build_batch",
+    "evaluate",
+    "latest_checkpoint",
+    "lr_lambda",
+    "main",
+    "resolve_draft_config",
+    "train",
+]

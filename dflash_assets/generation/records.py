@@ -1,0 +1,117 @@
+"""Completions rows: their schema, how a server reply becomes a row, and when a row is still valid.
+
+A row is *valid under settings S* when it was made with S's sampling settings (same fingerprint), has
+no error, and either stopped on its own within S's cap (``stop`` and ``completion_tokens <= cap``) or
+was cut at exactly S's cap (``length`` and made with ``max_output_tokens == cap``). Raising the cap
+therefore invalidates only ``length`` rows; lowering it only rows longer than the new cap.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import polars as pl
+
+from dflash_assets.settings import GenerationSettings
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+COMPLETIONS_SCHEMA = {
+    "index": pl.Int64,
+    "prompt_id": pl.String,
+    "source": pl.String,
+    "reasoning_content": pl.String,
+    "content": pl.String,
+    "finish_reason": pl.String,
+    "prompt_tokens": pl.Int64,
+    "completion_tokens": pl.Int64,
+    "output_token_ids": pl.List(pl.Int32),
+    "truncated_in_reasoning": pl.Boolean,
+    "empty_answer": pl.Boolean,
+    "max_output_tokens": pl.Int64,
+    "settings_fingerprint": pl.String,
+    "settings": pl.String,
+    "latency_s": pl.Float64,
+    "server": pl.String,
+    "attempts": pl.Int64,
+    "error": pl.String,
+}
+
+
+def split_reasoning(content: str | None, reasoning_content: str | None) -> tuple[str | None, str, bool]:
+    """Separate thinking from the answer.
+
+    With a reasoning parser (SGLang ``--reasoning-parser qwen3``) the server already split them. Without
+    one, a reply holding ``<think> ... </think>`` is split here; a reply with ``<think>`` (or a
+    reasoning_content) but no closing tag was cut inside the thinking.
+
+    Returns:
+        ``(reasoning, answer, thinking_closed)``; ``reasoning`` is None when the model did not think.
+    """
+    content = content or ""
+    if reasoning_content is not None:
+        return reasoning_content, content, bool(content.strip()) or THINK_CLOSE in reasoning_content
+    if THINK_OPEN in content or THINK_CLOSE in content:
+        head, sep, tail = content.partition(THINK_CLOSE)
+        reasoning = head.split(THINK_OPEN, 1)[-1]
+        return (reasoning, tail, True) if sep else (reasoning, "", False)
+    return None, content, True
+
+
+def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSettings) -> dict[str, Any]:
+    """One completions row (COMPLETIONS_SCHEMA) from a client result and its corpus row.
+
+    ``truncated_in_reasoning``: cut by the cap before the thinking closed (the answer is empty).
+    ``empty_answer``: a finished request whose answer text is empty or whitespace.
+    """
+    ok = result.error is None
+    reasoning, answer, closed = split_reasoning(result.content, result.reasoning_content) if ok else (None, None, True)
+    return {
+        "index": int(prompt["index"]),
+        "prompt_id": prompt["prompt_id"],
+        "source": prompt["source"],
+        "reasoning_content": reasoning,
+        "content": answer,
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "output_token_ids": result.output_token_ids,
+        "truncated_in_reasoning": bool(ok and result.finish_reason == "length" and reasoning is not None and not closed),
+        "empty_answer": bool(ok and not (answer or "").strip()),
+        "max_output_tokens": settings.max_output_tokens,
+        "settings_fingerprint": settings.sampling_fingerprint(),
+        "settings": json.dumps(settings.model_dump(), sort_keys=True),
+        "latency_s": round(float(result.latency_s), 4),
+        "server": result.server,
+        "attempts": int(result.attempts),
+        "error": result.error,
+    }
+
+
+def invalid_reason(row: dict[str, Any], settings: GenerationSettings) -> str | None:
+    """Why ``row`` must be regenerated under ``settings``, or None when it stays valid.
+
+    Reasons: ``error``, ``sampling changed``, ``cap raised`` (a ``length`` row cut below the new cap),
+    ``cap lowered`` (longer than the new cap), ``finish_reason <x>`` (abort and other non-final ends).
+    """
+    if row.get("error"):
+        return "error"
+    if row.get("settings_fingerprint") != settings.sampling_fingerprint():
+        return "sampling changed"
+    cap, tokens, reason = settings.max_output_tokens, row.get("completion_tokens"), row.get("finish_reason")
+    if tokens is None:
+        return "no completion_tokens"
+    if tokens > cap:
+        return "cap lowered"
+    if reason == "stop":
+        return None
+    if reason == "length":
+        return None if row.get("max_output_tokens") == cap else "cap raised"
+    return f"finish_reason {reason}"
+
+
+def rows_to_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
+    """Rows sorted by ``index`` as a DataFrame with COMPLETIONS_SCHEMA (deterministic bytes on write)."""
+    rows = sorted(rows, key=lambda r: r["index"])
+    return pl.DataFrame(rows, schema=COMPLETIONS_SCHEMA) if rows else pl.DataFrame(schema=COMPLETIONS_SCHEMA)

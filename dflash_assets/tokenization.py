@@ -1,0 +1,200 @@
+"""Token sequences and loss masks from the generation boundary (no Dagster imports).
+
+``input_ids = prompt_ids + completion_ids`` where ``prompt_ids`` is the chat template applied to the
+prompt messages with the generation prompt and the row's own template settings (thinking on/off), and
+``completion_ids`` are the ids the server generated when it returned them, else the completion
+re-tokenized exactly as the model emitted it. ``loss_mask`` is 0 on the prompt and 1 on the
+completion (reasoning, thinking markers, answer and, for ``stop`` rows, the end-of-turn token). The
+assistant turn is never re-rendered through the template: that is where masks go wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+TOKENIZED_SCHEMA = {
+    "index": pl.Int64,
+    "prompt_id": pl.String,
+    "input_ids": pl.List(pl.Int32),
+    "loss_mask": pl.List(pl.Int8),
+    "prompt_len": pl.Int64,
+    "num_loss_tokens": pl.Int64,
+    "finish_reason": pl.String,
+    "cut": pl.Boolean,
+}
+
+
+class TokenizationError(ValueError):
+    """A row cannot be tokenized faithfully (the message says why and how to fix it)."""
+
+
+@dataclass(frozen=True)
+class TokenizePolicy:
+    """What to do with rows that are not plain finished completions.
+
+    truncated: ``drop`` (default) or ``keep`` a ``length`` row, without an end token.
+    over_max_length: ``drop`` (default) or ``cut`` a sequence longer than ``max_length`` tokens.
+    Error rows are always skipped.
+    """
+
+    max_length: int = 3072
+    truncated: str = "drop"
+    over_max_length: str = "drop"
+
+    def __post_init__(self):
+        if self.truncated not in ("drop", "keep") or self.over_max_length not in ("drop", "cut"):
+            raise ValueError(f"bad policy {self}: truncated in drop|keep, over_max_length in drop|cut")
+
+
+class SequenceBuilder:
+    """Builds ``input_ids`` / ``loss_mask`` for completions rows with one tokenizer.
+
+    Args:
+        tokenizer: a transformers tokenizer with a chat template (the target's).
+        end_token: the end-of-turn token appended to ``stop`` rows; default ``<|im_end|>`` when the
+            vocabulary has it, else the tokenizer's eos token.
+    """
+
+    def __init__(self, tokenizer, end_token: str | None = None):
+        self.tokenizer = tokenizer
+        vocab = tokenizer.get_vocab()
+        if end_token is None:
+            end_token = "<|im_end|>" if "<|im_end|>" in vocab else tokenizer.eos_token
+        if end_token not in vocab:
+            raise TokenizationError(f"end token {end_token!r} is not in the tokenizer's vocabulary")
+        self.end_token, self.end_token_id = end_token, vocab[end_token]
+        self.has_think_tokens = THINK_OPEN in vocab and THINK_CLOSE in vocab
+        template = tokenizer.chat_template or ""
+        self.template_knows_thinking = "enable_thinking" in template
+
+    def prompt_text(self, messages: list[dict[str, str]], enable_thinking: bool) -> str:
+        """The chat template rendered with the generation prompt, as the server rendered it."""
+        kwargs = {"enable_thinking": enable_thinking} if self.template_knows_thinking else {}
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+
+    def completion_text(self, row: dict[str, Any], prompt_text: str) -> str:
+        """The completion as the model emitted it: ``<think>\\n{reasoning}\\n</think>\\n\\n{answer}`` (Qwen3
+        layout; the opening tag omitted when the generation prompt already ends with it), or the answer alone.
+
+        Raises:
+            TokenizationError: the row has reasoning but the tokenizer has no thinking markers, or the
+                row was made with thinking off yet holds reasoning.
+        """
+        reasoning, answer = row.get("reasoning_content"), row.get("content") or ""
+        enable_thinking = _row_thinking(row)
+        if reasoning is None:
+            return answer
+        if not self.has_think_tokens:
+            raise TokenizationError(
+                f"row {row['index']}: has reasoning text but the tokenizer has no {THINK_OPEN}/{THINK_CLOSE} tokens; "
+                "tokenize with the target model's own tokenizer"
+            )
+        if not enable_thinking:
+            raise TokenizationError(
+                f"row {row['index']}: generated with enable_thinking=false but holds reasoning text; "
+                "its settings disagree with what the template would render"
+            )
+        opened = prompt_text.rstrip("\n").endswith(THINK_OPEN)
+        head = "" if opened else f"{THINK_OPEN}\n"
+        if row.get("truncated_in_reasoning"):
+            return f"{head}{reasoning}"
+        return f"{head}{reasoning}\n{THINK_CLOSE}\n\n{answer}"
+
+    def build(self, row: dict[str, Any], messages: list[dict[str, str]]) -> tuple[list[int], list[int], int]:
+        """``(input_ids, loss_mask, prompt_len)`` for one completions row.
+
+        Raises:
+            TokenizationError: see :meth:`completion_text`.
+        """
+        prompt_text = self.prompt_text(messages, _row_thinking(row))
+        prompt_ids = self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        if row.get("output_token_ids") is not None:
+            completion_ids = [int(t) for t in row["output_token_ids"]]
+            if row["finish_reason"] == "stop" and (not completion_ids or completion_ids[-1] != self.end_token_id):
+                completion_ids.append(self.end_token_id)
+        else:
+            completion_ids = self.tokenizer(self.completion_text(row, prompt_text), add_special_tokens=False)["input_ids"]
+            if row["finish_reason"] == "stop":
+                completion_ids.append(self.end_token_id)
+        return prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids), len(prompt_ids)
+
+    def decode_completion(self, input_ids: list[int], prompt_len: int, finish_reason: str) -> str:
+        """Text of the completion part (end token removed), for the round-trip check."""
+        ids = input_ids[prompt_len:]
+        if finish_reason == "stop" and ids and ids[-1] == self.end_token_id:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _row_thinking(row: dict[str, Any]) -> bool:
+    settings = row.get("settings")
+    return bool(json.loads(settings).get("enable_thinking", True)) if settings else True
+
+
+def tokenize_partition(
+    completions: pl.DataFrame, prompts: pl.DataFrame, builder: SequenceBuilder, policy: TokenizePolicy
+) -> tuple[pl.DataFrame, pl.DataFrame, Counter]:
+    """Tokenize one partition.
+
+    Args:
+        completions: rows with the completions schema.
+        prompts: corpus rows (``index``, ``messages``) for the same indexes.
+
+    Returns:
+        ``(tokenized, set_aside, counts)``: TOKENIZED_SCHEMA rows; rows not kept with ``index`` and
+        ``reason``; counts by outcome (kept, dropped_truncated, dropped_over_max_length, cut, error_rows,
+        tokenization_errors).
+    """
+    messages_by_index = dict(zip(prompts["index"].to_list(), prompts["messages"].to_list()))
+    out, aside, counts = [], [], Counter()
+    for row in completions.sort("index").iter_rows(named=True):
+        idx = row["index"]
+        if row.get("error"):
+            counts["error_rows"] += 1
+            aside.append({"index": idx, "reason": f"error row: {row['error'][:200]}"})
+            continue
+        if row["finish_reason"] != "stop" and policy.truncated == "drop":
+            counts["dropped_truncated"] += 1
+            aside.append({"index": idx, "reason": f"finish_reason {row['finish_reason']} (policy truncated=drop)"})
+            continue
+        try:
+            input_ids, loss_mask, prompt_len = builder.build(row, messages_by_index[idx])
+        except TokenizationError as exc:
+            counts["tokenization_errors"] += 1
+            aside.append({"index": idx, "reason": str(exc)})
+            continue
+        cut = False
+        if len(input_ids) > policy.max_length:
+            if policy.over_max_length == "drop" or prompt_len >= policy.max_length:
+                counts["dropped_over_max_length"] += 1
+                aside.append({"index": idx, "reason": f"{len(input_ids)} tokens > max_length {policy.max_length}"})
+                continue
+            input_ids, loss_mask, cut = input_ids[: policy.max_length], loss_mask[: policy.max_length], True
+            counts["cut"] += 1
+        counts["kept"] += 1
+        out.append({
+            "index": idx, "prompt_id": row["prompt_id"], "input_ids": input_ids, "loss_mask": loss_mask,
+            "prompt_len": prompt_len, "num_loss_tokens": sum(loss_mask), "finish_reason": row["finish_reason"], "cut": cut,
+        })
+    tokenized = pl.DataFrame(out, schema=TOKENIZED_SCHEMA) if out else pl.DataFrame(schema=TOKENIZED_SCHEMA)
+    aside_df = pl.DataFrame(aside, schema={"index": pl.Int64, "reason": pl.String})
+    return tokenized, aside_df, counts
+
+
+def degenerate_mask_mode(num_loss_tokens: list[int], small: int = 16, share: float = 0.5) -> tuple[int, float] | None:
+    """The empty-answer signature: more than ``share`` of rows with the same ``num_loss_tokens <= small``.
+
+    Returns ``(length, share)`` of that mode, or None when the distribution is healthy.
+    """
+    if not num_loss_tokens:
+        return None
+    length, count = Counter(num_loss_tokens).most_common(1)[0]
+    frac = count / len(num_loss_tokens)
+    return (length, frac) if length <= small and frac > share else None

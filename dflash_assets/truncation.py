@@ -1,0 +1,195 @@
+"""Truncation statistics and cap advice over completions tables (no Dagster imports).
+
+Lengths of truncated rows are right-censored: a ``length`` row only says ``L >= cap``. The tail beyond
+the cap is estimated by a log-normal fitted by maximum likelihood to the censored sample (uncensored
+rows contribute the density, censored rows the survival function; e.g. Klein & Moeschberger,
+*Survival Analysis*, 2nd ed., sec. 3.5). The prediction at a candidate cap C' > cap is anchored to the
+observed truncation rate: P(L > C') = P(L > cap)_observed * S(C') / S(cap), so the fit only decides how
+the tail thins out. A Poisson bootstrap of the rows gives a 90% interval.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+SQRT2 = math.sqrt(2.0)
+
+
+@dataclass(frozen=True)
+class LogNormalFit:
+    """Parameters of ln L ~ Normal(mu, sigma^2), L in tokens."""
+
+    mu: float
+    sigma: float
+
+    def survival(self, tokens: float) -> float:
+        """P(L > tokens)."""
+        return 0.5 * math.erfc((math.log(max(tokens, 1e-9)) - self.mu) / (self.sigma * SQRT2))
+
+
+def _log_survival(z: np.ndarray) -> np.ndarray:
+    erfc = np.vectorize(math.erfc)
+    return np.log(np.maximum(0.5 * erfc(z / SQRT2), 1e-300))
+
+
+def fit_censored_lognormal(tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray, weights: np.ndarray | None = None) -> LogNormalFit | None:
+    """Maximum-likelihood log-normal fit to right-censored lengths, by coarse-to-fine grid search.
+
+    Args:
+        tokens: completion_tokens per row (float, >= 1).
+        censored: bool per row, True where the row hit its cap (finish_reason ``length``).
+        caps: the cap (tokens) each censored row hit.
+        weights: optional row weights (for the bootstrap).
+
+    Returns:
+        The fit, or None with fewer than 2 uncensored rows.
+    """
+    w = np.ones(len(tokens)) if weights is None else weights
+    unc = ~censored
+    logs = np.log(np.maximum(tokens[unc], 1.0))
+    wu = w[unc]
+    n_u = wu.sum()
+    if n_u < 2:
+        return None
+    s1, s2 = (wu * logs).sum(), (wu * logs**2).sum()
+    cap_counts: Counter = Counter()
+    for cap, weight in zip(np.log(caps[censored]), w[censored]):
+        cap_counts[float(cap)] += float(weight)
+    log_caps = np.array(list(cap_counts.keys()))
+    cap_w = np.array(list(cap_counts.values()))
+    mean, std = s1 / n_u, math.sqrt(max(s2 / n_u - (s1 / n_u) ** 2, 1e-6))
+    mu_lo, mu_hi, ls_lo, ls_hi = mean - 2, mean + 4, math.log(std) - 2, math.log(std) + 2
+    best = (mean, std)
+    for _ in range(5):
+        mus = np.linspace(mu_lo, mu_hi, 41)[:, None]
+        sigmas = np.exp(np.linspace(ls_lo, ls_hi, 41))[None, :]
+        ll = -n_u * np.log(sigmas) - (s2 - 2 * mus * s1 + n_u * mus**2) / (2 * sigmas**2)
+        for lc, cw in zip(log_caps, cap_w):
+            ll = ll + cw * _log_survival((lc - mus) / sigmas)
+        i, j = np.unravel_index(np.argmax(ll), ll.shape)
+        best = (float(mus[i, 0]), float(sigmas[0, j]))
+        mu_step, ls_step = (mu_hi - mu_lo) / 40, (ls_hi - ls_lo) / 40
+        mu_lo, mu_hi = best[0] - 2 * mu_step, best[0] + 2 * mu_step
+        ls_lo, ls_hi = math.log(best[1]) - 2 * ls_step, math.log(best[1]) + 2 * ls_step
+    return LogNormalFit(*best)
+
+
+def predict_cap(fit: LogNormalFit, cap: int, observed_rate: float, n_truncated: int, new_cap: int) -> dict:
+    """Predicted truncation rate and token cost of regenerating the truncated rows at ``new_cap``.
+
+    Returns a dict with ``truncation_rate``, ``tokens_to_generate`` (the truncated rows regenerated in
+    full, each costing E[min(L, new_cap) | L > cap]) and ``extra_output_tokens`` (growth of the dataset).
+    """
+    s_cap = max(fit.survival(cap), 1e-12)
+    rate = observed_rate * min(fit.survival(new_cap) / s_cap, 1.0) if new_cap > cap else observed_rate
+    grid = np.linspace(cap, max(new_cap, cap), 256)
+    surv = np.array([fit.survival(t) for t in grid]) / s_cap
+    mean_len = cap + float(np.sum((surv[1:] + surv[:-1]) / 2 * np.diff(grid)))
+    return {
+        "cap": int(new_cap),
+        "truncation_rate": float(rate),
+        "requests": int(n_truncated),
+        "tokens_to_generate": float(n_truncated * mean_len),
+        "extra_output_tokens": float(n_truncated * (mean_len - cap)),
+    }
+
+
+def cap_advice(frame: pl.DataFrame, cap: int, multipliers=(1.25, 1.5, 2.0), bootstrap: int = 100, seed: int = 0) -> dict:
+    """Advice for candidate caps ``cap * m``: predicted truncation rate (with 90% bootstrap interval) and tokens.
+
+    Args:
+        frame: completions rows without errors (``completion_tokens``, ``finish_reason``, ``max_output_tokens``).
+        cap: the current cap (tokens).
+    """
+    tokens = frame["completion_tokens"].to_numpy().astype(float)
+    censored = (frame["finish_reason"] == "length").to_numpy()
+    caps = frame["max_output_tokens"].to_numpy().astype(float)
+    n, n_trunc = len(tokens), int(censored.sum())
+    observed = n_trunc / n if n else 0.0
+    fit = fit_censored_lognormal(tokens, censored, caps)
+    result = {
+        "current_cap": cap, "observed_truncation_rate": observed, "truncated_rows": n_trunc,
+        "method": "log-normal MLE on right-censored lengths, tail anchored at the observed rate; 90% Poisson-bootstrap interval",
+        "fit": None, "candidates": [],
+    }
+    if fit is None or n_trunc == 0:
+        result["note"] = "no truncated rows: every completion stopped on its own" if n_trunc == 0 else "too few finished rows to fit"
+        return result
+    result["fit"] = {"mu": fit.mu, "sigma": fit.sigma}
+    rng = np.random.default_rng(seed)
+    boot_fits = []
+    for _ in range(bootstrap):
+        w = rng.poisson(1.0, n).astype(float)
+        f = fit_censored_lognormal(tokens, censored, caps, w)
+        if f is not None and w.sum() > 0:
+            boot_fits.append((f, float((w * censored).sum() / w.sum())))
+    for m in multipliers:
+        new_cap = int(round(cap * m))
+        pred = predict_cap(fit, cap, observed, n_trunc, new_cap)
+        rates = [predict_cap(f, cap, r, n_trunc, new_cap)["truncation_rate"] for f, r in boot_fits]
+        if rates:
+            pred["truncation_rate_90ci"] = [float(np.percentile(rates, 5)), float(np.percentile(rates, 95))]
+        result["candidates"].append(pred)
+    return result
+
+
+def truncation_stats(frame: pl.DataFrame) -> dict:
+    """Counts and percentiles over completions rows (errors counted apart).
+
+    Returns finish_reason counts, truncation rate (share of ``length`` among finished rows), per
+    partition/source rates, completion-token P50/P90/P99/max, truncated-inside-reasoning and empty-answer counts.
+    """
+    ok = frame.filter(pl.col("error").is_null())
+    n = ok.height
+    tokens = ok["completion_tokens"].to_numpy()
+
+    def rates(by: str) -> dict:
+        g = ok.group_by(by).agg(rows=pl.len(), truncated=(pl.col("finish_reason") == "length").sum()).sort(by)
+        return {r[by]: {"rows": r["rows"], "truncated": r["truncated"], "rate": r["truncated"] / r["rows"]} for r in g.iter_rows(named=True)}
+
+    return {
+        "rows": frame.height,
+        "errors": frame.height - n,
+        "finish_reasons": dict(sorted(Counter(ok["finish_reason"].fill_null("none").to_list()).items())),
+        "truncation_rate": float((ok["finish_reason"] == "length").sum() / n) if n else 0.0,
+        "per_partition": rates("partition") if "partition" in ok.columns else {},
+        "per_source": rates("source"),
+        "completion_tokens": {
+            "p50": float(np.percentile(tokens, 50)) if n else None,
+            "p90": float(np.percentile(tokens, 90)) if n else None,
+            "p99": float(np.percentile(tokens, 99)) if n else None,
+            "max": int(tokens.max()) if n else None,
+            "mean": float(tokens.mean()) if n else None,
+            "total": int(tokens.sum()) if n else 0,
+        },
+        "truncated_in_reasoning": int(ok["truncated_in_reasoning"].sum()),
+        "empty_answer": int(ok["empty_answer"].sum()),
+    }
+
+
+def length_histogram_png(tokens: np.ndarray, cap: int, title: str) -> bytes:
+    """PNG bytes of a completion-length histogram with the cap drawn as a vertical line."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    ax.hist(tokens, bins=min(60, max(5, len(set(tokens.tolist())))), color="#4a7ab5")
+    ax.axvline(cap, color="#c0392b", linestyle="--", label=f"cap = {cap} tokens")
+    ax.set_xlabel("completion tokens")
+    ax.set_ylabel("rows")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()

@@ -1,0 +1,116 @@
+"""Export of the drafter as the HF directory SGLang loads for DFLASH speculative decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dflash_assets.dflash.export import config_from_hf_dict, export_drafter, hf_config_dict, load_exported
+from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
+
+torch.set_num_threads(1)
+
+
+def make_model() -> DFlashDraftModel:
+    cfg = DFlashConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+        vocab_size=64, mask_token_id=63, target_layer_ids=[1, 16, 31, 46, 61], num_target_layers=64,
+        num_hidden_layers=2, block_size=16, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096,
+    )
+    model = DFlashDraftModel(cfg)
+    model.reset_parameters(0.2, seed=1)
+    with torch.no_grad():  # non-trivial norm weights so a dropped/misnamed norm would show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    g = torch.Generator().manual_seed(2)
+    model.attach_target(torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g))
+    return model.eval()
+
+
+def expected_tensor_shapes(n_layers=2, h=32, heads=4, kv=2, hd=8, inter=48, n_feats=5) -> dict:
+    shapes = {"fc.weight": [h, n_feats * h], "hidden_norm.weight": [h], "norm.weight": [h]}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
+            p + "self_attn.q_proj.weight": [heads * hd, h], p + "self_attn.k_proj.weight": [kv * hd, h],
+            p + "self_attn.v_proj.weight": [kv * hd, h], p + "self_attn.o_proj.weight": [h, heads * hd],
+            p + "self_attn.q_norm.weight": [hd], p + "self_attn.k_norm.weight": [hd],
+            p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
+            p + "mlp.down_proj.weight": [h, inter],
+        })
+    return shapes
+
+
+def _outputs(model, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([[5] + [63] * 15])
+    feats = torch.randn(1, 7, 5 * 32, generator=g)
+    pos = torch.arange(7 + 16)[None]
+    with torch.no_grad():
+        return model.compute_logits(model(ids, target_hidden=feats, position_ids=pos))
+
+
+def test_export_config_fields(tmp_path):
+    out = export_drafter(make_model(), tmp_path / "drafter")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == 16 and cfg["num_target_layers"] == 64 and cfg["num_hidden_layers"] == 2
+    assert cfg["dflash_config"] == {"mask_token_id": 63, "target_layer_ids": [1, 16, 31, 46, 61], "block_size": 16}
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (32, 4, 2, 8)
+    assert cfg["intermediate_size"] == 48 and cfg["vocab_size"] == 64 and cfg["rms_norm_eps"] == 1e-6
+    assert cfg["rope_theta"] == 1e6 and cfg["rope_parameters"]["rope_theta"] == 1e6
+    assert cfg["max_position_embeddings"] == 4096 and cfg["hidden_act"] == "silu"
+    assert cfg["layer_types"] == ["full_attention"] * 2  # non-causal (encoder-only) attention in SGLang
+    assert cfg["tie_word_embeddings"] is False
+
+
+def test_export_tensors_names_shapes_no_target_weights(tmp_path):
+    out = export_drafter(make_model(), tmp_path / "drafter")
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+    assert shapes == expected_tensor_shapes()
+    assert not any("embed" in k or "lm_head" in k for k in shapes)
+    assert dtypes == {torch.bfloat16}
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_export_roundtrip_identical_outputs(tmp_path):
+    model = make_model()
+    out = export_drafter(model, tmp_path / "fp32", dtype=torch.float32)
+    loaded = load_exported(out, embed_weight=model.target_embed_weight, lm_head_weight=model.target_lm_head_weight)
+    assert loaded.config == model.config
+    assert torch.equal(_outputs(model), _outputs(loaded))
+    # bf16 export: same model up to bf16 rounding of the weights
+    out16 = export_drafter(model, tmp_path / "bf16")
+    loaded16 = load_exported(out16, embed_weight=model.target_embed_weight, lm_head_weight=model.target_lm_head_weight)
+    a, b = _outputs(model), _outputs(loaded16)
+    assert torch.allclose(a, b, atol=0.05 * a.abs().max().item())
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def test_export_replaces_existing_dir_and_config_roundtrip(tmp_path):
+    model = make_model()
+    out = tmp_path / "drafter"
+    out.mkdir()
+    (out / "stale.bin").write_text("old")
+    export_drafter(model, out)
+    assert not (out / "stale.bin").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+    assert config_from_hf_dict(hf_config_dict(model.config)) == model.config
+
+
+def test_load_rejects_mismatched_tensors(tmp_path):
+    out = export_drafter(make_model(), tmp_path / "drafter")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    cfg["layer_types"] = ["full_attention"] * 3
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RuntimeError):
+        load_exported(out)
