@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from dflash_assets.assets import completions, hidden_states, prompts, tokenized, truncation
+from dflash_assets.assets import completions, drafter, hidden_states, prompts, tokenized, truncation
 from dflash_assets.automation import build_backfill_schedule, build_cap_change_sensor
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
@@ -18,7 +18,7 @@ partition_stages_job = dg.define_asset_job(
 
 defs = dg.Definitions(
     assets=[prompts.prompt_corpus, completions.completions, truncation.truncation_report, tokenized.tokenized_sequences,
-            hidden_states.hidden_states],
+            hidden_states.hidden_states, drafter.dflash_drafter],
     jobs=[partition_stages_job],
     schedules=[build_backfill_schedule(partition_stages_job)],
     sensors=[build_cap_change_sensor(partition_stages_job)],

@@ -95,6 +95,16 @@ def test_local_server_failure_reports_log_tail(tmp_path, local_server):
     assert server._proc is None  # stopped
 
 
+def test_local_server_argv_sizes_kv_cache(tmp_path):
+    argv = LocalTransformersServer(tmp_path, port=1234, kv_cache_tokens=32769, max_batch_tokens=512).argv()
+    assert argv[argv.index("serve") + 1] == str(tmp_path)
+    assert argv[argv.index("--port") + 1] == "1234" and "--continuous-batching" in argv
+    assert argv[argv.index("--cb-num-blocks") + 1] == "129"  # ceil(32769 / 256)
+    assert argv[argv.index("--cb-max-batch-tokens") + 1] == "512"
+    mine = LocalTransformersServer(tmp_path, extra_args=("--cb-num-blocks", "7"), max_batch_tokens=None).argv()
+    assert mine.count("--cb-num-blocks") == 1 and mine[-1] == "7" and "--cb-max-batch-tokens" not in mine
+
+
 def test_local_server_refuses_non_model_dir(tmp_path):
     with pytest.raises(FileNotFoundError):
         LocalTransformersServer(tmp_path).__enter__()

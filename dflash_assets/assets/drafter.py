@@ -1,0 +1,208 @@
+"""Stage 6: ``dflash_drafter``: train the DFlash drafter on every materialized hidden-state partition and export it."""
+
+import base64
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import dagster as dg
+from pydantic import Field
+
+from dflash_assets.dflash.export import export_drafter
+from dflash_assets.dflash.shards import INDEX_NAME
+from dflash_assets.dflash.train import TrainConfig, train
+from dflash_assets.partitions import prompt_ranges
+from dflash_assets.resources.storage import StorageResource
+from dflash_assets.resources.target_model import TargetModelResource
+
+DRAFTER_DIR = "dflash_drafter"
+EXPORT_DIR = (DRAFTER_DIR, "export")
+
+
+class DrafterConfig(dg.Config):
+    """Training settings (defaults follow the DFlash recipe: 5 layers, block 16, lr 6e-4, 6 epochs, max length 3072)."""
+
+    num_hidden_layers: int = Field(default=5, ge=1, description="Draft decoder layers.")
+    block_size: int = Field(default=16, ge=2)
+    mask_token_id: int | None = Field(default=None, description="None = a token the target never produces (see dflash.model).")
+    epochs: int = Field(default=6, ge=1)
+    max_steps: int | None = Field(default=None, ge=1, description="Overrides epochs when set.")
+    batch_size: int = Field(default=1, ge=1, description="Sequences per rank per step.")
+    lr: float = 6e-4
+    max_length: int = 3072
+    max_anchors: int = Field(default=512, ge=1, description="Anchors sampled per sequence.")
+    eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0, description="Held-out share of rows (stable hash of prompt index).")
+    checkpoint_every: int = Field(default=200, ge=0, description="Steps between checkpoints (0 = end only).")
+    nproc: int = Field(default=1, ge=1, description="Processes (torchrun, gloo on CPU / nccl on GPU); 1 = in this process.")
+    seed: int = 0
+    intermediate_size: int | None = Field(default=None, description="Override the drafter MLP width (default: the target's).")
+
+
+def complete_shards(storage: StorageResource, keys: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """``(shard paths, partitions used, partitions without a complete index)`` from local hidden-state dirs."""
+    shards, used, skipped = [], [], []
+    for pk in keys:
+        index_path = storage.local_scratch("hidden_states", pk, INDEX_NAME)
+        if not os.path.exists(index_path):
+            skipped.append(pk)
+            continue
+        with open(index_path) as f:
+            index = json.load(f)
+        if not index.get("complete"):
+            skipped.append(pk)
+            continue
+        used.append(pk)
+        shards += [os.path.join(os.path.dirname(index_path), s["name"]) for s in index["shards"]]
+    return shards, used, skipped
+
+
+def loss_curve_png(records: list[dict]) -> bytes:
+    """PNG bytes of training loss per step (and held-out loss where logged)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
+    ev = [r for r in records if "eval_loss" in r]
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("decay-weighted CE")
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def read_log(path: str) -> list[dict]:
+    """Records of a train_log.jsonl (a torn last line is ignored)."""
+    records = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+    return records
+
+
+@dg.asset(
+    deps=["hidden_states"],
+    group_name="drafter",
+    kinds={"pytorch", "safetensors"},
+    owners=["team:dflash"],
+    op_tags={"dflash/gpu": "train"},
+    description=(
+        "Trains the DFlash drafter (fc + hidden_norm over 5 target layers, draft decoder layers, frozen target embedding "
+        "and LM head) on the hidden-state shards of every complete partition, with a held-out split; checkpoints under "
+        "dflash_drafter/runs/<run id>/ (a rerun resumes); exports dflash_drafter/export/ (config.json with "
+        "architectures [DFlashDraftModel], block_size, dflash_config; model.safetensors) for SGLang/vLLM."
+    ),
+)
+def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, storage: StorageResource, target_model: TargetModelResource) -> dg.MaterializeResult:
+    keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
+    shards, used, skipped = complete_shards(storage, keys)
+    if not shards:
+        raise dg.Failure(f"no complete hidden_states partition among {len(keys)}: materialize hidden_states first")
+    if skipped:
+        context.log.warning(f"training without {len(skipped)} partitions that have no complete hidden states: {skipped[:5]}")
+    fingerprint = hashlib.sha256(json.dumps([config.model_dump(exclude={"nproc"}), sorted(shards)], sort_keys=True).encode()).hexdigest()[:12]
+    run_dir = os.path.dirname(storage.local_scratch(DRAFTER_DIR, "runs", fingerprint, "x"))
+    export_dir = os.path.dirname(storage.local_scratch(*EXPORT_DIR, "x"))
+    overrides = {"intermediate_size": config.intermediate_size} if config.intermediate_size else {}
+    cfg = TrainConfig(
+        shards=shards, out_dir=run_dir, target_model_path=str(target_model.resolved_path()),
+        num_hidden_layers=config.num_hidden_layers, block_size=config.block_size, mask_token_id=config.mask_token_id,
+        draft_overrides=overrides, max_length=config.max_length, max_anchors=config.max_anchors,
+        eval_fraction=config.eval_fraction, batch_size=config.batch_size, lr=config.lr, epochs=config.epochs,
+        max_steps=config.max_steps, seed=config.seed, checkpoint_every=config.checkpoint_every, device=target_model.device,
+    )
+    context.log.info(f"training on {len(shards)} shards from {len(used)} partitions; run dir {run_dir}")
+    started = time.monotonic()
+    if config.nproc == 1:
+        def progress(rec: dict) -> None:
+            if rec["step"] % 20 == 0 or rec["step"] == rec["total_steps"]:
+                eta = (rec["total_steps"] - rec["step"]) * rec["elapsed_s"] / max(rec["step"], 1)
+                context.log.info(f"step {rec['step']}/{rec['total_steps']} loss {rec['loss']:.3f} {rec['tokens_per_s']:.0f} tok/s ETA {eta:.0f}s")
+
+        result = train(cfg, progress_callback=progress)
+        export_drafter(result.model, export_dir)
+        summary = result.summary
+    else:
+        _run_torchrun(context, cfg, config.nproc, export_dir)
+        summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    wall = time.monotonic() - started
+    records = read_log(os.path.join(run_dir, "train_log.jsonl"))
+    png = loss_curve_png(records) if records else b""
+    store = storage.open()
+    if png:
+        store.write_bytes(png, DRAFTER_DIR, "loss_curve.png")
+    if not store.is_local:
+        for name in sorted(os.listdir(export_dir)):
+            with open(os.path.join(export_dir, name), "rb") as f:
+                store.write_bytes(f.read(), *EXPORT_DIR, name)
+    weights = open(os.path.join(export_dir, "model.safetensors"), "rb").read()
+    draft_cfg = summary["draft_config"]
+    num_params = _count_params(weights)
+    evaluation = summary.get("eval") or {}
+    acc = evaluation.get("acc_per_position") or []
+    return dg.MaterializeResult(
+        metadata={
+            "parameters": num_params,
+            "train_rows": summary["train_rows"],
+            "train_tokens": summary["train_tokens"],
+            "steps": summary["step"],
+            "final_loss": summary["final_loss"],
+            "tokens_per_s": round(summary["tokens_per_s"], 1),
+            "world_size": summary["world_size"],
+            "heldout_loss": evaluation.get("loss"),
+            "heldout_rows": evaluation.get("rows"),
+            "heldout_acc_per_position": [None if a != a else round(a, 4) for a in acc],
+            "heldout_tau_estimate": evaluation.get("tau_estimate"),
+            "partitions_used": len(used),
+            "block_size": draft_cfg.get("block_size"),
+            "mask_token_id": draft_cfg.get("mask_token_id"),
+            "target_layer_ids": draft_cfg.get("target_layer_ids"),
+            "wall_s": round(wall, 1),
+            "loss_curve": dg.MetadataValue.md(f"![loss](data:image/png;base64,{base64.b64encode(png).decode()})") if png else "",
+            "export_path": dg.MetadataValue.path(store.uri(*EXPORT_DIR)),
+        },
+        data_version=dg.DataVersion(hashlib.sha256(weights).hexdigest()[:20]),
+    )
+
+
+def _count_params(safetensors_bytes: bytes) -> int:
+    from safetensors.torch import load
+
+    return int(sum(t.numel() for t in load(safetensors_bytes).values()))
+
+
+def _run_torchrun(context, cfg: TrainConfig, nproc: int, export_dir: str) -> None:
+    """Train with ``torchrun --nproc_per_node nproc`` (same code path as in-process), streaming its log."""
+    import dataclasses
+
+    cfg_path = os.path.join(cfg.out_dir, "train_config.json")
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with open(cfg_path, "w") as f:
+        json.dump({k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("shards", "out_dir", "target_model_path")}, f)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "dflash_assets.dflash.train", "--shards", *cfg.shards, "--out", cfg.out_dir,
+            "--target-model", cfg.target_model_path, "--export", export_dir, "--config-json", cfg_path]
+    context.log.info("launching " + " ".join(argv[:8]) + " ...")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail = []
+    for line in proc.stdout:
+        tail = (tail + [line.rstrip()])[-40:]
+        if "step" in line or "error" in line.lower():
+            context.log.info(line.rstrip())
+    if proc.wait() != 0:
+        raise dg.Failure(f"torchrun exited with {proc.returncode}", metadata={"log_tail": "\n".join(tail)})
