@@ -29,6 +29,6 @@ def main(argv: list[str] | None = None) -> None:
     from dflash_assets import pipeline
 
     if args.command == "run":
-        sys.exit(pipeline.run_all(config_path=args.config, dagster_home=home))
+        sys.exit(pipeline.run_all(config_path_arg=args.config, dagster_home=home))
     if args.command == "status":
         sys.exit(pipeline.print_status())

@@ -1,9 +1,13 @@
 """Assembles the pipeline: assets, checks, resources, schedules. Nothing else lives here."""
 
+import os
+
 import dagster as dg
 
-from dflash_assets.assets import completions, drafter, hidden_states, prompts, tokenized, truncation
+from dflash_assets.assets import completions, drafter, evaluation, hidden_states, prompts, tokenized, truncation
+from dflash_assets.config import op_config, resource_fields
 from dflash_assets.automation import build_backfill_schedule, build_cap_change_sensor
+from dflash_assets.generation.servers import API_KEY_ENV
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
@@ -13,19 +17,27 @@ partition_stages_job = dg.define_asset_job(
     "partition_stages",
     selection=dg.AssetSelection.assets("completions", "tokenized_sequences", "hidden_states"),
     partitions_def=completions.prompt_ranges,
+    config=op_config("completions", "tokenized_sequences", "hidden_states"),
     description="Per-partition stages for one index range: completions, tokenized sequences, hidden states.",
 )
 
+
+
+def api_key_from_env() -> dict:
+    """The servers' API key as an EnvVar reference (never a literal), when the variable is set."""
+    return {"api_key": dg.EnvVar(API_KEY_ENV)} if os.environ.get(API_KEY_ENV) else {}
+
+
 defs = dg.Definitions(
     assets=[prompts.prompt_corpus, completions.completions, truncation.truncation_report, tokenized.tokenized_sequences,
-            hidden_states.hidden_states, drafter.dflash_drafter],
+            hidden_states.hidden_states, drafter.dflash_drafter, evaluation.drafter_evaluation],
     jobs=[partition_stages_job],
     schedules=[build_backfill_schedule(partition_stages_job)],
     sensors=[build_cap_change_sensor(partition_stages_job)],
     resources={
-        "storage": StorageResource(),
-        "inference": InferenceServerResource(),
-        "generation": GenerationResource(),
-        "target_model": TargetModelResource(),
+        "storage": StorageResource(**resource_fields("storage")),
+        "inference": InferenceServerResource(**resource_fields("inference"), **api_key_from_env()),
+        "generation": GenerationResource(**resource_fields("generation")),
+        "target_model": TargetModelResource(**resource_fields("target_model")),
     },
 )

@@ -1,48 +1,115 @@
-"""The main job: materialize every stage, partition by partition, into the persistent instance."""
+"""The main job: materialize every stage into the persistent Dagster instance, skipping what is up to date.
 
+Order: prompt_corpus; for each partition completions -> tokenized_sequences -> hidden_states;
+truncation_report; dflash_drafter; drafter_evaluation. A partition's stage is up to date when its latest
+materialization is newer than its upstream's and, for completions, no row is invalid under the current
+generation settings. Ends with a summary read back from the assets' metadata.
+"""
+
+import os
 import time
 
 import dagster as dg
-import yaml
 
+from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
+from dflash_assets.automation import affected_reason
+from dflash_assets.config import config_path, op_config
 from dflash_assets.definitions import defs
 from dflash_assets.partitions import prompt_ranges
 
-
-def _load_run_config(config_path: str | None) -> dict:
-    if not config_path:
-        return {}
-    with open(config_path) as f:
-        return yaml.safe_load(f) or {}
+PARTITION_STAGES = ["completions", "tokenized_sequences", "hidden_states"]
+UPSTREAM = {"completions": None, "tokenized_sequences": "completions", "hidden_states": "tokenized_sequences"}
+FINAL_STAGES = ["truncation_report", "dflash_drafter", "drafter_evaluation"]
 
 
-def run_all(config_path: str | None = None, dagster_home: str | None = None) -> int:
-    """Materialize the corpus, then each partitioned stage for every partition, then the rest.
+def _latest_record(instance, key: str, pk: str | None = None):
+    flt = dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), asset_partitions=[pk] if pk else None)
+    records = instance.fetch_materializations(flt, limit=1).records
+    return records[0] if records else None
 
-    Returns the process exit code (0 when every step succeeded).
-    """
-    instance = dg.DagsterInstance.get()
-    run_config = _load_run_config(config_path)
-    started = time.monotonic()
-    corpus_job = defs.resolve_implicit_global_asset_job_def()
-    result = dg.materialize(
-        [a for a in defs.assets if getattr(a, "key", None) == dg.AssetKey("prompt_corpus")] or defs.assets,
-        instance=instance,
-        resources=defs.resources,
-        run_config={"ops": {k: v for k, v in run_config.get("ops", {}).items() if k == "prompt_corpus"}},
-        selection=["prompt_corpus"],
+
+def stage_up_to_date(instance, key: str, pk: str | None, upstream: list, settings=None) -> bool:
+    """True when ``key`` (partition ``pk``) was materialized after every upstream record given."""
+    record = _latest_record(instance, key, pk)
+    if record is None:
+        return False
+    if any(u is not None and u.storage_id > record.storage_id for u in upstream):
+        return False
+    if key == "completions" and settings is not None:
+        meta = {k: getattr(v, "value", v) for k, v in record.asset_materialization.metadata.items()}
+        return affected_reason(meta, settings) is None
+    return True
+
+
+def _materialize(keys: list[str], run_config: dict, partition_key: str | None = None) -> dg.ExecuteInProcessResult:
+    return dg.materialize(
+        list(defs.assets), selection=keys, instance=dg.DagsterInstance.get(), resources=defs.resources,
+        run_config=run_config, partition_key=partition_key, raise_on_error=False,
+        tags={"dflash/trigger": "cli-run"},
     )
-    del corpus_job
-    if not result.success:
-        return 1
-    keys = instance.get_dynamic_partitions(prompt_ranges.name)
-    print(f"prompt_corpus: {len(keys)} partitions registered in {dagster_home} ({time.monotonic() - started:.1f}s)")
-    return 0
 
 
-def print_status() -> int:
-    """Print per-stage partition counts from the Dagster instance."""
+def run_all(config_path_arg: str | None = None, dagster_home: str | None = None) -> int:
+    """Materialize what is not up to date and print the summary. Returns the exit code."""
+    if config_path_arg:
+        os.environ["DFLASH_CONFIG"] = os.path.abspath(config_path_arg)
     instance = dg.DagsterInstance.get()
+    started = time.monotonic()
+    asset_names = {k.to_user_string() for k in defs.resolve_all_asset_keys()}
+    print(f"config: {config_path()}\nDAGSTER_HOME: {dagster_home or os.environ.get('DAGSTER_HOME')}")
+    did_work = []
+
+    corpus_cfg = op_config("prompt_corpus")
+    fingerprint = corpus_fingerprint(PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})))
+    record = _latest_record(instance, "prompt_corpus")
+    if record is None or record.asset_materialization.metadata.get("config_fingerprint", dg.TextMetadataValue("")).value != fingerprint:
+        result = _materialize(["prompt_corpus"], corpus_cfg)
+        if not result.success:
+            print("prompt_corpus failed; see the run log above")
+            return 1
+        did_work.append("prompt_corpus")
     keys = instance.get_dynamic_partitions(prompt_ranges.name)
-    print(f"partitions: {len(keys)}")
+    settings = defs.resources["generation"].settings()
+
+    failed = []
+    for pk in keys:
+        todo, upstream = [], [_latest_record(instance, "prompt_corpus")]
+        for stage in PARTITION_STAGES:
+            if stage not in asset_names:
+                continue
+            if todo or not stage_up_to_date(instance, stage, pk, upstream, settings):
+                todo.append(stage)
+            upstream = [_latest_record(instance, stage, pk)]
+        if not todo:
+            continue
+        print(f"{pk}: materializing {', '.join(todo)}")
+        result = _materialize(todo, op_config(*todo), partition_key=pk)
+        did_work += [f"{s}[{pk}]" for s in todo]
+        if not result.success:
+            failed.append(pk)
+    if failed:
+        print(f"partitions failed: {failed}; rerun the same command to resume them (finished rows are kept)")
+        return 1
+
+    for stage in FINAL_STAGES:
+        if stage not in asset_names:
+            continue
+        upstream_key = {"truncation_report": "completions", "dflash_drafter": "hidden_states", "drafter_evaluation": "dflash_drafter"}[stage]
+        upstream = [_latest_record(instance, upstream_key, pk) for pk in keys] if upstream_key != "dflash_drafter" else [_latest_record(instance, upstream_key)]
+        if stage_up_to_date(instance, stage, None, upstream):
+            continue
+        print(f"materializing {stage}")
+        result = _materialize([stage], op_config(stage))
+        did_work.append(stage)
+        if not result.success:
+            print(f"{stage} failed; see the run log above")
+            return 1
+    from dflash_assets.summary import collect_summary, format_summary
+
+    summary = collect_summary(instance, keys)
+    print(format_summary(summary))
+    if did_work:
+        print(f"\nmaterialized {len(did_work)} steps in {time.monotonic() - started:.0f}s")
+    else:
+        print("\neverything is up to date: no generation, extraction or training work was done")
     return 0

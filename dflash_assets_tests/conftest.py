@@ -19,3 +19,15 @@ def local_server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("local_server") / "transformers_serve.log"
     with LocalTransformersServer(ensure_local_model(), log_path=log_path, startup_timeout_s=300) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def local_inference(local_server):
+    """An ``InferenceServerResource`` in external mode pointed at the shared ``local_server`` (greedy)."""
+    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.resources.inference import InferenceServerResource
+
+    return InferenceServerResource(
+        mode="external", base_urls=[local_server.base_url], served_model_name=local_server.model_name,
+        external_backend="transformers", external_tokenizer_path=str(ensure_local_model()), max_running_requests=8,
+    )

@@ -7,6 +7,7 @@ atomically to ``completions/<pk>.parquet`` and the journal removed.
 """
 
 import hashlib
+import threading
 import os
 import time
 from collections import Counter
@@ -16,7 +17,7 @@ import numpy as np
 import polars as pl
 
 from dflash_assets.assets.prompts import CORPUS_FILE
-from dflash_assets.generation.client import CompletionClient, TooManyFailuresError
+from dflash_assets.generation.client import TooManyFailuresError
 from dflash_assets.generation.journal import RowJournal
 from dflash_assets.generation.records import invalid_reason, row_from_result, rows_to_frame
 from dflash_assets.partitions import key_range, prompt_ranges
@@ -132,22 +133,20 @@ def completions(
     progress = None
     if todo:
         by_index = {p["index"]: p for p in todo}
-        last_log = [time.monotonic()]
 
         with inference.serve(log_dir=storage.local_scratch("server_logs", pk), settings=settings) as pool:
-            client = CompletionClient(pool.base_urls, api_key=pool.api_key, concurrency=pool.max_running_requests * len(pool.base_urls))
+            client = inference.client(pool)
 
             def on_result(result) -> None:
                 row = row_from_result(result, by_index[result.index], settings)
                 journal.append(row)
                 existing[row["index"]] = row
-                if time.monotonic() - last_log[0] >= PROGRESS_EVERY_S:
-                    last_log[0] = time.monotonic()
-                    context.log.info(f"{pk}: {client.progress().format(len(todo))}")
 
             items = ((p["index"], pool.adapt_body(settings.request_body(pool.model, p["messages"], p["index"]))) for p in todo)
+            ticker = _ProgressTicker(lambda: context.log.info(f"{pk}: {client.progress().format(len(todo))}"), PROGRESS_EVERY_S)
             try:
-                progress = client.generate_blocking(items, on_result)
+                with ticker:
+                    progress = client.generate_blocking(items, on_result)
             except TooManyFailuresError as exc:
                 failure = exc
             progress = client.progress()
@@ -185,3 +184,24 @@ def completions(
         data_version=dg.DataVersion(data_version),
     )
 
+
+class _ProgressTicker:
+    """Calls ``log()`` every ``every_s`` seconds from a daemon thread while the ``with`` block runs
+    (rows done, req/s, tok/s and ETA keep coming even while no row finishes)."""
+
+    def __init__(self, log, every_s: float):
+        self._log, self._every = log, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            self._log()
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()

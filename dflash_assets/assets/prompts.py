@@ -1,13 +1,15 @@
 """Stage 1: ``prompt_corpus``: prompt files -> one deduplicated, indexed table; registers partitions."""
 
 
+import hashlib
+import os
 import time
 from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
 
-from dflash_assets.corpus import build_corpus
+from dflash_assets.corpus import build_corpus, expand_source
 from dflash_assets.metadata import table_preview
 from dflash_assets.partitions import partition_keys, prompt_ranges
 from dflash_assets.resources.storage import StorageResource
@@ -32,6 +34,16 @@ class PromptCorpusConfig(dg.Config):
     )
     partition_size: int = Field(default=1000, ge=1, description="Prompts per index-range partition.")
     max_prompts: int | None = Field(default=None, ge=1, description="Keep only the first N prompts (demo runs).")
+
+
+def corpus_fingerprint(config: PromptCorpusConfig) -> str:
+    """Hash of the corpus config and each source file's size and mtime: equal -> the corpus is unchanged."""
+    parts = [config.model_dump_json()]
+    for spec in config.sources:
+        for path in expand_source(spec):
+            st = os.stat(path) if "://" not in path else None
+            parts.append(f"{path}:{st.st_size if st else ''}:{st.st_mtime_ns if st else ''}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 @dg.asset(
@@ -90,6 +102,7 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig,
             "path": dg.MetadataValue.path(corpus_uri),
             "preview": table_preview(preview),
             "seconds": round(time.monotonic() - started, 2),
+            "config_fingerprint": corpus_fingerprint(config),
         }
     )
 

@@ -71,6 +71,15 @@ class InferenceServerResource(dg.ConfigurableResource):
     base_urls: list[str] = Field(default_factory=list, description="external: OpenAI base URLs ending in /v1.")
     served_model_name: str = Field(default="", description="external: the model name requests carry.")
     external_tokenizer_path: str = Field(default="", description="external: the served model's dir, for tokenizing.")
+    external_backend: Literal["openai", "sglang", "transformers"] = Field(
+        default="openai", description="external: what serves the URLs (decides which request fields are sent)."
+    )
+
+    # client (all modes)
+    request_timeout_s: float = Field(default=3600.0, gt=0, description="Seconds one request may run (long reasoning).")
+    max_attempts: int = Field(default=5, ge=1, description="HTTP attempts per row for transient failures.")
+    backoff_base_s: float = Field(default=1.0, ge=0, description="Retry k waits base * 2**(k-1) + jitter seconds.")
+    max_consecutive_failures: int = Field(default=20, ge=1, description="Rows failing in a row before the partition stops.")
 
     def effective_max_running_requests(self) -> int:
         """Requests in flight per server: the configured value, else 16 (local) or 40."""
@@ -123,13 +132,23 @@ class InferenceServerResource(dg.ConfigurableResource):
                 raise ValueError("mode 'external' needs base_urls and served_model_name")
             for url in self.base_urls:
                 probe_chat(url, self.served_model_name, self.api_key, timeout_s=min(self.startup_timeout_s, 300.0))
-            yield ServerPool(list(self.base_urls), self.served_model_name, self.api_key, mrr, "openai")
+            yield ServerPool(list(self.base_urls), self.served_model_name, self.api_key, mrr, self.external_backend)
         else:
             commands = self.sglang_commands()
             with SGLangServers(commands, log_dir, self.api_key, self.startup_timeout_s) as servers:
                 # Behind a router one URL fronts num_servers servers: scale its concurrency to match.
                 per_url = mrr * self.num_servers if self.use_router else mrr
                 yield ServerPool(servers.base_urls, self.model_path, self.api_key, per_url, "sglang")
+
+    def client(self, pool: ServerPool):
+        """A :class:`CompletionClient` for ``pool``: concurrency = servers x max_running_requests."""
+        from dflash_assets.generation.client import CompletionClient
+
+        return CompletionClient(
+            pool.base_urls, api_key=pool.api_key, concurrency=pool.max_running_requests * len(pool.base_urls),
+            read_timeout_s=self.request_timeout_s, max_attempts=self.max_attempts,
+            backoff_base_s=self.backoff_base_s, max_consecutive_failures=self.max_consecutive_failures,
+        )
 
     def tokenizer_path(self) -> Path:
         """Target model directory for the tokenizer stage, matching what the servers run.

@@ -1,0 +1,143 @@
+"""DFlash speculative decoding on the local target: tau, target forwards saved, wall-time speedup.
+
+Compares plain greedy decoding with greedy speculative decoding for (a) an untrained drafter and
+(b) a drafter trained in this script on the target's own greedy completions of the prompts (hidden
+states extracted with ``extract_partition``, trained with ``dflash.train``), or (b') an exported drafter
+directory given with ``--drafter``. Lossless is checked for every prompt. Evaluated on the training
+prompts (the drafter was fit to them: this measures the machinery and the ceiling) and, if given, on
+held-out prompts.
+
+Usage: ``python bench/bench_speculative.py [--steps 60] [--block-size 4] [--layers 1] [--max-new-tokens 48]
+[--drafter EXPORT_DIR] [--png hist.png] [--device cpu|cuda]``; prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_assets.dflash.evaluation import (  # noqa: E402
+    acceptance_histogram_png,
+    evaluate_drafter,
+    teacher_forced_acceptance,
+    untrained_drafter_like,
+)
+from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, load_target_head  # noqa: E402
+from dflash_assets.dflash.shards import extract_partition  # noqa: E402
+from dflash_assets.dflash.speculative import target_generate  # noqa: E402
+from dflash_assets.dflash.train import TrainConfig, train  # noqa: E402
+
+TRAIN_QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "How many days are in a week?",
+    "Write a haiku about the sea.",
+    "Explain what a CPU does in two sentences.",
+    "List the planets of the solar system.",
+]
+HELDOUT_QUESTIONS = ["What is the capital of Italy?", "Name three fruits."]
+
+
+def _summary(ev: dict) -> dict:
+    keys = ("tau", "per_prompt_tau", "histogram", "new_tokens", "target_forwards_plain", "target_forwards_spec",
+            "target_forwards_saved", "forward_reduction", "wall_s_plain", "wall_s_spec", "speedup", "lossless")
+    return {k: ev[k] for k in keys}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", help="exported drafter dir (skip training)")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--png", help="write the acceptance histogram (trained vs untrained) here")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_assets.generation.local_model import ensure_local_model
+
+    t_start = time.perf_counter()
+    device = torch.device(a.device)
+    model_dir = ensure_local_model()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def encode(q: str) -> list[int]:
+        return tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=True)["input_ids"]
+
+    train_prompts = [encode(q) for q in TRAIN_QUESTIONS]
+    heldout_prompts = [encode(q) for q in HELDOUT_QUESTIONS]
+    embed, head = load_target_head(str(model_dir))
+    target_generate(target, train_prompts[0], 2)  # warm-up
+    plain = [target_generate(target, p, a.max_new_tokens, [end_id]) for p in train_prompts]
+    report: dict = {"max_new_tokens": a.max_new_tokens, "device": str(device), "threads": torch.get_num_threads()}
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_spec_"))
+    rows = [{"index": i, "input_ids": p + r.output_ids, "loss_mask": [0] * len(p) + [1] * len(r.output_ids)}
+            for i, (p, r) in enumerate(zip(train_prompts, plain))]
+    if a.drafter:
+        from dflash_assets.dflash.export import load_exported
+
+        drafter = load_exported(a.drafter, embed_weight=embed, lm_head_weight=head).to(device).eval()
+        layer_ids = drafter.config.target_layer_ids
+        report["drafter"] = a.drafter
+    else:
+        config = json.loads((model_dir / "config.json").read_text())
+        layer_ids = default_target_layer_ids(config["num_hidden_layers"])
+    # shards of the target's own greedy completions: training data and the teacher-forced proxy's input
+    extract_partition(target, rows, tmp / "shards", layer_ids, rows_per_shard=64)
+    shards = sorted(str(p) for p in (tmp / "shards").glob("*.safetensors"))
+    if not a.drafter:
+        dc = DFlashConfig.from_target_config(config, mask_token_id=16, num_hidden_layers=a.layers,
+                                             block_size=a.block_size, target_layer_ids=layer_ids)
+        t0 = time.perf_counter()
+        cfg = TrainConfig(shards=shards, out_dir=str(tmp / "run"), block_size=a.block_size, max_anchors=128,
+                          batch_size=len(rows), lr=2e-3, max_steps=a.steps, warmup_ratio=0.05, min_lr_ratio=0.1,
+                          checkpoint_every=0, log_every=10, seed=a.seed, device=a.device, prefetch=1)
+        result = train(cfg, draft_config=dc, target_head=(embed, head))
+        drafter = result.model.eval()
+        report["train"] = {"steps": result.step, "final_loss": result.summary["final_loss"],
+                           "seconds": time.perf_counter() - t0, "rows": len(rows),
+                           "tokens": sum(len(r["input_ids"]) for r in rows)}
+
+    fresh = untrained_drafter_like(drafter, seed=a.seed)
+    kw = dict(eos_token_ids=[end_id], plain_results=plain)
+    ev_trained = evaluate_drafter(target, drafter, train_prompts, a.max_new_tokens, **kw)
+    ev_untrained = evaluate_drafter(target, fresh, train_prompts, a.max_new_tokens, **kw)
+    report["train_prompts"] = {"trained": _summary(ev_trained), "untrained": _summary(ev_untrained)}
+    report["teacher_forced"] = {
+        "trained": {k: v for k, v in teacher_forced_acceptance(drafter, shards).items() if k != "histogram"},
+        "untrained": {k: v for k, v in teacher_forced_acceptance(fresh, shards).items() if k != "histogram"},
+    }
+    ev_held = evaluate_drafter(target, drafter, heldout_prompts, a.max_new_tokens, eos_token_ids=[end_id])
+    report["heldout_prompts"] = {"trained": _summary(ev_held)}
+    if a.png:
+        Path(a.png).write_bytes(acceptance_histogram_png(
+            {"trained": [v for s in ev_trained["accepted_lengths"] for v in s],
+             "untrained": [v for s in ev_untrained["accepted_lengths"] for v in s]},
+            drafter.config.block_size, title="DFlash on SmolLM2-135M (training prompts)"))
+        report["png"] = a.png
+    report["total_s"] = time.perf_counter() - t_start
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""The status command against a real Dagster instance holding done, failed, in-progress and missing partitions.
+
+Stand-in assets carry the real stage keys and the real ``prompt_index_ranges`` partitions, so the
+instance records look like the pipeline's; running the real completions would need a model server.
+"""
+
+import threading
+import time
+
+import dagster as dg
+import pytest
+
+from dflash_assets.partitions import partition_keys, prompt_ranges
+from dflash_assets.status import collect_status, format_status, print_status
+
+KEYS = partition_keys(60, 10)  # 6 partitions of 10 prompts
+P0, P1, P2, P3, P4, P5 = KEYS
+# completions metadata per partition: (rows, completion_tokens_total, wall_s)
+COMPLETIONS_META = {P0: (10, 1000, 2.0), P1: (10, 1200, 3.0), P2: (10, 800, 1.0)}
+FAIL = {P3}
+RELEASE = threading.Event()
+IN_RUN = threading.Event()
+HOLD = {P4}
+
+
+@dg.asset(partitions_def=prompt_ranges, name="completions")
+def completions_standin(context: dg.AssetExecutionContext):
+    pk = context.partition_key
+    if pk in FAIL:
+        raise RuntimeError(f"{pk}: every request failed")
+    if pk in HOLD:
+        IN_RUN.set()
+        assert RELEASE.wait(60), "test never released the in-progress run"
+    rows, tokens, wall = COMPLETIONS_META.get(pk, (10, 5, 99.0))
+    return dg.MaterializeResult(metadata={"rows": rows, "completion_tokens_total": tokens, "wall_s": wall})
+
+
+@dg.asset(partitions_def=prompt_ranges, name="tokenized_sequences")
+def tokenized_standin(context: dg.AssetExecutionContext):
+    if context.partition_key in FAIL | {P2}:
+        raise RuntimeError("blocking check failed")
+    return dg.MaterializeResult(metadata={"rows": 10})
+
+
+@dg.asset(partitions_def=prompt_ranges, name="hidden_states")
+def hidden_standin(context: dg.AssetExecutionContext):
+    return dg.MaterializeResult(metadata={"rows": 10})
+
+
+def _materialize(instance, assets, pk):
+    assets = assets if isinstance(assets, list) else [assets]
+    return dg.materialize(assets, instance=instance, partition_key=pk, raise_on_error=False)
+
+
+@pytest.fixture()
+def instance(tmp_path):
+    with dg.instance_for_test(temp_dir=str(tmp_path)) as inst:
+        yield inst
+
+
+def test_status_counts_rate_and_eta(instance):
+    instance.add_dynamic_partitions(prompt_ranges.name, KEYS)
+    # P0 materialized twice: the status must use the latest metadata (rows 10, 1000 tokens), not the first
+    old = dict(COMPLETIONS_META)
+    COMPLETIONS_META[P0] = (10, 5, 50.0)
+    assert _materialize(instance, completions_standin, P0).success
+    COMPLETIONS_META.update(old)
+    # one run per partition holding that partition's stages, like the partition_stages job
+    assert _materialize(instance, [completions_standin, tokenized_standin, hidden_standin], P0).success
+    assert _materialize(instance, [completions_standin, tokenized_standin], P1).success
+    assert not _materialize(instance, [completions_standin, tokenized_standin], P2).success  # tokenized fails
+    assert not _materialize(instance, [completions_standin], P3).success
+
+    # P4: a run in flight while the status is read
+    RELEASE.clear()
+    IN_RUN.clear()
+    holder = threading.Thread(target=_materialize, args=(instance, completions_standin, P4))
+    holder.start()
+    try:
+        assert IN_RUN.wait(60)
+        time.sleep(0.2)
+        status = collect_status(instance)
+        text = format_status(status)
+        raw = {stage: instance.get_status_by_partition(dg.AssetKey(stage), KEYS, prompt_ranges) or {}
+               for stage in ("completions", "tokenized_sequences", "hidden_states")}
+    finally:
+        RELEASE.set()
+        holder.join(60)
+
+    assert status["partitions"] == 6 and status["prompts"] == 60
+    comp = status["stages"]["completions"]
+    assert (comp["done"], comp["failed"], comp["in_progress"], comp["missing"]) == (3, 1, 1, 1)
+    assert comp["done_keys"] == [P0, P1, P2] and comp["failed_keys"] == [P3]
+    assert comp["in_progress_keys"] == [P4] and comp["missing_keys"] == [P5]
+    tok = status["stages"]["tokenized_sequences"]
+    assert (tok["done"], tok["failed"], tok["in_progress"], tok["missing"]) == (2, 1, 0, 3)
+    hid = status["stages"]["hidden_states"]
+    assert (hid["done"], hid["failed"], hid["in_progress"], hid["missing"]) == (1, 0, 0, 5)
+
+    # the command's counts are the instance's partition statuses (what the UI shows), read at the same moment
+    names = {dg.AssetPartitionStatus.MATERIALIZED: "done", dg.AssetPartitionStatus.FAILED: "failed",
+             dg.AssetPartitionStatus.IN_PROGRESS: "in_progress"}
+    for stage, by_pk in raw.items():
+        for group in ("done", "failed", "in_progress", "missing"):
+            expected = [pk for pk in KEYS if names.get(by_pk.get(pk), "missing") == group]
+            assert status["stages"][stage][f"{group}_keys"] == expected, (stage, group)
+
+    c = status["completions"]
+    assert c["rows_done"] == 30 and c["tokens_done"] == 3000
+    assert c["generation_s"] == pytest.approx(6.0)
+    assert c["tokens_per_s"] == pytest.approx(500.0)  # 3000 tokens / 6 s
+    assert c["rows_remaining"] == 30  # P3 failed, P4 in progress, P5 missing: 10 prompts each
+    assert c["tokens_remaining_est"] == pytest.approx(3000.0)  # 30 rows * 100 tokens/row
+    assert c["eta_s"] == pytest.approx(6.0)  # 3000 tokens / 500 tokens/s
+
+    lines = text.splitlines()
+    assert lines[0] == "partitions: 6 (prompt_index_ranges, 60 prompts)"
+    assert lines[3].split() == ["completions", "3", "1", "1", "1"]
+    assert f"failed: {P3}" in text
+    assert "500.0 tokens/s" in text and "ETA 6s" in text
+
+    # after the held run finishes, P4 is done and its rows are no longer remaining
+    after = collect_status(instance)
+    assert after["stages"]["completions"]["done_keys"] == [P0, P1, P2, P4]
+    assert after["completions"]["rows_remaining"] == 20
+
+
+def test_status_of_an_empty_instance(instance, capsys):
+    status = collect_status(instance)
+    assert status["partitions"] == 0 and status["stages"]["completions"]["missing"] == 0
+    assert status["completions"]["eta_s"] == 0.0
+    instance.add_dynamic_partitions(prompt_ranges.name, KEYS[:2])
+    status = collect_status(instance)
+    assert status["stages"]["hidden_states"]["missing"] == 2
+    assert status["completions"]["rows_remaining"] == 20
+    assert status["completions"]["tokens_per_s"] is None and status["completions"]["eta_s"] is None
+    assert print_status(instance) == 0
+    out = capsys.readouterr().out
+    assert "ETA unknown" in out and "tokens unknown" in out
