@@ -31,7 +31,8 @@ class Storage:
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None):
         self.root = root.rstrip("/")
         self.fs, self._root_path = fsspec.core.url_to_fs(self.root, **(storage_options or {}))
-        self.is_local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.is_local = "file" in protocols
 
     def __repr__(self) -> str:
         return f"Storage({self.root!r})"

@@ -7,8 +7,8 @@ import dagster as dg
 from dflash_assets.automation import latest_metadata
 
 
-def _meta(instance, key: str, pk: str | None = None) -> dict:
-    return latest_metadata(instance, dg.AssetKey(key), pk) or {} if pk else _unpartitioned(instance, key)
+def _meta(instance, key: str, pk: str) -> dict:
+    return latest_metadata(instance, dg.AssetKey(key), pk) or {}
 
 
 def _unpartitioned(instance, key: str) -> dict:

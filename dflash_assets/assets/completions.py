@@ -8,7 +8,6 @@ atomically to ``completions/<pk>.parquet`` and the journal removed.
 
 import hashlib
 import threading
-import os
 import time
 from collections import Counter
 
@@ -18,7 +17,6 @@ import polars as pl
 
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.generation.client import TooManyFailuresError
-from dflash_assets.generation.journal import RowJournal
 from dflash_assets.generation.records import invalid_reason, row_from_result, rows_to_frame
 from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
@@ -32,10 +30,6 @@ PROGRESS_EVERY_S = 5.0
 def partition_file(pk: str) -> tuple[str, str]:
     return ("completions", f"{pk}.parquet")
 
-
-def journal_path(storage, pk: str) -> str:
-    """Local path of the partition's row journal (beside the table for local storage)."""
-    return storage.local_scratch("completions", f"{pk}.journal.jsonl")
 
 
 def load_prompts(storage, pk: str) -> pl.DataFrame:
@@ -51,7 +45,7 @@ def load_prompts(storage, pk: str) -> pl.DataFrame:
     return prompts
 
 
-def load_existing_rows(storage, pk: str, journal: RowJournal) -> dict[int, dict]:
+def load_existing_rows(storage, pk: str, journal) -> dict[int, dict]:
     """Rows already made for ``pk``: the last table, overlaid by the journal (later rows win)."""
     rows: dict[int, dict] = {}
     if storage.exists(*partition_file(pk)):
@@ -123,7 +117,7 @@ def completions(
     store = storage.open()
     settings = generation.settings()
     prompts = load_prompts(store, pk)
-    journal = RowJournal(journal_path(storage, pk))
+    journal = storage.open_journal("completions", f"{pk}.journal.jsonl")
     existing = load_existing_rows(store, pk, journal)
     todo, reasons = plan_requests(prompts, existing, settings)
     context.log.info(f"{pk}: {prompts.height} prompts, {len(todo)} to request {dict(reasons)}, cap {settings.max_output_tokens}")
@@ -162,7 +156,7 @@ def completions(
             + "; finished rows are checkpointed, rerun the partition to resume"
         )
     uri = store.write_parquet(frame, *partition_file(pk))
-    journal.path.unlink(missing_ok=True)
+    journal.discard()
     data_version = hashlib.sha256(store.read_bytes(*partition_file(pk))).hexdigest()[:20]
     stats = completion_stats(frame)
     wall = time.monotonic() - started

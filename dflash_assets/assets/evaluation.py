@@ -10,7 +10,7 @@ import polars as pl
 import torch
 from pydantic import Field
 
-from dflash_assets.assets.drafter import DRAFTER_DIR, EXPORT_DIR, complete_shards
+from dflash_assets.assets.drafter import EXPORT_DIR, complete_shards
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.dflash.data import HiddenStateShards
 from dflash_assets.dflash.evaluation import acceptance_histogram_png, evaluate_drafter, teacher_forced_acceptance, untrained_drafter_like

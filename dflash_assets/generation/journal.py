@@ -132,6 +132,11 @@ class RowJournal:
                 os.close(self._fd)
                 self._fd = None
 
+    def discard(self) -> None:
+        """Close and delete the journal (its rows are now in the finished partition table)."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+
     def __enter__(self) -> RowJournal:
         return self
 

@@ -31,3 +31,14 @@ class StorageResource(dg.ConfigurableResource):
         path = os.path.join(base.removeprefix("file://"), *parts)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return path
+
+    def open_journal(self, *parts: str):
+        """The row journal for in-flight rows at ``parts`` (e.g. ``("completions", "<pk>.journal.jsonl")``).
+
+        Local storage: a :class:`RowJournal` beside the partition table. ``discard()`` removes it once
+        the partition table is written.
+        """
+        from dflash_assets.generation.journal import RowJournal
+
+        journal = RowJournal(self.local_scratch(*parts))
+        return journal
