@@ -31,4 +31,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "run":
         sys.exit(pipeline.run_all(config_path_arg=args.config, dagster_home=home))
     if args.command == "status":
-        sys.exit(pipeline.print_status())
+        from dflash_assets.status import print_status
+
+        sys.exit(print_status())

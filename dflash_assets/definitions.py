@@ -16,7 +16,6 @@ from dflash_assets.resources.target_model import TargetModelResource
 partition_stages_job = dg.define_asset_job(
     "partition_stages",
     selection=dg.AssetSelection.assets("completions", "tokenized_sequences", "hidden_states"),
-    partitions_def=completions.prompt_ranges,
     config=op_config("completions", "tokenized_sequences", "hidden_states"),
     description="Per-partition stages for one index range: completions, tokenized sequences, hidden states.",
 )

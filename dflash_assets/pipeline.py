@@ -7,6 +7,7 @@ generation settings. Ends with a summary read back from the assets' metadata.
 """
 
 import os
+import socket
 import time
 
 import dagster as dg
@@ -45,8 +46,38 @@ def _materialize(keys: list[str], run_config: dict, partition_key: str | None = 
     return dg.materialize(
         list(defs.assets), selection=keys, instance=dg.DagsterInstance.get(), resources=defs.resources,
         run_config=run_config, partition_key=partition_key, raise_on_error=False,
-        tags={"dflash/trigger": "cli-run"},
+        tags={"dflash/trigger": "cli-run", "dflash/pid": str(os.getpid()), "dflash/host": socket.gethostname()},
     )
+
+
+def reap_dead_cli_runs(instance: dg.DagsterInstance) -> list[str]:
+    """Mark runs of this command that were killed (kill -9, lost node) as failed and free their pool slots.
+
+    An in-process run has no daemon watching it: without this, a killed run would hold its
+    ``dflash_inference`` / ``dflash_gpu`` slot forever and the next run would wait on it.
+    """
+    reaped = []
+    records = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED], tags={"dflash/trigger": "cli-run"}))
+    for record in records:
+        run = record.dagster_run
+        if run.tags.get("dflash/host") != socket.gethostname() or _pid_alive(int(run.tags.get("dflash/pid", "0"))):
+            continue
+        instance.report_run_failed(run, "the process running it is gone (killed); marked failed by the next `run`")
+        instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+        reaped.append(run.run_id)
+    return reaped
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def run_all(config_path_arg: str | None = None, dagster_home: str | None = None) -> int:
@@ -54,6 +85,8 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None)
     if config_path_arg:
         os.environ["DFLASH_CONFIG"] = os.path.abspath(config_path_arg)
     instance = dg.DagsterInstance.get()
+    for run_id in reap_dead_cli_runs(instance):
+        print(f"run {run_id} was killed earlier: marked failed, its pool slots freed; resuming its partitions")
     started = time.monotonic()
     asset_names = {k.to_user_string() for k in defs.resolve_all_asset_keys()}
     print(f"config: {config_path()}\nDAGSTER_HOME: {dagster_home or os.environ.get('DAGSTER_HOME')}")

@@ -32,8 +32,8 @@ def ensure_pool_limits(instance: dg.DagsterInstance, pools: Sequence[str] = POOL
     (``dagster instance concurrency set``) is left as it is. Returns the pools it registered.
     """
     storage = instance.event_log_storage
-    if not storage.supports_global_concurrency_limits:
-        return []
+    if not storage.supports_global_concurrency_limits or instance.global_op_concurrency_default_limit is None:
+        return []  # no default_limit in dagster.yaml: nothing to register
     known = storage.get_concurrency_keys()
     added = [pool for pool in pools if pool not in known]
     for pool in added:

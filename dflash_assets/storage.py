@@ -1,38 +1,134 @@
 """One storage layer for every stage: a local directory or ``s3://bucket/prefix`` through fsspec.
 
 Every write is atomic from a reader's view: local files are written to a temporary name in the same
-directory, fsynced and renamed; S3 objects are uploaded whole (a PUT is never visible half-written).
+directory, fsynced and renamed; S3 objects are uploaded whole (a single PUT, or a multipart upload that
+only becomes visible when it completes), so a reader sees the old object or the new one, never a part.
+
+S3 calls that fail for a transient reason (endpoint unreachable, timeouts, throttling, 5xx) are
+retried with exponential backoff and jitter (:class:`RetryPolicy`); when the attempts run out a
+:class:`StorageError` names the operation and the object. Permanent errors (missing object, access
+denied, no such bucket) are raised at once as the usual ``FileNotFoundError`` / ``PermissionError``.
+Credentials live only inside the filesystem object; nothing here formats or logs them.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import logging
 import os
 import posixpath
+import shutil
 import tempfile
+import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import fsspec
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
+import tenacity
+
+__all__ = ["RetryPolicy", "Storage", "StorageError", "atomic_write_local", "is_transient"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# S3 error codes worth retrying: throttling and server-side trouble (AWS S3 error-code list).
+_TRANSIENT_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+    "RequestLimitExceeded", "TooManyRequestsException", "RequestTimeout", "RequestTimeoutException",
+    "InternalError", "ServiceUnavailable", "OperationAborted", "500", "502", "503", "504", "429",
+}
+# What s3fs turns those codes into (s3fs.errors.ERROR_CODE_TO_EXCEPTION) when no botocore cause is kept.
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET,
+                     errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE}
+
+
+class StorageError(RuntimeError):
+    """An S3 operation still failed after every retry. The message names the operation, the object URI,
+    the attempts and seconds spent, and the last error (never credentials)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries for transient S3 errors: failed attempt ``k`` (1-based) is followed by a wait of
+    ``min(max_wait_s, backoff_s * 2**(k-1) + U(0, backoff_s))`` seconds (exponential backoff with jitter).
+
+    Attributes:
+        attempts: total tries per operation (1 = no retry).
+        backoff_s: first wait, seconds.
+        max_wait_s: longest single wait, seconds.
+    """
+
+    attempts: int = 6
+    backoff_s: float = 0.5
+    max_wait_s: float = 30.0
+
+
+def _error_code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        err = response.get("Error") or {}
+        code = err.get("Code")
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        if code:
+            return str(code)
+        if status:
+            return str(status)
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors a retry can cure: connection failures and timeouts, throttling, 5xx.
+
+    Walks the ``__cause__`` chain because s3fs re-raises botocore errors as plain ``OSError``.
+    ``FileNotFoundError``, ``PermissionError``, missing credentials and bad requests are permanent.
+    """
+    import botocore.exceptions as bex
+
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
+                                NotADirectoryError, bex.NoCredentialsError, bex.PartialCredentialsError,
+                                bex.ParamValidationError)):
+            return False
+        if isinstance(current, (TimeoutError, ConnectionError, bex.ConnectionError, bex.HTTPClientError,
+                                bex.ReadTimeoutError, bex.ResponseStreamingError)):
+            return True
+        code = _error_code(current)
+        if code is not None:
+            return code in _TRANSIENT_CODES or code.startswith("5")
+        if type(current).__module__.startswith("aiohttp") or type(current).__name__ == "FSTimeoutError":
+            return True
+        if isinstance(current, OSError) and current.errno in _TRANSIENT_ERRNOS:
+            return True
+        current = current.__cause__
+    return False
 
 
 class Storage:
-    """Paths under one root, with atomic writes.
+    """Paths under one root, with atomic writes and (for S3) retried calls.
 
     Args:
         root: local directory or ``s3://bucket/prefix``.
-        storage_options: fsspec options (for S3: ``key``, ``secret``, ``client_kwargs`` ...).
+        storage_options: fsspec options (for S3: ``key``, ``secret``, ``endpoint_url``,
+            ``client_kwargs`` ...). Kept only inside the filesystem object, never logged.
+        retry: retry policy for remote calls (local calls are not retried).
     """
 
-    def __init__(self, root: str, storage_options: dict[str, Any] | None = None):
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None):
         self.root = root.rstrip("/")
         self.fs, self._root_path = fsspec.core.url_to_fs(self.root, **(storage_options or {}))
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.is_local = "file" in protocols
+        self.retry = retry or RetryPolicy()
 
     def __repr__(self) -> str:
         return f"Storage({self.root!r})"
@@ -45,33 +141,117 @@ class Storage:
         """Full URI of ``parts`` under the root, for metadata and messages."""
         return posixpath.join(self.root, *parts) if not self.is_local else self.path(*parts)
 
+    def call(self, op: str, parts: tuple[str, ...], fn: Callable[[], T]) -> T:
+        """Run ``fn()``; on S3 retry transient errors per :attr:`retry`.
+
+        Raises:
+            StorageError: still failing after ``retry.attempts`` tries (names ``op`` and the object).
+            Exception: a permanent error from ``fn`` as is (e.g. ``FileNotFoundError``).
+        """
+        if self.is_local:
+            return fn()
+        policy = self.retry
+        started = time.monotonic()
+        uri = self.uri(*parts)
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning("storage %s %s: %s; attempt %d/%d in %.1fs", op, uri, _describe(exc),
+                        state.attempt_number + 1, policy.attempts, state.upcoming_sleep)
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(max(1, policy.attempts)),
+            wait=tenacity.wait_exponential_jitter(multiplier=policy.backoff_s, max=policy.max_wait_s, jitter=policy.backoff_s),
+            retry=tenacity.retry_if_exception(is_transient),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+        try:
+            return retrying(fn)
+        except Exception as exc:
+            if is_transient(exc):
+                raise StorageError(
+                    f"storage {op} {uri} failed after {policy.attempts} attempts over "
+                    f"{time.monotonic() - started:.1f}s: {_describe(exc)}"
+                ) from exc
+            raise
+
     def exists(self, *parts: str) -> bool:
-        return self.fs.exists(self.path(*parts))
+        return self.call("exists", parts, lambda: self.fs.exists(self.path(*parts)))
+
+    def size(self, *parts: str) -> int:
+        """Size in bytes. Raises FileNotFoundError when missing."""
+        return int(self.call("size", parts, lambda: self.fs.size(self.path(*parts))))
 
     def listdir(self, *parts: str) -> list[str]:
         """Base names directly under ``parts`` (empty when the folder does not exist)."""
         p = self.path(*parts)
-        if not self.fs.exists(p):
+
+        def ls() -> list[str]:
+            try:
+                return sorted(posixpath.basename(x.rstrip("/")) for x in self.fs.ls(p, detail=False))
+            except FileNotFoundError:
+                return []
+
+        if self.is_local and not os.path.isdir(p):
             return []
-        return sorted(posixpath.basename(x.rstrip("/")) for x in self.fs.ls(p, detail=False))
+        return self.call("list", parts, ls)
 
     def remove(self, *parts: str, recursive: bool = False) -> None:
+        """Delete a file (or a folder with ``recursive``); nothing happens when it does not exist."""
         p = self.path(*parts)
-        if self.fs.exists(p):
-            self.fs.rm(p, recursive=recursive)
+
+        def rm() -> None:
+            try:
+                self.fs.rm(p, recursive=recursive)
+            except FileNotFoundError:
+                pass
+
+        if self.is_local and not os.path.lexists(p):
+            return
+        self.call("delete", parts, rm)
 
     def read_bytes(self, *parts: str) -> bytes:
-        with self.fs.open(self.path(*parts), "rb") as f:
-            return f.read()
+        return self.call("get", parts, lambda: self.fs.cat_file(self.path(*parts)))
 
     def write_bytes(self, data: bytes, *parts: str) -> str:
-        """Write ``data`` atomically; returns the URI."""
+        """Write ``data`` atomically (local rename / whole-object PUT); returns the URI."""
         p = self.path(*parts)
         if self.is_local:
             atomic_write_local(p, data)
         else:
-            self.fs.pipe_file(p, data)
+            self.call("put", parts, lambda: self.fs.pipe_file(p, data))
         return self.uri(*parts)
+
+    def upload(self, local_path: str | os.PathLike[str], *parts: str) -> str:
+        """Copy a local file to ``parts`` without reading it into memory; atomic for readers (S3
+        multipart uploads appear only on completion; local copies are renamed into place)."""
+        p = self.path(*parts)
+        if self.is_local:
+            if os.path.abspath(local_path) != os.path.abspath(p):
+                _atomic_copy_local(str(local_path), p)
+        else:
+            self.call("put", parts, lambda: self.fs.put_file(str(local_path), p))
+        return self.uri(*parts)
+
+    def download(self, local_path: str | os.PathLike[str], *parts: str) -> str:
+        """Copy ``parts`` to a local file (temp name + rename, so a crash leaves no partial file).
+        Raises FileNotFoundError when the object is missing."""
+        local_path = str(local_path)
+        if self.is_local:
+            if os.path.abspath(local_path) != os.path.abspath(self.path(*parts)):
+                _atomic_copy_local(self.path(*parts), local_path)
+            return local_path
+        directory = os.path.dirname(local_path) or "."
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(local_path)}.{uuid.uuid4().hex[:6]}.tmp")
+        try:
+            self.call("get", parts, lambda: self.fs.get_file(self.path(*parts), tmp))
+            os.replace(tmp, local_path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return local_path
 
     def read_json(self, *parts: str) -> Any:
         return json.loads(self.read_bytes(*parts))
@@ -88,6 +268,26 @@ class Storage:
         buf = io.BytesIO()
         pq.write_table(table, buf, compression="zstd", write_statistics=True)
         return self.write_bytes(buf.getvalue(), *parts)
+
+
+def _describe(exc: BaseException | None) -> str:
+    return "unknown error" if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+def _atomic_copy_local(src: str, dst: str) -> None:
+    directory = os.path.dirname(dst) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(dst)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
+            shutil.copyfileobj(inp, out, 1 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def atomic_write_local(path: str, data: bytes) -> None:

@@ -7,11 +7,16 @@ instance records look like the pipeline's; running the real completions would ne
 import threading
 import time
 
+from pathlib import Path
+
 import dagster as dg
 import pytest
+import yaml
 
 from dflash_assets.partitions import partition_keys, prompt_ranges
-from dflash_assets.status import collect_status, format_status, print_status
+from dflash_assets.status import INFERENCE_POOL, collect_status, ensure_pool_limits, format_status, print_status
+
+PROJECT_CONCURRENCY = yaml.safe_load((Path(__file__).resolve().parent.parent / "dagster.yaml").read_text())["concurrency"]
 
 KEYS = partition_keys(60, 10)  # 6 partitions of 10 prompts
 P0, P1, P2, P3, P4, P5 = KEYS
@@ -23,7 +28,7 @@ IN_RUN = threading.Event()
 HOLD = {P4}
 
 
-@dg.asset(partitions_def=prompt_ranges, name="completions")
+@dg.asset(partitions_def=prompt_ranges, name="completions", pool=INFERENCE_POOL)
 def completions_standin(context: dg.AssetExecutionContext):
     pk = context.partition_key
     if pk in FAIL:
@@ -54,12 +59,15 @@ def _materialize(instance, assets, pk):
 
 @pytest.fixture()
 def instance(tmp_path):
-    with dg.instance_for_test(temp_dir=str(tmp_path)) as inst:
+    # the project's pools settings (granularity op, default limit 1): in-process steps claim pool slots too
+    with dg.instance_for_test(temp_dir=str(tmp_path), overrides={"concurrency": PROJECT_CONCURRENCY}) as inst:
         yield inst
 
 
 def test_status_counts_rate_and_eta(instance):
     instance.add_dynamic_partitions(prompt_ranges.name, KEYS)
+    assert ensure_pool_limits(instance) == ["dflash_inference", "dflash_gpu"]
+    assert ensure_pool_limits(instance) == []  # already registered
     # P0 materialized twice: the status must use the latest metadata (rows 10, 1000 tokens), not the first
     old = dict(COMPLETIONS_META)
     COMPLETIONS_META[P0] = (10, 5, 50.0)
@@ -112,6 +120,9 @@ def test_status_counts_rate_and_eta(instance):
     assert c["rows_remaining"] == 30  # P3 failed, P4 in progress, P5 missing: 10 prompts each
     assert c["tokens_remaining_est"] == pytest.approx(3000.0)  # 30 rows * 100 tokens/row
     assert c["eta_s"] == pytest.approx(6.0)  # 3000 tokens / 500 tokens/s
+    # the held completions step holds the inference pool's only slot
+    assert status["pools"][INFERENCE_POOL] == {"limit": 1, "in_use": 1, "waiting": 0}
+    assert "pool dflash_inference: limit 1, 1 in use, 0 waiting" in text
 
     lines = text.splitlines()
     assert lines[0] == "partitions: 6 (prompt_index_ranges, 60 prompts)"
@@ -123,6 +134,7 @@ def test_status_counts_rate_and_eta(instance):
     after = collect_status(instance)
     assert after["stages"]["completions"]["done_keys"] == [P0, P1, P2, P4]
     assert after["completions"]["rows_remaining"] == 20
+    assert after["pools"][INFERENCE_POOL]["in_use"] == 0
 
 
 def test_status_of_an_empty_instance(instance, capsys):

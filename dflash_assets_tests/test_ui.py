@@ -82,7 +82,7 @@ def materialize_corpus(home: Path, partition_size: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def dagster_dev(home: Path, port: int, log_path: Path, stage_seconds: float = 1.5):
+def dagster_dev(home: Path, port: int, log_path: Path, stage_seconds: float = 1.0):
     """Run ``dagster dev`` (webserver, daemon, code server) until the code location is loaded; yields the base URL.
 
     Raises:
@@ -222,6 +222,28 @@ def step_intervals(home: Path, run_ids: list[str], step_key: str = "completions"
     return out
 
 
+def test_prompt_corpus_registers_the_pools(tmp_path):
+    """Materializing the real prompt_corpus registers the pools at dagster.yaml's default limit, so runs
+    queued together for a pool's first use are held by the queue (see status.ensure_pool_limits)."""
+    import dagster as dg
+
+    from dflash_assets.assets.prompts import prompt_corpus
+    from dflash_assets.resources.storage import StorageResource
+    from dflash_assets.status import POOLS, pool_usage
+
+    project_concurrency = yaml.safe_load((REPO / "dagster.yaml").read_text())["concurrency"]
+    with dg.instance_for_test(temp_dir=str(tmp_path), overrides={"concurrency": project_concurrency}) as instance:
+        assert not set(POOLS) & instance.event_log_storage.get_concurrency_keys()
+        result = dg.materialize(
+            [prompt_corpus], instance=instance, resources={"storage": StorageResource(root=str(tmp_path / "data"))},
+            run_config={"ops": {"prompt_corpus": {"config": {"max_prompts": 3}}}},
+        )
+        assert result.success
+        assert set(POOLS) <= instance.event_log_storage.get_concurrency_keys(), (
+            "prompt_corpus must call dflash_assets.status.ensure_pool_limits(context.instance)")
+        assert {pool: u["limit"] for pool, u in pool_usage(instance).items()} == {pool: 1 for pool in POOLS}
+
+
 def test_ui_launches_partitions_one_at_a_time_under_the_inference_pool(tmp_path):
     """Asset graph and partitions view render; a partition launched from the UI succeeds; 3 partitions
     launched together from the UI (a backfill) run one at a time under the dflash_inference pool (limit 1)."""
@@ -250,7 +272,13 @@ def test_ui_launches_partitions_one_at_a_time_under_the_inference_pool(tmp_path)
             page.get_by_role("button", name="All", exact=True).click()
             for name in ("prompt_corpus", "completions", "truncation_report", "tokenized_sequences", "hidden_states"):
                 expect(page.get_by_text(name, exact=True).first).to_be_visible()
+            zoom_out = page.get_by_role("img", name="zoom_out")
+            for _ in range(4 if zoom_out.count() else 0):  # so the whole graph fits the screenshot
+                zoom_out.first.click()
+            page.set_viewport_size({"width": 2200, "height": 1300})
+            page.wait_for_timeout(300)
             shot(page, "01_asset_graph")
+            page.set_viewport_size({"width": 1600, "height": 1000})
 
             # 2. the completions partitions view: the 5 registered ranges, all missing
             page.goto(f"{url}/assets/completions?view=partitions")
@@ -278,11 +306,14 @@ def test_ui_launches_partitions_one_at_a_time_under_the_inference_pool(tmp_path)
             expect(dialog.get_by_text("1 partition", exact=True)).to_be_visible()
             shot(page, "04_launch_1_partition")
             dialog.get_by_role("button", name="Launch 1 run").click()
-            toast = page.get_by_text("Launched run")
-            expect(toast).to_be_visible()
-            page.get_by_role("link", name="View").or_(page.get_by_role("button", name="View")).first.click()
+            launched = page.get_by_text(re.compile(r"^Launched run [0-9a-f]{8}$"))
+            expect(launched).to_be_visible()
+            run_prefix = launched.inner_text().split()[-1]
+            view = page.get_by_role("link", name="View", exact=True).or_(page.get_by_role("button", name="View", exact=True))
+            page.locator("div").filter(has=launched).filter(has=view).last.get_by_text("View", exact=True).click()
             expect(page).to_have_url(re.compile(r"/runs/[0-9a-f-]{36}"))
             single_run_id = page.url.rsplit("/runs/", 1)[1].split("?")[0]
+            assert single_run_id.startswith(run_prefix)
             expect(page.get_by_text("Success", exact=True).first).to_be_visible(timeout=90_000)
             shot(page, "05_single_run_succeeded")
 
@@ -295,7 +326,8 @@ def test_ui_launches_partitions_one_at_a_time_under_the_inference_pool(tmp_path)
                 if len(runs) == 4 and not saw_queue and "QUEUED" in statuses:
                     saw_queue = True
                     page.goto(f"{url}/runs")
-                    expect(page.get_by_text("Queued").first).to_be_visible()
+                    page.get_by_text(re.compile(r"^Queued \(\d+\)$")).click()
+                    expect(page.get_by_text("Queued", exact=True).first).to_be_visible()
                     shot(page, "06_runs_queued")
                 if len(runs) == 4 and all(s in ("SUCCESS", "FAILURE", "CANCELED") for s in statuses):
                     break
@@ -310,6 +342,7 @@ def test_ui_launches_partitions_one_at_a_time_under_the_inference_pool(tmp_path)
             shot(page, "08_completions_partitions_done")
         finally:
             browser.close()
+    timings["dagster_dev_down_s"] = round(time.monotonic() - started, 1)
 
     assert statuses == ["SUCCESS"] * 4, runs
     assert sorted(r["partition"] for r in runs) == sorted([single, *batch])

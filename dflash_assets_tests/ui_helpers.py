@@ -2,7 +2,7 @@
 
 The stand-ins carry the real asset keys, partitions (``prompt_index_ranges``), groups, dependencies,
 op tags and pools, so the asset graph, the partition views and the run queue behave as with the real
-pipeline, but a partition takes ``DFLASH_UI_STAGE_SECONDS`` (default 1.5 s) instead of needing an
+pipeline, but a partition takes ``DFLASH_UI_STAGE_SECONDS`` (default 1 s) instead of needing an
 inference server and the target model. Loaded by ``dagster dev`` as a python_file code location;
 test_ui.py checks the mirrored attributes against the real asset definitions.
 """
@@ -11,17 +11,18 @@ import os
 import time
 
 import dagster as dg
+import polars as pl
 
-from dflash_assets.assets.completions import load_prompts
-from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.partitions import prompt_ranges
+from dflash_assets.assets.prompts import CORPUS_FILE, prompt_corpus
+from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.status import GPU_POOL, INFERENCE_POOL
+
 TOKENS_PER_ROW = 100  # fake completion_tokens per prompt
 
 
 def _stage_seconds() -> float:
-    return float(os.environ.get("DFLASH_UI_STAGE_SECONDS", "1.5"))
+    return float(os.environ.get("DFLASH_UI_STAGE_SECONDS", "1.0"))
 
 
 @dg.asset(
@@ -34,7 +35,11 @@ def _stage_seconds() -> float:
 )
 def completions(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
     started = time.monotonic()
-    rows = load_prompts(storage.open(), context.partition_key).height  # fails like the real one on a stale key
+    first, last = key_range(context.partition_key)
+    corpus = storage.open().read_parquet(*CORPUS_FILE)  # the real corpus the real prompt_corpus wrote
+    rows = corpus.filter(pl.col("index").is_between(first, last)).height
+    if rows != last - first + 1:
+        raise dg.Failure(f"{context.partition_key}: the corpus holds {rows} of its {last - first + 1} prompts")
     time.sleep(_stage_seconds())
     return dg.MaterializeResult(
         metadata={"rows": rows, "completion_tokens_total": rows * TOKENS_PER_ROW, "wall_s": round(time.monotonic() - started, 2)}
@@ -69,5 +74,5 @@ defs = dg.Definitions(
     assets=[prompt_corpus, completions, truncation_report, tokenized_sequences, hidden_states],
     jobs=[partition_stages],
     resources={"storage": StorageResource()},
-    executor=dg.in_process_executor,  # saves a step subprocess (~2 s) per run; the queue works on runs anyway
+    executor=dg.in_process_executor,  # saves a step subprocess (~2 s) per run; in-process steps claim pool slots too
 )

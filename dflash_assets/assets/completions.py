@@ -23,6 +23,7 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.settings import GenerationSettings
+from dflash_assets.status import INFERENCE_POOL
 
 PROGRESS_EVERY_S = 5.0
 
@@ -100,6 +101,7 @@ def completion_stats(frame: pl.DataFrame) -> dict:
     kinds={"sglang", "parquet"},
     owners=["team:dflash"],
     op_tags={"dflash/inference": "servers"},
+    pool=INFERENCE_POOL,
     description=(
         "Sends each prompt of the index range to the inference servers (thinking on, sampling and cap from the "
         "generation resource) and stores per row: reasoning and answer text, finish_reason, prompt/completion "

@@ -18,6 +18,7 @@ from dflash_assets.dflash.train import TrainConfig, train
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.status import GPU_POOL
 
 DRAFTER_DIR = "dflash_drafter"
 EXPORT_DIR = (DRAFTER_DIR, "export")
@@ -43,10 +44,11 @@ class DrafterConfig(dg.Config):
 
 
 def complete_shards(storage: StorageResource, keys: list[str]) -> tuple[list[str], list[str], list[str]]:
-    """``(shard paths, partitions used, partitions without a complete index)`` from local hidden-state dirs."""
+    """``(shard paths, partitions used, partitions without a complete index)`` from local hidden-state dirs
+    (for S3 storage, the index and any shard missing or of another size locally are downloaded first)."""
     shards, used, skipped = [], [], []
     for pk in keys:
-        index_path = storage.local_scratch("hidden_states", pk, INDEX_NAME)
+        index_path = storage.ensure_local("hidden_states", pk, INDEX_NAME, refresh=True)
         if not os.path.exists(index_path):
             skipped.append(pk)
             continue
@@ -56,7 +58,7 @@ def complete_shards(storage: StorageResource, keys: list[str]) -> tuple[list[str
             skipped.append(pk)
             continue
         used.append(pk)
-        shards += [os.path.join(os.path.dirname(index_path), s["name"]) for s in index["shards"]]
+        shards += [storage.ensure_local("hidden_states", pk, s["name"], size=s.get("bytes")) for s in index["shards"]]
     return shards, used, skipped
 
 
@@ -101,6 +103,7 @@ def read_log(path: str) -> list[dict]:
     kinds={"pytorch", "safetensors"},
     owners=["team:dflash"],
     op_tags={"dflash/gpu": "train"},
+    pool=GPU_POOL,
     description=(
         "Trains the DFlash drafter (fc + hidden_norm over 5 target layers, draft decoder layers, frozen target embedding "
         "and LM head) on the hidden-state shards of every complete partition, with a held-out split; checkpoints under "
@@ -148,8 +151,7 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
         store.write_bytes(png, DRAFTER_DIR, "loss_curve.png")
     if not store.is_local:
         for name in sorted(os.listdir(export_dir)):
-            with open(os.path.join(export_dir, name), "rb") as f:
-                store.write_bytes(f.read(), *EXPORT_DIR, name)
+            store.upload(os.path.join(export_dir, name), *EXPORT_DIR, name)
     weights = open(os.path.join(export_dir, "model.safetensors"), "rb").read()
     draft_cfg = summary["draft_config"]
     num_params = _count_params(weights)

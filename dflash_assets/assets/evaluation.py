@@ -20,6 +20,7 @@ from dflash_assets.dflash.speculative import target_generate
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.status import GPU_POOL
 from dflash_assets.tokenization import SequenceBuilder
 
 REPORT_DIR = "drafter_evaluation"
@@ -50,6 +51,7 @@ def standard_error(values: list[float]) -> float:
     kinds={"pytorch", "matplotlib"},
     owners=["team:dflash"],
     op_tags={"dflash/gpu": "eval"},
+    pool=GPU_POOL,
     description=(
         "Loads dflash_drafter/export and the target; on prompts the drafter's training held out, decodes greedily "
         "with DFlash speculative decoding and with the plain target, and reports the mean acceptance length tau "
@@ -64,7 +66,7 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
     if drafter_event is None:
         raise dg.Failure("dflash_drafter has not been materialized")
     train_meta = {k: getattr(v, "value", v) for k, v in drafter_event.asset_materialization.metadata.items()}
-    export_dir = storage.local_scratch(*EXPORT_DIR, "config.json").rsplit("/", 1)[0]
+    export_dir = storage.ensure_local_dir(*EXPORT_DIR)  # S3: downloaded to scratch
     model_dir = target_model.resolved_path()
     embed, lm_head = load_target_head(model_dir)
     drafter = load_exported(export_dir, embed_weight=embed, lm_head_weight=lm_head).eval()

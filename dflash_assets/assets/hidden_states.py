@@ -16,6 +16,7 @@ from dflash_assets.dflash.target_features import bytes_per_token, default_target
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.status import GPU_POOL
 
 CHECK_IDS = "stored_input_ids_match_tokenized"
 CHECK_FINITE = "hidden_states_finite"
@@ -53,6 +54,7 @@ def partition_dir(storage: StorageResource, pk: str) -> str:
     kinds={"pytorch", "safetensors"},
     owners=["team:dflash"],
     op_tags={"dflash/gpu": "target"},
+    pool=GPU_POOL,
     check_specs=[
         dg.AssetCheckSpec(CHECK_IDS, asset="hidden_states", blocking=True, description="Stored input_ids equal the tokenized partition's."),
         dg.AssetCheckSpec(CHECK_FINITE, asset="hidden_states", blocking=True, description="No NaN or Inf in the stored features."),
@@ -97,9 +99,8 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
     wall = time.monotonic() - started
     index = result.index
     if not store.is_local:
-        for shard in index["shards"]:
-            with open(os.path.join(out_dir, shard["name"]), "rb") as f:
-                store.write_bytes(f.read(), "hidden_states", pk, shard["name"])
+        for shard in index["shards"]:  # streamed, not read into memory (shards can be GBs)
+            store.upload(os.path.join(out_dir, shard["name"]), "hidden_states", pk, shard["name"])
         store.write_json(index, "hidden_states", pk, INDEX_NAME)  # last: readers trust only a complete index
     version = hashlib.sha256(json.dumps([s["rows_sha256"] for s in index["shards"]] + [index["target_layer_ids"], index["model_name"]]).encode()).hexdigest()[:20]
     yield dg.MaterializeResult(

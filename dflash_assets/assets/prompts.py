@@ -13,6 +13,7 @@ from dflash_assets.corpus import build_corpus, expand_source
 from dflash_assets.metadata import table_preview
 from dflash_assets.partitions import partition_keys, prompt_ranges
 from dflash_assets.resources.storage import StorageResource
+from dflash_assets.status import ensure_pool_limits
 
 CORPUS_FILE = ("prompt_corpus", "corpus.parquet")
 REJECTED_FILE = ("prompt_corpus", "rejected.parquet")
@@ -75,6 +76,7 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig,
     new = [k for k in keys if k not in existing]
     if new:
         context.instance.add_dynamic_partitions(prompt_ranges.name, new)
+    ensure_pool_limits(context.instance)  # register the pools before runs queue on them
     if stale:
         context.log.warning(f"removed {len(stale)} partition keys no longer in the corpus: {stale[:5]}...")
     context.log.info(

@@ -1,0 +1,182 @@
+"""Throughput of the ``completions`` asset against a bare client, and of the client against an instant server.
+
+(a) Real local server (``transformers serve``, SmolLM2 on CPU, greedy): the same prompts, cap and
+    concurrency are run side by side, alternating, by
+    - a *bare client*: plain ``httpx.AsyncClient`` with ``concurrency`` asyncio workers, no journal, no
+      Dagster, timing first send to last reply;
+    - the *pipeline*: ``dg.materialize`` of one ``completions`` partition (fresh state each round: row
+      journal with an fsync per row, parquet table, metadata), timed by the asset's own ``wall_s``
+      (from before the server probe to after the table write).
+    ratio = pipeline output tok/s / bare output tok/s, over all rounds (target >= 0.95).
+(b) Instant stand-in server (``dflash_assets_tests/fake_server.py`` in its own process, as in
+    bench/bench_client.py): requests/s the generation client sustains, and requests/s of the whole
+    asset (journal and table included) over a partition of ``--fake-prompts`` prompts.
+
+    python bench/bench_completions.py [--prompts 24] [--cap 48] [--concurrency 8] [--rounds 2]
+
+Prints one ``name: value`` line per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import dagster as dg  # noqa: E402
+import httpx  # noqa: E402
+import polars as pl  # noqa: E402
+
+import bench_client  # noqa: E402
+from dflash_assets.assets.completions import completions  # noqa: E402
+from dflash_assets.assets.prompts import CORPUS_FILE, default_sources, prompt_corpus  # noqa: E402
+from dflash_assets.generation.local_model import ensure_local_model  # noqa: E402
+from dflash_assets.generation.servers import LocalTransformersServer  # noqa: E402
+from dflash_assets.partitions import prompt_ranges  # noqa: E402
+from dflash_assets.resources.generation import GenerationResource  # noqa: E402
+from dflash_assets.resources.inference import InferenceServerResource  # noqa: E402
+from dflash_assets.resources.storage import StorageResource  # noqa: E402
+
+
+def make_corpus(instance: dg.DagsterInstance, root: Path, sources: list[str], n: int) -> tuple[str, pl.DataFrame]:
+    """Materialize ``prompt_corpus`` (first ``n`` prompts, one partition); returns (key, corpus)."""
+    result = dg.materialize(
+        [prompt_corpus], instance=instance, resources={"storage": StorageResource(root=str(root))},
+        run_config={"ops": {"prompt_corpus": {"config": {"sources": sources, "partition_size": n, "max_prompts": n}}}},
+    )
+    assert result.success
+    (pk,) = instance.get_dynamic_partitions(prompt_ranges.name)
+    return pk, pl.read_parquet(root.joinpath(*CORPUS_FILE))
+
+
+def run_pipeline(instance, root: Path, pk: str, inference: InferenceServerResource, cap: int) -> dict:
+    """One fresh materialization of ``completions[pk]``; returns its metadata values plus ``materialize_s``."""
+    shutil.rmtree(root / "completions", ignore_errors=True)
+    start = time.perf_counter()
+    result = dg.materialize(
+        [completions], instance=instance, partition_key=pk,
+        resources={"storage": StorageResource(root=str(root)), "inference": inference,
+                   "generation": GenerationResource(max_output_tokens=cap, temperature=0.0)},
+    )
+    elapsed = time.perf_counter() - start
+    meta = {k: v.value for k, v in result.asset_materializations_for_node("completions")[0].metadata.items()}
+    meta["materialize_s"] = elapsed
+    return meta
+
+
+async def run_bare(url: str, bodies: list[dict], concurrency: int) -> tuple[int, float, int]:
+    """Bare httpx client, ``concurrency`` workers: returns (completion tokens, wall seconds, failures)."""
+    queue = list(reversed(bodies))
+    tokens = failures = 0
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal tokens, failures
+        while queue:
+            body = queue.pop()
+            r = await client.post(f"{url}/chat/completions", json=body)
+            if r.status_code == 200:
+                tokens += r.json()["usage"]["completion_tokens"]
+            else:
+                failures += 1
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        return tokens, time.perf_counter() - start, failures
+
+
+def bench_real_server(args, work: Path) -> None:
+    server = LocalTransformersServer(ensure_local_model(), log_path=work / "transformers_serve.log", startup_timeout_s=600)
+    with server, dg.instance_for_test(temp_dir=str(work / "dagster_home")) as instance:
+        root = work / "real"
+        pk, corpus = make_corpus(instance, root, args.sources or default_sources(), args.prompts)
+        pool = server.pool(args.concurrency)
+        settings = GenerationResource(max_output_tokens=args.cap, temperature=0.0).settings()
+        bodies = [pool.adapt_body(settings.request_body(pool.model, m, i))
+                  for i, m in zip(corpus["index"].to_list(), corpus["messages"].to_list())]
+        inference = InferenceServerResource(
+            mode="external", base_urls=[server.base_url], served_model_name=server.model_name,
+            external_backend="transformers", max_running_requests=args.concurrency,
+        )
+        asyncio.run(run_bare(server.base_url, bodies[: args.concurrency], args.concurrency))  # warm-up
+        bare_tok = bare_s = pipe_tok = pipe_s = pipe_client_s = pipe_mat_s = 0.0
+        for r in range(args.rounds):
+            tokens, wall, failures = asyncio.run(run_bare(server.base_url, bodies, args.concurrency))
+            assert failures == 0, f"bare client: {failures} failed requests"
+            meta = run_pipeline(instance, root, pk, inference, args.cap)
+            assert meta["errors"] == 0 and meta["rows"] == len(bodies)
+            print(f"round_{r}: bare {tokens} tok in {wall:.1f} s = {tokens / wall:.1f} tok/s; pipeline "
+                  f"{meta['completion_tokens_total']} tok in {meta['wall_s']:.1f} s = "
+                  f"{meta['completion_tokens_total'] / meta['wall_s']:.1f} tok/s", flush=True)
+            bare_tok, bare_s = bare_tok + tokens, bare_s + wall
+            pipe_tok, pipe_s = pipe_tok + meta["completion_tokens_total"], pipe_s + meta["wall_s"]
+            pipe_client_s += meta["completion_tokens_total"] / max(meta["output_tok_per_s"], 1e-9)
+            pipe_mat_s += meta["materialize_s"]
+    bare_rate, pipe_rate = bare_tok / bare_s, pipe_tok / pipe_s
+    print(f"real_server: {args.prompts} prompts x {args.rounds} rounds, cap {args.cap}, concurrency {args.concurrency}")
+    print(f"bare_client_output_tok_per_s: {bare_rate:.1f}")
+    print(f"pipeline_output_tok_per_s: {pipe_rate:.1f}")
+    print(f"pipeline_over_bare_ratio: {pipe_rate / bare_rate:.3f} (target >= 0.95: {'yes' if pipe_rate / bare_rate >= 0.95 else 'no'})")
+    print(f"pipeline_generation_phase_over_bare_ratio: {pipe_tok / pipe_client_s / bare_rate:.3f} (client progress, no probe/table write)")
+    print(f"pipeline_incl_dagster_run_over_bare_ratio: {pipe_tok / pipe_mat_s / bare_rate:.3f} (whole dg.materialize call)")
+
+
+def bench_instant_server(args, work: Path) -> None:
+    proc, url = bench_client._start_server()
+    try:
+        bench_client._run(url, 500, args.fake_concurrency, True)  # warm-up
+        wall, cpu, ok, failed = bench_client._run(url, args.fake_requests, args.fake_concurrency, True)
+        print(f"client_requests_per_s_vs_instant_server: {args.fake_requests / wall:.0f} "
+              f"({args.fake_requests} requests, concurrency {args.fake_concurrency}, {failed} failed)")
+        source = work / "fake_prompts.jsonl"
+        source.write_text("".join(json.dumps({"prompt": f"Task {i}: print {i}."}) + "\n" for i in range(args.fake_prompts)))
+        with dg.instance_for_test(temp_dir=str(work / "dagster_home_fake")) as instance:
+            root = work / "fake"
+            pk, _ = make_corpus(instance, root, [str(source)], args.fake_prompts)
+            inference = InferenceServerResource(
+                mode="external", base_urls=[url + "/v1"], served_model_name="fake", external_backend="openai",
+                max_running_requests=args.fake_concurrency,
+            )
+            meta = run_pipeline(instance, root, pk, inference, 16)
+        print(f"pipeline_requests_per_s_vs_instant_server: {meta['req_per_s']:.0f} "
+              f"({args.fake_prompts} rows, fsync'd journal, client progress)")
+        print(f"pipeline_rows_per_s_incl_table_write: {args.fake_prompts / meta['wall_s']:.0f} (asset wall_s {meta['wall_s']:.2f} s)")
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=24, help="prompts per run against the real server")
+    parser.add_argument("--cap", type=int, default=48, help="max_output_tokens")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (both clients)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating bare/pipeline rounds")
+    parser.add_argument("--sources", nargs="*", default=None, help="prompt files (default: HumanEval)")
+    parser.add_argument("--fake-requests", type=int, default=5000)
+    parser.add_argument("--fake-concurrency", type=int, default=64)
+    parser.add_argument("--fake-prompts", type=int, default=2000)
+    parser.add_argument("--skip-real", action="store_true", help="only part (b)")
+    args = parser.parse_args()
+    print(f"cpu_cores: {os.cpu_count()}")
+    print(f"load_average_1min: {os.getloadavg()[0]:.2f}")
+    with tempfile.TemporaryDirectory(prefix="bench_completions_") as tmp:
+        work = Path(tmp)
+        if not args.skip_real:
+            bench_real_server(args, work)
+        bench_instant_server(args, work)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The backfill schedule against a real Dagster instance: it requests exactly the missing and failed
+``completions`` partitions, skips the ones in progress (a run STARTED and a run created but not yet
+launched, each with its planned-materialization event: Dagster marks a partition in progress when its
+latest planned materialization belongs to an unfinished run), and at most K per tick.
+
+Partition states are made by real runs of a stand-in ``completions`` asset (same key and partitions
+definition, no server): succeeded, failed (raises), and one blocked mid-step in a thread.
+"""
+
+import threading
+import time
+
+import dagster as dg
+import pytest
+from dagster._core.storage.tags import PARTITION_NAME_TAG
+
+from dflash_assets.automation import build_backfill_schedule
+from dflash_assets.partitions import partition_keys, prompt_ranges
+
+KEYS = partition_keys(90, 10)  # 9 keys: 0000000-0000009 ... 0000080-0000089
+MATERIALIZED = [KEYS[0], KEYS[4]]
+FAILED = [KEYS[2], KEYS[6]]
+STARTED = KEYS[3]  # a run executing right now
+NOT_STARTED = KEYS[8]  # a run created but not yet launched
+MISSING = [KEYS[1], KEYS[5], KEYS[7]]
+UNFINISHED = sorted(MISSING + FAILED)  # what the schedule must request, in key order
+
+
+def stand_in_assets(gate: threading.Event, started: threading.Event):
+    """A ``completions`` asset that fails on FAILED keys and blocks on STARTED until ``gate`` is set."""
+
+    @dg.asset(name="completions", partitions_def=prompt_ranges)
+    def completions(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        if context.partition_key in FAILED:
+            raise dg.Failure(f"{context.partition_key}: server unreachable")
+        if context.partition_key == STARTED:
+            started.set()
+            if not gate.wait(120):
+                raise TimeoutError("the test never released the blocked run")
+        return dg.MaterializeResult(metadata={"rows": 10})
+
+    return completions
+
+
+def evaluate(schedule: dg.ScheduleDefinition, instance: dg.DagsterInstance):
+    """Run one tick of ``schedule``: a list of RunRequests, or a SkipReason."""
+    return schedule(dg.build_schedule_context(instance=instance))
+
+
+@pytest.fixture()
+def instance_with_states():
+    gate, started = threading.Event(), threading.Event()
+    asset = stand_in_assets(gate, started)
+    job = dg.define_asset_job("partition_stages", selection=[asset])
+    job_def = dg.Definitions(assets=[asset], jobs=[job]).resolve_job_def("partition_stages")
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, KEYS)
+        for pk in MATERIALIZED + FAILED:
+            result = dg.materialize([asset], instance=instance, partition_key=pk, raise_on_error=False)
+            assert result.success == (pk in MATERIALIZED)
+        errors: list[BaseException] = []
+
+        def blocked_run() -> None:
+            try:
+                dg.materialize([asset], instance=instance, partition_key=STARTED)
+            except BaseException as exc:  # surfaced in the main thread below
+                errors.append(exc)
+
+        thread = threading.Thread(target=blocked_run, daemon=True)
+        thread.start()
+        assert started.wait(60), "the blocked run never reached its step"
+        # created with its planned events, never launched (status NOT_STARTED)
+        instance.create_run_for_job(job_def, tags={PARTITION_NAME_TAG: NOT_STARTED})
+        try:
+            yield instance, job, gate
+        finally:
+            gate.set()
+            thread.join(60)
+        assert not errors, errors
+
+
+def test_schedule_requests_missing_and_failed_only_at_most_k_per_tick(instance_with_states):
+    instance, job, gate = instance_with_states
+    from dflash_assets.definitions import defs
+
+    # the states are what the runs made them (the schedule's input, checked through Dagster's own API)
+    status = instance.get_status_by_partition(dg.AssetKey("completions"), KEYS, prompt_ranges)
+    expected = {**{k: None for k in MISSING}, **{k: dg.AssetPartitionStatus.MATERIALIZED for k in MATERIALIZED},
+                **{k: dg.AssetPartitionStatus.FAILED for k in FAILED},
+                STARTED: dg.AssetPartitionStatus.IN_PROGRESS, NOT_STARTED: dg.AssetPartitionStatus.IN_PROGRESS}
+    assert {k: status.get(k) for k in KEYS} == expected
+    runs = {r.tags.get(PARTITION_NAME_TAG): r.status for r in instance.get_runs()}
+    assert runs[STARTED] == dg.DagsterRunStatus.STARTED and runs[NOT_STARTED] == dg.DagsterRunStatus.NOT_STARTED
+
+    shipped = defs.get_schedule_def("backfill_unfinished_partitions")  # the one the project deploys (K = 4)
+    requests = evaluate(shipped, instance)
+    assert [r.partition_key for r in requests] == UNFINISHED[:4]
+    assert all(r.tags["dflash/trigger"] == "backfill" for r in requests)
+
+    wide = build_backfill_schedule(job, max_per_tick=10)
+    assert [r.partition_key for r in evaluate(wide, instance)] == UNFINISHED
+    narrow = build_backfill_schedule(job, max_per_tick=2)
+    assert [r.partition_key for r in evaluate(narrow, instance)] == UNFINISHED[:2]
+
+    # once the blocked run finishes, its partition is materialized: still not requested
+    gate.set()
+    deadline = time.monotonic() + 60
+    while instance.get_status_by_partition(dg.AssetKey("completions"), [STARTED], prompt_ranges)[STARTED] != dg.AssetPartitionStatus.MATERIALIZED:
+        assert time.monotonic() < deadline, "the released run did not finish"
+        time.sleep(0.2)
+    assert [r.partition_key for r in evaluate(wide, instance)] == UNFINISHED
+
+
+def test_schedule_skips_when_nothing_is_unfinished():
+    @dg.asset(name="completions", partitions_def=prompt_ranges)
+    def completions() -> dg.MaterializeResult:
+        return dg.MaterializeResult()
+
+    job = dg.define_asset_job("partition_stages", selection=[completions])
+    schedule = build_backfill_schedule(job, max_per_tick=4)
+    with dg.instance_for_test() as instance:
+        keys = partition_keys(20, 10)
+        instance.add_dynamic_partitions(prompt_ranges.name, keys)
+        assert [r.partition_key for r in evaluate(schedule, instance)] == keys  # nothing run yet: all missing
+        for pk in keys:
+            assert dg.materialize([completions], instance=instance, partition_key=pk).success
+        result = evaluate(schedule, instance)
+        assert isinstance(result, dg.SkipReason) and "nothing unfinished" in result.skip_message

@@ -1,0 +1,264 @@
+"""A cap change re-runs only what it affects, on the real CPU server (greedy), decided by the
+``generation_settings_changed`` sensor.
+
+Scenario (also run by ``bench/bench_cap_change.py``): 3 partitions of 2 prompts at a small cap, so that
+one partition holds only quick answers (no truncated row) and the others hold long ones. Raising the
+cap must re-materialize exactly the partitions with ``length`` rows, send exactly one request per
+truncated row (counted by a proxy in front of the server), leave every other row byte-identical and
+not re-run ``tokenized_sequences`` of untouched partitions; lowering it must request exactly the rows
+longer than the new cap.
+"""
+
+import hashlib
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from dflash_assets.assets.completions import completions, partition_file
+from dflash_assets.assets.prompts import prompt_corpus
+from dflash_assets.assets.tokenized import tokenized_file, tokenized_sequences
+from dflash_assets.resources.generation import GenerationResource
+from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.resources.storage import StorageResource
+from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets_tests.counting_proxy import CountingProxy
+
+# Partition i holds PROMPTS[2i], PROMPTS[2i+1]. Greedy SmolLM2 answers the first three quick questions
+# in ~8 tokens (<|im_end|> included) and runs long on the others.
+PROMPTS = [
+    "What is 2+2? Answer with just the number.",
+    "What is the capital of France? Answer with one word.",
+    "What is 3+5? Answer with just the number.",
+    "Write a long story about a dragon.",
+    "Explain how a compiler works in detail.",
+    "Describe the history of Rome.",
+]
+PARTITION_SIZE = 2
+CAP_SMALL, CAP_RAISED, CAP_LOWERED = 10, 14, 11
+PROBE = "Hi"  # the user message of the readiness probe external mode sends once per serve()
+ASSET_KEYS = {"completions": dg.AssetKey("completions"), "tokenized_sequences": dg.AssetKey("tokenized_sequences")}
+# tiny caps make every loss mask short: judge degenerate masks only at 0 tokens, keep length rows
+TOKENIZE_CONFIG = {"ops": {"tokenized_sequences": {"config": {"truncated": "keep", "degenerate_small_tokens": 0}}}}
+
+
+@dataclass
+class Snapshot:
+    """Partition tables and file hashes at one point of the scenario."""
+
+    rows: dict[str, list[dict]]  # pk -> completions rows (dicts), index order
+    completions_sha: dict[str, str]
+    tokenized_sha: dict[str, str]
+    materializations: dict[str, Counter]  # asset name -> Counter(pk -> count)
+
+    def truncated(self) -> dict[str, list[dict]]:
+        return {pk: [r for r in rows if r["finish_reason"] == "length"] for pk, rows in self.rows.items()}
+
+    def longer_than(self, cap: int) -> dict[str, list[dict]]:
+        return {pk: [r for r in rows if r["completion_tokens"] > cap] for pk, rows in self.rows.items()}
+
+
+@dataclass
+class CapChange:
+    """What one cap change did: the sensor's RunRequests and the requests the server received."""
+
+    new_cap: int
+    run_requests: list[dg.RunRequest]
+    requested: Counter  # user message -> requests received by the server (probes excluded)
+    probes: int
+    wall_s: float
+    after: Snapshot | None = None
+
+
+@dataclass
+class Scenario:
+    keys: list[str]
+    initial: Snapshot
+    initial_requests: Counter
+    changes: list[CapChange] = field(default_factory=list)
+    skip_after: list = field(default_factory=list)  # sensor results once every change was applied
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def snapshot(instance: dg.DagsterInstance, root: Path, keys: list[str]) -> Snapshot:
+    rows = {pk: pl.read_parquet(root.joinpath(*partition_file(pk))).sort("index").to_dicts() for pk in keys}
+    mats = {}
+    for name, key in ASSET_KEYS.items():
+        mats[name] = Counter()
+        for pk in keys:
+            recs = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[pk]), limit=100).records
+            mats[name][pk] = len(recs)
+    return Snapshot(
+        rows=rows,
+        completions_sha={pk: sha(root.joinpath(*partition_file(pk))) for pk in keys},
+        tokenized_sha={pk: sha(root.joinpath(*tokenized_file(pk))) for pk in keys},
+        materializations=mats,
+    )
+
+
+def resources(root: Path, inference: InferenceServerResource, cap: int) -> dict:
+    return {
+        "storage": StorageResource(root=str(root)),
+        "inference": inference,
+        "generation": GenerationResource(max_output_tokens=cap, temperature=0.0),
+        "target_model": TargetModelResource(),
+    }
+
+
+def materialize_partition(instance, root: Path, inference, cap: int, pk: str, tags: dict | None = None) -> None:
+    """The per-partition stages this test needs (completions -> tokenized_sequences) for one key."""
+    result = dg.materialize(
+        [completions, tokenized_sequences], instance=instance, partition_key=pk, tags=tags or {},
+        resources=resources(root, inference, cap), run_config=TOKENIZE_CONFIG,
+    )
+    assert result.success
+
+
+def requests_since(proxy, before: Counter) -> tuple[Counter, int]:
+    """Requests the server received since ``before`` (a copy of ``proxy.requested``): rows, probes."""
+    now = proxy.requested - before
+    probes = now.pop(PROBE, 0)
+    return now, probes
+
+
+def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: list[int]) -> Scenario:
+    """Corpus -> all partitions at ``caps[0]`` -> for each later cap: sensor tick, run its partitions.
+
+    ``inference`` must point at ``proxy`` so every request is counted at the server side.
+    """
+    from dflash_assets.definitions import defs
+
+    sensor = defs.get_sensor_def("generation_settings_changed")
+    corpus_file = root / "prompts.jsonl"
+    corpus_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    timings = {}
+    with dg.instance_for_test() as instance:
+        started = time.monotonic()
+        assert dg.materialize(
+            [prompt_corpus], instance=instance, resources={"storage": StorageResource(root=str(root))},
+            run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(corpus_file)], "partition_size": PARTITION_SIZE}}}},
+        ).success
+        keys = instance.get_dynamic_partitions("prompt_index_ranges")
+        before = proxy.requested
+        for pk in keys:
+            materialize_partition(instance, root, inference, caps[0], pk)
+        initial_requests, _ = requests_since(proxy, before)
+        timings["initial_s"] = time.monotonic() - started
+        scenario = Scenario(keys=keys, initial=snapshot(instance, root, keys), initial_requests=initial_requests, timings=timings)
+
+        for cap in caps[1:]:
+            started = time.monotonic()
+            generation = GenerationResource(max_output_tokens=cap, temperature=0.0)
+            result = sensor(dg.build_sensor_context(instance=instance, resources={"generation": generation}))
+            run_requests = [] if isinstance(result, dg.SkipReason) else list(result)
+            before = proxy.requested
+            for rr in run_requests:
+                materialize_partition(instance, root, inference, cap, rr.partition_key, rr.tags)
+            requested, probes = requests_since(proxy, before)
+            change = CapChange(cap, run_requests, requested, probes, time.monotonic() - started)
+            change.after = snapshot(instance, root, keys)
+            scenario.changes.append(change)
+        last = GenerationResource(max_output_tokens=caps[-1], temperature=0.0)
+        scenario.skip_after.append(sensor(dg.build_sensor_context(instance=instance, resources={"generation": last})))
+    return scenario
+
+
+def proxied_inference(base: InferenceServerResource, proxy_url: str) -> InferenceServerResource:
+    """``base`` (external mode) with its URL replaced by the counting proxy's."""
+    return InferenceServerResource(
+        mode="external", base_urls=[proxy_url], served_model_name=base.served_model_name,
+        external_backend=base.external_backend, external_tokenizer_path=base.external_tokenizer_path,
+        max_running_requests=base.max_running_requests, max_attempts=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory, local_server, local_inference):
+    root = tmp_path_factory.mktemp("cap_change")
+    with CountingProxy(local_server.base_url) as proxy:
+        result = run_scenario(root, proxy, proxied_inference(local_inference, proxy.base_url),
+                              [CAP_SMALL, CAP_RAISED, CAP_LOWERED])
+        assert proxy.upstream_errors == 0
+    return result
+
+
+def check_change(before: Snapshot, change: CapChange, touched: dict[str, list[dict]], reason: str) -> None:
+    """Shared assertions for one cap change; ``touched`` = rows (by partition) that must be regenerated."""
+    after = change.after
+    affected = sorted(pk for pk, rows in touched.items() if rows)
+    untouched = sorted(set(before.rows) - set(affected))
+    assert affected and untouched, "the scenario needs both touched and untouched partitions"
+    # the sensor asks for exactly the partitions holding touched rows, with the reason in the tags
+    assert sorted(rr.partition_key for rr in change.run_requests) == affected
+    assert {rr.tags["dflash/reason"] for rr in change.run_requests} == {reason}
+    # one request per touched row, for exactly those prompts; one readiness probe per partition run
+    expected = Counter(before_prompt(r) for rows in touched.values() for r in rows)
+    assert change.requested == expected
+    assert change.probes == len(affected)
+    for pk in before.rows:
+        regenerated = {r["index"] for r in touched[pk]}
+        old = {r["index"]: r for r in before.rows[pk]}
+        new = {r["index"]: r for r in after.rows[pk]}
+        assert new.keys() == old.keys()
+        for index, row in new.items():
+            if index in regenerated:
+                assert row["max_output_tokens"] == change.new_cap and row["completion_tokens"] <= change.new_cap
+            else:
+                assert row == old[index]  # every column, latency and server included: carried over as is
+    for pk in untouched:
+        assert after.completions_sha[pk] == before.completions_sha[pk]  # file not rewritten
+        assert after.tokenized_sha[pk] == before.tokenized_sha[pk]
+        for name in ASSET_KEYS:
+            assert after.materializations[name][pk] == before.materializations[name][pk]
+    for pk in affected:
+        for name in ASSET_KEYS:  # re-materialized once, tokenized downstream included
+            assert after.materializations[name][pk] == before.materializations[name][pk] + 1
+
+
+_PROMPT_OF_INDEX = dict(enumerate(PROMPTS))
+
+
+def before_prompt(row: dict) -> str:
+    return _PROMPT_OF_INDEX[row["index"]]
+
+
+def test_initial_run_has_truncated_and_clean_partitions(scenario):
+    assert len(scenario.keys) == 3
+    truncated = scenario.initial.truncated()
+    assert truncated[scenario.keys[0]] == []  # the quick-answer partition: nothing cut at the small cap
+    assert all(truncated[pk] for pk in scenario.keys[1:])
+    assert scenario.initial_requests == Counter(PROMPTS)  # one request per prompt
+    for rows in scenario.initial.rows.values():
+        for r in rows:
+            assert r["error"] is None and r["max_output_tokens"] == CAP_SMALL and r["completion_tokens"] <= CAP_SMALL
+            assert (r["finish_reason"] == "length") == (r["completion_tokens"] == CAP_SMALL)
+
+
+def test_raising_the_cap_requests_only_truncated_rows(scenario):
+    raise_ = scenario.changes[0]
+    assert raise_.new_cap == CAP_RAISED
+    check_change(scenario.initial, raise_, scenario.initial.truncated(), "cap raised")
+    assert sum(raise_.requested.values()) == sum(len(v) for v in scenario.initial.truncated().values())
+
+
+def test_lowering_the_cap_requests_only_rows_longer_than_it(scenario):
+    raised, lower = scenario.changes[0].after, scenario.changes[1]
+    assert lower.new_cap == CAP_LOWERED
+    touched = raised.longer_than(CAP_LOWERED)
+    check_change(raised, lower, touched, "cap lowered")
+    # the quick answers stay (they stop within the lower cap), so lowering is not a full re-run either
+    assert 0 < sum(lower.requested.values()) < len(PROMPTS)
+
+
+def test_sensor_skips_once_everything_matches_the_settings(scenario):
+    (result,) = scenario.skip_after
+    assert isinstance(result, dg.SkipReason) and f"max_output_tokens={CAP_LOWERED}" in result.skip_message
