@@ -10,7 +10,7 @@ from dflash_assets.automation import build_backfill_schedule, build_cap_change_s
 from dflash_assets.generation.servers import API_KEY_ENV
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.resources.storage import StorageResource, s3_credentials_from_env
 from dflash_assets.resources.target_model import TargetModelResource
 
 partition_stages_job = dg.define_asset_job(
@@ -34,7 +34,7 @@ defs = dg.Definitions(
     schedules=[build_backfill_schedule(partition_stages_job)],
     sensors=[build_cap_change_sensor(partition_stages_job)],
     resources={
-        "storage": StorageResource(**resource_fields("storage")),
+        "storage": StorageResource(**resource_fields("storage"), **s3_credentials_from_env()),
         "inference": InferenceServerResource(**resource_fields("inference"), **api_key_from_env()),
         "generation": GenerationResource(**resource_fields("generation")),
         "target_model": TargetModelResource(**resource_fields("target_model")),

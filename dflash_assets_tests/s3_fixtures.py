@@ -16,8 +16,8 @@ import os
 import secrets
 import shutil
 import socket
-import subprocess
 import struct
+import subprocess
 import sys
 import threading
 import time

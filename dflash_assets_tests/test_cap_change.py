@@ -148,9 +148,12 @@ def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: li
             run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(corpus_file)], "partition_size": PARTITION_SIZE}}}},
         ).success
         keys = instance.get_dynamic_partitions("prompt_index_ranges")
+        timings["corpus_s"] = time.monotonic() - started
         before = proxy.requested
         for pk in keys:
+            t0 = time.monotonic()
             materialize_partition(instance, root, inference, caps[0], pk)
+            timings[f"run_cap{caps[0]}_{pk}_s"] = time.monotonic() - t0
         initial_requests, _ = requests_since(proxy, before)
         timings["initial_s"] = time.monotonic() - started
         scenario = Scenario(keys=keys, initial=snapshot(instance, root, keys), initial_requests=initial_requests, timings=timings)
@@ -162,7 +165,9 @@ def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: li
             run_requests = [] if isinstance(result, dg.SkipReason) else list(result)
             before = proxy.requested
             for rr in run_requests:
+                t0 = time.monotonic()
                 materialize_partition(instance, root, inference, cap, rr.partition_key, rr.tags)
+                timings[f"run_cap{cap}_{rr.partition_key}_s"] = time.monotonic() - t0
             requested, probes = requests_since(proxy, before)
             change = CapChange(cap, run_requests, requested, probes, time.monotonic() - started)
             change.after = snapshot(instance, root, keys)

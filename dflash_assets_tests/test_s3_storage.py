@@ -24,15 +24,15 @@ from dagster._serdes import serialize_value
 
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import CORPUS_FILE, prompt_corpus
-from dflash_assets.corpus import build_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
+from dflash_assets.corpus import build_corpus
 from dflash_assets.generation.journal_sync import SyncedRowJournal
 from dflash_assets.partitions import partition_keys, prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.storage import RetryPolicy, Storage, StorageError, is_transient
+from dflash_assets.storage import StorageError, is_transient
 
 try:
     from dflash_assets_tests.fake_server import FakeServer, Reply
@@ -237,15 +237,23 @@ def test_journal_segments_sync_seed_merge_and_discard(s3_target, tmp_path):
     assert fresh.path.read_bytes() == b"".join(s3_target.get(k) for k in s3_target.keys(seg_dir))
     fresh.close()
 
-    # diverged: another machine synced row 7 while this one holds a local-only row 9
-    fresh.append_many_local([{"index": 9, "v": "local"}, {"index": 0, "v": "local"}])
-    s3_target.client.put_object(Bucket=s3_target.bucket, Key=f"{s3_target.prefix}/{seg_dir}seg-000004.jsonl",
-                                Body=b'{"index":7,"v":"other"}\n{"index":0,"v":"other"}\n')
+    def put_segment(name: str, body: bytes) -> None:
+        s3_target.client.put_object(Bucket=s3_target.bucket, Key=f"{s3_target.prefix}/{seg_dir}{name}", Body=body)
+
+    # another machine carried on from these rows: the local copy is a prefix and is brought up to date
+    put_segment("seg-000004.jsonl", b'{"index":6,"v":"other"}\n')
+    carried = resource.open_journal(*parts)
+    assert sorted(carried.load()) == [0, 1, 2, 3, 4, 5, 6] and len(s3_target.keys(seg_dir)) == 4
+    carried.close()
+
+    # diverged: another machine synced rows 7 and 0 while this one holds local-only rows 9 and 0
+    carried.append_many_local([{"index": 9, "v": "local"}, {"index": 0, "v": "local"}])
+    put_segment("seg-000005.jsonl", b'{"index":7,"v":"other"}\n{"index":0,"v":"other"}\n')
     merged = resource.open_journal(*parts)
     rows = merged.load()
-    assert sorted(rows) == [0, 1, 2, 3, 4, 5, 7, 9] and rows[0]["v"] == "local" and rows[7]["v"] == "other"
-    assert s3_target.keys(seg_dir) == [seg_dir + "seg-000005.jsonl"]  # union uploaded, parts removed
-    assert s3_target.get(seg_dir + "seg-000005.jsonl") == merged.path.read_bytes()
+    assert sorted(rows) == [0, 1, 2, 3, 4, 5, 6, 7, 9] and rows[0]["v"] == "local" and rows[7]["v"] == "other"
+    assert s3_target.keys(seg_dir) == [seg_dir + "seg-000006.jsonl"]  # union uploaded, then its parts removed
+    assert s3_target.get(seg_dir + "seg-000006.jsonl") == merged.path.read_bytes()
     merged.discard()
     assert s3_target.keys("completions/") == [] and not merged.path.exists()
 
@@ -371,7 +379,7 @@ def test_endpoint_outage_mid_run(s3_target, s3_env, tmp_path, outage, caplog):
     outage_ends = [0.0]
     # short: requests that arrive during the outage are answered just after it, so rows are still
     # coming when the endpoint is back (the run must recover); rows in flight finish during it.
-    script = lambda i, body: Reply(delay_s=max(0.08, outage_ends[0] - time.monotonic() + 0.1))  # noqa: E731
+    script = lambda i, body: Reply(delay_s=max(0.08, outage_ends[0] - time.monotonic() + 0.1))
     with FakeServer(script) as server, dg.instance_for_test() as instance:
         write_corpus_direct(instance, storage, tmp_path / "prompts.jsonl", partition_size=n)
         synced_before: set[int] = set()
@@ -411,3 +419,31 @@ def test_endpoint_outage_mid_run(s3_target, s3_env, tmp_path, outage, caplog):
     assert table["index"].to_list() == list(range(n))
     assert s3_target.keys(f"completions/{pk}.journal/") == []
     assert_no_credentials(s3_env, logs, caplog.text)
+
+
+def test_drafter_inputs_download_to_empty_scratch(s3_target, tmp_path):
+    """complete_shards / ensure_local_dir fetch what a fresh machine lacks: complete partitions' shards
+    (by the sizes their index records), the drafter export; incomplete or absent partitions are skipped."""
+    from dflash_assets.assets.drafter import EXPORT_DIR, complete_shards
+
+    resource = resolved(storage_resource(s3_target, tmp_path / "scratch"))
+    store = resource.open()
+    shard_a, shard_b = os.urandom(1000), os.urandom(2000)
+    store.write_bytes(shard_a, "hidden_states", "p0", "shard-00000.safetensors")
+    store.write_bytes(shard_b, "hidden_states", "p0", "shard-00001.safetensors")
+    store.write_json({"complete": True, "shards": [{"name": "shard-00000.safetensors", "bytes": 1000},
+                                                   {"name": "shard-00001.safetensors", "bytes": 2000}]}, "hidden_states", "p0", "index.json")
+    store.write_json({"complete": False, "shards": []}, "hidden_states", "p1", "index.json")
+    store.write_bytes(b'{"block_size": 16}', *EXPORT_DIR, "config.json")
+    store.write_bytes(b"weights", *EXPORT_DIR, "model.safetensors")
+
+    # a stale, truncated local copy of shard 1 is replaced (size differs from the index)
+    stale = resource.local_scratch("hidden_states", "p0", "shard-00001.safetensors")
+    Path(stale).write_bytes(shard_b[:10])
+    shards, used, skipped = complete_shards(resource, ["p0", "p1", "p2"])
+    assert used == ["p0"] and skipped == ["p1", "p2"]
+    assert [Path(s).read_bytes() for s in shards] == [shard_a, shard_b]
+    assert all(s.startswith(str(tmp_path / "scratch" / s3_target.bucket / "run")) for s in shards)
+    export = resource.ensure_local_dir(*EXPORT_DIR)
+    assert sorted(os.listdir(export)) == ["config.json", "model.safetensors"]
+    assert Path(export, "model.safetensors").read_bytes() == b"weights"

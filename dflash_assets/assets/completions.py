@@ -127,27 +127,29 @@ def completions(
     started = time.monotonic()
     failure: Exception | None = None
     progress = None
-    if todo:
-        by_index = {p["index"]: p for p in todo}
+    try:
+        if todo:
+            by_index = {p["index"]: p for p in todo}
 
-        with inference.serve(log_dir=storage.local_scratch("server_logs", pk), settings=settings) as pool:
-            client = inference.client(pool)
+            with inference.serve(log_dir=storage.local_scratch("server_logs", pk), settings=settings) as pool:
+                client = inference.client(pool)
 
-            def on_result(result) -> None:
-                row = row_from_result(result, by_index[result.index], settings)
-                journal.append(row)
-                existing[row["index"]] = row
+                def on_result(result) -> None:
+                    row = row_from_result(result, by_index[result.index], settings)
+                    journal.append(row)
+                    existing[row["index"]] = row
 
-            items = ((p["index"], pool.adapt_body(settings.request_body(pool.model, p["messages"], p["index"]))) for p in todo)
-            ticker = _ProgressTicker(lambda: context.log.info(f"{pk}: {client.progress().format(len(todo))}"), PROGRESS_EVERY_S)
-            try:
-                with ticker:
-                    progress = client.generate_blocking(items, on_result)
-            except TooManyFailuresError as exc:
-                failure = exc
-            progress = client.progress()
-            context.log.info(f"{pk}: {progress.format(len(todo))}")
-    journal.close()
+                items = ((p["index"], pool.adapt_body(settings.request_body(pool.model, p["messages"], p["index"]))) for p in todo)
+                ticker = _ProgressTicker(lambda: context.log.info(f"{pk}: {client.progress().format(len(todo))}"), PROGRESS_EVERY_S)
+                try:
+                    with ticker:
+                        progress = client.generate_blocking(items, on_result)
+                except TooManyFailuresError as exc:
+                    failure = exc
+                progress = client.progress()
+                context.log.info(f"{pk}: {progress.format(len(todo))}")
+    finally:
+        journal.close()  # a clean stop syncs the journal (S3) whatever ended generation
     frame = rows_to_frame([existing[i] for i in prompts["index"].to_list() if i in existing])
     missing = prompts.height - frame.height
     if failure is not None or missing:

@@ -105,6 +105,7 @@ class SyncedRowJournal(RowJournal):
         self._next_seq = 1
         self._pending_rows = 0
         self._last_sync = time.monotonic()
+        self._retry_after = 0.0  # after a failed background sync: no new try before this (monotonic s)
         self._sync_lock = threading.Lock()  # one upload at a time; keeps segment numbers in order
         self._wake = threading.Condition()
         self._stop = False
@@ -145,6 +146,10 @@ class SyncedRowJournal(RowJournal):
             return
         if local.startswith(remote):
             self.synced_bytes = len(remote)  # the usual case: this machine's own earlier run
+            return
+        if remote.startswith(local):  # another machine carried on from this one's rows
+            atomic_write_local(str(self.path), remote)
+            self.synced_bytes = len(remote)
             return
         # Local and remote diverged (another machine ran the partition meanwhile): keep the union,
         # local rows winning for indices both hold, and replace the segments with it.
@@ -190,10 +195,11 @@ class SyncedRowJournal(RowJournal):
         while True:
             with self._wake:
                 while not self._stop:
-                    due = self._last_sync + self.sync_s
-                    if self._pending_rows >= self.sync_rows or (self._pending_rows and time.monotonic() >= due):
+                    now = time.monotonic()
+                    due = max(self._last_sync + self.sync_s, self._retry_after)
+                    if now >= self._retry_after and (self._pending_rows >= self.sync_rows or (self._pending_rows and now >= due)):
                         break
-                    self._wake.wait(timeout=max(0.01, due - time.monotonic()) if self._pending_rows else self.sync_s)
+                    self._wake.wait(timeout=max(0.01, due - now) if self._pending_rows else self.sync_s)
                 if self._stop:
                     return
             try:
@@ -201,7 +207,7 @@ class SyncedRowJournal(RowJournal):
             except Exception as exc:  # retried at the next trigger; the rows are safe locally
                 self.last_sync_error = exc
                 with self._wake:
-                    self._last_sync = time.monotonic()  # wait a full interval before the next try
+                    self._retry_after = time.monotonic() + self.sync_s  # a full interval before the next try
                 log.warning("journal sync to %s failed (rows kept locally, will retry): %s",
                             self.storage.uri(*self.remote_dir), exc)
 
