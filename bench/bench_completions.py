@@ -7,7 +7,8 @@
     - the *pipeline*: ``dg.materialize`` of one ``completions`` partition (fresh state each round: row
       journal with an fsync per row, parquet table, metadata), timed by the asset's own ``wall_s``
       (from before the server probe to after the table write).
-    ratio = pipeline output tok/s / bare output tok/s, over all rounds (target >= 0.95).
+    ratio = pipeline output tok/s / bare output tok/s, over all rounds (target >= 0.95). Rounds run in
+    ABBA order so a drift of the server's speed (other load on the machine) cancels out.
 (b) Instant stand-in server (``dflash_assets_tests/fake_server.py`` in its own process, as in
     bench/bench_client.py): requests/s the generation client sustains, and requests/s of the whole
     asset (journal and table included) over a partition of ``--fake-prompts`` prompts.
@@ -97,7 +98,10 @@ async def run_bare(url: str, bodies: list[dict], concurrency: int) -> tuple[int,
 
 
 def bench_real_server(args, work: Path) -> None:
-    server = LocalTransformersServer(ensure_local_model(), log_path=work / "transformers_serve.log", startup_timeout_s=600)
+    env = {"OMP_NUM_THREADS": str(args.server_threads)} if args.server_threads else {}
+    server = LocalTransformersServer(ensure_local_model(), log_path=work / "transformers_serve.log",
+                                     startup_timeout_s=600, env=env)
+    (work / "dagster_home").mkdir()
     with server, dg.instance_for_test(temp_dir=str(work / "dagster_home")) as instance:
         root = work / "real"
         pk, corpus = make_corpus(instance, root, args.sources or default_sources(), args.prompts)
@@ -112,19 +116,25 @@ def bench_real_server(args, work: Path) -> None:
         asyncio.run(run_bare(server.base_url, bodies[: args.concurrency], args.concurrency))  # warm-up
         bare_tok = bare_s = pipe_tok = pipe_s = pipe_client_s = pipe_mat_s = 0.0
         for r in range(args.rounds):
-            tokens, wall, failures = asyncio.run(run_bare(server.base_url, bodies, args.concurrency))
-            assert failures == 0, f"bare client: {failures} failed requests"
-            meta = run_pipeline(instance, root, pk, inference, args.cap)
-            assert meta["errors"] == 0 and meta["rows"] == len(bodies)
-            print(f"round_{r}: bare {tokens} tok in {wall:.1f} s = {tokens / wall:.1f} tok/s; pipeline "
-                  f"{meta['completion_tokens_total']} tok in {meta['wall_s']:.1f} s = "
-                  f"{meta['completion_tokens_total'] / meta['wall_s']:.1f} tok/s", flush=True)
-            bare_tok, bare_s = bare_tok + tokens, bare_s + wall
-            pipe_tok, pipe_s = pipe_tok + meta["completion_tokens_total"], pipe_s + meta["wall_s"]
-            pipe_client_s += meta["completion_tokens_total"] / max(meta["output_tok_per_s"], 1e-9)
-            pipe_mat_s += meta["materialize_s"]
+            # ABBA order (bare first on even rounds, pipeline first on odd ones): the server's speed drifts
+            # with the machine's load, and a fixed order would charge that drift to one side.
+            for side in (("bare", "pipeline") if r % 2 == 0 else ("pipeline", "bare")):
+                if side == "bare":
+                    tokens, wall, failures = asyncio.run(run_bare(server.base_url, bodies, args.concurrency))
+                    assert failures == 0, f"bare client: {failures} failed requests"
+                    bare_tok, bare_s = bare_tok + tokens, bare_s + wall
+                    print(f"round_{r}_bare: {tokens} tok in {wall:.1f} s = {tokens / wall:.1f} tok/s", flush=True)
+                    continue
+                meta = run_pipeline(instance, root, pk, inference, args.cap)
+                assert meta["errors"] == 0 and meta["rows"] == len(bodies)
+                tokens, wall = meta["completion_tokens_total"], meta["wall_s"]
+                print(f"round_{r}_pipeline: {tokens} tok in {wall:.1f} s = {tokens / wall:.1f} tok/s", flush=True)
+                pipe_tok, pipe_s = pipe_tok + tokens, pipe_s + wall
+                pipe_client_s += tokens / max(meta["output_tok_per_s"], 1e-9)
+                pipe_mat_s += meta["materialize_s"]
     bare_rate, pipe_rate = bare_tok / bare_s, pipe_tok / pipe_s
-    print(f"real_server: {args.prompts} prompts x {args.rounds} rounds, cap {args.cap}, concurrency {args.concurrency}")
+    print(f"real_server: {args.prompts} prompts x {args.rounds} rounds, cap {args.cap}, concurrency {args.concurrency}, "
+          f"server OMP_NUM_THREADS {args.server_threads or 'default'}")
     print(f"bare_client_output_tok_per_s: {bare_rate:.1f}")
     print(f"pipeline_output_tok_per_s: {pipe_rate:.1f}")
     print(f"pipeline_over_bare_ratio: {pipe_rate / bare_rate:.3f} (target >= 0.95: {'yes' if pipe_rate / bare_rate >= 0.95 else 'no'})")
@@ -141,6 +151,7 @@ def bench_instant_server(args, work: Path) -> None:
               f"({args.fake_requests} requests, concurrency {args.fake_concurrency}, {failed} failed)")
         source = work / "fake_prompts.jsonl"
         source.write_text("".join(json.dumps({"prompt": f"Task {i}: print {i}."}) + "\n" for i in range(args.fake_prompts)))
+        (work / "dagster_home_fake").mkdir()
         with dg.instance_for_test(temp_dir=str(work / "dagster_home_fake")) as instance:
             root = work / "fake"
             pk, _ = make_corpus(instance, root, [str(source)], args.fake_prompts)
@@ -162,7 +173,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24, help="prompts per run against the real server")
     parser.add_argument("--cap", type=int, default=48, help="max_output_tokens")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (both clients)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating bare/pipeline rounds")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of bare + pipeline, ABBA order")
+    parser.add_argument("--server-threads", type=int, default=1,
+                        help="OMP_NUM_THREADS of the server; 0 = torch default (1 measured ~7x faster on 2 busy cores)")
     parser.add_argument("--sources", nargs="*", default=None, help="prompt files (default: HumanEval)")
     parser.add_argument("--fake-requests", type=int, default=5000)
     parser.add_argument("--fake-concurrency", type=int, default=64)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,6 +124,20 @@ def materialize_partition(instance, root: Path, inference, cap: int, pk: str, ta
     assert result.success
 
 
+def materialize_partitions(instance, root: Path, inference, cap: int, jobs: list[tuple[str, dict]], timings: dict) -> None:
+    """Run ``(partition_key, tags)`` jobs at once, one thread each, as the launched runs would run side by
+    side (their requests then share the server's batches). Raises the first run's failure."""
+
+    def one(job: tuple[str, dict]) -> None:
+        started = time.monotonic()
+        materialize_partition(instance, root, inference, cap, *job)
+        timings[f"run_cap{cap}_{job[0]}_s"] = time.monotonic() - started
+
+    with ThreadPoolExecutor(max_workers=max(len(jobs), 1)) as pool:
+        for future in [pool.submit(one, job) for job in jobs]:
+            future.result()
+
+
 def requests_since(proxy, before: Counter) -> tuple[Counter, int]:
     """Requests the server received since ``before`` (a copy of ``proxy.requested``): rows, probes."""
     now = proxy.requested - before
@@ -149,11 +164,9 @@ def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: li
         ).success
         keys = instance.get_dynamic_partitions("prompt_index_ranges")
         timings["corpus_s"] = time.monotonic() - started
+        TargetModelResource().load_tokenizer()  # import transformers once, before the threads race to
         before = proxy.requested
-        for pk in keys:
-            t0 = time.monotonic()
-            materialize_partition(instance, root, inference, caps[0], pk)
-            timings[f"run_cap{caps[0]}_{pk}_s"] = time.monotonic() - t0
+        materialize_partitions(instance, root, inference, caps[0], [(pk, {}) for pk in keys], timings)
         initial_requests, _ = requests_since(proxy, before)
         timings["initial_s"] = time.monotonic() - started
         scenario = Scenario(keys=keys, initial=snapshot(instance, root, keys), initial_requests=initial_requests, timings=timings)
@@ -164,10 +177,7 @@ def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: li
             result = sensor(dg.build_sensor_context(instance=instance, resources={"generation": generation}))
             run_requests = [] if isinstance(result, dg.SkipReason) else list(result)
             before = proxy.requested
-            for rr in run_requests:
-                t0 = time.monotonic()
-                materialize_partition(instance, root, inference, cap, rr.partition_key, rr.tags)
-                timings[f"run_cap{cap}_{rr.partition_key}_s"] = time.monotonic() - t0
+            materialize_partitions(instance, root, inference, cap, [(rr.partition_key, rr.tags) for rr in run_requests], timings)
             requested, probes = requests_since(proxy, before)
             change = CapChange(cap, run_requests, requested, probes, time.monotonic() - started)
             change.after = snapshot(instance, root, keys)

@@ -159,9 +159,10 @@ def test_two_real_partitions_stop_and_length_metadata_matches_table(tmp_path, lo
         keys = write_corpus(instance, root, REAL_PROMPTS, partition_size=4)
         assert keys == ["0000000-0000003", "0000004-0000007"]
         metas = {pk: metadata(materialize(instance, root, pk, local_inference)) for pk in keys}
-        print("DEBUG", {pk: (m["wall_s"], m["output_tok_per_s"], m["completion_tokens_total"]) for pk, m in metas.items()})
+        first_bytes = (root / "completions" / f"{keys[0]}.parquet").read_bytes()
         # a second run finds every row valid: no request, same bytes
         again = metadata(materialize(instance, root, keys[0], local_inference))
+    assert (root / "completions" / f"{keys[0]}.parquet").read_bytes() == first_bytes
 
     tokenizer = AutoTokenizer.from_pretrained(local_inference.tokenizer_path())
     for pk in keys:

@@ -18,6 +18,7 @@ CHECK_NONEMPTY = "no_empty_loss_mask"
 CHECK_DEGENERATE = "no_degenerate_mask_length_mode"
 CHECK_ROUNDTRIP = "completion_decodes_to_recorded_text"
 CHECK_MAX_LENGTH = "max_length_fits_prompt_plus_cap"
+CHECK_RETOKENIZED = "retokenized_length_matches_server"
 
 
 def tokenized_file(pk: str) -> tuple[str, str]:
@@ -50,6 +51,9 @@ class TokenizeConfig(dg.Config):
                           description="The supervised tokens decode back to the recorded reasoning and answer."),
         dg.AssetCheckSpec(CHECK_MAX_LENGTH, asset="tokenized_sequences",
                           description="Warns with the share of rows that max_length would cut at the current cap."),
+        dg.AssetCheckSpec(CHECK_RETOKENIZED, asset="tokenized_sequences",
+                          description="Warns when re-tokenized completions (server returned no ids) differ in length from "
+                                      "usage.completion_tokens: the text does not round-trip to the emitted tokens."),
     ],
     description=(
         "Reads completions/<pk>.parquet and the prompt corpus; builds input_ids = chat-template prompt ids + generated "
@@ -120,6 +124,17 @@ def run_checks(tokenized: pl.DataFrame, completions: pl.DataFrame, builder: Sequ
     yield dg.AssetCheckResult(
         check_name=CHECK_ROUNDTRIP, passed=not bad,
         metadata={"mismatched_rows": len(bad), "first_indexes": json.dumps(bad[:10])},
+    )
+    retokenized = [
+        (row["index"], row["num_loss_tokens"], by_index[row["index"]].get("completion_tokens"))
+        for row in tokenized.iter_rows(named=True)
+        if by_index[row["index"]].get("output_token_ids") is None and not row["cut"]
+    ]
+    differ = [i for i, n, c in retokenized if c is not None and n != c]
+    yield dg.AssetCheckResult(
+        check_name=CHECK_RETOKENIZED, passed=not differ, severity=dg.AssetCheckSeverity.WARN,
+        metadata={"retokenized_rows": len(retokenized), "length_differs": len(differ), "first_indexes": json.dumps(differ[:10])},
+        description=f"{len(differ)} re-tokenized rows differ from the server's token count; serve with token ids (SGLang) to be exact" if differ else None,
     )
     prompt_lens = tokenized["prompt_len"].to_list()
     would_cut = sum(1 for p in prompt_lens if p + cap > config.max_length)
