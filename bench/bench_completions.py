@@ -34,19 +34,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import dagster as dg  # noqa: E402
-import httpx  # noqa: E402
-import polars as pl  # noqa: E402
+import bench_client
+import dagster as dg
+import httpx
+import polars as pl
 
-import bench_client  # noqa: E402
-from dflash_assets.assets.completions import completions  # noqa: E402
-from dflash_assets.assets.prompts import CORPUS_FILE, default_sources, prompt_corpus  # noqa: E402
-from dflash_assets.generation.local_model import ensure_local_model  # noqa: E402
-from dflash_assets.generation.servers import LocalTransformersServer  # noqa: E402
-from dflash_assets.partitions import prompt_ranges  # noqa: E402
-from dflash_assets.resources.generation import GenerationResource  # noqa: E402
-from dflash_assets.resources.inference import InferenceServerResource  # noqa: E402
-from dflash_assets.resources.storage import StorageResource  # noqa: E402
+from dflash_assets.assets.completions import completions
+from dflash_assets.assets.prompts import CORPUS_FILE, default_sources, prompt_corpus
+from dflash_assets.generation.local_model import ensure_local_model
+from dflash_assets.generation.servers import LocalTransformersServer
+from dflash_assets.partitions import prompt_ranges
+from dflash_assets.resources.generation import GenerationResource
+from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.resources.storage import StorageResource
 
 
 def make_corpus(instance: dg.DagsterInstance, root: Path, sources: list[str], n: int) -> tuple[str, pl.DataFrame]:
@@ -146,7 +146,7 @@ def bench_instant_server(args, work: Path) -> None:
     proc, url = bench_client._start_server()
     try:
         bench_client._run(url, 500, args.fake_concurrency, True)  # warm-up
-        wall, cpu, ok, failed = bench_client._run(url, args.fake_requests, args.fake_concurrency, True)
+        wall, _cpu, _ok, failed = bench_client._run(url, args.fake_requests, args.fake_concurrency, True)
         print(f"client_requests_per_s_vs_instant_server: {args.fake_requests / wall:.0f} "
               f"({args.fake_requests} requests, concurrency {args.fake_concurrency}, {failed} failed)")
         source = work / "fake_prompts.jsonl"

@@ -106,9 +106,9 @@ def failure_message(result) -> str:
 
 def fake_inference(url: str, **client) -> InferenceServerResource:
     """External mode against a FakeServer, tight client budget so faults resolve in seconds."""
-    fields = dict(mode="external", base_urls=[url + "/v1"], served_model_name="fake", external_backend="openai",
-                  max_running_requests=2, max_attempts=3, backoff_base_s=0.01, max_consecutive_failures=3,
-                  request_timeout_s=5.0, startup_timeout_s=10.0)
+    fields = {"mode": "external", "base_urls": [url + "/v1"], "served_model_name": "fake",
+              "external_backend": "openai", "max_running_requests": 2, "max_attempts": 3, "backoff_base_s": 0.01,
+              "max_consecutive_failures": 3, "request_timeout_s": 5.0, "startup_timeout_s": 10.0}
     return InferenceServerResource(**{**fields, **client})
 
 
@@ -218,10 +218,9 @@ def test_kill_9_mid_partition_then_resume_requests_only_unfinished_rows(tmp_path
     journal_file = Path(StorageResource(root=str(root)).local_scratch("completions", f"{pk}.journal.jsonl"))
 
     with CountingProxy(local_server.base_url) as proxy:
-        fields = dict(mode="external", base_urls=[proxy.base_url], served_model_name=local_server.model_name,
-                      external_backend="transformers", external_tokenizer_path=local_inference.external_tokenizer_path,
-                      max_running_requests=2)
-        inference = InferenceServerResource(**fields)
+        fields = {"mode": "external", "base_urls": [proxy.base_url], "served_model_name": local_server.model_name,
+                  "external_backend": "transformers", "max_running_requests": 2,
+                  "external_tokenizer_path": local_inference.external_tokenizer_path}
         args = {"home": str(home), "root": str(root), "pk": pk, "cap": CAP, "inference": fields}
         child = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(args)], cwd=REPO,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -249,7 +249,8 @@ class LocalTransformersServer:
             SmolLM2 fp32 KV is 30 layers x 2 x 3 heads x 64 x 4 B = 46 KB per token.
         max_batch_tokens: tokens per forward step (``--cb-max-batch-tokens``); None = transformers' 8192.
         startup_timeout_s: seconds to wait for the first successful generation.
-        env: extra environment variables for the server (the hub is always switched off).
+        env: extra environment variables for the server (the hub is always switched off;
+            ``OMP_NUM_THREADS`` defaults to 1, override it here).
 
     Attributes (valid inside ``with``):
         base_url: ``http://HOST:PORT/v1``.
@@ -325,7 +326,9 @@ class LocalTransformersServer:
             fd, name = tempfile.mkstemp(prefix="transformers_serve_", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **self.env}
+        # One intra-op thread by default: on a 2-core machine shared with the pipeline process, the
+        # default (all cores) made generation ~7x slower from oversubscription (measured, bench_completions).
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", **self.env}
         started = time.monotonic()
         self._proc = _start_process(self.argv(), env, self.log_path)
         try:
