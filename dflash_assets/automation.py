@@ -37,6 +37,8 @@ def affected_reason(meta: dict, settings: GenerationSettings) -> str | None:
     cap = settings.max_output_tokens
     if meta.get("errors", 0):
         return "error rows"
+    if set(meta.get("finish_reasons", {})) - {"stop", "length"}:  # abort etc.: invalid_reason redoes them
+        return "unfinished rows"
     if any(fp != settings.sampling_fingerprint() for fp in meta.get("settings_fingerprints", [])):
         return "sampling changed"
     if meta.get("completion_tokens_max", 0) > cap:

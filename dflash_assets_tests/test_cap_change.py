@@ -13,7 +13,6 @@ import hashlib
 import json
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,17 +124,11 @@ def materialize_partition(instance, root: Path, inference, cap: int, pk: str, ta
 
 
 def materialize_partitions(instance, root: Path, inference, cap: int, jobs: list[tuple[str, dict]], timings: dict) -> None:
-    """Run ``(partition_key, tags)`` jobs at once, one thread each, as the launched runs would run side by
-    side (their requests then share the server's batches). Raises the first run's failure."""
-
-    def one(job: tuple[str, dict]) -> None:
+    """Run ``(partition_key, tags)`` jobs one after another (in-process runs on threads deadlocked here)."""
+    for pk, tags in jobs:
         started = time.monotonic()
-        materialize_partition(instance, root, inference, cap, *job)
-        timings[f"run_cap{cap}_{job[0]}_s"] = time.monotonic() - started
-
-    with ThreadPoolExecutor(max_workers=max(len(jobs), 1)) as pool:
-        for future in [pool.submit(one, job) for job in jobs]:
-            future.result()
+        materialize_partition(instance, root, inference, cap, pk, tags)
+        timings[f"run_cap{cap}_{pk}_s"] = time.monotonic() - started
 
 
 def requests_since(proxy, before: Counter) -> tuple[Counter, int]:
@@ -164,7 +157,6 @@ def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: li
         ).success
         keys = instance.get_dynamic_partitions("prompt_index_ranges")
         timings["corpus_s"] = time.monotonic() - started
-        TargetModelResource().load_tokenizer()  # import transformers once, before the threads race to
         before = proxy.requested
         materialize_partitions(instance, root, inference, caps[0], [(pk, {}) for pk in keys], timings)
         initial_requests, _ = requests_since(proxy, before)
@@ -277,3 +269,101 @@ def test_lowering_the_cap_requests_only_rows_longer_than_it(scenario):
 def test_sensor_skips_once_everything_matches_the_settings(scenario):
     (result,) = scenario.skip_after
     assert isinstance(result, dg.SkipReason) and f"max_output_tokens={CAP_LOWERED}" in result.skip_message
+
+
+# ---------------------------------------------------------------- sensor decisions without a server
+
+def _result(index: int, finish_reason: str | None, completion_tokens: int | None, error: str | None = None):
+    from dflash_assets.generation.client import CompletionResult
+
+    text = None if error else "some answer"
+    return CompletionResult(index, None, text, None if error else finish_reason, None if error else 12,
+                            None if error else completion_tokens, None, 0.5, "http://s0/v1", 1, error)
+
+
+def _random_partition(rng, settings_choices) -> list[dict]:
+    """Rows as the completions asset makes them: stop / length at the cap they were made with / abort / error."""
+    from dflash_assets.generation.records import row_from_result
+
+    rows = []
+    for index in range(rng.randint(1, 5)):
+        made_with = rng.choice(settings_choices)
+        cap = made_with.max_output_tokens
+        kind = rng.choice(["stop", "stop", "length", "length", "abort", "error"])
+        if kind == "stop":
+            result = _result(index, "stop", rng.randint(1, cap))
+        elif kind == "length":
+            result = _result(index, "length", cap)
+        elif kind == "abort":
+            result = _result(index, "abort", rng.randint(1, cap))
+        else:
+            result = _result(index, None, None, error="HTTP 503 after 5 attempts")
+        rows.append(row_from_result(result, {"index": index, "prompt_id": f"p{index}", "source": "s"}, made_with))
+    return rows
+
+
+def test_partition_decision_matches_row_decision():
+    """The sensor's partition-level rule (from materialization metadata) touches a partition exactly when
+    the asset's row-level rule would regenerate one of its rows: no partition launched for nothing, none
+    missed. 400 random partitions against caps below, at and above the caps rows were made with."""
+    import random
+
+    from dflash_assets.assets.completions import completion_stats
+    from dflash_assets.automation import affected_reason
+    from dflash_assets.generation.records import invalid_reason, rows_to_frame
+    from dflash_assets.settings import GenerationSettings
+
+    rng = random.Random(7)
+    made = [GenerationSettings(max_output_tokens=c, temperature=0.0) for c in (8, 12, 16)]
+    made.append(GenerationSettings(max_output_tokens=12, temperature=0.6))  # other sampling
+    mismatches = []
+    for _ in range(400):
+        rows = _random_partition(rng, made)
+        meta = json.loads(json.dumps(completion_stats(rows_to_frame(rows))))  # as metadata round-trips (JSON)
+        for cap in (6, 8, 10, 12, 14, 16, 20):
+            settings = GenerationSettings(max_output_tokens=cap, temperature=0.0)
+            row_reasons = [invalid_reason(r, settings) for r in rows]
+            if (affected_reason(meta, settings) is not None) != any(row_reasons):
+                mismatches.append((cap, [(r["finish_reason"], r["completion_tokens"], r["max_output_tokens"]) for r in rows],
+                                   affected_reason(meta, settings), row_reasons))
+    assert not mismatches, mismatches[:3]
+
+
+def test_sensor_relaunches_a_partition_when_a_cap_comes_back():
+    """Cap 10 -> 14 -> 10 -> 14: the second raise must launch again. Dagster creates one run per sensor
+    ``run_key`` for the sensor's whole life, so a key made only of (partition, cap, sampling) would be
+    skipped by the daemon the second time."""
+    from dflash_assets.definitions import defs
+    from dflash_assets.partitions import prompt_ranges
+
+    sensor = defs.get_sensor_def("generation_settings_changed")
+    pk = "0000000-0000001"
+
+    def materialized(cap: int, length_rows: bool) -> None:
+        from dflash_assets.settings import GenerationSettings
+
+        fp = GenerationSettings(max_output_tokens=cap, temperature=0.0).sampling_fingerprint()
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            "completions", partition=pk,
+            metadata={"errors": 0, "finish_reasons": {"stop": 1, "length": 1} if length_rows else {"stop": 2},
+                      "settings_fingerprints": [fp], "completion_tokens_max": cap,
+                      "length_row_caps": [cap] if length_rows else []}))
+
+    def tick(cap: int) -> list[dg.RunRequest]:
+        generation = GenerationResource(max_output_tokens=cap, temperature=0.0)
+        result = sensor(dg.build_sensor_context(instance=instance, resources={"generation": generation}))
+        return [] if isinstance(result, dg.SkipReason) else list(result)
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, [pk])
+        materialized(10, length_rows=True)
+        first = tick(14)
+        assert [r.partition_key for r in first] == [pk]
+        materialized(14, length_rows=True)  # the raise ran; still cut at 14
+        lowered = tick(10)
+        assert [r.tags["dflash/reason"] for r in lowered] == ["cap lowered"]
+        materialized(10, length_rows=True)  # back at 10
+        second = tick(14)
+        assert [r.partition_key for r in second] == [pk]
+        assert len({first[0].run_key, lowered[0].run_key, second[0].run_key}) == 3
+        assert tick(14) and tick(14)[0].run_key == second[0].run_key  # same state: same key (no duplicate runs)

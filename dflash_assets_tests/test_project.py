@@ -1,0 +1,54 @@
+"""The README's commands and the shell path a user takes: CI runs the README's test command verbatim,
+and `dagster asset materialize` with DAGSTER_HOME set as the README says registers the partitions."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from dflash_assets.partitions import partition_keys, prompt_ranges
+from test_corpus import independent_count
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+
+
+def readme_commands() -> list[str]:
+    """The fenced bash commands at the top of the README, in order."""
+    return re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text())
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    run_cmd, test_cmd = readme_commands()[:2]
+    assert "python -m dflash_assets run" in run_cmd and "pytest" in test_cmd
+    ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci_lines[-1] == test_cmd
+
+
+@pytest.mark.skipif(not (SHARED / "codealpaca" / "new_codealpaca.json").exists(), reason="../shared/data not present")
+def test_shell_materialize_registers_partitions_in_the_instance(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
+    sources = [str(SHARED / "codealpaca" / "new_codealpaca.json"), str(SHARED / "sharegpt" / "dummy_conversation.json")]
+    config = {"ops": {"prompt_corpus": {"config": {"sources": sources, "partition_size": 1000}}}}
+    env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_STORAGE_ROOT": str(tmp_path / "data")}
+    dagster = Path(sys.executable).with_name("dagster")
+    proc = subprocess.run(
+        [str(dagster), "asset", "materialize", "-m", "dflash_assets.definitions", "--select", "prompt_corpus",
+         "--config-json", json.dumps(config)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    expected_rows, expected_dups = independent_count(Path(sources[0]), Path(sources[1]))
+    with dg.DagsterInstance.get() as instance:
+        event = instance.get_latest_materialization_event(dg.AssetKey("prompt_corpus"))
+        meta = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+        assert (meta["num_prompts"], meta["duplicates"], meta["rejected"]) == (expected_rows, expected_dups, 0)
+        assert instance.get_dynamic_partitions(prompt_ranges.name) == partition_keys(expected_rows, 1000)
