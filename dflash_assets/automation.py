@@ -18,12 +18,18 @@ def partition_job_selection(available: Iterable[str]) -> list[str]:
     return [s for s in PER_PARTITION_STAGES if s in names]
 
 
+def latest_record(instance: dg.DagsterInstance, asset_key: dg.AssetKey, pk: str) -> dg.EventLogRecord | None:
+    """The latest materialization record of one partition, or None."""
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[pk]), limit=1).records
+    return records[0] if records else None
+
+
 def latest_metadata(instance: dg.DagsterInstance, asset_key: dg.AssetKey, pk: str) -> dict | None:
     """Metadata (plain values) of the latest materialization of one partition, or None."""
-    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[pk]), limit=1).records
-    if not records:
+    record = latest_record(instance, asset_key, pk)
+    if record is None:
         return None
-    meta = records[0].asset_materialization.metadata
+    meta = record.asset_materialization.metadata
     return {k: getattr(v, "value", v) for k, v in meta.items()}
 
 
@@ -37,6 +43,8 @@ def affected_reason(meta: dict, settings: GenerationSettings) -> str | None:
     cap = settings.max_output_tokens
     if meta.get("errors", 0):
         return "error rows"
+    if meta.get("completion_tokens_missing", 0):
+        return "no completion_tokens"
     if set(meta.get("finish_reasons", {})) - {"stop", "length"}:  # abort etc.: invalid_reason redoes them
         return "unfinished rows"
     if any(fp != settings.sampling_fingerprint() for fp in meta.get("settings_fingerprints", [])):
@@ -93,6 +101,11 @@ def build_cap_change_sensor(job, max_per_tick: int = 50):
 
     Stopped by default: "Preview" / "Test sensor" in the UI lists the partitions it would launch (with the
     reason in each run's tags) before anything runs.
+
+    The run key holds the storage id of the partition's latest completions materialization: Dagster makes
+    one run per sensor run key for the sensor's whole life, so a key of (partition, cap, sampling) alone
+    would never launch again after the cap went 10 -> 14 -> 10 -> 14. A run that fails leaves the key as
+    it was (no relaunch loop); the backfill schedule retries failed partitions.
     """
 
     @dg.sensor(job=job, name="generation_settings_changed", minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED,
@@ -104,7 +117,8 @@ def build_cap_change_sensor(job, max_per_tick: int = 50):
         requests = [
             dg.RunRequest(
                 partition_key=pk,
-                run_key=f"{pk}:{settings.max_output_tokens}:{settings.sampling_fingerprint()}",
+                run_key=f"{pk}:{settings.max_output_tokens}:{settings.sampling_fingerprint()}:"
+                        f"{latest_record(context.instance, COMPLETIONS, pk).storage_id}",
                 tags={"dflash/trigger": "settings-change", "dflash/reason": reason},
             )
             for pk, reason in sorted(affected.items()) if pk not in running

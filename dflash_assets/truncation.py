@@ -82,11 +82,15 @@ def fit_censored_lognormal(tokens: np.ndarray, censored: np.ndarray, caps: np.nd
 def predict_cap(fit: LogNormalFit, cap: int, observed_rate: float, n_truncated: int, new_cap: int) -> dict:
     """Predicted truncation rate and token cost of regenerating the truncated rows at ``new_cap``.
 
+    The rate is ``observed_rate * S(new_cap) / S(cap)`` (at most 1) in both directions: below the cap the
+    fit rests on uncensored lengths, so a lowered cap is predicted too (the cost fields then describe no
+    regeneration: ``tokens_to_generate = n_truncated * cap``, ``extra_output_tokens = 0``).
+
     Returns a dict with ``truncation_rate``, ``tokens_to_generate`` (the truncated rows regenerated in
     full, each costing E[min(L, new_cap) | L > cap]) and ``extra_output_tokens`` (growth of the dataset).
     """
     s_cap = max(fit.survival(cap), 1e-12)
-    rate = observed_rate * min(fit.survival(new_cap) / s_cap, 1.0) if new_cap > cap else observed_rate
+    rate = min(observed_rate * fit.survival(new_cap) / s_cap, 1.0) if new_cap != cap else observed_rate
     grid = np.linspace(cap, max(new_cap, cap), 256)
     surv = np.array([fit.survival(t) for t in grid]) / s_cap
     mean_len = cap + float(np.sum((surv[1:] + surv[:-1]) / 2 * np.diff(grid)))

@@ -58,12 +58,12 @@ def instance_with_states():
         for pk in MATERIALIZED + FAILED:
             result = dg.materialize([asset], instance=instance, partition_key=pk, raise_on_error=False)
             assert result.success == (pk in MATERIALIZED)
-        errors: list[BaseException] = []
+        errors: list[Exception] = []
 
         def blocked_run() -> None:
             try:
                 dg.materialize([asset], instance=instance, partition_key=STARTED)
-            except BaseException as exc:  # surfaced in the main thread below
+            except Exception as exc:  # noqa: BLE001 - surfaced in the main thread below
                 errors.append(exc)
 
         thread = threading.Thread(target=blocked_run, daemon=True)

@@ -6,7 +6,12 @@ one partition holds only quick answers (no truncated row) and the others hold lo
 cap must re-materialize exactly the partitions with ``length`` rows, send exactly one request per
 truncated row (counted by a proxy in front of the server), leave every other row byte-identical and
 not re-run ``tokenized_sequences`` of untouched partitions; lowering it must request exactly the rows
-longer than the new cap.
+longer than the new cap. The runs materialize completions -> tokenized_sequences for each RunRequest's
+partition (the sensor's job also holds hidden_states, left out here to stay fast).
+
+Without a server: the sensor's partition-level rule (materialization metadata) agrees with the asset's
+row-level rule (``invalid_reason``) on random partitions; a cap that comes back (10 -> 14 -> 10 -> 14)
+launches again (fresh run key); a partition with an unfinished run is not requested.
 """
 
 import hashlib
@@ -198,6 +203,14 @@ def scenario(tmp_path_factory, local_server, local_inference):
     return result
 
 
+_PROMPT_OF_INDEX = dict(enumerate(PROMPTS))
+
+
+def before_prompt(row: dict) -> str:
+    """The user message a row was generated from (what the proxy counts by)."""
+    return _PROMPT_OF_INDEX[row["index"]]
+
+
 def check_change(before: Snapshot, change: CapChange, touched: dict[str, list[dict]], reason: str) -> None:
     """Shared assertions for one cap change; ``touched`` = rows (by partition) that must be regenerated."""
     after = change.after
@@ -231,13 +244,7 @@ def check_change(before: Snapshot, change: CapChange, touched: dict[str, list[di
             assert after.materializations[name][pk] == before.materializations[name][pk] + 1
 
 
-_PROMPT_OF_INDEX = dict(enumerate(PROMPTS))
-
-
-def before_prompt(row: dict) -> str:
-    return _PROMPT_OF_INDEX[row["index"]]
-
-
+@pytest.mark.slow
 def test_initial_run_has_truncated_and_clean_partitions(scenario):
     assert len(scenario.keys) == 3
     truncated = scenario.initial.truncated()
@@ -250,6 +257,7 @@ def test_initial_run_has_truncated_and_clean_partitions(scenario):
             assert (r["finish_reason"] == "length") == (r["completion_tokens"] == CAP_SMALL)
 
 
+@pytest.mark.slow
 def test_raising_the_cap_requests_only_truncated_rows(scenario):
     raise_ = scenario.changes[0]
     assert raise_.new_cap == CAP_RAISED
@@ -257,6 +265,7 @@ def test_raising_the_cap_requests_only_truncated_rows(scenario):
     assert sum(raise_.requested.values()) == sum(len(v) for v in scenario.initial.truncated().values())
 
 
+@pytest.mark.slow
 def test_lowering_the_cap_requests_only_rows_longer_than_it(scenario):
     raised, lower = scenario.changes[0].after, scenario.changes[1]
     assert lower.new_cap == CAP_LOWERED
@@ -266,6 +275,7 @@ def test_lowering_the_cap_requests_only_rows_longer_than_it(scenario):
     assert 0 < sum(lower.requested.values()) < len(PROMPTS)
 
 
+@pytest.mark.slow
 def test_sensor_skips_once_everything_matches_the_settings(scenario):
     (result,) = scenario.skip_after
     assert isinstance(result, dg.SkipReason) and f"max_output_tokens={CAP_LOWERED}" in result.skip_message
@@ -331,8 +341,9 @@ def test_partition_decision_matches_row_decision():
 
 def test_sensor_relaunches_a_partition_when_a_cap_comes_back():
     """Cap 10 -> 14 -> 10 -> 14: the second raise must launch again. Dagster creates one run per sensor
-    ``run_key`` for the sensor's whole life, so a key made only of (partition, cap, sampling) would be
-    skipped by the daemon the second time."""
+    ``run_key`` for the sensor's whole life (RunRequest docstring), so a key made only of (partition, cap,
+    sampling) would be skipped by the daemon the second time. A partition with a run not yet finished
+    is not requested."""
     from dflash_assets.definitions import defs
     from dflash_assets.partitions import prompt_ranges
 
@@ -367,3 +378,11 @@ def test_sensor_relaunches_a_partition_when_a_cap_comes_back():
         assert [r.partition_key for r in second] == [pk]
         assert len({first[0].run_key, lowered[0].run_key, second[0].run_key}) == 3
         assert tick(14) and tick(14)[0].run_key == second[0].run_key  # same state: same key (no duplicate runs)
+
+        # a run for the partition already exists (planned materialization, not finished): not requested again
+        @dg.asset(name="completions", partitions_def=prompt_ranges)
+        def stand_in() -> None: ...
+
+        job = dg.Definitions(assets=[stand_in], jobs=[dg.define_asset_job("j", selection=[stand_in])]).resolve_job_def("j")
+        instance.create_run_for_job(job, tags={"dagster/partition": pk})
+        assert tick(14) == []

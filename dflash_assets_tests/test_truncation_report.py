@@ -243,6 +243,12 @@ def test_cap_advice_predicts_censored_lognormal_and_reports_prediction_vs_actual
         new_cap = 600
         write_partition(tmp_path, pk, lognormal_rows(lengths, new_cap, previous_cap=CAP))
         report2, meta2 = materialize_report(instance, tmp_path, new_cap)
+        # the report materialized again at the same cap keeps the comparison (the prediction was made at 400)
+        report3, _ = materialize_report(instance, tmp_path, new_cap)
+        # lower the cap to 300: rows longer than it are regenerated and cut there
+        low_cap = 300
+        write_partition(tmp_path, pk, lognormal_rows(lengths, low_cap, previous_cap=new_cap))
+        report4, _ = materialize_report(instance, tmp_path, low_cap)
     check = report2["prediction_vs_actual"]
     predicted = next(c for c in advice["candidates"] if c["cap"] == new_cap)
     actual = float(np.mean(lengths > new_cap))
@@ -251,3 +257,10 @@ def test_cap_advice_predicts_censored_lognormal_and_reports_prediction_vs_actual
                      "actual_truncation_rate": pytest.approx(actual)}
     assert meta2["prediction_vs_actual"].value["actual_truncation_rate"] == pytest.approx(actual)
     assert check["predicted_truncation_rate"] == pytest.approx(actual, abs=max(0.01, 0.2 * actual))
+    assert report3["prediction_vs_actual"] == check
+    # lowering: more rows are cut, and the prediction (from the 600-token report's fit) says so
+    lowered = report4["prediction_vs_actual"]
+    actual_low = float(np.mean(lengths > low_cap))
+    assert lowered["previous_cap"] == new_cap and lowered["new_cap"] == low_cap
+    assert lowered["actual_truncation_rate"] == pytest.approx(actual_low)
+    assert lowered["predicted_truncation_rate"] == pytest.approx(actual_low, abs=max(0.01, 0.2 * actual_low))

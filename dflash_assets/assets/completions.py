@@ -79,6 +79,7 @@ def completion_stats(frame: pl.DataFrame) -> dict:
         "truncated_in_reasoning": int(ok["truncated_in_reasoning"].sum()),
         "empty_answer": int(ok["empty_answer"].sum()),
         "completion_tokens_total": int(tokens.sum()) if tokens.size else 0,
+        "completion_tokens_missing": int(ok["completion_tokens"].is_null().sum()),
         # what the cap-change sensor needs to decide, without reading the table, whether a new cap touches it
         "length_row_caps": sorted({int(c) for c in ok.filter(pl.col("finish_reason") == "length")["max_output_tokens"].to_list()}),
         "settings_fingerprints": sorted(set(ok["settings_fingerprint"].to_list())),

@@ -27,7 +27,13 @@ def load_all_completions(store, keys: list[str]) -> tuple[pl.DataFrame, list[str
 
 
 def prediction_check(previous: dict | None, stats: dict, cap: int) -> dict | None:
-    """After a cap change: what the previous report predicted for the current cap beside what happened."""
+    """After a cap change: what the previous report predicted for the current cap beside what happened.
+
+    A report made again at the same cap keeps the comparison it carried, with the actual rate updated
+    (partitions regenerated since then count), so the comparison lasts until the cap changes again.
+    """
+    if previous and previous.get("cap") == cap and previous.get("prediction_vs_actual"):
+        return {**previous["prediction_vs_actual"], "actual_truncation_rate": stats["truncation_rate"]}
     if not previous or previous.get("cap") == cap or not (previous.get("advice") or {}).get("fit"):
         return None
     adv = previous["advice"]
