@@ -9,6 +9,7 @@ from pathlib import Path
 
 import dagster as dg
 import polars as pl
+import torch
 import pytest
 from transformers import AutoTokenizer
 
@@ -279,6 +280,9 @@ def test_empty_answers_block_hidden_states_and_healthy_partition_passes(tmp_path
     assert result.success and all(v for k, v in checks.items() if k != "retokenized_length_matches_server")
     assert checks["retokenized_length_matches_server"] is False
     assert materialized == {"tokenized_sequences", "hidden_states"} and hidden_latest is not None
+    # extraction must not switch autograd off for the rest of the process (the drafter trains after it
+    # in the same process in `python -m dflash_assets run`: it failed with "does not require grad")
+    assert torch.is_grad_enabled()
     assert hidden_latest.asset_materialization.metadata["rows"].value == len(QUESTIONS)
 
 

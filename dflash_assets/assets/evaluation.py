@@ -86,17 +86,17 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
         tokenizer(builder.prompt_text(m, enable_thinking=True), add_special_tokens=False)["input_ids"] for m in corpus["messages"].to_list()
     ]
     target = target_model.load_model()
-    torch.set_grad_enabled(False)
     context.log.info(f"speculative decoding of {len(prompts_ids)} held-out prompts, {config.max_new_tokens} new tokens each")
     started = time.monotonic()
     eos = [builder.end_token_id]
-    target_generate(target, prompts_ids[0], 2, eos)  # warm-up outside the timing
-    plain = [target_generate(target, p, config.max_new_tokens, eos) for p in prompts_ids]
-    trained = evaluate_drafter(target, drafter, prompts_ids, config.max_new_tokens, eos_token_ids=eos, plain_results=plain)
-    base = evaluate_drafter(target, untrained, prompts_ids, config.max_new_tokens, eos_token_ids=eos, plain_results=plain)
-    heldout_set = HiddenStateShards(shards, split="eval", eval_fraction=eval_fraction, max_length=max_length, block_size=block_size)
-    proxy = teacher_forced_acceptance(drafter, heldout_set, max_anchors=config.teacher_forced_anchors)
-    proxy_base = teacher_forced_acceptance(untrained, heldout_set, max_anchors=config.teacher_forced_anchors)
+    with torch.no_grad():
+        target_generate(target, prompts_ids[0], 2, eos)  # warm-up outside the timing
+        plain = [target_generate(target, p, config.max_new_tokens, eos) for p in prompts_ids]
+        trained = evaluate_drafter(target, drafter, prompts_ids, config.max_new_tokens, eos_token_ids=eos, plain_results=plain)
+        base = evaluate_drafter(target, untrained, prompts_ids, config.max_new_tokens, eos_token_ids=eos, plain_results=plain)
+        heldout_set = HiddenStateShards(shards, split="eval", eval_fraction=eval_fraction, max_length=max_length, block_size=block_size)
+        proxy = teacher_forced_acceptance(drafter, heldout_set, max_anchors=config.teacher_forced_anchors)
+        proxy_base = teacher_forced_acceptance(untrained, heldout_set, max_anchors=config.teacher_forced_anchors)
     wall = time.monotonic() - started
 
     png = acceptance_histogram_png({"trained": sum(trained["accepted_lengths"], []), "untrained": sum(base["accepted_lengths"], [])}, block_size)

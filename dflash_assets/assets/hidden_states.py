@@ -90,12 +90,12 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
                          f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)")
 
     out_dir = partition_dir(storage, pk)
-    torch.set_grad_enabled(False)
-    result = extract_partition(
-        model, rows, out_dir, layer_ids, rows_per_shard=config.rows_per_shard,
-        max_tokens_per_batch=target_model.max_tokens_per_batch, dtype=torch.bfloat16, progress_cb=progress,
-        model_name=target_model.model_name(),
-    )
+    with torch.inference_mode():  # a context, not set_grad_enabled: training may follow in this process
+        result = extract_partition(
+            model, rows, out_dir, layer_ids, rows_per_shard=config.rows_per_shard,
+            max_tokens_per_batch=target_model.max_tokens_per_batch, dtype=torch.bfloat16, progress_cb=progress,
+            model_name=target_model.model_name(),
+        )
     wall = time.monotonic() - started
     index = result.index
     if not store.is_local:
