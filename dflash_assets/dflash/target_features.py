@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash_assets.dflash.model import default_target_layer_ids  # noqa: F401  (one rule, re-exported)
+
 __all__ = [
     "InsufficientDiskSpaceError",
     "TargetFeatureExtractor",
@@ -34,29 +36,6 @@ TOKEN_SIDE_BYTES = 4 + 1
 ROW_BYTES = 8 + 8
 # Upper bound on the per-shard safetensors header (JSON + 8-byte length + padding) and index entry.
 SHARD_OVERHEAD_BYTES = 4096
-
-
-def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
-    """DFlash's default target layers: ``n`` ids evenly spaced over ``[1, L - 3]``.
-
-    Formula (z-lab/dflash ``build_target_layer_ids``, mirrored in SGLang and SpecForge):
-    ``int(round(1 + i * (L - 4) / (n - 1)))`` for ``i`` in ``0..n-1``, with Python's ``round``
-    (half to even); for ``n == 1`` the middle layer ``L // 2``. Id ``i`` means the output of decoder
-    layer ``i`` (0-based), i.e. HF ``hidden_states[i + 1]``.
-
-    Examples: ``L=64 -> [1, 16, 31, 46, 61]``; ``L=30 -> [1, 8, 14, 20, 27]`` (7.5 rounds to 8, 20.5 to 20).
-
-    Raises:
-        ValueError: ``n < 1`` or ``num_target_layers < 4`` when ``n > 1`` (the span would be empty).
-    """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if n == 1:
-        return [num_target_layers // 2]
-    if num_target_layers < 4:
-        raise ValueError(f"need at least 4 target layers for {n} target layers, got {num_target_layers}")
-    start, end = 1, num_target_layers - 3
-    return [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
