@@ -187,7 +187,14 @@ def iter_records(path: str, data: bytes) -> Iterator[tuple[int, Any, str | None]
         try:
             yield i, json.loads(line), None
         except json.JSONDecodeError as exc:
-            yield i, line[:300], f"invalid JSON: {exc.msg} at column {exc.colno}"
+            yield i, line[:300], f"invalid JSON: {json_error_text(exc)}"
+
+
+def json_error_text(exc: json.JSONDecodeError) -> str:
+    """``"<message> at column N"``: json's messages such as "Unterminated string starting at" already end
+    with "at", which is not repeated ("Unterminated string starting at column 7", "Expecting value at column 1")."""
+    msg = exc.msg.removesuffix(" at")
+    return f"{msg} at column {exc.colno}"
 
 
 def expand_source(spec: str, storage_options: dict | None = None) -> list[str]:

@@ -16,6 +16,7 @@ from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
 from dflash_assets.automation import affected_reason
 from dflash_assets.config import config_path, op_config
 from dflash_assets.definitions import defs
+from dflash_assets.generation.servers import orphan_message, reap_orphaned_servers
 from dflash_assets.partitions import prompt_ranges
 
 PARTITION_STAGES = ["completions", "tokenized_sequences", "hidden_states"]
@@ -54,7 +55,9 @@ def reap_dead_cli_runs(instance: dg.DagsterInstance) -> list[str]:
     """Mark runs of this command that were killed (kill -9, lost node) as failed and free their pool slots.
 
     An in-process run has no daemon watching it: without this, a killed run would hold its
-    ``dflash_inference`` / ``dflash_gpu`` slot forever and the next run would wait on it.
+    ``dflash_inference`` / ``dflash_gpu`` slot forever and the next run would wait on it. The inference
+    servers it left are stopped separately (:func:`~dflash_assets.generation.servers.reap_orphaned_servers`,
+    called by :func:`run_all` just before).
     """
     reaped = []
     records = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED], tags={"dflash/trigger": "cli-run"}))
@@ -85,6 +88,9 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None)
     if config_path_arg:
         os.environ["DFLASH_CONFIG"] = os.path.abspath(config_path_arg)
     instance = dg.DagsterInstance.get()
+    # servers a killed run left behind still hold their port and (GPU) memory: stop them first
+    for entry in reap_orphaned_servers():
+        print(orphan_message(entry))
     for run_id in reap_dead_cli_runs(instance):
         print(f"run {run_id} was killed earlier: marked failed, its pool slots freed; resuming its partitions")
     started = time.monotonic()

@@ -17,12 +17,11 @@ import errno
 import io
 import json
 import logging
+import math
 import os
 import posixpath
 import shutil
-import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -33,7 +32,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import tenacity
 
-__all__ = ["RetryPolicy", "Storage", "StorageError", "atomic_write_local", "is_transient"]
+from dflash_assets.atomic import atomic_write_bytes, temp_path
+
+__all__ = ["RetryPolicy", "Storage", "StorageError", "is_transient"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -218,7 +219,7 @@ class Storage:
         """Write ``data`` atomically (local rename / whole-object PUT); returns the URI."""
         p = self.path(*parts)
         if self.is_local:
-            atomic_write_local(p, data)
+            atomic_write_bytes(p, data)
         else:
             self.call("put", parts, lambda: self.fs.pipe_file(p, data))
         return self.uri(*parts)
@@ -244,7 +245,7 @@ class Storage:
             return local_path
         directory = os.path.dirname(local_path) or "."
         os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{os.path.basename(local_path)}.{uuid.uuid4().hex[:6]}.tmp")
+        tmp = temp_path(local_path)
         try:
             self.call("get", parts, lambda: self.fs.get_file(self.path(*parts), tmp))
             os.replace(tmp, local_path)
@@ -257,7 +258,9 @@ class Storage:
         return json.loads(self.read_bytes(*parts))
 
     def write_json(self, obj: Any, *parts: str) -> str:
-        return self.write_bytes(json.dumps(obj, indent=2, sort_keys=True, default=str).encode(), *parts)
+        """Write ``obj`` as strict JSON (RFC 8259: NaN and infinities become ``null``), atomically."""
+        text = json.dumps(finite_json(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
+        return self.write_bytes(text.encode(), *parts)
 
     def read_parquet(self, *parts: str) -> pl.DataFrame:
         return pl.from_arrow(pq.read_table(io.BytesIO(self.read_bytes(*parts))))
@@ -270,43 +273,22 @@ class Storage:
         return self.write_bytes(buf.getvalue(), *parts)
 
 
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, +-inf) replaced by None, in dicts, lists and tuples:
+    Python's json writes them as bare ``NaN``/``Infinity``, which strict parsers (jq, JavaScript) reject."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
 def _describe(exc: BaseException | None) -> str:
     return "unknown error" if exc is None else f"{type(exc).__name__}: {exc}"
 
 
 def _atomic_copy_local(src: str, dst: str) -> None:
-    directory = os.path.dirname(dst) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(dst)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
-            shutil.copyfileobj(inp, out, 1 << 20)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_local(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a fsynced temp file in the same directory and ``os.replace``."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=f".{uuid.uuid4().hex[:6]}.tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with open(src, "rb") as inp:
+        atomic_write_bytes(dst, lambda out: shutil.copyfileobj(inp, out, 1 << 20))

@@ -1,77 +1,232 @@
-"""The end-of-run summary, read back from the assets' latest materialization metadata."""
+"""The end-of-run summary, read back from the assets' latest materialization metadata.
 
+:func:`collect_summary` gathers the numbers (never recomputed from the data: each is an asset's metadata,
+summed over partitions where the asset is partitioned, one latest materialization per partition) and
+where every output lives; :func:`format_summary` prints them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
 from collections import Counter
+from pathlib import Path
 
 import dagster as dg
 
+from dflash_assets.assets import drafter as drafter_asset
+from dflash_assets.assets import evaluation as evaluation_asset
+from dflash_assets.assets import truncation as truncation_asset
+from dflash_assets.assets.completions import partition_file
+from dflash_assets.assets.prompts import CORPUS_FILE, REJECTED_FILE
+from dflash_assets.assets.tokenized import tokenized_file
 from dflash_assets.automation import latest_metadata
+from dflash_assets.dflash.shards import INDEX_NAME, SHARD_PATTERN
+
+PK = "<pk>"
+# File and folder names the asset modules write without exporting a constant (kept here, once).
+TRUNCATION_REPORT = (truncation_asset.REPORT_DIR, "report.json")
+TRUNCATION_PNG = (truncation_asset.REPORT_DIR, "completion_lengths.png")
+EVALUATION_REPORT = (evaluation_asset.REPORT_DIR, "report.json")
+EVALUATION_PNG = (evaluation_asset.REPORT_DIR, "acceptance.png")
+LOSS_CURVE = (drafter_asset.DRAFTER_DIR, "loss_curve.png")
+TRAINING_RUNS = (drafter_asset.DRAFTER_DIR, "runs")
+SERVER_LOGS_DIR = "server_logs"
+HIDDEN_STATES_DIR = "hidden_states"
+UI_PORT = 3000
 
 
-def _meta(instance, key: str, pk: str) -> dict:
+def _meta(instance: dg.DagsterInstance, key: str, pk: str) -> dict:
     return latest_metadata(instance, dg.AssetKey(key), pk) or {}
 
 
-def _unpartitioned(instance, key: str) -> dict:
+def _unpartitioned(instance: dg.DagsterInstance, key: str) -> dict:
     event = instance.get_latest_materialization_event(dg.AssetKey(key))
     if event is None or event.asset_materialization is None:
         return {}
     return {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
 
 
-def collect_summary(instance: dg.DagsterInstance, keys: list[str]) -> dict:
-    """Numbers a user checks after a run, each taken from an asset's metadata (never recomputed)."""
+def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None) -> dict:
+    """Numbers a user checks after a run, each taken from an asset's metadata (never recomputed), and
+    where every output is.
+
+    Partitioned stages (completions, tokenized_sequences, hidden_states) are summed over ``keys`` using
+    only the latest materialization of each partition, so a partition materialized again counts once.
+
+    Args:
+        instance: the Dagster instance holding the materializations.
+        keys: partition keys to sum over (the ``prompt_ranges`` dynamic partitions).
+        storage: a :class:`~dflash_assets.resources.storage.StorageResource`; None = the project's
+            configured one (``definitions.defs``).
+
+    Returns:
+        A dict of plain values: counts (rows, tokens), ``hidden_state_bytes`` (bytes), ``truncation_rate``
+        (share 0..1), ``cap`` (tokens), ``cap_advice`` (Markdown), ``tau`` (tokens per target forward),
+        ``materialized`` (asset name -> bool), ``outputs`` (see :func:`output_locations`), ``ui_command``.
+    """
     corpus = _unpartitioned(instance, "prompt_corpus")
-    finish = Counter()
-    comp_rows = tok_rows = loss_tokens = hs_bytes = hs_tokens = 0
+    finish: Counter = Counter()
+    comp_rows = comp_errors = tok_rows = loss_tokens = hs_bytes = hs_tokens = 0
+    seen = {"completions": False, "tokenized_sequences": False, "hidden_states": False}
     for pk in keys:
         c = _meta(instance, "completions", pk)
         finish.update(c.get("finish_reasons", {}))
         comp_rows += c.get("rows", 0)
+        comp_errors += c.get("errors", 0)
         t = _meta(instance, "tokenized_sequences", pk)
         tok_rows += t.get("rows", 0)
         loss_tokens += t.get("loss_tokens", 0)
         h = _meta(instance, "hidden_states", pk)
         hs_bytes += h.get("bytes", 0) or 0
         hs_tokens += h.get("tokens", 0) or 0
+        for name, meta in (("completions", c), ("tokenized_sequences", t), ("hidden_states", h)):
+            seen[name] = seen[name] or bool(meta)
     report = _unpartitioned(instance, "truncation_report")
     drafter = _unpartitioned(instance, "dflash_drafter")
     evaluation = _unpartitioned(instance, "drafter_evaluation")
+    materialized = {"prompt_corpus": bool(corpus), **seen, "truncation_report": bool(report),
+                    "dflash_drafter": bool(drafter), "drafter_evaluation": bool(evaluation)}
+    if storage is None:
+        from dflash_assets.definitions import defs
+
+        storage = defs.resources["storage"]
     return {
         "prompts": corpus.get("num_prompts"), "duplicates": corpus.get("duplicates"), "rejected": corpus.get("rejected"),
-        "partitions": len(keys), "corpus_path": corpus.get("path"),
-        "completions": comp_rows, "finish_reasons": dict(sorted(finish.items())),
+        "partitions": len(keys), "partition_keys": list(keys),
+        "completions": comp_rows, "completion_errors": comp_errors, "finish_reasons": dict(sorted(finish.items())),
         "truncation_rate": report.get("truncation_rate"), "cap": report.get("cap"), "cap_advice": report.get("cap_advice"),
-        "histogram_path": report.get("histogram_path"),
         "tokenized_rows": tok_rows, "loss_tokens": loss_tokens,
         "hidden_state_bytes": hs_bytes, "hidden_state_tokens": hs_tokens,
         "drafter_parameters": drafter.get("parameters"), "drafter_train_tokens": drafter.get("train_tokens"),
-        "drafter_export": drafter.get("export_path"),
         "tau": evaluation.get("tau"), "tau_untrained": evaluation.get("tau_untrained"),
-        "acceptance_png": evaluation.get("histogram_path"),
+        "tau_stderr": evaluation.get("tau_stderr"), "tau_untrained_stderr": evaluation.get("tau_untrained_stderr"),
+        "eval_prompts": evaluation.get("num_prompts"), "lossless": evaluation.get("lossless"),
+        "materialized": materialized,
+        "outputs": output_locations(storage, keys),
+        "ui_command": ui_command(instance),
     }
 
 
+def output_locations(storage, keys: list[str]) -> list[tuple[str, str, str]]:
+    """``(label, location, asset)`` for every file or folder the pipeline writes, in pipeline order.
+
+    Locations are absolute paths or ``s3://`` URIs from the storage root and the asset modules' layout;
+    in-flight files (server logs, training runs) live in local scratch, which is the storage root itself
+    for local storage. ``<pk>`` stands for a partition key unless ``keys`` holds exactly one.
+    Labels starting with spaces belong to the entry above them.
+    """
+    store = storage.open()
+    scratch = storage.local_scratch()  # the scratch root (no file is created in it)
+    pk = keys[0] if len(keys) == 1 else PK
+
+    def at(*parts: str) -> str:
+        return store.uri(*parts)
+
+    def folder(location: str) -> str:
+        return location.rstrip("/") + "/"
+
+    return [
+        ("prompt corpus", at(*CORPUS_FILE), "prompt_corpus"),
+        ("  rows set aside", at(*REJECTED_FILE), "prompt_corpus"),
+        ("completions", at(*partition_file(pk)), "completions"),
+        ("  server logs", folder(os.path.join(scratch, SERVER_LOGS_DIR, pk)), "completions"),
+        ("truncation report", at(*TRUNCATION_REPORT), "truncation_report"),
+        ("  length plot", at(*TRUNCATION_PNG), "truncation_report"),
+        ("tokenized", at(*tokenized_file(pk)), "tokenized_sequences"),
+        ("  rows set aside", at(tokenized_file(pk)[0], f"{pk}.set_aside.parquet"), "tokenized_sequences"),
+        ("hidden states", folder(at(HIDDEN_STATES_DIR, pk)) + f"  ({SHARD_PATTERN.format(0).replace('00000', 'NNNNN')}, {INDEX_NAME})",
+         "hidden_states"),
+        ("drafter export", folder(at(*drafter_asset.EXPORT_DIR)) + "  (config.json + model.safetensors for SGLang)", "dflash_drafter"),
+        ("  loss curve", at(*LOSS_CURVE), "dflash_drafter"),
+        ("  training runs", folder(os.path.join(scratch, *TRAINING_RUNS)), "dflash_drafter"),
+        ("evaluation", at(*EVALUATION_REPORT), "drafter_evaluation"),
+        ("  acceptance plot", at(*EVALUATION_PNG), "drafter_evaluation"),
+    ]
+
+
+def ui_command(instance: dg.DagsterInstance) -> str:
+    """The shell line that opens the Dagster UI on this instance (the README's ``dagster dev`` command)."""
+    home = getattr(instance, "root_directory", None) or os.environ.get("DAGSTER_HOME") or "."
+    exe = Path(sys.executable).parent / "dagster"
+    if exe.exists():
+        try:
+            dagster = os.path.relpath(exe) if exe.absolute().is_relative_to(Path.cwd()) else str(exe)
+        except ValueError:
+            dagster = str(exe)
+    else:
+        dagster = "dagster"
+    return f"DAGSTER_HOME={home} {dagster} dev -h 127.0.0.1 -p {UI_PORT}"
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"
+
+
+def advice_table(markdown: str) -> list[str]:
+    """The cap-advice Markdown table (truncation_report metadata) as aligned text rows; other text kept as is."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in markdown.splitlines() if line.strip().startswith("|")]
+    rows = [r for r in rows if not all(re.fullmatch(r":?-+:?", c) for c in r)]
+    if not rows:
+        return [line for line in markdown.splitlines() if line.strip()]
+    widths = [max(len(r[i]) if i < len(r) else 0 for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def acceptance_line(s: dict) -> str:
+    """``acceptance length  tau T +- SE (untrained drafter: T0 +- SE0) on N held-out prompts, lossless: yes``;
+    SE is the standard error of the per-prompt tau; parts not measured yet are left out or shown as ``-``."""
+    if s.get("tau") is None:
+        return f"acceptance length  tau - (untrained drafter: {'-' if s.get('tau_untrained') is None else s['tau_untrained']})"
+
+    def with_se(value, se) -> str:
+        return f"{value}" if se is None else f"{value} +- {se}"
+
+    text = (f"acceptance length  tau {with_se(s['tau'], s.get('tau_stderr'))} "
+            f"(untrained drafter: {with_se(s.get('tau_untrained'), s.get('tau_untrained_stderr'))})")
+    if s.get("eval_prompts") is not None:
+        text += f" on {s['eval_prompts']} held-out prompts"
+    if s.get("lossless") is not None:
+        text += f", lossless: {'yes' if s['lossless'] else 'NO'}"
+    return text
+
+
 def format_summary(s: dict) -> str:
-    """The summary as aligned text lines."""
+    """The summary from :func:`collect_summary` as aligned text lines: numbers, then where each output is."""
     def fmt(v):
         return "-" if v is None else v
 
+    n_parts = s["partitions"]
+    reasons = ", ".join(f"{k} {v}" for k, v in s["finish_reasons"].items()) or "-"
+    rate = s["truncation_rate"]
     lines = [
         "== dflash-assets summary ==",
-        f"prompts            {fmt(s['prompts'])} ({fmt(s['duplicates'])} duplicates, {fmt(s['rejected'])} rejected) in {s['partitions']} partitions",
-        f"completions        {s['completions']} by finish_reason {s['finish_reasons']}",
-        f"truncation         {fmt(s['truncation_rate'])} at cap {fmt(s['cap'])} tokens",
+        (f"prompts            {fmt(s['prompts'])} ({fmt(s['duplicates'])} duplicates, {fmt(s['rejected'])} rejected) "
+         f"in {n_parts} partition{'' if n_parts == 1 else 's'}"),
+        f"completions        {s['completions']} rows (errors: {s['completion_errors']}); finish_reason: {reasons}",
+        f"truncation         {'-' if rate is None else f'{rate:.2%}'} of completions hit the cap of {fmt(s['cap'])} tokens",
     ]
-    if isinstance(s.get("cap_advice"), str) and s["cap_advice"]:
-        lines += ["cap advice         " + line for line in s["cap_advice"].splitlines() if line.strip()]
+    if isinstance(s.get("cap_advice"), str) and s["cap_advice"].strip():
+        table = advice_table(s["cap_advice"])
+        lines += [("cap advice         " if i == 0 else " " * 19) + row for i, row in enumerate(table)]
     lines += [
         f"tokenized          {s['tokenized_rows']} rows, {s['loss_tokens']} loss tokens",
-        f"hidden states      {s['hidden_state_bytes'] / 1e6:.1f} MB for {s['hidden_state_tokens']} tokens",
+        f"hidden states      {s['hidden_state_bytes']} bytes ({_size(s['hidden_state_bytes'])}) for {s['hidden_state_tokens']} tokens",
         f"drafter            {fmt(s['drafter_parameters'])} parameters, trained on {fmt(s['drafter_train_tokens'])} tokens",
-        f"acceptance length  tau {fmt(s['tau'])} (untrained drafter: {fmt(s['tau_untrained'])})",
-        f"corpus             {fmt(s['corpus_path'])}",
-        f"length histogram   {fmt(s['histogram_path'])}",
-        f"drafter export     {fmt(s['drafter_export'])}",
-        f"acceptance plot    {fmt(s['acceptance_png'])}",
+        acceptance_line(s),
+        "",
+        "== where the outputs are ==",
     ]
+    materialized = s.get("materialized", {})
+    for label, location, asset in s["outputs"]:
+        missing = "" if materialized.get(asset, True) else "  (not written yet)"
+        lines.append(f"{label:<19}{location}{missing}")
+    keys = s.get("partition_keys") or []
+    if len(keys) > 1:
+        lines.append(f"{PK:<19}one of {len(keys)} partition keys: {keys[0]} .. {keys[-1]}")
+    lines.append(f"{'open the UI':<19}{s['ui_command']}   # then http://127.0.0.1:{UI_PORT}")
     return "\n".join(lines)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
+from dflash_assets.figures import figure_png_bytes, new_figure
+
 SQRT2 = math.sqrt(2.0)
 
 
@@ -103,12 +105,24 @@ def predict_cap(fit: LogNormalFit, cap: int, observed_rate: float, n_truncated: 
     }
 
 
-def cap_advice(frame: pl.DataFrame, cap: int, multipliers=(1.25, 1.5, 2.0), bootstrap: int = 100, seed: int = 0) -> dict:
-    """Advice for candidate caps ``cap * m``: predicted truncation rate (with 90% bootstrap interval) and tokens.
+def cap_advice(frame: pl.DataFrame, cap: int, multipliers=(1.25, 1.5, 2.0), bootstrap: int = 100, seed: int = 0,
+               target_rate: float = 0.05, max_cap: int = 32768) -> dict:
+    """Advice for candidate caps: predicted truncation rate (with 90% bootstrap interval) and tokens.
+
+    Candidates are ``cap * m`` for each multiplier; while the largest one's predicted truncation rate is
+    still above ``target_rate``, the cap is doubled again (the last step clipped to ``max_cap``), so a
+    heavily truncated run (say 75% at 128 tokens) is shown a cap that fixes it, not only 2x.
 
     Args:
         frame: completions rows without errors (``completion_tokens``, ``finish_reason``, ``max_output_tokens``).
         cap: the current cap (tokens).
+        target_rate: stop doubling once a candidate's predicted truncation rate is at or below this share.
+        max_cap: largest cap offered by doubling (tokens; e.g. the model's context length).
+
+    Returns:
+        ``current_cap``, ``observed_truncation_rate``, ``truncated_rows``, ``method``, ``fit`` ({mu, sigma}
+        or None), ``candidates`` (dicts of :func:`predict_cap` plus ``truncation_rate_90ci``), and ``note``
+        when there is nothing to advise or ``max_cap`` still leaves more than ``target_rate`` truncated.
     """
     tokens = frame["completion_tokens"].to_numpy().astype(float)
     censored = (frame["finish_reason"] == "length").to_numpy()
@@ -132,60 +146,90 @@ def cap_advice(frame: pl.DataFrame, cap: int, multipliers=(1.25, 1.5, 2.0), boot
         f = fit_censored_lognormal(tokens, censored, caps, w)
         if f is not None and w.sum() > 0:
             boot_fits.append((f, float((w * censored).sum() / w.sum())))
-    for m in multipliers:
-        new_cap = int(round(cap * m))
+
+    def candidate(new_cap: int) -> dict:
         pred = predict_cap(fit, cap, observed, n_trunc, new_cap)
         rates = [predict_cap(f, cap, r, n_trunc, new_cap)["truncation_rate"] for f, r in boot_fits]
         if rates:
             pred["truncation_rate_90ci"] = [float(np.percentile(rates, 5)), float(np.percentile(rates, 95))]
-        result["candidates"].append(pred)
+        return pred
+
+    for m in multipliers:
+        result["candidates"].append(candidate(round(cap * m)))
+    last = result["candidates"][-1]
+    while last["truncation_rate"] > target_rate and last["cap"] < max_cap:
+        last = candidate(min(2 * last["cap"], max_cap))
+        result["candidates"].append(last)
+    if last["truncation_rate"] > target_rate:
+        result["note"] = f"even at {last['cap']} tokens about {last['truncation_rate']:.1%} would still be cut"
     return result
+
+
+def row_counts(frame: pl.DataFrame) -> tuple[pl.DataFrame, dict]:
+    """The rows without an error, and the counts both the completions metadata and the truncation report give.
+
+    Returns:
+        ``(ok, counts)``: ``ok`` is ``frame`` filtered to ``error`` null; ``counts`` holds, in this order,
+        ``rows`` (all rows), ``finish_reasons`` (finish_reason -> rows among ``ok``, sorted by reason, a
+        missing one counted as ``"none"``), ``errors`` (rows with an error), ``truncated_in_reasoning``
+        and ``empty_answer`` (rows of ``ok`` flagged so).
+    """
+    ok = frame.filter(pl.col("error").is_null())
+    return ok, {
+        "rows": frame.height,
+        "finish_reasons": dict(sorted(Counter(ok["finish_reason"].fill_null("none").to_list()).items())),
+        "errors": frame.height - ok.height,
+        "truncated_in_reasoning": int(ok["truncated_in_reasoning"].sum()),
+        "empty_answer": int(ok["empty_answer"].sum()),
+    }
+
+
+def token_summary(tokens: np.ndarray) -> dict:
+    """``p50``/``p90``/``p99`` (``np.percentile``, linear interpolation), ``max``, ``mean`` and ``total`` of
+    completion lengths in tokens; for an empty array every value is None except ``total`` = 0.
+
+    Raises:
+        ValueError: ``tokens`` holds NaN (a null completion_tokens read as float): ``max`` cannot be an int.
+    """
+    if not tokens.size:
+        return {"p50": None, "p90": None, "p99": None, "max": None, "mean": None, "total": 0}
+    return {
+        "p50": float(np.percentile(tokens, 50)),
+        "p90": float(np.percentile(tokens, 90)),
+        "p99": float(np.percentile(tokens, 99)),
+        "max": int(tokens.max()),
+        "mean": float(tokens.mean()),
+        "total": int(tokens.sum()),
+    }
 
 
 def truncation_stats(frame: pl.DataFrame) -> dict:
     """Counts and percentiles over completions rows (errors counted apart).
 
-    Returns finish_reason counts, truncation rate (share of ``length`` among finished rows), per
-    partition/source rates, completion-token P50/P90/P99/max, truncated-inside-reasoning and empty-answer counts.
+    Returns the :func:`row_counts` counts, ``truncation_rate`` (share of ``length`` among finished rows),
+    ``per_partition``/``per_source`` rates and ``completion_tokens`` (:func:`token_summary`).
     """
-    ok = frame.filter(pl.col("error").is_null())
+    ok, counts = row_counts(frame)
     n = ok.height
-    tokens = ok["completion_tokens"].to_numpy()
 
     def rates(by: str) -> dict:
         g = ok.group_by(by).agg(rows=pl.len(), truncated=(pl.col("finish_reason") == "length").sum()).sort(by)
         return {r[by]: {"rows": r["rows"], "truncated": r["truncated"], "rate": r["truncated"] / r["rows"]} for r in g.iter_rows(named=True)}
 
     return {
-        "rows": frame.height,
-        "errors": frame.height - n,
-        "finish_reasons": dict(sorted(Counter(ok["finish_reason"].fill_null("none").to_list()).items())),
+        **counts,
         "truncation_rate": float((ok["finish_reason"] == "length").sum() / n) if n else 0.0,
         "per_partition": rates("partition") if "partition" in ok.columns else {},
         "per_source": rates("source"),
-        "completion_tokens": {
-            "p50": float(np.percentile(tokens, 50)) if n else None,
-            "p90": float(np.percentile(tokens, 90)) if n else None,
-            "p99": float(np.percentile(tokens, 99)) if n else None,
-            "max": int(tokens.max()) if n else None,
-            "mean": float(tokens.mean()) if n else None,
-            "total": int(tokens.sum()) if n else 0,
-        },
-        "truncated_in_reasoning": int(ok["truncated_in_reasoning"].sum()),
-        "empty_answer": int(ok["empty_answer"].sum()),
+        # a row an old server returned without usage has no token count: left out of the percentiles, not NaN
+        "completion_tokens": token_summary(ok["completion_tokens"].drop_nulls().to_numpy()),
+        "completion_tokens_missing": int(ok["completion_tokens"].is_null().sum()),
     }
 
 
 def length_histogram_png(tokens: np.ndarray, cap: int, title: str) -> bytes:
     """PNG bytes of a completion-length histogram with the cap drawn as a vertical line."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    fig, ax = new_figure(figsize=(7, 3.5), dpi=100)
     ax.hist(tokens, bins=min(60, max(5, len(set(tokens.tolist())))), color="#4a7ab5")
     ax.axvline(cap, color="#c0392b", linestyle="--", label=f"cap = {cap} tokens")
     ax.set_xlabel("completion tokens")
@@ -193,7 +237,4 @@ def length_histogram_png(tokens: np.ndarray, cap: int, title: str) -> bytes:
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png_bytes(fig)

@@ -102,6 +102,12 @@ def test_bad_rows_are_set_aside_and_good_rows_kept(tmp_path):
     result = build_corpus([str(bad)])
     got = [(r["line"], r["reason"].split(":")[0]) for r in result.rejected.iter_rows(named=True)]
     assert got == expected
+    # json names the column where the unterminated string starts (1-based); "at" is said once
+    lines = bad.read_bytes().split(b"\n")
+    reasons = dict(zip(result.rejected["line"].to_list(), result.rejected["reason"].to_list()))
+    broken_col, torn_col = lines[1].index(b'"broken') + 1, lines[14].index(b'"torn') + 1
+    assert reasons[2] == f"invalid JSON: Unterminated string starting at column {broken_col}" == "invalid JSON: Unterminated string starting at column 54"
+    assert reasons[15] == f"invalid JSON: Unterminated string starting at column {torn_col}"
     assert all(r["file"] == str(bad) and r["source"] == "mixed" for r in result.rejected.iter_rows(named=True))
     assert result.corpus["line"].to_list() == [1, 11, 12, 13]
     assert result.duplicates_per_source == {"mixed": 1}

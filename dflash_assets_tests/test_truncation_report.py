@@ -204,7 +204,7 @@ def test_cap_advice_90pct_interval_covers_the_truth():
         frame = pl.DataFrame({"completion_tokens": np.minimum(lengths, CAP),
                               "finish_reason": np.where(lengths > CAP, "length", "stop"),
                               "max_output_tokens": np.full(n, CAP)})
-        for cand in cap_advice(frame, CAP)["candidates"]:
+        for cand in cap_advice(frame, CAP)["candidates"][:3]:  # 1.25x, 1.5x, 2x; doublings beyond vary by sample
             lo, hi = cand["truncation_rate_90ci"]
             covered.append(lo <= float(np.mean(lengths > cand["cap"])) <= hi)
             widths.append((hi - lo) / true_rate(cand["cap"]))
@@ -228,7 +228,12 @@ def test_cap_advice_predicts_censored_lognormal_and_reports_prediction_vs_actual
         report, meta = materialize_report(instance, tmp_path, CAP)
         advice = report["advice"]
         assert advice["observed_truncation_rate"] == pytest.approx(float(np.mean(lengths > CAP)))
-        assert [c["cap"] for c in advice["candidates"]] == [500, 600, 800]
+        caps = [c["cap"] for c in advice["candidates"]]
+        assert caps[:3] == [500, 600, 800]
+        # beyond 2x, the cap doubles only while the previous candidate still predicts > 5% truncation
+        for prev, cand in zip(advice["candidates"][2:], advice["candidates"][3:]):
+            assert prev["truncation_rate"] > 0.05 and cand["cap"] == 2 * prev["cap"]
+        assert advice["candidates"][-1]["truncation_rate"] <= 0.05
         for cand in advice["candidates"]:
             sample_truth = float(np.mean(lengths > cand["cap"]))  # what re-running at that cap would show
             lo, hi = cand["truncation_rate_90ci"]
@@ -264,3 +269,76 @@ def test_cap_advice_predicts_censored_lognormal_and_reports_prediction_vs_actual
     assert lowered["previous_cap"] == new_cap and lowered["new_cap"] == low_cap
     assert lowered["actual_truncation_rate"] == pytest.approx(actual_low)
     assert lowered["predicted_truncation_rate"] == pytest.approx(actual_low, abs=max(0.01, 0.2 * actual_low))
+
+
+def censored_loglik(mu: float, sigma: float, lengths: list[float], cap: float) -> float:
+    """Log-likelihood of ln L ~ N(mu, sigma^2) for lengths right-censored at ``cap`` (a row at ``cap`` is
+    censored): uncensored rows add the density of ln L, censored ones ln P(L > cap). Plain math, no numpy."""
+    total = 0.0
+    for x in lengths:
+        if x >= cap:
+            total += math.log(0.5 * math.erfc((math.log(cap) - mu) / (sigma * math.sqrt(2))))
+        else:
+            z = (math.log(x) - mu) / sigma
+            total += -math.log(sigma) - 0.5 * z * z
+    return total
+
+
+def test_cap_advice_keeps_doubling_until_a_cap_fixes_heavy_truncation():
+    """75% cut at cap 128: 2x (256) still cuts ~30%, so the advice goes on doubling and offers a cap whose
+    predicted truncation is under 10%; that prediction equals observed * S(C) / S(128) under the fitted
+    log-normal (recomputed here with math.erfc), the fit maximizes the censored likelihood, and the
+    prediction matches what the true distribution gives."""
+    from dflash_assets.truncation import cap_advice
+
+    cap, sigma, n = 128, 0.6, 2000
+    mu = math.log(cap) + 0.6745 * sigma  # P(L > 128) = P(Z > -0.6745) = 0.75
+    lengths = np.ceil(np.exp(np.random.default_rng(5).normal(mu, sigma, n))).astype(int)
+    frame = pl.DataFrame({"completion_tokens": np.minimum(lengths, cap), "finish_reason": np.where(lengths > cap, "length", "stop"),
+                          "max_output_tokens": np.full(n, cap)})
+    observed = float(np.mean(lengths > cap))
+    assert 0.72 < observed < 0.78
+    advice = cap_advice(frame, cap, bootstrap=20)
+    caps = [c["cap"] for c in advice["candidates"]]
+    assert caps[:3] == [160, 192, 256] and caps[3:] == [512 * 2**k for k in range(len(caps) - 3)]
+    assert len(caps) <= 6  # short: stops at the first doubling under 5%
+    fit_mu, fit_sigma = advice["fit"]["mu"], advice["fit"]["sigma"]
+    sample = np.minimum(lengths, cap).astype(float).tolist()
+    best = censored_loglik(fit_mu, fit_sigma, sample, cap)
+    for d_mu, d_sigma in ((0.01, 0), (-0.01, 0), (0, 0.01), (0, -0.01)):
+        assert censored_loglik(fit_mu + d_mu, fit_sigma + d_sigma, sample, cap) < best
+    assert fit_mu == pytest.approx(mu, abs=0.05) and fit_sigma == pytest.approx(sigma, abs=0.05)
+
+    def survival(c: float) -> float:
+        return 0.5 * math.erfc((math.log(c) - fit_mu) / (fit_sigma * math.sqrt(2)))
+
+    fixed = [c for c in advice["candidates"] if c["truncation_rate"] < 0.10]
+    assert fixed, caps
+    for cand in advice["candidates"]:
+        assert cand["truncation_rate"] == pytest.approx(observed * survival(cand["cap"]) / survival(cap), rel=1e-9)
+        truth = 0.5 * math.erfc((math.log(cand["cap"]) - mu) / (sigma * math.sqrt(2)))
+        assert cand["truncation_rate"] == pytest.approx(truth, abs=max(0.02, 0.25 * truth))
+        assert cand["requests"] == int(np.sum(lengths > cap))
+    assert advice["candidates"][-1]["truncation_rate"] <= 0.05 and "note" not in advice
+
+    # a limit below what would fix it: doubling stops at max_cap and the advice says what is still cut
+    limited = cap_advice(frame, cap, bootstrap=0, max_cap=300)
+    assert [c["cap"] for c in limited["candidates"]] == [160, 192, 256, 300]
+    assert limited["note"].startswith("even at 300 tokens about ")
+
+
+def test_truncation_stats_with_a_row_missing_completion_tokens():
+    """A finished row without completion_tokens (server returned no usage) crashed truncation_stats with
+    "cannot convert float NaN to integer"; it is now left out of the percentiles and counted as missing."""
+    from dflash_assets.truncation import truncation_stats
+
+    frame = pl.DataFrame({
+        "index": [0, 1, 2, 3], "partition": ["p"] * 4, "source": ["s"] * 4, "error": [None, None, None, "boom"],
+        "finish_reason": ["stop", "length", "stop", None], "completion_tokens": [10, 32, None, None],
+        "truncated_in_reasoning": [False, False, False, None], "empty_answer": [False, False, False, None],
+    }, schema_overrides={"error": pl.String, "completion_tokens": pl.Int64})
+    stats = truncation_stats(frame)
+    assert stats["completion_tokens"] == {"p50": 21.0, "p90": 29.8, "p99": pytest.approx(31.78), "max": 32, "mean": 21.0, "total": 42}
+    assert stats["completion_tokens_missing"] == 1
+    assert stats["finish_reasons"] == {"length": 1, "stop": 2}
+    assert stats["truncation_rate"] == pytest.approx(1 / 3)

@@ -12,7 +12,6 @@ import time
 from collections import Counter
 
 import dagster as dg
-import numpy as np
 import polars as pl
 
 from dflash_assets.assets.prompts import CORPUS_FILE
@@ -24,6 +23,7 @@ from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.status import INFERENCE_POOL
+from dflash_assets.truncation import row_counts, token_summary
 
 PROGRESS_EVERY_S = 5.0
 
@@ -70,27 +70,24 @@ def plan_requests(prompts: pl.DataFrame, existing: dict[int, dict], settings: Ge
 
 def completion_stats(frame: pl.DataFrame) -> dict:
     """Metadata numbers: finish_reason counts and completion-token mean/P50/P90/P99/max."""
-    ok = frame.filter(pl.col("error").is_null())
+    ok, counts = row_counts(frame)
     tokens = ok["completion_tokens"].drop_nulls().to_numpy()
+    summary = token_summary(tokens)
     stats = {
-        "rows": frame.height,
-        "finish_reasons": dict(sorted(Counter(ok["finish_reason"].fill_null("none").to_list()).items())),
-        "errors": frame.height - ok.height,
-        "truncated_in_reasoning": int(ok["truncated_in_reasoning"].sum()),
-        "empty_answer": int(ok["empty_answer"].sum()),
-        "completion_tokens_total": int(tokens.sum()) if tokens.size else 0,
+        **counts,
+        "completion_tokens_total": summary["total"],
         "completion_tokens_missing": int(ok["completion_tokens"].is_null().sum()),
         # what the cap-change sensor needs to decide, without reading the table, whether a new cap touches it
         "length_row_caps": sorted({int(c) for c in ok.filter(pl.col("finish_reason") == "length")["max_output_tokens"].to_list()}),
         "settings_fingerprints": sorted(set(ok["settings_fingerprint"].to_list())),
-        "completion_tokens_max": int(tokens.max()) if tokens.size else 0,
+        "completion_tokens_max": summary["max"] if tokens.size else 0,
     }
     if tokens.size:
         stats.update(
-            completion_tokens_mean=round(float(tokens.mean()), 1),
-            completion_tokens_p50=float(np.percentile(tokens, 50)),
-            completion_tokens_p90=float(np.percentile(tokens, 90)),
-            completion_tokens_p99=float(np.percentile(tokens, 99)),
+            completion_tokens_mean=round(summary["mean"], 1),
+            completion_tokens_p50=summary["p50"],
+            completion_tokens_p90=summary["p90"],
+            completion_tokens_p99=summary["p99"],
         )
     return stats
 

@@ -1,8 +1,6 @@
 """Stage 6: ``dflash_drafter``: train the DFlash drafter on every materialized hidden-state partition and export it."""
 
-import base64
 import hashlib
-import io
 import json
 import os
 import subprocess
@@ -15,6 +13,8 @@ from pydantic import Field
 from dflash_assets.dflash.export import export_drafter
 from dflash_assets.dflash.shards import INDEX_NAME
 from dflash_assets.dflash.train import TrainConfig, train
+from dflash_assets.figures import figure_png_bytes, new_figure
+from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
@@ -64,12 +64,7 @@ def complete_shards(storage: StorageResource, keys: list[str]) -> tuple[list[str
 
 def loss_curve_png(records: list[dict]) -> bytes:
     """PNG bytes of training loss per step (and held-out loss where logged)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    fig, ax = new_figure(figsize=(7, 3.5), dpi=100)
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
     ev = [r for r in records if "eval_loss" in r]
     if ev:
@@ -78,10 +73,7 @@ def loss_curve_png(records: list[dict]) -> bytes:
     ax.set_ylabel("decay-weighted CE")
     ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png_bytes(fig)
 
 
 def read_log(path: str) -> list[dict]:
@@ -178,7 +170,7 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
             "mask_token_id": draft_cfg.get("mask_token_id"),
             "target_layer_ids": draft_cfg.get("target_layer_ids"),
             "wall_s": round(wall, 1),
-            "loss_curve": dg.MetadataValue.md(f"![loss](data:image/png;base64,{base64.b64encode(png).decode()})") if png else "",
+            "loss_curve": png_markdown(png, "loss") if png else "",
             "export_path": dg.MetadataValue.path(store.uri(*EXPORT_DIR)),
         },
         data_version=dg.DataVersion(hashlib.sha256(weights).hexdigest()[:20]),

@@ -1,6 +1,5 @@
 """Stage 7: ``drafter_evaluation``: acceptance length from real speculative decoding on held-out prompts."""
 
-import base64
 import math
 import time
 
@@ -13,10 +12,11 @@ from pydantic import Field
 from dflash_assets.assets.drafter import EXPORT_DIR, complete_shards
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.dflash.data import HiddenStateShards
-from dflash_assets.dflash.evaluation import acceptance_histogram_png, evaluate_drafter, teacher_forced_acceptance, untrained_drafter_like
+from dflash_assets.dflash.evaluation import acceptance_histogram_png, acceptance_length, evaluate_drafter, teacher_forced_acceptance, untrained_drafter_like
 from dflash_assets.dflash.export import load_exported
 from dflash_assets.dflash.model import load_target_head
 from dflash_assets.dflash.speculative import target_generate
+from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
@@ -34,10 +34,9 @@ class EvaluationConfig(dg.Config):
     teacher_forced_anchors: int = Field(default=64, ge=1, description="Anchors per held-out row for the proxy.")
 
 
-def heldout_indexes(shards: list[str], eval_fraction: float, max_length: int, block_size: int) -> list[int]:
-    """Prompt indexes of the rows the drafter's training split held out (same stable hash as training)."""
-    dataset = HiddenStateShards(shards, split="eval", eval_fraction=eval_fraction, max_length=max_length, block_size=block_size)
-    return sorted(int(r.key.split(":", 1)[1]) for r in dataset.rows if r.key.startswith("idx:"))
+def heldout_indexes(heldout_set: HiddenStateShards) -> list[int]:
+    """Prompt indexes of the rows in the drafter's held-out split (``HiddenStateShards(split="eval")``)."""
+    return sorted(int(r.key.split(":", 1)[1]) for r in heldout_set.rows if r.key.startswith("idx:"))
 
 
 def standard_error(values: list[float]) -> float:
@@ -75,7 +74,8 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
 
     shards, _, _ = complete_shards(storage, context.instance.get_dynamic_partitions(prompt_ranges.name))
     eval_fraction, max_length = float(train_meta.get("eval_fraction", 0.0)), int(train_meta.get("max_length", 3072))
-    held = heldout_indexes(shards, eval_fraction, max_length, block_size)
+    heldout_set = HiddenStateShards(shards, split="eval", eval_fraction=eval_fraction, max_length=max_length, block_size=block_size)
+    held = heldout_indexes(heldout_set)
     if not held:
         raise dg.Failure(f"the drafter's training held out no row (eval_fraction {eval_fraction}): raise dflash_drafter's eval_fraction")
     chosen = held[: config.num_prompts]
@@ -89,12 +89,30 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
     context.log.info(f"speculative decoding of {len(prompts_ids)} held-out prompts, {config.max_new_tokens} new tokens each")
     started = time.monotonic()
     eos = [builder.end_token_id]
+    n = len(prompts_ids)
+
+    def report(label: str):
+        def progress(done: int, total: int, result) -> None:
+            elapsed = time.monotonic() - started
+            context.log.info(
+                f"{label}: prompt {done}/{total}, {result.num_new_tokens} tokens in {result.wall_s:.1f} s "
+                f"({result.num_new_tokens / max(result.wall_s, 1e-9):.1f} tokens/s), tau {acceptance_length(result.accepted_lengths):.2f}; "
+                f"{elapsed:.0f} s into evaluation"
+            )
+
+        return progress
+
     with torch.no_grad():
         target_generate(target, prompts_ids[0], 2, eos)  # warm-up outside the timing
-        plain = [target_generate(target, p, config.max_new_tokens, eos) for p in prompts_ids]
-        trained = evaluate_drafter(target, drafter, prompts_ids, config.max_new_tokens, eos_token_ids=eos, plain_results=plain)
-        base = evaluate_drafter(target, untrained, prompts_ids, config.max_new_tokens, eos_token_ids=eos, plain_results=plain)
-        heldout_set = HiddenStateShards(shards, split="eval", eval_fraction=eval_fraction, max_length=max_length, block_size=block_size)
+        plain = []
+        for p in prompts_ids:
+            plain.append(target_generate(target, p, config.max_new_tokens, eos))
+            report("plain greedy decoding")(len(plain), n, plain[-1])
+        trained = evaluate_drafter(target, drafter, prompts_ids, config.max_new_tokens, eos_token_ids=eos, plain_results=plain,
+                                   progress=report("speculative decoding, trained drafter"))
+        base = evaluate_drafter(target, untrained, prompts_ids, config.max_new_tokens, eos_token_ids=eos, plain_results=plain,
+                                progress=report("speculative decoding, untrained drafter"))
+        context.log.info(f"teacher-forced acceptance on {len(heldout_set)} held-out rows")
         proxy = teacher_forced_acceptance(drafter, heldout_set, max_anchors=config.teacher_forced_anchors)
         proxy_base = teacher_forced_acceptance(untrained, heldout_set, max_anchors=config.teacher_forced_anchors)
     wall = time.monotonic() - started
@@ -129,7 +147,7 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
             "num_prompts": len(prompts_ids),
             "new_tokens": trained["new_tokens"],
             "block_size": block_size,
-            "histogram": dg.MetadataValue.md(f"![acceptance](data:image/png;base64,{base64.b64encode(png).decode()})"),
+            "histogram": png_markdown(png, "acceptance"),
             "histogram_path": dg.MetadataValue.path(png_uri),
             "wall_s": round(wall, 1),
         }

@@ -1,12 +1,12 @@
 """Stage 3: ``truncation_report``: how often the cap cut completions, and what another cap would cost."""
 
-import base64
 import time
 
 import dagster as dg
 import polars as pl
 
 from dflash_assets.assets.completions import partition_file
+from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource
@@ -65,7 +65,7 @@ def truncation_report(context: dg.AssetExecutionContext, storage: StorageResourc
         raise dg.Failure(f"no completions partition is materialized yet ({len(missing)} missing): materialize completions first")
     cap = generation.settings().max_output_tokens
     stats = truncation_stats(frame)
-    ok = frame.filter(pl.col("error").is_null())
+    ok = frame.filter(pl.col("error").is_null() & pl.col("completion_tokens").is_not_null())
     advice = cap_advice(ok, cap)
     previous = store.read_json(REPORT_DIR, "report.json") if store.exists(REPORT_DIR, "report.json") else None
     check = prediction_check(previous, stats, cap)
@@ -100,7 +100,7 @@ def truncation_report(context: dg.AssetExecutionContext, storage: StorageResourc
             "empty_answer": stats["empty_answer"],
             "partitions_missing": len(missing),
             "prediction_vs_actual": check or {},
-            "histogram": dg.MetadataValue.md(f"![completion lengths](data:image/png;base64,{base64.b64encode(png).decode()})"),
+            "histogram": png_markdown(png, "completion lengths"),
             "histogram_path": dg.MetadataValue.path(png_uri),
             "cap_advice": dg.MetadataValue.md(
                 f"Method: {advice['method']}.\n\n| cap | predicted truncation | 90% interval | requests | tokens to generate | extra tokens |\n"

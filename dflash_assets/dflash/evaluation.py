@@ -14,15 +14,15 @@ exactly when the stored text is the target's greedy output, and its mean estimat
 
 from __future__ import annotations
 
-import io
 import math
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from dflash_assets.dflash.loss import accuracy_per_position, expected_acceptance_length
 from dflash_assets.dflash.speculative import SpecResult, dflash_generate, target_generate
+from dflash_assets.figures import figure_png_bytes, new_figure
 
 __all__ = [
     "acceptance_histogram",
@@ -72,17 +72,12 @@ def acceptance_histogram_png(
             trained vs untrained), drawn as grouped bars with tau in the legend.
         block_size: x axis runs 1 .. block_size.
 
-    Uses matplotlib's Agg backend (no display needed).
+    Rendered off-screen by :func:`dflash_assets.figures.figure_png_bytes` (Agg, no display needed,
+    no ``Software`` text chunk, so equal inputs give equal bytes).
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
-
     if not isinstance(series, Mapping):
         series = {"drafter": series}
-    fig = Figure(figsize=(7, 3.6), dpi=100)
-    ax = fig.add_subplot(1, 1, 1)
+    fig, ax = new_figure(figsize=(7, 3.6), dpi=100)
     xs = list(range(1, block_size + 1))
     n = max(1, len(series))
     width = 0.8 / n
@@ -99,9 +94,7 @@ def acceptance_histogram_png(
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    return figure_png_bytes(fig)
 
 
 def untrained_drafter_like(drafter: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
@@ -133,6 +126,7 @@ def evaluate_drafter(
     mask_token_id: int | None = None,
     plain_results: Sequence[SpecResult] | None = None,
     warmup: bool = True,
+    progress: Callable[[int, int, SpecResult], None] | None = None,
 ) -> dict:
     """Greedy speculative decoding vs plain greedy decoding of the same prompts, on this machine.
 
@@ -144,6 +138,7 @@ def evaluate_drafter(
         plain_results: earlier :func:`target_generate` results of the same prompts (reused, e.g. when
             comparing several drafters; their ``wall_s`` is used for the speedup).
         warmup: run one 2-token generation of each kind first so one-off costs stay out of the timing.
+        progress: called as ``progress(done, total, result)`` after each speculative generation (logging).
 
     Returns:
         dict with ``tau`` (pooled, see :func:`acceptance_length`), ``per_prompt_tau`` (list),
@@ -173,7 +168,11 @@ def evaluate_drafter(
     plain = list(plain_results) if plain_results is not None else [
         target_generate(target, p, max_new_tokens, eos) for p in prompts_ids
     ]
-    spec = [dflash_generate(target, drafter, p, max_new_tokens, **kw) for p in prompts_ids]
+    spec = []
+    for p in prompts_ids:
+        spec.append(dflash_generate(target, drafter, p, max_new_tokens, **kw))
+        if progress is not None:
+            progress(len(spec), len(prompts_ids), spec[-1])
     all_lengths = [v for s in spec for v in s.accepted_lengths]
     mismatched = [i for i, (a, b) in enumerate(zip(plain, spec)) if a.output_ids != b.output_ids]
     fw_plain = sum(r.num_target_forwards for r in plain)

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.dflash.target_features import (
     TargetFeatureExtractor,
     bytes_per_token,
@@ -138,35 +139,6 @@ def _write_payload(f, header: bytes, tensors: dict[str, torch.Tensor]) -> None:
         f.write(_tensor_bytes(tensors[name]))
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    """Write via a temp file in the same directory, fsync, rename over ``path``, fsync the directory."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
 def write_shard(
     path: str | os.PathLike,
     hidden_states: torch.Tensor,
@@ -179,10 +151,11 @@ def write_shard(
     hidden_size: int,
     model_name: str = "",
 ) -> int:
-    """Write one shard atomically (temp file in the same directory, fsync, ``os.replace``).
+    """Write one shard atomically (:func:`dflash_assets.atomic.atomic_write_bytes`: temp file in the same
+    directory, fsync, ``os.replace``, fsync of the directory).
 
     Args:
-        path: destination ``.safetensors`` file; its directory must exist.
+        path: destination ``.safetensors`` file (missing parent directories are created).
         hidden_states: ``[total_tokens, len(target_layer_ids) * hidden_size]``, bf16 (f16/f32 allowed).
         input_ids: ``[total_tokens]`` integer token ids (stored int32).
         loss_mask: ``[total_tokens]`` 0/1 (stored int8).
@@ -220,7 +193,7 @@ def write_shard(
     metadata = _shard_metadata(target_layer_ids, hidden_size, model_name, hidden_states.dtype, num_rows, num_tokens, sha)
     tensors = {"cu_seqlens": cu_seqlens, "row_index": row_index, "input_ids": input_ids, "hidden_states": hidden_states, "loss_mask": loss_mask}
     header = _encode_header(tensors, metadata)
-    _atomic_write(Path(path), lambda f: _write_payload(f, header, tensors))
+    atomic_write_bytes(path, lambda f: _write_payload(f, header, tensors))  # streamed, never whole in memory
     return os.path.getsize(path)
 
 
@@ -358,7 +331,7 @@ def write_index(out_dir: str | os.PathLike, index: dict[str, Any]) -> Path:
     """Write ``out_dir/index.json`` atomically (sorted keys, so equal content gives equal bytes)."""
     path = Path(out_dir) / INDEX_NAME
     data = (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()
-    _atomic_write(path, lambda f: f.write(data))
+    atomic_write_bytes(path, data)
     return path
 
 

@@ -31,12 +31,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.dflash.data import HiddenStateShards, TrainingBatch, collate_training_batch
 from dflash_assets.dflash.loss import accuracy_per_position, dflash_loss_from_hidden, expected_acceptance_length
 from dflash_assets.dflash.masks import sample_anchors
@@ -113,20 +114,6 @@ class TrainResult:
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def _atomic_write_bytes(path: Path, write: Callable[[Any], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    _atomic_write_bytes(path, lambda f: f.write(text.encode()))
 
 
 def _seed_for(*parts: int) -> int:
@@ -432,8 +419,8 @@ def _save_checkpoint(cfg: TrainConfig, dc: DFlashConfig, model, opt, sched, step
         "train_config": asdict(cfg),
         "draft_config": dc.to_dict(),
     }
-    _atomic_write_bytes(d / name, lambda f: torch.save(state, f))
-    _atomic_write_text(d / LATEST_FILE, json.dumps({"file": name, "step": step}))
+    atomic_write_bytes(d / name, lambda f: torch.save(state, f))
+    atomic_write_bytes(d / LATEST_FILE, json.dumps({"file": name, "step": step}).encode())
     old = sorted(d.glob("step_*.pt"))[: -max(1, cfg.keep_checkpoints)]
     for p in old:
         p.unlink(missing_ok=True)
@@ -451,7 +438,7 @@ def _truncate_log(path: Path, step: int) -> list[dict]:
             break  # a torn last line from a kill
         if rec.get("step", 0) <= step:
             kept.append(rec)
-    _atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
     return kept
 
 
@@ -663,7 +650,7 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback) -> Trai
         summary["eval"] = evaluate(model, eval_set, max_anchors=cfg.max_anchors, seed=cfg.seed, gamma=cfg.loss_gamma,
                                    max_rows=cfg.eval_max_rows)
     if dd.rank == 0:
-        _atomic_write_text(out / SUMMARY_FILE, json.dumps(summary, indent=2))
+        atomic_write_bytes(out / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
     dd.barrier()
     return TrainResult(model=model, records=records, step=done, tokens_per_s=tokens_per_s, summary=summary)
 

@@ -19,21 +19,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from dflash_assets.atomic import fsync_dir
+
 __all__ = ["RowJournal"]
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a new directory entry durable (POSIX); best effort where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class RowJournal:
@@ -81,8 +69,8 @@ class RowJournal:
         except BaseException:
             os.close(fd)
             raise
-        if not existed:
-            _fsync_dir(self.path.parent)
+        if not existed:  # the new file's directory entry must survive a crash too
+            fsync_dir(self.path.parent)
         self._fd = fd
         return fd
 

@@ -34,8 +34,9 @@ import threading
 import time
 from typing import Any
 
+from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.generation.journal import RowJournal
-from dflash_assets.storage import Storage, StorageError, atomic_write_local
+from dflash_assets.storage import Storage, StorageError
 
 __all__ = ["SyncedRowJournal", "segment_dir"]
 
@@ -139,7 +140,7 @@ class SyncedRowJournal(RowJournal):
         remote = self.remote_bytes()
         local = self.path.read_bytes() if self.path.exists() else None
         if local is None:
-            atomic_write_local(str(self.path), remote)
+            atomic_write_bytes(self.path, remote)
             self.synced_bytes = len(remote)
             if len(segments) > COMPACT_ABOVE:
                 self._compact(segments, remote)
@@ -148,7 +149,7 @@ class SyncedRowJournal(RowJournal):
             self.synced_bytes = len(remote)  # the usual case: this machine's own earlier run
             return
         if remote.startswith(local):  # another machine carried on from this one's rows
-            atomic_write_local(str(self.path), remote)
+            atomic_write_bytes(self.path, remote)
             self.synced_bytes = len(remote)
             return
         # Local and remote diverged (another machine ran the partition meanwhile): keep the union,

@@ -19,7 +19,9 @@ from dflash_assets.generation.servers import (
     ServerPool,
     build_router_command,
     build_sglang_commands,
+    orphan_message,
     probe_chat,
+    reap_orphaned_servers,
 )
 from dflash_assets.settings import GenerationSettings
 
@@ -116,6 +118,8 @@ class InferenceServerResource(dg.ConfigurableResource):
             RuntimeError, TimeoutError: a server did not start or failed the generation probe.
             ValueError: the mode's required fields are missing.
         """
+        for entry in reap_orphaned_servers():  # left by a killed run (UI, daemon or `run`) on this host
+            dg.get_dagster_logger().warning(orphan_message(entry))
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         mrr = self.effective_max_running_requests()

@@ -1,0 +1,230 @@
+"""The end-of-run summary: its numbers equal the assets' metadata (summed over the LATEST materialization
+of each partition), it says where every output is, and it tells how to open the UI on the same instance.
+
+Materializations are reported runless into a test instance with the metadata keys the assets emit
+(see dflash_assets/assets/*.py); the printed text is parsed back and compared to those values."""
+
+import re
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from dflash_assets.partitions import prompt_ranges
+from dflash_assets.resources.storage import StorageResource
+from dflash_assets.summary import collect_summary, format_summary
+
+KEYS = ["0000000-0000003", "0000004-0000007"]
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+CORPUS_META = {
+    "num_prompts": 8, "rows_per_source": {"alpaca": 5, "sharegpt": 3}, "duplicates": 2,
+    "duplicates_per_source": {"alpaca": 2}, "rejected": 3, "rejected_by_reason": {"invalid JSON": 2, "unknown shape": 1},
+    "num_partitions": 2, "partition_size": 4, "files": ["a.jsonl", "b.json"], "seconds": 0.12, "config_fingerprint": "f" * 16,
+}
+# completions[pk] as first made (a stale version) and as made again; only the second may be counted
+COMPLETIONS_STALE = {
+    KEYS[0]: {"rows": 4, "finish_reasons": {"length": 4}, "errors": 0, "completion_tokens_total": 512},
+}
+COMPLETIONS = {
+    KEYS[0]: {"rows": 4, "finish_reasons": {"length": 1, "stop": 2}, "errors": 1, "truncated_in_reasoning": 0,
+              "empty_answer": 0, "completion_tokens_total": 301, "completion_tokens_missing": 0, "length_row_caps": [128],
+              "settings_fingerprints": ["abc"], "completion_tokens_max": 128, "requested": 4, "carried_over": 0,
+              "max_output_tokens": 128},
+    KEYS[1]: {"rows": 4, "finish_reasons": {"abort": 1, "length": 2, "stop": 1}, "errors": 0, "truncated_in_reasoning": 1,
+              "empty_answer": 1, "completion_tokens_total": 420, "completion_tokens_missing": 0, "length_row_caps": [128],
+              "settings_fingerprints": ["abc"], "completion_tokens_max": 128, "requested": 4, "carried_over": 0,
+              "max_output_tokens": 128},
+}
+TOKENIZED_STALE = {KEYS[1]: {"rows": 1, "loss_tokens": 5, "total_tokens": 50}}
+TOKENIZED = {
+    KEYS[0]: {"rows": 3, "counts": {"kept": 3}, "loss_tokens": 173, "total_tokens": 410, "num_loss_tokens_min": 40,
+              "num_loss_tokens_median": 61.0, "end_token": "<|im_end|>"},
+    KEYS[1]: {"rows": 2, "counts": {"kept": 2, "dropped_length": 2}, "loss_tokens": 97, "total_tokens": 260,
+              "num_loss_tokens_min": 30, "num_loss_tokens_median": 48.5, "end_token": "<|im_end|>"},
+}
+HIDDEN_STALE = {KEYS[0]: {"rows": 3, "tokens": 100, "bytes": 5_760_000}}
+HIDDEN = {
+    KEYS[0]: {"rows": 3, "tokens": 410, "bytes": 2_361_600 + 7_432, "bytes_per_token": 5778.1, "bytes_per_token_expected": 5760,
+              "estimated_corpus_bytes": 10_000_000, "target_layer_ids": [1, 8, 15, 22, 29], "shards": 1, "shards_written": 1,
+              "shards_kept": 0, "tokens_per_s": 800.0, "wall_s": 0.5},
+    KEYS[1]: {"rows": 2, "tokens": 260, "bytes": 1_497_600 + 5_120, "bytes_per_token": 5779.7, "bytes_per_token_expected": 5760,
+              "estimated_corpus_bytes": 10_000_000, "target_layer_ids": [1, 8, 15, 22, 29], "shards": 1, "shards_written": 1,
+              "shards_kept": 0, "tokens_per_s": 790.0, "wall_s": 0.3},
+}
+CAP_ADVICE_MD = (
+    "Method: log-normal MLE on right-censored lengths.\n\n"
+    "| cap | predicted truncation | 90% interval | requests | tokens to generate | extra tokens |\n"
+    "|---|---|---|---|---|---|\n"
+    "| 160 | 33.10% | 28.00%–38.00% | 3 | 520 | 136 |\n"
+    "| 256 | 9.50% | 7.00%–12.00% | 3 | 610 | 226 |\n"
+    "| 512 | 0.80% | 0.40%–1.50% | 3 | 640 | 256 |"
+)
+TRUNCATION = {
+    "cap": 128, "rows": 8, "finish_reasons": {"abort": 1, "length": 3, "stop": 3}, "truncation_rate": 0.4286,
+    "truncation_rate_per_source": {"alpaca": 0.5, "sharegpt": 0.3333}, "partitions_missing": 0, "truncated_in_reasoning": 1,
+    "empty_answer": 1, "cap_advice": dg.MetadataValue.md(CAP_ADVICE_MD),
+}
+DRAFTER = {"parameters": 10_627_200, "train_rows": 4, "train_tokens": 245, "steps": 30, "final_loss": 4.51, "tokens_per_s": 610.2,
+           "world_size": 1, "heldout_loss": 5.02, "heldout_rows": 1, "partitions_used": 2, "seed": 0, "eval_fraction": 0.2,
+           "max_length": 3072, "block_size": 16, "mask_token_id": 49151, "target_layer_ids": [1, 8, 15, 22, 29], "wall_s": 20.1}
+EVALUATION = {"tau": 1.4375, "tau_untrained": 1.0312, "tau_stderr": 0.05, "tau_untrained_stderr": 0.01, "tau_margin_in_stderr": 7.9,
+              "teacher_forced_tau": 1.52, "teacher_forced_tau_untrained": 1.0, "target_forwards_plain": 64, "target_forwards_spec": 45,
+              "target_forwards_saved": 19, "speedup_wall": 1.1, "lossless": True, "num_prompts": 1, "new_tokens": 64, "block_size": 16}
+
+
+def report(instance, key: str, metadata: dict, partition: str | None = None) -> None:
+    instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=key, partition=partition, metadata=metadata))
+
+
+def fill(instance, root: Path) -> None:
+    """Materializations of every asset the summary reads, in pipeline order, with partitions re-made
+    after later ones (so 'latest overall' and 'latest per partition' differ)."""
+    instance.add_dynamic_partitions(prompt_ranges.name, KEYS)
+    report(instance, "prompt_corpus", {**CORPUS_META, "num_prompts": 99}, None)  # an older corpus
+    report(instance, "prompt_corpus", {**CORPUS_META, "path": dg.MetadataValue.path(str(root / "prompt_corpus" / "corpus.parquet"))})
+    for stale, latest, key, sub in ((COMPLETIONS_STALE, COMPLETIONS, "completions", "completions"),
+                                    (TOKENIZED_STALE, TOKENIZED, "tokenized_sequences", "tokenized_sequences"),
+                                    (HIDDEN_STALE, HIDDEN, "hidden_states", "hidden_states")):
+        for pk, meta in stale.items():
+            report(instance, key, meta, pk)
+        for pk in KEYS:
+            report(instance, key, {**latest[pk], "path": dg.MetadataValue.path(str(root / sub / pk))}, pk)
+    report(instance, "truncation_report", {**TRUNCATION, "truncation_rate": 0.9, "cap": 64})  # before the cap was raised
+    report(instance, "truncation_report", TRUNCATION)
+    report(instance, "dflash_drafter", {**DRAFTER, "export_path": dg.MetadataValue.path(str(root / "dflash_drafter" / "export"))})
+    report(instance, "drafter_evaluation", EVALUATION)
+
+
+def line(text: str, label: str) -> str:
+    """The text after ``label`` on the numbers line that starts with it (exactly one such line)."""
+    numbers = text.split("== where the outputs are ==")[0]
+    found = [ln[len(label):].strip() for ln in numbers.splitlines() if ln.startswith(label)]
+    assert len(found) == 1, (label, text)
+    return found[0]
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in re.findall(r"-?\d+", text)]
+
+
+def test_summary_numbers_equal_the_latest_metadata_per_partition(tmp_path):
+    root = tmp_path / "data"
+    with dg.instance_for_test() as instance:
+        fill(instance, root)
+        s = collect_summary(instance, KEYS, StorageResource(root=str(root)))
+    text = format_summary(s)
+
+    # expected numbers from the metadata above, summed over the latest version of each partition
+    completions = sum(COMPLETIONS[pk]["rows"] for pk in KEYS)
+    errors = sum(COMPLETIONS[pk]["errors"] for pk in KEYS)
+    finish: dict[str, int] = {}
+    for pk in KEYS:
+        for reason, n in COMPLETIONS[pk]["finish_reasons"].items():
+            finish[reason] = finish.get(reason, 0) + n
+    tok_rows = sum(TOKENIZED[pk]["rows"] for pk in KEYS)
+    loss_tokens = sum(TOKENIZED[pk]["loss_tokens"] for pk in KEYS)
+    hs_bytes = sum(HIDDEN[pk]["bytes"] for pk in KEYS)
+    hs_tokens = sum(HIDDEN[pk]["tokens"] for pk in KEYS)
+    # counting a stale version too (or instead) would give other sums: the check below can fail
+    assert COMPLETIONS_STALE[KEYS[0]]["finish_reasons"] != COMPLETIONS[KEYS[0]]["finish_reasons"]
+    assert TOKENIZED_STALE[KEYS[1]]["loss_tokens"] != TOKENIZED[KEYS[1]]["loss_tokens"]
+    assert HIDDEN_STALE[KEYS[0]]["bytes"] != HIDDEN[KEYS[0]]["bytes"]
+
+    # the dict
+    assert (s["prompts"], s["duplicates"], s["rejected"], s["partitions"]) == (8, 2, 3, 2)
+    assert (s["completions"], s["completion_errors"], s["finish_reasons"]) == (completions, errors, finish)
+    assert (s["tokenized_rows"], s["loss_tokens"]) == (tok_rows, loss_tokens)
+    assert (s["hidden_state_bytes"], s["hidden_state_tokens"]) == (hs_bytes, hs_tokens)
+    assert (s["truncation_rate"], s["cap"], s["cap_advice"]) == (0.4286, 128, CAP_ADVICE_MD)
+    assert (s["drafter_parameters"], s["drafter_train_tokens"]) == (DRAFTER["parameters"], DRAFTER["train_tokens"])
+    assert (s["tau"], s["tau_untrained"]) == (EVALUATION["tau"], EVALUATION["tau_untrained"])
+
+    # the text, parsed back
+    assert ints(line(text, "prompts")) == [CORPUS_META["num_prompts"], CORPUS_META["duplicates"], CORPUS_META["rejected"], len(KEYS)]
+    comp = line(text, "completions")
+    assert ints(comp.split(";")[0]) == [completions, errors]
+    printed_finish = {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", comp.split("finish_reason:")[1])}
+    assert printed_finish == finish and sum(finish.values()) == completions - errors
+    trunc = line(text, "truncation")
+    rate, cap = re.fullmatch(r"([\d.]+)% of completions hit the cap of (\d+) tokens", trunc).groups()
+    assert float(rate) / 100 == pytest.approx(TRUNCATION["truncation_rate"], abs=5e-5) and int(cap) == TRUNCATION["cap"]
+    assert ints(line(text, "tokenized")) == [tok_rows, loss_tokens]
+    hs = line(text, "hidden states      ")
+    assert re.fullmatch(rf"{hs_bytes} bytes \({hs_bytes / 1e6:.1f} MB\) for {hs_tokens} tokens", hs), hs
+    assert ints(line(text, "drafter  ")) == [DRAFTER["parameters"], DRAFTER["train_tokens"]]
+    acc = re.fullmatch(r"tau ([\d.]+) \+- ([\d.]+) \(untrained drafter: ([\d.]+) \+- ([\d.]+)\) on (\d+) held-out prompts, "
+                       r"lossless: (yes|NO)", line(text, "acceptance length"))
+    assert acc, line(text, "acceptance length")
+    assert [float(x) for x in acc.groups()[:4]] == [EVALUATION[k] for k in ("tau", "tau_stderr", "tau_untrained", "tau_untrained_stderr")]
+    assert int(acc.group(5)) == EVALUATION["num_prompts"] and (acc.group(6) == "yes") == EVALUATION["lossless"]
+
+    # cap advice: the Markdown table's rows as aligned text, every cell kept, separator row dropped
+    advice_lines = [ln for ln in text.splitlines()[text.splitlines().index(next(ln for ln in text.splitlines()
+                                                                                 if ln.startswith("cap advice"))):][:4]]
+    md_rows = [[c.strip() for c in r.strip("|").split("|")] for r in CAP_ADVICE_MD.splitlines() if r.startswith("| ")]
+    assert len(md_rows) == 4
+    for printed, cells in zip(advice_lines, md_rows):
+        assert re.split(r"\s{2,}", printed.removeprefix("cap advice").strip()) == cells
+    assert "|---" not in text
+
+
+def test_summary_says_where_every_output_is_and_how_to_open_the_ui(tmp_path):
+    root = tmp_path / "data"
+    with dg.instance_for_test() as instance:
+        fill(instance, root)
+        text = format_summary(collect_summary(instance, KEYS, StorageResource(root=str(root))))
+        home = instance.root_directory
+    where = text.split("== where the outputs are ==")[1]
+    expected = {  # label -> path under the storage root (the layout the assets write)
+        "prompt corpus": "prompt_corpus/corpus.parquet",
+        "rows set aside": ["prompt_corpus/rejected.parquet", "tokenized_sequences/<pk>.set_aside.parquet"],
+        "completions": "completions/<pk>.parquet",
+        "server logs": "server_logs/<pk>/",
+        "truncation report": "truncation_report/report.json",
+        "length plot": "truncation_report/completion_lengths.png",
+        "tokenized": "tokenized_sequences/<pk>.parquet",
+        "hidden states": "hidden_states/<pk>/",
+        "drafter export": "dflash_drafter/export/",
+        "loss curve": "dflash_drafter/loss_curve.png",
+        "training runs": "dflash_drafter/runs/",
+        "evaluation": "drafter_evaluation/report.json",
+        "acceptance plot": "drafter_evaluation/acceptance.png",
+    }
+    rows = [re.match(r"\s*(\S.*?)\s{2,}(\S+)", ln).groups() for ln in where.strip().splitlines()]
+    got: dict[str, list[str]] = {}
+    for label, location in rows:
+        got.setdefault(label, []).append(location)
+    for label, rel in expected.items():
+        assert got.pop(label) == [str(root / r) if not r.endswith("/") else f"{root / r}/" for r in ([rel] if isinstance(rel, str) else rel)]
+    assert got.pop("<pk>") == ["one"] and f"2 partition keys: {KEYS[0]} .. {KEYS[1]}" in where
+    ui = got.pop("open the UI")
+    assert got == {}
+    assert "not written yet" not in where
+    # the README's UI command, on this instance
+    assert ui == [f"DAGSTER_HOME={home}"]
+    assert re.search(rf"DAGSTER_HOME={re.escape(home)} \S*dagster dev -h 127\.0\.0\.1 -p 3000", where)
+    assert "dagster dev -h 127.0.0.1 -p 3000" in README.read_text()
+    # every output the summary names is in the README's table of outputs
+    readme = README.read_text()
+    for rel in [r for v in expected.values() for r in ([v] if isinstance(v, str) else v)]:
+        assert f"`{rel.rstrip('/')}" in readme, rel
+
+
+def test_one_partition_is_named_and_missing_stages_are_marked(tmp_path):
+    root = tmp_path / "data"
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, KEYS[:1])
+        report(instance, "prompt_corpus", CORPUS_META)
+        report(instance, "completions", COMPLETIONS[KEYS[0]], KEYS[0])
+        s = collect_summary(instance, KEYS[:1], StorageResource(root=str(root)))
+    text = format_summary(s)
+    assert line(text, "completions        ").startswith(f"{COMPLETIONS[KEYS[0]]['rows']} rows (errors: 1)")
+    assert line(text, "truncation") == "- of completions hit the cap of - tokens"
+    assert line(text, "tokenized          ") == "0 rows, 0 loss tokens"
+    assert line(text, "acceptance length") == "tau - (untrained drafter: -)"
+    assert "cap advice" not in text and "<pk>" not in text
+    where = text.split("== where the outputs are ==")[1]
+    assert f"{root}/completions/{KEYS[0]}.parquet\n" in where  # written: no mark
+    assert f"{root}/tokenized_sequences/{KEYS[0]}.parquet  (not written yet)" in where
+    assert f"{root}/drafter_evaluation/acceptance.png  (not written yet)" in where
