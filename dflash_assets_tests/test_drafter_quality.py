@@ -3,9 +3,9 @@
 The whole chain runs through the real assets on real data: bundled HumanEval prompts -> completions from
 the real local server (SmolLM2-135M on CPU) -> tokenized_sequences -> hidden_states -> dflash_drafter ->
 drafter_evaluation, with the demo's config file (``configs/local_demo.yaml``) for every stage. To keep
-the suite short it uses 32 of the demo's 48 prompts and ``TEST_STEPS`` training steps instead of the
-demo's, ``EVAL_PROMPTS`` held-out prompts of ``EVAL_NEW_TOKENS`` tokens, and the greedy session server instead of the demo's
-sampled completions.
+the suite short it uses ``NUM_PROMPTS`` of the demo's 64 prompts, ``TEST_STEPS`` training steps instead
+of the demo's 400, ``EVAL_PROMPTS`` held-out prompts of ``EVAL_NEW_TOKENS`` tokens, and the greedy
+session server instead of the demo's sampled completions.
 
 Run-to-run spread: the drafter is trained twice with different seeds (different init, data order and
 anchors) and each is measured by real speculative decoding on the held-out prompts; the spread is the
