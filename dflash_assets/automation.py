@@ -80,17 +80,35 @@ def unfinished_partitions(instance: dg.DagsterInstance, asset_key: dg.AssetKey) 
     return to_request, running
 
 
-def build_backfill_schedule(job, cron: str = "*/10 * * * *", max_per_tick: int = 4):
+def failed_attempts(instance: dg.DagsterInstance, asset_key: dg.AssetKey, pk: str) -> int:
+    """Failed runs of partition ``pk`` since ``asset_key``'s last materialization of it (all, if never)."""
+    record = latest_record(instance, asset_key, pk)
+    since = record.timestamp if record is not None else 0.0
+    runs = instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": pk}, statuses=[dg.DagsterRunStatus.FAILURE]))
+    return sum(1 for r in runs if (r.end_time or r.create_timestamp.timestamp()) > since)
+
+
+def build_backfill_schedule(job, cron: str = "*/10 * * * *", max_per_tick: int = 4, max_failed_attempts: int = 3):
     """Every tick: request runs for up to ``max_per_tick`` missing or failed completions partitions, skipping
-    those in progress. Run concurrency against the servers is capped by the ``dflash/inference`` tag limit in
-    dagster.yaml."""
+    those in progress, and giving up on a partition after ``max_failed_attempts`` failed runs since its last
+    success (a partition that fails every time, e.g. on a bad row, would otherwise take a slot every tick;
+    the tick log names them, and a run launched by hand that succeeds resets the count). Run concurrency
+    against the servers is capped by the ``dflash/inference`` tag limit in dagster.yaml."""
 
     @dg.schedule(job=job, cron_schedule=cron, name="backfill_unfinished_partitions", default_status=dg.DefaultScheduleStatus.STOPPED,
-                 description=f"Requests up to {max_per_tick} missing or failed partitions of {job.name} per tick; skips in-progress ones.")
+                 description=(f"Requests up to {max_per_tick} missing or failed partitions of {job.name} per tick; skips in-progress "
+                              f"ones and those that failed {max_failed_attempts} times since their last success."))
     def backfill_unfinished_partitions(context: dg.ScheduleEvaluationContext):
         to_request, running = unfinished_partitions(context.instance, COMPLETIONS)
+        given_up = [pk for pk in to_request if failed_attempts(context.instance, COMPLETIONS, pk) >= max_failed_attempts]
+        if given_up:
+            context.log.warning(
+                f"not retrying {len(given_up)} partitions that failed {max_failed_attempts} times since their last success: "
+                f"{given_up[:10]}; read their run logs, fix the cause and launch them by hand"
+            )
+        to_request = [pk for pk in to_request if pk not in given_up]
         if not to_request:
-            return dg.SkipReason(f"nothing unfinished ({len(running)} in progress)")
+            return dg.SkipReason(f"nothing unfinished to retry ({len(running)} in progress, {len(given_up)} given up)")
         return [dg.RunRequest(partition_key=pk, tags={"dflash/trigger": "backfill"}) for pk in to_request[:max_per_tick]]
 
     return backfill_unfinished_partitions

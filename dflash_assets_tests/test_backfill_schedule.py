@@ -126,3 +126,35 @@ def test_schedule_skips_when_nothing_is_unfinished():
             assert dg.materialize([completions], instance=instance, partition_key=pk).success
         result = evaluate(schedule, instance)
         assert isinstance(result, dg.SkipReason) and "nothing unfinished" in result.skip_message
+
+
+def test_schedule_gives_up_on_a_partition_after_max_failed_attempts():
+    """A partition failing every time used to be requested on every tick forever."""
+    from dflash_assets.automation import failed_attempts
+
+    fail = {"on": True}
+
+    @dg.asset(name="completions", partitions_def=prompt_ranges)
+    def completions(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        if fail["on"] and context.partition_key == KEYS[1]:
+            raise RuntimeError("bad row")
+        return dg.MaterializeResult()
+
+    job = dg.define_asset_job("partition_stages", selection=[completions])
+    schedule = build_backfill_schedule(job, max_per_tick=10, max_failed_attempts=2)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, KEYS[:3])
+        assert dg.materialize([completions], instance=instance, partition_key=KEYS[0]).success
+        for attempt in (1, 2):
+            assert [r.partition_key for r in evaluate(schedule, instance)] == KEYS[1:3]  # retried: under the limit
+            assert not dg.materialize([completions], instance=instance, partition_key=KEYS[1], raise_on_error=False).success
+            assert failed_attempts(instance, dg.AssetKey("completions"), KEYS[1]) == attempt
+        assert [r.partition_key for r in evaluate(schedule, instance)] == [KEYS[2]]  # given up after 2 failures
+        # a run by hand that succeeds resets the count; a later failure counts from there
+        fail["on"] = False
+        assert dg.materialize([completions], instance=instance, partition_key=KEYS[1]).success
+        assert failed_attempts(instance, dg.AssetKey("completions"), KEYS[1]) == 0
+        fail["on"] = True
+        assert not dg.materialize([completions], instance=instance, partition_key=KEYS[1], raise_on_error=False).success
+        assert failed_attempts(instance, dg.AssetKey("completions"), KEYS[1]) == 1
+        assert [r.partition_key for r in evaluate(schedule, instance)] == KEYS[1:3]
