@@ -29,7 +29,12 @@ def main(argv: list[str] | None = None) -> None:
     from dflash_assets import pipeline
 
     if args.command == "run":
-        sys.exit(pipeline.run_all(config_path_arg=args.config, dagster_home=home))
+        try:
+            code = pipeline.run_all(config_path_arg=args.config, dagster_home=home)
+        except KeyboardInterrupt:
+            print("\ninterrupted: stopped. Rows already generated are kept; run the same command again to resume.", flush=True)
+            code = 130
+        sys.exit(code)
     if args.command == "status":
         from dflash_assets.status import print_status
 

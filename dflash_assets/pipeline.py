@@ -44,11 +44,28 @@ def stage_up_to_date(instance, key: str, pk: str | None, upstream: list, setting
 
 
 def _materialize(keys: list[str], run_config: dict, partition_key: str | None = None) -> dg.ExecuteInProcessResult:
-    return dg.materialize(
+    """One in-process run. Raises KeyboardInterrupt when Ctrl-C / SIGTERM interrupted it: Dagster turns the
+    signal into a failed run, and ``raise_on_error=False`` would otherwise let the loop go on."""
+    result = dg.materialize(
         list(defs.assets), selection=keys, instance=dg.DagsterInstance.get(), resources=defs.resources,
         run_config=run_config, partition_key=partition_key, raise_on_error=False,
         tags={"dflash/trigger": "cli-run", "dflash/pid": str(os.getpid()), "dflash/host": socket.gethostname()},
     )
+    if was_interrupted(result):
+        raise KeyboardInterrupt(f"run {result.run_id} was interrupted")
+    return result
+
+
+def was_interrupted(result: dg.ExecuteInProcessResult) -> bool:
+    """Whether a step or the run failed with Dagster's interrupt (SIGINT / SIGTERM during execution)."""
+    interrupt_errors = {"DagsterExecutionInterruptedError", "KeyboardInterrupt"}
+    for event in result.all_events:
+        error = getattr(event.event_specific_data, "error", None)
+        if error is not None and error.cls_name in interrupt_errors:
+            return True
+        if event.event_type_value == "RUN_FAILURE" and "interrupted" in (event.message or ""):
+            return True
+    return False
 
 
 def reap_dead_cli_runs(instance: dg.DagsterInstance) -> list[str]:
