@@ -62,7 +62,10 @@ def _start(tmp_path: Path, install_handler: bool) -> subprocess.Popen:
 def test_a_raising_signal_handler_interrupts_generation(tmp_path, sig):
     proc = _start(tmp_path, install_handler=True)
     os.kill(proc.pid, sig)
-    out, _ = proc.communicate(timeout=20)  # before the fix: hung until the 1-hour Hang ended
+    try:
+        out, _ = proc.communicate(timeout=20)  # before the fix: hung until the 1-hour Hang ended
+    finally:
+        proc.kill()  # never leave the child behind when the assertion fails
     assert proc.returncode == 3, out
     assert f"INTERRUPTED signal {int(sig)}" in out
 
@@ -70,7 +73,10 @@ def test_a_raising_signal_handler_interrupts_generation(tmp_path, sig):
 def test_sigterm_with_the_default_handler_terminates(tmp_path):
     proc = _start(tmp_path, install_handler=False)
     os.kill(proc.pid, signal.SIGTERM)
-    proc.communicate(timeout=20)
+    try:
+        proc.communicate(timeout=20)
+    finally:
+        proc.kill()
     assert proc.returncode == -signal.SIGTERM
 
 
