@@ -69,6 +69,7 @@ from typing import Any, Literal, NamedTuple
 
 import httpx
 
+from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.settings import GenerationSettings, dagster_home
 
 logger = logging.getLogger(__name__)
@@ -327,10 +328,7 @@ def register_server(
     directory = Path(registry_dir) if registry_dir else server_registry_dir()
     path = directory / f"{entry['host']}_{proc.pid}_{entry['start_time']}.json"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{path.name}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(entry))
-        os.replace(tmp, path)
+        atomic_write_bytes(path, json.dumps(entry).encode())
     except OSError as exc:
         logger.warning("could not register server pid %s in %s: %s", proc.pid, directory, exc)
         return None
