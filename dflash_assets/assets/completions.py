@@ -1,15 +1,24 @@
 """Stage 2: ``completions[pk]``: regenerate every prompt of an index range with the target model.
 
+One run covers one partition or a range of them (single-run backfill policy: a range from the shell,
+a UI backfill, ``python -m dflash_assets run``): the servers start once for the whole run, the prompts
+of all its partitions go to the client as one stream (every slot stays busy across partition
+boundaries) and each partition is committed as soon as its last row is in: its table written
+atomically to ``completions/<pk>.parquet``, its journal removed, and its own materialization
+(metadata, data version = hash of the table) recorded while the run goes on. The asset yields those
+materializations itself and no output, so nothing is recorded twice at the end.
+
 Row-level checkpoints: each finished row is appended (fsync) to ``completions/<pk>.journal.jsonl``
 as it arrives; a rerun reads the journal and the last partition table and requests only rows that
-are missing or no longer valid under the current generation settings. The finished table is written
-atomically to ``completions/<pk>.parquet`` and the journal removed.
+are missing or no longer valid under the current generation settings.
 """
 
 import hashlib
+import queue
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 import dagster as dg
 import polars as pl
@@ -24,6 +33,12 @@ from dflash_assets.resources.storage import StorageResource
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.status import INFERENCE_POOL
 from dflash_assets.truncation import row_counts, token_summary
+from dagster._core.definitions.data_version import (  # the tags Dagster itself writes for a data version
+    CODE_VERSION_TAG,
+    DATA_VERSION_IS_USER_PROVIDED_TAG,
+    DATA_VERSION_TAG,
+    extract_data_version_from_entry,
+)
 
 PROGRESS_EVERY_S = 5.0
 
@@ -92,6 +107,21 @@ def completion_stats(frame: pl.DataFrame) -> dict:
     return stats
 
 
+@dataclass
+class _Partition:
+    """One partition of the run: its prompts, rows so far, and what is still out."""
+
+    pk: str
+    prompts: pl.DataFrame
+    journal: object
+    existing: dict
+    todo: list
+    reasons: Counter
+    remaining: int = 0
+    first_sent: float | None = None
+    by_index: dict = field(default_factory=dict)
+
+
 @dg.asset(
     partitions_def=prompt_ranges,
     deps=["prompt_corpus"],
@@ -100,10 +130,14 @@ def completion_stats(frame: pl.DataFrame) -> dict:
     owners=["team:dflash"],
     op_tags={"dflash/inference": "servers"},
     pool=INFERENCE_POOL,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    output_required=False,  # each partition's materialization is yielded when it is committed
     description=(
         "Sends each prompt of the index range to the inference servers (thinking on, sampling and cap from the "
         "generation resource) and stores per row: reasoning and answer text, finish_reason, prompt/completion "
         "tokens, generated token ids when returned, the settings used, latency, server, attempts and errors. "
+        "A range of partitions is one run: servers started once, requests streamed across partitions, each "
+        "partition committed (table + materialization) as soon as its last row is in. "
         "Row checkpoints in completions/<pk>.journal.jsonl; output completions/<pk>.parquet."
     ),
 )
@@ -112,92 +146,203 @@ def completions(
     storage: StorageResource,
     inference: InferenceServerResource,
     generation: GenerationResource,
-) -> dg.MaterializeResult:
-    pk = context.partition_key
+):
+    keys = list(context.partition_keys)
     store = storage.open()
     settings = generation.settings()
-    prompts = load_prompts(store, pk)
-    journal = storage.open_journal("completions", f"{pk}.journal.jsonl")
-    existing = load_existing_rows(store, pk, journal)
-    todo, reasons = plan_requests(prompts, existing, settings)
-    context.log.info(f"{pk}: {prompts.height} prompts, {len(todo)} to request {dict(reasons)}, cap {settings.max_output_tokens}")
-
-    started = time.monotonic()
-    failure: Exception | None = None
-    progress = None
+    run = _RangeRun(context, store, settings, keys)
+    parts = []
     try:
+        for pk in keys:
+            prompts = load_prompts(store, pk)
+            journal = storage.open_journal("completions", f"{pk}.journal.jsonl")
+            parts.append(run.plan(pk, prompts, journal))
+        for part in parts:
+            if not part.todo:
+                yield from run.commit_or_keep(part)
+        todo = [p for p in parts if p.todo]
         if todo:
-            by_index = {p["index"]: p for p in todo}
-
-            with inference.serve(log_dir=storage.local_scratch("server_logs", pk), settings=settings) as pool:
-                client = inference.client(pool)
-
-                def on_result(result) -> None:
-                    row = row_from_result(result, by_index[result.index], settings)
-                    journal.append(row)
-                    existing[row["index"]] = row
-
-                items = ((p["index"], pool.adapt_body(settings.request_body(pool.model, p["messages"], p["index"]))) for p in todo)
-                ticker = _ProgressTicker(lambda: context.log.info(f"{pk}: {client.progress().format(len(todo))}"), PROGRESS_EVERY_S)
-                try:
-                    with ticker:
-                        progress = client.generate_blocking(items, on_result)
-                except TooManyFailuresError as exc:
-                    failure = exc
-                progress = client.progress()
-                context.log.info(f"{pk}: {progress.format(len(todo))}")
+            label = keys[0] if len(keys) == 1 else f"{keys[0]}...{keys[-1]}"
+            with inference.serve(log_dir=storage.local_scratch("server_logs", label), settings=settings) as pool:
+                yield from run.generate(inference, pool, todo)
     finally:
-        journal.close()  # a clean stop syncs the journal (S3) whatever ended generation
-    frame = rows_to_frame([existing[i] for i in prompts["index"].to_list() if i in existing])
-    missing = prompts.height - frame.height
-    if failure is not None or missing:
-        # finished rows stay in the journal; the next run requests only the rest
+        for part in parts:
+            part.journal.close()  # a clean stop syncs the journal (S3) whatever ended generation
+    missing = {p.pk: p.remaining for p in parts if p.remaining}
+    if run.failure is not None or missing:
+        # finished rows stay in the journals; the next run requests only the rest
         raise dg.Failure(
-            f"{pk}: {missing} of {prompts.height} prompts have no row"
-            + (f" ({failure})" if failure else "")
-            + "; finished rows are checkpointed, rerun the partition to resume"
+            f"{sum(missing.values())} prompts have no row in partition(s) {', '.join(missing) or '-'}"
+            + (f" ({run.failure})" if run.failure else "")
+            + f"; {len(run.committed)} partition(s) were committed; finished rows are checkpointed, "
+            "rerun the partition to resume"
         )
-    uri = store.write_parquet(frame, *partition_file(pk))
-    journal.discard()
-    data_version = hashlib.sha256(store.read_bytes(*partition_file(pk))).hexdigest()[:20]
-    stats = completion_stats(frame)
-    wall = time.monotonic() - started
-    if stats["errors"]:
-        context.log.warning(f"{pk}: {stats['errors']} rows ended in error; the next run retries them")
-    return dg.MaterializeResult(
-        metadata={
+
+
+class _RangeRun:
+    """Generation of the partitions of one run; commits each partition as soon as it is complete."""
+
+    def __init__(self, context: dg.AssetExecutionContext, store, settings: GenerationSettings, keys: list[str]):
+        self.context, self.store, self.settings, self.keys = context, store, settings, keys
+        self.started = time.monotonic()
+        self.rows_total = 0
+        self.committed: list[str] = []
+        self.failure: Exception | None = None
+        self.client = None
+        self.capacity = 0
+
+    def plan(self, pk: str, prompts: pl.DataFrame, journal) -> _Partition:
+        existing = load_existing_rows(self.store, pk, journal)
+        todo, reasons = plan_requests(prompts, existing, self.settings)
+        part = _Partition(pk, prompts, journal, existing, todo, reasons, remaining=len(todo),
+                          by_index={p["index"]: p for p in todo})
+        self.rows_total += len(todo)
+        self.context.log.info(
+            f"{pk}: {prompts.height} prompts, {len(todo)} to request {dict(reasons)}, cap {self.settings.max_output_tokens}"
+        )
+        return part
+
+    def commit_or_keep(self, part: _Partition):
+        """A partition with nothing to request: in a range run, an unchanged table whose latest
+        materialization has this data version is kept as is (no new materialization, so downstream
+        stays fresh); otherwise it is committed."""
+        if len(self.keys) > 1 and self.store.exists(*partition_file(part.pk)) and not part.journal.load():
+            version = hashlib.sha256(self.store.read_bytes(*partition_file(part.pk))).hexdigest()[:20]
+            record = self.context.instance.get_latest_data_version_record(self.context.asset_key, partition_key=part.pk)
+            current = extract_data_version_from_entry(record.event_log_entry) if record is not None else None
+            if current is not None and current.value == version:
+                self.context.log.info(f"{part.pk}: complete and unchanged (data version {version}): kept")
+                return
+        yield self.commit(part)
+
+    def progress_line(self) -> str:
+        progress = self.client.progress()
+        line = progress.format(self.rows_total)
+        return (f"range {self.keys[0]}...{self.keys[-1]}: {line}, slots {progress.in_flight}/{self.capacity}, "
+                f"{len(self.committed)}/{len(self.keys)} partitions committed")
+
+    def generate(self, inference: InferenceServerResource, pool, parts: list[_Partition]):
+        """Stream every todo prompt of ``parts`` through one client; yield each partition's
+        materialization as its last row lands (from this, the step's thread: Dagster records it at once)."""
+        settings, context = self.settings, self.context
+        client = self.client = inference.client(pool)
+        self.capacity = client.concurrency
+        owner = {i: part for part in parts for i in part.by_index}
+        commits: queue.Queue = queue.Queue()
+
+        def items():
+            for part in parts:
+                part.first_sent = time.monotonic()
+                for p in part.todo:
+                    yield p["index"], pool.adapt_body(settings.request_body(pool.model, p["messages"], p["index"]))
+
+        def on_result(result) -> None:  # event-loop thread
+            part = owner[result.index]
+            row = row_from_result(result, part.by_index[result.index], settings)
+            part.journal.append(row)
+            part.existing[row["index"]] = row
+            part.remaining -= 1
+            if part.remaining == 0:
+                commits.put(("commit", part))
+
+        def work() -> None:
+            try:
+                client.generate_blocking(items(), on_result)
+                commits.put(("done", None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the step's thread
+                commits.put(("error", exc))
+
+        worker = threading.Thread(target=work, name="dflash-completions-client", daemon=True)
+        worker.start()
+        faults_logged = 0
+        last_log = time.monotonic()
+        try:
+            while True:
+                try:
+                    kind, obj = commits.get(timeout=1.0)
+                except queue.Empty:
+                    kind, obj = None, None
+                for fault in client.faults[faults_logged:]:
+                    context.log.warning(f"server fault: {fault['server']}: {fault['fault']} "
+                                        f"({fault['in_flight']} requests in flight re-sent to the others)")
+                faults_logged = len(client.faults)
+                if time.monotonic() - last_log >= PROGRESS_EVERY_S:
+                    context.log.info(self.progress_line())
+                    last_log = time.monotonic()
+                if kind == "commit":
+                    yield self.commit(obj)
+                elif kind == "done":
+                    break
+                elif kind == "error":
+                    if isinstance(obj, TooManyFailuresError):
+                        self.failure = obj
+                        break
+                    raise obj
+        except BaseException:
+            client.abort()  # interrupted (Ctrl-C, SIGTERM, run terminated): stop sending, keep the journals
+            worker.join(timeout=60)
+            raise
+        worker.join()
+        context.log.info(self.progress_line())
+        for fault in client.faults:
+            context.log.warning(f"server fault during the run: {fault}")
+
+    def commit(self, part: _Partition) -> dg.AssetMaterialization:
+        """Write ``part``'s table (atomic), drop its journal, and build its materialization."""
+        prompts, pk = part.prompts, part.pk
+        frame = rows_to_frame([part.existing[i] for i in prompts["index"].to_list() if i in part.existing])
+        uri = self.store.write_parquet(frame, *partition_file(pk))
+        part.journal.discard()
+        data_version = hashlib.sha256(self.store.read_bytes(*partition_file(pk))).hexdigest()[:20]
+        stats = completion_stats(frame)
+        now = time.monotonic()
+        if stats["errors"]:
+            self.context.log.warning(f"{pk}: {stats['errors']} rows ended in error; the next run retries them")
+        rows = [part.existing[i] for i in part.by_index]  # this run's rows of the partition
+        tokens = sum(r.get("completion_tokens") or 0 for r in rows if not r.get("error"))
+        wall = now - (part.first_sent or now)
+        metadata = {
             **stats,
-            "requested": len(todo),
-            "request_reasons": dict(reasons),
-            "carried_over": prompts.height - len(todo),
+            "requested": len(part.todo),
+            "request_reasons": dict(part.reasons),
+            "carried_over": prompts.height - len(part.todo),
             "wall_s": round(wall, 2),
-            "output_tok_per_s": round(progress.output_tokens_per_s, 1) if progress else 0.0,
-            "req_per_s": round(progress.requests_per_s, 2) if progress else 0.0,
-            "max_output_tokens": settings.max_output_tokens,
-            "settings": settings.model_dump(),
+            "output_tok_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
+            "req_per_s": round(len(rows) / wall, 2) if wall > 0 else 0.0,
+            "servers": dict(Counter(r.get("server") for r in rows)),
+            "max_output_tokens": self.settings.max_output_tokens,
+            "settings": self.settings.model_dump(),
             "path": dg.MetadataValue.path(uri),
-        },
-        data_version=dg.DataVersion(data_version),
-    )
+            "run_partitions": len(self.keys),
+            "run_partition_range": f"{self.keys[0]}...{self.keys[-1]}",
+        }
+        if self.client is not None:
+            progress = self.client.progress()
+            eta = progress.eta_s(self.rows_total)
+            metadata.update(
+                run_rows_done=progress.rows_done,
+                run_rows_total=self.rows_total,
+                run_req_per_s=round(progress.requests_per_s, 2),
+                run_output_tok_per_s=round(progress.output_tokens_per_s, 1),
+                run_slots_in_flight=progress.in_flight,
+                run_slots_capacity=self.capacity,
+                run_eta_s=round(eta, 1) if eta is not None else -1.0,
+                run_elapsed_s=round(now - self.started, 2),
+            )
+            faults = [f for f in self.client.faults if part.first_sent is None
+                      or f["at_s"] >= part.first_sent - self.client_started()]
+            if faults:
+                metadata["server_faults"] = [f"{f['server']}: {f['fault']} -> {f['action']}" for f in faults]
+        self.committed.append(pk)
+        self.context.log.info(f"{pk}: committed {frame.height} rows (data version {data_version})")
+        return dg.AssetMaterialization(
+            asset_key=self.context.asset_key,
+            partition=pk,
+            metadata=metadata,
+            tags={DATA_VERSION_TAG: data_version, DATA_VERSION_IS_USER_PROVIDED_TAG: "true",
+                  CODE_VERSION_TAG: self.context.run.run_id},
+        )
 
-
-class _ProgressTicker:
-    """Calls ``log()`` every ``every_s`` seconds from a daemon thread while the ``with`` block runs
-    (rows done, req/s, tok/s and ETA keep coming even while no row finishes)."""
-
-    def __init__(self, log, every_s: float):
-        self._log, self._every = log, every_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._every):
-            self._log()
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def client_started(self) -> float:
+        """Monotonic time the client's counters started (its faults' ``at_s`` are relative to it)."""
+        return time.monotonic() - self.client.progress().elapsed_s

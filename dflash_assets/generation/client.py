@@ -13,6 +13,12 @@ Design choices, each answering a failure seen in hand-run generation:
   always looks idle) does not attract every request.
 - ``max_consecutive_failures`` final failures in a row stop the run: no new request is sent, the
   requests in flight finish and are delivered, then :class:`TooManyFailuresError` is raised.
+- Faults of a long run (``supervisor``, :mod:`dflash_assets.generation.supervision`): a server whose
+  process exited, that failed ``down_after_faults`` attempts in a row, or that finished nothing for
+  ``stall_timeout_s`` while holding requests (hung, though ``/health`` may still say 200) is taken
+  out: its in-flight requests are cancelled and re-sent at once to the others, and the supervisor
+  restarts it (sglang) or re-probes it until it answers (external). Each fault is kept in
+  :attr:`CompletionClient.faults`.
 - The API key only ever goes into the ``Authorization`` header; it is scrubbed from every error
   string, log line and result.
 
@@ -22,6 +28,7 @@ No Dagster imports: the asset wraps this and logs :meth:`CompletionClient.progre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -160,11 +167,13 @@ class GenerationProgress:
 class _AttemptError(Exception):
     """One failed HTTP attempt; ``transient`` decides whether another attempt may be made."""
 
-    def __init__(self, message: str, transient: bool, server: str, *, server_fault: bool = False) -> None:
+    def __init__(self, message: str, transient: bool, server: str, *, server_fault: bool = False,
+                 rerouted: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.transient = transient
         self.server = server
+        self.rerouted = rerouted  # cancelled because its server was taken out: re-send at once
         # Connection failures and 5xx say the server itself is unwell: route around it for a while.
         self.server_fault = server_fault
 
@@ -172,9 +181,16 @@ class _AttemptError(Exception):
 class _Server:
     """Routing state of one base URL."""
 
-    __slots__ = ("label", "endpoint", "url", "in_flight", "avoid_until", "recent_faults")
+    __slots__ = ("label", "endpoint", "url", "in_flight", "avoid_until", "recent_faults", "index", "down_reason",
+                 "recovering", "retry_at", "last_progress", "tasks")
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, index: int = 0) -> None:
+        self.index = index
+        self.down_reason: str | None = None  # set while taken out (dead, hung, unreachable)
+        self.recovering = False
+        self.retry_at = 0.0
+        self.last_progress = time.monotonic()  # last finished request, or when it became busy
+        self.tasks: set[asyncio.Future] = set()  # HTTP exchanges in flight (cancelled when taken out)
         self.label = _strip_credentials(base_url.rstrip("/"))
         base = base_url.rstrip("/")
         self.endpoint = base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
@@ -182,6 +198,16 @@ class _Server:
         self.in_flight = 0
         self.avoid_until = 0.0
         self.recent_faults = 0
+
+
+async def _exchange(http: httpx.AsyncHTTPTransport, request: httpx.Request) -> httpx.Response:
+    """Send ``request`` and read the whole reply (a task of its own, so a server taken out can cancel it)."""
+    response = await http.handle_async_request(request)
+    try:
+        await response.aread()
+    finally:
+        await response.aclose()
+    return response
 
 
 def _strip_credentials(url: str) -> str:
@@ -299,6 +325,12 @@ class CompletionClient:
         retry_read_timeouts: whether a read timeout counts as transient (retried); a timed-out request
             may still be running on the server, so each such retry is logged at WARNING.
         log: logger for retries and failures (default: this module's).
+        supervisor: a :class:`~dflash_assets.generation.supervision.Supervisor` (``exit_reason(i)``,
+            ``recover(i)``, ``can_restart``) that knows the servers' processes; None: faults are
+            detected from requests only and a server taken out is never tried again... except when all are.
+        stall_timeout_s: a server holding requests that finishes none for this long is hung (None: never).
+        down_after_faults: connection errors / 5xx in a row after which a server is taken out.
+        monitor_interval_s: how often the fault monitor looks at the servers, seconds.
 
     One :meth:`generate` call at a time per instance (the counters belong to the running call). To log
     progress, call ``client.progress().format(rows_total)`` from ``on_result`` every N rows or seconds.
@@ -321,6 +353,10 @@ class CompletionClient:
         *,
         retry_read_timeouts: bool = True,
         log: logging.Logger | None = None,
+        supervisor: Any = None,
+        stall_timeout_s: float | None = None,
+        down_after_faults: int = 3,
+        monitor_interval_s: float = 1.0,
     ) -> None:
         if isinstance(base_urls, str):
             base_urls = [base_urls]
@@ -333,7 +369,12 @@ class CompletionClient:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self._servers = [_Server(u) for u in base_urls]
+        self._servers = [_Server(u, i) for i, u in enumerate(base_urls)]
+        self.supervisor = supervisor
+        self.stall_timeout_s = stall_timeout_s
+        self.down_after_faults = down_after_faults
+        self.monitor_interval_s = monitor_interval_s
+        self.faults: list[dict[str, Any]] = []
         self._api_key = api_key or None
         self.concurrency = concurrency
         self.connect_timeout_s = connect_timeout_s
@@ -386,6 +427,11 @@ class CompletionClient:
         self._too_many: TooManyFailuresError | None = None
         self._callback_failed = False
         self._sent_per_server = {s.label: 0 for s in self._servers}
+        self._rerouted = 0
+        self.faults = []
+        now = time.monotonic()
+        for server in self._servers:
+            server.last_progress = now
 
     def progress(self) -> GenerationProgress:
         """Snapshot of the counters of the current (or last) :meth:`generate` call."""
@@ -411,9 +457,10 @@ class CompletionClient:
     def _pick_server(self) -> _Server:
         """Least in-flight server among those not being avoided; ties rotate."""
         now = time.monotonic()
-        candidates = [s for s in self._servers if s.avoid_until <= now]
+        up = [s for s in self._servers if s.down_reason is None] or self._servers
+        candidates = [s for s in up if s.avoid_until <= now]
         if not candidates:  # every server recently failed: take the one that comes back first
-            return min(self._servers, key=lambda s: (s.avoid_until, s.in_flight))
+            return min(up, key=lambda s: (s.avoid_until, s.in_flight))
         if len(candidates) == 1:
             return candidates[0]
         offset = next(self._rr) % len(candidates)
@@ -427,7 +474,12 @@ class CompletionClient:
 
     async def _attempt(self, http: httpx.AsyncHTTPTransport, payload: bytes) -> tuple[dict[str, Any], _Server]:
         """One HTTP attempt on the least-loaded server; raises :class:`_AttemptError` on any failure."""
+        while (self.supervisor is not None and getattr(self.supervisor, "can_restart", False) and not self._stopping
+               and all(s.down_reason is not None for s in self._servers) and any(s.recovering for s in self._servers)):
+            await asyncio.sleep(0.1)  # every server is being restarted: wait for one rather than fail rows
         server = self._pick_server()
+        if server.in_flight == 0:
+            server.last_progress = time.monotonic()  # busy from now: the stall clock starts
         server.in_flight += 1
         self._requests_sent += 1
         self._sent_per_server[server.label] += 1
@@ -440,11 +492,21 @@ class CompletionClient:
                     content=payload,
                     extensions={"timeout": self._timeouts},
                 )
-                response = await http.handle_async_request(request)
+                exchange = asyncio.ensure_future(_exchange(http, request))
+                server.tasks.add(exchange)
                 try:
-                    await response.aread()
+                    response = await exchange
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if exchange.cancelled() and server.down_reason is not None and not (current and current.cancelling()):
+                        self._rerouted += 1
+                        raise _AttemptError(
+                            f"{server.label} was taken out ({server.down_reason}) with this request in flight; "
+                            "re-sent to another server", transient=True, server=server.label, rerouted=True,
+                        ) from None
+                    raise
                 finally:
-                    await response.aclose()
+                    server.tasks.discard(exchange)
             except httpx.ReadTimeout as exc:
                 raise _AttemptError(
                     f"read timeout after {self.read_timeout_s:g} s from {server.label} (the server may "
@@ -482,6 +544,7 @@ class CompletionClient:
                 ) from None
             server.recent_faults = 0
             server.avoid_until = 0.0
+            server.last_progress = time.monotonic()
             return fields, server
         except _AttemptError as exc:
             if exc.server_fault:
@@ -512,11 +575,17 @@ class CompletionClient:
                 wait,
             )
 
+        backoff = wait_exponential_jitter(
+            multiplier=self.backoff_base_s, max=self.backoff_max_s, exp_base=2, jitter=self.backoff_base_s
+        )
+
+        def wait(state: RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome else None
+            return 0.0 if getattr(exc, "rerouted", False) else backoff(state)
+
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.max_attempts),
-            wait=wait_exponential_jitter(
-                multiplier=self.backoff_base_s, max=self.backoff_max_s, exp_base=2, jitter=self.backoff_base_s
-            ),
+            wait=wait,
             retry=retry_if_exception(should_retry),
             before_sleep=log_retry,
             reraise=True,
@@ -583,6 +652,90 @@ class CompletionClient:
             )
             self._log.error("%s", self._too_many)
 
+    # -- faults -----------------------------------------------------------------------------------
+
+    @property
+    def rerouted(self) -> int:
+        """Requests cancelled on a server that was taken out and re-sent elsewhere (this call)."""
+        return self._rerouted
+
+    def abort(self) -> None:
+        """Cancel a running :meth:`generate` from another thread (rows in flight are dropped, not
+        delivered; delivered rows stay delivered). Safe to call when nothing runs."""
+        loop, task = getattr(self, "_loop", None), getattr(self, "_main_task", None)
+        self._stopping = True
+        if loop is not None and task is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(task.cancel)
+
+    def _fault_reason(self, server: _Server, now: float) -> str | None:
+        if self.supervisor is not None:
+            reason = self.supervisor.exit_reason(server.index)
+            if reason:
+                return reason
+        if self.stall_timeout_s and server.in_flight > 0 and now - server.last_progress > self.stall_timeout_s:
+            return (f"hung: no request finished for {now - server.last_progress:.0f} s with {server.in_flight} "
+                    f"in flight (stall_timeout_s {self.stall_timeout_s:g})")
+        if self.supervisor is not None and server.recent_faults >= self.down_after_faults:
+            return f"unreachable: {server.recent_faults} connection errors / 5xx in a row"
+        return None
+
+    def _take_out(self, server: _Server, reason: str) -> None:
+        server.down_reason = reason
+        fault = {"server": server.label, "fault": reason, "at_s": round(time.monotonic() - self._start, 2),
+                 "in_flight": server.in_flight, "action": "taken out"}
+        self.faults.append(fault)
+        self._log.warning("server %s taken out: %s; its %d requests in flight go to the other servers",
+                          server.label, reason, server.in_flight)
+        for task in list(server.tasks):
+            task.cancel()
+        if self.supervisor is not None:
+            self._start_recovery(server, fault)
+
+    def _start_recovery(self, server: _Server, fault: dict[str, Any]) -> None:
+        """Run ``supervisor.recover(i)`` (blocking: a restart takes a server start-up) on a daemon thread,
+        so the event loop keeps serving the other servers and a finished run does not wait for it."""
+        server.recovering = True
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+
+        def done(ok: bool, error: str | None) -> None:
+            server.recovering = False
+            if ok:
+                server.down_reason, server.recent_faults, server.avoid_until = None, 0, 0.0
+                server.last_progress = time.monotonic()
+                verb = "restarted" if getattr(self.supervisor, "can_restart", False) else "answering again"
+                fault["action"] = f"{verb} after {time.monotonic() - started:.1f} s"
+                self._log.warning("server %s %s", server.label, fault["action"])
+            else:
+                server.retry_at = time.monotonic() + getattr(self.supervisor, "retry_every_s", 30.0)
+                fault["action"] = "left out" + (f" ({error})" if error else "")
+                self._log.warning("server %s left out: %s", server.label, error or "it does not answer")
+
+        def run() -> None:
+            try:
+                ok, error = bool(self.supervisor.recover(server.index)), None
+            except Exception as exc:  # noqa: BLE001 - reported, the run goes on without it
+                ok, error = False, self._redact(f"{type(exc).__name__}: {exc}")[:300]
+            with contextlib.suppress(RuntimeError):  # loop closed: the run is over
+                loop.call_soon_threadsafe(done, ok, error)
+
+        threading.Thread(target=run, name=f"dflash-recover-{server.index}", daemon=True).start()
+
+    async def _monitor(self) -> None:
+        """Take out dead / hung / unreachable servers; retry left-out ones every ``retry_every_s``."""
+        while True:
+            await asyncio.sleep(self.monitor_interval_s)
+            now = time.monotonic()
+            for server in self._servers:
+                if server.down_reason is None:
+                    reason = self._fault_reason(server, now)
+                    if reason:
+                        self._take_out(server, reason)
+                elif self.supervisor is not None and not server.recovering and now >= server.retry_at:
+                    last = next((f for f in reversed(self.faults) if f["server"] == server.label), {})
+                    self._start_recovery(server, last)
+
     async def generate(
         self,
         items: Iterable[tuple[int, dict[str, Any]]],
@@ -638,6 +791,9 @@ class CompletionClient:
                     self._record(result)
 
         workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
+        self._loop = asyncio.get_running_loop()
+        self._main_task = asyncio.current_task()
+        monitor = asyncio.create_task(self._monitor()) if self.supervisor is not None or self.stall_timeout_s else None
         try:
             # Wait for all; on the first callback error cancel the rest and re-raise it.
             done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
@@ -646,10 +802,12 @@ class CompletionClient:
                     self._stopping = True
                     raise task.exception()  # type: ignore[misc]
         finally:
+            if monitor is not None:
+                monitor.cancel()
             for task in workers:
                 if not task.done():
                     task.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+            await asyncio.gather(*workers, *([monitor] if monitor else []), return_exceptions=True)
         if self._too_many is not None:
             raise self._too_many
         return self.progress()

@@ -103,6 +103,8 @@ class ServerPool:
     api_key: str | None = None
     max_running_requests: int = 16
     backend: Backend = "openai"
+    #: what may be done about a faulty server (:mod:`dflash_assets.generation.supervision`); None: nothing
+    supervisor: Any = field(default=None, compare=False, repr=False)
 
     def headers(self) -> dict[str, str]:
         """HTTP headers for every request (the bearer token when an API key is set)."""
@@ -775,8 +777,12 @@ def build_sglang_commands(
     api_key_env: str | None = None,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
+    module: str = "sglang.launch_server",
 ) -> list[LaunchCommand]:
     """One ``python -m sglang.launch_server`` per GPU (or per group of ``tp_size`` GPUs).
+
+    ``module`` replaces ``sglang.launch_server`` (e.g. ``dflash_assets.simulation.sglang_stub``, a
+    time-faithful stand-in for benches without GPUs); it must take the same flags.
 
     Server ``i`` sees only its GPUs through ``CUDA_VISIBLE_DEVICES`` and listens on ``port_base + i``.
     Flags left None are not passed (SGLang's defaults apply). ``api_key_env`` names the environment
@@ -791,7 +797,7 @@ def build_sglang_commands(
     commands = []
     for i, group in enumerate(groups):
         port = port_base + i
-        argv = (python, "-m", "sglang.launch_server", *flags, "--host", host, "--port", str(port), *extra_args)
+        argv = (python, "-m", module, *flags, "--host", host, "--port", str(port), *extra_args)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, group))}
         commands.append(LaunchCommand(argv, env, host, port, api_key_env))
     return commands
@@ -870,7 +876,11 @@ class SGLangServers:
         startup_timeout_s: float = 1800.0,
         health_path: str = "/health_generate",
         parent_death_signal: bool = True,
+        health_poll_s: float = 0.5,
     ) -> None:
+        self.health_poll_s = health_poll_s
+        self._lock = threading.Lock()  # restart (a monitor thread) vs stop (the run's end)
+        self._closed = False
         self.commands = list(commands)
         self.parent_death_signal = parent_death_signal
         self.log_dir = Path(log_dir)
@@ -892,16 +902,9 @@ class SGLangServers:
     def __enter__(self) -> SGLangServers:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            for i, command in enumerate(self.commands):
-                log_path = self.log_dir / f"sglang_{i}.log"
-                with open(log_path, "a") as log:
-                    log.write(f"# launch: {command.redacted()}\n")
-                argv = command.launch_argv(self._environ(command))
-                self._procs.append(_start_process(
-                    argv, {**os.environ, **command.env}, log_path, port=command.port, label=_sglang_label(command, i),
-                    parent_death_signal=self.parent_death_signal,
-                ))
-            self._wait_healthy()
+            for i in range(len(self.commands)):
+                self._procs.append(self._launch(i))
+            self._wait_healthy(range(len(self.commands)))
         except BaseException:
             self.stop()
             raise
@@ -910,22 +913,56 @@ class SGLangServers:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _launch(self, i: int) -> subprocess.Popen:
+        command = self.commands[i]
+        log_path = self.log_dir / f"sglang_{i}.log"
+        with open(log_path, "a") as log:
+            log.write(f"# launch: {command.redacted()}\n")
+        argv = command.launch_argv(self._environ(command))
+        return _start_process(
+            argv, {**os.environ, **command.env}, log_path, port=command.port, label=_sglang_label(command, i),
+            parent_death_signal=self.parent_death_signal,
+        )
+
+    def exit_code(self, i: int) -> int | None:
+        """Exit code of server ``i`` when its process has exited (killed, crashed), else None."""
+        procs = self._procs
+        return procs[i].poll() if i < len(procs) else None
+
+    def restart(self, i: int) -> float:
+        """Stop server ``i`` (its whole process group), start it again with the same command and wait
+        until it generates. Returns the seconds it took. Safe from any thread (one restart per server
+        at a time). Raises as :meth:`__enter__` (RuntimeError, TimeoutError)."""
+        started = time.monotonic()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("servers are stopping: not restarted")
+            stop_process_group(self._procs[i], grace_s=5.0)
+            self._procs[i] = self._launch(i)
+        self._wait_healthy([i])
+        return time.monotonic() - started
+
     def stop(self) -> None:
         """Terminate every server's process group (SIGTERM, then SIGKILL after 30 s). Idempotent."""
-        for proc in self._procs:
+        with self._lock:
+            self._closed = True
+            procs, self._procs = self._procs, []
+        for proc in procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self._procs:
+        for proc in procs:
             stop_process_group(proc, grace_s=30.0)
-        self._procs = []
 
-    def _wait_healthy(self) -> None:
+    def _wait_healthy(self, indices) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        pending = dict(enumerate(self.commands))
+        pending = {i: self.commands[i] for i in indices}
         deadline = time.monotonic() + self.startup_timeout_s
         while pending:
             for i, command in list(pending.items()):
-                proc = self._procs[i]
+                procs = self._procs
+                if i >= len(procs):
+                    raise RuntimeError("servers were stopped while waiting for them")
+                proc = procs[i]
                 if proc.poll() is not None:
                     log_path = self.log_dir / f"sglang_{i}.log"
                     raise RuntimeError(
@@ -943,4 +980,5 @@ class SGLangServers:
                 raise TimeoutError(f"SGLang servers {urls} not healthy after {self.startup_timeout_s:.0f} s; "
                                    f"logs in {self.log_dir}")
             if pending:
-                time.sleep(5)
+                # polling is cheap (one GET per pending server); a long pause is idle GPUs after start-up
+                time.sleep(self.health_poll_s)

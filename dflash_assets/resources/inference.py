@@ -23,6 +23,7 @@ from dflash_assets.generation.servers import (
     probe_chat,
     reap_orphaned_servers,
 )
+from dflash_assets.generation.supervision import ProbeSupervisor, ProcessSupervisor
 from dflash_assets.settings import GenerationSettings
 
 __all__ = ["InferenceServerResource", "ServerPool"]
@@ -38,7 +39,10 @@ class InferenceServerResource(dg.ConfigurableResource):
         ``local`` (default): one ``transformers serve`` on CPU over the embedded SmolLM2 model.
         ``sglang``: ``num_servers`` SGLang servers, one per GPU (``tp_size`` GPUs each), or one
             ``sglang_router`` with ``--dp-size num_servers`` when ``use_router``.
-        ``external``: servers already running at ``base_urls`` serving ``served_model_name``.
+        ``external``: servers already running at ``base_urls`` serving ``served_model_name``: any number of
+            URLs on any number of hosts (requests go to the one with the fewest in flight; each row records
+            its server), or one ``sglang_router`` URL with ``max_running_requests`` set to the total slots
+            behind it.
 
     ``api_key`` is meant to come from the environment: ``api_key=dg.EnvVar("DFLASH_SERVER_API_KEY")``;
     it is sent as a bearer token and, in ``sglang`` mode, given to the servers as ``--api-key`` at launch
@@ -68,6 +72,11 @@ class InferenceServerResource(dg.ConfigurableResource):
     reasoning_parser: str | None = Field(default="qwen3", description="sglang: --reasoning-parser.")
     use_router: bool = Field(default=False, description="sglang: one sglang_router --dp-size N instead of N servers.")
     extra_args: list[str] = Field(default_factory=list, description="sglang/local: extra server flags.")
+    launch_module: str = Field(
+        default="sglang.launch_server",
+        description="sglang: module run as `python -m <module>` per server; "
+        "dflash_assets.simulation.sglang_stub simulates a GPU server (benches).",
+    )
 
     # external
     base_urls: list[str] = Field(default_factory=list, description="external: OpenAI base URLs ending in /v1.")
@@ -82,6 +91,13 @@ class InferenceServerResource(dg.ConfigurableResource):
     max_attempts: int = Field(default=5, ge=1, description="HTTP attempts per row for transient failures.")
     backoff_base_s: float = Field(default=1.0, ge=0, description="Retry k waits base * 2**(k-1) + jitter seconds.")
     max_consecutive_failures: int = Field(default=20, ge=1, description="Rows failing in a row before the partition stops.")
+    stall_timeout_s: float | None = Field(
+        default=900.0, gt=0,
+        description="A server holding requests that finishes none for this long is hung: taken out, its requests "
+        "re-sent to the others, restarted (sglang) or re-probed (external). Above the longest request "
+        "(cap / per-request tok/s: 8192 / 87 = ~94 s on the user's GPUs). None: no hang detection.",
+    )
+    server_retry_s: float = Field(default=30.0, gt=0, description="external: seconds between probes of a server left out.")
 
     def effective_max_running_requests(self) -> int:
         """Requests in flight per server: the configured value, else 16 (local) or 40."""
@@ -102,7 +118,7 @@ class InferenceServerResource(dg.ConfigurableResource):
         )
         if self.use_router:
             return [build_router_command(port=self.port_base, **common)]
-        return build_sglang_commands(port_base=self.port_base, **common)
+        return build_sglang_commands(port_base=self.port_base, module=self.launch_module, **common)
 
     @contextlib.contextmanager
     def serve(self, log_dir: Path | str, settings: GenerationSettings | None = None) -> Iterator[ServerPool]:
@@ -136,13 +152,16 @@ class InferenceServerResource(dg.ConfigurableResource):
                 raise ValueError("mode 'external' needs base_urls and served_model_name")
             for url in self.base_urls:
                 probe_chat(url, self.served_model_name, self.api_key, timeout_s=min(self.startup_timeout_s, 300.0))
-            yield ServerPool(list(self.base_urls), self.served_model_name, self.api_key, mrr, self.external_backend)
+            supervisor = ProbeSupervisor(self.base_urls, self.served_model_name, self.api_key, self.server_retry_s)
+            yield ServerPool(list(self.base_urls), self.served_model_name, self.api_key, mrr, self.external_backend,
+                             supervisor=supervisor)
         else:
             commands = self.sglang_commands()
             with SGLangServers(commands, log_dir, self.api_key, self.startup_timeout_s) as servers:
                 # Behind a router one URL fronts num_servers servers: scale its concurrency to match.
                 per_url = mrr * self.num_servers if self.use_router else mrr
-                yield ServerPool(servers.base_urls, self.model_path, self.api_key, per_url, "sglang")
+                yield ServerPool(servers.base_urls, self.model_path, self.api_key, per_url, "sglang",
+                                 supervisor=ProcessSupervisor(servers, self.server_retry_s))
 
     def client(self, pool: ServerPool):
         """A :class:`CompletionClient` for ``pool``: concurrency = servers x max_running_requests."""
@@ -152,6 +171,7 @@ class InferenceServerResource(dg.ConfigurableResource):
             pool.base_urls, api_key=pool.api_key, concurrency=pool.max_running_requests * len(pool.base_urls),
             read_timeout_s=self.request_timeout_s, max_attempts=self.max_attempts,
             backoff_base_s=self.backoff_base_s, max_consecutive_failures=self.max_consecutive_failures,
+            supervisor=pool.supervisor, stall_timeout_s=self.stall_timeout_s,
         )
 
     def tokenizer_path(self) -> Path:

@@ -1,0 +1,5 @@
+"""Simulations of parts that cannot run here (a GPU node's SGLang servers), shared by bench/ and the tests.
+
+Product code never imports this package: it is started as a separate process in place of
+``python -m sglang.launch_server`` (``inference.launch_module``).
+"""
