@@ -1,0 +1,400 @@
+"""The real pipeline on a simulated GPU node: servers started once per run, slots kept busy across partitions.
+
+Only the GPU is simulated: N ``dflash_assets.simulation.sglang_stub`` processes stand in for
+``python -m sglang.launch_server`` (start-up time, slots, per-slot decode rate, user-like output
+lengths, time-compressed by ``--speed``). Everything else is the real thing: ``sglang`` mode of the
+inference resource launching them, the completions asset, client, journal, and Dagster itself through
+``dagster asset materialize --select completions --partition-range FIRST...LAST``.
+
+Scenarios (each prints ``name: value`` lines):
+
+1. ``base``: fresh range at cap 4,096: server starts, efficiency = generated tokens / (capacity x
+   (wall - one start-up)), each partition's materialization time against the run's end. Beside it,
+   ``ideal_fifo_efficiency``: the same lengths through a perfect first-come scheduler with zero
+   overhead (the bound any client that cannot know lengths in advance has: slots drain at the end).
+2. ``cap_bump``: cap 8,192, same range: requests vs rows that had finish_reason length; wall vs
+   max(longest request, tokens / capacity) + one start-up.
+3. ``kill``: fresh range, kill -9 of the materialize process group mid-range, then the same command:
+   time to start, every prompt once, finished rows not re-sent, re-sent <= in flight at the kill,
+   no server left.
+4. ``server_kill``: fresh range, kill -9 of one server mid-run: the run completes, rows once, restarts,
+   the fault in metadata.
+
+Time: the servers' start-up and decoding run ``--speed`` times faster than real; everything else (the
+Dagster CLI, the client, journal and Parquet writes) runs at its real speed. So simulated wall =
+(real wall - time the servers were up) + speed x (time the servers were up): overheads count at their
+real size, GPU time at simulated size.
+
+    python bench/bench_node.py [--servers 7] [--slots 40] [--prompts 2000] [--partitions 10] [--speed 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import heapq  # noqa: E402
+
+from dflash_assets.simulation.sglang_stub import drawn_length  # noqa: E402
+
+DAGSTER = str(Path(sys.executable).with_name("dagster"))
+EFFICIENCY_GOAL = 0.90
+
+
+class Node:
+    """One bench environment: DAGSTER_HOME, storage, config, prompts, simulator logs."""
+
+    def __init__(self, base: Path, name: str, args: argparse.Namespace, cap: int) -> None:
+        self.args, self.dir = args, base / name
+        self.home, self.data, self.logs = self.dir / "home", self.dir / "data", self.dir / "sim"
+        for d in (self.home, self.data, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "dagster.yaml", self.home / "dagster.yaml")  # the project's instance settings
+        self.prompts_file = self.dir / "prompts.jsonl"
+        with open(self.prompts_file, "w") as f:
+            for i in range(args.prompts):
+                f.write(json.dumps({"id": f"p{i}", "prompt": f"bench prompt {i}"}) + "\n")
+        self.starts_file, self.request_log = self.logs / "starts.txt", self.logs / "requests.jsonl"
+        self.port_base = random.randint(20000, 50000)
+        self.set_cap(cap)
+        self.env = {**os.environ, "DAGSTER_HOME": str(self.home), "DFLASH_CONFIG": str(self.config),
+                    "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+    @property
+    def config(self) -> Path:
+        return self.dir / "config.yaml"
+
+    def set_cap(self, cap: int) -> None:
+        a = self.args
+        sim = ["--sim-startup-s", str(a.startup_s), "--sim-decode-tok-per-s", str(a.tok_per_s), "--sim-speed", str(a.speed),
+               "--sim-starts-file", str(self.starts_file), "--sim-request-log", str(self.request_log)]
+        config = {
+            "resources": {
+                "storage": {"root": str(self.data)},
+                "inference": {"mode": "sglang", "model_path": "simulated-qwen", "num_servers": a.servers,
+                              "max_running_requests": a.slots, "port_base": self.port_base,
+                              "launch_module": "dflash_assets.simulation.sglang_stub", "extra_args": sim,
+                              "startup_timeout_s": a.startup_s / a.speed + 120},
+                "generation": {"max_output_tokens": cap, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                               "enable_thinking": True},
+            },
+            "ops": {},
+        }
+        self.config.write_text(yaml.safe_dump(config))
+        self.cap = cap
+
+    def run(self, *cli: str, timeout: float = 1800) -> tuple[int, float]:
+        started = time.time()
+        proc = subprocess.run([DAGSTER, *cli], env=self.env, cwd=self.dir, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        (self.dir / f"cli_{int(started)}.log").write_text(proc.stdout)
+        return proc.returncode, time.time() - started
+
+    def make_corpus(self) -> list[str]:
+        config = {"ops": {"prompt_corpus": {"config": {"sources": [str(self.prompts_file)],
+                                                       "partition_size": self.args.prompts // self.args.partitions}}}}
+        rc, _ = self.run("asset", "materialize", "-m", "dflash_assets.definitions", "--select", "prompt_corpus",
+                         "--config-json", json.dumps(config))
+        assert rc == 0, "prompt_corpus failed"
+        return self.partition_keys()
+
+    def partition_keys(self) -> list[str]:
+        with self.instance() as instance:
+            return sorted(instance.get_dynamic_partitions("prompt_index_ranges"))
+
+    def range_cli(self, keys: list[str]) -> list[str]:
+        return ["asset", "materialize", "-m", "dflash_assets.definitions", "--select", "completions",
+                "--partition-range", f"{keys[0]}...{keys[-1]}"]
+
+    def instance(self):
+        import dagster as dg
+
+        os.environ["DAGSTER_HOME"] = str(self.home)
+        return dg.DagsterInstance.get()
+
+    def starts(self) -> list[float]:
+        if not self.starts_file.exists():
+            return []
+        return [float(line.split()[0]) for line in self.starts_file.read_text().splitlines() if line.strip()]
+
+    def events(self) -> list[dict]:
+        if not self.request_log.exists():
+            return []
+        out = []
+        for line in self.request_log.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # a line torn by kill -9
+        return out
+
+    def rows(self) -> dict[int, dict]:
+        import polars as pl
+
+        rows = {}
+        for path in sorted((self.data / "completions").glob("*.parquet")):
+            for row in pl.read_parquet(path, columns=["index", "finish_reason", "completion_tokens", "server"]).iter_rows(named=True):
+                assert row["index"] not in rows, f"row {row['index']} in two tables"
+                rows[row["index"]] = row
+        return rows
+
+    def materializations(self, keys: list[str]) -> dict[str, tuple[float, dict]]:
+        import dagster as dg
+
+        out = {}
+        with self.instance() as instance:
+            for pk in keys:
+                recs = instance.fetch_materializations(
+                    dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[pk]), limit=1).records
+                if recs:
+                    meta = {k: getattr(v, "value", v) for k, v in recs[0].asset_materialization.metadata.items()}
+                    out[pk] = (recs[0].timestamp, meta, recs[0].run_id)
+        return out
+
+    def run_end(self, run_id: str) -> float | None:
+        with self.instance() as instance:
+            record = instance.get_run_record_by_id(run_id)
+            return record.end_time if record else None
+
+
+def window(events: list[dict], since: float, until: float = float("inf")) -> list[dict]:
+    return [e for e in events if since <= e["t"] <= until]
+
+
+def sim_wall(wall_real: float, servers_up_real: float, speed: float) -> float:
+    """Simulated wall: real overhead plus speed x the time servers were up (start-up + decoding)."""
+    return (wall_real - servers_up_real) + speed * servers_up_real
+
+
+def ideal_fifo(lengths: list[int], slots: int, tok_per_s: float) -> float:
+    """Efficiency of a perfect first-come scheduler (no overhead) over ``lengths`` in this order."""
+    heap = [0.0] * slots
+    for n in lengths:
+        heapq.heappush(heap, heapq.heappop(heap) + n / tok_per_s)
+    return sum(lengths) / (slots * tok_per_s * max(heap))
+
+
+def timed_run(node: Node, keys: list[str]) -> dict:
+    before_starts, t0 = len(node.starts()), time.time()
+    rc, wall = node.run(*node.range_cli(keys))
+    events = window(node.events(), t0)
+    starts = node.starts()[before_starts:]
+    done = [e for e in events if e["ev"] == "done"]
+    up = (max(e["t"] for e in done) - min(starts)) if done and starts else 0.0
+    return {"rc": rc, "wall": wall, "t0": t0, "events": events, "starts": len(starts), "done": done,
+            "servers_up_real": up, "tokens": sum(e["tokens"] for e in done)}
+
+
+def scenario_base(base: Path, args) -> Node:
+    node = Node(base, "base", args, cap=4096)
+    keys = node.make_corpus()
+    r = timed_run(node, keys)
+    capacity = args.servers * args.slots
+    wall_s = sim_wall(r["wall"], r["servers_up_real"], args.speed)
+    gen_window = r["servers_up_real"] * args.speed - args.startup_s
+    print("== base: fresh range, cap 4096 ==")
+    print(f"base_exit_code: {r['rc']}")
+    print(f"base_partitions: {len(keys)}  prompts: {args.prompts}  servers: {args.servers} x {args.slots} slots  "
+          f"{args.tok_per_s} tok/s/slot  start-up {args.startup_s} s  speed x{args.speed}")
+    print(f"base_server_starts: {r['starts']} (goal {args.servers})")
+    print(f"base_requests: {len([e for e in r['events'] if e['ev'] == 'recv'])}")
+    print(f"base_generated_tokens: {r['tokens']}")
+    print(f"base_wall_real_s: {r['wall']:.1f}  dagster_and_client_overhead_real_s: {r['wall'] - r['servers_up_real']:.1f}")
+    print(f"base_wall_simulated_s: {wall_s:.1f}")
+    eff = r["tokens"] / (capacity * args.tok_per_s * (wall_s - args.startup_s))
+    print(f"base_efficiency: {eff:.3f} (goal >= {EFFICIENCY_GOAL})")
+    print(f"base_efficiency_generation_window: {r['tokens'] / (capacity * args.tok_per_s * gen_window):.3f} "
+          f"(servers ready -> last row, simulated)")
+    lengths = [min(drawn_length([{"role": "user", "content": f"bench prompt {i}"}], 1970, 0.8), 4096) for i in range(args.prompts)]
+    print(f"ideal_fifo_efficiency: {ideal_fifo(lengths, capacity, args.tok_per_s):.3f} (same lengths, perfect "
+          "first-come scheduler, zero overhead: the bound without knowing lengths in advance)")
+    mats = node.materializations(keys)
+    run_ids = {m[2] for m in mats.values()}
+    print(f"base_runs: {len(run_ids)}  partitions_materialized: {len(mats)}/{len(keys)}")
+    end = node.run_end(next(iter(run_ids))) if len(run_ids) == 1 else None
+    if end:
+        rel = [(pk, (ts - end) * 1.0) for pk, (ts, _, _) in sorted(mats.items())]
+        print("base_materialization_vs_run_end_real_s: " + ", ".join(f"{pk}:{d:+.1f}" for pk, d in rel))
+        print(f"base_partitions_committed_before_run_end: {sum(d < -0.5 for _, d in rel)}/{len(rel)}")
+    versions = {pk: m[1].get("settings") is not None for pk, m in mats.items()}
+    assert all(versions.values())
+    return node
+
+
+def scenario_cap_bump(node: Node, args) -> None:
+    keys = node.partition_keys()
+    before = node.rows()
+    length_rows = sum(r["finish_reason"] == "length" for r in before.values())
+    node.set_cap(8192)
+    r = timed_run(node, keys)
+    capacity = args.servers * args.slots
+    requests = len([e for e in r["events"] if e["ev"] == "recv"])
+    longest = max((e["tokens"] for e in r["done"]), default=0) / args.tok_per_s
+    ideal = max(longest, r["tokens"] / (capacity * args.tok_per_s)) + args.startup_s
+    wall_s = sim_wall(r["wall"], r["servers_up_real"], args.speed)
+    after = node.rows()
+    print("== cap_bump: cap 4096 -> 8192, same range ==")
+    print(f"cap_bump_exit_code: {r['rc']}")
+    print(f"cap_bump_requests: {requests}  rows_that_had_length: {length_rows}  equal: {requests == length_rows}")
+    print(f"cap_bump_server_starts: {r['starts']} (goal {args.servers})")
+    print(f"cap_bump_rows_still_length_at_8192: {sum(x['finish_reason'] == 'length' for x in after.values())}")
+    print(f"cap_bump_wall_simulated_s: {wall_s:.1f}  ideal (max(longest {longest:.1f}, tokens/capacity "
+          f"{r['tokens'] / (capacity * args.tok_per_s):.1f}) + start-up {args.startup_s}): {ideal:.1f}")
+    print(f"cap_bump_wall_over_ideal: {wall_s / ideal:.3f} (goal <= 1.2)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _stub_pids(node: Node) -> list[int]:
+    return [int(line.split("pid=")[1].split()[0]) for line in node.starts_file.read_text().splitlines() if "pid=" in line] \
+        if node.starts_file.exists() else []
+
+
+def scenario_kill(base: Path, args) -> None:
+    node = Node(base, "kill", args, cap=4096)
+    keys = node.make_corpus()
+    t0 = time.time()
+    log = open(node.dir / "killed_cli.log", "w")
+    proc = subprocess.Popen([DAGSTER, *node.range_cli(keys)], env=node.env, cwd=node.dir, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    target = args.prompts // 2
+    while proc.poll() is None and len([e for e in node.events() if e["ev"] == "done"]) < target:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    kill_t = time.time()
+    proc.wait()
+    time.sleep(2.0)
+    events = window(node.events(), t0, kill_t)
+    recv_before = Counter(e["key"] for e in events if e["ev"] == "recv")
+    done_before = Counter(e["key"] for e in events if e["ev"] == "done")
+    in_flight = sum(recv_before.values()) - sum(done_before.values())
+    left = [p for p in _stub_pids(node) if _alive(p)]
+    # rows durable at the kill: the tables written and the journals
+    finished = set(node.rows())
+    for journal in (node.data / "completions").glob("*.journal.jsonl"):
+        for line in journal.read_text().splitlines():
+            try:
+                finished.add(json.loads(line)["index"])
+            except (ValueError, KeyError):
+                pass
+    print("== kill: kill -9 of the materialize process group mid-range, then the same command ==")
+    print(f"kill_rows_durable_at_kill: {len(finished)}  requests_in_flight_at_kill: {in_flight}")
+    print(f"kill_servers_left_running_after_kill: {len(left)}")
+    starts_before = len(node.starts())
+    t1 = time.time()
+    log2 = open(node.dir / "resume_cli.log", "w")
+    resume = subprocess.Popen([DAGSTER, *node.range_cli(keys)], env=node.env, cwd=node.dir, stdout=log2,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    first_start = None
+    deadline = t1 + args.resume_wait_s
+    while resume.poll() is None:
+        if first_start is None and len(node.starts()) > starts_before:
+            first_start = time.time() - t1
+        if first_start is None and time.time() > deadline:
+            break
+        time.sleep(0.2)
+    if resume.poll() is None and first_start is None:
+        os.killpg(resume.pid, signal.SIGKILL)
+        resume.wait()
+        print(f"kill_resume_started: no server start within {args.resume_wait_s:.0f} s: blocked "
+              f"(see {node.dir / 'resume_cli.log'}; pool slot of the killed run?)")
+        return
+    resume.wait()
+    if first_start is None and len(node.starts()) > starts_before:
+        first_start = node.starts()[starts_before] - t1
+    after = window(node.events(), t1)
+    recv_after = Counter(e["key"] for e in after if e["ev"] == "recv")
+    index_of = lambda key: int(key.rsplit(" ", 1)[1])  # noqa: E731
+    resent_finished = [k for k in recv_after if index_of(k) in finished]
+    resent = [k for k in recv_after if k in recv_before]
+    rows = node.rows()
+    print(f"kill_resume_exit_code: {resume.returncode}")
+    print(f"kill_resume_first_server_start_s: {first_start:.1f} (goal < 60)" if first_start is not None else
+          "kill_resume_first_server_start_s: none")
+    print(f"kill_rows: {len(rows)}/{args.prompts}  each_prompt_once: {sorted(rows) == list(range(args.prompts))}")
+    print(f"kill_finished_rows_resent: {len(resent_finished)} (goal 0)")
+    print(f"kill_requests_resent: {len(resent)}  <= in_flight_at_kill {in_flight}: {len(resent) <= in_flight}")
+    print(f"kill_resume_duplicate_requests: {sum(v - 1 for v in recv_after.values() if v > 1)}")
+    time.sleep(1.0)
+    print(f"kill_servers_left_running_at_end: {len([p for p in _stub_pids(node) if _alive(p)])}")
+
+
+def scenario_server_kill(base: Path, args) -> None:
+    node = Node(base, "server_kill", args, cap=4096)
+    keys = node.make_corpus()
+    t0 = time.time()
+    proc = subprocess.Popen([DAGSTER, *node.range_cli(keys)], env=node.env, cwd=node.dir,
+                            stdout=open(node.dir / "cli.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    while proc.poll() is None and len([e for e in node.events() if e["ev"] == "done"]) < args.prompts // 3:
+        time.sleep(0.2)
+    victim = _stub_pids(node)[0]
+    os.kill(victim, signal.SIGKILL)
+    proc.wait()
+    events = window(node.events(), t0)
+    recv = Counter(e["key"] for e in events if e["ev"] == "recv")
+    rows = node.rows()
+    mats = node.materializations(keys)
+    faults = sorted({f for _, m, _ in mats.values() for f in (m.get("server_faults") or [])})
+    print("== server_kill: kill -9 of one server mid-run ==")
+    print(f"server_kill_exit_code: {proc.returncode}")
+    print(f"server_kill_rows: {len(rows)}/{args.prompts}  each_prompt_once: {sorted(rows) == list(range(args.prompts))}")
+    print(f"server_kill_server_starts: {len(node.starts())} ({args.servers} + restarts)")
+    print(f"server_kill_requests_resent: {sum(v - 1 for v in recv.values())}")
+    print(f"server_kill_faults_in_metadata: {faults}")
+    print(f"server_kill_servers_left_running: {len([p for p in _stub_pids(node) if _alive(p)])}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--servers", type=int, default=7)
+    parser.add_argument("--slots", type=int, default=40)
+    parser.add_argument("--tok-per-s", type=float, default=87.5)
+    parser.add_argument("--startup-s", type=float, default=180.0)
+    parser.add_argument("--prompts", type=int, default=2000)
+    parser.add_argument("--partitions", type=int, default=10)
+    parser.add_argument("--speed", type=float, default=10.0, help="simulated seconds per real second")
+    parser.add_argument("--resume-wait-s", type=float, default=90.0)
+    parser.add_argument("--scenarios", default="base,cap_bump,kill,server_kill")
+    parser.add_argument("--keep", action="store_true", help="keep the bench directory")
+    args = parser.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="bench_node_"))
+    print(f"bench dir: {base}  (cpu cores: {os.cpu_count()})")
+    chosen = args.scenarios.split(",")
+    try:
+        node = None
+        if "base" in chosen or "cap_bump" in chosen:
+            node = scenario_base(base, args)
+        if "cap_bump" in chosen and node is not None:
+            scenario_cap_bump(node, args)
+        if "kill" in chosen:
+            scenario_kill(base, args)
+        if "server_kill" in chosen:
+            scenario_server_kill(base, args)
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
