@@ -11,6 +11,7 @@ import socket
 import time
 
 import dagster as dg
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
 from dflash_assets.automation import affected_reason
@@ -43,13 +44,17 @@ def stage_up_to_date(instance, key: str, pk: str | None, upstream: list, setting
     return True
 
 
-def _materialize(keys: list[str], run_config: dict, partition_key: str | None = None) -> dg.ExecuteInProcessResult:
-    """One in-process run. Raises KeyboardInterrupt when Ctrl-C / SIGTERM interrupted it: Dagster turns the
-    signal into a failed run, and ``raise_on_error=False`` would otherwise let the loop go on."""
+def _materialize(keys: list[str], run_config: dict, partition_key: str | None = None,
+                 partition_range: tuple[str, str] | None = None) -> dg.ExecuteInProcessResult:
+    """One in-process run (of one partition, or of a key range as one run: single-run backfill). Raises
+    KeyboardInterrupt when Ctrl-C / SIGTERM interrupted it: Dagster turns the signal into a failed run,
+    and ``raise_on_error=False`` would otherwise let the loop go on."""
+    tags = {"dflash/trigger": "cli-run", "dflash/pid": str(os.getpid()), "dflash/host": socket.gethostname()}
+    if partition_range is not None:
+        tags.update({ASSET_PARTITION_RANGE_START_TAG: partition_range[0], ASSET_PARTITION_RANGE_END_TAG: partition_range[1]})
     result = dg.materialize(
         list(defs.assets), selection=keys, instance=dg.DagsterInstance.get(), resources=defs.resources,
-        run_config=run_config, partition_key=partition_key, raise_on_error=False,
-        tags={"dflash/trigger": "cli-run", "dflash/pid": str(os.getpid()), "dflash/host": socket.gethostname()},
+        run_config=run_config, partition_key=partition_key, raise_on_error=False, tags=tags,
     )
     if was_interrupted(result):
         raise KeyboardInterrupt(f"run {result.run_id} was interrupted")
@@ -128,10 +133,28 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None)
     settings = defs.resources["generation"].settings()
 
     failed = []
+    # completions of every partition that needs it in ONE run: the servers start once, requests stream
+    # across partitions, each partition is committed as it completes (up-to-date ones in between are kept)
+    corpus_record = _latest_record(instance, "prompt_corpus")
+    generate = [pk for pk in keys if "completions" in asset_names
+                and not stage_up_to_date(instance, "completions", pk, [corpus_record], settings)]
+    if generate:
+        span = (generate[0], generate[-1])
+        print(f"completions: {len(generate)} partitions in one run ({span[0]}...{span[1]})")
+        before = {pk: getattr(_latest_record(instance, "completions", pk), "storage_id", None) for pk in generate}
+        result = _materialize(["completions"], op_config("completions"), partition_range=span)
+        # a partition the run did not commit (it failed before its last row) gets no later stages now
+        failed = [pk for pk in generate if getattr(_latest_record(instance, "completions", pk), "storage_id", None) == before[pk]]
+        did_work += [f"completions[{pk}]" for pk in generate if pk not in failed]
     for pk in keys:
+        if pk in failed:
+            continue  # its completions run failed: the later stages would read stale rows
         todo, upstream = [], [_latest_record(instance, "prompt_corpus")]
         for stage in PARTITION_STAGES:
             if stage not in asset_names:
+                continue
+            if stage == "completions":  # done above, for all partitions in one run
+                upstream = [_latest_record(instance, stage, pk)]
                 continue
             if todo or not stage_up_to_date(instance, stage, pk, upstream, settings):
                 todo.append(stage)

@@ -876,7 +876,7 @@ class SGLangServers:
         startup_timeout_s: float = 1800.0,
         health_path: str = "/health_generate",
         parent_death_signal: bool = True,
-        health_poll_s: float = 0.5,
+        health_poll_s: float = 0.2,
     ) -> None:
         self.health_poll_s = health_poll_s
         self._lock = threading.Lock()  # restart (a monitor thread) vs stop (the run's end)

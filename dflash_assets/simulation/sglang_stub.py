@@ -47,6 +47,19 @@ REASONING_SHARE = 0.9  # tokens of thinking before the answer starts
 _NORMAL = NormalDist()
 
 
+def process_start_time() -> float:
+    """Unix time this process started (``/proc/self/stat`` field 22 + boot time), else now. The simulated
+    start-up counts from here, so the interpreter's own start (slow on a loaded machine) is inside it."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return time.time()
+
+
 def drawn_length(messages: Any, median: float, sigma: float, seed: str = "") -> int:
     """Output tokens the simulated model wants for ``messages``: a lognormal draw keyed by their hash.
 
@@ -214,12 +227,13 @@ async def serve(args: argparse.Namespace) -> None:
     sim = Simulator(args)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, sim.hang)
+    born = process_start_time()
     if args.sim_starts_file:
         with open(args.sim_starts_file, "a") as f:
-            f.write(f"{time.time():.3f} pid={os.getpid()} port={args.port}\n")
+            f.write(f"{born:.3f} pid={os.getpid()} port={args.port}\n")
     print(f"sglang_stub {args.port}: starting (pid {os.getpid()}, {args.sim_startup_s:g} simulated s start-up, "
           f"speed x{args.sim_speed:g}, {args.max_running_requests} slots)", flush=True)
-    await asyncio.sleep(sim.real(args.sim_startup_s))
+    await asyncio.sleep(max(0.0, born + sim.real(args.sim_startup_s) - time.time()))
     server = await asyncio.start_server(sim.handle, args.host, args.port, reuse_address=True, backlog=4096)
     sim.ready = True
     print(f"sglang_stub {args.port}: ready", flush=True)
