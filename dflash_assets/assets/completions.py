@@ -6,7 +6,9 @@ of all its partitions go to the client as one stream (every slot stays busy acro
 boundaries) and each partition is committed as soon as its last row is in: its table written
 atomically to ``completions/<pk>.parquet``, its journal removed, and its own materialization
 (metadata, data version = hash of the table) recorded while the run goes on. The asset yields those
-materializations itself and no output, so nothing is recorded twice at the end.
+materializations itself and no output, so nothing is recorded twice at the end (assets after it in
+the same range run are therefore skipped: later stages run per partition). A one-partition run ends
+with its result as before.
 
 Row-level checkpoints: each finished row is appended (fsync) to ``completions/<pk>.journal.jsonl``
 as it arrives; a rerun reads the journal and the last partition table and requests only rows that
@@ -236,24 +238,55 @@ class _RangeRun:
                 for p in part.todo:
                     yield p["index"], pool.adapt_body(settings.request_body(pool.model, p["messages"], p["index"]))
 
-        def on_result(result) -> None:  # event-loop thread
-            part = owner[result.index]
-            row = row_from_result(result, part.by_index[result.index], settings)
-            part.journal.append(row)
-            part.existing[row["index"]] = row
-            part.remaining -= 1
-            if part.remaining == 0:
-                commits.put(("commit", part))
+        results: queue.Queue = queue.Queue()
+        end = object()
 
-        def work() -> None:
+        def work() -> None:  # the client's event loop; results go to the journal writer
             try:
-                client.generate_blocking(items(), on_result)
-                commits.put(("done", None))
+                client.generate_blocking(items(), results.put)
+                results.put(end)
             except BaseException as exc:  # noqa: BLE001 - handed to the step's thread
+                commits.put(("error", exc))
+                results.put(end)  # the writer still makes the delivered rows durable, then says "done"
+
+        def write() -> None:
+            """Journal writer: group commit. Each fsync costs milliseconds (5.6 ms measured here); done on
+            the event loop once per row it stalled every request at ~100 rows/s. Here all rows that
+            arrived meanwhile share one write + fsync per partition; a row counts as finished once
+            durable, and a partition is handed to the step's thread to commit when its last row is."""
+            finished = False
+            try:
+                while not finished:
+                    batch = [results.get()]
+                    while len(batch) < 1024:
+                        try:
+                            batch.append(results.get_nowait())
+                        except queue.Empty:
+                            break
+                    by_part: dict[str, list] = {}
+                    for result in batch:
+                        if result is end:
+                            finished = True
+                            continue
+                        part = owner[result.index]
+                        by_part.setdefault(part.pk, []).append(row_from_result(result, part.by_index[result.index], settings))
+                    for rows in by_part.values():
+                        part = owner[rows[0]["index"]]
+                        part.journal.append_many(rows)
+                        for row in rows:
+                            part.existing[row["index"]] = row
+                        part.remaining -= len(rows)
+                        if part.remaining == 0:
+                            commits.put(("commit", part))
+                commits.put(("done", None))
+            except BaseException as exc:  # noqa: BLE001 - a journal that cannot be written stops the run
+                client.abort()
                 commits.put(("error", exc))
 
         worker = threading.Thread(target=work, name="dflash-completions-client", daemon=True)
+        writer = threading.Thread(target=write, name="dflash-completions-journal", daemon=True)
         worker.start()
+        writer.start()
         faults_logged = 0
         last_log = time.monotonic()
         try:
@@ -275,20 +308,24 @@ class _RangeRun:
                     break
                 elif kind == "error":
                     if isinstance(obj, TooManyFailuresError):
-                        self.failure = obj
-                        break
+                        self.failure = obj  # rows in flight were delivered: commit what completed, then fail
+                        continue
                     raise obj
         except BaseException:
             client.abort()  # interrupted (Ctrl-C, SIGTERM, run terminated): stop sending, keep the journals
             worker.join(timeout=60)
+            writer.join(timeout=60)  # rows already received are made durable
             raise
         worker.join()
+        writer.join()
         context.log.info(self.progress_line())
         for fault in client.faults:
             context.log.warning(f"server fault during the run: {fault}")
 
-    def commit(self, part: _Partition) -> dg.AssetMaterialization:
-        """Write ``part``'s table (atomic), drop its journal, and build its materialization."""
+    def commit(self, part: _Partition) -> dg.AssetMaterialization | dg.MaterializeResult:
+        """Write ``part``'s table (atomic), drop its journal, and build its materialization: an
+        AssetMaterialization of that partition in a range run (recorded at once), the step's result in
+        a one-partition run."""
         prompts, pk = part.prompts, part.pk
         frame = rows_to_frame([part.existing[i] for i in prompts["index"].to_list() if i in part.existing])
         uri = self.store.write_parquet(frame, *partition_file(pk))
@@ -335,6 +372,10 @@ class _RangeRun:
                 metadata["server_faults"] = [f"{f['server']}: {f['fault']} -> {f['action']}" for f in faults]
         self.committed.append(pk)
         self.context.log.info(f"{pk}: committed {frame.height} rows (data version {data_version})")
+        if len(self.keys) == 1:
+            # a one-partition run ends with its output, as any asset: later assets in the same run
+            # (the partition_stages job) run on it; without an output Dagster would skip them
+            return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(data_version))
         return dg.AssetMaterialization(
             asset_key=self.context.asset_key,
             partition=pk,
