@@ -299,7 +299,10 @@ def scenario_kill(base: Path, args) -> None:
             except (ValueError, KeyError):
                 pass
     print("== kill: kill -9 of the materialize process group mid-range, then the same command ==")
-    print(f"kill_rows_durable_at_kill: {len(finished)}  requests_in_flight_at_kill: {in_flight}")
+    sent_not_durable = sum(1 for k in recv_before if int(k.rsplit(" ", 1)[1]) not in finished)
+    print(f"kill_rows_durable_at_kill: {len(finished)}  requests_in_flight_at_kill: {sent_not_durable} sent and not "
+          f"durable ({in_flight} still decoding on the servers, {sent_not_durable - in_flight} answered but not yet "
+          "in the journal)")
     print(f"kill_servers_left_running_after_kill: {len(left)}")
     starts_before = len(node.starts())
     t1 = time.time()
@@ -334,7 +337,7 @@ def scenario_kill(base: Path, args) -> None:
           "kill_resume_first_server_start_s: none")
     print(f"kill_rows: {len(rows)}/{args.prompts}  each_prompt_once: {sorted(rows) == list(range(args.prompts))}")
     print(f"kill_finished_rows_resent: {len(resent_finished)} (goal 0)")
-    print(f"kill_requests_resent: {len(resent)}  <= in_flight_at_kill {in_flight}: {len(resent) <= in_flight}")
+    print(f"kill_requests_resent: {len(resent)}  <= in_flight_at_kill {sent_not_durable}: {len(resent) <= sent_not_durable}")
     print(f"kill_resume_duplicate_requests: {sum(v - 1 for v in recv_after.values() if v > 1)}")
     time.sleep(1.0)
     print(f"kill_servers_left_running_at_end: {len([p for p in _stub_pids(node) if _alive(p)])}")
