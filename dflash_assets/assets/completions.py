@@ -17,6 +17,7 @@ are missing or no longer valid under the current generation settings.
 
 import hashlib
 import queue
+import warnings
 import threading
 import time
 from collections import Counter
@@ -124,25 +125,30 @@ class _Partition:
     by_index: dict = field(default_factory=dict)
 
 
-@dg.asset(
-    partitions_def=prompt_ranges,
-    deps=["prompt_corpus"],
-    group_name="generation",
-    kinds={"sglang", "parquet"},
-    owners=["team:dflash"],
-    op_tags={"dflash/inference": "servers"},
-    pool=INFERENCE_POOL,
-    backfill_policy=dg.BackfillPolicy.single_run(),
-    output_required=False,  # each partition's materialization is yielded when it is committed
-    description=(
-        "Sends each prompt of the index range to the inference servers (thinking on, sampling and cap from the "
-        "generation resource) and stores per row: reasoning and answer text, finish_reason, prompt/completion "
-        "tokens, generated token ids when returned, the settings used, latency, server, attempts and errors. "
-        "A range of partitions is one run: servers started once, requests streamed across partitions, each "
-        "partition committed (table + materialization) as soon as its last row is in. "
-        "Row checkpoints in completions/<pk>.journal.jsonl; output completions/<pk>.parquet."
-    ),
-)
+# backfill_policy is marked beta in Dagster 1.13: its warning would greet every command that loads the code
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", category=dg.BetaWarning)
+    _completions_asset = dg.asset(
+        partitions_def=prompt_ranges,
+        deps=["prompt_corpus"],
+        group_name="generation",
+        kinds={"sglang", "parquet"},
+        owners=["team:dflash"],
+        op_tags={"dflash/inference": "servers"},
+        pool=INFERENCE_POOL,
+        backfill_policy=dg.BackfillPolicy.single_run(),
+        output_required=False,  # each partition's materialization is yielded when it is committed
+        description=(
+            "Sends each prompt of the index range to the inference servers (thinking on, sampling and cap from the "
+            "generation resource) and stores per row: reasoning and answer text, finish_reason, prompt/completion "
+            "tokens, generated token ids when returned, the settings used, latency, server, attempts and errors. "
+            "A range of partitions is one run: servers started once, requests streamed across partitions, each "
+            "partition committed (table + materialization) as soon as its last row is in. "
+            "Row checkpoints in completions/<pk>.journal.jsonl; output completions/<pk>.parquet."
+        ),
+    )
+
+
 def completions(
     context: dg.AssetExecutionContext,
     storage: StorageResource,
@@ -180,6 +186,9 @@ def completions(
             "rerun the partition to resume"
         )
 
+
+
+completions = _completions_asset(completions)
 
 class _RangeRun:
     """Generation of the partitions of one run; commits each partition as soon as it is complete."""
