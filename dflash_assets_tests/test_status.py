@@ -128,7 +128,8 @@ def test_status_counts_rate_and_eta(instance):
     assert lines[0] == "partitions: 6 (prompt_index_ranges, 60 prompts)"
     assert lines[3].split() == ["completions", "3", "1", "1", "1"]
     assert f"failed: {P3}" in text
-    assert "500.0 tokens/s" in text and "ETA 6s" in text
+    assert "500.0 output tok/s, 5.00 req/s" in text and "ETA 6s" in text  # 30 requests (rows) in 6 s
+    assert c["rows_total"] == 60 and c["requests"] == 30 and c["requests_per_s"] == pytest.approx(5.0)
 
     # after the held run finishes, P4 is done and its rows are no longer remaining
     after = collect_status(instance)
