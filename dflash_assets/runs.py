@@ -17,6 +17,7 @@ another host, or without these tags, is never touched.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import socket
@@ -88,6 +89,9 @@ def live_step_workers(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[
     A pid counts only when its process started before the event that recorded it (so not recycled).
     They outlive an orchestrator killed alone (kill -9 of the run worker's pid, not its group).
     """
+    boot = _boot_id()
+    if run.tags.get(HOST_TAG) != socket.gethostname() or (run.tags.get(BOOT_TAG) and boot and run.tags[BOOT_TAG] != boot):
+        return []  # step workers run on the orchestrator's host: a pid from another host or boot means nothing here
     alive = []
     for entry in instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_WORKER_STARTED):
         meta = entry.dagster_event.event_specific_data.metadata if entry.dagster_event else {}
@@ -142,6 +146,7 @@ def reap_dead_runs(instance: dg.DagsterInstance, by: str, exclude: tuple[str, ..
     Returns:
         The run ids marked failed.
     """
+    stop_orphaned_step_workers(instance, exclude, log)
     reaped = []
     for record in instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])):
         run = record.dagster_run
@@ -164,6 +169,30 @@ def reap_dead_runs(instance: dg.DagsterInstance, by: str, exclude: tuple[str, ..
         if log:
             log(f"run {run.run_id}: {message}")
     return reaped
+
+
+def stop_orphaned_step_workers(instance: dg.DagsterInstance, exclude: tuple[str, ...] = (),
+                               log: Callable[[str], None] | None = None, within_s: float = 86400.0) -> dict[str, list[int]]:
+    """Stop step processes still running for runs that already ended (failed or canceled in the last
+    ``within_s`` seconds). Dagster marks a run failed when its run worker is killed (the code server sees
+    the worker die) and frees its pool slots ``free_slots_after_run_end_seconds`` later, but the worker's
+    step subprocess lives on: it would generate beside the run that takes the slot next. A run that ends
+    by itself waits for its step processes, so a live one here is an orphan. One run query, plus one event
+    query per recently ended run of this host. Returns ``{run_id: pids stopped}``."""
+    since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=within_s)
+    stopped = {}
+    ended = [dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
+    for record in instance.get_run_records(dg.RunsFilter(statuses=ended, updated_after=since), limit=100):
+        run = record.dagster_run
+        if run.run_id in exclude or run.tags.get(HOST_TAG) != socket.gethostname():
+            continue
+        if workers := live_step_workers(instance, run):
+            left = _stop(workers, STOP_GRACE_S)
+            stopped[run.run_id] = [p for p in workers if p not in left]
+            if log:
+                log(f"run {run.run_id} ended but its step processes {workers} were still running: stopped"
+                    + (f" (still running: {left})" if left else ""))
+    return stopped
 
 
 class ReapingExecutor(Executor):

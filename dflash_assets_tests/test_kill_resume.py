@@ -135,3 +135,48 @@ def test_only_verifiably_dead_runs_are_reaped(tmp_path):
         status = {name: instance.get_run_by_id(rid).status for name, rid in ids.items()}
     assert {n for n, s in status.items() if s == dg.DagsterRunStatus.FAILURE} == {"dead pid", "recycled pid", "earlier boot"}
     assert {n for n, s in health.items() if s == "FAILED"} == {"dead pid", "recycled pid", "earlier boot"}
+
+
+def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
+    """A run launched through the run queue (what the UI and backfills do) and executed by a run worker
+    of the code server that ``dagster-daemon`` starts; kill -9 of the run worker alone. Dagster marks the
+    run failed and frees its slot (dagster.yaml ``run_monitoring``); the orphaned step process is stopped
+    by the next run before its step starts, so the two never generate side by side."""
+    tmp, env = home
+    work = tmp / "work"
+    full = yaml.safe_load((ROOT / "dagster.yaml").read_text())
+    (tmp / "home" / "dagster.yaml").write_text(yaml.safe_dump(
+        {k: full[k] for k in ("concurrency", "run_launcher", "run_monitoring")} | {"telemetry": {"enabled": False}}))
+    (work / "hang").touch()
+    launch = [DAGSTER, "job", "launch", "-m", "dflash_assets_tests.kill_defs", "-j", "__ASSET_JOB", "--tags", '{"dagster/partition": "p1"}']
+    daemon_log = open(tmp / "daemon.log", "w")
+    daemon = subprocess.Popen([str(Path(DAGSTER).parent / "dagster-daemon"), "run", "-m", "dflash_assets_tests.kill_defs"],
+                              env=env, stdout=daemon_log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        subprocess.run(launch, env=env, check=True, capture_output=True, timeout=120)
+        [step_pid] = _wait(lambda: _started(work), 180, "the queued run's step to start")
+        with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:
+            [run] = instance.get_runs()
+            worker = int(run.tags[PID_TAG])
+            assert worker != step_pid and run_process_alive(run) is True
+            os.kill(worker, signal.SIGKILL)
+            started = time.monotonic()
+            subprocess.run(launch, env=env, check=True, capture_output=True, timeout=120)
+            second = _wait(lambda: [p for p in _started(work) if p != step_pid], 120, "the second run's step to start")
+            start_s = time.monotonic() - started
+            orphan_gone_first = proc_stat(step_pid) is None or proc_stat(step_pid).state == "Z"
+            (work / "hang").unlink()
+            new_id = next(r.run_id for r in instance.get_runs() if r.run_id != run.run_id)
+            _wait(lambda: instance.get_run_by_id(new_id).status in (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE), 120, "the second run to end")
+            assert instance.get_run_by_id(new_id).status == dg.DagsterRunStatus.SUCCESS
+            assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+            materializations = instance.fetch_materializations(dg.AssetKey("slow_completions"), limit=10).records
+            assert [m.run_id for m in materializations] == [new_id]  # the orphan never finished its step
+        assert second and start_s < 60, start_s
+        assert orphan_gone_first, "the killed run's step process was still running when the next run's step started"
+    finally:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        try:
+            daemon.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
