@@ -7,6 +7,7 @@ generation settings. Ends with a summary read back from the assets' metadata.
 """
 
 import os
+import socket
 import time
 
 import dagster as dg
@@ -17,7 +18,7 @@ from dflash_assets.config import config_path, op_config
 from dflash_assets.definitions import defs
 from dflash_assets.generation.servers import orphan_message, reap_orphaned_servers
 from dflash_assets.partitions import prompt_ranges
-from dflash_assets.runs import process_tags, reap_dead_runs
+from dflash_assets.runs import reap_dead_runs
 
 PARTITION_STAGES = ["completions", "tokenized_sequences", "hidden_states"]
 UPSTREAM = {"completions": None, "tokenized_sequences": "completions", "hidden_states": "tokenized_sequences"}
@@ -49,7 +50,7 @@ def _materialize(keys: list[str], run_config: dict, partition_key: str | None = 
     result = dg.materialize(
         list(defs.assets), selection=keys, instance=dg.DagsterInstance.get(), resources=defs.resources,
         run_config=run_config, partition_key=partition_key, raise_on_error=False,
-        tags={"dflash/trigger": "cli-run", **process_tags()},
+        tags={"dflash/trigger": "cli-run", "dflash/pid": str(os.getpid()), "dflash/host": socket.gethostname()},
     )
     if was_interrupted(result):
         raise KeyboardInterrupt(f"run {result.run_id} was interrupted")

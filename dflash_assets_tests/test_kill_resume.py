@@ -121,6 +121,7 @@ def test_only_verifiably_dead_runs_are_reaped(tmp_path):
         "other host": {**me, HOST_TAG: "another-node", PID_TAG: str(dead.pid)},
         "untagged": {},
         "pid only, live": {PID_TAG: me[PID_TAG], HOST_TAG: me[HOST_TAG]},
+        "pid only, dead": {PID_TAG: str(dead.pid), HOST_TAG: me[HOST_TAG]},  # `python -m dflash_assets run`'s tags
         "dead pid": {**me, PID_TAG: str(dead.pid)},
         "recycled pid": {**me, START_TAG: str(int(me[START_TAG]) - 1)},
         "earlier boot": {**me, BOOT_TAG: "00000000-0000-0000-0000-000000000000"},
@@ -131,10 +132,11 @@ def test_only_verifiably_dead_runs_are_reaped(tmp_path):
         launcher.register_instance(instance)
         health = {name: launcher.check_run_worker_health(instance.get_run_by_id(rid)).status.value for name, rid in ids.items()}
         reaped = reap_dead_runs(instance, by="test")
-        assert sorted(reaped) == sorted(ids[n] for n in ("dead pid", "recycled pid", "earlier boot"))
+        assert sorted(reaped) == sorted(ids[n] for n in ("dead pid", "recycled pid", "earlier boot", "pid only, dead"))
         status = {name: instance.get_run_by_id(rid).status for name, rid in ids.items()}
-    assert {n for n, s in status.items() if s == dg.DagsterRunStatus.FAILURE} == {"dead pid", "recycled pid", "earlier boot"}
-    assert {n for n, s in health.items() if s == "FAILED"} == {"dead pid", "recycled pid", "earlier boot"}
+    dead_ones = {"dead pid", "recycled pid", "earlier boot", "pid only, dead"}
+    assert {n for n, s in status.items() if s == dg.DagsterRunStatus.FAILURE} == dead_ones
+    assert {n for n, s in health.items() if s == "FAILED"} == dead_ones
 
 
 def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
