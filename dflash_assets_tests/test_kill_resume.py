@@ -162,10 +162,12 @@ def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
             worker = int(run.tags[PID_TAG])
             assert worker != step_pid and run_process_alive(run) is True
             os.kill(worker, signal.SIGKILL)
-            started = time.monotonic()
+            killed = time.monotonic()
             subprocess.run(launch, env=env, check=True, capture_output=True, timeout=120)
+            queued = time.monotonic()  # what a click in the UI does at once: the run is in the queue
             second = _wait(lambda: [p for p in _started(work) if p != step_pid], 120, "the second run's step to start")
-            start_s = time.monotonic() - started
+            start_s = time.monotonic() - queued
+            print(f"after kill -9 of the run worker: launched (queued) in {queued - killed:.1f} s, its step started {start_s:.1f} s later")
             orphan_gone_first = proc_stat(step_pid) is None or proc_stat(step_pid).state == "Z"
             (work / "hang").unlink()
             new_id = next(r.run_id for r in instance.get_runs() if r.run_id != run.run_id)
@@ -174,7 +176,7 @@ def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
             assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
             materializations = instance.fetch_materializations(dg.AssetKey("slow_completions"), limit=10).records
             assert [m.run_id for m in materializations] == [new_id]  # the orphan never finished its step
-        assert second and start_s < 60, start_s
+        assert second and start_s < 60, f"{start_s:.1f} s; daemon log: {(tmp / 'daemon.log').read_text()[-3000:]}"
         assert orphan_gone_first, "the killed run's step process was still running when the next run's step started"
     finally:
         os.killpg(daemon.pid, signal.SIGTERM)
