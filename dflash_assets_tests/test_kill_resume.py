@@ -151,11 +151,19 @@ def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
         {k: full[k] for k in ("concurrency", "run_launcher", "run_monitoring")} | {"telemetry": {"enabled": False}}))
     (work / "hang").touch()
     launch = [DAGSTER, "job", "launch", "-m", "dflash_assets_tests.kill_defs", "-j", "__ASSET_JOB", "--tags", '{"dagster/partition": "p1"}']
+    def submit() -> None:
+        out = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+    with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:  # create the SQLite storages once, so the
+        instance.get_runs()  # daemon and the first launch do not both create them ("table ... already exists")
+        instance.event_log_storage.get_concurrency_keys()
+        instance.all_instigator_state()
     daemon_log = open(tmp / "daemon.log", "w")
     daemon = subprocess.Popen([str(Path(DAGSTER).parent / "dagster-daemon"), "run", "-m", "dflash_assets_tests.kill_defs"],
                               env=env, stdout=daemon_log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        subprocess.run(launch, env=env, check=True, capture_output=True, timeout=120)
+        submit()
         [step_pid] = _wait(lambda: _started(work), 180, "the queued run's step to start")
         with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:
             [run] = instance.get_runs()
@@ -163,7 +171,7 @@ def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
             assert worker != step_pid and run_process_alive(run) is True
             os.kill(worker, signal.SIGKILL)
             killed = time.monotonic()
-            subprocess.run(launch, env=env, check=True, capture_output=True, timeout=120)
+            submit()
             queued = time.monotonic()  # what a click in the UI does at once: the run is in the queue
             second = _wait(lambda: [p for p in _started(work) if p != step_pid], 120, "the second run's step to start")
             start_s = time.monotonic() - queued
