@@ -87,6 +87,7 @@ def test_same_command_after_kill_9_starts_at_once(home, kill):
         try:
             _wait(lambda: len(_started(work)) == 2, 60, "the second run's step to start (blocked by the dead run's slot?)")
             start_s = time.monotonic() - started
+            print(f"kill -9 of the {kill}: the same command's step started {start_s:.1f} s after it was run again")
             (work / "hang").unlink()
             assert second.wait(60) == 0, (tmp / "run2.log").read_text()[-3000:]
         finally:
