@@ -11,6 +11,7 @@ regenerate before anything runs.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -138,6 +139,28 @@ def generation_time(records: dict[str, dg.EventLogRecord], meta: dict[str, dict]
     return sum(end - start for start, end in spans.values()), tokens, int(requests)
 
 
+def runs_in_progress(instance: dg.DagsterInstance, records: dict[str, dg.EventLogRecord]) -> list[dict]:
+    """Progress of each STARTED run that has committed a completions partition, from the ``run_*``
+    metadata of its newest commit (rows done / total over its range, req/s, output tok/s, slots in
+    flight / capacity, ETA): ``[{"run_id", "range", "as_of", ...}]``, ``as_of`` the commit's Unix time."""
+    from dflash_assets.automation import plain_metadata
+
+    started = {r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))}
+    newest: dict[str, dg.EventLogRecord] = {}
+    for record in records.values():
+        if record.run_id in started and (record.run_id not in newest or record.storage_id > newest[record.run_id].storage_id):
+            newest[record.run_id] = record
+    out = []
+    for run_id, record in sorted(newest.items()):
+        m = plain_metadata(record)
+        if "run_rows_total" not in m:
+            continue
+        out.append({"run_id": run_id, "range": m.get("run_partition_range"), "as_of": record.timestamp,
+                    **{k: m.get(f"run_{k}") for k in ("rows_done", "rows_total", "req_per_s", "output_tok_per_s",
+                                                        "slots_in_flight", "slots_capacity", "eta_s")}})
+    return out
+
+
 def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES, settings=None, store=None) -> dict:
     """Everything the status command prints, as plain values.
 
@@ -170,7 +193,8 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
     counts = {name: stage_counts(instance, name, keys) for name in stages}
     comp = counts.get(COMPLETIONS) or stage_counts(instance, COMPLETIONS, keys)
     done = comp["done_keys"]
-    records = latest_records(instance, dg.AssetKey(COMPLETIONS), done)
+    all_records = latest_records(instance, dg.AssetKey(COMPLETIONS), keys)
+    records = {pk: all_records[pk] for pk in done if pk in all_records}
     meta = {pk: plain_metadata(r) for pk, r in records.items()}
     rows_of = {pk: int(meta.get(pk, {}).get("rows", partition_rows(pk)) or 0) for pk in done}
     tokens_done = sum(int(m.get("completion_tokens_total", 0) or 0) for m in meta.values())
@@ -205,6 +229,7 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
     return {
         "partitions": len(keys),
         "prompts": rows_total,
+        "runs_in_progress": runs_in_progress(instance, all_records),
         "stages": counts,
         "pools": pool_usage(instance),
         "completions": {
@@ -260,6 +285,13 @@ def format_status(status: dict) -> str:
     if regen.get("rows"):
         reasons = ", ".join(f"{k}: {v}" for k, v in regen["by_reason"].items())
         lines.append(f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} partitions ({reasons})")
+    for run in status.get("runs_in_progress", []):
+        eta = run["eta_s"] if run["eta_s"] is not None and run["eta_s"] >= 0 else None
+        lines.append(
+            f"run {run['run_id'][:8]} in progress ({run['range']}): {run['rows_done']} / {run['rows_total']} rows, "
+            f"{run['req_per_s']} req/s, {run['output_tok_per_s']} output tok/s, slots {run['slots_in_flight']} / "
+            f"{run['slots_capacity']}, ETA {_duration(eta)} (at its last partition commit, {time.time() - run['as_of']:.0f} s ago)"
+        )
     remaining = comp["tokens_remaining_est"]
     lines.append(
         f"completions remaining: {comp['rows_remaining']} prompts, "
