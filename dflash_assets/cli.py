@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="materialize the whole pipeline on the configured (default: embedded) setup")
     run.add_argument("--config", help="YAML run config for the assets (see README)")
-    sub.add_parser("status", help="per-stage partition counts, rows, rate and ETA")
+    status = sub.add_parser("status", help="per-stage partition counts, rows done / remaining under the config's settings, rate and ETA")
+    status.add_argument("--config", help="YAML config whose generation settings and storage to judge rows by (default: $DFLASH_CONFIG)")
     args = parser.parse_args(argv)
     home = _ensure_dagster_home()
     from dflash_assets import pipeline
@@ -38,4 +39,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "status":
         from dflash_assets.status import print_status
 
+        if args.config:
+            os.environ["DFLASH_CONFIG"] = os.path.abspath(args.config)
         sys.exit(print_status())

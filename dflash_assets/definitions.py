@@ -12,6 +12,7 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource, s3_credentials_from_env
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.runs import reaping_executor
 
 partition_stages_job = dg.define_asset_job(
     "partition_stages",
@@ -33,6 +34,7 @@ defs = dg.Definitions(
     jobs=[partition_stages_job],
     schedules=[build_backfill_schedule(partition_stages_job)],
     sensors=[build_cap_change_sensor(partition_stages_job)],
+    executor=reaping_executor,  # tags each run with its process and reaps killed runs before steps claim pool slots
     resources={
         "storage": StorageResource(**resource_fields("storage"), **s3_credentials_from_env()),
         "inference": InferenceServerResource(**resource_fields("inference"), **api_key_from_env()),

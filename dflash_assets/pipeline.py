@@ -19,6 +19,7 @@ from dflash_assets.config import config_path, op_config
 from dflash_assets.definitions import defs
 from dflash_assets.generation.servers import orphan_message, reap_orphaned_servers
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.runs import reap_dead_runs
 
 PARTITION_STAGES = ["completions", "tokenized_sequences", "hidden_states"]
 UPSTREAM = {"completions": None, "tokenized_sequences": "completions", "hidden_states": "tokenized_sequences"}
@@ -73,38 +74,6 @@ def was_interrupted(result: dg.ExecuteInProcessResult) -> bool:
     return False
 
 
-def reap_dead_cli_runs(instance: dg.DagsterInstance) -> list[str]:
-    """Mark runs of this command that were killed (kill -9, lost node) as failed and free their pool slots.
-
-    An in-process run has no daemon watching it: without this, a killed run would hold its
-    ``dflash_inference`` / ``dflash_gpu`` slot forever and the next run would wait on it. The inference
-    servers it left are stopped separately (:func:`~dflash_assets.generation.servers.reap_orphaned_servers`,
-    called by :func:`run_all` just before).
-    """
-    reaped = []
-    records = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED], tags={"dflash/trigger": "cli-run"}))
-    for record in records:
-        run = record.dagster_run
-        if run.tags.get("dflash/host") != socket.gethostname() or _pid_alive(int(run.tags.get("dflash/pid", "0"))):
-            continue
-        instance.report_run_failed(run, "the process running it is gone (killed); marked failed by the next `run`")
-        instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
-        reaped.append(run.run_id)
-    return reaped
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def run_all(config_path_arg: str | None = None, dagster_home: str | None = None) -> int:
     """Materialize what is not up to date and print the summary. Returns the exit code."""
     if config_path_arg:
@@ -113,7 +82,7 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None)
     # servers a killed run left behind still hold their port and (GPU) memory: stop them first
     for entry in reap_orphaned_servers():
         print(orphan_message(entry))
-    for run_id in reap_dead_cli_runs(instance):
+    for run_id in reap_dead_runs(instance, by="`python -m dflash_assets run`"):
         print(f"run {run_id} was killed earlier: marked failed, its pool slots freed; resuming its partitions")
     started = time.monotonic()
     asset_names = {k.to_user_string() for k in defs.resolve_all_asset_keys()}

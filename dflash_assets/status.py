@@ -1,12 +1,18 @@
-"""``python -m dflash_assets status``: per-stage partition counts, completions throughput and ETA.
+"""``python -m dflash_assets status``: per-stage partition counts, completions progress, rate and ETA.
 
-Reads only the Dagster instance (run and event storage under ``DAGSTER_HOME``): partition statuses
-come from ``DagsterInstance.get_status_by_partition`` (the same source as the UI's partition bars),
-completions numbers from the metadata of each partition's latest materialization.
+Partition statuses come from ``DagsterInstance.get_status_by_partition`` (the same source as the UI's
+partition bars), completions numbers from the metadata of each partition's latest materialization.
+With the current config's generation settings, a materialized partition whose metadata says the
+settings touch it (:func:`dflash_assets.automation.affected_reason`) has the few columns the decision
+needs read from its table, and every row :func:`dflash_assets.generation.records.invalid_reason` would
+regenerate counts as remaining: after a cap change in the config, status shows what the change will
+regenerate before anything runs.
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Sequence
 
 import dagster as dg
@@ -19,7 +25,6 @@ COMPLETIONS = "completions"
 INFERENCE_POOL = "dflash_inference"
 GPU_POOL = "dflash_gpu"
 POOLS = (INFERENCE_POOL, GPU_POOL)
-_PAGE = 1000
 
 
 def ensure_pool_limits(instance: dg.DagsterInstance, pools: Sequence[str] = POOLS) -> list[str]:
@@ -85,70 +90,160 @@ def stage_counts(instance: dg.DagsterInstance, asset_name: str, keys: Sequence[s
 
 
 def latest_metadata_by_partition(instance: dg.DagsterInstance, asset_name: str, keys: Sequence[str]) -> dict[str, dict]:
-    """``{partition_key: metadata}`` (plain values) of the newest materialization of each of ``keys``.
+    """``{partition_key: metadata}`` (plain values) of the newest materialization of each of ``keys``
+    (two instance queries, :func:`dflash_assets.automation.latest_records`)."""
+    from dflash_assets.automation import latest_records, plain_metadata
 
-    Pages through the event log newest first, ``_PAGE`` records at a time, so a partition's first
-    record seen is its latest.
+    return {pk: plain_metadata(r) for pk, r in latest_records(instance, dg.AssetKey(asset_name), list(keys)).items()}
+
+
+#: Columns :func:`~dflash_assets.generation.records.invalid_reason` reads.
+VALIDITY_COLUMNS = ("error", "settings_fingerprint", "completion_tokens", "finish_reason", "max_output_tokens")
+
+
+def invalid_rows(store, pk: str, settings) -> tuple[Counter, int]:
+    """``(reasons, tokens)``: rows of completions partition ``pk`` that ``settings`` regenerate, counted by
+    :func:`~dflash_assets.generation.records.invalid_reason`, and their current completion tokens."""
+    from dflash_assets.assets.completions import partition_file
+    from dflash_assets.generation.records import invalid_reason
+    from dflash_assets.truncation import read_report_columns
+
+    frame = read_report_columns(store, *partition_file(pk), columns=VALIDITY_COLUMNS)
+    reasons, tokens = Counter(), 0
+    for row in frame.iter_rows(named=True):
+        if (reason := invalid_reason(row, settings)) is not None:
+            reasons[reason] += 1
+            tokens += row.get("completion_tokens") or 0
+    return reasons, tokens
+
+
+def generation_time(records: dict[str, dg.EventLogRecord], meta: dict[str, dict]) -> tuple[float, float, int]:
+    """``(seconds, output_tokens, requests)`` of the generation that made the current completions.
+
+    A partition's generation is ``[t - wall_s, t]`` (``t``: its materialization time); the partitions of
+    one run (a range run generates them side by side) count as the run's span from its first start to
+    its last commit, and runs add up (the ``dflash_inference`` pool runs one at a time). Tokens are the
+    ones generated in that run (``output_tok_per_s * wall_s``; ``completion_tokens_total`` for metadata
+    without a rate), requests the ``requested`` rows (``rows`` without it).
     """
-    wanted, found = set(keys), {}
-    if not wanted:
-        return found
-    records_filter = dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset_name), asset_partitions=sorted(wanted))
-    cursor = None
-    while len(found) < len(wanted):
-        result = instance.fetch_materializations(records_filter, limit=_PAGE, cursor=cursor, ascending=False)
-        for record in result.records:
-            event = record.asset_materialization
-            if event is not None and event.partition in wanted and event.partition not in found:
-                found[event.partition] = {k: getattr(v, "value", v) for k, v in event.metadata.items()}
-        if not result.has_more:
-            break
-        cursor = result.cursor
-    return found
+    spans: dict[str, list[float]] = {}
+    tokens = requests = 0.0
+    for pk, record in records.items():
+        m = meta[pk]
+        wall = float(m.get("wall_s", 0.0) or 0.0)
+        span = spans.setdefault(record.run_id or pk, [record.timestamp - wall, record.timestamp])
+        span[0], span[1] = min(span[0], record.timestamp - wall), max(span[1], record.timestamp)
+        rate = m.get("output_tok_per_s")
+        tokens += float(rate) * wall if rate else float(m.get("completion_tokens_total", 0) or 0)
+        requests += int(m.get("requested", m.get("rows", 0)) or 0)
+    return sum(end - start for start, end in spans.values()), tokens, int(requests)
 
 
-def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES) -> dict:
+def runs_in_progress(instance: dg.DagsterInstance, records: dict[str, dg.EventLogRecord]) -> list[dict]:
+    """Progress of each STARTED run that has committed a completions partition, from the ``run_*``
+    metadata of its newest commit (rows done / total over its range, req/s, output tok/s, slots in
+    flight / capacity, ETA): ``[{"run_id", "range", "as_of", ...}]``, ``as_of`` the commit's Unix time."""
+    from dflash_assets.automation import plain_metadata
+
+    started = {r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))}
+    newest: dict[str, dg.EventLogRecord] = {}
+    for record in records.values():
+        if record.run_id in started and (record.run_id not in newest or record.storage_id > newest[record.run_id].storage_id):
+            newest[record.run_id] = record
+    out = []
+    for run_id, record in sorted(newest.items()):
+        m = plain_metadata(record)
+        if "run_rows_total" not in m:
+            continue
+        out.append({"run_id": run_id, "range": m.get("run_partition_range"), "as_of": record.timestamp,
+                    **{k: m.get(f"run_{k}") for k in ("rows_done", "rows_total", "req_per_s", "output_tok_per_s",
+                                                        "slots_in_flight", "slots_capacity", "eta_s")}})
+    return out
+
+
+def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES, settings=None, store=None) -> dict:
     """Everything the status command prints, as plain values.
+
+    Args:
+        instance: the Dagster instance.
+        stages: partitioned stages to count.
+        settings: the current generation settings (:class:`~dflash_assets.settings.GenerationSettings`);
+            None leaves out what they would regenerate.
+        store: the :class:`~dflash_assets.storage.Storage` holding the completions tables; needed with
+            ``settings`` to count rows exactly (without it a touched partition counts wholly).
 
     Returns a dict:
 
     - ``partitions``: number of registered ``prompt_index_ranges`` keys; ``prompts``: prompts they cover.
     - ``stages``: ``{asset_name: stage_counts(...)}`` for each partitioned stage.
     - ``pools``: :func:`pool_usage` of the inference and GPU pools.
-    - ``completions``: from the latest materialization metadata of each *done* completions partition:
-      ``rows_done`` (metadata ``rows``), ``tokens_done`` (``completion_tokens_total``, tokens),
-      ``generation_s`` (sum of ``wall_s``, seconds; partitions lacking a key contribute 0 to it),
-      ``tokens_per_s`` = tokens_done / generation_s (None when no time was recorded),
-      ``rows_remaining`` (prompts of every failed, in-progress or missing partition, from its key range),
-      ``tokens_remaining_est`` = rows_remaining * tokens_done / rows_done (tokens; None without a done
-      row) and ``eta_s`` = tokens_remaining_est / tokens_per_s (seconds; None when either is unknown).
-      The rate sums per-partition wall time, which equals elapsed time while the ``dflash_inference``
-      pool runs one completions partition at a time; in-progress partitions count as wholly remaining.
+    - ``completions``: ``rows_total`` (prompts), ``rows_done`` (rows of *done* partitions valid under
+      ``settings``), ``rows_remaining`` = rows_total - rows_done (prompts of every failed, in-progress or
+      missing partition, plus the rows ``settings`` regenerate), ``regenerate`` = ``{"rows", "partitions",
+      "by_reason"}`` (those rows, in done partitions), ``tokens_done`` (``completion_tokens_total`` of done
+      partitions), ``generation_s`` / ``tokens_generated`` / ``requests`` of :func:`generation_time`,
+      ``tokens_per_s`` and ``requests_per_s`` (over generation_s; None when no time was recorded),
+      ``tokens_remaining_est`` (tokens; a remaining prompt at the mean tokens per done row, a row to
+      regenerate at no less than its current length; None without a done row) and ``eta_s`` =
+      tokens_remaining_est / tokens_per_s (seconds; None when either is unknown).
     """
+    from dflash_assets.automation import affected_reason, latest_records, plain_metadata
+
     keys = list(instance.get_dynamic_partitions(prompt_ranges.name))
     counts = {name: stage_counts(instance, name, keys) for name in stages}
     comp = counts.get(COMPLETIONS) or stage_counts(instance, COMPLETIONS, keys)
-    meta = latest_metadata_by_partition(instance, COMPLETIONS, comp["done_keys"])
-    rows_done = sum(int(m.get("rows", 0) or 0) for m in meta.values())
+    done = comp["done_keys"]
+    all_records = latest_records(instance, dg.AssetKey(COMPLETIONS), keys)
+    records = {pk: all_records[pk] for pk in done if pk in all_records}
+    meta = {pk: plain_metadata(r) for pk, r in records.items()}
+    rows_of = {pk: int(meta.get(pk, {}).get("rows", partition_rows(pk)) or 0) for pk in done}
     tokens_done = sum(int(m.get("completion_tokens_total", 0) or 0) for m in meta.values())
-    generation_s = sum(float(m.get("wall_s", 0.0) or 0.0) for m in meta.values())
-    rows_remaining = sum(partition_rows(pk) for pk in comp["failed_keys"] + comp["in_progress_keys"] + comp["missing_keys"])
-    tokens_per_s = tokens_done / generation_s if generation_s > 0 else None
-    tokens_remaining = rows_remaining * tokens_done / rows_done if rows_done else None
+    generation_s, tokens_generated, requests = generation_time(records, meta)
+    mean_tokens = tokens_done / sum(rows_of.values()) if sum(rows_of.values()) else None
+
+    regen, regen_parts, regen_tokens = Counter(), [], 0.0
+    if settings is not None:
+        for pk in done:
+            if pk not in meta or affected_reason(meta[pk], settings) is None:
+                continue
+            if store is None:
+                reasons, tokens = Counter({affected_reason(meta[pk], settings): rows_of[pk]}), 0
+            else:
+                reasons, tokens = invalid_rows(store, pk, settings)
+            if reasons:
+                regen.update(reasons)
+                regen_parts.append(pk)
+                n = sum(reasons.values())
+                regen_tokens += max(tokens, n * (mean_tokens or 0.0))
+    rows_total = sum(partition_rows(pk) for pk in keys)
+    not_done = comp["failed_keys"] + comp["in_progress_keys"] + comp["missing_keys"]
+    regen_rows = sum(regen.values())
+    rows_remaining = sum(partition_rows(pk) for pk in not_done) + regen_rows
+    tokens_per_s = tokens_generated / generation_s if generation_s > 0 else None
+    requests_per_s = requests / generation_s if generation_s > 0 else None
+    new_rows = rows_remaining - regen_rows
+    tokens_remaining = new_rows * mean_tokens + regen_tokens if mean_tokens is not None else None
     eta_s = tokens_remaining / tokens_per_s if tokens_remaining is not None and tokens_per_s else None
     if rows_remaining == 0:
         tokens_remaining, eta_s = 0.0, 0.0
     return {
         "partitions": len(keys),
-        "prompts": sum(partition_rows(pk) for pk in keys),
+        "prompts": rows_total,
+        "runs_in_progress": runs_in_progress(instance, all_records),
         "stages": counts,
         "pools": pool_usage(instance),
         "completions": {
-            "rows_done": rows_done,
+            "rows_total": rows_total,
+            "rows_done": sum(rows_of.values()) - regen_rows,
             "tokens_done": tokens_done,
             "generation_s": round(generation_s, 3),
+            "tokens_generated": round(tokens_generated),
+            "requests": requests,
             "tokens_per_s": tokens_per_s,
+            "requests_per_s": requests_per_s,
             "rows_remaining": rows_remaining,
+            "regenerate": {"rows": regen_rows, "partitions": regen_parts, "by_reason": dict(sorted(regen.items()))},
+            "cap": settings.max_output_tokens if settings is not None else None,
             "tokens_remaining_est": tokens_remaining,
             "eta_s": eta_s,
         },
@@ -178,11 +273,25 @@ def format_status(status: dict) -> str:
         limit = "no limit" if p["limit"] is None else f"limit {p['limit']}"
         lines.append(f"pool {pool}: {limit}, {p['in_use']} in use, {p['waiting']} waiting")
     comp = status["completions"]
-    rate = f"{comp['tokens_per_s']:.1f} tokens/s" if comp["tokens_per_s"] is not None else "rate unknown"
+    rate = f"{comp['tokens_per_s']:.1f} output tok/s" if comp["tokens_per_s"] is not None else "rate unknown"
+    if comp.get("requests_per_s") is not None:
+        rate += f", {comp['requests_per_s']:.2f} req/s"
     lines.append(
-        f"completions done: {comp['rows_done']} rows, {comp['tokens_done']} completion tokens in "
-        f"{comp['generation_s']:.1f} s of generation ({rate})"
+        f"completions done: {comp['rows_done']} / {comp.get('rows_total', status['prompts'])} rows valid"
+        + (f" under cap {comp['cap']}" if comp.get("cap") is not None else "")
+        + f"; {comp['tokens_done']} completion tokens; generation {comp['generation_s']:.1f} s ({rate})"
     )
+    regen = comp.get("regenerate") or {}
+    if regen.get("rows"):
+        reasons = ", ".join(f"{k}: {v}" for k, v in regen["by_reason"].items())
+        lines.append(f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} partitions ({reasons})")
+    for run in status.get("runs_in_progress", []):
+        eta = run["eta_s"] if run["eta_s"] is not None and run["eta_s"] >= 0 else None
+        lines.append(
+            f"run {run['run_id'][:8]} in progress ({run['range']}): {run['rows_done']} / {run['rows_total']} rows, "
+            f"{run['req_per_s']} req/s, {run['output_tok_per_s']} output tok/s, slots {run['slots_in_flight']} / "
+            f"{run['slots_capacity']}, ETA {_duration(eta)} (at its last partition commit, {time.time() - run['as_of']:.0f} s ago)"
+        )
     remaining = comp["tokens_remaining_est"]
     lines.append(
         f"completions remaining: {comp['rows_remaining']} prompts, "
@@ -193,7 +302,26 @@ def format_status(status: dict) -> str:
     return "\n".join(lines)
 
 
+def current_settings_and_store():
+    """The active config's generation settings and storage (``$DFLASH_CONFIG``), or ``(None, None, error)``."""
+    try:
+        from dflash_assets.config import resource_fields
+        from dflash_assets.resources.generation import GenerationResource
+        from dflash_assets.resources.storage import StorageResource, s3_credentials_from_env
+
+        settings = GenerationResource(**resource_fields("generation")).settings()
+        store = StorageResource(**resource_fields("storage"), **s3_credentials_from_env()).open()
+        return settings, store, None
+    except Exception as exc:  # noqa: BLE001 - status still prints what the instance knows
+        return None, None, f"{type(exc).__name__}: {exc}"
+
+
 def print_status(instance: dg.DagsterInstance | None = None) -> int:
-    """Print :func:`format_status` for ``instance`` (default: ``DagsterInstance.get()``); returns exit code 0."""
-    print(format_status(collect_status(instance or dg.DagsterInstance.get())))
+    """Print :func:`format_status` for ``instance`` (default: ``DagsterInstance.get()``) under the active
+    config's generation settings; returns exit code 0."""
+    settings, store, error = current_settings_and_store()
+    if error:
+        print(f"note: could not load the config's generation settings and storage ({error}); rows the settings "
+              "would regenerate are not counted")
+    print(format_status(collect_status(instance or dg.DagsterInstance.get(), settings=settings, store=store)))
     return 0

@@ -1,7 +1,8 @@
-"""The backfill schedule against a real Dagster instance: it requests exactly the missing and failed
-``completions`` partitions, skips the ones in progress (a run STARTED and a run created but not yet
-launched, each with its planned-materialization event: Dagster marks a partition in progress when its
-latest planned materialization belongs to an unfinished run), and at most K per tick.
+"""The backfill schedule against a real Dagster instance, ticked through ``ScheduleDefinition.evaluate_tick``
+(what the daemon calls: it rejects several requests without run keys): it requests the missing and failed
+``completions`` partitions as ranges, one run each, cut at the ones in progress (a run STARTED and a run
+created but not yet launched, each with its planned-materialization event: Dagster marks a partition in
+progress when its latest planned materialization belongs to an unfinished run), at most K runs per tick.
 
 Partition states are made by real runs of a stand-in ``completions`` asset (same key and partitions
 definition, no server): succeeded, failed (raises), and one blocked mid-step in a thread.
@@ -12,7 +13,7 @@ import time
 
 import dagster as dg
 import pytest
-from dagster._core.storage.tags import PARTITION_NAME_TAG
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG, PARTITION_NAME_TAG
 
 from dflash_assets.automation import build_backfill_schedule
 from dflash_assets.partitions import partition_keys, prompt_ranges
@@ -24,6 +25,8 @@ STARTED = KEYS[3]  # a run executing right now
 NOT_STARTED = KEYS[8]  # a run created but not yet launched
 MISSING = [KEYS[1], KEYS[5], KEYS[7]]
 UNFINISHED = sorted(MISSING + FAILED)  # what the schedule must request, in key order
+# ranges of them cut at the in-progress keys (STARTED, NOT_STARTED); finished KEYS[4] inside the second
+RANGES = [(KEYS[1], KEYS[2]), (KEYS[5], KEYS[7])]
 
 
 def stand_in_assets(gate: threading.Event, started: threading.Event):
@@ -42,9 +45,17 @@ def stand_in_assets(gate: threading.Event, started: threading.Event):
     return completions
 
 
-def evaluate(schedule: dg.ScheduleDefinition, instance: dg.DagsterInstance):
-    """Run one tick of ``schedule``: a list of RunRequests, or a SkipReason."""
-    return schedule(dg.build_schedule_context(instance=instance))
+def evaluate(schedule: dg.ScheduleDefinition, instance: dg.DagsterInstance, asset=None):
+    """One tick of ``schedule`` through ``evaluate_tick``: the RunRequests, or a SkipReason."""
+    defs = dg.Definitions(assets=[asset], jobs=[schedule.job], schedules=[schedule]) if asset is not None else None
+    data = schedule.evaluate_tick(dg.build_schedule_context(instance=instance, repository_def=defs.get_repository_def() if defs else None))
+    assert all(r.run_key for r in data.run_requests)
+    return data.run_requests if data.run_requests else dg.SkipReason(data.skip_message)
+
+
+def ranges(requests) -> list[tuple[str, str]]:
+    assert all(r.asset_selection == [dg.AssetKey("completions")] for r in requests)
+    return [(r.tags[ASSET_PARTITION_RANGE_START_TAG], r.tags[ASSET_PARTITION_RANGE_END_TAG]) for r in requests]
 
 
 @pytest.fixture()
@@ -72,7 +83,7 @@ def instance_with_states():
         # created with its planned events, never launched (status NOT_STARTED)
         instance.create_run_for_job(job_def, tags={PARTITION_NAME_TAG: NOT_STARTED})
         try:
-            yield instance, job, gate
+            yield instance, job, gate, asset
         finally:
             gate.set()
             thread.join(60)
@@ -80,7 +91,7 @@ def instance_with_states():
 
 
 def test_schedule_requests_missing_and_failed_only_at_most_k_per_tick(instance_with_states):
-    instance, job, gate = instance_with_states
+    instance, job, gate, asset = instance_with_states
     from dflash_assets.definitions import defs
 
     # the states are what the runs made them (the schedule's input, checked through Dagster's own API)
@@ -92,15 +103,16 @@ def test_schedule_requests_missing_and_failed_only_at_most_k_per_tick(instance_w
     runs = {r.tags.get(PARTITION_NAME_TAG): r.status for r in instance.get_runs()}
     assert runs[STARTED] == dg.DagsterRunStatus.STARTED and runs[NOT_STARTED] == dg.DagsterRunStatus.NOT_STARTED
 
-    shipped = defs.get_schedule_def("backfill_unfinished_partitions")  # the one the project deploys (K = 4)
-    requests = evaluate(shipped, instance)
-    assert [r.partition_key for r in requests] == UNFINISHED[:4]
+    shipped = defs.get_schedule_def("backfill_unfinished_partitions")  # the one the project deploys (1 run per tick)
+    requests = evaluate(build_backfill_schedule(job), instance, asset)
+    assert shipped.cron_schedule == build_backfill_schedule(job).cron_schedule
+    assert ranges(requests) == RANGES[:1]
     assert all(r.tags["dflash/trigger"] == "backfill" for r in requests)
 
-    wide = build_backfill_schedule(job, max_per_tick=10)
-    assert [r.partition_key for r in evaluate(wide, instance)] == UNFINISHED
-    narrow = build_backfill_schedule(job, max_per_tick=2)
-    assert [r.partition_key for r in evaluate(narrow, instance)] == UNFINISHED[:2]
+    wide = build_backfill_schedule(job, max_runs_per_tick=10)
+    assert ranges(evaluate(wide, instance, asset)) == RANGES
+    narrow = build_backfill_schedule(job, max_runs_per_tick=10, max_partitions_per_run=2)
+    assert ranges(evaluate(narrow, instance, asset)) == [(KEYS[1], KEYS[2]), (KEYS[5], KEYS[6]), (KEYS[7], KEYS[7])]
 
     # once the blocked run finishes, its partition is materialized: still not requested
     gate.set()
@@ -108,7 +120,7 @@ def test_schedule_requests_missing_and_failed_only_at_most_k_per_tick(instance_w
     while instance.get_status_by_partition(dg.AssetKey("completions"), [STARTED], prompt_ranges)[STARTED] != dg.AssetPartitionStatus.MATERIALIZED:
         assert time.monotonic() < deadline, "the released run did not finish"
         time.sleep(0.2)
-    assert [r.partition_key for r in evaluate(wide, instance)] == UNFINISHED
+    assert ranges(evaluate(wide, instance, asset)) == [(KEYS[1], KEYS[7])]  # no longer cut at KEYS[3]
 
 
 def test_schedule_skips_when_nothing_is_unfinished():
@@ -117,14 +129,14 @@ def test_schedule_skips_when_nothing_is_unfinished():
         return dg.MaterializeResult()
 
     job = dg.define_asset_job("partition_stages", selection=[completions])
-    schedule = build_backfill_schedule(job, max_per_tick=4)
+    schedule = build_backfill_schedule(job, max_runs_per_tick=4)
     with dg.instance_for_test() as instance:
         keys = partition_keys(20, 10)
         instance.add_dynamic_partitions(prompt_ranges.name, keys)
-        assert [r.partition_key for r in evaluate(schedule, instance)] == keys  # nothing run yet: all missing
+        assert ranges(evaluate(schedule, instance, completions)) == [(keys[0], keys[1])]  # nothing run yet: all missing
         for pk in keys:
             assert dg.materialize([completions], instance=instance, partition_key=pk).success
-        result = evaluate(schedule, instance)
+        result = evaluate(schedule, instance, completions)
         assert isinstance(result, dg.SkipReason) and "nothing unfinished" in result.skip_message
 
 
@@ -141,15 +153,15 @@ def test_schedule_gives_up_on_a_partition_after_max_failed_attempts():
         return dg.MaterializeResult()
 
     job = dg.define_asset_job("partition_stages", selection=[completions])
-    schedule = build_backfill_schedule(job, max_per_tick=10, max_failed_attempts=2)
+    schedule = build_backfill_schedule(job, max_runs_per_tick=10, max_failed_attempts=2)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(prompt_ranges.name, KEYS[:3])
         assert dg.materialize([completions], instance=instance, partition_key=KEYS[0]).success
         for attempt in (1, 2):
-            assert [r.partition_key for r in evaluate(schedule, instance)] == KEYS[1:3]  # retried: under the limit
+            assert ranges(evaluate(schedule, instance, completions)) == [(KEYS[1], KEYS[2])]  # retried: under the limit
             assert not dg.materialize([completions], instance=instance, partition_key=KEYS[1], raise_on_error=False).success
             assert failed_attempts(instance, dg.AssetKey("completions"), KEYS[1]) == attempt
-        assert [r.partition_key for r in evaluate(schedule, instance)] == [KEYS[2]]  # given up after 2 failures
+        assert ranges(evaluate(schedule, instance, completions)) == [(KEYS[2], KEYS[2])]  # given up after 2 failures
         # a run by hand that succeeds resets the count; a later failure counts from there
         fail["on"] = False
         assert dg.materialize([completions], instance=instance, partition_key=KEYS[1]).success
@@ -157,4 +169,4 @@ def test_schedule_gives_up_on_a_partition_after_max_failed_attempts():
         fail["on"] = True
         assert not dg.materialize([completions], instance=instance, partition_key=KEYS[1], raise_on_error=False).success
         assert failed_attempts(instance, dg.AssetKey("completions"), KEYS[1]) == 1
-        assert [r.partition_key for r in evaluate(schedule, instance)] == KEYS[1:3]
+        assert ranges(evaluate(schedule, instance, completions)) == [(KEYS[1], KEYS[2])]

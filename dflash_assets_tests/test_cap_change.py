@@ -25,6 +25,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from dflash_assets.automation import request_partitions
 from dflash_assets.assets.completions import completions, partition_file
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_file, tokenized_sequences
@@ -174,7 +175,9 @@ def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: li
             result = sensor(dg.build_sensor_context(instance=instance, resources={"generation": generation}))
             run_requests = [] if isinstance(result, dg.SkipReason) else list(result)
             before = proxy.requested
-            materialize_partitions(instance, root, inference, cap, [(rr.partition_key, rr.tags) for rr in run_requests], timings)
+            # the sensor requests ranges of touched partitions; run them one partition at a time here
+            jobs = [(pk, {k: v for k, v in rr.tags.items() if k.startswith("dflash/")}) for rr in run_requests for pk in request_partitions(rr, keys)]
+            materialize_partitions(instance, root, inference, cap, jobs, timings)
             requested, probes = requests_since(proxy, before)
             change = CapChange(cap, run_requests, requested, probes, time.monotonic() - started)
             change.after = snapshot(instance, root, keys)
@@ -218,7 +221,7 @@ def check_change(before: Snapshot, change: CapChange, touched: dict[str, list[di
     untouched = sorted(set(before.rows) - set(affected))
     assert affected and untouched, "the scenario needs both touched and untouched partitions"
     # the sensor asks for exactly the partitions holding touched rows, with the reason in the tags
-    assert sorted(rr.partition_key for rr in change.run_requests) == affected
+    assert sorted(pk for rr in change.run_requests for pk in request_partitions(rr, sorted(before.rows))) == affected
     assert {rr.tags["dflash/reason"] for rr in change.run_requests} == {reason}
     # one request per touched row, for exactly those prompts; one readiness probe per partition run
     expected = Counter(before_prompt(r) for rows in touched.values() for r in rows)
@@ -369,13 +372,13 @@ def test_sensor_relaunches_a_partition_when_a_cap_comes_back():
         instance.add_dynamic_partitions(prompt_ranges.name, [pk])
         materialized(10, length_rows=True)
         first = tick(14)
-        assert [r.partition_key for r in first] == [pk]
+        assert [request_partitions(r, [pk]) for r in first] == [[pk]]
         materialized(14, length_rows=True)  # the raise ran; still cut at 14
         lowered = tick(10)
         assert [r.tags["dflash/reason"] for r in lowered] == ["cap lowered"]
         materialized(10, length_rows=True)  # back at 10
         second = tick(14)
-        assert [r.partition_key for r in second] == [pk]
+        assert [request_partitions(r, [pk]) for r in second] == [[pk]]
         assert len({first[0].run_key, lowered[0].run_key, second[0].run_key}) == 3
         assert tick(14) and tick(14)[0].run_key == second[0].run_key  # same state: same key (no duplicate runs)
 

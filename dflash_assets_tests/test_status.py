@@ -128,7 +128,8 @@ def test_status_counts_rate_and_eta(instance):
     assert lines[0] == "partitions: 6 (prompt_index_ranges, 60 prompts)"
     assert lines[3].split() == ["completions", "3", "1", "1", "1"]
     assert f"failed: {P3}" in text
-    assert "500.0 tokens/s" in text and "ETA 6s" in text
+    assert "500.0 output tok/s, 5.00 req/s" in text and "ETA 6s" in text  # 30 requests (rows) in 6 s
+    assert c["rows_total"] == 60 and c["requests"] == 30 and c["requests_per_s"] == pytest.approx(5.0)
 
     # after the held run finishes, P4 is done and its rows are no longer remaining
     after = collect_status(instance)
@@ -149,3 +150,43 @@ def test_status_of_an_empty_instance(instance, capsys):
     assert print_status(instance) == 0
     out = capsys.readouterr().out
     assert "ETA unknown" in out and "tokens unknown" in out
+
+
+def test_status_shows_a_range_run_in_progress(instance):
+    """A single-run range of 3 partitions that committed its first one (with the run_* progress metadata
+    the completions asset records) and is still going: status names the run and its progress."""
+    keys = partition_keys(30, 10)
+    gate, committed = threading.Event(), threading.Event()
+    run_meta = {"run_rows_done": 10, "run_rows_total": 30, "run_req_per_s": 2.5, "run_output_tok_per_s": 250.0,
+                "run_slots_in_flight": 8, "run_slots_capacity": 8, "run_eta_s": 8.0,
+                "run_partition_range": f"{keys[0]}...{keys[-1]}"}
+
+    @dg.asset(partitions_def=prompt_ranges, name="completions", backfill_policy=dg.BackfillPolicy.single_run(), output_required=False)
+    def range_standin(context: dg.AssetExecutionContext):
+        for i, pk in enumerate(context.partition_keys):
+            yield dg.AssetMaterialization("completions", partition=pk, metadata={
+                "rows": 10, "completion_tokens_total": 1000, "wall_s": 4.0, **run_meta, "run_rows_done": 10 * (i + 1)})
+            if i == 0:
+                committed.set()
+                assert gate.wait(60), "test never released the range run"
+
+    from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+
+    instance.add_dynamic_partitions(prompt_ranges.name, keys)
+    job = dg.define_asset_job("range_job", selection=[range_standin], executor_def=dg.in_process_executor)
+    job_def = dg.Definitions(assets=[range_standin], jobs=[job]).resolve_job_def("range_job")
+    holder = threading.Thread(target=lambda: job_def.execute_in_process(
+        instance=instance, tags={ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}))
+    holder.start()
+    try:
+        assert committed.wait(60)
+        status = collect_status(instance)
+        text = format_status(status)
+    finally:
+        gate.set()
+        holder.join(60)
+    [run] = status["runs_in_progress"]
+    assert (run["rows_done"], run["rows_total"], run["slots_in_flight"], run["slots_capacity"]) == (10, 30, 8, 8)
+    assert run["range"] == f"{keys[0]}...{keys[-1]}" and run["eta_s"] == 8.0
+    assert f"in progress ({keys[0]}...{keys[-1]}): 10 / 30 rows, 2.5 req/s, 250.0 output tok/s, slots 8 / 8, ETA 8s" in text
+    assert collect_status(instance)["runs_in_progress"] == []  # the run ended

@@ -10,20 +10,21 @@ from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource
-from dflash_assets.truncation import LogNormalFit, cap_advice, length_histogram_png, predict_cap, truncation_stats
+from dflash_assets.truncation import LogNormalFit, cap_advice, length_histogram_png, predict_cap, read_report_columns, truncation_stats
 
 REPORT_DIR = "truncation_report"
 
 
 def load_all_completions(store, keys: list[str]) -> tuple[pl.DataFrame, list[str]]:
-    """Every materialized completions partition stacked (with a ``partition`` column), and the missing keys."""
+    """The report's columns (:data:`~dflash_assets.truncation.REPORT_COLUMNS`, never the text) of every
+    materialized completions partition stacked, with a ``partition`` column, and the missing keys."""
     frames, missing = [], []
     for pk in keys:
         if store.exists(*partition_file(pk)):
-            frames.append(store.read_parquet(*partition_file(pk)).with_columns(partition=pl.lit(pk)))
+            frames.append(read_report_columns(store, *partition_file(pk)).with_columns(partition=pl.lit(pk)))
         else:
             missing.append(pk)
-    return (pl.concat(frames) if frames else pl.DataFrame()), missing
+    return (pl.concat(frames, how="vertical_relaxed") if frames else pl.DataFrame()), missing
 
 
 def prediction_check(previous: dict | None, stats: dict, cap: int) -> dict | None:

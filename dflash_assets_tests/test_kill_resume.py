@@ -1,0 +1,195 @@
+"""Kill and resume from the shell: kill -9 of a real ``dagster asset materialize`` holding the
+``dflash_inference`` pool slot, then the same command again with no clean-up: it must start at once
+(the killed run is marked failed and its slot freed by the new run's executor, dflash_assets/runs.py).
+
+The asset is a stand-in (dflash_assets_tests/kill_defs.py) that hangs like a long generation; the CLI,
+executor, instance (SQLite under a temp DAGSTER_HOME with the project's pool settings) and processes are
+real. Also: live runs, runs of another host and runs without process tags are never reaped.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+from dagster._core.test_utils import create_run_for_test
+
+from dflash_assets.generation.servers import proc_stat
+from dflash_assets.runs import BOOT_TAG, HOST_TAG, PID_TAG, START_TAG, MonitoredRunLauncher, process_tags, reap_dead_runs, run_process_alive
+from dflash_assets.status import INFERENCE_POOL
+
+ROOT = Path(__file__).resolve().parent.parent
+CONCURRENCY = yaml.safe_load((ROOT / "dagster.yaml").read_text())["concurrency"]
+DAGSTER = str(Path(sys.executable).parent / "dagster")
+
+
+def _materialize_cmd(partition: str) -> list[str]:
+    return [DAGSTER, "asset", "materialize", "--select", "slow_completions", "--partition", partition,
+            "-m", "dflash_assets_tests.kill_defs"]
+
+
+@pytest.fixture()
+def home(tmp_path):
+    (tmp_path / "home").mkdir()
+    (tmp_path / "work").mkdir()
+    (tmp_path / "home" / "dagster.yaml").write_text(yaml.safe_dump({"concurrency": CONCURRENCY, "telemetry": {"enabled": False}}))
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "KILL_TEST_DIR": str(tmp_path / "work"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return tmp_path, env
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+def _started(work: Path) -> list[int]:
+    return sorted(int(p.read_text()) for p in work.glob("started-*"))
+
+
+@pytest.mark.parametrize("kill", ["process group", "orchestrator alone"])
+def test_same_command_after_kill_9_starts_at_once(home, kill):
+    tmp, env = home
+    work = tmp / "work"
+    (work / "hang").touch()
+    log1 = open(tmp / "run1.log", "w")
+    first = subprocess.Popen(_materialize_cmd("p0"), env=env, stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        [step_pid] = _wait(lambda: _started(work), 120, "the first run's step to start")
+        with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:
+            [run] = instance.get_runs()
+            assert run.status == dg.DagsterRunStatus.STARTED
+            assert run.tags[PID_TAG] == str(first.pid) and run_process_alive(run) is True
+            info = instance.event_log_storage.get_concurrency_info(INFERENCE_POOL)
+            assert [s.run_id for s in info.claimed_slots] == [run.run_id]
+            assert reap_dead_runs(instance, by="test") == []  # alive: never reaped
+            if kill == "process group":
+                os.killpg(first.pid, signal.SIGKILL)
+            else:
+                os.kill(first.pid, signal.SIGKILL)  # its step subprocess lives on, holding the slot
+            first.wait(30)
+            assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED  # what Dagster leaves
+            if kill == "orchestrator alone":
+                assert proc_stat(step_pid) is not None and proc_stat(step_pid).state != "Z"
+
+        # the same command, no clean-up; the hang marker stays until the new step has started
+        started = time.monotonic()
+        log2 = open(tmp / "run2.log", "w")
+        second = subprocess.Popen(_materialize_cmd("p0"), env=env, stdout=log2, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait(lambda: len(_started(work)) == 2, 60, "the second run's step to start (blocked by the dead run's slot?)")
+            start_s = time.monotonic() - started
+            print(f"kill -9 of the {kill}: the same command's step started {start_s:.1f} s after it was run again")
+            (work / "hang").unlink()
+            assert second.wait(60) == 0, (tmp / "run2.log").read_text()[-3000:]
+        finally:
+            if second.poll() is None:
+                os.killpg(second.pid, signal.SIGKILL)
+        assert start_s < 60
+        # the orphaned step process was stopped, not left generating beside the new run
+        assert proc_stat(step_pid) is None or proc_stat(step_pid).state == "Z"
+        with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:
+            runs = {r.run_id: r for r in instance.get_runs()}
+            old, new = runs[run.run_id], next(r for rid, r in runs.items() if rid != run.run_id)
+            assert old.status == dg.DagsterRunStatus.FAILURE and new.status == dg.DagsterRunStatus.SUCCESS
+            failure = instance.all_logs(old.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[-1]
+            assert f"pid {first.pid}" in failure.message and f"freed by run {new.run_id}" in failure.message
+            assert instance.event_log_storage.get_concurrency_info(INFERENCE_POOL).claimed_slots == []
+            assert instance.get_latest_materialization_event(dg.AssetKey("slow_completions")).run_id == new.run_id
+        assert f"run {old.run_id}: the process running it" in (tmp / "run2.log").read_text()
+    finally:
+        for proc in (first,):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_only_verifiably_dead_runs_are_reaped(tmp_path):
+    """Dead pid, recycled pid (other start time) and an earlier boot are reaped; a live process, another
+    host, a run without tags and a pid-only tag of a live pid are not."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    me = process_tags()
+    cases = {
+        "live": me,
+        "other host": {**me, HOST_TAG: "another-node", PID_TAG: str(dead.pid)},
+        "untagged": {},
+        "pid only, live": {PID_TAG: me[PID_TAG], HOST_TAG: me[HOST_TAG]},
+        "pid only, dead": {PID_TAG: str(dead.pid), HOST_TAG: me[HOST_TAG]},  # `python -m dflash_assets run`'s tags
+        "dead pid": {**me, PID_TAG: str(dead.pid)},
+        "recycled pid": {**me, START_TAG: str(int(me[START_TAG]) - 1)},
+        "earlier boot": {**me, BOOT_TAG: "00000000-0000-0000-0000-000000000000"},
+    }
+    with dg.instance_for_test(temp_dir=str(tmp_path), overrides={"concurrency": CONCURRENCY}) as instance:
+        ids = {name: create_run_for_test(instance, status=dg.DagsterRunStatus.STARTED, tags=tags).run_id for name, tags in cases.items()}
+        launcher = MonitoredRunLauncher()
+        launcher.register_instance(instance)
+        health = {name: launcher.check_run_worker_health(instance.get_run_by_id(rid)).status.value for name, rid in ids.items()}
+        reaped = reap_dead_runs(instance, by="test")
+        assert sorted(reaped) == sorted(ids[n] for n in ("dead pid", "recycled pid", "earlier boot", "pid only, dead"))
+        status = {name: instance.get_run_by_id(rid).status for name, rid in ids.items()}
+    dead_ones = {"dead pid", "recycled pid", "earlier boot", "pid only, dead"}
+    assert {n for n, s in status.items() if s == dg.DagsterRunStatus.FAILURE} == dead_ones
+    assert {n for n, s in health.items() if s == "FAILED"} == dead_ones
+
+
+def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
+    """A run launched through the run queue (what the UI and backfills do) and executed by a run worker
+    of the code server that ``dagster-daemon`` starts; kill -9 of the run worker alone. Dagster marks the
+    run failed and frees its slot (dagster.yaml ``run_monitoring``); the orphaned step process is stopped
+    by the next run before its step starts, so the two never generate side by side."""
+    tmp, env = home
+    work = tmp / "work"
+    full = yaml.safe_load((ROOT / "dagster.yaml").read_text())
+    (tmp / "home" / "dagster.yaml").write_text(yaml.safe_dump(
+        {k: full[k] for k in ("concurrency", "run_launcher", "run_monitoring")} | {"telemetry": {"enabled": False}}))
+    (work / "hang").touch()
+    launch = [DAGSTER, "job", "launch", "-m", "dflash_assets_tests.kill_defs", "-j", "__ASSET_JOB", "--tags", '{"dagster/partition": "p1"}']
+    def submit() -> None:
+        out = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+    with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:  # create the SQLite storages once, so the
+        instance.get_runs()  # daemon and the first launch do not both create them ("table ... already exists")
+        instance.event_log_storage.get_concurrency_keys()
+        instance.all_instigator_state()
+    daemon_log = open(tmp / "daemon.log", "w")
+    daemon = subprocess.Popen([str(Path(DAGSTER).parent / "dagster-daemon"), "run", "-m", "dflash_assets_tests.kill_defs"],
+                              env=env, stdout=daemon_log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        submit()
+        [step_pid] = _wait(lambda: _started(work), 180, "the queued run's step to start")
+        with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:
+            [run] = instance.get_runs()
+            worker = int(run.tags[PID_TAG])
+            assert worker != step_pid and run_process_alive(run) is True
+            os.kill(worker, signal.SIGKILL)
+            killed = time.monotonic()
+            submit()
+            queued = time.monotonic()  # what a click in the UI does at once: the run is in the queue
+            second = _wait(lambda: [p for p in _started(work) if p != step_pid], 120, "the second run's step to start")
+            start_s = time.monotonic() - queued
+            print(f"after kill -9 of the run worker: launched (queued) in {queued - killed:.1f} s, its step started {start_s:.1f} s later")
+            orphan_gone_first = proc_stat(step_pid) is None or proc_stat(step_pid).state == "Z"
+            (work / "hang").unlink()
+            new_id = next(r.run_id for r in instance.get_runs() if r.run_id != run.run_id)
+            _wait(lambda: instance.get_run_by_id(new_id).status in (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE), 120, "the second run to end")
+            assert instance.get_run_by_id(new_id).status == dg.DagsterRunStatus.SUCCESS
+            assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+            materializations = instance.fetch_materializations(dg.AssetKey("slow_completions"), limit=10).records
+            assert [m.run_id for m in materializations] == [new_id]  # the orphan never finished its step
+        assert second and start_s < 60, f"{start_s:.1f} s; daemon log: {(tmp / 'daemon.log').read_text()[-3000:]}"
+        assert orphan_gone_first, "the killed run's step process was still running when the next run's step started"
+    finally:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        try:
+            daemon.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
