@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="materialize the whole pipeline on the configured (default: embedded) setup")
     run.add_argument("--config", help="YAML run config for the assets (see README)")
+    run.add_argument("--verbose", action="store_true", help="also print Dagster's DEBUG events (always kept in the run storage)")
     sub.add_parser("status", help="per-stage partition counts, rows, rate and ETA")
     args = parser.parse_args(argv)
     home = _ensure_dagster_home()
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.command == "run":
         try:
-            code = pipeline.run_all(config_path_arg=args.config, dagster_home=home)
+            code = pipeline.run_all(config_path_arg=args.config, dagster_home=home, verbose=args.verbose)
         except KeyboardInterrupt:
             print("\ninterrupted: stopped. Rows already generated are kept; run the same command again to resume.", flush=True)
             code = 130

@@ -43,12 +43,22 @@ def stage_up_to_date(instance, key: str, pk: str | None, upstream: list, setting
     return True
 
 
+# Console level of the runs' Dagster logger: INFO shows the assets' own progress lines and warnings; Dagster's
+# DEBUG events (step start/output, check evaluations, ...) still go to the run storage (UI). `run --verbose`: DEBUG.
+CONSOLE_LOG_LEVEL = {"level": "INFO"}
+
+
+def console_logger_config(level: str | None = None) -> dict:
+    """Run-config ``loggers`` section for Dagster's default console logger at ``level`` (default: the CLI's)."""
+    return {"console": {"config": {"log_level": level or CONSOLE_LOG_LEVEL["level"]}}}
+
+
 def _materialize(keys: list[str], run_config: dict, partition_key: str | None = None) -> dg.ExecuteInProcessResult:
     """One in-process run. Raises KeyboardInterrupt when Ctrl-C / SIGTERM interrupted it: Dagster turns the
     signal into a failed run, and ``raise_on_error=False`` would otherwise let the loop go on."""
     result = dg.materialize(
         list(defs.assets), selection=keys, instance=dg.DagsterInstance.get(), resources=defs.resources,
-        run_config=run_config, partition_key=partition_key, raise_on_error=False,
+        run_config={"loggers": console_logger_config(), **run_config}, partition_key=partition_key, raise_on_error=False,
         tags={"dflash/trigger": "cli-run", "dflash/pid": str(os.getpid()), "dflash/host": socket.gethostname()},
     )
     if was_interrupted(result):
@@ -100,8 +110,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def run_all(config_path_arg: str | None = None, dagster_home: str | None = None) -> int:
-    """Materialize what is not up to date and print the summary. Returns the exit code."""
+def run_all(config_path_arg: str | None = None, dagster_home: str | None = None, verbose: bool = False) -> int:
+    """Materialize what is not up to date and print the summary. Returns the exit code.
+
+    ``verbose``: print Dagster's DEBUG events too (by default only INFO and above reach the terminal).
+    """
+    CONSOLE_LOG_LEVEL["level"] = "DEBUG" if verbose else "INFO"
     if config_path_arg:
         os.environ["DFLASH_CONFIG"] = os.path.abspath(config_path_arg)
     instance = dg.DagsterInstance.get()
