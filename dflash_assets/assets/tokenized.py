@@ -56,9 +56,9 @@ class TokenizeConfig(dg.Config):
                                       "usage.completion_tokens: the text does not round-trip to the emitted tokens."),
     ],
     description=(
-        "Reads completions/<pk>.parquet and the prompt corpus; builds input_ids = chat-template prompt ids + generated "
+        "Reads `completions/<pk>.parquet` and the prompt corpus; builds input_ids = chat-template prompt ids + generated "
         "ids (server ids when returned, else the completion re-tokenized as emitted, plus the end-of-turn token for "
-        "stop rows) and loss_mask = 0 on the prompt, 1 on the completion. Writes tokenized_sequences/<pk>.parquet "
+        "stop rows) and loss_mask = 0 on the prompt, 1 on the completion. Writes `tokenized_sequences/<pk>.parquet` "
         "(index, prompt_id, input_ids int32, loss_mask int8, prompt_len, num_loss_tokens, finish_reason)."
     ),
 )
