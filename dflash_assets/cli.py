@@ -27,7 +27,16 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("status", help="per-stage partition counts, rows, rate and ETA")
     args = parser.parse_args(argv)
     home = _ensure_dagster_home()
-    from dflash_assets import pipeline
+    if getattr(args, "config", None):
+        # before the definitions are imported: they build the resources from this file
+        os.environ["DFLASH_CONFIG"] = os.path.abspath(args.config)
+    from dflash_assets.config import ConfigError
+
+    try:
+        from dflash_assets import pipeline
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
     if args.command == "run":
         try:
