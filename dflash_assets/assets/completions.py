@@ -16,7 +16,7 @@ import polars as pl
 
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.generation.client import TooManyFailuresError
-from dflash_assets.generation.records import invalid_reason, row_from_result, rows_to_frame
+from dflash_assets.generation.records import invalid_reason, no_good_row_message, row_from_result, rows_to_frame
 from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
@@ -157,6 +157,8 @@ def completions(
             + (f" ({failure})" if failure else "")
             + "; finished rows are checkpointed, rerun the partition to resume"
         )
+    if (message := no_good_row_message(frame.to_dicts(), pk)) is not None:
+        raise dg.Failure(message)  # the journal is kept: nothing is recorded as materialized
     uri = store.write_parquet(frame, *partition_file(pk))
     journal.discard()
     data_version = hashlib.sha256(store.read_bytes(*partition_file(pk))).hexdigest()[:20]
