@@ -130,7 +130,8 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     did_work = []
 
     corpus_cfg = op_config("prompt_corpus")
-    fingerprint = corpus_fingerprint(PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})))
+    fingerprint = corpus_fingerprint(PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})),
+                                     defs.resources["storage"])
     record = _latest_record(instance, "prompt_corpus")
     if record is None or record.asset_materialization.metadata.get("config_fingerprint", dg.TextMetadataValue("")).value != fingerprint:
         result = _materialize(["prompt_corpus"], corpus_cfg)
