@@ -3,18 +3,20 @@
 Both sides process exactly the same batches (same rows, anchors, block tokens): the bare side builds
 them up front, moves them to the device, and times only drafter forward + loss + backward. The
 training side additionally reads shards, samples anchors, collates, clips, steps AdamW and the
-schedule, logs and checkpoints (once, at the end). Target: ratio >= 0.85.
+schedule, logs and checkpoints (once, at the end). Goal: ratio >= 0.85, as the median over ``--rounds``
+rounds in one process that alternate which side runs first.
 
 Tokens are block tokens (anchors x block_size): the drafter's work per step. The data is synthetic
 (random target features and LM head of the given sizes), which does not change the cost.
 
 Usage: ``python bench/bench_train.py [--device cuda] [--steps 30] [--seq-len 1024] ...``; prints one
-JSON line ``{"train_tokens_per_s", "bare_tokens_per_s", "ratio", ...}``.
+line per round, the median ratio beside the goal, and one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -86,6 +88,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5, help="alternating train/bare rounds; the median ratio is reported")
     a = p.parse_args()
     cuda = a.device.startswith("cuda")
     steps = a.steps or (40 if cuda else 12)
@@ -121,16 +124,30 @@ def main() -> None:
             epoch, rws = plan.rows(s, 0)
             batches.append(build_batch(dataset, rws, epoch, cfg.seed, a.block_size, anchors, dc.mask_token_id).to(device))
         tokens = sum(b.num_block_tokens for b in batches)
-        # bare runs before and after the training run; the faster one counts (a conservative ratio on
-        # a shared machine whose speed drifts)
-        bare = [bare_tokens_per_s(dc, embed, head, batches, device, a.block_size)]
-        train_tps = train(cfg, draft_config=dc, target_head=(embed, head)).tokens_per_s
-        bare.append(bare_tokens_per_s(dc, embed, head, batches, device, a.block_size))
-        bare_tps = max(bare)
+        # Rounds alternate which side runs first, in one process; each round's ratio compares two
+        # neighbouring timings, and the median over rounds is the figure (a single pair under load
+        # once read 1.708, impossible: training does strictly more than the bare pass).
+        rounds = []
+        for r in range(a.rounds):
+            cfg_r = dataclasses.replace(cfg, out_dir=str(Path(tmp) / f"run{r}"))  # a fresh run each round, no resume
+            if r % 2 == 0:
+                bare_tps = bare_tokens_per_s(dc, embed, head, batches, device, a.block_size)
+                train_tps = train(cfg_r, draft_config=dc, target_head=(embed, head)).tokens_per_s
+            else:
+                train_tps = train(cfg_r, draft_config=dc, target_head=(embed, head)).tokens_per_s
+                bare_tps = bare_tokens_per_s(dc, embed, head, batches, device, a.block_size)
+            rounds.append((train_tps, bare_tps, train_tps / bare_tps))
+            print(f"round {r + 1}: train {train_tps:.1f} tok/s, bare {bare_tps:.1f} tok/s, ratio {train_tps / bare_tps:.3f}", flush=True)
+    ratios = sorted(x[2] for x in rounds)
+    median = ratios[len(ratios) // 2] if len(ratios) % 2 else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
+    print(f"train / bare forward+backward ratio: median {median:.3f} over {len(rounds)} alternating rounds "
+          f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}; goal >= 0.85: {'met' if median >= 0.85 else 'NOT met'})")
     print(json.dumps({
         "device": a.device, "steps": steps, "seq_len": seq_len, "anchors": anchors, "layers": layers,
-        "block_tokens_per_step": tokens // steps, "train_tokens_per_s": round(train_tps, 1),
-        "bare_tokens_per_s": round(bare_tps, 1), "ratio": round(train_tps / bare_tps, 3), "target": 0.85,
+        "block_tokens_per_step": tokens // steps, "rounds": len(rounds),
+        "train_tokens_per_s_median": round(sorted(x[0] for x in rounds)[len(rounds) // 2], 1),
+        "bare_tokens_per_s_median": round(sorted(x[1] for x in rounds)[len(rounds) // 2], 1),
+        "ratio": round(median, 3), "ratios": [round(x, 3) for x in ratios], "goal": 0.85,
     }))
 
 

@@ -23,15 +23,25 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="materialize the whole pipeline on the configured (default: embedded) setup")
     run.add_argument("--config", help="YAML run config for the assets (see README)")
+    run.add_argument("--verbose", action="store_true", help="also print Dagster's DEBUG events (always kept in the run storage)")
     status = sub.add_parser("status", help="per-stage partition counts, rows done / remaining under the config's settings, rate and ETA")
     status.add_argument("--config", help="YAML config whose generation settings and storage to judge rows by (default: $DFLASH_CONFIG)")
     args = parser.parse_args(argv)
     home = _ensure_dagster_home()
-    from dflash_assets import pipeline
+    if getattr(args, "config", None):
+        # before the definitions are imported: they build the resources from this file
+        os.environ["DFLASH_CONFIG"] = os.path.abspath(args.config)
+    from dflash_assets.config import ConfigError
+
+    try:
+        from dflash_assets import pipeline
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
     if args.command == "run":
         try:
-            code = pipeline.run_all(config_path_arg=args.config, dagster_home=home)
+            code = pipeline.run_all(config_path_arg=args.config, dagster_home=home, verbose=args.verbose)
         except KeyboardInterrupt:
             print("\ninterrupted: stopped. Rows already generated are kept; run the same command again to resume.", flush=True)
             code = 130
@@ -39,6 +49,4 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "status":
         from dflash_assets.status import print_status
 
-        if args.config:
-            os.environ["DFLASH_CONFIG"] = os.path.abspath(args.config)
         sys.exit(print_status())

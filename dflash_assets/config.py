@@ -3,16 +3,29 @@
 ``$DFLASH_CONFIG`` names the file; without it the bundled ``configs/local_demo.yaml`` (the embedded
 default) is used. ``resources`` holds the resource fields; ``ops`` is Dagster run config for the
 assets, used as the default config of the project's jobs and by ``python -m dflash_assets run``.
+
+Nothing in the file is ignored: an unknown top-level key, resource name, resource field, op name or
+op config key is a :class:`ConfigError` naming the key, where it is, the valid keys and the file, and so
+is invalid YAML and every value the resource classes or Dagster's config types reject.
 """
 
+from __future__ import annotations
+
+import difflib
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Iterable, Mapping
 
 import yaml
 
 BUNDLED = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = BUNDLED / "local_demo.yaml"
+TOP_LEVEL_KEYS = ("resources", "ops")
+
+
+class ConfigError(ValueError):
+    """The config file cannot be used; the message names the file, the key and its place, and the fix."""
 
 
 def config_path() -> Path:
@@ -23,13 +36,28 @@ def config_path() -> Path:
     return path
 
 
+def _unknown(path: str, where: str, what: str, key: str, valid: Iterable[str]) -> ConfigError:
+    valid = sorted(valid)
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{path}: {where}: unknown {what} {key!r}{hint}; valid {what}s: {', '.join(valid) or 'none'}")
+
+
 @lru_cache(maxsize=4)
 def _load(path: str, mtime: float) -> dict:
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    unknown = set(data) - {"resources", "ops"}
-    if unknown:
-        raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; expected 'resources' and 'ops'")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the file must be a mapping with keys {' and '.join(TOP_LEVEL_KEYS)}, got {type(data).__name__}")
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            raise _unknown(path, "top level", "key", str(key), TOP_LEVEL_KEYS)
+    for section in TOP_LEVEL_KEYS:
+        if not isinstance(data.get(section) or {}, dict):
+            raise ConfigError(f"{path}: {section}: must be a mapping of names to settings, got {type(data[section]).__name__}")
     return data
 
 
@@ -42,7 +70,81 @@ def project_config() -> dict:
 
 def resource_fields(name: str) -> dict:
     """The config file's fields for resource ``name`` (empty when absent)."""
-    return dict(project_config()["resources"].get(name) or {})
+    fields = project_config()["resources"].get(name) or {}
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{config_path()}: resources.{name}: must be a mapping of field: value, got {type(fields).__name__}")
+    return dict(fields)
+
+
+def build_resources(classes: Mapping[str, type], extra: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """Instantiate each resource from its config section, after checking every name and field.
+
+    Args:
+        classes: resource name -> ``dagster.ConfigurableResource`` subclass (the project's resources).
+        extra: resource name -> fields that do not come from the file (``EnvVar`` secrets).
+
+    Raises:
+        ConfigError: an unknown resource name or field (which Dagster's ConfigurableResource would
+            silently accept), or a value the class rejects; the message names the file and the key.
+    """
+    path = config_path()
+    sections = project_config()["resources"]
+    for name in sections:
+        if name not in classes:
+            raise _unknown(str(path), "resources", "resource", str(name), classes)
+    built = {}
+    for name, cls in classes.items():
+        fields = resource_fields(name)
+        valid = [f for f in cls.model_fields if not f.startswith("_")]
+        for key in fields:
+            if key not in valid:
+                raise _unknown(str(path), f"resources.{name}", "key", str(key), valid)
+        try:
+            built[name] = cls(**fields, **dict((extra or {}).get(name) or {}))
+        except Exception as exc:  # pydantic ValidationError, Dagster config errors
+            raise ConfigError(f"{path}: resources.{name}: {_first_lines(exc)}") from None
+    return built
+
+
+def validate_ops(assets_defs: Iterable[Any]) -> None:
+    """Check the ``ops`` section against the project's assets and their config schemas.
+
+    Raises:
+        ConfigError: an op name that is no asset, a key other than ``config`` in an op's section, or
+            config Dagster's config type for that asset rejects (unknown key, wrong type); the
+            message names the file and ``ops.<asset>.config``.
+    """
+    from dagster._config import validate_config
+
+    path = config_path()
+    schemas = {}
+    for assets_def in assets_defs:
+        field = assets_def.op.config_field
+        for key in assets_def.keys:
+            schemas[key.to_user_string()] = field
+    for name, section in project_config()["ops"].items():
+        if name not in schemas:
+            raise _unknown(str(path), "ops", "op", str(name), schemas)
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: ops.{name}: must be a mapping with key 'config', got {type(section).__name__}")
+        for key in section:
+            if key != "config":
+                raise _unknown(str(path), f"ops.{name}", "key", str(key), ["config"])
+        field = schemas[name]
+        config = section.get("config")
+        if field is None:
+            if config:
+                raise ConfigError(f"{path}: ops.{name}.config: this asset takes no config; remove the section")
+            continue
+        result = validate_config(field.config_type, config if config is not None else {})
+        if not result.success:
+            messages = "; ".join(e.message for e in result.errors)
+            raise ConfigError(f"{path}: ops.{name}.config: {messages}")
+
+
+def _first_lines(exc: BaseException, n: int = 6) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip() and "errors.pydantic.dev" not in line]
+    return " | ".join(line.strip() for line in lines[:n])
 
 
 def op_config(*assets: str) -> dict:

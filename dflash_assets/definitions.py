@@ -5,7 +5,7 @@ import os
 import dagster as dg
 
 from dflash_assets.assets import completions, drafter, evaluation, hidden_states, prompts, tokenized, truncation
-from dflash_assets.config import op_config, resource_fields
+from dflash_assets.config import build_resources, op_config, validate_ops
 from dflash_assets.automation import build_backfill_schedule, build_cap_change_sensor
 from dflash_assets.generation.servers import API_KEY_ENV
 from dflash_assets.resources.generation import GenerationResource
@@ -28,17 +28,19 @@ def api_key_from_env() -> dict:
     return {"api_key": dg.EnvVar(API_KEY_ENV)} if os.environ.get(API_KEY_ENV) else {}
 
 
+ASSETS = [prompts.prompt_corpus, completions.completions, truncation.truncation_report, tokenized.tokenized_sequences,
+          hidden_states.hidden_states, drafter.dflash_drafter, evaluation.drafter_evaluation]
+validate_ops(ASSETS)  # unknown op names / config keys in the config file are errors, named with the file
+
 defs = dg.Definitions(
-    assets=[prompts.prompt_corpus, completions.completions, truncation.truncation_report, tokenized.tokenized_sequences,
-            hidden_states.hidden_states, drafter.dflash_drafter, evaluation.drafter_evaluation],
+    assets=ASSETS,
     jobs=[partition_stages_job],
     schedules=[build_backfill_schedule(partition_stages_job)],
     sensors=[build_cap_change_sensor(partition_stages_job)],
     executor=reaping_executor,  # tags each run with its process and reaps killed runs before steps claim pool slots
-    resources={
-        "storage": StorageResource(**resource_fields("storage"), **s3_credentials_from_env()),
-        "inference": InferenceServerResource(**resource_fields("inference"), **api_key_from_env()),
-        "generation": GenerationResource(**resource_fields("generation")),
-        "target_model": TargetModelResource(**resource_fields("target_model")),
-    },
+    resources=build_resources(
+        {"storage": StorageResource, "inference": InferenceServerResource, "generation": GenerationResource,
+         "target_model": TargetModelResource},
+        extra={"storage": s3_credentials_from_env(), "inference": api_key_from_env()},
+    ),
 )

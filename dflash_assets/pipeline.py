@@ -45,6 +45,16 @@ def stage_up_to_date(instance, key: str, pk: str | None, upstream: list, setting
     return True
 
 
+# Console level of the runs' Dagster logger: INFO shows the assets' own progress lines and warnings; Dagster's
+# DEBUG events (step start/output, check evaluations, ...) still go to the run storage (UI). `run --verbose`: DEBUG.
+CONSOLE_LOG_LEVEL = {"level": "INFO"}
+
+
+def console_logger_config(level: str | None = None) -> dict:
+    """Run-config ``loggers`` section for Dagster's default console logger at ``level`` (default: the CLI's)."""
+    return {"console": {"config": {"log_level": level or CONSOLE_LOG_LEVEL["level"]}}}
+
+
 def _materialize(keys: list[str], run_config: dict, partition_key: str | None = None,
                  partition_range: tuple[str, str] | None = None) -> dg.ExecuteInProcessResult:
     """One in-process run (of one partition, or of a key range as one run: single-run backfill). Raises
@@ -55,7 +65,8 @@ def _materialize(keys: list[str], run_config: dict, partition_key: str | None = 
         tags.update({ASSET_PARTITION_RANGE_START_TAG: partition_range[0], ASSET_PARTITION_RANGE_END_TAG: partition_range[1]})
     result = dg.materialize(
         list(defs.assets), selection=keys, instance=dg.DagsterInstance.get(), resources=defs.resources,
-        run_config=run_config, partition_key=partition_key, raise_on_error=False, tags=tags,
+        run_config={"loggers": console_logger_config(), **run_config}, partition_key=partition_key,
+        raise_on_error=False, tags=tags,
     )
     if was_interrupted(result):
         raise KeyboardInterrupt(f"run {result.run_id} was interrupted")
@@ -74,8 +85,12 @@ def was_interrupted(result: dg.ExecuteInProcessResult) -> bool:
     return False
 
 
-def run_all(config_path_arg: str | None = None, dagster_home: str | None = None) -> int:
-    """Materialize what is not up to date and print the summary. Returns the exit code."""
+def run_all(config_path_arg: str | None = None, dagster_home: str | None = None, verbose: bool = False) -> int:
+    """Materialize what is not up to date and print the summary. Returns the exit code.
+
+    ``verbose``: print Dagster's DEBUG events too (by default only INFO and above reach the terminal).
+    """
+    CONSOLE_LOG_LEVEL["level"] = "DEBUG" if verbose else "INFO"
     if config_path_arg:
         os.environ["DFLASH_CONFIG"] = os.path.abspath(config_path_arg)
     instance = dg.DagsterInstance.get()
@@ -90,7 +105,8 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None)
     did_work = []
 
     corpus_cfg = op_config("prompt_corpus")
-    fingerprint = corpus_fingerprint(PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})))
+    fingerprint = corpus_fingerprint(PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})),
+                                     defs.resources["storage"])
     record = _latest_record(instance, "prompt_corpus")
     if record is None or record.asset_materialization.metadata.get("config_fingerprint", dg.TextMetadataValue("")).value != fingerprint:
         result = _materialize(["prompt_corpus"], corpus_cfg)

@@ -64,7 +64,7 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None)
     Returns:
         A dict of plain values: counts (rows, tokens), ``hidden_state_bytes`` (bytes), ``truncation_rate``
         (share 0..1), ``cap`` (tokens), ``cap_advice`` (Markdown), ``tau`` (tokens per target forward),
-        ``materialized`` (asset name -> bool), ``outputs`` (see :func:`output_locations`), ``ui_command``.
+        ``materialized`` (asset name -> bool), ``failed_checks`` (see :func:`failed_checks`), ``outputs`` (see :func:`output_locations`), ``ui_command``.
     """
     corpus = _unpartitioned(instance, "prompt_corpus")
     finish: Counter = Counter()
@@ -104,9 +104,90 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None)
         "tau_stderr": evaluation.get("tau_stderr"), "tau_untrained_stderr": evaluation.get("tau_untrained_stderr"),
         "eval_prompts": evaluation.get("num_prompts"), "lossless": evaluation.get("lossless"),
         "materialized": materialized,
+        "failed_checks": failed_checks(instance, keys),
         "outputs": output_locations(storage, keys),
         "ui_command": ui_command(instance),
     }
+
+
+def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None) -> list[dict]:
+    """Asset checks whose evaluation on the current materialization failed, any severity, one entry per check.
+
+    Read from the instance's check executions, never from a log. A partitioned asset's check counts
+    once per partition of ``keys``: the evaluation that targeted that partition's latest materialization
+    (the project's check specs carry no partitions of their own, so the partition comes from the
+    targeted materialization); an unpartitioned asset's check counts its latest evaluation.
+
+    Args:
+        check_keys: the :class:`dagster.AssetCheckKey` s to look at; None = every check of the project.
+
+    Returns:
+        ``[{"check": "asset.check_name", "severity": "WARN"|"ERROR", "failed": n, "evaluated": m,
+        "partitions": [pk, ...] (failed ones, in key order; empty for an unpartitioned asset),
+        "description": first failure's description or None}]``, sorted by check name.
+    """
+    from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
+
+    if check_keys is None:
+        from dflash_assets.definitions import defs
+
+        check_keys = defs.resolve_asset_graph().asset_check_keys
+    done = (AssetCheckExecutionRecordStatus.SUCCEEDED, AssetCheckExecutionRecordStatus.FAILED)
+    targets: dict[dg.AssetKey, dict[int, str]] = {}  # asset -> latest materialization storage id -> partition
+    out = []
+    for ck in sorted(check_keys, key=lambda k: k.to_user_string()):
+        if ck.asset_key not in targets:
+            targets[ck.asset_key] = {}
+            for pk in keys:
+                rec = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=ck.asset_key, asset_partitions=[pk]), limit=1).records
+                if rec:
+                    targets[ck.asset_key][rec[0].storage_id] = pk
+        wanted = targets[ck.asset_key]
+        found: dict[str | None, object] = {}  # partition (None: unpartitioned) -> latest evaluation
+        cursor = None
+        while True:
+            page = instance.event_log_storage.get_asset_check_execution_history(ck, limit=1000, cursor=cursor)
+            for record in page:
+                evaluation = record.event.dagster_event.event_specific_data if record.event and record.event.dagster_event else None
+                if record.status not in done or evaluation is None:
+                    continue
+                target = getattr(evaluation, "target_materialization_data", None)
+                pk = record.partition or (wanted.get(target.storage_id) if target is not None else None)
+                if pk is None and wanted:
+                    continue  # an evaluation of an older materialization of a partitioned asset
+                found.setdefault(pk, (record, evaluation))
+            if len(page) < 1000 or (wanted and set(wanted.values()) <= set(found)) or (not wanted and None in found):
+                break
+            cursor = page[-1].id
+        evaluated = [(pk, r, e) for pk, (r, e) in found.items() if pk is None or pk in set(keys)]
+        failed = [(pk, r, e) for pk, r, e in evaluated if r.status == AssetCheckExecutionRecordStatus.FAILED]
+        if not failed:
+            continue
+        order = {pk: i for i, pk in enumerate(keys)}
+        failed.sort(key=lambda t: order.get(t[0], -1))
+        severities = {getattr(getattr(e, "severity", None), "value", "ERROR") for _, _, e in failed}
+        out.append({
+            "check": f"{ck.asset_key.to_user_string()}.{ck.name}",
+            "severity": "ERROR" if "ERROR" in severities else severities.pop(),
+            "failed": len(failed), "evaluated": len(evaluated),
+            "partitions": [pk for pk, _, _ in failed if pk is not None],
+            "description": next((e.description for _, _, e in failed if getattr(e, "description", None)), None),
+        })
+    return out
+
+
+def failed_check_lines(checks: list[dict], max_keys: int = 5) -> list[str]:
+    """``failed checks      <asset.check> (WARN): 3 of 4 partitions failed: pk1, pk2, pk3`` lines (``none`` if empty)."""
+    if not checks:
+        return ["failed checks      none"]
+    lines = []
+    for i, c in enumerate(checks):
+        where = (f"{c['failed']} of {c['evaluated']} partitions failed: {', '.join(c['partitions'][:max_keys])}"
+                 + (f" (+{len(c['partitions']) - max_keys} more)" if len(c["partitions"]) > max_keys else "")
+                 if c["partitions"] else "failed")
+        text = f"{c['check']} ({c['severity']}): {where}" + (f"; {c['description']}" if c.get("description") else "")
+        lines.append(("failed checks      " if i == 0 else " " * 19) + text)
+    return lines
 
 
 def output_locations(storage, keys: list[str]) -> list[tuple[str, str, str]]:
@@ -218,6 +299,7 @@ def format_summary(s: dict) -> str:
         f"hidden states      {s['hidden_state_bytes']} bytes ({_size(s['hidden_state_bytes'])}) for {s['hidden_state_tokens']} tokens",
         f"drafter            {fmt(s['drafter_parameters'])} parameters, trained on {fmt(s['drafter_train_tokens'])} tokens",
         acceptance_line(s),
+        *failed_check_lines(s.get("failed_checks") or []),
         "",
         "== where the outputs are ==",
     ]

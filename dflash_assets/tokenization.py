@@ -11,6 +11,7 @@ assistant turn is never re-rendered through the template: that is where masks go
 from __future__ import annotations
 
 import itertools
+import functools
 import json
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -180,6 +181,24 @@ class SequenceBuilder:
             return []
         return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
+    def decode_completions(self, rows: list[tuple[list[int], int, str]]) -> list[str]:
+        """:meth:`decode_completion` for many ``(input_ids, prompt_len, finish_reason)`` rows in one batched
+        call (the Rust tokenizer decodes the batch in parallel; per-row calls cost the stage ~half its speed)."""
+        ids = []
+        for input_ids, prompt_len, finish_reason in rows:
+            part = input_ids[prompt_len:]
+            if finish_reason == "stop" and part and part[-1] == self.end_token_id:
+                part = part[:-1]
+            ids.append(part)
+        if not ids:
+            return []
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            # the Rust tokenizer's own batch decode: what tokenizer.decode returns per row without the
+            # Python conversions transformers' batch_decode makes (they cost more than the decoding)
+            return backend.decode_batch(ids, skip_special_tokens=False)
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=False)
+
     def decode_completion(self, input_ids: list[int], prompt_len: int, finish_reason: str) -> str:
         """Text of the completion part (end token removed), for the round-trip check."""
         ids = input_ids[prompt_len:]
@@ -190,7 +209,13 @@ class SequenceBuilder:
 
 def _row_thinking(row: dict[str, Any]) -> bool:
     settings = row.get("settings")
-    return bool(json.loads(settings).get("enable_thinking", True)) if settings else True
+    return _thinking_of(settings) if settings else True
+
+
+@functools.lru_cache(maxsize=64)
+def _thinking_of(settings: str) -> bool:
+    """``enable_thinking`` of a row's settings JSON (a partition holds one or a few distinct strings)."""
+    return bool(json.loads(settings).get("enable_thinking", True))
 
 
 def tokenize_partition(

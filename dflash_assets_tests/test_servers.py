@@ -212,9 +212,11 @@ def test_resource_external_mode_yields_given_urls(local_server, tmp_path):
 def test_resource_external_mode_probe_fails_on_dead_url(tmp_path):
     from dflash_assets.generation.servers import free_port
 
-    r = InferenceServerResource(mode="external", base_urls=[f"http://127.0.0.1:{free_port()}/v1"],
+    port = free_port()
+    r = InferenceServerResource(mode="external", base_urls=[f"http://127.0.0.1:{port}/v1"],
                                 served_model_name="m", startup_timeout_s=5)
-    with pytest.raises(httpx.TransportError):
+    # issue 16: the error names the URL and what to try (was a bare httpx "Connection refused")
+    with pytest.raises(RuntimeError, match=rf"probe POST http://127.0.0.1:{port}/v1/chat/completions failed: ConnectError.*curl"):
         with r.serve(tmp_path):
             pass
 

@@ -228,3 +228,63 @@ def test_one_partition_is_named_and_missing_stages_are_marked(tmp_path):
     assert f"{root}/completions/{KEYS[0]}.parquet\n" in where  # written: no mark
     assert f"{root}/tokenized_sequences/{KEYS[0]}.parquet  (not written yet)" in where
     assert f"{root}/drafter_evaluation/acceptance.png  (not written yet)" in where
+
+
+OUTCOMES: dict[tuple[str, str], bool] = {}  # (check name, partition) -> passed, read by the stand-in asset below
+
+
+def stand_in_tokenized(keys: list[str]):
+    """An asset with the project's key and two of its check names (one WARN, one ERROR), whose outcomes
+    the test sets per partition: real runs write real check evaluations into the instance."""
+    warn, err = "retokenized_length_matches_server", "no_empty_loss_mask"
+
+    @dg.asset(name="tokenized_sequences", partitions_def=dg.StaticPartitionsDefinition(keys),
+              check_specs=[dg.AssetCheckSpec(warn, asset="tokenized_sequences"), dg.AssetCheckSpec(err, asset="tokenized_sequences")])
+    def asset(context):
+        pk = context.partition_key
+        yield dg.MaterializeResult()
+        yield dg.AssetCheckResult(check_name=warn, passed=OUTCOMES.get((warn, pk), True), severity=dg.AssetCheckSeverity.WARN,
+                                  description="lengths differ")
+        yield dg.AssetCheckResult(check_name=err, passed=OUTCOMES.get((err, pk), True), severity=dg.AssetCheckSeverity.ERROR)
+
+    return asset
+
+
+def test_failed_checks_of_any_severity_appear_in_the_summary_with_counts_and_partitions(tmp_path):
+    """Issue 16: `retokenized_length_matches_server` failed (WARN) in 3 of 4 partitions and only Dagster's
+    DEBUG lines said so. The summary reads the latest evaluation per partition from the instance."""
+    root = tmp_path / "data"
+    keys = ["0000000-0000003", "0000004-0000007", "0000008-0000011", "0000012-0000015"]
+    asset = stand_in_tokenized(keys)
+    OUTCOMES.clear()
+    OUTCOMES.update({("retokenized_length_matches_server", pk): pk == keys[1] for pk in keys})
+    OUTCOMES[("no_empty_loss_mask", keys[3])] = False
+    with dg.instance_for_test() as instance:
+        fill(instance, root)
+        for pk in keys:
+            dg.materialize([asset], instance=instance, partition_key=pk, raise_on_error=False)
+        # a partition that failed earlier and passes now: only its latest evaluation counts
+        OUTCOMES[("retokenized_length_matches_server", keys[2])] = True
+        dg.materialize([asset], instance=instance, partition_key=keys[2])
+        s = collect_summary(instance, keys, StorageResource(root=str(root)))
+    by_name = {c["check"]: c for c in s["failed_checks"]}
+    assert set(by_name) == {"tokenized_sequences.retokenized_length_matches_server", "tokenized_sequences.no_empty_loss_mask"}
+    warn = by_name["tokenized_sequences.retokenized_length_matches_server"]
+    assert (warn["severity"], warn["failed"], warn["evaluated"], warn["partitions"]) == ("WARN", 2, 4, [keys[0], keys[3]])
+    err = by_name["tokenized_sequences.no_empty_loss_mask"]
+    assert (err["severity"], err["failed"], err["partitions"]) == ("ERROR", 1, [keys[3]])
+    text = format_summary(s)
+    numbers = text.split("== where the outputs are ==")[0]
+    assert (f"tokenized_sequences.retokenized_length_matches_server (WARN): 2 of 4 partitions failed: {keys[0]}, {keys[3]}; "
+            "lengths differ") in numbers
+    assert f"tokenized_sequences.no_empty_loss_mask (ERROR): 1 of 4 partitions failed: {keys[3]}" in numbers
+
+
+def test_summary_says_no_failed_checks_when_all_pass(tmp_path):
+    OUTCOMES.clear()
+    with dg.instance_for_test() as instance:
+        fill(instance, tmp_path / "data")
+        dg.materialize([stand_in_tokenized(KEYS)], instance=instance, partition_key=KEYS[0])
+        s = collect_summary(instance, KEYS, StorageResource(root=str(tmp_path / "data")))
+    assert s["failed_checks"] == []
+    assert "failed checks      none" in format_summary(s)

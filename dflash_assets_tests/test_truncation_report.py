@@ -193,9 +193,8 @@ def lognormal_rows(lengths: np.ndarray, cap: int, previous_cap: int | None = Non
 
 
 def test_cap_advice_90pct_interval_covers_the_truth():
-    """Over 15 independent censored samples (45 intervals), the 90% bootstrap intervals cover what
-    re-running at the larger cap would show in >= 75% of cases (nominal 90%; 34/45 allows for the
-    intervals' correlation and the bootstrap's own noise), and they are not vacuous."""
+    """Over 15 independent censored samples (45 intervals), the 90% intervals cover what re-running at the
+    larger cap would show in >= 90% of cases, and they are not vacuous."""
     from dflash_assets.truncation import cap_advice
 
     n, covered, widths = 600, [], []
@@ -208,8 +207,9 @@ def test_cap_advice_90pct_interval_covers_the_truth():
             lo, hi = cand["truncation_rate_90ci"]
             covered.append(lo <= float(np.mean(lengths > cand["cap"])) <= hi)
             widths.append((hi - lo) / true_rate(cand["cap"]))
-    assert len(covered) == 45 and sum(covered) >= 34, sum(covered)
-    assert max(widths) < 1.0 and float(np.mean(widths)) < 0.6  # relative width: informative, not everything
+    # issue 16: the interval now keeps its promise (>= 90%; it holds model uncertainty: log-normal and Weibull)
+    assert len(covered) == 45 and sum(covered) >= 41, sum(covered)
+    assert max(widths) < 2.0 and float(np.mean(widths)) < 1.0  # relative width: informative, not everything
 
 
 def write_partition(root, pk: str, rows: list[dict]) -> None:

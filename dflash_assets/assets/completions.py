@@ -28,7 +28,7 @@ import polars as pl
 
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.generation.client import TooManyFailuresError
-from dflash_assets.generation.records import invalid_reason, row_from_result, rows_to_frame
+from dflash_assets.generation.records import invalid_reason, no_good_row_message, row_from_result, rows_to_frame
 from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
@@ -144,7 +144,7 @@ with warnings.catch_warnings():
             "tokens, generated token ids when returned, the settings used, latency, server, attempts and errors. "
             "A range of partitions is one run: servers started once, requests streamed across partitions, each "
             "partition committed (table + materialization) as soon as its last row is in. "
-            "Row checkpoints in completions/<pk>.journal.jsonl; output completions/<pk>.parquet."
+            "Row checkpoints in `completions/<pk>.journal.jsonl`; output `completions/<pk>.parquet`."
         ),
     )
 
@@ -177,6 +177,9 @@ def completions(
         for part in parts:
             part.journal.close()  # a clean stop syncs the journal (S3) whatever ended generation
     missing = {p.pk: p.remaining for p in parts if p.remaining}
+    if run.no_good_row:
+        # such a partition is not recorded as materialized; its journal (all error rows) is kept
+        raise dg.Failure("; ".join(run.no_good_row.values()))
     if run.failure is not None or missing:
         # finished rows stay in the journals; the next run requests only the rest
         raise dg.Failure(
@@ -198,6 +201,7 @@ class _RangeRun:
         self.started = time.monotonic()
         self.rows_total = 0
         self.committed: list[str] = []
+        self.no_good_row: dict[str, str] = {}  # partitions whose every row ended in error -> failure message
         self.failure: Exception | None = None
         self.client = None
         self.capacity = 0
@@ -224,7 +228,7 @@ class _RangeRun:
             if current is not None and current.value == version:
                 self.context.log.info(f"{part.pk}: complete and unchanged (data version {version}): kept")
                 return
-        yield self.commit(part)
+        yield from self.commit(part)
 
     def progress_line(self) -> str:
         progress = self.client.progress()
@@ -312,7 +316,7 @@ class _RangeRun:
                     context.log.info(self.progress_line())
                     last_log = time.monotonic()
                 if kind == "commit":
-                    yield self.commit(obj)
+                    yield from self.commit(obj)
                 elif kind == "done":
                     break
                 elif kind == "error":
@@ -331,12 +335,17 @@ class _RangeRun:
         for fault in client.faults:
             context.log.warning(f"server fault during the run: {fault}")
 
-    def commit(self, part: _Partition) -> dg.AssetMaterialization | dg.MaterializeResult:
-        """Write ``part``'s table (atomic), drop its journal, and build its materialization: an
+    def commit(self, part: _Partition):
+        """Write ``part``'s table (atomic), drop its journal, and yield its materialization: an
         AssetMaterialization of that partition in a range run (recorded at once), the step's result in
-        a one-partition run."""
+        a one-partition run. A partition none of whose rows succeeded yields nothing: it is noted in
+        ``no_good_row`` and the run fails at its end, the journal kept."""
         prompts, pk = part.prompts, part.pk
         frame = rows_to_frame([part.existing[i] for i in prompts["index"].to_list() if i in part.existing])
+        if (message := no_good_row_message(frame.to_dicts(), pk)) is not None:
+            self.context.log.error(message)
+            self.no_good_row[pk] = message
+            return
         uri = self.store.write_parquet(frame, *partition_file(pk))
         part.journal.discard()
         data_version = hashlib.sha256(self.store.read_bytes(*partition_file(pk))).hexdigest()[:20]
@@ -384,8 +393,9 @@ class _RangeRun:
         if len(self.keys) == 1:
             # a one-partition run ends with its output, as any asset: later assets in the same run
             # (the partition_stages job) run on it; without an output Dagster would skip them
-            return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(data_version))
-        return dg.AssetMaterialization(
+            yield dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(data_version))
+            return
+        yield dg.AssetMaterialization(
             asset_key=self.context.asset_key,
             partition=pk,
             metadata=metadata,

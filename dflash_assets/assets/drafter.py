@@ -99,7 +99,7 @@ def read_log(path: str) -> list[dict]:
     description=(
         "Trains the DFlash drafter (fc + hidden_norm over 5 target layers, draft decoder layers, frozen target embedding "
         "and LM head) on the hidden-state shards of every complete partition, with a held-out split; checkpoints under "
-        "dflash_drafter/runs/<run id>/ (a rerun resumes); exports dflash_drafter/export/ (config.json with "
+        "`dflash_drafter/runs/<run id>/` (a rerun resumes); exports dflash_drafter/export/ (config.json with "
         "architectures [DFlashDraftModel], block_size, dflash_config; model.safetensors) for SGLang/vLLM."
     ),
 )

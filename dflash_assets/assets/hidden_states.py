@@ -60,9 +60,9 @@ def partition_dir(storage: StorageResource, pk: str) -> str:
         dg.AssetCheckSpec(CHECK_FINITE, asset="hidden_states", blocking=True, description="No NaN or Inf in the stored features."),
     ],
     description=(
-        "Runs the target model over tokenized_sequences/<pk>.parquet (batched by a token budget, sorted by length, "
-        "stopping after the last needed layer) and writes hidden_states/<pk>/shard-NNNNN.safetensors holding "
-        "hidden_states [tokens, n_layers*hidden] bf16, input_ids, loss_mask, cu_seqlens, row_index, plus index.json. "
+        "Runs the target model over `tokenized_sequences/<pk>.parquet` (batched by a token budget, sorted by length, "
+        "stopping after the last needed layer) and writes `hidden_states/<pk>/shard-NNNNN.safetensors` holding "
+        "`hidden_states [tokens, n_layers*hidden]` bf16, input_ids, loss_mask, cu_seqlens, row_index, plus index.json. "
         "Shards are atomic; complete ones are kept on rerun. Checks free disk space before writing."
     ),
 )

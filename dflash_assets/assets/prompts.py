@@ -9,7 +9,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from dflash_assets.corpus import build_corpus, expand_source
+from dflash_assets.corpus import CorpusError, build_corpus, expand_source
 from dflash_assets.metadata import table_preview
 from dflash_assets.partitions import partition_keys, prompt_ranges
 from dflash_assets.resources.storage import StorageResource
@@ -37,13 +37,22 @@ class PromptCorpusConfig(dg.Config):
     max_prompts: int | None = Field(default=None, ge=1, description="Keep only the first N prompts (demo runs).")
 
 
-def corpus_fingerprint(config: PromptCorpusConfig) -> str:
-    """Hash of the corpus config and each source file's size and mtime: equal -> the corpus is unchanged."""
+def corpus_fingerprint(config: PromptCorpusConfig, storage: StorageResource | None = None) -> str:
+    """Hash of the corpus config and each source file's size and modification time (S3: size and ETag):
+    equal -> the corpus is unchanged. ``storage`` supplies the S3 endpoint and credentials for s3:// sources."""
+    options = storage.source_storage_options if storage is not None else None
     parts = [config.model_dump_json()]
     for spec in config.sources:
-        for path in expand_source(spec):
-            st = os.stat(path) if "://" not in path else None
-            parts.append(f"{path}:{st.st_size if st else ''}:{st.st_mtime_ns if st else ''}")
+        opts = options(spec) if options else {}
+        for path in expand_source(spec, opts):
+            if "://" not in path:
+                st = os.stat(path)
+                parts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+            else:
+                import fsspec
+
+                info = fsspec.core.url_to_fs(path, **opts)[0].info(path)
+                parts.append(f"{path}:{info.get('size')}:{info.get('ETag') or info.get('LastModified') or ''}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -60,11 +69,17 @@ def corpus_fingerprint(config: PromptCorpusConfig) -> str:
 )
 def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig, storage: StorageResource) -> dg.MaterializeResult:
     started = time.monotonic()
-    result = build_corpus(config.sources)
+    store = storage.open()
+    try:
+        result = build_corpus(config.sources, storage.source_storage_options)
+    except CorpusError as exc:
+        if exc.rejected is None:
+            raise dg.Failure(str(exc)) from None
+        uri = store.write_parquet(exc.rejected, *REJECTED_FILE)  # the rows set aside, with reasons, for the user to read
+        raise dg.Failure(f"{exc} Rejected rows with reasons: {uri}", metadata={"rejected": exc.rejected.height}) from None
     corpus = result.corpus
     if config.max_prompts is not None and corpus.height > config.max_prompts:
         corpus = corpus.head(config.max_prompts)
-    store = storage.open()
     corpus_uri = store.write_parquet(corpus, *CORPUS_FILE)
     store.write_parquet(result.rejected, *REJECTED_FILE)
 
@@ -104,7 +119,7 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig,
             "path": dg.MetadataValue.path(corpus_uri),
             "preview": table_preview(preview),
             "seconds": round(time.monotonic() - started, 2),
-            "config_fingerprint": corpus_fingerprint(config),
+            "config_fingerprint": corpus_fingerprint(config, storage),
         }
     )
 

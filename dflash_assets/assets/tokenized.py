@@ -56,9 +56,9 @@ class TokenizeConfig(dg.Config):
                                       "usage.completion_tokens: the text does not round-trip to the emitted tokens."),
     ],
     description=(
-        "Reads completions/<pk>.parquet and the prompt corpus; builds input_ids = chat-template prompt ids + generated "
+        "Reads `completions/<pk>.parquet` and the prompt corpus; builds input_ids = chat-template prompt ids + generated "
         "ids (server ids when returned, else the completion re-tokenized as emitted, plus the end-of-turn token for "
-        "stop rows) and loss_mask = 0 on the prompt, 1 on the completion. Writes tokenized_sequences/<pk>.parquet "
+        "stop rows) and loss_mask = 0 on the prompt, 1 on the completion. Writes `tokenized_sequences/<pk>.parquet` "
         "(index, prompt_id, input_ids int32, loss_mask int8, prompt_len, num_loss_tokens, finish_reason)."
     ),
 )
@@ -74,10 +74,8 @@ def tokenized_sequences(
     completions = store.read_parquet(*partition_file(pk))
     prompts = load_prompts(store, pk)
     builder = SequenceBuilder(target_model.load_tokenizer(), end_token=config.end_token or None)
-    policy = TokenizePolicy(config.max_length, config.truncated, config.over_max_length)
-    tokenized, aside, counts = tokenize_partition(completions, prompts, builder, policy)
-    uri = store.write_parquet(tokenized, *tokenized_file(pk))
-    store.write_parquet(aside, "tokenized_sequences", f"{pk}.set_aside.parquet")
+    tokenized, aside, counts, uri, version, checks = tokenize_stage(
+        store, pk, completions, prompts, builder, config, generation.settings().max_output_tokens)
     for row in aside.head(10).iter_rows(named=True):
         context.log.warning(f"{pk}: row {row['index']} set aside: {row['reason']}")
     lengths = tokenized["num_loss_tokens"].to_list()
@@ -92,9 +90,27 @@ def tokenized_sequences(
             "end_token": builder.end_token,
             "path": dg.MetadataValue.path(uri),
         },
-        data_version=dg.DataVersion(hashlib.sha256(store.read_bytes(*tokenized_file(pk))).hexdigest()[:20]),
+        data_version=dg.DataVersion(version),
     )
-    yield from run_checks(tokenized, completions, builder, config, generation.settings().max_output_tokens)
+    yield from checks
+
+
+def tokenize_stage(store, pk: str, completions: pl.DataFrame, prompts: pl.DataFrame, builder: SequenceBuilder,
+                   config: TokenizeConfig, cap: int):
+    """The stage's whole work for one partition, without Dagster's bookkeeping (the asset and
+    bench/bench_tokenize.py both run this): tokenize, write the table and the set-aside rows, hash the
+    written table (the data version), run the checks.
+
+    Returns:
+        ``(tokenized, set_aside, counts, uri, data_version, check_results)``.
+    """
+    policy = TokenizePolicy(config.max_length, config.truncated, config.over_max_length)
+    tokenized, aside, counts = tokenize_partition(completions, prompts, builder, policy)
+    uri = store.write_parquet(tokenized, *tokenized_file(pk))
+    store.write_parquet(aside, "tokenized_sequences", f"{pk}.set_aside.parquet")
+    version = hashlib.sha256(store.read_bytes(*tokenized_file(pk))).hexdigest()[:20]
+    checks = list(run_checks(tokenized, completions, builder, config, cap))
+    return tokenized, aside, counts, uri, version, checks
 
 
 def run_checks(tokenized: pl.DataFrame, completions: pl.DataFrame, builder: SequenceBuilder, config: TokenizeConfig, cap: int):
@@ -113,11 +129,10 @@ def run_checks(tokenized: pl.DataFrame, completions: pl.DataFrame, builder: Sequ
     )
     by_index = {r["index"]: r for r in completions.iter_rows(named=True)}
     bad = []
-    for row in tokenized.iter_rows(named=True):
+    whole = [row for row in tokenized.iter_rows(named=True) if not row["cut"]]
+    decoded_all = builder.decode_completions([(r["input_ids"], r["prompt_len"], r["finish_reason"]) for r in whole])
+    for row, decoded in zip(whole, decoded_all):
         rec = by_index[row["index"]]
-        decoded = builder.decode_completion(row["input_ids"], row["prompt_len"], row["finish_reason"])
-        if row["cut"]:
-            continue
         expected = [t for t in (rec.get("reasoning_content"), rec.get("content")) if t and t.strip()]
         if not all(_squash(t) in _squash(decoded) for t in expected):
             bad.append(row["index"])

@@ -10,7 +10,7 @@ from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource
-from dflash_assets.truncation import LogNormalFit, cap_advice, length_histogram_png, predict_cap, read_report_columns, truncation_stats
+from dflash_assets.truncation import cap_advice, fit_from_dict, length_histogram_png, predict_cap, read_report_columns, truncation_stats
 
 REPORT_DIR = "truncation_report"
 
@@ -38,7 +38,7 @@ def prediction_check(previous: dict | None, stats: dict, cap: int) -> dict | Non
     if not previous or previous.get("cap") == cap or not (previous.get("advice") or {}).get("fit"):
         return None
     adv = previous["advice"]
-    fit = LogNormalFit(**adv["fit"])
+    fit = fit_from_dict(adv["fit"])
     pred = predict_cap(fit, previous["cap"], adv["observed_truncation_rate"], adv["truncated_rows"], cap)
     return {
         "previous_cap": previous["cap"], "new_cap": cap,

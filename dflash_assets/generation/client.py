@@ -38,10 +38,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from dflash_assets.generation.urls import chat_completions_url, redact, strip_credentials
 
 __all__ = [
     "CompletionClient",
@@ -191,9 +192,8 @@ class _Server:
         self.retry_at = 0.0
         self.last_progress = time.monotonic()  # last finished request, or when it became busy
         self.tasks: set[asyncio.Future] = set()  # HTTP exchanges in flight (cancelled when taken out)
-        self.label = _strip_credentials(base_url.rstrip("/"))
-        base = base_url.rstrip("/")
-        self.endpoint = base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
+        self.label = strip_credentials(base_url.rstrip("/"))
+        self.endpoint = chat_completions_url(base_url)  # the probe's rule too
         self.url = httpx.URL(self.endpoint)  # parsed once, not per request
         self.in_flight = 0
         self.avoid_until = 0.0
@@ -208,17 +208,6 @@ async def _exchange(http: httpx.AsyncHTTPTransport, request: httpx.Request) -> h
     finally:
         await response.aclose()
     return response
-
-
-def _strip_credentials(url: str) -> str:
-    """The URL without ``user:password@`` (labels go into logs and errors)."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host += f":{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -450,9 +439,13 @@ class CompletionClient:
     # -- helpers ----------------------------------------------------------------------------------
 
     def _redact(self, text: str) -> str:
-        if self._api_key and self._api_key in text:
-            text = text.replace(self._api_key, "***")
-        return text
+        return redact(text, self._api_key)
+
+    def _redact_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Generated text is server text too: a server that echoes the key must not put it in storage."""
+        if not self._api_key:
+            return fields
+        return {k: redact(v, self._api_key) if isinstance(v, str) else v for k, v in fields.items()}
 
     def _pick_server(self) -> _Server:
         """Least in-flight server among those not being avoided; ties rotate."""
@@ -630,7 +623,7 @@ class CompletionClient:
             server=server.label,
             attempts=attempts,
             error=None,
-            **fields,
+            **self._redact_fields(fields),
         )
 
     def _record(self, result: CompletionResult) -> None:

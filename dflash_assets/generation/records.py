@@ -115,3 +115,22 @@ def rows_to_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
     """Rows sorted by ``index`` as a DataFrame with COMPLETIONS_SCHEMA (deterministic bytes on write)."""
     rows = sorted(rows, key=lambda r: r["index"])
     return pl.DataFrame(rows, schema=COMPLETIONS_SCHEMA) if rows else pl.DataFrame(schema=COMPLETIONS_SCHEMA)
+
+
+def no_good_row_message(rows: list[dict[str, Any]], pk: str, quote: int = 3) -> str | None:
+    """The failure message for a partition none of whose rows succeeded, or None when one did (or none exist).
+
+    Such a partition must fail its run, not be recorded as materialized: the first ``quote`` distinct
+    errors (already redacted by the client) are quoted with their row index.
+    """
+    if not rows or any(not r.get("error") for r in rows):
+        return None
+    first, seen = [], set()
+    for row in sorted(rows, key=lambda r: r["index"]):
+        if row["error"] not in seen:
+            seen.add(row["error"])
+            first.append(f"row {row['index']}: {row['error']}")
+        if len(first) == quote:
+            break
+    return (f"{pk}: all {len(rows)} rows ended in error; first errors: " + "; ".join(first)
+            + ". Fix the cause and rerun the partition (finished rows are checkpointed; failed ones are requested again)")

@@ -20,7 +20,7 @@ from dflash_assets.generation.servers import (
     build_router_command,
     build_sglang_commands,
     orphan_message,
-    probe_chat,
+    probe_external,
     reap_orphaned_servers,
 )
 from dflash_assets.generation.supervision import ProbeSupervisor, ProcessSupervisor
@@ -151,7 +151,7 @@ class InferenceServerResource(dg.ConfigurableResource):
             if not self.base_urls or not self.served_model_name:
                 raise ValueError("mode 'external' needs base_urls and served_model_name")
             for url in self.base_urls:
-                probe_chat(url, self.served_model_name, self.api_key, timeout_s=min(self.startup_timeout_s, 300.0))
+                probe_external(url, self.served_model_name, self.api_key, timeout_s=min(self.startup_timeout_s, 300.0))
             supervisor = ProbeSupervisor(self.base_urls, self.served_model_name, self.api_key, self.server_retry_s)
             yield ServerPool(list(self.base_urls), self.served_model_name, self.api_key, mrr, self.external_backend,
                              supervisor=supervisor)

@@ -78,6 +78,14 @@ class StorageResource(dg.ConfigurableResource):
     def _storage_options(self) -> dict[str, Any]:
         if not self.is_remote:
             return {}
+        return self._s3_options()
+
+    def source_storage_options(self, spec: str) -> dict[str, Any]:
+        """fsspec options for reading an input such as a prompt source: for ``s3://`` this resource's
+        endpoint, region, credentials and timeouts (whatever the storage root is); ``{}`` otherwise."""
+        return self._s3_options() if spec.startswith("s3://") else {}
+
+    def _s3_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {
             # fresh listings every call: another process (or machine) may have written meanwhile
             "use_listings_cache": False,

@@ -1,0 +1,124 @@
+"""Config file validation (issue 16: `generation: {max_output_token: 64}` ran silently at cap 4,096, so did
+a typo'd resource name, and YAML errors did not name the file). Each bad input gets an error naming the
+key, where it is, the valid keys and the file."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_assets import config as cfg
+from dflash_assets.resources.generation import GenerationResource
+from dflash_assets.resources.storage import StorageResource
+
+ROOT = Path(__file__).resolve().parents[1]
+CLASSES = {"generation": GenerationResource, "storage": StorageResource}
+
+
+def write(tmp_path, text: str, monkeypatch) -> Path:
+    path = tmp_path / "my_config.yaml"
+    path.write_text(text)
+    monkeypatch.setenv("DFLASH_CONFIG", str(path))
+    return path
+
+
+def error_of(fn, *args) -> str:
+    with pytest.raises(cfg.ConfigError) as err:
+        fn(*args)
+    return str(err.value)
+
+
+def project_assets():
+    """The project's asset definitions, imported before a test points DFLASH_CONFIG at a bad file."""
+    return ASSETS
+
+
+from dflash_assets.definitions import ASSETS  # noqa: E402  (with the bundled config)
+
+
+def test_typo_in_a_resource_field_is_an_error_naming_key_place_valid_keys_and_file(tmp_path, monkeypatch):
+    path = write(tmp_path, "resources:\n  generation: {max_output_token: 64}\n", monkeypatch)
+    msg = error_of(cfg.build_resources, CLASSES)
+    assert msg.startswith(f"{path}: resources.generation: unknown key 'max_output_token'")
+    assert "did you mean 'max_output_tokens'?" in msg and "valid keys:" in msg and "temperature" in msg
+
+
+def test_every_project_resource_rejects_an_unknown_field(tmp_path, monkeypatch):
+    from dflash_assets.resources.inference import InferenceServerResource
+    from dflash_assets.resources.target_model import TargetModelResource
+
+    classes = {**CLASSES, "inference": InferenceServerResource, "target_model": TargetModelResource}
+    for name in classes:
+        path = write(tmp_path, f"resources:\n  {name}: {{no_such_field: 1}}\n", monkeypatch)
+        assert f"{path}: resources.{name}: unknown key 'no_such_field'" in error_of(cfg.build_resources, classes)
+
+
+def test_typo_in_a_resource_name_is_an_error(tmp_path, monkeypatch):
+    path = write(tmp_path, "resources:\n  generaton: {max_output_tokens: 64}\n", monkeypatch)
+    msg = error_of(cfg.build_resources, CLASSES)
+    assert msg.startswith(f"{path}: resources: unknown resource 'generaton' (did you mean 'generation'?)")
+    assert "valid resources: generation, storage" in msg
+
+
+def test_a_bad_value_names_the_file_and_the_resource(tmp_path, monkeypatch):
+    path = write(tmp_path, "resources:\n  generation: {max_output_tokens: lots}\n", monkeypatch)
+    msg = error_of(cfg.build_resources, CLASSES)
+    assert msg.startswith(f"{path}: resources.generation: ") and "max_output_tokens" in msg and "integer" in msg
+
+
+def test_yaml_error_names_the_file(tmp_path, monkeypatch):
+    path = write(tmp_path, "resources:\n  generation: {max_output_tokens: 64\n", monkeypatch)
+    msg = error_of(cfg.project_config)
+    assert msg.startswith(f"{path}: not valid YAML:") and "line" in msg
+
+
+def test_unknown_top_level_key(tmp_path, monkeypatch):
+    path = write(tmp_path, "resource:\n  generation: {}\n", monkeypatch)
+    assert error_of(cfg.project_config) == (f"{path}: top level: unknown key 'resource' (did you mean 'resources'?); "
+                                            "valid keys: ops, resources")
+
+
+def test_unknown_op_name(tmp_path, monkeypatch):
+    path = write(tmp_path, "ops:\n  prompt_corpuz: {config: {max_prompts: 3}}\n", monkeypatch)
+    msg = error_of(cfg.validate_ops, project_assets())
+    assert msg.startswith(f"{path}: ops: unknown op 'prompt_corpuz' (did you mean 'prompt_corpus'?)")
+    assert "completions" in msg and "dflash_drafter" in msg
+
+
+def test_unknown_op_config_key_and_bad_type(tmp_path, monkeypatch):
+    path = write(tmp_path, "ops:\n  prompt_corpus: {config: {max_prompt: 3}}\n", monkeypatch)
+    msg = error_of(cfg.validate_ops, project_assets())
+    assert msg.startswith(f"{path}: ops.prompt_corpus.config: ") and '"max_prompt"' in msg and "max_prompts" in msg
+    path = write(tmp_path, "ops:\n  prompt_corpus: {config: {partition_size: big}}\n", monkeypatch)
+    msg = error_of(cfg.validate_ops, project_assets())
+    assert msg.startswith(f"{path}: ops.prompt_corpus.config: ") and "partition_size" in msg
+    path = write(tmp_path, "ops:\n  prompt_corpus: {configs: {}}\n", monkeypatch)
+    assert error_of(cfg.validate_ops, project_assets()).startswith(f"{path}: ops.prompt_corpus: unknown key 'configs'")
+
+
+def test_bundled_configs_are_valid(monkeypatch):
+    for path in sorted(cfg.BUNDLED.glob("*.yaml")):
+        monkeypatch.setenv("DFLASH_CONFIG", str(path))
+        cfg.validate_ops(project_assets())
+        assert set(cfg.build_resources({"generation": GenerationResource, "storage": StorageResource,
+                                        **_other_classes()}))
+
+
+def _other_classes():
+    from dflash_assets.resources.inference import InferenceServerResource
+    from dflash_assets.resources.target_model import TargetModelResource
+
+    return {"inference": InferenceServerResource, "target_model": TargetModelResource}
+
+
+def test_cli_run_with_a_typo_stops_before_any_work(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("resources:\n  generation: {max_output_token: 64}\n")
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "DFLASH_STORAGE_ROOT": str(tmp_path / "data")}
+    proc = subprocess.run([sys.executable, "-m", "dflash_assets", "run", "--config", str(path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert f"config error: {path}: resources.generation: unknown key 'max_output_token'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "data").exists()
