@@ -42,6 +42,12 @@ class DrafterConfig(dg.Config):
     nproc: int = Field(default=1, ge=1, description="Processes (torchrun, gloo on CPU / nccl on GPU); 1 = in this process.")
     seed: int = 0
     intermediate_size: int | None = Field(default=None, description="Override the drafter MLP width (default: the target's).")
+    layer_types: list[str] | None = Field(
+        default=None,
+        description="Attention of each draft layer: full_attention (non-causal) or sliding_attention (causal, sliding_window "
+                    "tokens); None = all full. Exported in config.json as SGLang reads it.",
+    )
+    sliding_window: int | None = Field(default=None, ge=1, description="Window of sliding_attention layers (tokens, the query included).")
     warm_start: bool = Field(
         default=False,
         description="When the training data changed: continue from the last export (dflash_drafter/export) on the new "
@@ -81,6 +87,14 @@ def _sha(obj) -> str:
 def config_fingerprint(config: DrafterConfig) -> str:
     """SHA-256 (16 hex) of the settings that shape the drafter (``nproc`` excluded: same data order per step)."""
     return _sha(config.model_dump(exclude={"nproc"}))[:16]
+
+
+def config_changed_since_last(instance: dg.DagsterInstance, key: str, config: dg.Config) -> bool:
+    """Whether ``config`` differs from the settings recorded (``config_fingerprint``) by the last
+    materialization of asset ``key`` (False when there is none or it recorded none)."""
+    event = instance.get_latest_materialization_event(dg.AssetKey(key))
+    recorded = event.asset_materialization.metadata.get("config_fingerprint") if event and event.asset_materialization else None
+    return recorded is not None and recorded.value != _sha(config.model_dump(exclude={"nproc"}))[:16]
 
 
 def data_fingerprint(indexes: dict[str, dict]) -> str:
@@ -194,6 +208,8 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
     # a warm run not yet checkpointed starts from its parent export (still in place until this run exports)
     init_from = export_dir if run["parent"] and export_sha == run["parent"] else None
     overrides = {"intermediate_size": config.intermediate_size} if config.intermediate_size else {}
+    if config.layer_types is not None:
+        overrides.update(layer_types=list(config.layer_types), sliding_window=config.sliding_window)
     cfg = TrainConfig(
         shards=shards, out_dir=run_dir, target_model_path=str(target_model.resolved_path()),
         num_hidden_layers=config.num_hidden_layers, block_size=config.block_size, mask_token_id=config.mask_token_id,

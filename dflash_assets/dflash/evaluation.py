@@ -39,6 +39,7 @@ __all__ = [
     "acceptance_length",
     "acceptance_per_position",
     "evaluate_drafter",
+    "evaluate_drafters",
     "teacher_forced_acceptance",
     "teacher_forced_chain",
     "tau_statistics",
@@ -187,26 +188,56 @@ def evaluate_drafter(
     plain_results: Sequence[SpecResult] | None = None,
     warmup: bool = True,
     progress: Callable[[int, int, SpecResult], None] | None = None,
+    use_context_cache: bool = True,
 ) -> dict:
     """Greedy speculative decoding vs plain greedy decoding of the same prompts, on this machine.
 
+    One drafter's case of :func:`evaluate_drafters` (see there for the timing and the returned fields).
+    """
+    return evaluate_drafters(
+        target, {"drafter": drafter}, prompts_ids, max_new_tokens, eos_token_ids=eos_token_ids,
+        target_layer_ids=target_layer_ids, block_size=block_size, mask_token_id=mask_token_id,
+        plain_results=plain_results, warmup=warmup,
+        progress=None if progress is None else (lambda name, done, total, r: progress(done, total, r)),
+        use_context_cache=use_context_cache,
+    )["drafter"]
+
+
+def evaluate_drafters(
+    target: nn.Module,
+    drafters: Mapping[str, nn.Module],
+    prompts_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    eos_token_ids: Iterable[int] | None = None,
+    target_layer_ids: Sequence[int] | None = None,
+    block_size: int | None = None,
+    mask_token_id: int | None = None,
+    plain_results: Sequence[SpecResult] | None = None,
+    warmup: bool = True,
+    progress: Callable[[str, int, int, SpecResult], None] | None = None,
+    use_context_cache: bool = True,
+) -> dict[str, dict]:
+    """Greedy speculative decoding with each drafter vs plain greedy decoding of the same prompts.
+
     Timing is warm and interleaved: after one short warm-up generation of each kind, every prompt is
-    decoded plainly and speculatively back to back (the order alternating from prompt to prompt), so load
-    changes on a shared machine hit both decoders alike. ``plain_results`` skips plain decoding (outputs
-    and forwards are taken from it, as its timing is: then ``timing`` says ``"reused plain results"``).
+    decoded plainly and with each drafter back to back, the order rotating from prompt to prompt, so load
+    changes on a shared machine hit every decoder alike. ``plain_results`` skips plain decoding (outputs,
+    forwards and timing are taken from it; ``timing`` then says ``"reused plain results"``).
 
     Args:
-        target, drafter: as for :func:`dflash_generate` (both in ``eval()`` mode).
+        target: HF causal LM; drafters: ``{name: drafter}`` as for :func:`dflash_generate` (``eval()`` mode).
         prompts_ids: token ids of each prompt (chat template applied).
-        max_new_tokens: per prompt; eos_token_ids: stop tokens for both decoders.
-        target_layer_ids, block_size, mask_token_id: default to ``drafter.config``'s.
+        max_new_tokens: per prompt; eos_token_ids: stop tokens for all decoders.
+        target_layer_ids, block_size, mask_token_id: default to each drafter's config.
         plain_results: earlier :func:`target_generate` results of the same prompts.
         warmup: run one 2-token generation of each kind first so one-off costs stay out of the timing.
-        progress: called as ``progress(done, total, result)`` after each speculative generation (logging).
+        progress: called as ``progress(name, done, total, result)`` after each speculative generation.
+        use_context_cache: passed to :func:`dflash_generate`.
 
     Returns:
-        dict: the :func:`tau_statistics` fields (``tau`` = mean of per-prompt means, ``tau_stderr``,
-        ``tau_pooled``, ``tau_pooled_stderr``, ``per_prompt_tau``, ``histogram``,
+        ``{name: dict}``: the :func:`tau_statistics` fields (``tau`` = mean of per-prompt means,
+        ``tau_stderr``, ``tau_pooled``, ``tau_pooled_stderr``, ``per_prompt_tau``, ``histogram``,
         ``acceptance_per_position``, ...), ``accepted_lengths`` (per prompt lists), ``block_size``,
         ``num_prompts``, ``new_tokens`` (total generated), ``target_forwards_plain``,
         ``target_forwards_spec``, ``target_forwards_saved`` (plain - spec), ``forward_reduction``
@@ -215,57 +246,65 @@ def evaluate_drafter(
         equals the plain greedy output token for token), ``mismatched_prompts`` (indices where it does not).
 
     Raises:
-        ValueError: no prompts, or ``plain_results`` of a different length.
+        ValueError: no prompts, no drafter, or ``plain_results`` of a different length.
     """
-    if not prompts_ids:
-        raise ValueError("no prompts")
+    if not prompts_ids or not drafters:
+        raise ValueError("no prompts" if not prompts_ids else "no drafter")
     if plain_results is not None and len(plain_results) != len(prompts_ids):
         raise ValueError("plain_results must have one result per prompt")
-    cfg = getattr(drafter, "config", None)
-    block_size = int(block_size if block_size is not None else cfg.block_size)
-    kw = dict(target_layer_ids=target_layer_ids, block_size=block_size, mask_token_id=mask_token_id,
-              eos_token_ids=eos_token_ids)
     eos = list(eos_token_ids or [])
+    names = list(drafters)
+
+    def kw(name: str) -> dict:
+        cfg = getattr(drafters[name], "config", None)
+        return dict(target_layer_ids=target_layer_ids, block_size=int(block_size if block_size is not None else cfg.block_size),
+                    mask_token_id=mask_token_id, eos_token_ids=eos_token_ids, use_context_cache=use_context_cache)
+
     if warmup:
-        dflash_generate(target, drafter, prompts_ids[0], min(2, max_new_tokens), **kw)
+        for name in names:
+            dflash_generate(target, drafters[name], prompts_ids[0], min(2, max_new_tokens), **kw(name))
         if plain_results is None:
             target_generate(target, prompts_ids[0], min(2, max_new_tokens), eos)
-    plain, spec = [], []
+    plain: list[SpecResult] = []
+    spec: dict[str, list[SpecResult]] = {n: [] for n in names}
     for i, p in enumerate(prompts_ids):
+        order = ([None] if plain_results is None else []) + names  # None = plain decoding
+        shift = i % len(order)
+        for who in order[shift:] + order[:shift]:
+            if who is None:
+                plain.append(target_generate(target, p, max_new_tokens, eos))
+            else:
+                spec[who].append(dflash_generate(target, drafters[who], p, max_new_tokens, **kw(who)))
+                if progress is not None:
+                    progress(who, i + 1, len(prompts_ids), spec[who][-1])
         if plain_results is not None:
             plain.append(plain_results[i])
-            spec.append(dflash_generate(target, drafter, p, max_new_tokens, **kw))
-        elif i % 2 == 0:
-            plain.append(target_generate(target, p, max_new_tokens, eos))
-            spec.append(dflash_generate(target, drafter, p, max_new_tokens, **kw))
-        else:
-            spec.append(dflash_generate(target, drafter, p, max_new_tokens, **kw))
-            plain.append(target_generate(target, p, max_new_tokens, eos))
-        if progress is not None:
-            progress(len(spec), len(prompts_ids), spec[-1])
-    mismatched = [i for i, (a, b) in enumerate(zip(plain, spec)) if a.output_ids != b.output_ids]
-    fw_plain = sum(r.num_target_forwards for r in plain)
-    fw_spec = sum(r.num_target_forwards for r in spec)
-    wall_plain = sum(r.wall_s for r in plain)
-    wall_spec = sum(r.wall_s for r in spec)
-    stats = tau_statistics([s.accepted_lengths for s in spec], block_size)
-    return {
-        **stats,
-        "accepted_lengths": [list(s.accepted_lengths) for s in spec],
-        "block_size": block_size,
-        "num_prompts": len(prompts_ids),
-        "new_tokens": sum(s.num_new_tokens for s in spec),
-        "target_forwards_plain": fw_plain,
-        "target_forwards_spec": fw_spec,
-        "target_forwards_saved": fw_plain - fw_spec,
-        "forward_reduction": fw_plain / fw_spec if fw_spec else math.nan,
-        "wall_s_plain": wall_plain,
-        "wall_s_spec": wall_spec,
-        "speedup": wall_plain / wall_spec if wall_spec > 0 else math.nan,
-        "timing": "reused plain results" if plain_results is not None else "warm, interleaved per prompt",
-        "lossless": not mismatched,
-        "mismatched_prompts": mismatched,
-    }
+    out = {}
+    for name in names:
+        runs, bs = spec[name], kw(name)["block_size"]
+        mismatched = [i for i, (a, b) in enumerate(zip(plain, runs)) if a.output_ids != b.output_ids]
+        fw_plain = sum(r.num_target_forwards for r in plain)
+        fw_spec = sum(r.num_target_forwards for r in runs)
+        wall_plain = sum(r.wall_s for r in plain)
+        wall_spec = sum(r.wall_s for r in runs)
+        out[name] = {
+            **tau_statistics([r.accepted_lengths for r in runs], bs),
+            "accepted_lengths": [list(r.accepted_lengths) for r in runs],
+            "block_size": bs,
+            "num_prompts": len(prompts_ids),
+            "new_tokens": sum(r.num_new_tokens for r in runs),
+            "target_forwards_plain": fw_plain,
+            "target_forwards_spec": fw_spec,
+            "target_forwards_saved": fw_plain - fw_spec,
+            "forward_reduction": fw_plain / fw_spec if fw_spec else math.nan,
+            "wall_s_plain": wall_plain,
+            "wall_s_spec": wall_spec,
+            "speedup": wall_plain / wall_spec if wall_spec > 0 else math.nan,
+            "timing": "reused plain results" if plain_results is not None else "warm, interleaved per prompt (order rotating)",
+            "lossless": not mismatched,
+            "mismatched_prompts": mismatched,
+        }
+    return out
 
 
 @torch.no_grad()
