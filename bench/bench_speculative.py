@@ -59,6 +59,25 @@ def _summary(ev: dict) -> dict:
     return {k: ev[k] for k in keys}
 
 
+def drafter_step_ms(drafter, context_len: int, steps: int = 30) -> dict:
+    """ms per drafter step at ``context_len`` context tokens: re-projecting the whole context vs the context cache
+    (the cache extended by one position per step, as after a step that accepted one token)."""
+    feats = torch.randn(1, context_len + steps, drafter.config.num_context_features * drafter.config.hidden_size)
+    block = torch.full((1, drafter.config.block_size), drafter.config.mask_token_id)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        for s in range(steps):
+            drafter(block, target_hidden=feats[:, : context_len + s], position_ids=torch.arange(context_len + s + block.shape[1])[None])
+        t1 = time.perf_counter()
+        cache = drafter.extend_context(drafter.new_context_cache(), feats[:, :context_len])
+        t2 = time.perf_counter()
+        for s in range(steps):
+            drafter.forward_block(block, cache)
+            drafter.extend_context(cache, feats[:, context_len + s : context_len + s + 1])
+        t3 = time.perf_counter()
+    return {"reproject_ms": (t1 - t0) * 1e3 / steps, "cached_ms": (t3 - t2) * 1e3 / steps}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", help="exported drafter dir (skip training)")
@@ -142,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "lossless": ev["lossless"]} for name, ev in evs.items()}
         print(f"{label}: " + "; ".join(f"{n} drafter spec/plain wall {t['spec_over_plain']:.3f} (speedup {t['speedup']:.3f}, "
                                        f"tau {t['tau']:.2f})" for n, t in timing[label].items()), file=sys.stderr)
+    timing["drafter_step_ms"] = {str(c): drafter_step_ms(drafter, c) for c in (100, 1000)}
     report["context_cache"] = timing
     ev_held = evaluate_drafter(target, drafter, heldout_prompts, a.max_new_tokens, eos_token_ids=[end_id])
     report["heldout_prompts"] = {"trained": _summary(ev_held)}
