@@ -7,6 +7,12 @@ directory given with ``--drafter``. Lossless is checked for every prompt. Evalua
 prompts (the drafter was fit to them: this measures the machinery and the ceiling) and, if given, on
 held-out prompts.
 
+Timing is warm and interleaved (plain and speculative decoding alternate on the same prompts, see
+``evaluate_drafters``). ``context_cache`` times the trained and untrained drafters twice: re-projecting the
+whole context every step (before the drafter's context cache) and with the cache (projecting only newly
+accepted positions), as speculative / plain wall time; an untrained drafter accepts almost nothing and
+does strictly more work than plain decoding, so its speedup must stay below 1.0.
+
 Usage: ``python bench/bench_speculative.py [--steps 60] [--block-size 4] [--layers 1] [--max-new-tokens 48]
 [--drafter EXPORT_DIR] [--png hist.png] [--device cpu|cuda]``; prints one JSON object.
 """
@@ -27,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_assets.dflash.evaluation import (  # noqa: E402
     acceptance_histogram_png,
     evaluate_drafter,
+    evaluate_drafters,
     teacher_forced_acceptance,
     untrained_drafter_like,
 )
@@ -47,9 +54,28 @@ HELDOUT_QUESTIONS = ["What is the capital of Italy?", "Name three fruits."]
 
 
 def _summary(ev: dict) -> dict:
-    keys = ("tau", "per_prompt_tau", "histogram", "new_tokens", "target_forwards_plain", "target_forwards_spec",
+    keys = ("tau", "tau_stderr", "tau_pooled", "tau_pooled_stderr", "per_prompt_tau", "histogram", "acceptance_per_position", "new_tokens", "target_forwards_plain", "target_forwards_spec",
             "target_forwards_saved", "forward_reduction", "wall_s_plain", "wall_s_spec", "speedup", "lossless")
     return {k: ev[k] for k in keys}
+
+
+def drafter_step_ms(drafter, context_len: int, steps: int = 30) -> dict:
+    """ms per drafter step at ``context_len`` context tokens: re-projecting the whole context vs the context cache
+    (the cache extended by one position per step, as after a step that accepted one token)."""
+    feats = torch.randn(1, context_len + steps, drafter.config.num_context_features * drafter.config.hidden_size)
+    block = torch.full((1, drafter.config.block_size), drafter.config.mask_token_id)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        for s in range(steps):
+            drafter(block, target_hidden=feats[:, : context_len + s], position_ids=torch.arange(context_len + s + block.shape[1])[None])
+        t1 = time.perf_counter()
+        cache = drafter.extend_context(drafter.new_context_cache(), feats[:, :context_len])
+        t2 = time.perf_counter()
+        for s in range(steps):
+            drafter.forward_block(block, cache)
+            drafter.extend_context(cache, feats[:, context_len + s : context_len + s + 1])
+        t3 = time.perf_counter()
+    return {"reproject_ms": (t1 - t0) * 1e3 / steps, "cached_ms": (t3 - t2) * 1e3 / steps}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                            "tokens": sum(len(r["input_ids"]) for r in rows)}
 
     fresh = untrained_drafter_like(drafter, seed=a.seed)
-    kw = dict(eos_token_ids=[end_id], plain_results=plain)
+    kw = dict(eos_token_ids=[end_id])  # plain decoding interleaved with speculative (not the earlier plain runs)
     ev_trained = evaluate_drafter(target, drafter, train_prompts, a.max_new_tokens, **kw)
     ev_untrained = evaluate_drafter(target, fresh, train_prompts, a.max_new_tokens, **kw)
     report["train_prompts"] = {"trained": _summary(ev_trained), "untrained": _summary(ev_untrained)}
@@ -126,6 +152,17 @@ def main(argv: list[str] | None = None) -> int:
         "trained": {k: v for k, v in teacher_forced_acceptance(drafter, shards).items() if k != "histogram"},
         "untrained": {k: v for k, v in teacher_forced_acceptance(fresh, shards).items() if k != "histogram"},
     }
+    timing = {}
+    for label, cached in (("before (re-project the context every step)", False), ("after (context cache)", True)):
+        evs = evaluate_drafters(target, {"trained": drafter, "untrained": fresh}, train_prompts, a.max_new_tokens,
+                                eos_token_ids=[end_id], use_context_cache=cached)
+        timing[label] = {name: {"tau": ev["tau"], "wall_s_spec": ev["wall_s_spec"], "wall_s_plain": ev["wall_s_plain"],
+                                "spec_over_plain": ev["wall_s_spec"] / ev["wall_s_plain"], "speedup": ev["speedup"],
+                                "lossless": ev["lossless"]} for name, ev in evs.items()}
+        print(f"{label}: " + "; ".join(f"{n} drafter spec/plain wall {t['spec_over_plain']:.3f} (speedup {t['speedup']:.3f}, "
+                                       f"tau {t['tau']:.2f})" for n, t in timing[label].items()), file=sys.stderr)
+    timing["drafter_step_ms"] = {str(c): drafter_step_ms(drafter, c) for c in (100, 1000)}
+    report["context_cache"] = timing
     ev_held = evaluate_drafter(target, drafter, heldout_prompts, a.max_new_tokens, eos_token_ids=[end_id])
     report["heldout_prompts"] = {"trained": _summary(ev_held)}
     if a.png:

@@ -3,7 +3,8 @@
 Order: prompt_corpus; for each partition completions -> tokenized_sequences -> hidden_states;
 truncation_report; dflash_drafter; drafter_evaluation. A partition's stage is up to date when its latest
 materialization is newer than its upstream's and, for completions, no row is invalid under the current
-generation settings. Ends with a summary read back from the assets' metadata.
+generation settings; the drafter and its evaluation also rerun when their settings changed (the drafter
+itself then decides, by the content of its data, whether to train, resume or reuse). Ends with a summary read back from the assets' metadata.
 """
 
 import os
@@ -13,6 +14,8 @@ import time
 import dagster as dg
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
+from dflash_assets.assets.drafter import DrafterConfig, config_changed_since_last
+from dflash_assets.assets.evaluation import EvaluationConfig
 from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
 from dflash_assets.automation import affected_reason
 from dflash_assets.config import config_path, op_config
@@ -160,7 +163,10 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
             continue
         upstream_key = {"truncation_report": "completions", "dflash_drafter": "hidden_states", "drafter_evaluation": "dflash_drafter"}[stage]
         upstream = [_latest_record(instance, upstream_key, pk) for pk in keys] if upstream_key != "dflash_drafter" else [_latest_record(instance, upstream_key)]
-        if stage_up_to_date(instance, stage, None, upstream):
+        settings_cls = {"dflash_drafter": DrafterConfig, "drafter_evaluation": EvaluationConfig}.get(stage)
+        changed = settings_cls is not None and config_changed_since_last(
+            instance, stage, settings_cls(**((op_config(stage)["ops"].get(stage) or {}).get("config") or {})))
+        if stage_up_to_date(instance, stage, None, upstream) and not changed:
             continue
         print(f"materializing {stage}")
         result = _materialize([stage], op_config(stage))
@@ -170,7 +176,7 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
             return 1
     from dflash_assets.summary import collect_summary, format_summary
 
-    summary = collect_summary(instance, keys)
+    summary = collect_summary(instance, keys, ran=did_work)
     print(format_summary(summary))
     if did_work:
         print(f"\nmaterialized {len(did_work)} steps in {time.monotonic() - started:.0f}s")

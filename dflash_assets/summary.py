@@ -48,7 +48,7 @@ def _unpartitioned(instance: dg.DagsterInstance, key: str) -> dict:
     return {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
 
 
-def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None) -> dict:
+def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None, ran: list[str] | None = None) -> dict:
     """Numbers a user checks after a run, each taken from an asset's metadata (never recomputed), and
     where every output is.
 
@@ -60,6 +60,8 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None)
         keys: partition keys to sum over (the ``prompt_ranges`` dynamic partitions).
         storage: a :class:`~dflash_assets.resources.storage.StorageResource`; None = the project's
             configured one (``definitions.defs``).
+        ran: the steps this command materialized (``run_all``'s list); when given, a drafter or evaluation
+            not among them is reported as reused (nothing changed), not as work of this run.
 
     Returns:
         A dict of plain values: counts (rows, tokens), ``hidden_state_bytes`` (bytes), ``truncation_rate``
@@ -100,8 +102,15 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None)
         "tokenized_rows": tok_rows, "loss_tokens": loss_tokens,
         "hidden_state_bytes": hs_bytes, "hidden_state_tokens": hs_tokens,
         "drafter_parameters": drafter.get("parameters"), "drafter_train_tokens": drafter.get("train_tokens"),
+        "drafter_steps": drafter.get("steps"), "drafter_outcome": drafter.get("outcome"),
+        "drafter_outcome_text": drafter.get("outcome_text"),
+        "drafter_ran": None if ran is None or not drafter else "dflash_drafter" in ran,
         "tau": evaluation.get("tau"), "tau_untrained": evaluation.get("tau_untrained"),
         "tau_stderr": evaluation.get("tau_stderr"), "tau_untrained_stderr": evaluation.get("tau_untrained_stderr"),
+        "tau_pooled": evaluation.get("tau_pooled"), "tau_pooled_stderr": evaluation.get("tau_pooled_stderr"),
+        "tau_by_dataset": evaluation.get("tau_by_dataset"), "speedup": evaluation.get("speedup_wall"),
+        "evaluation_outcome": evaluation.get("outcome"),
+        "evaluation_ran": None if ran is None or not evaluation else "drafter_evaluation" in ran,
         "eval_prompts": evaluation.get("num_prompts"), "lossless": evaluation.get("lossless"),
         "materialized": materialized,
         "failed_checks": failed_checks(instance, keys),
@@ -258,22 +267,53 @@ def advice_table(markdown: str) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def drafter_line(s: dict) -> str:
+    """``N parameters; trained N steps on M tokens`` / ``resumed at step K ...`` / ``reused because nothing changed``
+    (the drafter asset's ``outcome_text``); a drafter this command did not materialize is reported as reused."""
+    params = "-" if s.get("drafter_parameters") is None else s["drafter_parameters"]
+    text = s.get("drafter_outcome_text")
+    if text is None:
+        text = f"trained on {'-' if s.get('drafter_train_tokens') is None else s['drafter_train_tokens']} tokens"
+    if s.get("drafter_ran") is False:
+        text = (f"reused because nothing changed ({s.get('drafter_steps')} steps on {s.get('drafter_train_tokens')} tokens, "
+                "no training step this run)")
+    return f"{params} parameters; {text}"
+
+
 def acceptance_line(s: dict) -> str:
-    """``acceptance length  tau T +- SE (untrained drafter: T0 +- SE0) on N held-out prompts, lossless: yes``;
-    SE is the standard error of the per-prompt tau; parts not measured yet are left out or shown as ``-``."""
+    """``tau T +- SE (mean of per-prompt means; pooled P +- SE) (untrained drafter: T0 +- SE0) on N held-out prompts,
+    speedup X, lossless: yes``; SE is the standard error across prompts; parts not measured are left out or ``-``;
+    ``(reused: drafter unchanged, no decoding)`` when the evaluation did not decode again."""
     if s.get("tau") is None:
         return f"acceptance length  tau - (untrained drafter: {'-' if s.get('tau_untrained') is None else s['tau_untrained']})"
 
     def with_se(value, se) -> str:
         return f"{value}" if se is None else f"{value} +- {se}"
 
-    text = (f"acceptance length  tau {with_se(s['tau'], s.get('tau_stderr'))} "
-            f"(untrained drafter: {with_se(s.get('tau_untrained'), s.get('tau_untrained_stderr'))})")
+    text = f"acceptance length  tau {with_se(s['tau'], s.get('tau_stderr'))}"
+    if s.get("tau_pooled") is not None:
+        text += f" (mean of per-prompt means; pooled {with_se(s['tau_pooled'], s.get('tau_pooled_stderr'))})"
+    text += f" (untrained drafter: {with_se(s.get('tau_untrained'), s.get('tau_untrained_stderr'))})"
     if s.get("eval_prompts") is not None:
         text += f" on {s['eval_prompts']} held-out prompts"
+    if s.get("speedup") is not None:
+        text += f", speedup {s['speedup']}x"
     if s.get("lossless") is not None:
         text += f", lossless: {'yes' if s['lossless'] else 'NO'}"
+    if s.get("evaluation_ran") is False or s.get("evaluation_outcome") == "reused":
+        text += " (reused: drafter unchanged, no decoding)"
     return text
+
+
+def dataset_lines(s: dict) -> list[str]:
+    """One line per extra evaluation dataset (beyond the held-out prompts): ``name: tau T +- SE (pooled ...) on N prompts``."""
+    rows = []
+    for name, d in (s.get("tau_by_dataset") or {}).items():
+        if name == "heldout":
+            continue
+        rows.append(f"  {name}: tau {d.get('tau')} +- {d.get('tau_stderr')} (pooled {d.get('tau_pooled')} +- "
+                    f"{d.get('tau_pooled_stderr')}; untrained {d.get('tau_untrained')}) on {d.get('prompts')} prompts")
+    return rows
 
 
 def format_summary(s: dict) -> str:
@@ -297,8 +337,9 @@ def format_summary(s: dict) -> str:
     lines += [
         f"tokenized          {s['tokenized_rows']} rows, {s['loss_tokens']} loss tokens",
         f"hidden states      {s['hidden_state_bytes']} bytes ({_size(s['hidden_state_bytes'])}) for {s['hidden_state_tokens']} tokens",
-        f"drafter            {fmt(s['drafter_parameters'])} parameters, trained on {fmt(s['drafter_train_tokens'])} tokens",
+        f"drafter            {drafter_line(s)}",
         acceptance_line(s),
+        *[" " * 19 + row.strip() for row in dataset_lines(s)],
         *failed_check_lines(s.get("failed_checks") or []),
         "",
         "== where the outputs are ==",

@@ -114,3 +114,22 @@ def test_load_rejects_mismatched_tensors(tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(RuntimeError):
         load_exported(out)
+
+
+def test_layer_types_and_sliding_window_exported_with_sglang_names_and_kept_on_reload(tmp_path):
+    """Issue 17 acceptance 5: SGLang's DFlash loader reads ``layer_types`` and ``sliding_window`` (HF names)."""
+    model = make_model()
+    cfg = DFlashConfig(**{**model.config.to_dict(), "layer_types": ["sliding_attention", "full_attention"],
+                          "sliding_window": 2048})
+    windowed = DFlashDraftModel(cfg)
+    windowed.load_state_dict(model.state_dict())
+    out = export_drafter(windowed, tmp_path / "drafter")
+    written = json.loads((out / "config.json").read_text())
+    assert written["layer_types"] == ["sliding_attention", "full_attention"]
+    assert written["sliding_window"] == 2048 and written["use_sliding_window"] is True
+    back = load_exported(out)
+    assert back.config.layer_types == ["sliding_attention", "full_attention"]
+    assert back.config.sliding_window == 2048
+    assert back.config == cfg
+    plain = json.loads((export_drafter(model, tmp_path / "plain") / "config.json").read_text())
+    assert plain["layer_types"] == ["full_attention"] * 2 and plain["sliding_window"] is None

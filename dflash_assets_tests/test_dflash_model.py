@@ -230,3 +230,79 @@ def test_forward_rejects_bad_positions_and_missing_target():
         bare(torch.tensor([[1, 63, 63, 63]]), target_hidden=torch.randn(1, 5, 96), position_ids=torch.arange(9)[None])
     with pytest.raises(ValueError):
         bare.attach_target(torch.randn(10, 32))
+
+
+def test_sliding_window_layer_ignores_context_beyond_its_window_in_training_and_inference():
+    """Issue 17 acceptance 5: a sliding layer (window W, HF convention: the query counts) sees only keys at
+    positions q-W < p <= q (causal); the packed training forward and single-block inference agree."""
+    w, bs, t = 6, 4, 24
+    model = tiny_model(num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=w)
+    torch.manual_seed(5)
+    input_ids = torch.randint(0, 60, (t,))
+    features = torch.randn(t, 3 * 32)
+    anchors = torch.tensor([4, 11, 18])
+    blk = block_inputs(input_ids, torch.ones(t, dtype=torch.int8), anchors, bs, model.config.mask_token_id)
+    mask = dflash_training_mask(anchors, bs, t)
+    pos = torch.cat([torch.arange(t), blk["block_position_ids"]])[None]
+    a = 18  # the third block: queries at 18..21 see context positions > 18 - 6 = 12 .. < 18, i.e. 13..17
+    with torch.no_grad():
+        packed = model(blk["block_input_ids"][None], target_hidden=features[None], position_ids=pos,
+                       attention_mask=mask[None, None])[0]
+        ref = _single_block_reference(model, input_ids, features, a, bs)
+        assert torch.allclose(packed[2 * bs :], ref, atol=1e-5)  # training mask == inference
+        far = features.clone()
+        far[: a - w + 1] = 50.0  # positions 0..12: beyond the window of every query of the block
+        assert torch.allclose(_single_block_reference(model, input_ids, far, a, bs), ref, atol=1e-5)
+        packed_far = model(blk["block_input_ids"][None], target_hidden=far[None], position_ids=pos,
+                           attention_mask=mask[None, None])[0]
+        assert torch.allclose(packed_far[2 * bs :], ref, atol=1e-5)
+        near = features.clone()
+        near[a - w + 1] = 50.0  # position 13: inside the window of the block's first query only
+        changed = _single_block_reference(model, input_ids, near, a, bs)
+        assert not torch.allclose(changed[0], ref[0], atol=1e-3)
+        assert torch.allclose(changed[1:], ref[1:], atol=1e-5)  # queries at 19.. see 14.. only
+        # causal inside the block: changing the last block token leaves earlier positions unchanged
+        ids = torch.full((1, bs), model.config.mask_token_id)
+        ids[0, 0] = input_ids[a]
+        ids2 = ids.clone()
+        ids2[0, -1] = 7
+        p = torch.arange(a + bs)[None]
+        h1 = model(ids, target_hidden=features[None, :a], position_ids=p)
+        h2 = model(ids2, target_hidden=features[None, :a], position_ids=p)
+        assert torch.allclose(h1[0, :-1], h2[0, :-1], atol=1e-5)
+    # a full-attention layer of the same weights does see the far context
+    full = tiny_model(num_hidden_layers=1)
+    with torch.no_grad():
+        assert not torch.allclose(_single_block_reference(full, input_ids, far, a, bs),
+                                  _single_block_reference(full, input_ids, features, a, bs), atol=1e-3)
+
+
+def test_layer_types_are_checked():
+    with pytest.raises(ValueError, match="one per layer"):
+        tiny_config(layer_types=["full_attention"])
+    with pytest.raises(ValueError, match="unknown"):
+        tiny_config(layer_types=["full_attention", "linear_attention"])
+    with pytest.raises(ValueError, match="sliding_window"):
+        tiny_config(layer_types=["sliding_attention", "full_attention"])
+    assert tiny_config().layer_types == ["full_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]])
+def test_context_cache_gives_the_same_block_as_reprojecting_the_context(layer_types):
+    """The incremental path (cached context keys/values, extended step by step) equals a full forward."""
+    model = tiny_model(layer_types=layer_types, sliding_window=5 if layer_types else None)
+    bs = model.config.block_size
+    torch.manual_seed(3)
+    input_ids = torch.randint(0, 60, (30,))
+    features = torch.randn(30, 3 * 32)
+    cache = model.new_context_cache()
+    model.extend_context(cache, features[None, :9])
+    with torch.no_grad():
+        for start, grow in ((9, 3), (12, 1), (13, 4), (17, 0)):
+            block = torch.full((1, bs), model.config.mask_token_id)
+            block[0, 0] = input_ids[start]
+            got = model.forward_block(block, cache)[0]
+            ref = _single_block_reference(model, input_ids, features, start, bs)
+            assert torch.allclose(got, ref, atol=1e-5), start
+            model.extend_context(cache, features[None, start : start + grow])
+    assert cache.length == 17

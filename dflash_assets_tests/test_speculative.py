@@ -21,7 +21,9 @@ from dflash_assets.dflash.evaluation import (
     acceptance_histogram_png,
     acceptance_length,
     evaluate_drafter,
+    tau_statistics,
     teacher_forced_acceptance,
+    teacher_forced_chain,
     untrained_drafter_like,
 )
 from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, load_target_head
@@ -122,6 +124,23 @@ def test_acceptance_length_histogram_and_png():
         acceptance_histogram([5], 4)
     png = acceptance_histogram_png({"trained": [3, 1, 4, 2], "untrained": [1, 1, 1]}, 4)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+
+
+def test_tau_statistics_against_hand_computation():
+    """Acceptance 3 (by hand): three prompts with accepted lengths [4,4,2], [1,3], [2,2,2,1], block 4.
+
+    Per-prompt means 10/3, 4/2, 7/4 -> tau = (3.3333 + 2 + 1.75) / 3 = 2.3611; deviations 0.9722, -0.3611,
+    -0.6111, squares sum 1.4491 -> SE = sqrt(1.4491 / 2 / 3) = 0.4914. Pooled 21 / 9 = 2.3333; residuals
+    S_i - 2.3333 n_i = 3, -0.6667, -2.3333, squares sum 14.8889 -> SE = sqrt(14.8889 / 6) / (9 / 3) = 0.5251.
+    Per position: 7 of 9 steps accepted draft 1, 3 of those 7 draft 2, 2 of those 3 draft 3.
+    """
+    st = tau_statistics([[4, 4, 2], [1, 3], [2, 2, 2, 1]], 4)
+    assert st["tau"] == pytest.approx(2.3611, abs=1e-4) and st["tau_stderr"] == pytest.approx(0.4914, abs=1e-4)
+    assert st["tau_pooled"] == pytest.approx(2.3333, abs=1e-4) and st["tau_pooled_stderr"] == pytest.approx(0.5251, abs=1e-4)
+    assert st["histogram"] == [2, 4, 1, 2]
+    assert st["acceptance_per_position"] == pytest.approx([7 / 9, 3 / 7, 2 / 3])
+    empty = tau_statistics([[], [2]], 4)  # a prompt without a verification step is left out
+    assert empty["tau"] == 2.0 and empty["tau_stderr"] == 0.0 and math.isnan(empty["per_prompt_tau"][0])
 
 
 def test_feature_capture_matches_hf_hidden_states(smol):
@@ -226,10 +245,38 @@ def test_trained_drafter_lossless_and_much_higher_tau(smol, trained):
     assert 1 <= min(ev["per_prompt_tau"]) and max(ev["per_prompt_tau"]) <= BS
     assert ev["target_forwards_saved"] >= 10, ev
     assert sum(ev["histogram"]) == sum(len(a) for a in ev["accepted_lengths"])
+    # acceptance 3 on this recorded run: both averages and their standard errors recomputed by hand
+    runs = ev["accepted_lengths"]
+    means = [sum(r) / len(r) for r in runs]
+    m = len(means)
+    tau = sum(means) / m
+    assert ev["tau"] == pytest.approx(tau)
+    assert ev["tau_stderr"] == pytest.approx(math.sqrt(sum((x - tau) ** 2 for x in means) / (m - 1)) / math.sqrt(m))
+    pooled = sum(map(sum, runs)) / sum(map(len, runs))
+    nbar = sum(map(len, runs)) / m
+    assert ev["tau_pooled"] == pytest.approx(pooled)
+    assert ev["tau_pooled_stderr"] == pytest.approx(
+        math.sqrt(sum((sum(r) - pooled * len(r)) ** 2 for r in runs) / (m * (m - 1))) / nbar)
     # same config and seed, untrained: what training bought
     ev0 = evaluate_drafter(smol["target"], untrained_drafter_like(drafter, seed=0), smol["prompts"][:1], MAX_NEW,
                            eos_token_ids=[smol["end_id"]], plain_results=smol["plain"][:1], warmup=False)
     assert ev0["lossless"] and ev0["tau"] < 1.1 and ev["tau"] - ev0["tau"] >= 1.5
+
+
+def test_chain_estimate_within_ten_percent_of_real_decoding_tau(smol, trained):
+    """Acceptance 4: the quick estimate walks the decoder's anchor chain over the stored features of the
+    target's greedy completions; real speculative decoding of the same prompts gives nearly the same tau."""
+    drafter = trained["drafter"]
+    ev = evaluate_drafter(smol["target"], drafter, smol["prompts"], MAX_NEW, eos_token_ids=[smol["end_id"]],
+                          plain_results=smol["plain"], warmup=False)
+    chain = teacher_forced_chain(drafter, trained["shards"], max_new_tokens=MAX_NEW)
+    uniform = teacher_forced_acceptance(drafter, trained["shards"], max_anchors=64)
+    print(f"real tau {ev['tau']:.3f} (pooled {ev['tau_pooled']:.3f}); chain {chain['tau']:.3f} "
+          f"(pooled {chain['tau_pooled']:.3f}); uniform anchors {uniform['tau']:.3f}")
+    assert ev["tau"] > 2.0
+    assert abs(chain["tau"] - ev["tau"]) <= 0.1 * ev["tau"]
+    assert abs(chain["tau_pooled"] - ev["tau_pooled"]) <= 0.1 * ev["tau_pooled"]
+    assert chain["num_rows"] == len(smol["prompts"])
 
 
 def test_teacher_forced_acceptance_equals_single_block_inference(smol, trained):

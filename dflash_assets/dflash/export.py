@@ -5,7 +5,10 @@ Layout (matches z-lab's released DFlash drafters and SGLang's ``models/dflash.py
 * ``config.json``: Qwen3-style fields (``model_type: "qwen3"``, hidden_size, heads, head_dim,
   intermediate_size, rms_norm_eps, rope_theta / rope_parameters, vocab_size, max_position_embeddings,
   ...) plus ``architectures: ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers``,
-  ``num_hidden_layers``, ``layer_types`` (all ``full_attention``: non-causal in SGLang) and
+  ``num_hidden_layers``, ``layer_types`` (one of ``full_attention`` / ``sliding_attention`` per draft
+  layer: SGLang's ``get_dflash_layer_types`` reads it, full layers run non-causal, sliding ones causal
+  with ``sliding_window``, which SGLang's ``get_dflash_attention_sliding_window_size`` reads, HF
+  convention: the window counts the query) and
   ``dflash_config: {mask_token_id, target_layer_ids, block_size}``. SGLang resolves
   ``dflash_config.target_layer_ids`` first, ``dflash_config.block_size`` before the top-level one,
   and uses ``dflash_config.mask_token_id`` instead of looking up its ``<|MASK|>`` string when given.
@@ -59,10 +62,10 @@ def hf_config_dict(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) ->
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
         "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        "use_sliding_window": "sliding_attention" in config.layer_types,
+        "sliding_window": config.sliding_window if "sliding_attention" in config.layer_types else None,
         "max_window_layers": n,
-        "layer_types": ["full_attention"] * n,
+        "layer_types": list(config.layer_types),
         "initializer_range": 0.02,
         "dtype": _DTYPE_NAMES[dtype],
         "torch_dtype": _DTYPE_NAMES[dtype],
@@ -105,6 +108,8 @@ def config_from_hf_dict(d: dict) -> DFlashConfig:
         max_position_embeddings=d.get("max_position_embeddings", 32768),
         attention_bias=d.get("attention_bias", False),
         hidden_act=d.get("hidden_act", "silu"),
+        layer_types=d.get("layer_types"),
+        sliding_window=d.get("sliding_window") if "sliding_attention" in (d.get("layer_types") or []) else None,
     )
 
 

@@ -7,7 +7,15 @@ Architecture (paper arXiv 2602.06036; reference inference code z-lab/dflash ``df
 * every draft layer's attention takes queries from the block tokens only, and keys/values from
   ``[projected context features ; block tokens]`` (the context is *not* passed through the layer's
   ``input_layernorm``; ``k_norm`` is applied to both parts, as in the reference);
-* attention is non-causal (bidirectional inside a block);
+* attention is non-causal (bidirectional inside a block) in ``full_attention`` layers; a
+  ``sliding_attention`` layer (``DFlashConfig.layer_types``, window ``sliding_window``) is causal and sees
+  only keys at positions ``p`` with ``q - sliding_window < p <= q`` for a query at position ``q`` (the
+  Hugging Face convention, the window counting the query itself; z-lab/dflash ``Qwen3DFlashAttention``
+  and SGLang's DFlash loader, which maps such layers to causal attention with ``window_left =
+  sliding_window - 1``);
+* at inference the context's per-layer keys/values depend only on the target features and their
+  positions, so :class:`ContextCache` keeps them and each step projects only the newly accepted
+  positions (:meth:`DFlashDraftModel.extend_context`, :meth:`DFlashDraftModel.forward_block`);
 * the token embedding and the LM head are the target's, frozen, and never saved with the drafter:
   they are held as non-persistent buffers, so ``state_dict()`` holds only ``layers.*``, ``fc.weight``,
   ``hidden_norm.weight`` and ``norm.weight`` -- the tensor names SGLang's ``DFlashDraftModel`` loads.
@@ -116,9 +124,23 @@ class DFlashConfig:
     max_position_embeddings: int = 32768
     attention_bias: bool = False
     hidden_act: str = "silu"
+    layer_types: list[str] | None = None  # per draft layer: "full_attention" | "sliding_attention"; None = all full
+    sliding_window: int | None = None  # tokens a sliding layer's query sees, itself included (HF convention)
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        self.layer_types = [str(t) for t in self.layer_types]
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} draft layers: give one per layer")
+        bad_types = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad_types:
+            raise ValueError(f"layer_types {bad_types} unknown: use {list(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and (self.sliding_window is None or int(self.sliding_window) < 1):
+            raise ValueError("sliding_attention layers need sliding_window >= 1 (tokens, the query included)")
+        if self.sliding_window is not None:
+            self.sliding_window = int(self.sliding_window)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.block_size < 2:
@@ -185,6 +207,43 @@ class DFlashConfig:
         return cls(**values)
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def sliding_window_mask(position_ids: torch.Tensor, num_queries: int, window: int) -> torch.Tensor:
+    """bool [B, 1, Q, K] (True = may attend) of a ``sliding_attention`` layer, from absolute positions.
+
+    ``position_ids`` [B, K] are the keys' positions (context then block); the queries are the last
+    ``num_queries``. A query at ``q`` sees a key at ``p`` iff ``p <= q`` and ``q - p < window``.
+    """
+    kpos = position_ids[:, None, :]
+    qpos = position_ids[:, -num_queries:, None]
+    return ((kpos <= qpos) & (qpos - kpos < window))[:, None]
+
+
+def _combine_masks(base: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
+    """``base`` (bool, additive float or None) restricted to ``allowed`` (bool), in ``base``'s form."""
+    if base is None:
+        return allowed
+    if base.dtype == torch.bool:
+        return base & allowed
+    return base.masked_fill(~allowed, float("-inf"))
+
+
+class ContextCache:
+    """Keys and values of the drafter's context, per draft layer, for incremental speculative decoding.
+
+    ``keys[l]`` / ``values[l]``: [1, num_key_value_heads, C, head_dim] for layer ``l`` (RoPE applied to
+    the keys), for context positions ``0 .. C-1``; ``length`` is C. Filled by
+    :meth:`DFlashDraftModel.extend_context`.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in float32: ``x / sqrt(mean(x^2) + eps) * weight``."""
 
@@ -227,16 +286,24 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x, context, cos, sin, attention_mask):
+    def kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, RoPE) and values of ``h`` [B, L, H] at the positions of ``cos``/``sin`` [B, L, head_dim]:
+        two [B, num_key_value_heads, L, head_dim] tensors."""
+        b, n, _ = h.shape
+        k = self.k_norm(self.k_proj(h).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return k * cos[:, None] + _rotate_half(k) * sin[:, None], v
+
+    def forward(self, x, context, cos, sin, attention_mask, context_kv=None):
+        """``x`` [B, Q, H] block; ``context`` [B, C, H] projected context, or None with ``context_kv``
+        (its cached keys/values, :meth:`kv`); ``cos``/``sin`` [B, C+Q, head_dim]; mask [B|1, 1, Q, C+Q] or None."""
         b, q_len, _ = x.shape
-        c_len = context.shape[1]
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        kv_in = torch.cat([context, x], dim=1)
-        k = self.k_norm(self.k_proj(kv_in).view(b, c_len + q_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, c_len + q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos_k, sin_k = cos[:, None], sin[:, None]
-        q = q * cos_k[:, :, -q_len:] + _rotate_half(q) * sin_k[:, :, -q_len:]
-        k = k * cos_k + _rotate_half(k) * sin_k
+        cq, sq = cos[:, None, -q_len:], sin[:, None, -q_len:]
+        q = q * cq + _rotate_half(q) * sq
+        kx, vx = self.kv(x, cos[:, -q_len:], sin[:, -q_len:])
+        kc, vc = context_kv if context_kv is not None else self.kv(context, cos[:, :-q_len], sin[:, :-q_len])
+        k, v = torch.cat([kc, kx], dim=2), torch.cat([vc, vx], dim=2)
         if self.num_kv_heads != self.num_heads:
             # Expanded explicitly so that SDPA can pick its masked memory-efficient kernel.
             rep = self.num_heads // self.num_kv_heads
@@ -269,8 +336,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, x, context, cos, sin, attention_mask):
-        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention_mask)
+    def forward(self, x, context, cos, sin, attention_mask, context_kv=None):
+        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention_mask, context_kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -384,8 +451,65 @@ class DFlashDraftModel(nn.Module):
                 f"position_ids covers {position_ids.shape[-1]} tokens, expected C+Q={context.shape[1] + x.shape[1]}"
             )
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, torch.float32)
-        for layer in self.layers:
-            x = layer(x, context, cos, sin, attention_mask)
+        masks = self._layer_masks(attention_mask, position_ids, x.shape[1])
+        for layer, mask in zip(self.layers, masks):
+            x = layer(x, context, cos, sin, mask)
+        return self.norm(x)
+
+    def _layer_masks(self, attention_mask, position_ids: torch.Tensor, num_queries: int) -> list:
+        """The mask of each layer: ``attention_mask`` for full layers, restricted to the window for sliding ones."""
+        sliding = None
+        out = []
+        for kind in self.config.layer_types:
+            if kind == "sliding_attention":
+                if sliding is None:
+                    window = sliding_window_mask(position_ids, num_queries, self.config.sliding_window)
+                    sliding = _combine_masks(attention_mask, window)
+                out.append(sliding)
+            else:
+                out.append(attention_mask)
+        return out
+
+    def new_context_cache(self) -> ContextCache:
+        """An empty :class:`ContextCache` for this drafter."""
+        return ContextCache(len(self.layers))
+
+    @torch.no_grad()
+    def extend_context(self, cache: ContextCache, target_hidden: torch.Tensor) -> ContextCache:
+        """Append the next ``c`` context positions (``cache.length .. cache.length + c - 1``) to ``cache``.
+
+        ``target_hidden`` [1, c, n*H]: their target features. Projects them once (``fc``, ``hidden_norm``)
+        and stores each layer's keys/values; earlier positions are not recomputed.
+        """
+        c = target_hidden.shape[1]
+        if c == 0:
+            return cache
+        context = self.project_context(target_hidden)
+        positions = torch.arange(cache.length, cache.length + c, device=context.device)[None]
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, torch.float32)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(context, cos, sin)
+            cache.keys[i] = k if cache.keys[i] is None else torch.cat([cache.keys[i], k], dim=2)
+            cache.values[i] = v if cache.values[i] is None else torch.cat([cache.values[i], v], dim=2)
+        cache.length += c
+        return cache
+
+    @torch.no_grad()
+    def forward_block(self, input_ids: torch.Tensor, cache: ContextCache) -> torch.Tensor:
+        """Draft hidden states [1, Q, H] of one block at positions ``cache.length ..`` over the cached context.
+
+        Same result as :meth:`forward` with the features of positions ``< cache.length`` as
+        ``target_hidden`` and ``position_ids = arange(cache.length + Q)``.
+        """
+        x = self.embed(input_ids).to(self.fc.weight.dtype)
+        q_len = x.shape[1]
+        positions = torch.arange(cache.length + q_len, device=x.device)[None]
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, torch.float32)
+        masks = self._layer_masks(None, positions, q_len)
+        empty = x.new_zeros(1, self.config.num_key_value_heads, 0, self.config.head_dim)
+        for i, (layer, mask) in enumerate(zip(self.layers, masks)):
+            kv = (cache.keys[i], cache.values[i]) if cache.keys[i] is not None else (empty, empty)
+            x = layer(x, None, cos, sin, mask, kv)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -442,6 +566,8 @@ def count_parameters(model: nn.Module) -> int:
 
 
 __all__ = [
+    "LAYER_TYPES",
+    "ContextCache",
     "DFlashConfig",
     "DFlashDraftModel",
     "RMSNorm",
@@ -450,4 +576,5 @@ __all__ = [
     "default_target_layer_ids",
     "load_target_head",
     "rope_cos_sin",
+    "sliding_window_mask",
 ]

@@ -300,6 +300,7 @@ def dflash_generate(
     eos_token_ids: Iterable[int] | None = None,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    use_context_cache: bool = True,
 ) -> SpecResult:
     """Speculative decoding of one prompt with a DFlash drafter (see the module docstring for the step).
 
@@ -319,6 +320,10 @@ def dflash_generate(
         temperature: 0 = greedy verification (output equals :func:`target_generate` token for token);
             > 0 = speculative sampling (same distribution as sampling from the target).
         generator: RNG for ``temperature > 0``, on the target's device (drafter on the same device).
+        use_context_cache: with a drafter that has ``extend_context`` / ``forward_block``
+            (:class:`DFlashDraftModel`), keep the projected context's per-layer keys/values and project
+            only the newly accepted positions each step; False re-projects the whole context every step
+            (the reference layout, kept for timing comparisons). Outputs are the same either way.
 
     Returns:
         :class:`SpecResult`; ``accepted_lengths[i]`` in ``[1, block_size]``.
@@ -346,9 +351,12 @@ def dflash_generate(
     _sync(device)
     t0 = time.perf_counter()
     cache = _new_cache(target)
+    cached = use_context_cache and hasattr(drafter, "extend_context") and hasattr(drafter, "forward_block")
     with FeatureCapture(target, target_layer_ids) as capture:
         out = _target_forward(target, prompt, 0, cache, cache_kw, logits_to_keep=1)
         context = capture.pop().to(draft_device)  # [1, P, n*H]: features of positions 0..P-1
+        if cached:
+            draft_cache = drafter.extend_context(drafter.new_context_cache(), context)
         first = int(_choose(out.logits[0, -1], temperature, generator))
         generated = [first]
         forwards = 1
@@ -361,8 +369,11 @@ def dflash_generate(
             draft_probs = None
             if verify > 1:
                 block[0, 0] = last
-                positions = torch.arange(start + block_size, device=draft_device)[None]
-                hidden = drafter(block, target_hidden=context, position_ids=positions, attention_mask=None)
+                if cached:
+                    hidden = drafter.forward_block(block, draft_cache)
+                else:
+                    positions = torch.arange(start + block_size, device=draft_device)[None]
+                    hidden = drafter(block, target_hidden=context, position_ids=positions, attention_mask=None)
                 draft_logits = drafter.compute_logits(hidden[0, 1:verify])  # [verify-1, V]
                 draft_forwards += 1
                 if temperature > 0:
@@ -388,7 +399,10 @@ def dflash_generate(
             generated.extend(new)
             accepted_lengths.append(len(new))
             # accepted positions start .. start+len(new)-1 hold [last, d_1..d_j]: the next block's context
-            context = torch.cat([context, feats[:, : len(new)].to(draft_device)], dim=1)
+            if cached:
+                drafter.extend_context(draft_cache, feats[:, : len(new)].to(draft_device))
+            else:
+                context = torch.cat([context, feats[:, : len(new)].to(draft_device)], dim=1)
             _crop(cache, start + len(new))
     _sync(device)
     return SpecResult(

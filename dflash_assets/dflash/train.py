@@ -62,7 +62,9 @@ class TrainConfig:
     ``epochs * steps_per_epoch`` as the schedule length. ``checkpoint_every`` in steps (0: only at the
     end). ``target_model_path`` supplies the embedding / LM head / config / tokenizer unless passed to
     :func:`train` directly. ``draft_overrides`` replaces fields of the derived :class:`DFlashConfig`
-    (e.g. ``{"intermediate_size": 512}`` for tests).
+    (e.g. ``{"intermediate_size": 512}`` for tests). ``init_from`` (warm start) names an exported
+    drafter directory (:func:`~dflash_assets.dflash.export.export_drafter`) whose weights replace the
+    random init before step 0; a checkpoint of the same run, when resuming, still takes precedence.
     """
 
     shards: list[str]
@@ -97,6 +99,7 @@ class TrainConfig:
     resume: bool = True
     init_std: float = 0.02
     prefetch: int = 2
+    init_from: str | None = None  # warm start: an exported drafter dir whose weights replace the random init
 
 
 @dataclass
@@ -427,6 +430,28 @@ def _save_checkpoint(cfg: TrainConfig, dc: DFlashConfig, model, opt, sched, step
     return d / name
 
 
+def load_init_weights(model: DFlashDraftModel, export_dir: str | Path) -> None:
+    """Warm start: copy the tensors of an exported drafter into ``model`` (cast to its dtype).
+
+    Raises:
+        ValueError: the export's config (layers, sizes, block, target layers) differs from ``model``'s,
+            naming the fields; then warm start is impossible and ``warm_start: false`` trains from scratch.
+    """
+    from safetensors.torch import load_file
+
+    from dflash_assets.dflash.export import config_from_hf_dict
+
+    d = Path(export_dir)
+    theirs = config_from_hf_dict(json.loads((d / "config.json").read_text())).to_dict()
+    ours = model.config.to_dict()
+    differ = sorted(k for k in ours if k in theirs and theirs[k] != ours[k] and k != "max_position_embeddings")
+    if differ:
+        raise ValueError(f"cannot warm-start from {d}: its {differ} differ from the drafter being trained "
+                         f"({[(theirs[k], ours[k]) for k in differ]}); set warm_start: false to train from scratch")
+    state = load_file(str(d / "model.safetensors"))
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+
+
 def _truncate_log(path: Path, step: int) -> list[dict]:
     if not path.is_file():
         return []
@@ -507,6 +532,8 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback) -> Trai
     use_cuda = device.type == "cuda"
     model = DFlashDraftModel(dc)
     model.reset_parameters(cfg.init_std, seed=cfg.seed)
+    if cfg.init_from:
+        load_init_weights(model, cfg.init_from)
     model.to(device)
     head_dtype = torch.bfloat16 if use_cuda else torch.float32
     model.attach_target(target_head[0].to(head_dtype), target_head[1].to(head_dtype))
@@ -717,6 +744,7 @@ __all__ = [
     "build_batch",
     "evaluate",
     "latest_checkpoint",
+    "load_init_weights",
     "lr_lambda",
     "main",
     "resolve_draft_config",

