@@ -14,7 +14,12 @@ accepted positions), as speculative / plain wall time; an untrained drafter acce
 does strictly more work than plain decoding, so its speedup must stay below 1.0.
 
 Usage: ``python bench/bench_speculative.py [--steps 60] [--block-size 4] [--layers 1] [--max-new-tokens 48]
-[--drafter EXPORT_DIR] [--png hist.png] [--device cpu|cuda]``; prints one JSON object.
+[--drafter EXPORT_DIR] [--png hist.png] [--device cpu|cuda]``; prints one JSON object, then the
+wall-time speedup measured side by side: for each prompt, plain and speculative decoding run back to
+back (the order alternating by prompt), so both see the same machine load (the figures inside the
+evaluations reuse plain timings made minutes earlier and are left out of the headline). Goal: lossless,
+tau above the untrained drafter's, and a wall-time speedup > 1.0 on a GPU (on this CPU the small target
+verifies a block too slowly for tau to pay: informative only).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from dflash_assets.dflash.evaluation import (  # noqa: E402
 )
 from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, load_target_head  # noqa: E402
 from dflash_assets.dflash.shards import extract_partition  # noqa: E402
-from dflash_assets.dflash.speculative import target_generate  # noqa: E402
+from dflash_assets.dflash.speculative import dflash_generate, target_generate  # noqa: E402
 from dflash_assets.dflash.train import TrainConfig, train  # noqa: E402
 
 TRAIN_QUESTIONS = [
@@ -171,9 +176,40 @@ def main(argv: list[str] | None = None) -> int:
              "untrained": [v for s in ev_untrained["accepted_lengths"] for v in s]},
             drafter.config.block_size, title="DFlash on SmolLM2-135M (training prompts)"))
         report["png"] = a.png
+    report["side_by_side"] = side_by_side(target, drafter, train_prompts + heldout_prompts, a.max_new_tokens, end_id)
     report["total_s"] = time.perf_counter() - t_start
     print(json.dumps(report, indent=1))
+    sbs = report["side_by_side"]
+    print(f"speculative / plain wall-time speedup ratio (side by side, {sbs['prompts']} prompts): {sbs['speedup']:.3f} "
+          f"(plain {sbs['wall_s_plain']:.1f} s, speculative {sbs['wall_s_spec']:.1f} s; lossless: {sbs['lossless']}); "
+          f"goal: > 1.0 on a GPU, lossless always")
+    print(f"tau trained {report['train_prompts']['trained']['tau']:.3f} vs untrained "
+          f"{report['train_prompts']['untrained']['tau']:.3f} (goal: trained > untrained)")
     return 0
+
+
+def side_by_side(target, drafter, prompts, max_new_tokens: int, end_id: int) -> dict:
+    """Plain and speculative decoding of each prompt back to back (order alternating by prompt); summed
+    wall seconds of each and their ratio, and whether every speculative output equals the plain one."""
+    cfg = drafter.config
+    kw = dict(target_layer_ids=cfg.target_layer_ids, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+              eos_token_ids=[end_id])
+    wall_plain = wall_spec = 0.0
+    lossless = True
+    for i, p in enumerate(prompts):
+        runs = {}
+        for kind in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):
+            t0 = time.perf_counter()
+            runs[kind] = (target_generate(target, p, max_new_tokens, [end_id]) if kind == "plain"
+                          else dflash_generate(target, drafter, p, max_new_tokens, **kw))
+            elapsed = time.perf_counter() - t0
+            if kind == "plain":
+                wall_plain += elapsed
+            else:
+                wall_spec += elapsed
+        lossless = lossless and runs["plain"].output_ids == runs["spec"].output_ids
+    return {"prompts": len(prompts), "wall_s_plain": wall_plain, "wall_s_spec": wall_spec,
+            "speedup": wall_plain / wall_spec if wall_spec else float("nan"), "lossless": lossless}
 
 
 if __name__ == "__main__":

@@ -277,11 +277,12 @@ def build_backfill_schedule(job, cron: str = "*/10 * * * *", max_runs_per_tick: 
     return backfill_unfinished_partitions
 
 
-def build_cap_change_sensor(job, max_runs_per_tick: int = 1, max_partitions_per_run: int | None = None):
+def build_cap_change_sensor(job, max_runs_per_tick: int = 10, max_partitions_per_run: int | None = None):
     """A sensor that launches exactly the completions partitions the current generation settings touch,
     as ranges of consecutive touched partitions, one run (and one server start) each. A range may run
     through partitions not materialized yet (they need generating anyway), never through a valid one.
-    The later stages follow through the backfill schedule (their upstream is newer).
+    The later stages follow through the backfill schedule (their upstream is newer). At most
+    ``max_runs_per_tick`` range runs per tick (they queue for the ``dflash_inference`` pool).
 
     Stopped by default: "Preview" / "Test sensor" in the UI lists the ranges it would launch (with the
     reasons in each run's tags) before anything runs.
