@@ -14,32 +14,7 @@ from dflash_assets.dflash.train import TrainConfig, train
 
 torch.set_num_threads(2)
 
-VOCAB, HIDDEN, LAYERS = 96, 32, 6
-LAYER_IDS = [1, 3, 5]
-
-
-def make_target(root: Path, seed: int = 0):
-    """A random-init 6-layer Llama (hidden 32) saved as an HF directory: no weights from anywhere."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).eval()
-    path = root / "target"
-    model.save_pretrained(path)
-    return model, path
-
-
-def make_rows(n: int = 10, seed: int = 1) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(n):
-        t = 24 + 5 * (i % 4)
-        ids = torch.randint(0, VOCAB - 1, (t,), generator=g).tolist()
-        rows.append({"index": 100 + i, "input_ids": ids, "loss_mask": [0] * 8 + [1] * (t - 8)})
-    return rows
+from tiny_target import HIDDEN, LAYER_IDS, VOCAB, make_rows, make_target
 
 
 def write_tokenized(path: Path, rows: list[dict]) -> str:
