@@ -100,6 +100,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _feature_mode(instance, settings) -> str:
+    """The drafter's feature source for this run (see :mod:`dflash_assets.feature_sources`); printed.
+    Online: hidden_states is skipped and the drafter follows tokenized_sequences."""
+    from dflash_assets.feature_sources import configured_mode, decide_mode
+
+    mode, reason = decide_mode(instance, defs.resources["storage"], defs.resources["target_model"], configured_mode(),
+                               fallback_tokens_per_row=settings.max_output_tokens)
+    print(reason + ("; hidden_states is skipped" if mode == "online" else ""))
+    return mode
+
+
 def run_all(config_path_arg: str | None = None, dagster_home: str | None = None) -> int:
     """Materialize what is not up to date and print the summary. Returns the exit code."""
     if config_path_arg:
@@ -126,11 +137,13 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None)
         did_work.append("prompt_corpus")
     keys = instance.get_dynamic_partitions(prompt_ranges.name)
     settings = defs.resources["generation"].settings()
+    features = _feature_mode(instance, settings)
+    stages = [s for s in PARTITION_STAGES if not (features == "online" and s == "hidden_states")]
 
     failed = []
     for pk in keys:
         todo, upstream = [], [_latest_record(instance, "prompt_corpus")]
-        for stage in PARTITION_STAGES:
+        for stage in stages:
             if stage not in asset_names:
                 continue
             if todo or not stage_up_to_date(instance, stage, pk, upstream, settings):
@@ -150,7 +163,7 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None)
     for stage in FINAL_STAGES:
         if stage not in asset_names:
             continue
-        upstream_key = {"truncation_report": "completions", "dflash_drafter": "hidden_states", "drafter_evaluation": "dflash_drafter"}[stage]
+        upstream_key = {"truncation_report": "completions", "dflash_drafter": stages[-1], "drafter_evaluation": "dflash_drafter"}[stage]
         upstream = [_latest_record(instance, upstream_key, pk) for pk in keys] if upstream_key != "dflash_drafter" else [_latest_record(instance, upstream_key)]
         if stage_up_to_date(instance, stage, None, upstream):
             continue

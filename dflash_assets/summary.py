@@ -100,6 +100,7 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None)
         "tokenized_rows": tok_rows, "loss_tokens": loss_tokens,
         "hidden_state_bytes": hs_bytes, "hidden_state_tokens": hs_tokens,
         "drafter_parameters": drafter.get("parameters"), "drafter_train_tokens": drafter.get("train_tokens"),
+        **_feature_figures(instance, keys, drafter),
         "tau": evaluation.get("tau"), "tau_untrained": evaluation.get("tau_untrained"),
         "tau_stderr": evaluation.get("tau_stderr"), "tau_untrained_stderr": evaluation.get("tau_untrained_stderr"),
         "eval_prompts": evaluation.get("num_prompts"), "lossless": evaluation.get("lossless"),
@@ -107,6 +108,32 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None)
         "outputs": output_locations(storage, keys),
         "ui_command": ui_command(instance),
     }
+
+
+def _feature_figures(instance: dg.DagsterInstance, keys: list[str], drafter: dict) -> dict:
+    """The drafter's feature source (offline / online), its target forwards, and the latest storage plan."""
+    plan = None
+    for pk in reversed(keys):
+        plan = _meta(instance, "hidden_states", pk).get("storage_plan_text")
+        if plan:
+            break
+    return {"features": drafter.get("features"), "target_forwards": drafter.get("target_forwards"),
+            "offline_subset": drafter.get("offline_subset") or {}, "storage_plan": plan}
+
+
+def feature_lines(s: dict) -> list[str]:
+    """Summary lines on where the drafter's target features came from and the storage plan."""
+    lines = []
+    if s.get("features") == "online":
+        lines.append(f"features           online: the frozen target computed every batch's features during training "
+                     f"({s.get('target_forwards') or 0} target forwards); no hidden-state shard stored")
+    elif s.get("features") == "offline":
+        sub = s.get("offline_subset") or {}
+        extra = f"; subset {sub}" if sub.get("max_rows") is not None or sub.get("fraction") is not None else ""
+        lines.append(f"features           offline: read from stored hidden-state shards{extra}")
+    if s.get("storage_plan"):
+        lines.append(f"storage plan       {s['storage_plan']}")
+    return lines
 
 
 def output_locations(storage, keys: list[str]) -> list[tuple[str, str, str]]:
@@ -217,6 +244,7 @@ def format_summary(s: dict) -> str:
         f"tokenized          {s['tokenized_rows']} rows, {s['loss_tokens']} loss tokens",
         f"hidden states      {s['hidden_state_bytes']} bytes ({_size(s['hidden_state_bytes'])}) for {s['hidden_state_tokens']} tokens",
         f"drafter            {fmt(s['drafter_parameters'])} parameters, trained on {fmt(s['drafter_train_tokens'])} tokens",
+        *feature_lines(s),
         acceptance_line(s),
         "",
         "== where the outputs are ==",

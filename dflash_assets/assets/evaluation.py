@@ -9,13 +9,14 @@ import polars as pl
 import torch
 from pydantic import Field
 
-from dflash_assets.assets.drafter import EXPORT_DIR, complete_shards
+from dflash_assets.assets.drafter import EXPORT_DIR
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.dflash.data import HiddenStateShards
 from dflash_assets.dflash.evaluation import acceptance_histogram_png, acceptance_length, evaluate_drafter, teacher_forced_acceptance, untrained_drafter_like
 from dflash_assets.dflash.export import load_exported
 from dflash_assets.dflash.model import load_target_head
 from dflash_assets.dflash.speculative import target_generate
+from dflash_assets.feature_sources import heldout_set as heldout_set_for
 from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
@@ -72,9 +73,12 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
     untrained = untrained_drafter_like(drafter, seed=int(train_meta.get("seed", 0)))
     block_size = drafter.config.block_size
 
-    shards, _, _ = complete_shards(storage, context.instance.get_dynamic_partitions(prompt_ranges.name))
     eval_fraction, max_length = float(train_meta.get("eval_fraction", 0.0)), int(train_meta.get("max_length", 3072))
-    heldout_set = HiddenStateShards(shards, split="eval", eval_fraction=eval_fraction, max_length=max_length, block_size=block_size)
+    target = target_model.load_model()
+    # online drafters have no shards: the frozen target computes the held-out rows' features
+    heldout_set = heldout_set_for(storage, context.instance.get_dynamic_partitions(prompt_ranges.name), train_meta.get("features", "offline"),
+                                  eval_fraction=eval_fraction, max_length=max_length, block_size=block_size, target=target,
+                                  target_layer_ids=drafter.config.target_layer_ids)
     held = heldout_indexes(heldout_set)
     if not held:
         raise dg.Failure(f"the drafter's training held out no row (eval_fraction {eval_fraction}): raise dflash_drafter's eval_fraction")
@@ -85,7 +89,6 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
     prompts_ids = [
         tokenizer(builder.prompt_text(m, enable_thinking=True), add_special_tokens=False)["input_ids"] for m in corpus["messages"].to_list()
     ]
-    target = target_model.load_model()
     context.log.info(f"speculative decoding of {len(prompts_ids)} held-out prompts, {config.max_new_tokens} new tokens each")
     started = time.monotonic()
     eos = [builder.end_token_id]

@@ -599,14 +599,22 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback, online_
                 batch.context_hidden = online(batch.context_input_ids, batch.context_lengths)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_cuda):
                 res = _loss(train_model, model, batch, cfg.loss_gamma)
-            res["loss"].backward()
+            loss, step_loss = res["loss"], res["loss"].detach().float()
+            if dd.enabled:
+                # DDP averages gradients over ranks; scale so the result is the gradient of the global
+                # weighted mean (what one process with the whole global batch computes)
+                totals = dd.all_reduce_sum(torch.stack([step_loss * res["weight_sum"].float(), res["weight_sum"].float().detach()]))
+                global_w = totals[1].clamp(min=1e-12)
+                loss = loss * (res["weight_sum"].float().detach() * dd.world / global_w)
+                step_loss = totals[0] / global_w / dd.world  # summed over ranks at log time
+            loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             lr = opt.param_groups[0]["lr"]
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
 
-            loss_sum += torch.stack([res["loss"].detach().float(), torch.ones((), device=device)])
+            loss_sum += torch.stack([step_loss, torch.ones((), device=device) / dd.world])
             acc_correct += res["correct"]
             acc_count += res["count"]
             tok_sum[0] += batch.num_block_tokens
