@@ -12,6 +12,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
+from dflash_assets.assets.hidden_states import ShardIntegrityError, fetch_shards
 from dflash_assets.dflash.export import export_drafter
 from dflash_assets.dflash.shards import INDEX_NAME
 from dflash_assets.dflash.train import TrainConfig, train
@@ -69,7 +70,10 @@ def complete_shards(storage: StorageResource, keys: list[str]) -> tuple[list[str
             skipped.append(pk)
             continue
         used.append(pk)
-        shards += [storage.ensure_local("hidden_states", pk, s["name"], size=s.get("bytes")) for s in index["shards"]]
+        try:
+            shards += fetch_shards(storage, pk, index)[0]  # S3: downloaded, checked by size and sha256
+        except ShardIntegrityError as exc:
+            raise dg.Failure(str(exc)) from exc
     return shards, used, skipped
 
 

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.assets.tokenized import tokenized_file
-from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, read_shard
+from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, file_sha256, read_shard
 from dflash_assets.automation import latest_metadata
 from dflash_assets.dflash.target_features import bytes_per_token, default_target_layer_ids
 from dflash_assets.partitions import prompt_ranges
@@ -91,6 +91,48 @@ def resolve_layer_ids(config_ids: list[int], num_target_layers: int) -> list[int
     return ids
 
 
+class ShardIntegrityError(RuntimeError):
+    """A downloaded shard's size or SHA-256 differs from its partition's index.json."""
+
+
+def fetch_shards(storage: StorageResource, pk: str, index: dict, *, on_bad: str = "raise") -> tuple[list[str], list[str]]:
+    """Local paths of the shards ``index`` lists, downloading (S3) each one missing locally or of
+    another size than the index records; a download is verified by size and, when the index has it,
+    SHA-256. Local storage: the paths, nothing copied.
+
+    Args:
+        on_bad: ``"raise"``: a copy that fails verification raises :class:`ShardIntegrityError` (the
+            drafter cannot recompute it); ``"drop"``: it is deleted and left out (hidden_states then
+            recomputes that shard).
+
+    Returns:
+        ``(paths, names downloaded now)``.
+    """
+    paths, fetched = [], []
+    for shard in index.get("shards", []):
+        path = storage.local_scratch("hidden_states", pk, shard["name"])
+        if storage.is_remote:
+            have = os.path.getsize(path) if os.path.exists(path) else None
+            if have is None or (shard.get("bytes") is not None and have != shard["bytes"]):
+                try:
+                    storage.open().download(path, "hidden_states", pk, shard["name"])
+                except FileNotFoundError:
+                    if on_bad == "drop":
+                        continue
+                    raise ShardIntegrityError(f"hidden_states/{pk}/{shard['name']} is listed in index.json but missing from storage; "
+                                              f"re-materialize hidden_states[{pk}]") from None
+                fetched.append(shard["name"])
+                size_ok = shard.get("bytes") is None or os.path.getsize(path) == shard["bytes"]
+                if not size_ok or (shard.get("sha256") and file_sha256(path) != shard["sha256"]):
+                    os.unlink(path)
+                    if on_bad == "drop":
+                        continue
+                    raise ShardIntegrityError(f"hidden_states/{pk}/{shard['name']}: downloaded copy differs from index.json "
+                                              f"({'size' if not size_ok else 'sha256'}); re-materialize hidden_states[{pk}]")
+        paths.append(path)
+    return paths, fetched
+
+
 def partition_dir(storage: StorageResource, pk: str) -> str:
     """Local directory the shards are written to (the storage root itself for local storage)."""
     return os.path.dirname(storage.local_scratch("hidden_states", pk, INDEX_NAME))
@@ -153,6 +195,13 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
                          f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)")
 
     out_dir = partition_dir(storage, pk)
+    downloaded = []
+    if storage.is_remote and store.exists("hidden_states", pk, INDEX_NAME):
+        # a fresh machine: shards stored earlier are downloaded (size + sha256 checked), not recomputed;
+        # extract_partition then keeps the ones that still match the tokenized rows
+        _, downloaded = fetch_shards(storage, pk, store.read_json("hidden_states", pk, INDEX_NAME), on_bad="drop")
+        if downloaded:
+            context.log.info(f"{pk}: downloaded {len(downloaded)} stored shards instead of recomputing them")
     with torch.inference_mode():  # a context, not set_grad_enabled: training may follow in this process
         result = extract_partition(
             model, rows, out_dir, layer_ids, rows_per_shard=config.rows_per_shard,
@@ -163,6 +212,9 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
     index = result.index
     if not store.is_local:
         for shard in index["shards"]:  # streamed, not read into memory (shards can be GBs)
+            if shard["name"] in downloaded or (shard["name"] in result.skipped_shards and store.exists("hidden_states", pk, shard["name"])
+                                               and store.size("hidden_states", pk, shard["name"]) == shard["bytes"]):
+                continue  # storage already holds this very file
             store.upload(os.path.join(out_dir, shard["name"]), "hidden_states", pk, shard["name"])
         store.write_json(index, "hidden_states", pk, INDEX_NAME)  # last: readers trust only a complete index
     version = hashlib.sha256(json.dumps([s["rows_sha256"] for s in index["shards"]] + [index["target_layer_ids"], index["model_name"]]).encode()).hexdigest()[:20]
@@ -182,6 +234,7 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
             "shards": len(index["shards"]),
             "shards_written": len(result.written_shards),
             "shards_kept": len(result.skipped_shards),
+            "shards_downloaded": len(downloaded),
             "tokens_per_s": round(num_tokens / max(wall, 1e-9), 1) if result.written_shards else 0.0,
             "wall_s": round(wall, 2),
             "path": dg.MetadataValue.path(store.uri("hidden_states", pk)),
