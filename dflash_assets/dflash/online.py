@@ -29,9 +29,13 @@ def read_tokenized_rows(paths: Sequence[str | os.PathLike]) -> list[dict]:
     """Rows ``{index, input_ids, loss_mask}`` of tokenized_sequences parquet files, each file sorted by
     ``index`` (the order hidden-state shards store them in), files in the given order.
 
+    ``input_ids`` / ``loss_mask`` are numpy views into the files' decoded Arrow buffers (int32 / int8),
+    not Python lists: a few bytes per token, which is what lets a rank hold billions of tokens.
+
     Raises:
         FileNotFoundError: a file is missing. KeyError: a file lacks ``index``/``input_ids``/``loss_mask``.
     """
+    import numpy as np
     import polars as pl
 
     rows: list[dict] = []
@@ -39,7 +43,17 @@ def read_tokenized_rows(paths: Sequence[str | os.PathLike]) -> list[dict]:
         if not Path(path).is_file():
             raise FileNotFoundError(path)
         df = pl.read_parquet(path, columns=["index", "input_ids", "loss_mask"]).sort("index")
-        rows += df.to_dicts()
+        # one writable buffer per file (torch wants writable memory); rows are views into it
+        ids = np.array(df["input_ids"].cast(pl.List(pl.Int32)).explode().to_numpy(), dtype=np.int32)
+        masks = np.array(df["loss_mask"].cast(pl.List(pl.Int8)).explode().to_numpy(), dtype=np.int8)
+        lengths = df["input_ids"].list.len().to_numpy()
+        if not np.array_equal(lengths, df["loss_mask"].list.len().to_numpy()):
+            bad = df["index"].to_numpy()[lengths != df["loss_mask"].list.len().to_numpy()][:5].tolist()
+            raise ValueError(f"{path}: rows {bad} have loss_mask and input_ids of different lengths")
+        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+        for k, index in enumerate(df["index"].to_list()):
+            lo, hi = offsets[k], offsets[k + 1]
+            rows.append({"index": index, "input_ids": ids[lo:hi], "loss_mask": masks[lo:hi]})
     return rows
 
 
@@ -80,7 +94,7 @@ class TokenizedRows:
         self._masks: list[torch.Tensor] = []
         self.rows: list[RowRef] = []
         for r in rows:
-            ids = torch.as_tensor(r["input_ids"], dtype=torch.long).reshape(-1)
+            ids = torch.as_tensor(r["input_ids"], dtype=torch.int32).reshape(-1)  # int32 kept: 4 bytes per token
             mask = torch.as_tensor(r["loss_mask"], dtype=torch.int8).reshape(-1)
             if ids.numel() != mask.numel():
                 raise ValueError(f"row {r['index']}: loss_mask has {mask.numel()} entries, input_ids {ids.numel()}")
@@ -107,7 +121,7 @@ class TokenizedRows:
 
     def __getitem__(self, i: int) -> dict:
         ref = self.rows[i]
-        ids, mask = self._ids[ref.shard], self._masks[ref.shard]
+        ids, mask = self._ids[ref.shard].to(torch.long), self._masks[ref.shard]
         if self.features is not None and getattr(self, "_per_row", True):
             hidden = self.features(ids.unsqueeze(0), torch.tensor([ids.numel()]))[0].cpu()
         else:
