@@ -34,7 +34,10 @@ def decide_mode(instance: dg.DagsterInstance, storage, target_model, mode: str, 
     from dflash_assets.assets.hidden_states import storage_plan
     from dflash_assets.storage_plan import resolve_features
 
-    plan = storage_plan(instance, storage, target_model, hidden_states_config(), fallback_tokens_per_row=fallback_tokens_per_row)
+    try:
+        plan = storage_plan(instance, storage, target_model, hidden_states_config(), fallback_tokens_per_row=fallback_tokens_per_row)
+    except (OSError, KeyError, ValueError) as exc:  # no corpus yet, no target config: hidden_states plans (and fails) itself
+        return "offline", f"features: auto -> offline (no storage plan yet: {type(exc).__name__}: {exc})"
     chosen = resolve_features(mode, plan)
     why = "fits" if plan.fits else "does not fit"
     return chosen, f"features: auto -> {chosen} (storage plan {why}: {plan.describe()})"

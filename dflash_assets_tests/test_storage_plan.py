@@ -119,3 +119,20 @@ def test_free_space_is_checked_locally_without_a_budget(project, monkeypatch):
     assert not result.success
     assert "1.00 KB free at" in failure_text(result)
     assert files_under(project["root"] / "hidden_states") == []
+
+
+def test_auto_features_follow_the_plan(project):
+    """features: auto -> online exactly when the plan does not fit (what the main job and the drafter use)."""
+    from dflash_assets.assets.hidden_states import HiddenStatesConfig, storage_plan
+    from dflash_assets.storage_plan import resolve_features
+
+    needed = project["tokens"] * PER_TOKEN
+    args = (project["instance"], project["storage"], project["target"])
+    tight = storage_plan(*args, HiddenStatesConfig(target_layer_ids=LAYER_IDS, storage_budget_gb=needed / 2 / 1e9))
+    assert tight.bytes_needed == needed and not tight.fits
+    assert tight.rows_that_fit == 20  # half the budget, rows of equal mean size
+    assert resolve_features("auto", tight) == "online" and resolve_features("offline", tight) == "offline"
+    roomy = storage_plan(*args, HiddenStatesConfig(target_layer_ids=LAYER_IDS, storage_budget_gb=needed * 2 / 1e9))
+    assert roomy.fits and resolve_features("auto", roomy) == "offline"
+    half = storage_plan(*args, HiddenStatesConfig(target_layer_ids=LAYER_IDS, storage_budget_gb=needed / 2 / 1e9, fraction=0.25))
+    assert half.fits and half.rows_selected == sum(1 for i in range(40) if h(i) < 0.25)

@@ -141,7 +141,7 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
     export_dir = os.path.dirname(storage.local_scratch(*EXPORT_DIR, "x"))
     overrides = {"intermediate_size": config.intermediate_size} if config.intermediate_size else {}
     cfg = TrainConfig(
-        shards=shards, out_dir=run_dir, features=mode, tokenized=tokenized, target_model_path=str(target_model.resolved_path()),
+        shards=shards, out_dir=run_dir, features=mode, tokenized=tokenized, target_dtype=target_model.dtype, target_model_path=str(target_model.resolved_path()),
         num_hidden_layers=config.num_hidden_layers, block_size=config.block_size, mask_token_id=config.mask_token_id,
         draft_overrides=overrides, max_length=config.max_length, max_anchors=config.max_anchors,
         eval_fraction=config.eval_fraction, batch_size=config.batch_size, lr=config.lr, epochs=config.epochs,
