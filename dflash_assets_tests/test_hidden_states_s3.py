@@ -112,3 +112,12 @@ def test_fresh_machine_downloads_shards_instead_of_recomputing(s3_target, tmp_pa
         text = "\n".join(e.step_failure_data.error.message for e in bad.all_events if e.is_step_failure)
         assert f"hidden_states/{PK}/{name}" in text and "sha256" in text
         assert not list((tmp_path / "machine-d").rglob(name))  # the bad copy was deleted
+
+        # online on a fresh machine: tokenized rows downloaded, features computed, no shard fetched
+        online_config = {"ops": {"dflash_drafter": {"config": {**drafter_config["ops"]["dflash_drafter"]["config"], "features": "online"}}}}
+        e_dir = tmp_path / "machine-e"
+        result = dg.materialize([dflash_drafter], instance=instance, run_config=online_config,
+                                resources={"storage": machine(s3_target, e_dir), "target_model": target})
+        meta = result.asset_materializations_for_node("dflash_drafter")[0].metadata
+        assert meta["features"].value == "online" and meta["target_forwards"].value == 2  # one per step
+        assert not list(e_dir.rglob("shard-*.safetensors")) and list(e_dir.rglob(f"{PK}.parquet"))
