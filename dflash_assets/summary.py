@@ -252,6 +252,8 @@ def format_summary(s: dict) -> str:
     materialized = s.get("materialized", {})
     for label, location, asset in s["outputs"]:
         missing = "" if materialized.get(asset, True) else "  (not written yet)"
+        if asset == "hidden_states" and s.get("features") == "online" and missing:
+            missing = "  (not written: the drafter trained online)"
         lines.append(f"{label:<19}{location}{missing}")
     keys = s.get("partition_keys") or []
     if len(keys) > 1:
