@@ -36,14 +36,20 @@ def subset_hash(index: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
-def subset_threshold(corpus_indexes, max_rows: int | None, fraction: float | None) -> float:
+def subset_hashes(corpus_indexes) -> np.ndarray:
+    """``subset_hash`` of every index, float64, in the given order."""
+    indexes = list(corpus_indexes)
+    return np.fromiter((subset_hash(i) for i in indexes), dtype=np.float64, count=len(indexes))
+
+
+def subset_threshold(corpus_indexes, max_rows: int | None, fraction: float | None, hashes: np.ndarray | None = None) -> float:
     """Hash threshold: a row is in the subset when ``subset_hash(index) < threshold`` (1.0 = every row).
 
     ``max_rows`` wins over ``fraction`` when both are set (the stricter of the two is used).
     """
     threshold = 1.0 if fraction is None else float(fraction)
     if max_rows is not None:
-        hashes = np.sort(np.fromiter((subset_hash(i) for i in corpus_indexes), dtype=np.float64))
+        hashes = np.sort(subset_hashes(corpus_indexes) if hashes is None else hashes)
         if max_rows < len(hashes):
             threshold = min(threshold, float(np.nextafter(hashes[max_rows - 1], 2.0)) if max_rows > 0 else 0.0)
     return threshold
@@ -159,8 +165,11 @@ def compute_plan(
         local_root: directory whose free space counts (None: S3, no free-space figure).
         fallback_tokens_per_row: tokens per row when no partition is tokenized yet (the generation cap).
     """
-    indexes = np.asarray(list(corpus_indexes), dtype=np.int64)
-    threshold = subset_threshold(indexes.tolist(), max_rows, fraction)
+    indexes = np.sort(np.asarray(list(corpus_indexes), dtype=np.int64))
+    # one hash per row, once (903 partitions x 1,000 rows: searchsorted, not a scan per partition)
+    hashes = subset_hashes(indexes.tolist()) if (max_rows is not None or fraction is not None) else None
+    threshold = subset_threshold(indexes.tolist(), max_rows, fraction, hashes)
+    chosen_mask = hashes < threshold if threshold < 1.0 else np.ones(len(indexes), dtype=bool)
     per_token = bytes_per_token(len(layer_ids), hidden_size, 2)
     tokenized = [m for m in partitions.values() if m.get("rows")]
     mean = (sum(m.get("total_tokens", 0) for m in tokenized) / max(1, sum(m["rows"] for m in tokenized))) if tokenized else fallback_tokens_per_row
@@ -168,8 +177,9 @@ def compute_plan(
     rows_selected = tokens = estimated = 0
     for pk, meta in partitions.items():
         lo, hi = key_range(pk)
-        in_range = indexes[(indexes >= lo) & (indexes <= hi)]
-        chosen = sum(1 for i in in_range.tolist() if in_subset(i, threshold)) if threshold < 1.0 else len(in_range)
+        a, b = np.searchsorted(indexes, lo, "left"), np.searchsorted(indexes, hi, "right")
+        in_range = indexes[a:b]
+        chosen = int(chosen_mask[a:b].sum())
         if pk in exact:
             n, t = exact[pk]
             rows_selected += n
