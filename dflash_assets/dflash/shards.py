@@ -134,15 +134,24 @@ def _encode_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_payload(f, header: bytes, tensors: dict[str, torch.Tensor], digest=None) -> None:
+def _write_payload(f, header: bytes, tensors: dict[str, torch.Tensor]) -> None:
     f.write(header)
-    if digest is not None:
-        digest.update(header)
     for name in _TENSOR_ORDER:
-        data = _tensor_bytes(tensors[name])
-        f.write(data)
-        if digest is not None:
-            digest.update(data)
+        f.write(_tensor_bytes(tensors[name]))
+
+
+class _HashingWriter:
+    """File wrapper that feeds every written byte to a hash as well (one pass over the data)."""
+
+    def __init__(self, f, digest) -> None:
+        self._f, self._digest = f, digest
+
+    def write(self, data) -> int:
+        self._digest.update(data)
+        return self._f.write(data)
+
+    def __getattr__(self, name: str):  # flush, fileno, ... of the real file
+        return getattr(self._f, name)
 
 
 def file_sha256(path: str | os.PathLike, chunk: int = 8 * 2**20) -> str:
@@ -211,7 +220,7 @@ def write_shard(
     tensors = {"cu_seqlens": cu_seqlens, "row_index": row_index, "input_ids": input_ids, "hidden_states": hidden_states, "loss_mask": loss_mask}
     header = _encode_header(tensors, metadata)
     digest = hashlib.sha256() if digest_out is not None else None
-    atomic_write_bytes(path, lambda f: _write_payload(f, header, tensors, digest))  # streamed, never whole in memory
+    atomic_write_bytes(path, lambda f: _write_payload(f if digest is None else _HashingWriter(f, digest), header, tensors))  # streamed
     if digest_out is not None:
         digest_out["sha256"] = digest.hexdigest()
     return os.path.getsize(path)
