@@ -1,4 +1,4 @@
-"""Storage plan before hidden_states writes anything; stable-hash subsets (max_rows / fraction)."""
+"""Storage plan before hidden_states writes anything; stable-hash subsets (max_rows / fraction); feature modes."""
 
 from __future__ import annotations
 
@@ -136,3 +136,30 @@ def test_auto_features_follow_the_plan(project):
     assert roomy.fits and resolve_features("auto", roomy) == "offline"
     half = storage_plan(*args, HiddenStatesConfig(target_layer_ids=LAYER_IDS, storage_budget_gb=needed / 2 / 1e9, fraction=0.25))
     assert half.fits and half.rows_selected == sum(1 for i in range(40) if h(i) < 0.25)
+
+
+def test_drafter_asset_online_under_torchrun(project):
+    """dflash_drafter with features: online and nproc 2: torchrun, one frozen target per process, nothing
+    stored; nnodes > 1 without a rendezvous endpoint fails with the setting to fix."""
+    from dflash_assets.assets.drafter import dflash_drafter
+
+    try:
+        from dflash_assets_tests.tiny_target import VOCAB
+    except ImportError:
+        from tiny_target import VOCAB  # type: ignore[no-redef]
+
+    config = {"features": "online", "nproc": 2, "num_hidden_layers": 1, "block_size": 4, "mask_token_id": VOCAB - 1,
+              "max_steps": 3, "max_anchors": 4, "eval_fraction": 0.0, "checkpoint_every": 0, "intermediate_size": 32}
+
+    def run_drafter(**extra):
+        return dg.materialize([dflash_drafter], instance=project["instance"], raise_on_error=False,
+                              resources={"storage": project["storage"], "target_model": project["target"]},
+                              run_config={"ops": {"dflash_drafter": {"config": {**config, **extra}}}})
+
+    result = run_drafter()
+    assert result.success, failure_text(result)
+    meta = result.asset_materializations_for_node("dflash_drafter")[0].metadata
+    assert meta["features"].value == "online" and meta["world_size"].value == 2 and meta["steps"].value == 3
+    assert not (project["root"] / "hidden_states").exists()
+    bad = run_drafter(nnodes=2)
+    assert not bad.success and "rdzv_endpoint" in failure_text(bad)
