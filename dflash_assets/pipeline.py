@@ -88,6 +88,17 @@ def was_interrupted(result: dg.ExecuteInProcessResult) -> bool:
     return False
 
 
+def _feature_mode(instance, settings) -> str:
+    """The drafter's feature source for this run (see :mod:`dflash_assets.feature_sources`); printed.
+    Online: hidden_states is skipped and the drafter follows tokenized_sequences."""
+    from dflash_assets.feature_sources import configured_mode, decide_mode
+
+    mode, reason = decide_mode(instance, defs.resources["storage"], defs.resources["target_model"], configured_mode(),
+                               fallback_tokens_per_row=settings.max_output_tokens)
+    print(reason + ("; hidden_states is skipped" if mode == "online" else ""))
+    return mode
+
+
 def run_all(config_path_arg: str | None = None, dagster_home: str | None = None, verbose: bool = False) -> int:
     """Materialize what is not up to date and print the summary. Returns the exit code.
 
@@ -119,6 +130,8 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         did_work.append("prompt_corpus")
     keys = instance.get_dynamic_partitions(prompt_ranges.name)
     settings = defs.resources["generation"].settings()
+    features = _feature_mode(instance, settings)
+    stages = [s for s in PARTITION_STAGES if not (features == "online" and s == "hidden_states")]
 
     failed = []
     # completions of every partition that needs it in ONE run: the servers start once, requests stream
@@ -138,7 +151,7 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         if pk in failed:
             continue  # its completions run failed: the later stages would read stale rows
         todo, upstream = [], [_latest_record(instance, "prompt_corpus")]
-        for stage in PARTITION_STAGES:
+        for stage in stages:
             if stage not in asset_names:
                 continue
             if stage == "completions":  # done above, for all partitions in one run
@@ -161,7 +174,7 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     for stage in FINAL_STAGES:
         if stage not in asset_names:
             continue
-        upstream_key = {"truncation_report": "completions", "dflash_drafter": "hidden_states", "drafter_evaluation": "dflash_drafter"}[stage]
+        upstream_key = {"truncation_report": "completions", "dflash_drafter": stages[-1], "drafter_evaluation": "dflash_drafter"}[stage]
         upstream = [_latest_record(instance, upstream_key, pk) for pk in keys] if upstream_key != "dflash_drafter" else [_latest_record(instance, upstream_key)]
         settings_cls = {"dflash_drafter": DrafterConfig, "drafter_evaluation": EvaluationConfig}.get(stage)
         changed = settings_cls is not None and config_changed_since_last(

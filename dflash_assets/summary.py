@@ -105,6 +105,7 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
         "drafter_steps": drafter.get("steps"), "drafter_outcome": drafter.get("outcome"),
         "drafter_outcome_text": drafter.get("outcome_text"),
         "drafter_ran": None if ran is None or not drafter else "dflash_drafter" in ran,
+        **_feature_figures(instance, keys, drafter),
         "tau": evaluation.get("tau"), "tau_untrained": evaluation.get("tau_untrained"),
         "tau_stderr": evaluation.get("tau_stderr"), "tau_untrained_stderr": evaluation.get("tau_untrained_stderr"),
         "tau_pooled": evaluation.get("tau_pooled"), "tau_pooled_stderr": evaluation.get("tau_pooled_stderr"),
@@ -196,6 +197,32 @@ def failed_check_lines(checks: list[dict], max_keys: int = 5) -> list[str]:
                  if c["partitions"] else "failed")
         text = f"{c['check']} ({c['severity']}): {where}" + (f"; {c['description']}" if c.get("description") else "")
         lines.append(("failed checks      " if i == 0 else " " * 19) + text)
+    return lines
+
+
+def _feature_figures(instance: dg.DagsterInstance, keys: list[str], drafter: dict) -> dict:
+    """The drafter's feature source (offline / online), its target forwards, and the latest storage plan."""
+    plan = None
+    for pk in reversed(keys):
+        plan = _meta(instance, "hidden_states", pk).get("storage_plan_text")
+        if plan:
+            break
+    return {"features": drafter.get("features"), "target_forwards": drafter.get("target_forwards"),
+            "offline_subset": drafter.get("offline_subset") or {}, "storage_plan": plan}
+
+
+def feature_lines(s: dict) -> list[str]:
+    """Summary lines on where the drafter's target features came from and the storage plan."""
+    lines = []
+    if s.get("features") == "online":
+        lines.append(f"features           online: the frozen target computed every batch's features during training "
+                     f"({s.get('target_forwards') or 0} target forwards); no hidden-state shard stored")
+    elif s.get("features") == "offline":
+        sub = s.get("offline_subset") or {}
+        extra = f"; subset {sub}" if sub.get("max_rows") is not None or sub.get("fraction") is not None else ""
+        lines.append(f"features           offline: read from stored hidden-state shards{extra}")
+    if s.get("storage_plan"):
+        lines.append(f"storage plan       {s['storage_plan']}")
     return lines
 
 
@@ -338,6 +365,7 @@ def format_summary(s: dict) -> str:
         f"tokenized          {s['tokenized_rows']} rows, {s['loss_tokens']} loss tokens",
         f"hidden states      {s['hidden_state_bytes']} bytes ({_size(s['hidden_state_bytes'])}) for {s['hidden_state_tokens']} tokens",
         f"drafter            {drafter_line(s)}",
+        *feature_lines(s),
         acceptance_line(s),
         *[" " * 19 + row.strip() for row in dataset_lines(s)],
         *failed_check_lines(s.get("failed_checks") or []),
@@ -347,6 +375,8 @@ def format_summary(s: dict) -> str:
     materialized = s.get("materialized", {})
     for label, location, asset in s["outputs"]:
         missing = "" if materialized.get(asset, True) else "  (not written yet)"
+        if asset == "hidden_states" and s.get("features") == "online" and missing:
+            missing = "  (not written: the drafter trained online)"
         lines.append(f"{label:<19}{location}{missing}")
     keys = s.get("partition_keys") or []
     if len(keys) > 1:

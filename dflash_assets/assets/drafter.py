@@ -7,13 +7,17 @@ import subprocess
 import sys
 import time
 
+from typing import Literal
+
 import dagster as dg
 from pydantic import Field
 
+from dflash_assets.assets.hidden_states import ShardIntegrityError, fetch_shards
 from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.dflash.export import export_drafter
 from dflash_assets.dflash.shards import INDEX_NAME
 from dflash_assets.dflash.train import TrainConfig, train
+from dflash_assets.feature_sources import decide_mode, tokenized_inputs
 from dflash_assets.figures import figure_png_bytes, new_figure
 from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
@@ -39,7 +43,15 @@ class DrafterConfig(dg.Config):
     max_anchors: int = Field(default=512, ge=1, description="Anchors sampled per sequence.")
     eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0, description="Held-out share of rows (stable hash of prompt index).")
     checkpoint_every: int = Field(default=200, ge=0, description="Steps between checkpoints (0 = end only).")
-    nproc: int = Field(default=1, ge=1, description="Processes (torchrun, gloo on CPU / nccl on GPU); 1 = in this process.")
+    nproc: int = Field(default=1, ge=1, description="Processes per node (torchrun, gloo on CPU / nccl on GPU); 1 with nnodes 1 = in this process.")
+    nnodes: int = Field(default=1, ge=1, description="Nodes (torchrun --nnodes); >1: run dflash_drafter/runs/<id>/launch_other_nodes.sh on each other node.")
+    rdzv_endpoint: str = Field(default="", description="HOST:PORT of the c10d rendezvous, reachable from every node (nnodes > 1).")
+    rdzv_id: str = Field(default="dflash", description="Rendezvous id, the same on every node.")
+    features: Literal["auto", "offline", "online"] = Field(
+        default="auto",
+        description="offline: train on hidden_states shards; online: the frozen target computes each batch's features from "
+                    "tokenized_sequences (nothing stored); auto: online when the hidden-state storage plan does not fit.",
+    )
     seed: int = 0
     intermediate_size: int | None = Field(default=None, description="Override the drafter MLP width (default: the target's).")
     layer_types: list[str] | None = Field(
@@ -73,7 +85,10 @@ def complete_shards(storage: StorageResource, keys: list[str], indexes: dict | N
         used.append(pk)
         if indexes is not None:
             indexes[pk] = index
-        shards += [storage.ensure_local("hidden_states", pk, s["name"], size=s.get("bytes")) for s in index["shards"]]
+        try:
+            shards += fetch_shards(storage, pk, index)[0]  # S3: downloaded, checked by size and sha256
+        except ShardIntegrityError as exc:
+            raise dg.Failure(str(exc)) from exc
     return shards, used, skipped
 
 
@@ -84,9 +99,14 @@ def _sha(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def config_fingerprint(config: DrafterConfig) -> str:
-    """SHA-256 (16 hex) of the settings that shape the drafter (``nproc`` excluded: same data order per step)."""
-    return _sha(config.model_dump(exclude={"nproc"}))[:16]
+# settings that leave the trained weights unchanged: the process layout (the same global batch per step) and the
+# feature source (online features equal offline ones; the data fingerprint says which source was used)
+RESULT_NEUTRAL = {"nproc", "nnodes", "rdzv_endpoint", "rdzv_id", "features"}
+
+
+def config_fingerprint(config: dg.Config) -> str:
+    """SHA-256 (16 hex) of the settings that shape the result (:data:`RESULT_NEUTRAL` excluded)."""
+    return _sha(config.model_dump(exclude=RESULT_NEUTRAL))[:16]
 
 
 def config_changed_since_last(instance: dg.DagsterInstance, key: str, config: dg.Config) -> bool:
@@ -94,7 +114,7 @@ def config_changed_since_last(instance: dg.DagsterInstance, key: str, config: dg
     materialization of asset ``key`` (False when there is none or it recorded none)."""
     event = instance.get_latest_materialization_event(dg.AssetKey(key))
     recorded = event.asset_materialization.metadata.get("config_fingerprint") if event and event.asset_materialization else None
-    return recorded is not None and recorded.value != _sha(config.model_dump(exclude={"nproc"}))[:16]
+    return recorded is not None and recorded.value != config_fingerprint(config)
 
 
 def data_fingerprint(indexes: dict[str, dict]) -> str:
@@ -171,7 +191,7 @@ def read_log(path: str) -> list[dict]:
 
 
 @dg.asset(
-    deps=["hidden_states"],
+    deps=["hidden_states", "tokenized_sequences"],  # offline reads the first, online only the second
     group_name="drafter",
     kinds={"pytorch", "safetensors"},
     owners=["team:dflash"],
@@ -186,10 +206,22 @@ def read_log(path: str) -> list[dict]:
 )
 def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, storage: StorageResource, target_model: TargetModelResource) -> dg.MaterializeResult:
     keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
+    mode, mode_reason = decide_mode(context.instance, storage, target_model, config.features)
     indexes: dict[str, dict] = {}
-    shards, used, skipped = complete_shards(storage, keys, indexes)
-    if not shards:
-        raise dg.Failure(f"no complete hidden_states partition among {len(keys)}: materialize hidden_states first")
+    shards, used, skipped = complete_shards(storage, keys, indexes) if mode == "offline" else ([], [], [])
+    if mode == "offline" and not shards and config.features == "auto":
+        mode, mode_reason = "online", mode_reason + "; no complete hidden_states partition: online"
+    context.log.info(mode_reason)
+    tokenized = []
+    if mode == "online":
+        tokenized, used = tokenized_inputs(storage, keys)
+        if not tokenized:
+            raise dg.Failure(f"features: online, but no tokenized_sequences partition among {len(keys)}: materialize it first")
+        # online, the training data is the tokenized rows: identified by their files' content
+        indexes = {pk: {"features": "online", "tokenized_sha256": file_sha256(path)} for pk, path in zip(used, tokenized)}
+    elif not shards:
+        raise dg.Failure(f"no complete hidden_states partition among {len(keys)}: materialize hidden_states first "
+                         "(or set ops.dflash_drafter.config.features: online)")
     if skipped:
         context.log.warning(f"training without {len(skipped)} partitions that have no complete hidden states: {skipped[:5]}")
     export_dir = os.path.dirname(storage.local_scratch(*EXPORT_DIR, "x"))
@@ -211,7 +243,7 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
     if config.layer_types is not None:
         overrides.update(layer_types=list(config.layer_types), sliding_window=config.sliding_window)
     cfg = TrainConfig(
-        shards=shards, out_dir=run_dir, target_model_path=str(target_model.resolved_path()),
+        shards=shards, out_dir=run_dir, features=mode, tokenized=tokenized, target_dtype=target_model.dtype, target_model_path=str(target_model.resolved_path()),
         num_hidden_layers=config.num_hidden_layers, block_size=config.block_size, mask_token_id=config.mask_token_id,
         draft_overrides=overrides, max_length=config.max_length, max_anchors=config.max_anchors,
         eval_fraction=config.eval_fraction, batch_size=config.batch_size, lr=config.lr, epochs=config.epochs,
@@ -219,12 +251,13 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
         init_from=init_from,
     )
     started = time.monotonic()
+    what = f"{len(shards)} shards" if mode == "offline" else "tokenized rows, features computed online by the frozen target"
     if reused:
         context.log.info(f"run {fingerprint} is complete and its export is in place: reused, no training step")
         summary = json.load(open(os.path.join(run_dir, "summary.json")))
-    elif config.nproc == 1:
+    elif config.nproc == 1 and config.nnodes == 1:
         start_note = f"warm start from the export {run['parent'][:12]}" if run["parent"] else "from scratch"
-        context.log.info(f"training on {len(shards)} shards from {len(used)} partitions ({start_note}); run dir {run_dir}")
+        context.log.info(f"training on {what} from {len(used)} partitions ({start_note}); run dir {run_dir}")
 
         def progress(rec: dict) -> None:
             if rec["step"] % 20 == 0 or rec["step"] == rec["total_steps"]:
@@ -235,8 +268,9 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
         export_drafter(result.model, export_dir)
         summary = result.summary
     else:
-        context.log.info(f"training on {len(shards)} shards from {len(used)} partitions with {config.nproc} processes; run dir {run_dir}")
-        _run_torchrun(context, cfg, config.nproc, export_dir)
+        context.log.info(f"training on {what} from {len(used)} partitions with {config.nproc} processes x "
+                         f"{config.nnodes} node(s); run dir {run_dir}")
+        _run_torchrun(context, cfg, config, export_dir)
         summary = json.load(open(os.path.join(run_dir, "summary.json")))
     if not reused and not summary.get("stopped_early"):
         atomic_write_bytes(state_path, json.dumps(dict(run, complete=True, export_sha256=file_sha256(export_weights)), indent=1).encode())
@@ -278,6 +312,10 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
             "heldout_acc_per_position": [None if a != a else round(a, 4) for a in acc],
             "heldout_tau_estimate": evaluation.get("tau_estimate"),
             "partitions_used": len(used),
+            "features": mode,
+            "features_reason": mode_reason,
+            "target_forwards": summary.get("target_forwards", 0),
+            "offline_subset": _offline_subset(context.instance, used) if mode == "offline" else {},
             "seed": config.seed,
             "eval_fraction": config.eval_fraction,
             "max_length": config.max_length,
@@ -292,24 +330,51 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
     )
 
 
+def _offline_subset(instance: dg.DagsterInstance, used: list[str]) -> dict:
+    """Subset setting and rows stored by the hidden_states partitions trained on (their latest metadata)."""
+    from dflash_assets.automation import latest_metadata
+
+    stored = total = 0
+    subset: dict = {}
+    for pk in used:
+        meta = latest_metadata(instance, dg.AssetKey("hidden_states"), pk) or {}
+        stored += int(meta.get("rows") or 0)
+        total += int(meta.get("rows_in_partition") or meta.get("rows") or 0)
+        subset = meta.get("subset") or subset
+    return {**subset, "rows_stored": stored, "rows_tokenized": total}
+
+
 def _count_params(safetensors_bytes: bytes) -> int:
     from safetensors.torch import load
 
     return int(sum(t.numel() for t in load(safetensors_bytes).values()))
 
 
-def _run_torchrun(context, cfg: TrainConfig, nproc: int, export_dir: str) -> None:
-    """Train with ``torchrun --nproc_per_node nproc`` (same code path as in-process), streaming its log."""
+def _run_torchrun(context, cfg: TrainConfig, config: DrafterConfig, export_dir: str) -> None:
+    """Train with ``torchrun`` (same code path as in-process), streaming its log. ``nnodes > 1``: this node
+    joins the c10d rendezvous at ``rdzv_endpoint``; the command for the other nodes is written to
+    ``<run dir>/launch_other_nodes.sh`` and logged (see :mod:`dflash_assets.dflash.distributed`)."""
     import dataclasses
+
+    from dflash_assets.dflash.distributed import torchrun_argv, write_node_script
 
     cfg_path = os.path.join(cfg.out_dir, "train_config.json")
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(cfg_path, "w") as f:
-        json.dump({k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("shards", "out_dir", "target_model_path")}, f)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "dflash_assets.dflash.train", "--shards", *cfg.shards, "--out", cfg.out_dir,
-            "--target-model", cfg.target_model_path, "--export", export_dir, "--config-json", cfg_path]
-    context.log.info("launching " + " ".join(argv[:8]) + " ...")
+        json.dump({k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("shards", "tokenized", "out_dir", "target_model_path")}, f)
+    train_args = ["--shards", *cfg.shards, "--tokenized", *cfg.tokenized, "--features", cfg.features, "--out", cfg.out_dir,
+                  "--target-model", cfg.target_model_path, "--export", export_dir, "--config-json", cfg_path]
+    try:
+        argv = torchrun_argv(train_args, nproc_per_node=config.nproc, nnodes=config.nnodes,
+                             rdzv_endpoint=config.rdzv_endpoint, rdzv_id=config.rdzv_id)
+    except ValueError as exc:
+        raise dg.Failure(str(exc)) from exc
+    if config.nnodes > 1:
+        script = write_node_script(os.path.join(cfg.out_dir, "launch_other_nodes.sh"), argv,
+                                   {"PYTHONPATH": os.environ.get("PYTHONPATH", "")} if os.environ.get("PYTHONPATH") else None)
+        context.log.info(f"waiting for {config.nnodes - 1} more node(s) at {config.rdzv_endpoint}: on each, run {script} "
+                         "(same paths on a shared filesystem)")
+    context.log.info("launching " + " ".join(argv[:9]) + " ...")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail = []
     for line in proc.stdout:

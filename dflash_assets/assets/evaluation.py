@@ -12,7 +12,7 @@ import polars as pl
 import torch
 from pydantic import Field
 
-from dflash_assets.assets.drafter import EXPORT_DIR, complete_shards, file_sha256
+from dflash_assets.assets.drafter import EXPORT_DIR, file_sha256
 from dflash_assets.assets.prompts import CORPUS_FILE, default_sources
 from dflash_assets.corpus import CorpusError, build_corpus, source_name
 from dflash_assets.dflash.data import HiddenStateShards
@@ -26,6 +26,7 @@ from dflash_assets.dflash.evaluation import (
 )
 from dflash_assets.dflash.export import load_exported
 from dflash_assets.dflash.model import load_target_head
+from dflash_assets.feature_sources import heldout_set as heldout_set_for
 from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
@@ -144,9 +145,12 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
     untrained = untrained_drafter_like(drafter, seed=int(train_meta.get("seed", 0)))
     block_size = drafter.config.block_size
 
-    shards, _, _ = complete_shards(storage, context.instance.get_dynamic_partitions(prompt_ranges.name))
     eval_fraction, max_length = float(train_meta.get("eval_fraction", 0.0)), int(train_meta.get("max_length", 3072))
-    heldout_set = HiddenStateShards(shards, split="eval", eval_fraction=eval_fraction, max_length=max_length, block_size=block_size)
+    target = target_model.load_model()
+    # online drafters have no shards: the frozen target computes the held-out rows' features
+    heldout_set = heldout_set_for(storage, context.instance.get_dynamic_partitions(prompt_ranges.name), train_meta.get("features", "offline"),
+                                  eval_fraction=eval_fraction, max_length=max_length, block_size=block_size, target=target,
+                                  target_layer_ids=drafter.config.target_layer_ids)
     held = heldout_indexes(heldout_set)
     if not held:
         raise dg.Failure(f"the drafter's training held out no row (eval_fraction {eval_fraction}): raise dflash_drafter's eval_fraction")
@@ -154,7 +158,6 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
     datasets = evaluation_datasets(corpus, held, config.prompt_files, config.num_prompts)
     tokenizer = target_model.load_tokenizer()
     builder = SequenceBuilder(tokenizer)
-    target = target_model.load_model()
     started = time.monotonic()
     eos = [builder.end_token_id]
 

@@ -1,6 +1,7 @@
 """Stage 5: ``hidden_states[pk]``: target-layer features for every tokenized sequence, sharded, resumable."""
 
 import hashlib
+import io
 import json
 import os
 import time
@@ -11,9 +12,11 @@ from pydantic import Field
 
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.assets.tokenized import tokenized_file
-from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, read_shard
+from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, file_sha256, read_shard
+from dflash_assets.automation import latest_metadata
 from dflash_assets.dflash.target_features import bytes_per_token, default_target_layer_ids
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.status import GPU_POOL
@@ -27,6 +30,52 @@ class HiddenStatesConfig(dg.Config):
 
     target_layer_ids: list[int] = Field(default_factory=list, description="Decoder layer ids; empty = DFlash rule for 5 layers.")
     rows_per_shard: int = Field(default=64, ge=1, description="Sequences per safetensors shard.")
+    max_rows: int | None = Field(default=None, ge=0, description="Store features for at most this many rows of the corpus (stable-hash subset); None = all.")
+    fraction: float | None = Field(default=None, gt=0.0, le=1.0, description="Store features for this share of the rows (stable-hash subset); None = all.")
+    storage_budget_gb: float | None = Field(
+        default=None, gt=0.0,
+        description="Bytes (GB, 1e9) all hidden states may take; needed to enforce the plan on S3, optional locally (free disk space is always checked).",
+    )
+
+
+def corpus_indexes(store) -> list[int]:
+    """Every prompt index of the corpus (only the ``index`` column is decoded)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(io.BytesIO(store.read_bytes(*CORPUS_FILE)), columns=["index"]).column("index").to_pylist()
+
+
+def storage_plan(
+    instance: dg.DagsterInstance,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    config: HiddenStatesConfig,
+    *,
+    exact: dict[str, tuple[int, int]] | None = None,
+    fallback_tokens_per_row: float = 0.0,
+    indexes: list[int] | None = None,
+) -> StoragePlan:
+    """The storage plan of ``config`` over every partition (see :mod:`dflash_assets.storage_plan`):
+    tokens from tokenized_sequences metadata, bytes stored from hidden_states metadata (partitions in
+    ``exact`` excluded: they are being rewritten), free space at the local root or scratch."""
+    keys = instance.get_dynamic_partitions(prompt_ranges.name)
+    exact = exact or {}
+    partitions = {pk: latest_metadata(instance, dg.AssetKey("tokenized_sequences"), pk) or {} for pk in keys}
+    stored = {}
+    for pk in keys:
+        if pk not in exact:
+            meta = latest_metadata(instance, dg.AssetKey("hidden_states"), pk) or {}
+            stored[pk] = int(meta.get("bytes") or 0)
+    model_dir = target_model.resolved_path()
+    layer_ids, hidden = target_shape(model_dir, config.target_layer_ids or None)
+    budget = int(config.storage_budget_gb * 1e9) if config.storage_budget_gb else None
+    root = None if storage.is_remote else storage.root.removeprefix("file://")
+    return compute_plan(
+        corpus_indexes=indexes if indexes is not None else corpus_indexes(storage.open()), partitions=partitions,
+        hidden_state_bytes=stored, layer_ids=layer_ids, hidden_size=hidden, max_rows=config.max_rows,
+        fraction=config.fraction, budget_bytes=budget, local_root=root, fallback_tokens_per_row=fallback_tokens_per_row,
+        exact=exact,
+    )
 
 
 def resolve_layer_ids(config_ids: list[int], num_target_layers: int) -> list[int]:
@@ -40,6 +89,48 @@ def resolve_layer_ids(config_ids: list[int], num_target_layers: int) -> list[int
     if bad:
         raise dg.Failure(f"target_layer_ids {bad} are outside 0..{num_target_layers - 1} for this target model")
     return ids
+
+
+class ShardIntegrityError(RuntimeError):
+    """A downloaded shard's size or SHA-256 differs from its partition's index.json."""
+
+
+def fetch_shards(storage: StorageResource, pk: str, index: dict, *, on_bad: str = "raise") -> tuple[list[str], list[str]]:
+    """Local paths of the shards ``index`` lists, downloading (S3) each one missing locally or of
+    another size than the index records; a download is verified by size and, when the index has it,
+    SHA-256. Local storage: the paths, nothing copied.
+
+    Args:
+        on_bad: ``"raise"``: a copy that fails verification raises :class:`ShardIntegrityError` (the
+            drafter cannot recompute it); ``"drop"``: it is deleted and left out (hidden_states then
+            recomputes that shard).
+
+    Returns:
+        ``(paths, names downloaded now)``.
+    """
+    paths, fetched = [], []
+    for shard in index.get("shards", []):
+        path = storage.local_scratch("hidden_states", pk, shard["name"])
+        if storage.is_remote:
+            have = os.path.getsize(path) if os.path.exists(path) else None
+            if have is None or (shard.get("bytes") is not None and have != shard["bytes"]):
+                try:
+                    storage.open().download(path, "hidden_states", pk, shard["name"])
+                except FileNotFoundError:
+                    if on_bad == "drop":
+                        continue
+                    raise ShardIntegrityError(f"hidden_states/{pk}/{shard['name']} is listed in index.json but missing from storage; "
+                                              f"re-materialize hidden_states[{pk}]") from None
+                fetched.append(shard["name"])
+                size_ok = shard.get("bytes") is None or os.path.getsize(path) == shard["bytes"]
+                if not size_ok or (shard.get("sha256") and file_sha256(path) != shard["sha256"]):
+                    os.unlink(path)
+                    if on_bad == "drop":
+                        continue
+                    raise ShardIntegrityError(f"hidden_states/{pk}/{shard['name']}: downloaded copy differs from index.json "
+                                              f"({'size' if not size_ok else 'sha256'}); re-materialize hidden_states[{pk}]")
+        paths.append(path)
+    return paths, fetched
 
 
 def partition_dir(storage: StorageResource, pk: str) -> str:
@@ -63,7 +154,9 @@ def partition_dir(storage: StorageResource, pk: str) -> str:
         "Runs the target model over `tokenized_sequences/<pk>.parquet` (batched by a token budget, sorted by length, "
         "stopping after the last needed layer) and writes `hidden_states/<pk>/shard-NNNNN.safetensors` holding "
         "`hidden_states [tokens, n_layers*hidden]` bf16, input_ids, loss_mask, cu_seqlens, row_index, plus index.json. "
-        "Shards are atomic; complete ones are kept on rerun. Checks free disk space before writing."
+        "Shards are atomic; complete ones are kept on rerun. Before anything else, a storage plan (bytes for every "
+        "selected row of the corpus vs free space or storage_budget_gb) fails the run at once when it does not fit; "
+        "max_rows / fraction store a stable-hash subset. Not materialized when dflash_drafter trains online."
     ),
 )
 def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig, storage: StorageResource, target_model: TargetModelResource):
@@ -73,12 +166,24 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
     rows = [{"index": r["index"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in tokenized.iter_rows(named=True)]
     if not rows:
         raise dg.Failure(f"{pk}: tokenized_sequences has no row; nothing to extract (see its set-aside rows)")
+    # the plan comes first: over budget, fail before loading the model or writing a byte
+    indexes = corpus_indexes(store)
+    threshold = subset_threshold(indexes, config.max_rows, config.fraction)
+    all_rows = len(rows)
+    rows = [r for r in rows if in_subset(r["index"], threshold)]
+    plan = storage_plan(context.instance, storage, target_model, config, indexes=indexes,
+                        exact={pk: (len(rows), sum(len(r["input_ids"]) for r in rows))})
+    context.log.info(f"{pk}: storage plan: {plan.describe()}")
+    if not plan.fits:
+        raise dg.Failure(plan.failure_message(), metadata={"storage_plan": plan.to_dict()})
+    if len(rows) < all_rows:
+        context.log.info(f"{pk}: subset {plan.subset}: storing {len(rows)} of {all_rows} rows")
     model = target_model.load_model()
     layer_ids = resolve_layer_ids(config.target_layer_ids, model.config.num_hidden_layers)
     per_token = bytes_per_token(len(layer_ids), model.config.hidden_size, 2)
     num_tokens = sum(len(r["input_ids"]) for r in rows)
-    corpus_rows = store.read_parquet(*CORPUS_FILE).height
-    corpus_estimate = per_token * num_tokens / len(rows) * corpus_rows
+    corpus_rows = len(indexes)
+    corpus_estimate = per_token * num_tokens / max(1, len(rows)) * corpus_rows
     context.log.info(
         f"{pk}: {len(rows)} rows, {num_tokens} tokens, layers {layer_ids}: ~{per_token * num_tokens / 1e6:.1f} MB at {per_token} B/token; "
         f"the whole corpus ({corpus_rows} prompts) at this rate: ~{corpus_estimate / 1e9:.2f} GB"
@@ -90,6 +195,13 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
                          f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)")
 
     out_dir = partition_dir(storage, pk)
+    downloaded = []
+    if storage.is_remote and store.exists("hidden_states", pk, INDEX_NAME):
+        # a fresh machine: shards stored earlier are downloaded (size + sha256 checked), not recomputed;
+        # extract_partition then keeps the ones that still match the tokenized rows
+        _, downloaded = fetch_shards(storage, pk, store.read_json("hidden_states", pk, INDEX_NAME), on_bad="drop")
+        if downloaded:
+            context.log.info(f"{pk}: downloaded {len(downloaded)} stored shards instead of recomputing them")
     with torch.inference_mode():  # a context, not set_grad_enabled: training may follow in this process
         result = extract_partition(
             model, rows, out_dir, layer_ids, rows_per_shard=config.rows_per_shard,
@@ -100,6 +212,9 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
     index = result.index
     if not store.is_local:
         for shard in index["shards"]:  # streamed, not read into memory (shards can be GBs)
+            if shard["name"] in downloaded or (shard["name"] in result.skipped_shards and store.exists("hidden_states", pk, shard["name"])
+                                               and store.size("hidden_states", pk, shard["name"]) == shard["bytes"]):
+                continue  # storage already holds this very file
             store.upload(os.path.join(out_dir, shard["name"]), "hidden_states", pk, shard["name"])
         store.write_json(index, "hidden_states", pk, INDEX_NAME)  # last: readers trust only a complete index
     version = hashlib.sha256(json.dumps([s["rows_sha256"] for s in index["shards"]] + [index["target_layer_ids"], index["model_name"]]).encode()).hexdigest()[:20]
@@ -111,10 +226,15 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
             "bytes_per_token": round(index["total_bytes"] / max(index["num_tokens"], 1), 1),
             "bytes_per_token_expected": per_token,
             "estimated_corpus_bytes": int(corpus_estimate),
+            "storage_plan": plan.to_dict(),
+            "storage_plan_text": plan.describe(),
+            "subset": plan.subset,
+            "rows_in_partition": all_rows,
             "target_layer_ids": layer_ids,
             "shards": len(index["shards"]),
             "shards_written": len(result.written_shards),
             "shards_kept": len(result.skipped_shards),
+            "shards_downloaded": len(downloaded),
             "tokens_per_s": round(num_tokens / max(wall, 1e-9), 1) if result.written_shards else 0.0,
             "wall_s": round(wall, 2),
             "path": dg.MetadataValue.path(store.uri("hidden_states", pk)),

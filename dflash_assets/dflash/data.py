@@ -168,6 +168,9 @@ class TrainingBatch:
     ``context_hidden`` [B, C, D] (D = n_layers*H), ``block_input_ids`` / ``labels`` int64 [B, Q],
     ``label_mask`` bool [B, Q], ``position_ids`` int64 [B, C+Q], ``attention_mask`` bool [B, 1, Q, C+Q],
     ``num_block_tokens`` real (unpadded) block tokens, ``num_context_tokens`` real context tokens.
+    Online features (samples without stored features, width 0): ``context_input_ids`` int64 [B, C]
+    (right-padded) and ``context_lengths`` int64 [B] say what the target must compute; the training
+    loop then replaces ``context_hidden`` with the target's features. None for offline batches.
     """
 
     context_hidden: torch.Tensor
@@ -178,6 +181,8 @@ class TrainingBatch:
     attention_mask: torch.Tensor
     num_block_tokens: int
     num_context_tokens: int
+    context_input_ids: torch.Tensor | None = None
+    context_lengths: torch.Tensor | None = None
 
     def to(self, device, non_blocking: bool = False) -> "TrainingBatch":
         """Copy of the batch with all tensors on ``device``."""
@@ -186,6 +191,8 @@ class TrainingBatch:
             self.context_hidden.to(**kw), self.block_input_ids.to(**kw), self.labels.to(**kw),
             self.label_mask.to(**kw), self.position_ids.to(**kw), self.attention_mask.to(**kw),
             self.num_block_tokens, self.num_context_tokens,
+            None if self.context_input_ids is None else self.context_input_ids.to(**kw),
+            self.context_lengths,
         )
 
     def pin_memory(self) -> "TrainingBatch":
@@ -194,6 +201,8 @@ class TrainingBatch:
             self.context_hidden.pin_memory(), self.block_input_ids.pin_memory(), self.labels.pin_memory(),
             self.label_mask.pin_memory(), self.position_ids.pin_memory(), self.attention_mask.pin_memory(),
             self.num_block_tokens, self.num_context_tokens,
+            None if self.context_input_ids is None else self.context_input_ids.pin_memory(),
+            self.context_lengths,
         )
 
 
@@ -218,12 +227,18 @@ def collate_training_batch(
     pos[:, :c_len] = torch.arange(c_len)
     pos[:, c_len:] = torch.arange(q) % block_size  # padding blocks: anchor 0
     attn = torch.zeros(bsz, 1, q, c_len + q, dtype=torch.bool)
+    online = d == 0  # no stored features: the target computes them from these context tokens
+    ctx_ids = torch.zeros(bsz, c_len, dtype=torch.long) if online else None
+    ctx_lengths = torch.zeros(bsz, dtype=torch.long) if online else None
     n_block = n_ctx = 0
     for b, (s, a) in enumerate(zip(samples, anchors)):
         m = a.numel()
         n_ctx += int(s["input_ids"].shape[0])
         c = min(c_len, s["hidden_states"].shape[0])
         ctx[b, :c] = s["hidden_states"][:c]
+        if online:
+            ctx_ids[b, :c] = s["input_ids"][:c]
+            ctx_lengths[b] = c
         padded = torch.cat([a.to(torch.long), torch.zeros(m_max - m, dtype=torch.long)])
         attn[b, 0] = dflash_training_mask(padded, block_size, c_len)
         if m == 0:
@@ -235,7 +250,7 @@ def collate_training_batch(
         labels[b, :n] = blk["labels"]
         label_mask[b, :n] = blk["label_mask"]
         pos[b, c_len : c_len + n] = blk["block_position_ids"]
-    return TrainingBatch(ctx, block_ids, labels, label_mask, pos, attn, n_block, n_ctx)
+    return TrainingBatch(ctx, block_ids, labels, label_mask, pos, attn, n_block, n_ctx, ctx_ids, ctx_lengths)
 
 
 def iter_rows(dataset: HiddenStateShards, order: Iterable[int]):

@@ -350,7 +350,7 @@ def teacher_forced_acceptance(
 
     bs = int(drafter.config.block_size)
     mask_id = int(drafter.config.mask_token_id)
-    if not isinstance(dataset, HiddenStateShards):
+    if isinstance(dataset, (list, tuple)):  # shard paths (a dataset object, e.g. online TokenizedRows, is used as is)
         dataset = HiddenStateShards(list(dataset), split="all", block_size=bs)
     was_training = drafter.training
     drafter.eval()
@@ -439,7 +439,7 @@ def teacher_forced_chain(
 
     bs = int(drafter.config.block_size)
     mask_id = int(drafter.config.mask_token_id)
-    if not isinstance(dataset, HiddenStateShards):
+    if isinstance(dataset, (list, tuple)):  # shard paths (a dataset object, e.g. online TokenizedRows, is used as is)
         dataset = HiddenStateShards(list(dataset), split="all", block_size=bs)
     was_training = drafter.training
     drafter.eval()

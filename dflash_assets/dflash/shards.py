@@ -56,6 +56,7 @@ __all__ = [
     "PartitionExtraction",
     "ShardData",
     "extract_partition",
+    "file_sha256",
     "plan_shards",
     "read_index",
     "read_shard",
@@ -139,6 +140,29 @@ def _write_payload(f, header: bytes, tensors: dict[str, torch.Tensor]) -> None:
         f.write(_tensor_bytes(tensors[name]))
 
 
+class _HashingWriter:
+    """File wrapper that feeds every written byte to a hash as well (one pass over the data)."""
+
+    def __init__(self, f, digest) -> None:
+        self._f, self._digest = f, digest
+
+    def write(self, data) -> int:
+        self._digest.update(data)
+        return self._f.write(data)
+
+    def __getattr__(self, name: str):  # flush, fileno, ... of the real file
+        return getattr(self._f, name)
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 8 * 2**20) -> str:
+    """Hex SHA-256 of a file's bytes, read in 8 MiB chunks (never whole in memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_shard(
     path: str | os.PathLike,
     hidden_states: torch.Tensor,
@@ -150,6 +174,7 @@ def write_shard(
     target_layer_ids: Sequence[int],
     hidden_size: int,
     model_name: str = "",
+    digest_out: dict | None = None,
 ) -> int:
     """Write one shard atomically (:func:`dflash_assets.atomic.atomic_write_bytes`: temp file in the same
     directory, fsync, ``os.replace``, fsync of the directory).
@@ -162,6 +187,7 @@ def write_shard(
         cu_seqlens: ``[rows + 1]`` token offsets, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == total_tokens``.
         row_index: ``[rows]`` prompt index of each row.
         target_layer_ids, hidden_size, model_name: recorded in the metadata.
+        digest_out: when given, ``digest_out["sha256"]`` is set to the file's SHA-256 (hashed while writing).
 
     Returns:
         Bytes written (the file size).
@@ -193,7 +219,10 @@ def write_shard(
     metadata = _shard_metadata(target_layer_ids, hidden_size, model_name, hidden_states.dtype, num_rows, num_tokens, sha)
     tensors = {"cu_seqlens": cu_seqlens, "row_index": row_index, "input_ids": input_ids, "hidden_states": hidden_states, "loss_mask": loss_mask}
     header = _encode_header(tensors, metadata)
-    atomic_write_bytes(path, lambda f: _write_payload(f, header, tensors))  # streamed, never whole in memory
+    digest = hashlib.sha256() if digest_out is not None else None
+    atomic_write_bytes(path, lambda f: _write_payload(f if digest is None else _HashingWriter(f, digest), header, tensors))  # streamed
+    if digest_out is not None:
+        digest_out["sha256"] = digest.hexdigest()
     return os.path.getsize(path)
 
 
@@ -471,6 +500,9 @@ def extract_partition(
         if entry.is_file() and (stale_tmp or extra_shard or entry.name.startswith(f".{INDEX_NAME}.")):
             entry.unlink(missing_ok=True)
 
+    hashes: dict[str, str] = {}  # file SHA-256 per shard: a copy elsewhere (S3) is verified against it
+    previous = {e["name"]: e for e in (read_index(out) or {}).get("shards", [])}
+
     def index_for(sizes: dict[str, int], complete: bool) -> dict[str, Any]:
         return {
             "format": FORMAT,
@@ -494,6 +526,7 @@ def extract_partition(
                     "first_index": int(p.row_index[0]),
                     "last_index": int(p.row_index[-1]),
                     "rows_sha256": p.sha,
+                    "sha256": hashes.get(p.name),
                 }
                 for p in plans
             ],
@@ -516,8 +549,12 @@ def extract_partition(
         path = out / plan.name
         if plan.name in valid:
             sizes[plan.name] = path.stat().st_size
+            old = previous.get(plan.name) or {}
+            known = old.get("sha256") if old.get("rows_sha256") == plan.sha and old.get("bytes") == sizes[plan.name] else None
+            hashes[plan.name] = known or file_sha256(path)
             skipped.append(plan.name)
         else:
+            digest: dict = {}
             hidden = torch.empty(plan.num_tokens, extractor.feature_size, dtype=dtype)
             lengths = plan.cu_seqlens.diff().tolist()
             for batch in iter_batches_by_token_budget(lengths, max_tokens_per_batch):
@@ -535,8 +572,9 @@ def extract_partition(
                 del features
             sizes[plan.name] = write_shard(
                 path, hidden, plan.input_ids, plan.loss_mask, plan.cu_seqlens, plan.row_index,
-                target_layer_ids=target_layer_ids, hidden_size=hidden_size, model_name=model_name,
+                target_layer_ids=target_layer_ids, hidden_size=hidden_size, model_name=model_name, digest_out=digest,
             )
+            hashes[plan.name] = digest["sha256"]
             written.append(plan.name)
             del hidden
         if progress_cb is not None:

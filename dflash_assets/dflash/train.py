@@ -15,7 +15,8 @@ Distributed: launched by ``torchrun`` the same code runs one process per rank (N
 CPU); each optimizer step consumes ``world_size * batch_size`` rows, rank ``r`` taking its slice.
 
 Entry point: ``python -m dflash_assets.dflash.train --shards S1 S2 --out DIR --target-model MODEL_DIR``
-(also under ``torchrun --nproc_per_node N``).
+(online: ``--tokenized P1.parquet P2.parquet`` instead of ``--shards``; also under ``torchrun
+--nproc_per_node N [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT]``).
 """
 
 from __future__ import annotations
@@ -65,10 +66,17 @@ class TrainConfig:
     (e.g. ``{"intermediate_size": 512}`` for tests). ``init_from`` (warm start) names an exported
     drafter directory (:func:`~dflash_assets.dflash.export.export_drafter`) whose weights replace the
     random init before step 0; a checkpoint of the same run, when resuming, still takes precedence.
+
+    ``features``: ``"offline"`` reads ``shards``; ``"online"`` reads ``tokenized`` (tokenized_sequences
+    parquet files) and runs the frozen target (``target_model_path``, ``target_dtype``: default bf16 on
+    CUDA, float32 on CPU) over each batch's context (:mod:`dflash_assets.dflash.online`).
     """
 
     shards: list[str]
     out_dir: str
+    features: str = "offline"
+    tokenized: list[str] = field(default_factory=list)
+    target_dtype: str | None = None
     target_model_path: str | None = None
     num_hidden_layers: int = 5
     num_context_features: int = 5
@@ -477,8 +485,9 @@ def train(
     draft_config: DFlashConfig | None = None,
     target_head: tuple[torch.Tensor, torch.Tensor] | None = None,
     progress_callback: Callable[[dict], None] | None = None,
+    online_target: torch.nn.Module | None = None,
 ) -> TrainResult:
-    """Train (or resume) a drafter on ``cfg.shards``; write log, checkpoints and summary under ``cfg.out_dir``.
+    """Train (or resume) a drafter on ``cfg.shards`` (or, online, on ``cfg.tokenized``); write log, checkpoints and summary under ``cfg.out_dir``.
 
     Args:
         draft_config: drafter config; default derived from ``cfg.target_model_path``.
@@ -488,6 +497,8 @@ def train(
             ``elapsed_s``, ...). Returning ``True`` stops training after that step (a checkpoint is
             written; a later call with a larger schedule resumes); an exception raised by it aborts
             training (checkpoints stay valid).
+        online_target: the frozen target for ``features="online"`` (default: loaded from
+            ``cfg.target_model_path``); frozen and moved to this rank's device here.
 
     Output files: ``train_log.jsonl`` (one record per logged step), ``checkpoints/step_*.pt`` +
     ``checkpoints/latest.json``, ``summary.json`` (final step/loss/eval, tokens/s, per-rank parameter
@@ -498,12 +509,41 @@ def train(
     """
     dd = _Dist(cfg.device)
     try:
-        return _train(cfg, dd, draft_config, target_head, progress_callback)
+        return _train(cfg, dd, draft_config, target_head, progress_callback, online_target)
     finally:
         dd.close()
 
 
-def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback) -> TrainResult:
+def _datasets(cfg: TrainConfig, dd: _Dist, draft_config, online_target):
+    """(train set, eval set or None, online features or None) for ``cfg.features``."""
+    split_kw = dict(eval_fraction=cfg.eval_fraction, max_length=cfg.max_length, block_size=cfg.block_size)
+    if cfg.features == "offline":
+        dataset = HiddenStateShards(cfg.shards, split="train", **split_kw)
+        eval_set = HiddenStateShards(cfg.shards, split="eval", **split_kw) if cfg.eval_fraction > 0 else None
+        return dataset, eval_set, None
+    if cfg.features != "online":
+        raise ValueError(f"TrainConfig.features must be 'offline' or 'online', got {cfg.features!r}")
+    from dflash_assets.dflash.online import OnlineTargetFeatures, TokenizedRows, load_frozen_target, read_tokenized_rows, target_layer_ids_for
+
+    if online_target is None:
+        if not cfg.target_model_path:
+            raise ValueError("online features need TrainConfig.target_model_path (the frozen target)")
+        dtype = getattr(torch, cfg.target_dtype) if cfg.target_dtype else None
+        online_target = load_frozen_target(cfg.target_model_path, dd.device, dtype)
+    else:
+        online_target = online_target.to(dd.device)
+    if draft_config is not None:
+        layer_ids = draft_config.target_layer_ids
+    else:
+        layer_ids = cfg.target_layer_ids or target_layer_ids_for(cfg.target_model_path, cfg.num_context_features)
+    features = OnlineTargetFeatures(online_target, layer_ids)
+    rows = read_tokenized_rows(cfg.tokenized)
+    dataset = TokenizedRows(rows, split="train", features=features, **split_kw).tokens_only()
+    eval_set = TokenizedRows(rows, split="eval", features=features, **split_kw) if cfg.eval_fraction > 0 else None
+    return dataset, eval_set, features
+
+
+def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback, online_target=None) -> TrainResult:
     out = Path(cfg.out_dir)
     if dd.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -511,14 +551,7 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback) -> Trai
     np.random.seed(cfg.seed % 2**32)
     torch.manual_seed(cfg.seed)
 
-    dataset = HiddenStateShards(
-        cfg.shards, split="train", eval_fraction=cfg.eval_fraction, max_length=cfg.max_length, block_size=cfg.block_size
-    )
-    eval_set = None
-    if cfg.eval_fraction > 0:
-        eval_set = HiddenStateShards(
-            cfg.shards, split="eval", eval_fraction=cfg.eval_fraction, max_length=cfg.max_length, block_size=cfg.block_size
-        )
+    dataset, eval_set, online = _datasets(cfg, dd, draft_config, online_target)
     dc = draft_config or resolve_draft_config(cfg, dataset)
     check_feature_dim(dc, dataset)
     if dc.block_size != cfg.block_size:
@@ -589,16 +622,26 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback) -> Trai
             got, batch = prefetch.get()
             assert got == step
             batch = batch.to(device, non_blocking=True)
+            if online is not None:  # the frozen target computes this batch's context features
+                batch.context_hidden = online(batch.context_input_ids, batch.context_lengths)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_cuda):
                 res = _loss(train_model, model, batch, cfg.loss_gamma)
-            res["loss"].backward()
+            loss, step_loss = res["loss"], res["loss"].detach().float()
+            if dd.enabled:
+                # DDP averages gradients over ranks; scale so the result is the gradient of the global
+                # weighted mean (what one process with the whole global batch computes)
+                totals = dd.all_reduce_sum(torch.stack([step_loss * res["weight_sum"].float(), res["weight_sum"].float().detach()]))
+                global_w = totals[1].clamp(min=1e-12)
+                loss = loss * (res["weight_sum"].float().detach() * dd.world / global_w)
+                step_loss = totals[0] / global_w / dd.world  # summed over ranks at log time
+            loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             lr = opt.param_groups[0]["lr"]
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
 
-            loss_sum += torch.stack([res["loss"].detach().float(), torch.ones((), device=device)])
+            loss_sum += torch.stack([step_loss, torch.ones((), device=device) / dd.world])
             acc_correct += res["correct"]
             acc_count += res["count"]
             tok_sum[0] += batch.num_block_tokens
@@ -664,6 +707,8 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback) -> Trai
         "stopped_early": bool(stop[0] > 0),
         "resumed_from_step": start_step,
         "world_size": dd.world,
+        "features": cfg.features,
+        "target_forwards": online.forwards if online is not None else 0,
         "train_rows": len(dataset),
         "dropped_rows": dataset.dropped_rows,
         "train_tokens": dataset.num_tokens,
@@ -688,7 +733,9 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback) -> Trai
 
 def _parse(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
     p = argparse.ArgumentParser(description="Train a DFlash drafter on hidden-state shards (torchrun-ready).")
-    p.add_argument("--shards", nargs="+", required=True, help="safetensors hidden-state shards")
+    p.add_argument("--shards", nargs="*", default=[], help="safetensors hidden-state shards (offline features)")
+    p.add_argument("--tokenized", nargs="*", default=[], help="tokenized_sequences parquet files (online features)")
+    p.add_argument("--features", choices=["offline", "online"], default=None, help="default: online when --tokenized is given")
     p.add_argument("--out", required=True, help="output dir (log, checkpoints, summary)")
     p.add_argument("--target-model", help="HF dir of the target (config, tokenizer, embedding, LM head)")
     p.add_argument("--export", help="export the trained drafter to this HF dir (rank 0)")
@@ -697,7 +744,7 @@ def _parse(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
         "num_hidden_layers": int, "block_size": int, "max_anchors": int, "max_length": int, "batch_size": int,
         "lr": float, "epochs": int, "max_steps": int, "checkpoint_every": int, "seed": int, "log_every": int,
         "eval_fraction": float, "eval_every": int, "mask_token_id": int, "warmup_ratio": float, "grad_clip": float,
-        "device": str,
+        "device": str, "target_dtype": str,
     }
     for name, typ in flags.items():
         p.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
@@ -706,7 +753,8 @@ def _parse(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
     p.add_argument("--no-resume", action="store_true")
     a = p.parse_args(argv)
     base: dict = json.loads(Path(a.config_json).read_text()) if a.config_json else {}
-    base.update(shards=a.shards, out_dir=a.out)
+    base.update(shards=a.shards, out_dir=a.out, tokenized=a.tokenized)
+    base["features"] = a.features or ("online" if a.tokenized and not a.shards else base.get("features", "offline"))
     if a.target_model:
         base["target_model_path"] = a.target_model
     for name in list(flags) + ["target_layer_ids", "draft_overrides"]:
