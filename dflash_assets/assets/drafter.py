@@ -206,6 +206,13 @@ def read_log(path: str) -> list[dict]:
 )
 def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, storage: StorageResource, target_model: TargetModelResource) -> dg.MaterializeResult:
     keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
+    if config.nproc > 1 or config.nnodes > 1:
+        from dflash_assets.dflash.distributed import torchrun_argv
+
+        try:  # a bad process layout is a config error even when the run would be reused
+            torchrun_argv([], nproc_per_node=config.nproc, nnodes=config.nnodes, rdzv_endpoint=config.rdzv_endpoint, rdzv_id=config.rdzv_id)
+        except ValueError as exc:
+            raise dg.Failure(str(exc)) from exc
     mode, mode_reason = decide_mode(context.instance, storage, target_model, config.features)
     indexes: dict[str, dict] = {}
     shards, used, skipped = complete_shards(storage, keys, indexes) if mode == "offline" else ([], [], [])
