@@ -1,6 +1,6 @@
 """Requests a cap change sends, per truncated row, against a full re-run.
 
-Runs the scenario of ``dflash_assets_tests/test_cap_change.py`` on the real CPU server (SmolLM2,
+Runs the scenario of ``dflash_assets/simulation/cap_change_scenario.py`` (also tested by ``dflash_assets_tests/test_cap_change.py``) on the real CPU server (SmolLM2,
 greedy) behind a counting proxy: 3 partitions of 2 prompts at a small cap, then the cap is raised and
 lowered, each time launching only what the ``generation_settings_changed`` sensor asks for. Prints one
 ``name: value`` line per figure; the target for ``requests_per_touched_row`` is 1.00.
@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 from dflash_assets.generation.local_model import ensure_local_model  # noqa: E402
 from dflash_assets.generation.servers import LocalTransformersServer  # noqa: E402
 from dflash_assets.resources.inference import InferenceServerResource  # noqa: E402
-from dflash_assets_tests.counting_proxy import CountingProxy  # noqa: E402
-from dflash_assets_tests.test_cap_change import PROMPTS, run_scenario  # noqa: E402
+from dflash_assets.simulation.counting_proxy import CountingProxy  # noqa: E402
+from dflash_assets.simulation.cap_change_scenario import PROMPTS, run_scenario  # noqa: E402
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Requests per second the generation client sustains against an instant fake server.
 
-The fake server (dflash_assets_tests/fake_server.py) runs in its own process so client and server do
+The fake server (dflash_assets/simulation/stand_in_server.py) runs in its own process so client and server do
 not share one Python interpreter. Prints one ``name: value`` line per figure.
 
     python bench/bench_client.py [--requests 5000] [--concurrency 64] [--target 1000]
@@ -24,7 +24,7 @@ from dflash_assets.generation.client import CompletionClient, CompletionResult  
 
 def _start_server() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "dflash_assets_tests" / "fake_server.py")],
+        [sys.executable, "-m", "dflash_assets.simulation.stand_in_server"],
         stdout=subprocess.PIPE,
         text=True,
     )

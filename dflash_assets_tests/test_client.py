@@ -1,6 +1,6 @@
 """Fault tests of the async generation client against a scriptable fake OpenAI-compatible server.
 
-The fake server (fake_server.py) stands in only for faults a real server cannot be made to show on
+The stand-in server (dflash_assets/simulation/stand_in_server.py) stands in only for faults a real server cannot be made to show on
 demand: 503 bursts, hangs, connections dropped mid-reply, a server dying mid-run.
 """
 
@@ -22,10 +22,7 @@ from dflash_assets.generation.client import (
     parse_chat_completion,
 )
 
-try:
-    from dflash_assets_tests.fake_server import Drop, Error, FakeServer, Hang, Raw, Reply, fail_first
-except ImportError:  # run from inside dflash_assets_tests/
-    from fake_server import Drop, Error, FakeServer, Hang, Raw, Reply, fail_first  # type: ignore[no-redef]
+from dflash_assets.simulation.stand_in_server import Drop, Error, FakeServer, Hang, Raw, Reply, fail_first
 
 SECRET = "sk-test-SECRET-0123456789"
 FAST = dict(backoff_base_s=0.01, backoff_max_s=0.05)  # keep retries quick in tests

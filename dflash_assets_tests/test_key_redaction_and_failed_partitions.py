@@ -35,8 +35,8 @@ from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
-from dflash_assets_tests.counting_proxy import last_user_message
-from dflash_assets_tests.fake_server import Error, FakeServer, Raw, Reply
+from dflash_assets.simulation.counting_proxy import last_user_message
+from dflash_assets.simulation.stand_in_server import Error, FakeServer, Raw, Reply
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-h16-0123456789-THE-SECRET"

@@ -34,11 +34,11 @@ from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.storage import StorageError, is_transient
 
+from dflash_assets.simulation.stand_in_server import FakeServer, Reply
+
 try:
-    from dflash_assets_tests.fake_server import FakeServer, Reply
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target  # noqa: F401 (fixtures)
 except ImportError:
-    from fake_server import FakeServer, Reply  # type: ignore[no-redef]
     from s3_fixtures import moto_server, s3_env, s3_target  # type: ignore[no-redef]  # noqa: F401
 
 

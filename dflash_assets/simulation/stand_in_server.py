@@ -9,7 +9,7 @@ number of the request and ``body`` its decoded JSON.
 Minimal HTTP/1.1 over asyncio streams (keep-alive, Content-Length bodies), run on its own event loop in
 a background thread so the client under test can use the main thread's loop. Stdlib only.
 
-Run as a script for the bench: ``python fake_server.py [--port P]`` prints ``PORT <n>`` and serves
+Run as a script for the bench: ``python -m dflash_assets.simulation.stand_in_server [--port P]`` prints ``PORT <n>`` and serves
 instant replies until killed.
 """
 
