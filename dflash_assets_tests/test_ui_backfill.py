@@ -9,6 +9,10 @@ sends (``launchPartitionBackfill`` with ``assetSelection`` and ``partitionNames`
 LaunchAssetChoosePartitionsDialog.tsx); the backfill daemon, run queue, run launcher, executor, asset,
 client and journal are the real ones. Only the GPU servers are simulated.
 
+Where Chromium is installed (always in CI) the backfill is launched by clicking through the UI in headless
+Chromium (completions > Partitions > Materialize... > Launch backfill), and the test checks that the request
+the page sent is that mutation with these parameters; elsewhere the test sends the same mutation itself.
+
 The daemon is started just after the launch: the backfill daemon ticks every 30 s from its start, so its
 first tick submits the run at once instead of up to 30 s later (the test's wall is two ticks, not three).
 """
@@ -30,7 +34,16 @@ import yaml
 
 from dflash_assets.generation.servers import free_port as free_server_port
 from dflash_assets.generation.servers import proc_stat
-from dflash_assets_tests.test_ui import LOCATION, LOCATION_QUERY, _default_interrupts, free_port, graphql
+from dflash_assets_tests.test_ui import (
+    ARTIFACTS,
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    LOCATION,
+    LOCATION_QUERY,
+    _default_interrupts,
+    free_port,
+    graphql,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 STUB = "dflash_assets.simulation.sglang_stub"
@@ -148,6 +161,59 @@ def wait_loaded(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: flo
         time.sleep(0.5)
 
 
+def ui_backfill_params(keys: list[str]) -> dict:
+    """What the UI's partition dialog sends for a backfill of an asset (hidden asset job) over ``keys``."""
+    return {"assetSelection": [{"path": ["completions"]}], "partitionNames": keys, "fromFailure": False,
+            "tags": [{"key": "dagster/from_ui", "value": "true"}]}
+
+
+def launch_by_graphql(url: str, keys: list[str]) -> str:
+    """The UI's launchPartitionBackfill mutation over ``keys``; returns the backfill id."""
+    launched = graphql(url, LAUNCH_BACKFILL, {"backfillParams": ui_backfill_params(keys)})["launchPartitionBackfill"]
+    assert launched["__typename"] == "LaunchBackfillSuccess", launched
+    return launched["backfillId"]
+
+
+def launch_in_browser(url: str, keys: list[str]) -> str:
+    """Launch the backfill from the completions partitions page in headless Chromium; returns its id,
+    after checking that the page sent launchPartitionBackfill with :func:`ui_backfill_params`."""
+    from playwright.sync_api import expect, sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    sent, answers = [], []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            page.set_default_timeout(30_000)
+            page.on("request", lambda r: sent.append(r.post_data_json) if "/graphql" in r.url and r.method == "POST"
+                    and "launchPartitionBackfill" in (r.post_data or "") else None)
+            page.on("response", lambda r: answers.append(r) if "/graphql" in r.url
+                    and "launchPartitionBackfill" in (r.request.post_data or "") else None)
+            page.goto(f"{url}/assets/completions?view=partitions")
+            expect(page.get_by_text(f"Missing ({len(keys)})")).to_be_visible()
+            page.get_by_role("button", name="Materialize…").first.click()
+            dialog = page.get_by_role("dialog")
+            expect(dialog.get_by_text("Partition selection")).to_be_visible()
+            dialog.get_by_role("button", name="All", exact=True).click()  # every partition
+            expect(dialog.get_by_text(f"{len(keys)} partitions", exact=True)).to_be_visible()
+            # the asset's single-run backfill policy, as the dialog states it (the daemon starts after the launch)
+            expect(dialog.get_by_text("Backfills all partitions in a single run.")).to_be_visible()
+            page.screenshot(path=str(ARTIFACTS / "backfill_01_launch_single_run_policy.png"))
+            dialog.get_by_role("button", name="Launch backfill").click()
+            expect(page.get_by_text("Created backfill")).to_be_visible()
+            page.screenshot(path=str(ARTIFACTS / "backfill_02_created.png"))
+            body = answers[-1].json()
+        finally:
+            browser.close()
+    [request] = sent
+    params = request["variables"]["backfillParams"]
+    expected = ui_backfill_params(keys)
+    assert {k: params.get(k) for k in expected} == expected, params  # what launch_by_graphql sends
+    assert set(params) <= set(expected) | {"runConfigData", "title", "description"}, params
+    return body["data"]["launchPartitionBackfill"]["backfillId"]
+
+
 def server_starts(tmp: Path) -> list[str]:
     path = tmp / "sim" / "starts.txt"
     return path.read_text().splitlines() if path.exists() else []
@@ -178,12 +244,10 @@ def test_ui_backfill_of_a_range_is_one_run_with_one_server_start(tmp_path, monke
     with service([str(bin_dir / "dagster-webserver"), "-h", "127.0.0.1", "-p", str(port), "-w", workspace], home, web_log) as web:
         wait_loaded(url, web, web_log)
         figures["webserver_up_s"] = round(time.monotonic() - started, 1)
-        # what the UI's partition dialog sends for an asset (hidden asset job) backfill
-        params = {"assetSelection": [{"path": ["completions"]}], "partitionNames": keys, "fromFailure": False,
-                  "tags": [{"key": "dagster/from_ui", "value": "true"}]}
-        launched = graphql(url, LAUNCH_BACKFILL, {"backfillParams": params})["launchPartitionBackfill"]
-        assert launched["__typename"] == "LaunchBackfillSuccess", launched
-        backfill_id = launched["backfillId"]
+        browser = Path(CHROMIUM).exists()
+        backfill_id = launch_in_browser(url, keys) if browser else launch_by_graphql(url, keys)
+        figures["launched_by"] = "browser" if browser else "graphql"
+        figures["launched_s"] = round(time.monotonic() - started, 1)
         launched_at, launched_wall = time.monotonic(), time.time()
         with service([str(bin_dir / "dagster-daemon"), "run", "-w", workspace], home, daemon_log):
             deadline = time.monotonic() + 150
