@@ -34,7 +34,7 @@ import tenacity
 
 from dflash_assets.atomic import atomic_write_bytes, temp_path
 
-__all__ = ["RetryPolicy", "Storage", "StorageError", "is_transient"]
+__all__ = ["RetryPolicy", "Storage", "StorageError", "is_transient", "parquet_bytes"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -267,10 +267,15 @@ class Storage:
 
     def write_parquet(self, df: pl.DataFrame | pa.Table, *parts: str) -> str:
         """Write a table as Parquet, atomically and deterministically (same table -> same bytes)."""
-        table = df.to_arrow() if isinstance(df, pl.DataFrame) else df
-        buf = io.BytesIO()
-        pq.write_table(table, buf, compression="zstd", write_statistics=True)
-        return self.write_bytes(buf.getvalue(), *parts)
+        return self.write_bytes(parquet_bytes(df), *parts)
+
+
+def parquet_bytes(df: pl.DataFrame | pa.Table) -> bytes:
+    """The Parquet file :meth:`Storage.write_parquet` writes for ``df`` (zstd, statistics; deterministic)."""
+    table = df.to_arrow() if isinstance(df, pl.DataFrame) else df
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd", write_statistics=True)
+    return buf.getvalue()
 
 
 def finite_json(obj: Any) -> Any:

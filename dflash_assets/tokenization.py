@@ -177,9 +177,26 @@ class SequenceBuilder:
         return plans, texts
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
+        """``tokenizer(texts, add_special_tokens=False)["input_ids"]``: through the Rust tokenizer's
+        ``encode_batch_fast`` (no character offsets: ~0.7 of the time of the transformers call) when its
+        settings are those the transformers call would use (no truncation, no padding, same special-token
+        splitting), else through the transformers call."""
         if not texts:
             return []
+        backend = self._fast_backend()
+        if backend is not None:
+            return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
         return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+    def _fast_backend(self):
+        """The Rust tokenizer when it encodes exactly as ``tokenizer(texts, add_special_tokens=False)``, else None."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or not hasattr(backend, "encode_batch_fast") or hasattr(self.tokenizer, "_switch_to_input_mode"):
+            return None  # no Rust tokenizer, an old one, or one whose __call__ switches source/target modes
+        split = bool(getattr(self.tokenizer, "split_special_tokens", False))
+        if backend.truncation is not None or backend.padding is not None or backend.encode_special_tokens != split:
+            return None
+        return backend
 
     def decode_completions(self, rows: list[tuple[list[int], int, str]]) -> list[str]:
         """:meth:`decode_completion` for many ``(input_ids, prompt_len, finish_reason)`` rows in one batched
