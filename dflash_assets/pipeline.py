@@ -4,7 +4,8 @@ Order: prompt_corpus; for each partition completions -> tokenized_sequences -> h
 truncation_report; dflash_drafter; drafter_evaluation. A partition's stage is up to date when its latest
 materialization is newer than its upstream's and, for completions, no row is invalid under the current
 generation settings; the drafter and its evaluation also rerun when their settings changed (the drafter
-itself then decides, by the content of its data, whether to train, resume or reuse). Ends with a summary read back from the assets' metadata.
+itself then decides, by the content of its data, whether to train, resume or reuse). Ends with a summary
+read back from the assets' metadata.
 """
 
 import os
