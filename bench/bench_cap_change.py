@@ -19,8 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dflash_assets.automation import request_partitions  # noqa: E402
 from dflash_assets.generation.local_model import ensure_local_model  # noqa: E402
-from dflash_assets.generation.servers import LocalTransformersServer  # noqa: E402
+from dflash_assets.generation.transformers_server import LocalTransformersServer  # noqa: E402
 from dflash_assets.resources.inference import InferenceServerResource  # noqa: E402
 from dflash_assets.simulation.counting_proxy import CountingProxy  # noqa: E402
 from dflash_assets.simulation.cap_change_scenario import PROMPTS, run_scenario  # noqa: E402
@@ -61,13 +62,15 @@ def main() -> None:
             touched = before.longer_than(change.new_cap)
         n_touched = sum(len(rows) for rows in touched.values())
         sent = sum(change.requested.values())
-        partitions = sorted(rr.partition_key for rr in change.run_requests)
+        partitions = sorted(pk for rr in change.run_requests for pk in request_partitions(rr, scenario.keys))  # ranges
         rows_in_partitions = sum(len(before.rows[pk]) for pk in partitions)
         print(f"{label}_cap: {change.new_cap}")
         print(f"{label}_partitions_rerun: {len(partitions)} of {len(scenario.keys)}")
         print(f"{label}_touched_rows: {n_touched}")
         print(f"{label}_requests_sent: {sent}")
         print(f"{label}_requests_per_touched_row: {sent / n_touched:.2f}" if n_touched else f"{label}_requests_per_touched_row: n/a")
+        print(f"{label}: requests sent / touched rows ratio {sent / n_touched:.2f} (goal 1.00: {'met' if sent == n_touched else 'NOT met'}); "
+              f"a full re-run would send {len(PROMPTS) / n_touched:.2f} per touched row" if n_touched else f"{label}: no touched row")
         print(f"{label}_full_rerun_would_send: {len(PROMPTS)} ({len(PROMPTS) / n_touched:.2f} per touched row)")
         print(f"{label}_partition_rerun_would_send: {rows_in_partitions}")
         print(f"{label}_wall_s: {change.wall_s:.1f}")

@@ -1,7 +1,11 @@
 """Requests per second the generation client sustains against an instant fake server.
 
 The fake server (dflash_assets/simulation/stand_in_server.py) runs in its own process so client and server do
-not share one Python interpreter. Prints one ``name: value`` line per figure.
+not share one Python interpreter. The same-work baseline is ``openai.AsyncOpenAI`` driven by the same number of workers (same
+concurrency, same request body, JSON parsed, no retries, journal or accounting); the two are timed in
+alternating rounds and the median ratio is printed beside the goal (>= 0.9), with the absolute rate
+beside its target (--target req/s). A raw per-worker httpx transport (no JSON, prebuilt body) is
+printed as the floor: strictly less work, no goal. Prints one ``name: value`` line per figure.
 
     python bench/bench_client.py [--requests 5000] [--concurrency 64] [--target 1000]
 """
@@ -10,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -63,11 +69,60 @@ def _run(url: str, n: int, concurrency: int, use_uvloop: bool) -> tuple[float, f
     return time.perf_counter() - start, time.process_time() - cpu, ok, failed
 
 
+def _run_openai(url: str, n: int, concurrency: int) -> float:
+    """Wall seconds for ``n`` chat completions through ``openai.AsyncOpenAI`` with ``concurrency``
+    workers: the plain way (no retries, journal or accounting); the same-work baseline."""
+    import openai
+
+    async def go() -> None:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench-key", max_retries=0) as api:
+            pending = iter(range(n))
+
+            async def worker() -> None:
+                for _ in pending:
+                    await api.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=16)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+    start = time.perf_counter()
+    asyncio.run(go())
+    return time.perf_counter() - start
+
+
+def _run_floor(url: str, n: int, concurrency: int) -> float:
+    """Wall seconds for ``n`` requests over one raw httpx transport per worker with a prebuilt body and
+    no JSON decoding: strictly less work than any client (no goal; shows what the client costs)."""
+    import httpx
+
+    body = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}).encode()
+    target = httpx.URL(f"{url}/v1/chat/completions")
+
+    ssl_context = httpx.create_ssl_context()  # ~25 ms each: once, not once per worker
+
+    async def go() -> None:
+        pending = iter(range(n))
+
+        async def worker() -> None:
+            async with httpx.AsyncHTTPTransport(verify=ssl_context, retries=0) as transport:
+                for _ in pending:
+                    request = httpx.Request("POST", target, content=body, headers={"Content-Type": "application/json"})
+                    response = await transport.handle_async_request(request)
+                    await response.aread()
+                    await response.aclose()  # hands the connection back to the pool
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+    start = time.perf_counter()
+    asyncio.run(go())
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--target", type=float, default=1000.0, help="req/s the client must sustain")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating client / bare-httpx rounds for the ratio")
     args = parser.parse_args()
 
     try:
@@ -97,9 +152,24 @@ def main() -> None:
             # What one free core would sustain: the client is CPU-bound against an instant server.
             print(f"[{loop}] client_cpu_bound_requests_per_s: {args.requests / cpu:.0f}")
             print(f"[{loop}] meets_target: {'yes' if rate >= args.target and failed == 0 else 'no'}")
+        ratios, floors, walls = [], [], []
+        for _ in range(args.rounds):
+            walls.append(_run(url, args.requests, args.concurrency, False)[0])
+            ratios.append(_run_openai(url, args.requests, args.concurrency) / walls[-1])
+            floors.append(_run_floor(url, args.requests, args.concurrency) / walls[-1])
+        median = statistics.median(ratios)
+        print(f"client / openai.AsyncOpenAI requests/s ratio (asyncio, median of {args.rounds} alternating rounds): "
+              f"{median:.3f} (range {min(ratios):.3f}-{max(ratios):.3f}; goal >= 0.9: {'met' if median >= 0.9 else 'NOT met'})")
+        print(f"client / raw per-worker httpx transport floor ratio (strictly less work, no goal): median {statistics.median(floors):.3f}")
+        rate = args.requests / statistics.median(walls)
+        print(f"client requests/s (asyncio, median round) {rate:.0f} (goal >= {args.target:.0f} req/s: {'met' if rate >= args.target else 'NOT met'})")
     finally:
         proc.terminate()
-        proc.wait(5)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
 
 if __name__ == "__main__":

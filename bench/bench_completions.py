@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +46,7 @@ import polars as pl
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import CORPUS_FILE, default_sources, prompt_corpus
 from dflash_assets.generation.local_model import ensure_local_model
-from dflash_assets.generation.servers import LocalTransformersServer
+from dflash_assets.generation.transformers_server import LocalTransformersServer
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
@@ -185,7 +186,11 @@ def bench_instant_server(args, work: Path) -> None:
               f"goal >= 0.95: {'yes' if median >= 0.95 else 'no'}); with the real CPU server the server is the bottleneck and any client scores ~1.0")
     finally:
         proc.terminate()
-        proc.wait(5)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
 from dflash_assets.automation import affected_reason
 from dflash_assets.config import config_path, op_config
 from dflash_assets.definitions import defs
-from dflash_assets.generation.servers import orphan_message, reap_orphaned_servers
+from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.runs import reap_dead_runs
 

@@ -30,7 +30,7 @@ from dagster._core.executor.base import Executor
 from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
 from dagster._core.launcher.default_run_launcher import DefaultRunLauncher
 
-from dflash_assets.generation.servers import _boot_id, _is_running, proc_stat
+from dflash_assets.generation.processes import boot_id, is_running, proc_stat
 
 PID_TAG, START_TAG, BOOT_TAG, HOST_TAG = "dflash/pid", "dflash/pid_start_time", "dflash/boot_id", "dflash/host"
 STOP_GRACE_S = 20.0
@@ -44,7 +44,7 @@ def process_tags(pid: int | None = None) -> dict[str, str]:
     tags = {PID_TAG: str(pid), HOST_TAG: socket.gethostname()}
     if stat is not None:
         tags[START_TAG] = str(stat.start_time)
-    if boot := _boot_id():
+    if boot := boot_id():
         tags[BOOT_TAG] = boot
     return tags
 
@@ -76,11 +76,11 @@ def run_process_alive(run: dg.DagsterRun) -> bool | None:
         return None
     if pid <= 0 or tags.get(HOST_TAG) != socket.gethostname():
         return None
-    boot = _boot_id()
+    boot = boot_id()
     if tags.get(BOOT_TAG) and boot and tags[BOOT_TAG] != boot:
         return False
     start = tags.get(START_TAG)
-    return _is_running(pid, int(start) if start else None)
+    return is_running(pid, int(start) if start else None)
 
 
 def live_step_workers(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[int]:
@@ -89,7 +89,7 @@ def live_step_workers(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[
     A pid counts only when its process started before the event that recorded it (so not recycled).
     They outlive an orchestrator killed alone (kill -9 of the run worker's pid, not its group).
     """
-    boot = _boot_id()
+    boot = boot_id()
     if run.tags.get(HOST_TAG) != socket.gethostname() or (run.tags.get(BOOT_TAG) and boot and run.tags[BOOT_TAG] != boot):
         return []  # step workers run on the orchestrator's host: a pid from another host or boot means nothing here
     alive = []
@@ -99,7 +99,7 @@ def live_step_workers(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[
             pid = int(getattr(meta.get("pid"), "value", meta.get("pid")) or 0)
         except (TypeError, ValueError):
             continue
-        started = _process_started_at(pid) if pid > 0 and _is_running(pid, None) else None
+        started = _process_started_at(pid) if pid > 0 and is_running(pid, None) else None
         if started is not None and started <= entry.timestamp + 1.0:
             alive.append(pid)
     return alive
@@ -118,14 +118,14 @@ def _stop(pids: list[int], grace_s: float) -> list[int]:
     left = list(pids)
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
-        left = [p for p in left if starts[p] and _is_running(p, starts[p].start_time)]
+        left = [p for p in left if starts[p] and is_running(p, starts[p].start_time)]
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     time.sleep(0.2)
-    return [p for p in left if starts[p] and _is_running(p, starts[p].start_time)]
+    return [p for p in left if starts[p] and is_running(p, starts[p].start_time)]
 
 
 def reap_dead_runs(instance: dg.DagsterInstance, by: str, exclude: tuple[str, ...] = (),

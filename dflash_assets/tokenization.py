@@ -59,6 +59,55 @@ class TokenizePolicy:
             raise ValueError(f"bad policy {self}: truncated in drop|keep, over_max_length in drop|cut")
 
 
+# GPT-2's byte-to-character map (printable bytes stand for themselves, the other 68 are written as
+# U+0100 onwards), which byte-level BPE vocabularies are written in (Radford et al. 2019, the released
+# encoder.py). As a str.translate table from a token's characters to latin-1 characters of its bytes.
+def _byte_level_translation() -> dict[int, int]:
+    kept = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    shifted = [b for b in range(256) if b not in kept]
+    return {256 + n: b for n, b in enumerate(shifted)}
+
+
+def byte_level_token_bytes(tokenizer, sample: int = 2000) -> np.ndarray | None:
+    """``table[id]`` = the bytes token ``id`` decodes to, for a Rust tokenizer whose decoder is ByteLevel
+    (added tokens: their content's UTF-8); None for any other tokenizer.
+
+    Checked against the tokenizer itself on every added token and ``sample`` regular ones spread over the
+    vocabulary: each one's bytes, where they form whole characters, must equal its Rust
+    ``decode([id], skip_special_tokens=False)``, else None (the caller then uses the Rust decoder).
+
+    Returns:
+        an object array of ``bytes`` of length ``max id + 1`` (missing ids: ``b""``), or None.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel" or not hasattr(backend, "get_added_tokens_decoder"):
+        return None  # tokenizers.decoders.ByteLevel alone (a Sequence of decoders may change the text)
+    translation = _byte_level_translation()
+    added = {token.content: i for i, token in backend.get_added_tokens_decoder().items()}
+    vocab = backend.get_vocab(with_added_tokens=True)
+    table = np.full(max(vocab.values()) + 1, b"", dtype=object)
+    for token, i in vocab.items():
+        if token in added:
+            table[i] = token.encode()
+            continue
+        try:
+            table[i] = token.translate(translation).encode("latin-1")
+        except UnicodeEncodeError:
+            return None  # a character outside the byte alphabet: not a byte-level vocabulary
+    regular = sorted(i for t, i in vocab.items() if t not in added)
+    probe = sorted(set(added.values()) | set(regular[:: max(1, len(regular) // sample)]))
+    for i, text in zip(probe, backend.decode_batch([[i] for i in probe], skip_special_tokens=False)):
+        try:
+            mine = table[i].decode("utf-8")
+        except UnicodeDecodeError:
+            continue  # a partial character on its own: both sides show replacement characters
+        if mine != text:
+            return None
+    return table
+
+
 class SequenceBuilder:
     """Builds ``input_ids`` / ``loss_mask`` for completions rows with one tokenizer.
 
@@ -82,8 +131,20 @@ class SequenceBuilder:
 
     def prompt_text(self, messages: list[dict[str, str]], enable_thinking: bool) -> str:
         """The chat template rendered with the generation prompt, as the server rendered it."""
-        kwargs = {"enable_thinking": enable_thinking} if self.template_knows_thinking else {}
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return self.prompt_texts([messages], [enable_thinking])[0]
+
+    def prompt_texts(self, conversations: list[list[dict[str, str]]], enable_thinking: list[bool]) -> list[str]:
+        """:meth:`prompt_text` of many conversations, in one batched ``apply_chat_template`` call per
+        ``enable_thinking`` value (a fifth faster than one call per conversation)."""
+        out: list[str] = [""] * len(conversations)
+        for flag in sorted(set(enable_thinking)):
+            where = [k for k, f in enumerate(enable_thinking) if f == flag]
+            kwargs = {"enable_thinking": flag} if self.template_knows_thinking else {}
+            rendered = self.tokenizer.apply_chat_template(
+                [conversations[k] for k in where], add_generation_prompt=True, tokenize=False, **kwargs)
+            for k, text in zip(where, rendered):
+                out[k] = text
+        return out
 
     def completion_text(self, row: dict[str, Any], prompt_text: str) -> str:
         """The completion as the model emitted it: ``<think>\\n{reasoning}\\n</think>\\n\\n{answer}`` (Qwen3
@@ -158,8 +219,8 @@ class SequenceBuilder:
         TokenizationError, and the texts to tokenize."""
         texts: list[str] = []
         plans: list[tuple[int, int | None, list[int] | None] | TokenizationError] = []
-        for row, msgs in zip(rows, messages, strict=True):
-            prompt_text = self.prompt_text(msgs, _row_thinking(row))
+        prompt_texts = self.prompt_texts(list(messages), [_row_thinking(row) for row in rows]) if rows else []
+        for row, prompt_text in zip(rows, prompt_texts, strict=True):
             if row.get("output_token_ids") is not None:
                 ids = [int(t) for t in row["output_token_ids"]]
                 if row["finish_reason"] == "stop" and (not ids or ids[-1] != self.end_token_id):
@@ -215,6 +276,33 @@ class SequenceBuilder:
             # Python conversions transformers' batch_decode makes (they cost more than the decoding)
             return backend.decode_batch(ids, skip_special_tokens=False)
         return self.tokenizer.batch_decode(ids, skip_special_tokens=False)
+
+    def decode_spans(self, flat_ids: np.ndarray, spans: list[tuple[int, int, str]]) -> list[str]:
+        """Completion texts of rows laid out in one flat id array, as :meth:`decode_completions` returns them.
+
+        Args:
+            flat_ids: every row's ``input_ids`` end to end (the values buffer of an Arrow list column), int.
+            spans: per row ``(start, end, finish_reason)``: the completion is ``flat_ids[start:end]``; a
+                ``stop`` row's trailing end token is dropped.
+
+        For a byte-level BPE tokenizer (GPT-2 / Qwen / SmolLM2 family) the ids are joined through a table
+        of each token's bytes (:func:`byte_level_token_bytes`), ~4x faster than the Rust batch decode and
+        equal to it; any other tokenizer goes through :meth:`decode_completions`.
+        """
+        table = self._token_bytes()
+        if table is None:
+            return self.decode_completions([(flat_ids[a:b].tolist(), 0, finish) for a, b, finish in spans])
+        out = []
+        for start, end, finish in spans:
+            if finish == "stop" and end > start and flat_ids[end - 1] == self.end_token_id:
+                end -= 1
+            out.append(b"".join(table[flat_ids[start:end]]).decode("utf-8", errors="replace"))
+        return out
+
+    def _token_bytes(self) -> np.ndarray | None:
+        if not hasattr(self, "_token_bytes_table"):  # built on first use (~0.05 s)
+            self._token_bytes_table = byte_level_token_bytes(self.tokenizer)
+        return self._token_bytes_table
 
     def decode_completion(self, input_ids: list[int], prompt_len: int, finish_reason: str) -> str:
         """Text of the completion part (end token removed), for the round-trip check."""

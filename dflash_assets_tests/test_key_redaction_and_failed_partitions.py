@@ -23,13 +23,14 @@ import sys
 from pathlib import Path
 
 import dagster as dg
-import httpx
 import pytest
 
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.generation.journal import RowJournal
-from dflash_assets.generation.servers import API_KEY_ENV, probe_chat, probe_external
+from dflash_assets.generation.probe import probe_chat, probe_external
+from dflash_assets.generation.servers import API_KEY_ENV
+from dflash_assets.generation.sglang_servers import LaunchCommand, SGLangServers
 from dflash_assets.generation.urls import api_root, chat_completions_url, redact
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
@@ -119,6 +120,20 @@ def test_probe_http_errors_say_what_to_try():
 def test_redact():
     assert redact(f"Bearer {KEY} and {KEY}", KEY) == "Bearer *** and ***"
     assert redact("nothing", None) == "nothing" and redact("a", [None, ""]) == "a"
+
+
+def test_sglang_log_that_prints_the_key_is_redacted_in_the_file_and_the_error(tmp_path):
+    """SGLang logs its whole ServerArgs (``--api-key`` included) at start-up; a server that prints its
+    argv and dies must leave the key in neither its log file nor the start-up error (found in review)."""
+    script = "import sys; print('server_args=', sys.argv, flush=True); sys.exit(3)"
+    command = LaunchCommand((sys.executable, "-c", script), {}, "127.0.0.1", 1, api_key_env="H16_TEST_KEY")
+    with pytest.raises(RuntimeError) as err:
+        with SGLangServers([command], tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0, parent_death_signal=False):
+            pass
+    message = str(err.value)
+    assert "exited with code 3" in message and KEY not in message and "'--api-key', '***'" in message
+    log = (tmp_path / "logs" / "sglang_0.log").read_text()
+    assert "# launch:" in log and "'--api-key', '***'" in log and KEY not in log
 
 
 # ------------------------------------------------------------------ 4. the key never leaves through the probe

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from dagster._core.test_utils import create_run_for_test
 
-from dflash_assets.generation.servers import proc_stat
+from dflash_assets.generation.processes import proc_stat
 from dflash_assets.runs import BOOT_TAG, HOST_TAG, PID_TAG, START_TAG, MonitoredRunLauncher, process_tags, reap_dead_runs, run_process_alive
 from dflash_assets.status import INFERENCE_POOL
 

@@ -27,7 +27,7 @@ import pytest
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from dflash_assets.assets.completions import completions
-from dflash_assets.generation.servers import free_port
+from dflash_assets.generation.processes import free_port
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
@@ -282,3 +282,18 @@ def test_external_two_nodes_balanced_by_in_flight_rows_record_server(tmp_path, s
         assert all(12 <= n <= 28 for n in servers.values()), servers  # 20 each when perfectly balanced
         received = requests_log(tmp_path)
         assert sum(received.values()) == 80 and all(n == 1 for n in received.values())
+
+
+def test_sglang_mode_with_an_api_key_keeps_it_out_of_every_file(tmp_path, registry, monkeypatch):
+    """The simulated servers print their arguments, key included, as SGLang prints its ServerArgs at
+    start-up; after a run the key is in no file under the run's storage, logs or instance."""
+    key = "sk-node-scale-THE-SECRET-42"
+    root = tmp_path / "data"
+    with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+        keys = write_corpus(instance, root, [f"prompt {i}" for i in range(6)], partition_size=3)
+        inference = sglang_sim(tmp_path, 2, 3, api_key=key)
+        assert range_materialize(instance, root, keys, inference).success
+    logs = sorted(tmp_path.rglob("sglang_*.log"))
+    assert logs and all("server_args=" in p.read_text() and "'***'" in p.read_text() for p in logs)
+    leaks = [p for p in tmp_path.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert leaks == []

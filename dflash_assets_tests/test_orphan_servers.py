@@ -22,13 +22,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dflash_assets.generation.servers import (
+from dflash_assets.generation.processes import free_port, stop_process_group
+from dflash_assets.generation.server_registry import (
     REGISTRY_ENV,
-    _start_process,
-    free_port,
     orphan_message,
     reap_orphaned_servers,
-    stop_process_group,
+    start_process,
 )
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux")
@@ -46,7 +45,7 @@ from pathlib import Path
 mode, pdeath, log = sys.argv[1], sys.argv[2] == "1", Path(sys.argv[3])
 if mode == "transformers":
     from dflash_assets.generation.local_model import ensure_local_model
-    from dflash_assets.generation.servers import LocalTransformersServer
+    from dflash_assets.generation.transformers_server import LocalTransformersServer
     server = LocalTransformersServer(ensure_local_model(), log_path=log, parent_death_signal=pdeath,
                                      startup_timeout_s=120).__enter__()
     pid, port = server._proc.pid, server.port
@@ -59,9 +58,10 @@ if mode == "transformers":
     time.sleep(1.0)
 else:
     import httpx
-    from dflash_assets.generation.servers import _start_process, free_port
+    from dflash_assets.generation.processes import free_port
+    from dflash_assets.generation.server_registry import start_process
     port = free_port()
-    proc = _start_process([sys.executable, "-c", sys.argv[4], str(port)], dict(os.environ), log, port=port,
+    proc = start_process([sys.executable, "-c", sys.argv[4], str(port)], dict(os.environ), log, port=port,
                           label="stand-in", parent_death_signal=pdeath)
     for _ in range(200):
         try:
@@ -158,7 +158,7 @@ def test_reaper_stops_orphans_only(tmp_path):
 
     # a server whose launcher (this test) lives
     live_port = free_port()
-    live = _start_process([sys.executable, "-c", STANDIN, str(live_port)], dict(os.environ), tmp_path / "live.log",
+    live = start_process([sys.executable, "-c", STANDIN, str(live_port)], dict(os.environ), tmp_path / "live.log",
                           port=live_port, label="live", registry_dir=registry)
     # a process holding a registered pid but started at another time (a recycled pid)
     decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
@@ -203,7 +203,7 @@ def test_server_started_from_a_worker_thread_outlives_the_thread(tmp_path):
     started = {}
 
     def start() -> None:
-        started["proc"] = _start_process([sys.executable, "-c", STANDIN, str(port)], dict(os.environ),
+        started["proc"] = start_process([sys.executable, "-c", STANDIN, str(port)], dict(os.environ),
                                          tmp_path / "thread.log", port=port, registry_dir=tmp_path / "registry")
 
     worker = threading.Thread(target=start)

@@ -12,12 +12,10 @@ import sys
 import httpx
 import pytest
 
-from dflash_assets.generation.servers import (
-    LaunchCommand,
+from dflash_assets.generation.servers import ServerPool
+from dflash_assets.generation.sglang_servers import LaunchCommand, build_router_command, build_sglang_commands
+from dflash_assets.generation.transformers_server import (
     LocalTransformersServer,
-    ServerPool,
-    build_router_command,
-    build_sglang_commands,
     transformers_generation_config,
 )
 from dflash_assets.resources.inference import InferenceServerResource
@@ -210,7 +208,7 @@ def test_resource_external_mode_yields_given_urls(local_server, tmp_path):
 
 
 def test_resource_external_mode_probe_fails_on_dead_url(tmp_path):
-    from dflash_assets.generation.servers import free_port
+    from dflash_assets.generation.processes import free_port
 
     port = free_port()
     r = InferenceServerResource(mode="external", base_urls=[f"http://127.0.0.1:{port}/v1"],

@@ -86,3 +86,42 @@ def test_roundtrip_and_length_checks_flag_the_right_rows(tmp_path, tok):
     for frame, expect in ((chunked, [1]), (tokenized.slice(2), []), (tokenized.slice(1, 2), [1])):
         result = {c.check_name: c for c in run_checks(frame, completions, builder, config, 64)}[CHECK_ROUNDTRIP]
         assert json.loads(result.metadata["first_indexes"].value) == expect and result.passed == (not expect)
+
+
+def test_table_decode_equals_the_rust_decoder(tok):
+    """decode_spans (token-bytes table) returns what the Rust decoder returns: on texts with multi-byte
+    characters, special tokens and whitespace runs, on random id runs that split characters, and with a
+    stop row's end token dropped."""
+    import random
+
+    import numpy as np
+
+    from dflash_assets.tokenization import byte_level_token_bytes
+
+    builder = SequenceBuilder(tok)
+    table = byte_level_token_bytes(tok)
+    assert table is not None and len(table) == len(tok.backend_tokenizer.get_vocab(with_added_tokens=True))
+    rng = random.Random(7)
+    texts = ["héllo wörld 你好 😀 <|im_end|> tabs\t\tand\n\nnewlines  double  spaces",
+             "".join(chr(rng.randint(32, 0x2FFF)) for _ in range(400))]
+    runs = [tok.backend_tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+    runs += [[rng.randrange(len(table)) for _ in range(rng.randint(1, 30))] for _ in range(200)]
+    runs.append(runs[0] + [builder.end_token_id])
+    flat = np.array([i for run in runs for i in run])
+    ends = np.cumsum([len(run) for run in runs])
+    spans = [(int(e) - len(run), int(e), "stop" if k == len(runs) - 1 else "length") for k, (run, e) in enumerate(zip(runs, ends))]
+    expected = tok.backend_tokenizer.decode_batch(runs[:-1] + [runs[0]], skip_special_tokens=False)
+    assert builder.decode_spans(flat, spans) == expected
+    assert builder.decode_spans(flat, spans)[0] == texts[0]
+
+
+def test_table_decode_is_refused_for_a_tokenizer_that_is_not_byte_level():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash_assets.tokenization import byte_level_token_bytes
+
+    word_level = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.decoder = decoders.WordPiece()
+    assert byte_level_token_bytes(PreTrainedTokenizerFast(tokenizer_object=word_level)) is None

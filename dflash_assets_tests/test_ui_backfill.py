@@ -31,7 +31,7 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-from dflash_assets.generation.servers import free_port, proc_stat
+from dflash_assets.generation.processes import free_port, proc_stat
 from dflash_assets_tests.test_ui import (
     ARTIFACTS,
     CHROMIUM,

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dflash_assets.generation.servers import SGLangServers, probe_chat
+from dflash_assets.generation.probe import probe_chat
+from dflash_assets.generation.sglang_servers import SGLangServers
 
 
 class Supervisor(Protocol):

@@ -11,18 +11,16 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from dflash_assets.generation.servers import (
-    API_KEY_ENV,
-    LaunchCommand,
-    LocalTransformersServer,
-    SGLangServers,
-    ServerPool,
+from dflash_assets.generation.probe import probe_external
+from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
+from dflash_assets.generation.servers import API_KEY_ENV, ServerPool
+from dflash_assets.generation.sglang_servers import (
     build_router_command,
     build_sglang_commands,
-    orphan_message,
-    probe_external,
-    reap_orphaned_servers,
+    LaunchCommand,
+    SGLangServers,
 )
+from dflash_assets.generation.transformers_server import LocalTransformersServer
 from dflash_assets.generation.supervision import ProbeSupervisor, ProcessSupervisor
 from dflash_assets.settings import GenerationSettings
 

@@ -6,8 +6,7 @@ counted *at the server side of the client*, i.e. what actually went over the wir
 that a resumed run does not request a finished row again, even when the run that sent the first
 requests was killed with SIGKILL (its counters died with it; the proxy's did not).
 
-Minimal HTTP/1.1 on asyncio streams (keep-alive, ``Content-Length`` bodies, which is what
-:class:`~dflash_assets.generation.client.CompletionClient` and ``httpx.post`` send), run on its own event
+Minimal HTTP/1.1 on asyncio streams (:mod:`~dflash_assets.simulation.http11`), run on its own event
 loop in a background thread. The upstream leg uses ``httpx.AsyncClient`` with no timeout.
 """
 
@@ -22,6 +21,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
+
+from dflash_assets.simulation.http11 import ServerThread, read_request
 
 # Hop-by-hop or recomputed headers: not forwarded in either direction.
 _SKIP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding",
@@ -63,12 +64,12 @@ class CountingProxy:
         self._requested: Counter = Counter()
         self._answered: Counter = Counter()
         self.upstream_errors = 0
-        self.port = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._server: asyncio.base_events.Server | None = None
         self._http: httpx.AsyncClient | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._listener = ServerThread("counting-proxy")
+
+    @property
+    def port(self) -> int:
+        return self._listener.port
 
     @property
     def base_url(self) -> str:
@@ -99,52 +100,21 @@ class CountingProxy:
         Raises:
             OSError: the socket could not be bound.
         """
-        ready = threading.Event()
-        errors: list[BaseException] = []
 
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            asyncio.set_event_loop(loop)
-            try:
-                self._http = httpx.AsyncClient(base_url=self._upstream_origin, timeout=None,
-                                               limits=httpx.Limits(max_connections=None))
-                self._server = loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-                self.port = self._server.sockets[0].getsockname()[1]
-            except BaseException as exc:
-                errors.append(exc)
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self._http.aclose())
-            loop.close()
+        def make_client() -> None:  # on the listener's loop, which it belongs to
+            self._http = httpx.AsyncClient(base_url=self._upstream_origin, timeout=None,
+                                           limits=httpx.Limits(max_connections=None))
 
-        self._thread = threading.Thread(target=run, name="counting-proxy", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if errors:
-            raise errors[0]
+        async def close_client() -> None:
+            if self._http is not None:
+                await self._http.aclose()
+
+        self._listener.start(self._handle, on_start=make_client, on_exit=close_client)
         return self
 
     def stop(self) -> None:
         """Close the listener and every open connection; idempotent."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-
-        def shutdown() -> None:
-            if self._server is not None:
-                self._server.close()
-            for writer in list(self._writers):
-                writer.transport.abort()
-            for task in asyncio.all_tasks(loop):
-                task.cancel()
-            loop.call_soon(loop.stop)
-
-        loop.call_soon_threadsafe(shutdown)
-        thread.join(10)
-        self._loop = self._thread = None
+        self._listener.stop()
 
     def __enter__(self) -> CountingProxy:
         return self.start()
@@ -155,50 +125,32 @@ class CountingProxy:
     # -- serving ------------------------------------------------------------------------------------
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        try:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-                    return
-                request_line, *header_lines = head.decode("latin-1").split("\r\n")
-                method, target, _ = request_line.split(" ", 2)
-                headers = []
-                for line in header_lines:
-                    if ":" in line:
-                        name, value = line.split(":", 1)
-                        headers.append((name.strip(), value.strip()))
-                lower = {n.lower(): v for n, v in headers}
-                length = int(lower.get("content-length", "0"))
-                raw = await reader.readexactly(length) if length else b""
-                try:
-                    key = self._key(json.loads(raw)) if raw else None
-                except ValueError:
-                    key = None
+        while True:
+            request = await read_request(reader)
+            if request is None:
+                return
+            try:
+                key = self._key(json.loads(request.body)) if request.body else None
+            except ValueError:
+                key = None
+            with self._lock:
+                self._requested[key] += 1
+            forward = [(n, v) for n, v in request.headers if n.lower() not in _SKIP_HEADERS]
+            try:
+                assert self._http is not None
+                reply = await self._http.request(request.method, request.target, headers=forward, content=request.body)
+                status, body, reply_headers = reply.status_code, reply.content, reply.headers.multi_items()
+            except httpx.HTTPError as exc:
                 with self._lock:
-                    self._requested[key] += 1
-                forward = [(n, v) for n, v in headers if n.lower() not in _SKIP_HEADERS]
-                try:
-                    assert self._http is not None
-                    reply = await self._http.request(method, target, headers=forward, content=raw)
-                    status, body, reply_headers = reply.status_code, reply.content, reply.headers.multi_items()
-                except httpx.HTTPError as exc:
-                    with self._lock:
-                        self.upstream_errors += 1
-                    status, body, reply_headers = 502, f"proxy: upstream failed: {exc!r}".encode(), []
-                out = [f"HTTP/1.1 {status} {httpx.codes.get_reason_phrase(status) or 'Status'}"]
-                out += [f"{n}: {v}" for n, v in reply_headers if n.lower() not in _SKIP_HEADERS]
-                out.append(f"Content-Length: {len(body)}")
-                writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + body)
-                await writer.drain()  # raises when the caller is gone (e.g. SIGKILLed): not answered
-                if status == 200:
-                    with self._lock:
-                        self._answered[key] += 1
-                if lower.get("connection", "").lower() == "close":
-                    return
-        except (asyncio.CancelledError, ConnectionError, asyncio.IncompleteReadError):
-            return
-        finally:
-            self._writers.discard(writer)
-            writer.close()
+                    self.upstream_errors += 1
+                status, body, reply_headers = 502, f"proxy: upstream failed: {exc!r}".encode(), []
+            out = [f"HTTP/1.1 {status} {httpx.codes.get_reason_phrase(status) or 'Status'}"]
+            out += [f"{n}: {v}" for n, v in reply_headers if n.lower() not in _SKIP_HEADERS]
+            out.append(f"Content-Length: {len(body)}")
+            writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + body)
+            await writer.drain()  # raises when the caller is gone (e.g. SIGKILLed): not answered
+            if status == 200:
+                with self._lock:
+                    self._answered[key] += 1
+            if request.wants_close:
+                return

@@ -43,6 +43,8 @@ import time
 from statistics import NormalDist
 from typing import Any
 
+from dflash_assets.simulation.http11 import read_request
+
 REASONING_SHARE = 0.9  # tokens of thinking before the answer starts
 _NORMAL = NormalDist()
 
@@ -174,28 +176,20 @@ class Simulator:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                request = await read_request(reader)
+                if request is None:
                     return
-                lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = (lines[0].split(" ") + ["", ""])[:3]
-                headers = {}
-                for line in lines[1:]:
-                    if ":" in line:
-                        k, v = line.split(":", 1)
-                        headers[k.strip().lower()] = v.strip()
-                body = await reader.readexactly(int(headers.get("content-length") or 0))
-                status, payload = await self.route(method, path, headers, body)
+                headers = {name.lower(): value for name, value in request.headers}
+                status, payload = await self.route(request.method, request.target, headers, request.body)
                 data = json.dumps(payload).encode()
                 writer.write(
                     f"HTTP/1.1 {status} {'OK' if status == 200 else 'Error'}\r\nContent-Type: application/json\r\n"
                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data
                 )
                 await writer.drain()
-                if headers.get("connection", "").lower() == "close":
+                if request.wants_close:
                     return
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             return
         finally:
             writer.close()
@@ -231,6 +225,8 @@ async def serve(args: argparse.Namespace) -> None:
     if args.sim_starts_file:
         with open(args.sim_starts_file, "a") as f:
             f.write(f"{born:.3f} pid={os.getpid()} port={args.port}\n")
+    # SGLang logs its whole ServerArgs, API key included, at start-up; so does the stand-in
+    print(f"server_args={args!r}", flush=True)
     print(f"sglang_stub {args.port}: starting (pid {os.getpid()}, {args.sim_startup_s:g} simulated s start-up, "
           f"speed x{args.sim_speed:g}, {args.max_running_requests} slots)", flush=True)
     await asyncio.sleep(max(0.0, born + sim.real(args.sim_startup_s) - time.time()))

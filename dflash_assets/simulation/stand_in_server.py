@@ -6,8 +6,8 @@ connections dropped mid-reply, malformed replies, sudden death) and for a client
 Behaviour is scripted per request: ``script(n, body) -> Behaviour`` where ``n`` is the 0-based arrival
 number of the request and ``body`` its decoded JSON.
 
-Minimal HTTP/1.1 over asyncio streams (keep-alive, Content-Length bodies), run on its own event loop in
-a background thread so the client under test can use the main thread's loop. Stdlib only.
+Minimal HTTP/1.1 over asyncio streams (:mod:`~dflash_assets.simulation.http11`), run on its own event
+loop in a background thread so the client under test can use the main thread's loop. Stdlib only.
 
 Run as a script for the bench: ``python -m dflash_assets.simulation.stand_in_server [--port P]`` prints ``PORT <n>`` and serves
 instant replies until killed.
@@ -18,10 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
+
+from dflash_assets.simulation.http11 import ServerThread, read_request
 
 
 @dataclass(frozen=True)
@@ -159,12 +162,11 @@ class FakeServer:
         self._record = record_bodies
         self._stats = _Stats()
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._server: asyncio.base_events.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task] = set()
-        self.port: int = 0
+        self._listener = ServerThread("fake-openai-server")
+
+    @property
+    def port(self) -> int:
+        return self._listener.port
 
     # stats, read from other threads
     @property
@@ -196,55 +198,12 @@ class FakeServer:
 
     def start(self, port: int = 0) -> FakeServer:
         """Bind 127.0.0.1:``port`` (0 = any free port) and serve from a background thread."""
-        ready = threading.Event()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            asyncio.set_event_loop(loop)
-            try:
-                self._server = loop.run_until_complete(
-                    asyncio.start_server(self._handle, "127.0.0.1", port, backlog=1024)
-                )
-                self.port = self._server.sockets[0].getsockname()[1]
-            except BaseException as exc:  # surfaced to start()'s caller
-                errors.append(exc)
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="fake-openai-server", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if errors:
-            raise errors[0]
+        self._listener.start(self._handle, port)
         return self
 
     def stop(self) -> None:
         """Die abruptly: close the listener, reset every open connection, cancel pending handlers."""
-        loop = self._loop
-        if loop is None or self._thread is None:
-            return
-        done = threading.Event()
-
-        def shutdown() -> None:
-            if self._server is not None:
-                self._server.close()
-            for writer in list(self._writers):
-                writer.transport.abort()
-            for task in list(self._tasks):
-                task.cancel()
-            done.set()
-
-        loop.call_soon_threadsafe(shutdown)
-        done.wait(5)
-        loop.call_soon_threadsafe(loop.stop)
-        self._thread.join(5)
-        self._loop = None
-        self._thread = None
+        self._listener.stop()
 
     def __enter__(self) -> FakeServer:
         return self.start()
@@ -253,51 +212,31 @@ class FakeServer:
         self.stop()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        self._tasks.add(task)  # type: ignore[arg-type]
-        self._writers.add(writer)
-        try:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                lines = head.decode("latin-1").split("\r\n")
-                headers = {}
-                for line in lines[1:]:
-                    if ":" in line:
-                        name, value = line.split(":", 1)
-                        headers[name.strip().lower()] = value.strip()
-                length = int(headers.get("content-length", "0"))
-                raw = await reader.readexactly(length) if length else b""
-                try:
-                    body = json.loads(raw) if raw else {}
-                except ValueError:
-                    body = {}
+        while True:
+            request = await read_request(reader)
+            if request is None:
+                return
+            try:
+                body = json.loads(request.body) if request.body else {}
+            except ValueError:
+                body = {}
+            headers = {name.lower(): value for name, value in request.headers}
+            with self._lock:
+                n = self._stats.requests_received
+                self._stats.requests_received += 1
+                if self._record:
+                    self._stats.bodies.append(body)
+                    self._stats.auth_headers.append(headers.get("authorization"))
+                self._stats.active += 1
+                self._stats.max_active = max(self._stats.max_active, self._stats.active)
+            try:
+                behaviour = self._script(n, body)
+                keep_open = await self._respond(writer, behaviour, body, headers)
+            finally:
                 with self._lock:
-                    n = self._stats.requests_received
-                    self._stats.requests_received += 1
-                    if self._record:
-                        self._stats.bodies.append(body)
-                        self._stats.auth_headers.append(headers.get("authorization"))
-                    self._stats.active += 1
-                    self._stats.max_active = max(self._stats.max_active, self._stats.active)
-                try:
-                    behaviour = self._script(n, body)
-                    keep_open = await self._respond(writer, behaviour, body, headers)
-                finally:
-                    with self._lock:
-                        self._stats.active -= 1
-                if not keep_open:
-                    return
-                if headers.get("connection", "").lower() == "close":
-                    return
-        except (asyncio.CancelledError, ConnectionError, asyncio.IncompleteReadError):
-            return
-        finally:
-            self._writers.discard(writer)
-            self._tasks.discard(task)  # type: ignore[arg-type]
-            writer.close()
+                    self._stats.active -= 1
+            if not keep_open or request.wants_close:
+                return
 
     async def _respond(self, writer: asyncio.StreamWriter, behaviour: Behaviour, body: dict[str, Any],
                        headers: dict[str, str]) -> bool:
@@ -340,6 +279,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # an inherited SIG_IGN must not make it unkillable by TERM
     server = FakeServer(Reply(), record_bodies=False).start(args.port)
     print(f"PORT {server.port}", flush=True)
     threading.Event().wait()

@@ -1,0 +1,150 @@
+"""The pidfile registry of running inference servers, and the reaper of servers whose launcher died.
+
+Each server started through :func:`start_process` writes a pidfile into :func:`server_registry_dir`;
+:func:`reap_orphaned_servers` (called by ``run`` and by the inference resource before starting
+servers) stops the servers whose launching process is gone. A pid names a process only with its start
+time and boot (proc(5)), so both are recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dflash_assets.atomic import atomic_write_bytes
+from dflash_assets.generation.processes import boot_id, group_members, is_running, proc_stat, spawn_in_new_session
+from dflash_assets.settings import dagster_home
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable that overrides :func:`server_registry_dir` (tests, several instances per host).
+REGISTRY_ENV = "DFLASH_SERVER_REGISTRY"
+
+
+def server_registry_dir() -> Path:
+    """Directory of the running-server pidfiles: ``$DFLASH_SERVER_REGISTRY``, else
+    ``<DAGSTER_HOME>/storage/dflash_servers`` (next to the run storage that ``run`` reaps; git-ignored)."""
+    return Path(os.environ.get(REGISTRY_ENV) or dagster_home() / "storage" / "dflash_servers")
+
+
+
+def register_server(
+    proc: subprocess.Popen, argv: Sequence[str], port: int | None, label: str = "",
+    registry_dir: Path | str | None = None,
+) -> Path | None:
+    """Write the pidfile of a server started in its own session; returns its path (None if it failed).
+
+    JSON fields: ``pid`` (= ``pgid``, the session leader), ``start_time`` (``/proc/<pid>/stat`` field 22,
+    clock ticks after boot: a recycled pid never matches), ``boot_id``, ``host``, ``argv0``, ``label``,
+    ``port``, ``owner_pid``/``owner_start_time`` (this process) and ``created_at`` (Unix seconds).
+    Written atomically (temporary file + rename). A failure is logged, not raised: the server runs
+    unprotected rather than not at all.
+    """
+    stat = proc_stat(proc.pid)
+    owner = proc_stat(os.getpid())
+    entry = {
+        "pid": proc.pid, "pgid": proc.pid, "start_time": stat.start_time if stat else None,
+        "boot_id": boot_id(), "host": socket.gethostname(), "argv0": str(argv[0]) if argv else "",
+        "label": label, "port": port, "owner_pid": os.getpid(),
+        "owner_start_time": owner.start_time if owner else None, "created_at": time.time(),
+    }
+    directory = Path(registry_dir) if registry_dir else server_registry_dir()
+    path = directory / f"{entry['host']}_{proc.pid}_{entry['start_time']}.json"
+    try:
+        atomic_write_bytes(path, json.dumps(entry).encode())
+    except OSError as exc:
+        logger.warning("could not register server pid %s in %s: %s", proc.pid, directory, exc)
+        return None
+    return path
+
+
+def reap_orphaned_servers(registry_dir: Path | str | None = None, grace_s: float = 10.0) -> list[dict[str, Any]]:
+    """Stop every registered server on this host whose launching process is gone, and drop stale pidfiles.
+
+    A server is stopped when its owner (``owner_pid`` with ``owner_start_time``) is no longer running and
+    its process group still holds live processes started no earlier than the recorded leader (a leader
+    pid now held by a process with another start time is left alone): ``SIGTERM`` to the group, up to
+    ``grace_s`` seconds to exit, then ``SIGKILL``. Pidfiles of dead servers, or from an earlier boot, are
+    removed; those of servers whose owner runs, or of other hosts (shared DAGSTER_HOME), are kept.
+
+    Args:
+        registry_dir: pidfile directory; None = :func:`server_registry_dir`.
+        grace_s: seconds between SIGTERM and SIGKILL.
+
+    Returns:
+        The pidfile entries (dicts, see :func:`register_server`) of the servers stopped, each with
+        ``killed_pids`` added. Use :func:`orphan_message` to report them.
+    """
+    directory = Path(registry_dir) if registry_dir else server_registry_dir()
+    if not directory.is_dir():
+        return []
+    host, boot = socket.gethostname(), boot_id()
+    stopped = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            entry = json.loads(path.read_text())
+        except FileNotFoundError:
+            continue  # stopped cleanly, or another reaper got it
+        except (OSError, ValueError) as exc:
+            logger.warning("unreadable server pidfile %s: %s", path, exc)
+            continue
+        if entry.get("host") != host:
+            continue
+        if entry.get("boot_id") != boot:
+            path.unlink(missing_ok=True)
+            continue
+        if is_running(int(entry.get("owner_pid") or 0), entry.get("owner_start_time")):
+            continue
+        pgid, start_time = int(entry["pgid"]), entry.get("start_time")
+        if start_time is None:  # unverifiable (no /proc at launch): never kill on a pid alone
+            continue
+        members = group_members(pgid, start_time)
+        if members:
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+                deadline = time.monotonic() + grace_s
+                while group_members(pgid, start_time) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if group_members(pgid, start_time):
+                    os.killpg(pgid, signal.SIGKILL)
+                    deadline = time.monotonic() + 5.0
+                    while group_members(pgid, start_time) and time.monotonic() < deadline:
+                        time.sleep(0.1)
+            except ProcessLookupError:
+                pass
+            except PermissionError as exc:
+                logger.warning("cannot stop orphaned server pid %s: %s", pgid, exc)
+                continue
+            if group_members(pgid, start_time):
+                continue  # still dying (uninterruptible sleep): keep the pidfile for the next reaper
+            stopped.append({**entry, "killed_pids": members})
+        path.unlink(missing_ok=True)
+    return stopped
+
+
+def orphan_message(entry: Mapping[str, Any]) -> str:
+    """One line for a server :func:`reap_orphaned_servers` stopped."""
+    label = f" ({entry['label']})" if entry.get("label") else ""
+    return (f"stopped orphaned inference server pid {entry['pid']}{label} on port {entry.get('port')} "
+            f"left by a killed run (launcher pid {entry.get('owner_pid')})")
+
+
+def start_process(
+    argv: Sequence[str], env: Mapping[str, str], log_path: Path, *, port: int | None = None, label: str = "",
+    parent_death_signal: bool = True, registry_dir: Path | str | None = None, secrets: Sequence[str] = (),
+) -> subprocess.Popen:
+    """Start a server (:func:`~dflash_assets.generation.processes.spawn_in_new_session`) and register it
+    (:func:`register_server`; the pidfile path is kept as ``proc.registry_file``, removed by
+    :func:`~dflash_assets.generation.processes.stop_process_group` once the leader is reaped).
+    ``secrets`` never reach the log (see :func:`~dflash_assets.generation.processes.spawn_in_new_session`)."""
+    proc = spawn_in_new_session(argv, env, log_path, parent_death_signal=parent_death_signal, secrets=secrets)
+    proc.registry_file = register_server(proc, argv, port, label, registry_dir)  # type: ignore[attr-defined]
+    return proc
