@@ -7,12 +7,12 @@
     - the *pipeline*: ``dg.materialize`` of one ``completions`` partition (fresh state each round: row
       journal with an fsync per row, parquet table, metadata), timed by the asset's own ``wall_s``
       (from before the server probe to after the table write).
-    ratio = pipeline output tok/s / bare output tok/s, over all rounds (target >= 0.95). Rounds run in
+    ratio = pipeline output tok/s / bare output tok/s, over all rounds (goal >= 0.97, issue 15). Rounds run in
     ABBA order so a drift of the server's speed (other load on the machine) cancels out.
 (b) Instant stand-in server (``dflash_assets/simulation/stand_in_server.py`` in its own process, as in
     bench/bench_client.py): requests/s the generation client sustains, and rows/s of the whole asset
     (probe, journal, table and metadata included) over a partition of ``--fake-prompts`` prompts beside
-    the bare generation client (CompletionClient alone) on as many rows at the same concurrency, alternating for ``--rounds`` rounds: the
+    the bare generation client (CompletionClient alone) on as many rows at the same concurrency, alternating for ``--fake-rounds`` rounds: the
     asset / bare ratio (goal >= 0.95). Against the real CPU server the server is the bottleneck, so (a)
     reads ~1.0 for any client; (b) shows what the asset itself costs.
 
@@ -141,7 +141,8 @@ def bench_real_server(args, work: Path) -> None:
           f"server OMP_NUM_THREADS {args.server_threads or 'default'}")
     print(f"bare_client_output_tok_per_s: {bare_rate:.1f}")
     print(f"pipeline_output_tok_per_s: {pipe_rate:.1f}")
-    print(f"pipeline_over_bare_ratio: {pipe_rate / bare_rate:.3f} (target >= 0.95: {'yes' if pipe_rate / bare_rate >= 0.95 else 'no'})")
+    print(f"pipeline_over_bare_ratio (real CPU server, output tok/s): {pipe_rate / bare_rate:.3f} "
+          f"(goal >= 0.97: {'met' if pipe_rate / bare_rate >= 0.97 else 'NOT met'})")
     print(f"pipeline_generation_phase_over_bare_ratio: {pipe_tok / pipe_client_s / bare_rate:.3f} (client progress, no probe/table write)")
     print(f"pipeline_incl_dagster_run_over_bare_ratio: {pipe_tok / pipe_mat_s / bare_rate:.3f} (whole dg.materialize call)")
 
@@ -167,7 +168,7 @@ def bench_instant_server(args, work: Path) -> None:
             # the whole asset (probe, journal with fsync per row, table write, metadata) and the bare
             # generation client (the project's CompletionClient alone, as bench_client.py: same row count and
             # concurrency; the fastest plain client here, plain httpx.AsyncClient does far less) side by side
-            for r in range(args.rounds):
+            for r in range(args.fake_rounds):
                 for kind in (("asset", "bare") if r % 2 == 0 else ("bare", "asset")):
                     if kind == "asset":
                         meta = run_pipeline(instance, root, pk, inference, 16)
@@ -205,6 +206,7 @@ def main() -> None:
     parser.add_argument("--fake-requests", type=int, default=5000)
     parser.add_argument("--fake-concurrency", type=int, default=64)
     parser.add_argument("--fake-prompts", type=int, default=2000)
+    parser.add_argument("--fake-rounds", type=int, default=5, help="alternating asset / bare-client rounds, instant server")
     parser.add_argument("--skip-real", action="store_true", help="only part (b)")
     args = parser.parse_args()
     print(f"cpu_cores: {os.cpu_count()}")
