@@ -288,8 +288,9 @@ def test_sglang_mode_with_an_api_key_keeps_it_out_of_every_file(tmp_path, regist
     """The simulated servers print their arguments, key included, as SGLang prints its ServerArgs at
     start-up; after a run the key is in no file under the run's storage, logs or instance."""
     key = "sk-node-scale-THE-SECRET-42"
-    root = tmp_path / "data"
-    with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+    root, home = tmp_path / "data", tmp_path / "home"
+    home.mkdir()
+    with dg.instance_for_test(temp_dir=str(home)) as instance:
         keys = write_corpus(instance, root, [f"prompt {i}" for i in range(6)], partition_size=3)
         inference = sglang_sim(tmp_path, 2, 3, api_key=key)
         assert range_materialize(instance, root, keys, inference).success
