@@ -181,12 +181,22 @@ def sim_wall(wall_real: float, servers_up_real: float, speed: float) -> float:
     return (wall_real - servers_up_real) + speed * servers_up_real
 
 
-def ideal_fifo(lengths: list[int], slots: int, tok_per_s: float) -> float:
-    """Efficiency of a perfect first-come scheduler (no overhead) over ``lengths`` in this order."""
+def fifo_makespan(lengths: list[int], slots: int, tok_per_s: float) -> float:
+    """Seconds a perfect first-come scheduler (no overhead) needs for ``lengths`` (tokens) in this order."""
     heap = [0.0] * slots
     for n in lengths:
         heapq.heappush(heap, heapq.heappop(heap) + n / tok_per_s)
-    return sum(lengths) / (slots * tok_per_s * max(heap))
+    return max(heap)
+
+
+def ideal_fifo(lengths: list[int], slots: int, tok_per_s: float) -> float:
+    """Efficiency of a perfect first-come scheduler (no overhead) over ``lengths`` in this order."""
+    return sum(lengths) / (slots * tok_per_s * fifo_makespan(lengths, slots, tok_per_s))
+
+
+def wanted_lengths(prompts: int, cap: int) -> list[int]:
+    """Output tokens of the bench's prompts at ``cap``: the lengths the simulated servers draw."""
+    return [min(drawn_length([{"role": "user", "content": f"bench prompt {i}"}], 1970, 0.8), cap) for i in range(prompts)]
 
 
 def timed_run(node: Node, keys: list[str]) -> dict:
@@ -220,7 +230,7 @@ def scenario_base(base: Path, args) -> Node:
     print(f"base_efficiency: {eff:.3f} (goal >= {EFFICIENCY_GOAL})")
     print(f"base_efficiency_generation_window: {r['tokens'] / (capacity * args.tok_per_s * gen_window):.3f} "
           f"(servers ready -> last row, simulated)")
-    lengths = [min(drawn_length([{"role": "user", "content": f"bench prompt {i}"}], 1970, 0.8), 4096) for i in range(args.prompts)]
+    lengths = wanted_lengths(args.prompts, 4096)
     bound = ideal_fifo(lengths, capacity, args.tok_per_s)
     print(f"ideal_fifo_efficiency: {bound:.3f} (same lengths, perfect "
           "first-come scheduler, zero overhead: the bound without knowing lengths in advance)")
@@ -259,12 +269,8 @@ def scenario_cap_bump(node: Node, args) -> None:
     print(f"cap_bump_wall_simulated_s: {wall_s:.1f}  ideal (max(longest {longest:.1f}, tokens/capacity "
           f"{r['tokens'] / (capacity * args.tok_per_s):.1f}) + start-up {args.startup_s}): {ideal:.1f}")
     print(f"cap_bump_wall_over_ideal: {wall_s / ideal:.3f} (goal <= 1.2)")
-    wanted = [min(drawn_length([{"role": "user", "content": f"bench prompt {i}"}], 1970, 0.8), 8192) for i in range(args.prompts)]
-    rerun = [n for n in wanted if n > 4096]
-    heap = [0.0] * capacity
-    for n in rerun:
-        heapq.heappush(heap, heapq.heappop(heap) + n / args.tok_per_s)
-    fifo_ratio = (max(heap) + args.startup_s) / ideal
+    rerun = [n for n in wanted_lengths(args.prompts, 8192) if n > 4096]
+    fifo_ratio = (fifo_makespan(rerun, capacity, args.tok_per_s) + args.startup_s) / ideal
     print(f"cap_bump_fifo_bound_over_ideal: {fifo_ratio:.3f} (perfect first-come scheduler, zero overhead, "
           f"{len(rerun)} requests on {capacity} slots)")
 

@@ -289,7 +289,7 @@ class SequenceBuilder:
         of each token's bytes (:func:`byte_level_token_bytes`), ~4x faster than the Rust batch decode and
         equal to it; any other tokenizer goes through :meth:`decode_completions`.
         """
-        table = self._token_bytes()
+        table = self._token_bytes
         if table is None:
             return self.decode_completions([(flat_ids[a:b].tolist(), 0, finish) for a, b, finish in spans])
         out = []
@@ -299,10 +299,9 @@ class SequenceBuilder:
             out.append(b"".join(table[flat_ids[start:end]]).decode("utf-8", errors="replace"))
         return out
 
+    @functools.cached_property
     def _token_bytes(self) -> np.ndarray | None:
-        if not hasattr(self, "_token_bytes_table"):  # built on first use (~0.05 s)
-            self._token_bytes_table = byte_level_token_bytes(self.tokenizer)
-        return self._token_bytes_table
+        return byte_level_token_bytes(self.tokenizer)  # built on first use (~0.05 s)
 
     def decode_completion(self, input_ids: list[int], prompt_len: int, finish_reason: str) -> str:
         """Text of the completion part (end token removed), for the round-trip check."""

@@ -268,13 +268,15 @@ class SGLangServers:
         log_path = self.log_dir / f"sglang_{i}.log"
         with open(log_path, "a") as log:
             log.write(f"# launch: {command.redacted()}\n")
-        environ = self._environ(command)
-        argv = command.launch_argv(environ)
-        key = environ.get(command.api_key_env) if command.api_key_env else None
+        key = self._launch_key(command)
         return start_process(
-            argv, {**os.environ, **command.env}, log_path, port=command.port, label=_sglang_label(command, i),
-            parent_death_signal=self.parent_death_signal, secrets=[key] if key else [],
+            command.launch_argv(self._environ(command)), {**os.environ, **command.env}, log_path, port=command.port,
+            label=_sglang_label(command, i), parent_death_signal=self.parent_death_signal, secrets=[key] if key else [],
         )
+
+    def _launch_key(self, command: LaunchCommand) -> str | None:
+        """The key ``command`` is launched with (``api_key``, else its variable in os.environ), or None."""
+        return self._environ(command).get(command.api_key_env) if command.api_key_env else None
 
     def exit_code(self, i: int) -> int | None:
         """Exit code of server ``i`` when its process has exited (killed, crashed), else None."""
@@ -320,7 +322,7 @@ class SGLangServers:
                     log_path = self.log_dir / f"sglang_{i}.log"
                     raise RuntimeError(
                         f"SGLang server {i} ({command.base_url}) exited with code {proc.returncode}; "
-                        f"log {log_path}:\n{redact(log_tail(log_path), self.api_key)}"
+                        f"log {log_path}:\n{redact(log_tail(log_path), self._launch_key(command))}"
                     )
                 try:
                     r = httpx.get(origin(command.base_url) + self.health_path, headers=headers, timeout=30)
