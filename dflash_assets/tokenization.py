@@ -22,7 +22,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+from dflash_assets.generation.records import THINK_CLOSE, THINK_OPEN, completion_layout
 BATCH_ROWS = 128  # rows per batched tokenizer call
 
 TOKENIZED_SCHEMA = {
@@ -169,10 +169,7 @@ class SequenceBuilder:
                 "its settings disagree with what the template would render"
             )
         opened = prompt_text.rstrip("\n").endswith(THINK_OPEN)
-        head = "" if opened else f"{THINK_OPEN}\n"
-        if row.get("truncated_in_reasoning"):
-            return f"{head}{reasoning}"
-        return f"{head}{reasoning}\n{THINK_CLOSE}\n\n{answer}"
+        return completion_layout(reasoning, answer, bool(row.get("truncated_in_reasoning")), opened)
 
     def build(self, row: dict[str, Any], messages: list[dict[str, str]]) -> tuple[list[int], list[int], int]:
         """``(input_ids, loss_mask, prompt_len)`` for one completions row.

@@ -66,7 +66,7 @@ def range_materialize(instance, root: Path, keys: list[str], inference, cap: int
 
 def sglang_sim(tmp_path: Path, num_servers: int, slots: int, *extra: str, **fields) -> InferenceServerResource:
     return InferenceServerResource(
-        mode="sglang", model_path="simulated", num_servers=num_servers, max_running_requests=slots,
+        mode="sglang", model_path=fields.pop("model_path", "simulated"), num_servers=num_servers, max_running_requests=slots,
         port_base=free_port(), launch_module=STUB, extra_args=sim_args(tmp_path, *extra), startup_timeout_s=60.0,
         backoff_base_s=0.05, **fields,
     )

@@ -24,6 +24,7 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.settings import GenerationSettings
+from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 from dflash_assets.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
 
 END = "<|im_end|>"
@@ -118,27 +119,9 @@ def test_served_completions_rebuild_independently(served, smol_tokenizer):
 # ------------------------------------------------------------------------------------------------
 # 2. a thinking template (Qwen3 layout)
 
-THINK_TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- elif OPENS %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
-)
-
-
 def thinking_tokenizer(tmp_path: Path, opens_think: bool):
-    """SmolLM2's tokenizer plus ``<think>``/``</think>`` added tokens and a Qwen3-style template whose
-    generation prompt ends with ``<think>\\n`` (Qwen3.6 layout) when ``opens_think``, else with
-    ``<|im_start|>assistant\\n`` (Qwen3 layout); thinking off always renders an empty think block."""
-    src = ensure_local_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(src / name, tmp_path / name)
-    tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert tok.add_tokens(["<think>", "</think>"]) == 2
-    tok.chat_template = THINK_TEMPLATE.replace("OPENS", "true" if opens_think else "false")
-    tok.save_pretrained(tmp_path)
-    return AutoTokenizer.from_pretrained(tmp_path)
+    """SmolLM2's tokenizer with thinking markers (:func:`write_thinking_tokenizer`), loaded."""
+    return AutoTokenizer.from_pretrained(write_thinking_tokenizer(tmp_path, opens_think))
 
 
 def completion_row(index: int, content: str | None, finish_reason: str = "stop", reasoning: str | None = None,

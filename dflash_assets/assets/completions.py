@@ -17,6 +17,7 @@ are missing or no longer valid under the current generation settings.
 
 import hashlib
 import queue
+from concurrent.futures import ThreadPoolExecutor
 import warnings
 import threading
 import time
@@ -28,7 +29,8 @@ import polars as pl
 
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.generation.client import TooManyFailuresError
-from dflash_assets.generation.records import invalid_reason, no_good_row_message, row_from_result, rows_to_frame
+from dflash_assets.generation.continuation import continuable, continuation_body, merge_continuation, prefix_text
+from dflash_assets.generation.records import THINK_OPEN, invalid_reason, no_good_row_message, row_from_result, rows_to_frame
 from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
@@ -171,8 +173,14 @@ def completions(
         todo = [p for p in parts if p.todo]
         if todo:
             label = keys[0] if len(keys) == 1 else f"{keys[0]}...{keys[-1]}"
-            with inference.serve(log_dir=storage.local_scratch("server_logs", label), settings=settings) as pool:
-                yield from run.generate(inference, pool, todo)
+            # the target's tokenizer (for continuing cut rows) loads while the servers start, not after
+            with ThreadPoolExecutor(1, thread_name_prefix="dflash-continuations") as pool_planner:
+                planned = pool_planner.submit(run.continuations, inference, todo)
+                with inference.serve(log_dir=storage.local_scratch("server_logs", label), settings=settings) as pool:
+                    continuing, note = planned.result()
+                    if note:
+                        (context.log.info if continuing else context.log.warning)(note)
+                    yield from run.generate(inference, pool, todo, continuing)
     finally:
         for part in parts:
             part.journal.close()  # a clean stop syncs the journal (S3) whatever ended generation
@@ -236,9 +244,10 @@ class _RangeRun:
         return (f"range {self.keys[0]}...{self.keys[-1]}: {line}, slots {progress.in_flight}/{self.capacity}, "
                 f"{len(self.committed)}/{len(self.keys)} partitions committed")
 
-    def generate(self, inference: InferenceServerResource, pool, parts: list[_Partition]):
+    def generate(self, inference: InferenceServerResource, pool, parts: list[_Partition], continuing: dict):
         """Stream every todo prompt of ``parts`` through one client; yield each partition's
-        materialization as its last row lands (from this, the step's thread: Dagster records it at once)."""
+        materialization as its last row lands (from this, the step's thread: Dagster records it at once).
+        ``continuing``: rows to continue rather than regenerate (:meth:`continuations`)."""
         settings, context = self.settings, self.context
         client = self.client = inference.client(pool)
         self.capacity = client.concurrency
@@ -249,7 +258,13 @@ class _RangeRun:
             for part in parts:
                 part.first_sent = time.monotonic()
                 for p in part.todo:
-                    yield p["index"], pool.adapt_body(settings.request_body(pool.model, p["messages"], p["index"]))
+                    i = p["index"]
+                    if i in continuing:
+                        row, prefix = continuing[i]
+                        body = continuation_body(settings, pool.model, p["messages"], row, prefix, i)
+                    else:
+                        body = settings.request_body(pool.model, p["messages"], i)
+                    yield i, pool.adapt_body(body)
 
         results: queue.Queue = queue.Queue()
         end = object()
@@ -281,8 +296,11 @@ class _RangeRun:
                         if result is end:
                             finished = True
                             continue
-                        part = owner[result.index]
-                        by_part.setdefault(part.pk, []).append(row_from_result(result, part.by_index[result.index], settings))
+                        part, prior = owner[result.index], continuing.get(result.index)
+                        prompt = part.by_index[result.index]
+                        row = (merge_continuation(prior[0], result, prompt, settings) if prior is not None
+                               else row_from_result(result, prompt, settings))
+                        by_part.setdefault(part.pk, []).append(row)
                     for rows in by_part.values():
                         part = owner[rows[0]["index"]]
                         part.journal.append_many(rows)
@@ -335,6 +353,40 @@ class _RangeRun:
         for fault in client.faults:
             context.log.warning(f"server fault during the run: {fault}")
 
+    def continuations(self, inference: InferenceServerResource, parts: list[_Partition]) -> tuple[dict[int, tuple[dict, str]], str | None]:
+        """Rows to continue rather than regenerate (see :mod:`dflash_assets.generation.continuation`):
+        index -> (the row as it is, the prefix text to send), and a line for the run log (None when no
+        row was cut by a lower cap). Empty, the line saying why, when the servers cannot continue (not
+        SGLang), ``continue_truncated`` is off, or the target's tokenizer (which decides whether the
+        generation prompt already opens ``<think>``) does not load. Safe to run in a thread: it logs nothing."""
+        settings = self.settings
+        found = [(p, part.existing[p["index"]]) for part in parts for p in part.todo
+                 if continuable(part.existing.get(p["index"]), settings)]
+        if not found:
+            return {}, None
+        why_not = None
+        if not inference.continue_truncated:
+            why_not = "inference.continue_truncated is false"
+        elif inference.backend() != "sglang":
+            why_not = f"continue_final_message is SGLang's and these servers are {inference.backend()!r}"
+        else:
+            try:
+                from transformers import AutoTokenizer
+
+                from dflash_assets.tokenization import SequenceBuilder
+
+                builder = SequenceBuilder(AutoTokenizer.from_pretrained(str(inference.tokenizer_path())))
+            except Exception as exc:  # noqa: BLE001 - any failure means: regenerate whole, and say why
+                why_not = f"the target's tokenizer did not load ({type(exc).__name__}: {str(exc)[:200]})"
+        if why_not is not None:
+            return {}, f"{len(found)} rows cut by a lower cap are regenerated from their first token: {why_not}"
+        texts = builder.prompt_texts([p["messages"] for p, _ in found], [settings.enable_thinking] * len(found))
+        out = {p["index"]: (row, prefix_text(row, text.rstrip("\n").endswith(THINK_OPEN)))
+               for (p, row), text in zip(found, texts)}
+        reused = sum(int(row["completion_tokens"]) for _, row in found)
+        return out, (f"{len(out)} rows cut by a lower cap are continued from the {reused:,} tokens they have "
+                     f"(continue_final_message; max_tokens = {settings.max_output_tokens} minus each row's tokens)")
+
     def commit(self, part: _Partition):
         """Write ``part``'s table (atomic), drop its journal, and yield its materialization: an
         AssetMaterialization of that partition in a range run (recorded at once), the step's result in
@@ -354,7 +406,9 @@ class _RangeRun:
         if stats["errors"]:
             self.context.log.warning(f"{pk}: {stats['errors']} rows ended in error; the next run retries them")
         rows = [part.existing[i] for i in part.by_index]  # this run's rows of the partition
-        tokens = sum(r.get("completion_tokens") or 0 for r in rows if not r.get("error"))
+        # tokens generated by this run: a continued row's earlier tokens were made by an earlier one
+        tokens = sum((r.get("completion_tokens") or 0) - (r.get("continued_from_tokens") or 0) for r in rows if not r.get("error"))
+        continued = [r for r in rows if r.get("continued_from_tokens")]
         wall = now - (part.first_sent or now)
         metadata = {
             **stats,
@@ -365,6 +419,9 @@ class _RangeRun:
             "output_tok_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
             "req_per_s": round(len(rows) / wall, 2) if wall > 0 else 0.0,
             "servers": dict(Counter(r.get("server") for r in rows)),
+            "continued": len(continued),
+            "continued_tokens_reused": sum(r["continued_from_tokens"] for r in continued),
+            "output_tokens_generated": tokens,
             "max_output_tokens": self.settings.max_output_tokens,
             "settings": self.settings.model_dump(),
             "path": dg.MetadataValue.path(uri),

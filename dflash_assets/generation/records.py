@@ -36,6 +36,8 @@ COMPLETIONS_SCHEMA = {
     "server": pl.String,
     "attempts": pl.Int64,
     "error": pl.String,
+    # tokens of this row written by an earlier request and continued after a cap raise (0: one request)
+    "continued_from_tokens": pl.Int64,
 }
 
 
@@ -57,6 +59,20 @@ def split_reasoning(content: str | None, reasoning_content: str | None) -> tuple
         reasoning = head.split(THINK_OPEN, 1)[-1]
         return (reasoning, tail, True) if sep else (reasoning, "", False)
     return None, content, True
+
+
+def completion_layout(reasoning: str | None, answer: str | None, truncated_in_reasoning: bool, opened: bool) -> str:
+    """The completion as the model emitted it after the generation prompt: ``<think>\\n{reasoning}\\n</think>
+    \\n\\n{answer}`` (Qwen3 layout), only ``<think>\\n{reasoning}`` when the cap cut the thinking, the answer
+    alone when there is no reasoning. ``opened``: the generation prompt already ends with ``<think>`` (Qwen3.6
+    layout), so the tag is not repeated. Shared by tokenization and by continuing cut rows, so the tokens
+    trained on and the prefix a continuation sends are the same text."""
+    if reasoning is None:
+        return answer or ""
+    head = "" if opened else f"{THINK_OPEN}\n"
+    if truncated_in_reasoning:
+        return f"{head}{reasoning}"
+    return f"{head}{reasoning}\n{THINK_CLOSE}\n\n{answer or ''}"
 
 
 def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSettings) -> dict[str, Any]:
@@ -86,6 +102,7 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
         "server": result.server,
         "attempts": int(result.attempts),
         "error": result.error,
+        "continued_from_tokens": 0,
     }
 
 

@@ -96,6 +96,16 @@ class InferenceServerResource(dg.ConfigurableResource):
         "(cap / per-request tok/s: 8192 / 87 = ~94 s on the user's GPUs). None: no hang detection.",
     )
     server_retry_s: float = Field(default=30.0, gt=0, description="external: seconds between probes of a server left out.")
+    continue_truncated: bool = Field(
+        default=True,
+        description="After a cap raise, continue each row the old cap cut from the tokens it has (SGLang "
+        "continue_final_message; sglang mode, or external_backend 'sglang') instead of regenerating it whole. "
+        "Same distribution when sampling has no penalties and no seed (else rows are regenerated whole).",
+    )
+
+    def backend(self) -> str:
+        """What answers requests in this mode: ``transformers`` (local), ``sglang``, or ``external_backend``."""
+        return {"local": "transformers", "sglang": "sglang"}.get(self.mode, self.external_backend)
 
     def effective_max_running_requests(self) -> int:
         """Requests in flight per server: the configured value, else 16 (local) or 40."""

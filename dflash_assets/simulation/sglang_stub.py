@@ -16,6 +16,10 @@ What it simulates, all in *simulated seconds* divided by ``--sim-speed`` to get 
   the tokens) and ``message.content`` (the rest; None when the cap cuts inside the thinking),
   ``finish_reason`` ``length`` when the drawn length exceeds ``max_tokens`` (``completion_tokens`` =
   the cap), else ``stop``; ``usage.prompt_tokens``/``completion_tokens``;
+- SGLang's ``continue_final_message``: a final assistant message is a prefix the model already wrote; it
+  is left out of the length draw (so the sequence keeps its one length), its tokens (words) count as
+  done, and only the rest is generated, under ``max_tokens``. With ``separate_reasoning: false`` the reply
+  is the raw text (``</think>`` where the thinking closes) in ``message.content``;
 - routes ``POST /v1/chat/completions``, ``GET /v1/models``, ``/health``, ``/health_generate``.
 
 Faults on demand: SIGUSR1 makes it hang (``/health`` keeps answering 200, no request finishes, and
@@ -24,7 +28,7 @@ N finished requests; kill -9 is a dead server.
 
 Bookkeeping for benches: every start appends one line to ``--sim-starts-file``; every request arrival
 and finish appends one JSON line to ``--sim-request-log`` (``{"ev": "recv"|"done", "key", "max_tokens",
-"tokens", "t"}``; ``key`` = the last user message, which the benches make the prompt's id).
+"tokens", "t"}``, plus ``continued_from`` (prefix tokens) and ``prefix_head`` (its first characters) on ``recv``; ``key`` = the last user message, which the benches make the prompt's id).
 
 Stdlib only (asyncio streams, HTTP/1.1 keep-alive with Content-Length bodies).
 """
@@ -73,19 +77,21 @@ def drawn_length(messages: Any, median: float, sigma: float, seed: str = "") -> 
     return max(1, round(math.exp(math.log(median) + sigma * _NORMAL.inv_cdf(u))))
 
 
-def reply_fields(length: int, max_tokens: int) -> dict[str, Any]:
+def reply_fields(length: int, max_tokens: int, done: int = 0, raw: bool = False) -> dict[str, Any]:
     """finish_reason, completion_tokens, reasoning_content and content of a request wanting ``length``
-    tokens under cap ``max_tokens`` (text is two bytes per token: ``"t "``)."""
-    n = min(length, max_tokens)
+    tokens in all, ``done`` of them already written (a continued prefix), under cap ``max_tokens`` on the
+    new ones. Text is two bytes per token: ``"t "`` while thinking, ``"a "`` after. ``raw``: no reasoning
+    parser: the text as generated, ``<think>`` / ``</think>`` included, in ``content``."""
+    n = max(0, min(length - done, max_tokens))
     think = max(1, round(length * REASONING_SHARE))
-    reasoning = "t " * min(n, think)
-    content = None if n <= think else "a " * (n - think)
-    return {
-        "finish_reason": "length" if length > max_tokens else "stop",
-        "completion_tokens": n,
-        "reasoning_content": reasoning,
-        "content": content,
-    }
+    start, end = done, done + n
+    thinking, answering = max(0, min(end, think) - start), max(0, end - max(start, think))
+    fields = {"finish_reason": "length" if length - done > max_tokens else "stop", "completion_tokens": n}
+    if raw:
+        opened = "<think>\n" if start == 0 else ""
+        closed = "</think>\n\n" if start <= think < end or (start < think and end == think and fields["finish_reason"] == "stop") else ""
+        return {**fields, "reasoning_content": None, "content": opened + "t " * thinking + closed + "a " * answering}
+    return {**fields, "reasoning_content": "t " * thinking, "content": "a " * answering if answering else None}
 
 
 class Simulator:
@@ -115,10 +121,15 @@ class Simulator:
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         messages = body.get("messages") or []
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 1 << 30
+        done, prefix = 0, None
+        if body.get("continue_final_message") and messages and messages[-1].get("role") == "assistant":
+            prefix, messages = str(messages[-1].get("content") or ""), messages[:-1]
+            done = sum(word in ("t", "a") for word in prefix.split())  # the prefix's tokens
         length = drawn_length(messages, self.args.sim_median_tokens, self.args.sim_sigma, self.args.sim_seed)
         key = next((m.get("content") for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "user"), "")
-        self.log_request(ev="recv", key=key, max_tokens=max_tokens)
-        fields = reply_fields(length, int(max_tokens))
+        self.log_request(ev="recv", key=key, max_tokens=max_tokens, continued_from=done,
+                         prefix_head=None if prefix is None else prefix[:12])
+        fields = reply_fields(length, int(max_tokens), done, raw=body.get("separate_reasoning") is False)
         async with self.slots:
             if self.hung.is_set():
                 await asyncio.Event().wait()

@@ -1,0 +1,110 @@
+"""Continuing the rows a cap cut: after a cap raise, a ``length`` row is resumed from the tokens it
+already has instead of being generated again from its first token.
+
+Why the result is the same data: autoregressive sampling draws token t+1 from p(. | prompt, tokens 1..t)
+with per-step temperature / top-p / top-k / min-p, so a sequence whose first k tokens were drawn by one
+request and the rest by another, conditioned on them, has the distribution of one drawn in a single go.
+That fails when sampling treats the earlier tokens as *generated*: presence and repetition penalties
+(the prefix becomes prompt, which they do not count the same way) and a per-request seed (a seeded row
+is meant to be a function of seed and prompt). Rows made under those settings are regenerated whole.
+
+What it saves: the user's cap raise 4,096 -> 8,192 re-sends ~162K rows; continued, each generates only
+its tokens past 4,096 (~4.1K fewer per row, ~660M tokens, ~7 hours of a 25K tok/s node), and no
+request runs longer than the new cap minus the old.
+
+The request is SGLang's ``continue_final_message``: the prefix is the final assistant message; SGLang
+renders the rest of the conversation with its generation prompt and appends the prefix's tokens
+(``serving_chat._handle_last_assistant_message``). The prefix is laid out as the model wrote it
+(:func:`~dflash_assets.generation.records.completion_layout`, the layout tokenization uses too), and
+``separate_reasoning: false`` asks for the new text raw, so thinking and answer are split here, across
+the seam, rather than by a server parser that never saw the ``<think>`` the prefix opened.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_assets.generation.records import THINK_CLOSE, THINK_OPEN, completion_layout, row_from_result
+from dflash_assets.settings import GenerationSettings
+
+
+def continuable(row: dict[str, Any] | None, settings: GenerationSettings) -> bool:
+    """Whether ``row`` can be continued under ``settings`` rather than regenerated.
+
+    True for a finished ``length`` row without error, made with the same sampling fingerprint, cut at a
+    cap below ``settings.max_output_tokens``, with its text stored, when the sampling is
+    history-free (no presence or repetition penalty, no seed; see the module docstring).
+    """
+    if row is None or row.get("error") or row.get("finish_reason") != "length":
+        return False
+    if settings.presence_penalty != 0.0 or settings.repetition_penalty != 1.0 or settings.seed is not None:
+        return False
+    tokens = row.get("completion_tokens")
+    if row.get("settings_fingerprint") != settings.sampling_fingerprint() or not tokens:
+        return False
+    if tokens >= settings.max_output_tokens or row.get("max_output_tokens") == settings.max_output_tokens:
+        return False
+    return row.get("reasoning_content") is not None or bool(row.get("content"))
+
+
+def prefix_text(row: dict[str, Any], opened: bool) -> str:
+    """What the model wrote for ``row`` after the generation prompt (``opened``: that prompt already
+    ends with ``<think>``), to send as the final assistant message."""
+    return completion_layout(row.get("reasoning_content"), row.get("content"),
+                             bool(row.get("truncated_in_reasoning")), opened)
+
+
+def continuation_body(settings: GenerationSettings, model: str, messages: list[dict[str, str]], row: dict[str, Any],
+                      prefix: str, index: int | None = None) -> dict[str, Any]:
+    """Body for ``POST /v1/chat/completions`` continuing ``row``: its messages plus the prefix as an
+    assistant message, ``continue_final_message``, raw text back, and ``max_tokens`` = the new cap minus
+    the tokens the row has (so the whole row stays within the cap)."""
+    body = settings.request_body(model, [*messages, {"role": "assistant", "content": prefix}], index)
+    body["max_tokens"] = settings.max_output_tokens - int(row["completion_tokens"])
+    body["continue_final_message"] = True
+    body["separate_reasoning"] = False
+    return body
+
+
+def merge_continuation(row: dict[str, Any], result: Any, prompt: dict[str, Any], settings: GenerationSettings) -> dict[str, Any]:
+    """The row ``row`` continued by ``result`` (a :class:`~dflash_assets.generation.client.CompletionResult`).
+
+    Text: the new text is appended where ``row`` was cut: to the reasoning when the cut was inside the
+    thinking (up to a ``</think>``, after which comes the answer), else to the answer. Counts:
+    ``completion_tokens`` = the row's + the new; ``prompt_tokens`` the row's (the server counts the prefix
+    as prompt); ``output_token_ids`` the two joined when both are known, else None;
+    ``continued_from_tokens`` the row's tokens. A failed request gives the error row of
+    :func:`row_from_result` (the next run regenerates it whole).
+    """
+    merged = row_from_result(result, prompt, settings)
+    if result.error is not None:
+        return merged
+    old_tokens = int(row["completion_tokens"])
+    old_reasoning, old_answer = row.get("reasoning_content"), row.get("content") or ""
+    if result.reasoning_content is not None:  # the server split it anyway
+        head, new_answer = result.reasoning_content, result.content or ""
+        closed = bool(new_answer.strip()) or result.finish_reason != "length"
+    else:
+        text = (result.content or "").removeprefix(THINK_OPEN)
+        head, sep, new_answer = text.partition(THINK_CLOSE)
+        closed = bool(sep)
+    if old_reasoning is not None and row.get("truncated_in_reasoning"):
+        reasoning = old_reasoning + head
+        answer = new_answer.lstrip("\n") if closed else ""
+        if closed:
+            reasoning = reasoning.rstrip("\n")
+    else:  # cut in the answer (or no thinking at all): everything new is answer, however the server labelled it
+        reasoning, closed = old_reasoning, True
+        answer = old_answer + (result.reasoning_content or "") + (result.content or "")
+    old_ids, new_ids = row.get("output_token_ids"), result.output_token_ids
+    merged.update(
+        reasoning_content=reasoning,
+        content=answer,
+        prompt_tokens=row.get("prompt_tokens"),
+        completion_tokens=old_tokens + int(result.completion_tokens or 0),
+        output_token_ids=list(old_ids) + list(new_ids) if old_ids is not None and new_ids is not None else None,
+        truncated_in_reasoning=bool(result.finish_reason == "length" and reasoning is not None and not closed),
+        empty_answer=not answer.strip(),
+        continued_from_tokens=old_tokens,
+    )
+    return merged

@@ -1,0 +1,183 @@
+"""A cap raise continues each cut row from the tokens it has (SGLang ``continue_final_message``), and the
+result is the row one request at the new cap would have made.
+
+The reference for "one request at the new cap" is the GPU-node simulator's own reply
+(``sglang_stub.reply_fields``: one length per prompt, text laid out token by token), asked in one go;
+the continued rows are made by the product code from a cut row plus a continuation reply.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from dflash_assets.assets.prompts import CORPUS_FILE
+from dflash_assets.generation.continuation import continuable, continuation_body, merge_continuation, prefix_text
+from dflash_assets.generation.records import row_from_result
+from dflash_assets.settings import GenerationSettings
+from dflash_assets.simulation.sglang_stub import drawn_length, reply_fields
+from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
+from dflash_assets_tests.test_completions_asset import write_corpus
+from dflash_assets_tests.test_node_scale import range_materialize, registry, sglang_sim  # noqa: F401 - fixture
+
+OLD_CAP, NEW_CAP = 64, 256
+PROMPT = {"index": 7, "prompt_id": "t:7", "source": "t"}
+
+
+def result_of(fields: dict, **extra) -> SimpleNamespace:
+    """A client result (the attributes row_from_result reads) from a simulator reply."""
+    return SimpleNamespace(content=fields["content"], reasoning_content=fields["reasoning_content"],
+                           finish_reason=fields["finish_reason"], prompt_tokens=10,
+                           completion_tokens=fields["completion_tokens"], output_token_ids=extra.get("ids"),
+                           latency_s=0.5, server="http://s", attempts=1, error=extra.get("error"))
+
+
+def one_go(length: int, cap: int) -> dict:
+    """The row a single request at ``cap`` makes for a sequence of ``length`` tokens."""
+    return row_from_result(result_of(reply_fields(length, cap)), PROMPT, GenerationSettings(max_output_tokens=cap))
+
+
+def continued(length: int, raw: bool = True) -> dict:
+    """The row cut at OLD_CAP, then continued to NEW_CAP from its prefix (as the simulator counts it)."""
+    cut = one_go(length, OLD_CAP)
+    assert cut["finish_reason"] == "length"
+    settings = GenerationSettings(max_output_tokens=NEW_CAP)
+    assert continuable(cut, settings)
+    prefix = prefix_text(cut, opened=False)
+    done = sum(w in ("t", "a") for w in prefix.split())
+    assert done == OLD_CAP, prefix[:40]
+    reply = reply_fields(length, NEW_CAP - OLD_CAP, done, raw=raw)
+    return merge_continuation(cut, result_of(reply), PROMPT, settings)
+
+
+FIELDS = ("reasoning_content", "content", "finish_reason", "completion_tokens", "truncated_in_reasoning", "empty_answer")
+
+
+@pytest.mark.parametrize("length", [
+    66,    # thinking (59 tokens) ended before the old cap: cut in the answer, finishes in the continuation
+    100,   # cut inside the thinking; thinking closes at 90 and the answer follows, all within the new cap
+    71,    # thinking closes at token 64 exactly: the seam is the </think>
+    300,   # cut inside the thinking and still inside it at the new cap
+    283,   # thinking closes at 255, one token before the new cap: a one-token answer, still "length"
+])
+@pytest.mark.parametrize("raw", [True, False], ids=["raw_text", "server_split_reasoning"])
+def test_continued_row_equals_the_row_one_request_at_the_new_cap_makes(length, raw):
+    got, want = continued(length, raw), one_go(length, NEW_CAP)
+    assert {k: got[k] for k in FIELDS} == {k: want[k] for k in FIELDS}
+    assert got["continued_from_tokens"] == OLD_CAP and want["continued_from_tokens"] == 0
+    assert got["max_output_tokens"] == NEW_CAP and got["prompt_tokens"] == 10
+
+
+def test_answer_text_labelled_reasoning_by_the_server_stays_answer():
+    """Cut in the answer; a server that splits reasoning anyway (force-reasoning parsers) labels the
+    new answer text reasoning: it is still appended to the answer."""
+    cut = one_go(66, OLD_CAP)
+    reply = reply_fields(66, NEW_CAP - OLD_CAP, OLD_CAP)
+    as_reasoning = {**reply, "reasoning_content": reply["content"], "content": ""}
+    got = merge_continuation(cut, result_of(as_reasoning), PROMPT, GenerationSettings(max_output_tokens=NEW_CAP))
+    want = one_go(66, NEW_CAP)
+    assert (got["reasoning_content"], got["content"]) == (want["reasoning_content"], want["content"])
+
+
+def test_token_ids_joined_only_when_both_known_and_errors_give_an_error_row():
+    settings = GenerationSettings(max_output_tokens=NEW_CAP)
+    cut = {**one_go(100, OLD_CAP), "output_token_ids": list(range(OLD_CAP))}
+    reply = reply_fields(100, NEW_CAP - OLD_CAP, OLD_CAP, raw=True)
+    both = merge_continuation(cut, result_of(reply, ids=[1] * 36), PROMPT, settings)
+    assert both["output_token_ids"] == list(range(OLD_CAP)) + [1] * 36 and both["completion_tokens"] == 100
+    assert merge_continuation({**cut, "output_token_ids": None}, result_of(reply, ids=[1] * 36), PROMPT,
+                              settings)["output_token_ids"] is None
+    failed = merge_continuation(cut, result_of({**reply, "content": None, "completion_tokens": None}, error="HTTP 500"),
+                                PROMPT, settings)
+    assert failed["error"] == "HTTP 500" and failed["continued_from_tokens"] == 0 and failed["reasoning_content"] is None
+
+
+def test_prefix_layout_and_request_body():
+    cut_thinking, cut_answer = one_go(100, OLD_CAP), one_go(66, OLD_CAP)
+    assert prefix_text(cut_thinking, opened=False) == "<think>\n" + "t " * 64
+    assert prefix_text(cut_thinking, opened=True) == "t " * 64  # the generation prompt opened <think> already
+    assert prefix_text(cut_answer, opened=False) == "<think>\n" + "t " * 59 + "\n</think>\n\n" + "a " * 5
+    settings = GenerationSettings(max_output_tokens=NEW_CAP)
+    body = continuation_body(settings, "m", [{"role": "user", "content": "q"}], cut_thinking, "PREFIX", 7)
+    assert body["messages"] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "PREFIX"}]
+    assert body["max_tokens"] == NEW_CAP - OLD_CAP and body["continue_final_message"] is True
+    assert body["separate_reasoning"] is False and body["temperature"] == settings.temperature
+
+
+@pytest.mark.parametrize("change, ok", [
+    ({}, True),
+    ({"presence_penalty": 0.5}, False),    # penalties look at generated tokens: the prefix would become prompt
+    ({"repetition_penalty": 1.1}, False),
+    ({"seed": 3}, False),                  # a seeded row is f(seed, prompt): continuing would break that
+    ({"max_output_tokens": OLD_CAP}, False),  # not raised
+    ({"max_output_tokens": 32}, False),       # lowered: the row is cut back, not continued
+    ({"temperature": 0.7}, False),            # other sampling: regenerated whole
+])
+def test_which_settings_allow_continuing(change, ok):
+    base = GenerationSettings(max_output_tokens=OLD_CAP)
+    cut = one_go(100, OLD_CAP)
+    cut["settings_fingerprint"] = base.sampling_fingerprint()
+    settings = GenerationSettings(**{**base.model_dump(), "max_output_tokens": NEW_CAP, **change})
+    if "presence_penalty" in change or "repetition_penalty" in change or "seed" in change:
+        cut["settings_fingerprint"] = settings.sampling_fingerprint()  # same sampling as when it was made
+    assert continuable(cut, settings) is ok
+    assert not continuable({**cut, "error": "boom"}, GenerationSettings(max_output_tokens=NEW_CAP))
+    assert not continuable({**cut, "finish_reason": "stop"}, GenerationSettings(max_output_tokens=NEW_CAP))
+
+
+def _requests(tmp_path) -> list[dict]:
+    lines = (tmp_path / "requests.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["ev"] == "recv" and e["key"].startswith("prompt")]
+
+
+@pytest.mark.parametrize("opens_think", [False, True], ids=["qwen3_layout", "prompt_opens_think"])
+def test_cap_raise_in_sglang_mode_continues_exactly_the_cut_rows(tmp_path, registry, opens_think):  # noqa: F811
+    """Through the real asset and the GPU-node simulator: the raise sends one request per cut row,
+    each continuing from OLD_CAP tokens with max_tokens RAISED - OLD_CAP; the partition equals a
+    fresh run at RAISED in every text and count; metadata says what was continued."""
+    raised = 128
+    model = write_thinking_tokenizer(tmp_path / "target", opens_think=opens_think)
+    prompts = [f"prompt {i}" for i in range(16)]
+    root, fresh_root = tmp_path / "data", tmp_path / "fresh"
+    with dg.instance_for_test() as instance:
+        keys = write_corpus(instance, root, prompts, partition_size=8)
+        (tmp_path / "f").mkdir()
+        # median 120 tokens (test_node_scale.SIM): most rows pass the old cap of 64, a few the raised 128
+        sim = lambda d: sglang_sim(d, 2, 4, model_path=str(model))  # noqa: E731
+        assert range_materialize(instance, root, keys, sim(tmp_path), cap=OLD_CAP).success
+        before = pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys])
+        cut = set(before.filter(pl.col("finish_reason") == "length")["index"].to_list())
+        corpus = pl.read_parquet(root.joinpath(*CORPUS_FILE)).iter_rows(named=True)
+        wanted = {r["index"]: drawn_length(r["messages"], 120, 0.5) for r in corpus}  # the simulator's draw
+        assert cut == {i for i, n in wanted.items() if n > OLD_CAP} and 3 <= len(cut) < 16
+        first_pass = len(_requests(tmp_path))
+
+        result = range_materialize(instance, root, keys, sim(tmp_path), cap=raised)
+        assert result.success
+        sent = _requests(tmp_path)[first_pass:]
+        assert sorted(int(e["key"].split()[1]) for e in sent) == sorted(cut)  # exactly the cut rows, once each
+        assert all(e["continued_from"] == OLD_CAP and e["max_tokens"] == raised - OLD_CAP for e in sent)
+        # the prefix repeats <think> only when the target's generation prompt does not open it itself
+        in_thinking = set(before.filter(pl.col("truncated_in_reasoning"))["index"].to_list())
+        assert in_thinking and {e["prefix_head"].startswith("<think>") for e in sent
+                                if int(e["key"].split()[1]) in in_thinking} == {not opens_think}
+        after = pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys]).sort("index")
+        metas = [{k: getattr(v, "value", v) for k, v in m.metadata.items()}
+                 for m in result.asset_materializations_for_node("completions")]
+        assert sum(m["continued"] for m in metas) == len(cut)
+        assert sum(m["continued_tokens_reused"] for m in metas) == OLD_CAP * len(cut)
+
+        fresh_keys = write_corpus(instance, fresh_root, prompts, partition_size=8)
+        assert range_materialize(instance, fresh_root, fresh_keys, sim(tmp_path / "f"), cap=raised).success
+    fresh = pl.concat([pl.read_parquet(fresh_root / "completions" / f"{pk}.parquet") for pk in fresh_keys]).sort("index")
+    columns = list(FIELDS)
+    assert after.select(columns).to_dicts() == fresh.select(columns).to_dicts()
+    still_cut = {i for i, n in wanted.items() if n > raised}
+    assert set(after.filter(pl.col("finish_reason") == "length")["index"].to_list()) == still_cut
+    assert after["completion_tokens"].to_list() == [min(wanted[i], raised) for i in after["index"].to_list()]
+    assert after.filter(pl.col("index").is_in(sorted(cut)))["continued_from_tokens"].to_list() == [OLD_CAP] * len(cut)
+    assert after.filter(~pl.col("index").is_in(sorted(cut)))["continued_from_tokens"].to_list() == [0] * (16 - len(cut))
