@@ -22,7 +22,7 @@ from dflash_assets.settings import GenerationSettings
 from dflash_assets.simulation.sglang_stub import drawn_length, reply_fields
 from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 from dflash_assets_tests.test_completions_asset import write_corpus
-from dflash_assets_tests.test_node_scale import range_materialize, registry, sglang_sim  # noqa: F401 - fixture
+from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim
 
 OLD_CAP, NEW_CAP = 64, 256
 PROMPT = {"index": 7, "prompt_id": "t:7", "source": "t"}
@@ -134,20 +134,32 @@ def _requests(tmp_path) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["ev"] == "recv" and e["key"].startswith("prompt")]
 
 
-@pytest.mark.parametrize("opens_think", [False, True], ids=["qwen3_layout", "prompt_opens_think"])
-def test_cap_raise_in_sglang_mode_continues_exactly_the_cut_rows(tmp_path, registry, opens_think):  # noqa: F811
+CASES = {  # name: (tokenizer written, its generation prompt opens <think>, continue_truncated)
+    "qwen3_layout": (True, False, True),
+    "prompt_opens_think": (True, True, True),
+    "no_tokenizer": (False, False, True),  # model_path holds no tokenizer: regenerated whole, with a warning
+    "continue_off": (True, False, False),  # inference.continue_truncated: false: regenerated whole
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cap_raise_in_sglang_mode_continues_exactly_the_cut_rows(tmp_path, monkeypatch, case):
     """Through the real asset and the GPU-node simulator: the raise sends one request per cut row,
-    each continuing from OLD_CAP tokens with max_tokens RAISED - OLD_CAP; the partition equals a
-    fresh run at RAISED in every text and count; metadata says what was continued."""
+    each continuing from OLD_CAP tokens with max_tokens RAISED - OLD_CAP (or, when it cannot continue,
+    the whole row at RAISED); either way the partition equals a fresh run at RAISED in every text and
+    count, and metadata and log say which it was."""
+    with_tokenizer, opens_think, continue_truncated = CASES[case]
+    continues = with_tokenizer and continue_truncated
     raised = 128
-    model = write_thinking_tokenizer(tmp_path / "target", opens_think=opens_think)
+    monkeypatch.setenv("DFLASH_SERVER_REGISTRY", str(tmp_path / "registry"))
+    model = write_thinking_tokenizer(tmp_path / "target", opens_think) if with_tokenizer else tmp_path / "no-model"
     prompts = [f"prompt {i}" for i in range(16)]
     root, fresh_root = tmp_path / "data", tmp_path / "fresh"
     with dg.instance_for_test() as instance:
         keys = write_corpus(instance, root, prompts, partition_size=8)
         (tmp_path / "f").mkdir()
         # median 120 tokens (test_node_scale.SIM): most rows pass the old cap of 64, a few the raised 128
-        sim = lambda d: sglang_sim(d, 2, 4, model_path=str(model))  # noqa: E731
+        sim = lambda d: sglang_sim(d, 2, 4, model_path=str(model), continue_truncated=continue_truncated)  # noqa: E731
         assert range_materialize(instance, root, keys, sim(tmp_path), cap=OLD_CAP).success
         before = pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys])
         cut = set(before.filter(pl.col("finish_reason") == "length")["index"].to_list())
@@ -160,16 +172,26 @@ def test_cap_raise_in_sglang_mode_continues_exactly_the_cut_rows(tmp_path, regis
         assert result.success
         sent = _requests(tmp_path)[first_pass:]
         assert sorted(int(e["key"].split()[1]) for e in sent) == sorted(cut)  # exactly the cut rows, once each
-        assert all(e["continued_from"] == OLD_CAP and e["max_tokens"] == raised - OLD_CAP for e in sent)
-        # the prefix repeats <think> only when the target's generation prompt does not open it itself
-        in_thinking = set(before.filter(pl.col("truncated_in_reasoning"))["index"].to_list())
-        assert in_thinking and {e["prefix_head"].startswith("<think>") for e in sent
-                                if int(e["key"].split()[1]) in in_thinking} == {not opens_think}
+        if continues:
+            assert all(e["continued_from"] == OLD_CAP and e["max_tokens"] == raised - OLD_CAP for e in sent)
+            # the prefix repeats <think> only when the target's generation prompt does not open it itself
+            in_thinking = set(before.filter(pl.col("truncated_in_reasoning"))["index"].to_list())
+            assert in_thinking and {e["prefix_head"].startswith("<think>") for e in sent
+                                    if int(e["key"].split()[1]) in in_thinking} == {not opens_think}
+        else:
+            assert all(e["continued_from"] == 0 and e["max_tokens"] == raised for e in sent)
+        log = [e.user_message for e in instance.all_logs(result.run_id)]
+        said = [m for m in log if "rows cut by a lower cap" in m]
+        assert len(said) == 1 and ("continued from" in said[0]) == continues, said
+        if not continues:
+            assert ("tokenizer did not load" if not with_tokenizer else "continue_truncated is false") in said[0]
         after = pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys]).sort("index")
         metas = [{k: getattr(v, "value", v) for k, v in m.metadata.items()}
                  for m in result.asset_materializations_for_node("completions")]
-        assert sum(m["continued"] for m in metas) == len(cut)
-        assert sum(m["continued_tokens_reused"] for m in metas) == OLD_CAP * len(cut)
+        assert sum(m["continued"] for m in metas) == (len(cut) if continues else 0)
+        assert sum(m["continued_tokens_reused"] for m in metas) == (OLD_CAP * len(cut) if continues else 0)
+        assert sum(m["output_tokens_generated"] for m in metas) == sum(
+            min(wanted[i], raised) - (OLD_CAP if continues else 0) for i in cut)
 
         fresh_keys = write_corpus(instance, fresh_root, prompts, partition_size=8)
         assert range_materialize(instance, fresh_root, fresh_keys, sim(tmp_path / "f"), cap=raised).success
@@ -179,5 +201,6 @@ def test_cap_raise_in_sglang_mode_continues_exactly_the_cut_rows(tmp_path, regis
     still_cut = {i for i, n in wanted.items() if n > raised}
     assert set(after.filter(pl.col("finish_reason") == "length")["index"].to_list()) == still_cut
     assert after["completion_tokens"].to_list() == [min(wanted[i], raised) for i in after["index"].to_list()]
-    assert after.filter(pl.col("index").is_in(sorted(cut)))["continued_from_tokens"].to_list() == [OLD_CAP] * len(cut)
+    reused = OLD_CAP if continues else 0
+    assert after.filter(pl.col("index").is_in(sorted(cut)))["continued_from_tokens"].to_list() == [reused] * len(cut)
     assert after.filter(~pl.col("index").is_in(sorted(cut)))["continued_from_tokens"].to_list() == [0] * (16 - len(cut))

@@ -177,9 +177,9 @@ def completions(
             with ThreadPoolExecutor(1, thread_name_prefix="dflash-continuations") as pool_planner:
                 planned = pool_planner.submit(run.continuations, inference, todo)
                 with inference.serve(log_dir=storage.local_scratch("server_logs", label), settings=settings) as pool:
-                    continuing, note = planned.result()
+                    continuing, note, problem = planned.result()
                     if note:
-                        (context.log.info if continuing else context.log.warning)(note)
+                        (context.log.warning if problem else context.log.info)(note)
                     yield from run.generate(inference, pool, todo, continuing)
     finally:
         for part in parts:
@@ -353,18 +353,19 @@ class _RangeRun:
         for fault in client.faults:
             context.log.warning(f"server fault during the run: {fault}")
 
-    def continuations(self, inference: InferenceServerResource, parts: list[_Partition]) -> tuple[dict[int, tuple[dict, str]], str | None]:
+    def continuations(self, inference: InferenceServerResource, parts: list[_Partition]) -> tuple[dict[int, tuple[dict, str]], str | None, bool]:
         """Rows to continue rather than regenerate (see :mod:`dflash_assets.generation.continuation`):
-        index -> (the row as it is, the prefix text to send), and a line for the run log (None when no
-        row was cut by a lower cap). Empty, the line saying why, when the servers cannot continue (not
-        SGLang), ``continue_truncated`` is off, or the target's tokenizer (which decides whether the
-        generation prompt already opens ``<think>``) does not load. Safe to run in a thread: it logs nothing."""
+        index -> (the row as it is, the prefix text to send); a line for the run log (None when no row
+        was cut by a lower cap); and whether that line reports a problem (a warning). Empty, the line
+        saying why, when the servers cannot continue (not SGLang), ``continue_truncated`` is off, or the
+        target's tokenizer (which decides whether the generation prompt already opens ``<think>``) does
+        not load (the problem case). Safe to run in a thread: it logs nothing."""
         settings = self.settings
         found = [(p, part.existing[p["index"]]) for part in parts for p in part.todo
                  if continuable(part.existing.get(p["index"]), settings)]
         if not found:
-            return {}, None
-        why_not = None
+            return {}, None, False
+        why_not, problem = None, False
         if not inference.continue_truncated:
             why_not = "inference.continue_truncated is false"
         elif inference.backend() != "sglang":
@@ -377,15 +378,15 @@ class _RangeRun:
 
                 builder = SequenceBuilder(AutoTokenizer.from_pretrained(str(inference.tokenizer_path())))
             except Exception as exc:  # noqa: BLE001 - any failure means: regenerate whole, and say why
-                why_not = f"the target's tokenizer did not load ({type(exc).__name__}: {str(exc)[:200]})"
+                why_not, problem = f"the target's tokenizer did not load ({type(exc).__name__}: {str(exc)[:200]})", True
         if why_not is not None:
-            return {}, f"{len(found)} rows cut by a lower cap are regenerated from their first token: {why_not}"
+            return {}, f"{len(found)} rows cut by a lower cap are regenerated from their first token: {why_not}", problem
         texts = builder.prompt_texts([p["messages"] for p, _ in found], [settings.enable_thinking] * len(found))
         out = {p["index"]: (row, prefix_text(row, text.rstrip("\n").endswith(THINK_OPEN)))
                for (p, row), text in zip(found, texts)}
         reused = sum(int(row["completion_tokens"]) for _, row in found)
         return out, (f"{len(out)} rows cut by a lower cap are continued from the {reused:,} tokens they have "
-                     f"(continue_final_message; max_tokens = {settings.max_output_tokens} minus each row's tokens)")
+                     f"(continue_final_message; max_tokens = {settings.max_output_tokens} minus each row's tokens)"), False
 
     def commit(self, part: _Partition):
         """Write ``part``'s table (atomic), drop its journal, and yield its materialization: an

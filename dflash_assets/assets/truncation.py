@@ -104,7 +104,7 @@ def truncation_report(context: dg.AssetExecutionContext, storage: StorageResourc
             "histogram": png_markdown(png, "completion lengths"),
             "histogram_path": dg.MetadataValue.path(png_uri),
             "cap_advice": dg.MetadataValue.md(
-                f"Method: {advice['method']}.\n\n| cap | predicted truncation | 90% interval | requests | tokens to generate | extra tokens |\n"
+                f"Method: {advice['method']}.\n\n| cap | predicted truncation | 90% interval | requests | tokens to generate, whole | extra tokens (to generate, continued) |\n"
                 "|---|---|---|---|---|---|\n" + advice_md if advice["candidates"] else advice.get("note", "")
             ),
         }
