@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -53,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 import heapq  # noqa: E402
 
+from dflash_assets.generation.processes import free_port_block  # noqa: E402
 from dflash_assets.simulation.sglang_stub import drawn_length  # noqa: E402
 from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer  # noqa: E402
 
@@ -78,7 +78,7 @@ class Node:
             for i in range(args.prompts):
                 f.write(json.dumps({"id": f"p{i}", "prompt": f"bench prompt {i}"}) + "\n")
         self.starts_file, self.request_log = self.logs / "starts.txt", self.logs / "requests.jsonl"
-        self.port_base = random.randint(20000, 50000)
+        self.port_base = free_port_block(args.servers)
         self.set_cap(cap)
         self.env = {**os.environ, "DAGSTER_HOME": str(self.home), "DFLASH_CONFIG": str(self.config),
                     "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -264,7 +264,7 @@ def clone(node: Node, name: str, continue_truncated: bool) -> Node:
     for sub in ("home", "data"):
         shutil.rmtree(twin.dir / sub)
         shutil.copytree(node.dir / sub, twin.dir / sub)
-    twin.port_base = node.port_base + 1000
+    twin.port_base = free_port_block(node.args.servers)
     twin.set_cap(node.cap)
     return twin
 

@@ -27,7 +27,7 @@ import pytest
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from dflash_assets.assets.completions import completions
-from dflash_assets.generation.processes import free_port
+from dflash_assets.generation.processes import free_port, free_port_block
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
@@ -67,7 +67,7 @@ def range_materialize(instance, root: Path, keys: list[str], inference, cap: int
 def sglang_sim(tmp_path: Path, num_servers: int, slots: int, *extra: str, **fields) -> InferenceServerResource:
     return InferenceServerResource(
         mode="sglang", model_path=fields.pop("model_path", "simulated"), num_servers=num_servers, max_running_requests=slots,
-        port_base=free_port(), launch_module=STUB, extra_args=sim_args(tmp_path, *extra), startup_timeout_s=60.0,
+        port_base=free_port_block(num_servers), launch_module=STUB, extra_args=sim_args(tmp_path, *extra), startup_timeout_s=60.0,
         backoff_base_s=0.05, **fields,
     )
 

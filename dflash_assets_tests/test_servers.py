@@ -225,3 +225,24 @@ def test_resource_defaults():
     assert InferenceServerResource(mode="sglang").effective_max_running_requests() == 40
     with pytest.raises(ValueError):
         InferenceServerResource(mode="external").tokenizer_path()
+
+
+def test_free_port_block_skips_a_block_with_a_taken_port_and_stays_below_the_ephemeral_range():
+    """The simulator tests once drew port_base with port 0 and got EADDRINUSE on port_base + 1 (an
+    outgoing connection's ephemeral port): a block must be free as a whole, below 32768."""
+    import socket
+
+    from dflash_assets.generation.processes import free_port_block
+
+    base = free_port_block(3)
+    assert 20000 <= base and base + 3 <= 32000
+    for port in range(base, base + 3):  # every port of the block binds
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 1))
+        taken.listen()
+        # the only block in [base, base + 2) of 2 ports holds the taken one: no block is offered
+        with pytest.raises(RuntimeError, match="no 2 consecutive free ports"):
+            free_port_block(2, low=base, high=base + 3)
+        assert free_port_block(1, low=base, high=base + 2) == base

@@ -31,7 +31,7 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-from dflash_assets.generation.processes import free_port, proc_stat
+from dflash_assets.generation.processes import free_port, free_port_block, proc_stat
 from dflash_assets_tests.test_ui import (
     ARTIFACTS,
     CHROMIUM,
@@ -92,7 +92,7 @@ def make_home(tmp: Path) -> tuple[Path, Path]:
     config = {"resources": {
         "storage": {"root": str(data)},
         "inference": {"mode": "sglang", "model_path": "simulated", "num_servers": NUM_SERVERS, "max_running_requests": SLOTS,
-                      "port_base": free_port(), "launch_module": STUB, "startup_timeout_s": 60.0, "backoff_base_s": 0.05,
+                      "port_base": free_port_block(NUM_SERVERS), "launch_module": STUB, "startup_timeout_s": 60.0, "backoff_base_s": 0.05,
                       "extra_args": [*SIM, "--sim-starts-file", str(sim / "starts.txt"),
                                      "--sim-request-log", str(sim / "requests.jsonl")]},
         "generation": {"max_output_tokens": 4096, "temperature": 0.6},

@@ -29,6 +29,29 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_port_block(count: int, host: str = "127.0.0.1", low: int = 20000, high: int = 32000) -> int:
+    """First port of ``count`` consecutive TCP ports all free on ``host`` now, for servers that listen on
+    ``port_base + i``. Drawn below Linux's ephemeral range (32768-60999 by default), so the outgoing
+    connections of clients never hold one of them: a block picked with port 0 + i can collide with
+    one (seen: EADDRINUSE on ``port_base + 1``).
+
+    Raises:
+        RuntimeError: no free block found in 200 tries.
+    """
+    import random
+
+    for _ in range(200):
+        base = random.randrange(low, high - count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports in {low}-{high} on {host}")
+
+
 def log_tail(path: Path | str | None, max_bytes: int = 4000) -> str:
     """The last ``max_bytes`` bytes of a log file as text ('' when missing)."""
     if path is None:
