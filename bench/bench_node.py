@@ -14,7 +14,7 @@ Scenarios (each prints ``name: value`` lines):
    overhead (the bound any client that cannot know lengths in advance has: slots drain at the end).
 2. ``cap_bump``: cap 8,192, same range: requests vs rows that had finish_reason length; wall vs
    max(longest request, tokens / capacity) + one start-up. The cut rows are continued from their 4,096
-   tokens (SGLang ``continue_final_message``); beside it, on a copy of the same state, the same raise
+   tokens (SGLang ``continue_final_message``); then, on a copy of the state before it, the same raise
    with ``continue_truncated: false`` (every cut row regenerated whole): wall, tokens and the
    first-come bound of each, and a check that every row equals what one request at 8,192 makes.
 3. ``kill``: fresh range, kill -9 of the materialize process group mid-range, then the same command:
@@ -311,13 +311,13 @@ def scenario_cap_bump(node: Node, args) -> None:
           f"{len(rest)} continuations on {capacity} slots)")
     if whole_node is None:
         return
-    print("== cap_bump_whole: the same raise on a copy of the same state, continue_truncated: false ==")
+    print("== cap_bump_whole: the same raise on a copy of the state before it, continue_truncated: false ==")
     regen = bump(whole_node, args, "cap_bump_whole")
     fifo_whole = fifo_makespan(whole, capacity, args.tok_per_s) + args.startup_s
     print(f"cap_bump_whole_wall_over_its_ideal: {regen['wall'] / regen['ideal']:.3f}  "
           f"(its first-come bound {fifo_whole / regen['ideal']:.3f})")
     print(f"cap_bump continued / whole: wall {cont['wall'] / regen['wall']:.3f}, generated tokens "
-          f"{cont['tokens'] / max(1, regen['tokens']):.3f} (side by side, same rows)")
+          f"{cont['tokens'] / max(1, regen['tokens']):.3f} (one after the other, from copies of the same state)")
 
 
 def _alive(pid: int) -> bool:

@@ -56,22 +56,26 @@ class GenerationSettings(BaseModel):
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     def request_body(self, model: str, messages: list[dict[str, str]], index: int | None = None) -> dict[str, Any]:
-        """Body for ``POST /v1/chat/completions`` (OpenAI schema plus SGLang/vLLM extras)."""
+        """Body for ``POST /v1/chat/completions`` (OpenAI schema plus SGLang/vLLM extras).
+
+        Every sampling field is sent, neutral values included (``top_k`` -1, ``min_p`` 0,
+        ``repetition_penalty`` 1): SGLang fills a field the request leaves out from the model's
+        ``generation_config.json`` (``ChatCompletionRequest.to_sampling_params``: "user value > model
+        generation_config > OpenAI defaults"), so an omitted 1.0 could be sampled as a shipped 1.05 while
+        every row's settings say 1.0.
+        """
         body: dict[str, Any] = {
             "model": model,
             "messages": messages,
             "max_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k > 0 else -1,
+            "min_p": self.min_p,
             "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
             "chat_template_kwargs": {"enable_thinking": self.enable_thinking},
         }
-        if self.top_k > 0:
-            body["top_k"] = self.top_k
-        if self.min_p > 0:
-            body["min_p"] = self.min_p
-        if self.repetition_penalty != 1.0:
-            body["repetition_penalty"] = self.repetition_penalty
         if self.seed is not None:
             body["seed"] = self.seed + (index or 0)
         return body

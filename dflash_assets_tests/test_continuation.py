@@ -17,7 +17,7 @@ import pytest
 
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.generation.continuation import continuable, continuation_body, merge_continuation, prefix_text
-from dflash_assets.generation.records import row_from_result
+from dflash_assets.generation.records import completion_layout, row_from_result, split_reasoning
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.simulation.sglang_stub import drawn_length, reply_fields
 from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
@@ -83,17 +83,48 @@ def test_answer_text_labelled_reasoning_by_the_server_stays_answer():
     assert (got["reasoning_content"], got["content"]) == (want["reasoning_content"], want["content"])
 
 
-def test_token_ids_joined_only_when_both_known_and_errors_give_an_error_row():
+def test_continued_rows_keep_no_token_ids_and_a_failed_continuation_keeps_the_cut_text():
     settings = GenerationSettings(max_output_tokens=NEW_CAP)
     cut = {**one_go(100, OLD_CAP), "output_token_ids": list(range(OLD_CAP))}
     reply = reply_fields(100, NEW_CAP - OLD_CAP, OLD_CAP, raw=True)
-    both = merge_continuation(cut, result_of(reply, ids=[1] * 36), PROMPT, settings)
-    assert both["output_token_ids"] == list(range(OLD_CAP)) + [1] * 36 and both["completion_tokens"] == 100
-    assert merge_continuation({**cut, "output_token_ids": None}, result_of(reply, ids=[1] * 36), PROMPT,
-                              settings)["output_token_ids"] is None
+    # SGLang re-tokenizes the prefix text: old ids + new ids need not be what the model saw
+    done = merge_continuation(cut, result_of(reply, ids=[1] * 36), PROMPT, settings)
+    assert done["output_token_ids"] is None and done["completion_tokens"] == 100
     failed = merge_continuation(cut, result_of({**reply, "content": None, "completion_tokens": None}, error="HTTP 500"),
                                 PROMPT, settings)
-    assert failed["error"] == "HTTP 500" and failed["continued_from_tokens"] == 0 and failed["reasoning_content"] is None
+    assert failed["error"] == "HTTP 500" and failed["continued_from_tokens"] == 0
+    kept = ("reasoning_content", "content", "finish_reason", "completion_tokens", "max_output_tokens", "settings_fingerprint")
+    assert {k: failed[k] for k in kept} == {k: cut[k] for k in kept}
+    assert continuable(failed, settings)  # the next run continues it again rather than starting over
+    first_pass_error = row_from_result(result_of({**reply, "content": None, "completion_tokens": None,
+                                                  "finish_reason": None}, error="HTTP 500"), PROMPT, settings)
+    assert not continuable(first_pass_error, settings)
+
+
+def test_a_server_that_answers_afresh_instead_of_continuing_gives_an_error_row():
+    """SGLang before 0.4.4 ignores continue_final_message: the model starts a new <think>. Appending
+    that to the cut thinking would corrupt the row; it is an error that keeps the cut text."""
+    cut = one_go(100, OLD_CAP)
+    afresh = reply_fields(100, NEW_CAP - OLD_CAP, 0, raw=True)  # from token 0: opens with <think>
+    assert afresh["content"].startswith("<think>")
+    got = merge_continuation(cut, result_of(afresh), PROMPT, GenerationSettings(max_output_tokens=NEW_CAP))
+    assert "did not continue" in got["error"] and got["reasoning_content"] == cut["reasoning_content"]
+
+
+def test_stored_text_is_normalised_so_the_layout_gives_back_what_the_model_wrote():
+    """Parsers differ in the newlines they keep around the markers (SGLang's qwen3 parser stopped
+    stripping them); the stored form is one, and completion_layout renders the model's text from it."""
+    model_text = "<think>\nstep one.\nstep two.\n</think>\n\nThe answer"
+    for reasoning, content in [("\nstep one.\nstep two.\n", "\n\nThe answer"),  # current parser: nothing stripped
+                               ("step one.\nstep two.\n", "The answer"),          # older parser
+                               (None, model_text)]:                                  # no parser: raw text
+        r, a, closed = split_reasoning(content, reasoning)
+        assert (r, a, closed) == ("step one.\nstep two.", "The answer", True)
+        assert completion_layout(r, a, False, opened=False) == model_text
+    # cut inside the thinking: the text at the cut is the model's, kept as is for the continuation
+    r, a, closed = split_reasoning(None, "\nstep one.\nste")
+    assert (r, closed) == ("step one.\nste", False)
+    assert completion_layout(r, a, True, opened=False) == "<think>\nstep one.\nste"
 
 
 def test_prefix_layout_and_request_body():
@@ -116,16 +147,19 @@ def test_prefix_layout_and_request_body():
     ({"max_output_tokens": OLD_CAP}, False),  # not raised
     ({"max_output_tokens": 32}, False),       # lowered: the row is cut back, not continued
     ({"temperature": 0.7}, False),            # other sampling: regenerated whole
+    ({"cut_below_its_cap": True}, False),     # "length" short of its cap (a context limit): not the cap's cut
 ])
 def test_which_settings_allow_continuing(change, ok):
     base = GenerationSettings(max_output_tokens=OLD_CAP)
     cut = one_go(100, OLD_CAP)
     cut["settings_fingerprint"] = base.sampling_fingerprint()
+    if change.pop("cut_below_its_cap", False):
+        cut["completion_tokens"] = OLD_CAP - 10
     settings = GenerationSettings(**{**base.model_dump(), "max_output_tokens": NEW_CAP, **change})
     if "presence_penalty" in change or "repetition_penalty" in change or "seed" in change:
         cut["settings_fingerprint"] = settings.sampling_fingerprint()  # same sampling as when it was made
     assert continuable(cut, settings) is ok
-    assert not continuable({**cut, "error": "boom"}, GenerationSettings(max_output_tokens=NEW_CAP))
+    assert not continuable({**cut, "error": "boom", "finish_reason": None}, GenerationSettings(max_output_tokens=NEW_CAP))
     assert not continuable({**cut, "finish_reason": "stop"}, GenerationSettings(max_output_tokens=NEW_CAP))
 
 

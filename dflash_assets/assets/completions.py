@@ -177,10 +177,10 @@ def completions(
             with ThreadPoolExecutor(1, thread_name_prefix="dflash-continuations") as pool_planner:
                 planned = pool_planner.submit(run.continuations, inference, todo)
                 with inference.serve(log_dir=storage.local_scratch("server_logs", label), settings=settings) as pool:
-                    continuing, note, problem = planned.result()
+                    continuing, opened, note, problem = planned.result()
                     if note:
                         (context.log.warning if problem else context.log.info)(note)
-                    yield from run.generate(inference, pool, todo, continuing)
+                    yield from run.generate(inference, pool, todo, continuing, opened)
     finally:
         for part in parts:
             part.journal.close()  # a clean stop syncs the journal (S3) whatever ended generation
@@ -244,10 +244,11 @@ class _RangeRun:
         return (f"range {self.keys[0]}...{self.keys[-1]}: {line}, slots {progress.in_flight}/{self.capacity}, "
                 f"{len(self.committed)}/{len(self.keys)} partitions committed")
 
-    def generate(self, inference: InferenceServerResource, pool, parts: list[_Partition], continuing: dict):
+    def generate(self, inference: InferenceServerResource, pool, parts: list[_Partition], continuing: dict, opened: bool):
         """Stream every todo prompt of ``parts`` through one client; yield each partition's
         materialization as its last row lands (from this, the step's thread: Dagster records it at once).
-        ``continuing``: rows to continue rather than regenerate (:meth:`continuations`)."""
+        ``continuing``, ``opened``: rows to continue rather than regenerate (:meth:`continuations`); each
+        prefix is built as its request goes out, so the run holds no second copy of the cut rows' text."""
         settings, context = self.settings, self.context
         client = self.client = inference.client(pool)
         self.capacity = client.concurrency
@@ -260,8 +261,8 @@ class _RangeRun:
                 for p in part.todo:
                     i = p["index"]
                     if i in continuing:
-                        row, prefix = continuing[i]
-                        body = continuation_body(settings, pool.model, p["messages"], row, prefix, i)
+                        row = continuing[i]
+                        body = continuation_body(settings, pool.model, p["messages"], row, prefix_text(row, opened), i)
                     else:
                         body = settings.request_body(pool.model, p["messages"], i)
                     yield i, pool.adapt_body(body)
@@ -298,7 +299,7 @@ class _RangeRun:
                             continue
                         part, prior = owner[result.index], continuing.get(result.index)
                         prompt = part.by_index[result.index]
-                        row = (merge_continuation(prior[0], result, prompt, settings) if prior is not None
+                        row = (merge_continuation(prior, result, prompt, settings) if prior is not None
                                else row_from_result(result, prompt, settings))
                         by_part.setdefault(part.pk, []).append(row)
                     for rows in by_part.values():
@@ -353,19 +354,23 @@ class _RangeRun:
         for fault in client.faults:
             context.log.warning(f"server fault during the run: {fault}")
 
-    def continuations(self, inference: InferenceServerResource, parts: list[_Partition]) -> tuple[dict[int, tuple[dict, str]], str | None, bool]:
-        """Rows to continue rather than regenerate (see :mod:`dflash_assets.generation.continuation`):
-        index -> (the row as it is, the prefix text to send); a line for the run log (None when no row
-        was cut by a lower cap); and whether that line reports a problem (a warning). Empty, the line
-        saying why, when the servers cannot continue (not SGLang), ``continue_truncated`` is off, or the
-        target's tokenizer (which decides whether the generation prompt already opens ``<think>``) does
-        not load (the problem case). Safe to run in a thread: it logs nothing."""
+    def continuations(self, inference: InferenceServerResource, parts: list[_Partition]) -> tuple[dict[int, dict], bool, str | None, bool]:
+        """Rows to continue rather than regenerate (see :mod:`dflash_assets.generation.continuation`).
+
+        Returns ``(continuing, opened, note, problem)``: index -> the row as it is (not a copy);
+        whether the target's generation prompt already ends with ``<think>`` (decides each prefix's
+        layout); a line for the run log (None when no row was cut by a lower cap); whether that line
+        reports a problem (a warning). ``continuing`` is empty, the line saying why, when the servers
+        cannot continue (not SGLang), ``continue_truncated`` is off, or the target's tokenizer does not
+        load or render (the problem case: those rows are then regenerated whole). Safe to run in a
+        thread: it logs nothing.
+        """
         settings = self.settings
         found = [(p, part.existing[p["index"]]) for part in parts for p in part.todo
                  if continuable(part.existing.get(p["index"]), settings)]
         if not found:
-            return {}, None, False
-        why_not, problem = None, False
+            return {}, False, None, False
+        why_not, problem, opened = None, False, False
         if not inference.continue_truncated:
             why_not = "inference.continue_truncated is false"
         elif inference.backend() != "sglang":
@@ -377,16 +382,16 @@ class _RangeRun:
                 from dflash_assets.tokenization import SequenceBuilder
 
                 builder = SequenceBuilder(AutoTokenizer.from_pretrained(str(inference.tokenizer_path())))
+                # the generation prompt's ending is the template's, not the conversation's: render one
+                opened = builder.prompt_text(found[0][0]["messages"], settings.enable_thinking).rstrip("\n").endswith(THINK_OPEN)
             except Exception as exc:  # noqa: BLE001 - any failure means: regenerate whole, and say why
-                why_not, problem = f"the target's tokenizer did not load ({type(exc).__name__}: {str(exc)[:200]})", True
+                why_not, problem = f"the target's tokenizer did not load or render ({type(exc).__name__}: {str(exc)[:200]})", True
         if why_not is not None:
-            return {}, f"{len(found)} rows cut by a lower cap are regenerated from their first token: {why_not}", problem
-        texts = builder.prompt_texts([p["messages"] for p, _ in found], [settings.enable_thinking] * len(found))
-        out = {p["index"]: (row, prefix_text(row, text.rstrip("\n").endswith(THINK_OPEN)))
-               for (p, row), text in zip(found, texts)}
+            return {}, False, f"{len(found)} rows cut by a lower cap are regenerated from their first token: {why_not}", problem
         reused = sum(int(row["completion_tokens"]) for _, row in found)
-        return out, (f"{len(out)} rows cut by a lower cap are continued from the {reused:,} tokens they have "
-                     f"(continue_final_message; max_tokens = {settings.max_output_tokens} minus each row's tokens)"), False
+        return ({p["index"]: row for p, row in found}, opened,
+                f"{len(found)} rows cut by a lower cap are continued from the {reused:,} tokens they have "
+                f"(continue_final_message; max_tokens = {settings.max_output_tokens} minus each row's tokens)", False)
 
     def commit(self, part: _Partition):
         """Write ``part``'s table (atomic), drop its journal, and yield its materialization: an

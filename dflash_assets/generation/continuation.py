@@ -12,12 +12,15 @@ What it saves: the user's cap raise 4,096 -> 8,192 re-sends ~162K rows; continue
 its tokens past 4,096 (~4.1K fewer per row, ~660M tokens, ~7 hours of a 25K tok/s node), and no
 request runs longer than the new cap minus the old.
 
-The request is SGLang's ``continue_final_message``: the prefix is the final assistant message; SGLang
-renders the rest of the conversation with its generation prompt and appends the prefix's tokens
-(``serving_chat._handle_last_assistant_message``). The prefix is laid out as the model wrote it
-(:func:`~dflash_assets.generation.records.completion_layout`, the layout tokenization uses too), and
-``separate_reasoning: false`` asks for the new text raw, so thinking and answer are split here, across
-the seam, rather than by a server parser that never saw the ``<think>`` the prefix opened.
+The request is SGLang's ``continue_final_message`` (SGLang >= 0.4.4): the prefix is the final assistant
+message; SGLang takes it out, renders the rest of the conversation with its generation prompt and
+appends the prefix text before tokenizing (``serving_chat._handle_last_assistant_message``). The prefix
+is laid out as the model wrote it (:func:`~dflash_assets.generation.records.completion_layout`, the
+layout tokenization uses too, from text stored in the form
+:func:`~dflash_assets.generation.records.split_reasoning` normalises to), and ``separate_reasoning:
+false`` asks for the new text raw, so thinking and answer are split here, across the seam, the same way
+for every server version. SGLang re-tokenizes the prefix text, so a continued row keeps no
+``output_token_ids`` (tokenization encodes its text, as for any row without ids).
 """
 
 from __future__ import annotations
@@ -31,19 +34,21 @@ from dflash_assets.settings import GenerationSettings
 def continuable(row: dict[str, Any] | None, settings: GenerationSettings) -> bool:
     """Whether ``row`` can be continued under ``settings`` rather than regenerated.
 
-    True for a finished ``length`` row without error, made with the same sampling fingerprint, cut at a
-    cap below ``settings.max_output_tokens``, with its text stored, when the sampling is
-    history-free (no presence or repetition penalty, no seed; see the module docstring).
+    True for a ``length`` row cut by its own cap (``completion_tokens == max_output_tokens``, below
+    ``settings.max_output_tokens``), made with the same sampling fingerprint, with its text stored, when
+    the sampling is history-free (no presence or repetition penalty, no seed; see the module docstring).
+    A row whose error came from a failed continuation (it keeps its cut text, see
+    :func:`merge_continuation`) is continuable again; any other error row is not.
     """
-    if row is None or row.get("error") or row.get("finish_reason") != "length":
-        return False
+    if row is None or row.get("finish_reason") != "length":
+        return False  # first-pass error rows have no finish_reason
     if settings.presence_penalty != 0.0 or settings.repetition_penalty != 1.0 or settings.seed is not None:
         return False
     tokens = row.get("completion_tokens")
     if row.get("settings_fingerprint") != settings.sampling_fingerprint() or not tokens:
         return False
-    if tokens >= settings.max_output_tokens or row.get("max_output_tokens") == settings.max_output_tokens:
-        return False
+    if tokens != row.get("max_output_tokens") or tokens >= settings.max_output_tokens:
+        return False  # not cut by its cap (a context limit), or the cap was not raised
     return row.get("reasoning_content") is not None or bool(row.get("content"))
 
 
@@ -70,23 +75,32 @@ def merge_continuation(row: dict[str, Any], result: Any, prompt: dict[str, Any],
     """The row ``row`` continued by ``result`` (a :class:`~dflash_assets.generation.client.CompletionResult`).
 
     Text: the new text is appended where ``row`` was cut: to the reasoning when the cut was inside the
-    thinking (up to a ``</think>``, after which comes the answer), else to the answer. Counts:
+    thinking (up to a ``</think>``, after which comes the answer), else to the answer; the seam is
+    stored in :func:`~dflash_assets.generation.records.split_reasoning`'s form. Counts:
     ``completion_tokens`` = the row's + the new; ``prompt_tokens`` the row's (the server counts the prefix
-    as prompt); ``output_token_ids`` the two joined when both are known, else None;
-    ``continued_from_tokens`` the row's tokens. A failed request gives the error row of
-    :func:`row_from_result` (the next run regenerates it whole).
+    as prompt); ``output_token_ids`` None (the server re-tokenized the prefix text);
+    ``continued_from_tokens`` the row's tokens.
+
+    A failed request, or a reply that starts a new ``<think>`` (a server that ignored
+    ``continue_final_message`` and answered afresh), gives an error row that keeps ``row``'s text, cap
+    and counts, so the next run continues it again instead of regenerating it whole.
     """
     merged = row_from_result(result, prompt, settings)
-    if result.error is not None:
-        return merged
+    raw = (result.content or "") if result.reasoning_content is None else None
+    error = result.error
+    if error is None and raw is not None and raw.lstrip().startswith(THINK_OPEN) and row.get("reasoning_content") is not None:
+        error = ("the server did not continue the final assistant message (its reply opens a new <think>): "
+                 "continue_final_message needs SGLang >= 0.4.4; or set inference.continue_truncated: false")
+    if error is not None:
+        return {**row, "error": error, "latency_s": merged["latency_s"], "server": merged["server"],
+                "attempts": merged["attempts"], "continued_from_tokens": 0}
     old_tokens = int(row["completion_tokens"])
     old_reasoning, old_answer = row.get("reasoning_content"), row.get("content") or ""
-    if result.reasoning_content is not None:  # the server split it anyway
+    if raw is None:  # the server split it anyway
         head, new_answer = result.reasoning_content, result.content or ""
         closed = bool(new_answer.strip()) or result.finish_reason != "length"
     else:
-        text = (result.content or "").removeprefix(THINK_OPEN)
-        head, sep, new_answer = text.partition(THINK_CLOSE)
+        head, sep, new_answer = raw.partition(THINK_CLOSE)
         closed = bool(sep)
     if old_reasoning is not None and row.get("truncated_in_reasoning"):
         reasoning = old_reasoning + head
@@ -96,13 +110,12 @@ def merge_continuation(row: dict[str, Any], result: Any, prompt: dict[str, Any],
     else:  # cut in the answer (or no thinking at all): everything new is answer, however the server labelled it
         reasoning, closed = old_reasoning, True
         answer = old_answer + (result.reasoning_content or "") + (result.content or "")
-    old_ids, new_ids = row.get("output_token_ids"), result.output_token_ids
     merged.update(
         reasoning_content=reasoning,
         content=answer,
         prompt_tokens=row.get("prompt_tokens"),
         completion_tokens=old_tokens + int(result.completion_tokens or 0),
-        output_token_ids=list(old_ids) + list(new_ids) if old_ids is not None and new_ids is not None else None,
+        output_token_ids=None,
         truncated_in_reasoning=bool(result.finish_reason == "length" and reasoning is not None and not closed),
         empty_answer=not answer.strip(),
         continued_from_tokens=old_tokens,

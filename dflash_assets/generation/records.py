@@ -42,23 +42,33 @@ COMPLETIONS_SCHEMA = {
 
 
 def split_reasoning(content: str | None, reasoning_content: str | None) -> tuple[str | None, str, bool]:
-    """Separate thinking from the answer.
+    """Separate thinking from the answer, in the stored form :func:`completion_layout` renders back.
 
     With a reasoning parser (SGLang ``--reasoning-parser qwen3``) the server already split them. Without
     one, a reply holding ``<think> ... </think>`` is split here; a reply with ``<think>`` (or a
     reasoning_content) but no closing tag was cut inside the thinking.
+
+    Stored form, whatever the parser version kept of the newlines around the markers: the reasoning
+    without the newlines that open it and, once closed, without those before ``</think>``; the answer
+    without the newlines after ``</think>`` (the Qwen3 template's own rendering: ``reasoning.strip('\\n')``,
+    ``content.lstrip('\\n')``). Text at a cut is kept as is: a continuation goes on from it.
 
     Returns:
         ``(reasoning, answer, thinking_closed)``; ``reasoning`` is None when the model did not think.
     """
     content = content or ""
     if reasoning_content is not None:
-        return reasoning_content, content, bool(content.strip()) or THINK_CLOSE in reasoning_content
-    if THINK_OPEN in content or THINK_CLOSE in content:
+        reasoning, answer = reasoning_content, content
+        closed = bool(content.strip()) or THINK_CLOSE in reasoning_content
+    elif THINK_OPEN in content or THINK_CLOSE in content:
         head, sep, tail = content.partition(THINK_CLOSE)
-        reasoning = head.split(THINK_OPEN, 1)[-1]
-        return (reasoning, tail, True) if sep else (reasoning, "", False)
-    return None, content, True
+        reasoning, answer, closed = head.split(THINK_OPEN, 1)[-1], (tail if sep else ""), bool(sep)
+    else:
+        return None, content, True
+    reasoning = reasoning.lstrip("\n")
+    if closed:
+        reasoning = reasoning.rstrip("\n")
+    return reasoning, answer.lstrip("\n"), closed
 
 
 def completion_layout(reasoning: str | None, answer: str | None, truncated_in_reasoning: bool, opened: bool) -> str:
@@ -131,7 +141,10 @@ def invalid_reason(row: dict[str, Any], settings: GenerationSettings) -> str | N
 def rows_to_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
     """Rows sorted by ``index`` as a DataFrame with COMPLETIONS_SCHEMA (deterministic bytes on write)."""
     rows = sorted(rows, key=lambda r: r["index"])
-    return pl.DataFrame(rows, schema=COMPLETIONS_SCHEMA) if rows else pl.DataFrame(schema=COMPLETIONS_SCHEMA)
+    if not rows:
+        return pl.DataFrame(schema=COMPLETIONS_SCHEMA)
+    # rows made before the column existed were made by one request
+    return pl.DataFrame(rows, schema=COMPLETIONS_SCHEMA).with_columns(pl.col("continued_from_tokens").fill_null(0))
 
 
 def no_good_row_message(rows: list[dict[str, Any]], pk: str, quote: int = 3) -> str | None:
