@@ -122,3 +122,16 @@ def test_cli_run_with_a_typo_stops_before_any_work(tmp_path):
     assert proc.returncode == 2
     assert f"config error: {path}: resources.generation: unknown key 'max_output_token'" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "data").exists()
+
+
+def test_fingerprint_cache_follows_a_copy_with_other_values():
+    """The fingerprint and settings JSON are cached per distinct settings (not recomputed per row);
+    a copy with another temperature must not reuse the original's."""
+    from dflash_assets.settings import GenerationSettings
+
+    base = GenerationSettings()
+    assert base.sampling_fingerprint() == GenerationSettings(max_output_tokens=8192).sampling_fingerprint()
+    copied = base.model_copy(update={"temperature": 0.1})
+    fresh = GenerationSettings(temperature=0.1)
+    assert copied.sampling_fingerprint() == fresh.sampling_fingerprint() != base.sampling_fingerprint()
+    assert '"temperature": 0.1' in copied.settings_json and '"temperature": 0.6' in base.settings_json

@@ -8,7 +8,6 @@ therefore invalidates only ``length`` rows; lowering it only rows longer than th
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import polars as pl
@@ -107,7 +106,7 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
         "empty_answer": bool(ok and not (answer or "").strip()),
         "max_output_tokens": settings.max_output_tokens,
         "settings_fingerprint": settings.sampling_fingerprint(),
-        "settings": json.dumps(settings.model_dump(), sort_keys=True),
+        "settings": settings.settings_json,
         "latency_s": round(float(result.latency_s), 4),
         "server": result.server,
         "attempts": int(result.attempts),
