@@ -16,7 +16,13 @@ import polars as pl
 import pytest
 
 from dflash_assets.assets.prompts import CORPUS_FILE
-from dflash_assets.generation.continuation import continuable, continuation_body, merge_continuation, prefix_text
+from dflash_assets.generation.continuation import (
+    NOT_CONTINUED,
+    continuable,
+    continuation_body,
+    merge_continuation,
+    prefix_text,
+)
 from dflash_assets.generation.records import completion_layout, row_from_result, split_reasoning
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.simulation.sglang_stub import drawn_length, reply_fields
@@ -96,6 +102,10 @@ def test_continued_rows_keep_no_token_ids_and_a_failed_continuation_keeps_the_cu
     kept = ("reasoning_content", "content", "finish_reason", "completion_tokens", "max_output_tokens", "settings_fingerprint")
     assert {k: failed[k] for k in kept} == {k: cut[k] for k in kept}
     assert continuable(failed, settings)  # the next run continues it again rather than starting over
+    # a reply without usage, or ended by abort, is no continuation either: the cut text stays
+    for odd in ({**reply, "completion_tokens": None}, {**reply, "finish_reason": "abort"}):
+        got = merge_continuation(cut, result_of(odd), PROMPT, settings)
+        assert got["error"] and {k: got[k] for k in kept} == {k: cut[k] for k in kept} and continuable(got, settings)
     first_pass_error = row_from_result(result_of({**reply, "content": None, "completion_tokens": None,
                                                   "finish_reason": None}, error="HTTP 500"), PROMPT, settings)
     assert not continuable(first_pass_error, settings)
@@ -238,3 +248,46 @@ def test_cap_raise_in_sglang_mode_continues_exactly_the_cut_rows(tmp_path, monke
     reused = OLD_CAP if continues else 0
     assert after.filter(pl.col("index").is_in(sorted(cut)))["continued_from_tokens"].to_list() == [reused] * len(cut)
     assert after.filter(~pl.col("index").is_in(sorted(cut)))["continued_from_tokens"].to_list() == [0] * (16 - len(cut))
+
+
+def test_servers_that_answer_continuations_afresh_stop_the_run_and_the_cut_rows_keep_their_text(tmp_path, monkeypatch):
+    """A server that ignores continue_final_message (the simulator's --sim-ignore-continue, as SGLang
+    before 0.4.4) would waste every continuation while the run reports success: after
+    max_consecutive_failures such replies the run fails naming the fix, and every cut row still has
+    its cut text (the next run, told continue_truncated: false, regenerates them whole)."""
+    monkeypatch.setenv("DFLASH_SERVER_REGISTRY", str(tmp_path / "registry"))
+    model = write_thinking_tokenizer(tmp_path / "target", opens_think=False)
+    root = tmp_path / "data"
+    with dg.instance_for_test() as instance:
+        keys = write_corpus(instance, root, [f"prompt {i}" for i in range(16)], partition_size=8)
+        assert range_materialize(instance, root, keys, sglang_sim(tmp_path, 2, 4, model_path=str(model)), cap=OLD_CAP).success
+        tables = lambda: pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys]).sort("index")  # noqa: E731
+        before = tables()
+        cut = before.filter(pl.col("finish_reason") == "length")
+        assert cut.height >= 4
+        ignoring = sglang_sim(tmp_path, 2, 4, "--sim-ignore-continue", model_path=str(model), max_consecutive_failures=3)
+        result = range_materialize(instance, root, keys, ignoring, cap=128, raise_on_error=False)
+        assert not result.success
+        failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+        message = failure.event_specific_data.error.message
+        assert "answered afresh" in message and "continue_truncated: false" in message
+        # whatever landed (journal or table) kept the cut text; nothing was appended to it
+        from dflash_assets.assets.completions import load_existing_rows
+        from dflash_assets.resources.storage import StorageResource
+
+        storage = StorageResource(root=str(root))
+        rows = {}
+        for pk in keys:
+            rows.update(load_existing_rows(storage.open(), pk, storage.open_journal("completions", f"{pk}.journal.jsonl")))
+        for old in cut.iter_rows(named=True):
+            row = rows[old["index"]]
+            assert row["reasoning_content"] == old["reasoning_content"] and row["completion_tokens"] == OLD_CAP
+            assert row["error"] in (None, NOT_CONTINUED)
+        assert sum(r["error"] == NOT_CONTINUED for r in rows.values()) >= 3
+
+        whole = sglang_sim(tmp_path, 2, 4, model_path=str(model), continue_truncated=False)
+        assert range_materialize(instance, root, keys, whole, cap=128).success
+    after = tables()
+    corpus = {r["index"]: r["messages"] for r in pl.read_parquet(root.joinpath(*CORPUS_FILE)).iter_rows(named=True)}
+    assert after["completion_tokens"].to_list() == [min(drawn_length(corpus[i], 120, 0.5), 128) for i in after["index"].to_list()]
+    assert after["error"].null_count() == after.height

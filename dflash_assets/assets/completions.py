@@ -29,7 +29,13 @@ import polars as pl
 
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.generation.client import TooManyFailuresError
-from dflash_assets.generation.continuation import continuable, continuation_body, merge_continuation, prefix_text
+from dflash_assets.generation.continuation import (
+    NOT_CONTINUED,
+    continuable,
+    continuation_body,
+    merge_continuation,
+    prefix_text,
+)
 from dflash_assets.generation.records import THINK_OPEN, invalid_reason, no_good_row_message, row_from_result, rows_to_frame
 from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
@@ -178,6 +184,7 @@ def completions(
                 planned = pool_planner.submit(run.continuations, inference, todo)
                 with inference.serve(log_dir=storage.local_scratch("server_logs", label), settings=settings) as pool:
                     continuing, opened, note, problem = planned.result()
+                    run.continuing = len(continuing)
                     if note:
                         (context.log.warning if problem else context.log.info)(note)
                     yield from run.generate(inference, pool, todo, continuing, opened)
@@ -190,9 +197,11 @@ def completions(
         raise dg.Failure("; ".join(run.no_good_row.values()))
     if run.failure is not None or missing:
         # finished rows stay in the journals; the next run requests only the rest
+        hint = ("; the run was continuing rows cut by a lower cap: if the servers reject continue_final_message, "
+                "set inference.continue_truncated: false" if run.failure is not None and run.continuing else "")
         raise dg.Failure(
             f"{sum(missing.values())} prompts have no row in partition(s) {', '.join(missing) or '-'}"
-            + (f" ({run.failure})" if run.failure else "")
+            + (f" ({run.failure}{hint})" if run.failure else "")
             + f"; {len(run.committed)} partition(s) were committed; finished rows are checkpointed, "
             "rerun the partition to resume"
         )
@@ -213,6 +222,7 @@ class _RangeRun:
         self.failure: Exception | None = None
         self.client = None
         self.capacity = 0
+        self.continuing = 0  # rows this run continues rather than regenerates
 
     def plan(self, pk: str, prompts: pl.DataFrame, journal) -> _Partition:
         existing = load_existing_rows(self.store, pk, journal)
@@ -248,7 +258,9 @@ class _RangeRun:
         """Stream every todo prompt of ``parts`` through one client; yield each partition's
         materialization as its last row lands (from this, the step's thread: Dagster records it at once).
         ``continuing``, ``opened``: rows to continue rather than regenerate (:meth:`continuations`); each
-        prefix is built as its request goes out, so the run holds no second copy of the cut rows' text."""
+        prefix is built as its request goes out, not all at once before the run. More than
+        ``max_consecutive_failures`` continuations in a row answered afresh (:data:`NOT_CONTINUED`) stop
+        the run: a server that ignores ``continue_final_message`` would waste every one."""
         settings, context = self.settings, self.context
         client = self.client = inference.client(pool)
         self.capacity = client.concurrency
@@ -283,7 +295,7 @@ class _RangeRun:
             the event loop once per row it stalled every request at ~100 rows/s. Here all rows that
             arrived meanwhile share one write + fsync per partition; a row counts as finished once
             durable, and a partition is handed to the step's thread to commit when its last row is."""
-            finished = False
+            finished, afresh_in_a_row, stopped = False, 0, False
             try:
                 while not finished:
                     batch = [results.get()]
@@ -301,6 +313,8 @@ class _RangeRun:
                         prompt = part.by_index[result.index]
                         row = (merge_continuation(prior, result, prompt, settings) if prior is not None
                                else row_from_result(result, prompt, settings))
+                        if prior is not None:  # servers that answer continuations afresh waste every one
+                            afresh_in_a_row = afresh_in_a_row + 1 if row.get("error") == NOT_CONTINUED else 0
                         by_part.setdefault(part.pk, []).append(row)
                     for rows in by_part.values():
                         part = owner[rows[0]["index"]]
@@ -310,6 +324,12 @@ class _RangeRun:
                         part.remaining -= len(rows)
                         if part.remaining == 0:
                             commits.put(("commit", part))
+                    if afresh_in_a_row >= inference.max_consecutive_failures and not stopped:
+                        stopped = True  # the rows so far are durable (each keeps its cut text); stop sending
+                        client.abort()
+                        commits.put(("error", dg.Failure(
+                            f"{afresh_in_a_row} continuations in a row were answered afresh instead of continued: "
+                            + NOT_CONTINUED + "; the cut rows keep their text")))
                 commits.put(("done", None))
             except BaseException as exc:  # noqa: BLE001 - a journal that cannot be written stops the run
                 client.abort()
@@ -381,11 +401,14 @@ class _RangeRun:
 
                 from dflash_assets.tokenization import SequenceBuilder
 
-                builder = SequenceBuilder(AutoTokenizer.from_pretrained(str(inference.tokenizer_path())))
+                path = str(inference.tokenizer_path())
+                # a local directory or a hub id already in the local cache: no network wait on a GPU node
+                builder = SequenceBuilder(AutoTokenizer.from_pretrained(path, local_files_only=True))
                 # the generation prompt's ending is the template's, not the conversation's: render one
                 opened = builder.prompt_text(found[0][0]["messages"], settings.enable_thinking).rstrip("\n").endswith(THINK_OPEN)
             except Exception as exc:  # noqa: BLE001 - any failure means: regenerate whole, and say why
-                why_not, problem = f"the target's tokenizer did not load or render ({type(exc).__name__}: {str(exc)[:200]})", True
+                why_not, problem = (f"the target's tokenizer did not load from {inference.tokenizer_path()} (a directory, or a "
+                                    f"hub id in the local cache) or did not render ({type(exc).__name__}: {str(exc)[:200]})"), True
         if why_not is not None:
             return {}, False, f"{len(found)} rows cut by a lower cap are regenerated from their first token: {why_not}", problem
         reused = sum(int(row["completion_tokens"]) for _, row in found)

@@ -31,6 +31,11 @@ from dflash_assets.generation.records import THINK_CLOSE, THINK_OPEN, completion
 from dflash_assets.settings import GenerationSettings
 
 
+#: Error of a continuation the server answered afresh (it ignored ``continue_final_message``).
+NOT_CONTINUED = ("the server did not continue the final assistant message (its reply opens a new <think>): "
+                 "continue_final_message needs SGLang >= 0.4.4; or set inference.continue_truncated: false")
+
+
 def continuable(row: dict[str, Any] | None, settings: GenerationSettings) -> bool:
     """Whether ``row`` can be continued under ``settings`` rather than regenerated.
 
@@ -81,16 +86,20 @@ def merge_continuation(row: dict[str, Any], result: Any, prompt: dict[str, Any],
     as prompt); ``output_token_ids`` None (the server re-tokenized the prefix text);
     ``continued_from_tokens`` the row's tokens.
 
-    A failed request, or a reply that starts a new ``<think>`` (a server that ignored
-    ``continue_final_message`` and answered afresh), gives an error row that keeps ``row``'s text, cap
-    and counts, so the next run continues it again instead of regenerating it whole.
+    A failed request, a reply without ``usage.completion_tokens`` or with another ``finish_reason`` than
+    stop/length, or one that starts a new ``<think>`` (a server that ignored ``continue_final_message``
+    and answered afresh: :data:`NOT_CONTINUED`), gives an error row that keeps ``row``'s text, cap and
+    counts, so the next run continues it again instead of regenerating it whole.
     """
     merged = row_from_result(result, prompt, settings)
     raw = (result.content or "") if result.reasoning_content is None else None
     error = result.error
     if error is None and raw is not None and raw.lstrip().startswith(THINK_OPEN) and row.get("reasoning_content") is not None:
-        error = ("the server did not continue the final assistant message (its reply opens a new <think>): "
-                 "continue_final_message needs SGLang >= 0.4.4; or set inference.continue_truncated: false")
+        error = NOT_CONTINUED
+    elif error is None and result.completion_tokens is None:
+        error = "the continuation's reply has no usage.completion_tokens"
+    elif error is None and result.finish_reason not in ("stop", "length"):
+        error = f"the continuation ended with finish_reason {result.finish_reason}"
     if error is not None:
         return {**row, "error": error, "latency_s": merged["latency_s"], "server": merged["server"],
                 "attempts": merged["attempts"], "continued_from_tokens": 0}

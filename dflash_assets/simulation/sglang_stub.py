@@ -22,7 +22,7 @@ What it simulates, all in *simulated seconds* divided by ``--sim-speed`` to get 
   is the raw text (``</think>`` where the thinking closes) in ``message.content``;
 - routes ``POST /v1/chat/completions``, ``GET /v1/models``, ``/health``, ``/health_generate``.
 
-Faults on demand: SIGUSR1 makes it hang (``/health`` keeps answering 200, no request finishes, and
+Faults on demand: ``--sim-ignore-continue`` answers continuations afresh (an SGLang before 0.4.4); SIGUSR1 makes it hang (``/health`` keeps answering 200, no request finishes, and
 ``/health_generate`` never answers, as with a stuck scheduler); ``--sim-hang-after N`` does the same after
 N finished requests; kill -9 is a dead server.
 
@@ -122,7 +122,10 @@ class Simulator:
         messages = body.get("messages") or []
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 1 << 30
         done, prefix = 0, None
-        if body.get("continue_final_message") and messages and messages[-1].get("role") == "assistant":
+        if self.args.sim_ignore_continue and messages and messages[-1].get("role") == "assistant":
+            # SGLang < 0.4.4 knew no continue_final_message: the prefix is just more conversation
+            messages = [*messages[:-1], {"role": "user", "content": str(messages[-1].get("content") or "")}]
+        elif body.get("continue_final_message") and messages and messages[-1].get("role") == "assistant":
             prefix, messages = str(messages[-1].get("content") or ""), messages[:-1]
             done = sum(word in ("t", "a") for word in prefix.split())  # the prefix's tokens
         length = drawn_length(messages, self.args.sim_median_tokens, self.args.sim_sigma, self.args.sim_seed)
@@ -222,6 +225,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sim-starts-file", default=None, help="append one line per start")
     p.add_argument("--sim-request-log", default=None, help="append one JSON line per request arrival and finish")
     p.add_argument("--sim-hang-after", type=int, default=0, help="hang after this many finished requests (0: never)")
+    p.add_argument("--sim-ignore-continue", action="store_true",
+                   help="ignore continue_final_message (as SGLang < 0.4.4): answer afresh")
     args, _unknown = p.parse_known_args(argv)  # SGLang flags we do not model (--tp-size, --reasoning-parser ...)
     if args.sim_speed <= 0 or args.sim_decode_tok_per_s <= 0 or args.max_running_requests < 1:
         p.error("--sim-speed, --sim-decode-tok-per-s and --max-running-requests must be positive")
