@@ -101,20 +101,40 @@ def latest_metadata_by_partition(instance: dg.DagsterInstance, asset_name: str, 
 VALIDITY_COLUMNS = ("error", "settings_fingerprint", "completion_tokens", "finish_reason", "max_output_tokens")
 
 
-def invalid_rows(store, pk: str, settings) -> tuple[Counter, int]:
-    """``(reasons, tokens)``: rows of completions partition ``pk`` that ``settings`` regenerate, counted by
-    :func:`~dflash_assets.generation.records.invalid_reason`, and their current completion tokens."""
+def invalid_rows(store, pk: str, settings, continues: bool = False) -> tuple[Counter, int, Counter]:
+    """``(reasons, tokens, continued)``: rows of completions partition ``pk`` that ``settings`` regenerate,
+    counted by :func:`~dflash_assets.generation.records.invalid_reason`; the current completion tokens
+    of those regenerated whole; and, when ``continues`` (the servers continue cut rows, see
+    :mod:`~dflash_assets.generation.continuation`), the rows to be continued counted by their cap."""
     from dflash_assets.assets.completions import partition_file
+    from dflash_assets.generation.continuation import continuable
     from dflash_assets.generation.records import invalid_reason
     from dflash_assets.truncation import read_report_columns
 
     frame = read_report_columns(store, *partition_file(pk), columns=VALIDITY_COLUMNS)
-    reasons, tokens = Counter(), 0
+    reasons, tokens, continued = Counter(), 0, Counter()
     for row in frame.iter_rows(named=True):
         if (reason := invalid_reason(row, settings)) is not None:
             reasons[reason] += 1
-            tokens += row.get("completion_tokens") or 0
-    return reasons, tokens
+            if continues and continuable(row, settings, check_text=False):
+                continued[int(row["max_output_tokens"])] += 1
+            else:
+                tokens += row.get("completion_tokens") or 0
+    return reasons, tokens, continued
+
+
+def continuation_tokens(report: dict | None, continued: Counter, new_cap: int) -> float | None:
+    """Tokens the continuations of ``continued`` ({old cap: rows}) will generate up to ``new_cap``: each
+    row E[min(L, new_cap) - cap | L > cap] under the truncation report's length fit (the
+    ``extra_output_tokens`` of :func:`~dflash_assets.truncation.predict_cap`). None without a report
+    fit, or for a cap the report was not made at."""
+    from dflash_assets.truncation import fit_from_dict, predict_cap
+
+    fit = (report or {}).get("advice", {}).get("fit")
+    if not fit or not continued or set(continued) != {report.get("cap")}:
+        return None
+    cap, n = report["cap"], sum(continued.values())
+    return predict_cap(fit_from_dict(fit), cap, float(report.get("truncation_rate") or 0.0), n, new_cap)["extra_output_tokens"]
 
 
 def generation_time(records: dict[str, dg.EventLogRecord], meta: dict[str, dict]) -> tuple[float, float, int]:
@@ -161,7 +181,8 @@ def runs_in_progress(instance: dg.DagsterInstance, records: dict[str, dg.EventLo
     return out
 
 
-def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES, settings=None, store=None) -> dict:
+def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES, settings=None, store=None,
+                   continues: bool = False) -> dict:
     """Everything the status command prints, as plain values.
 
     Args:
@@ -171,6 +192,8 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
             None leaves out what they would regenerate.
         store: the :class:`~dflash_assets.storage.Storage` holding the completions tables; needed with
             ``settings`` to count rows exactly (without it a touched partition counts wholly).
+        continues: the configured servers continue rows a lower cap cut (SGLang, ``continue_truncated``):
+            such rows count at the tokens their continuation is expected to make (truncation report fit).
 
     Returns a dict:
 
@@ -184,7 +207,9 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
       partitions), ``generation_s`` / ``tokens_generated`` / ``requests`` of :func:`generation_time`,
       ``tokens_per_s`` and ``requests_per_s`` (over generation_s; None when no time was recorded),
       ``tokens_remaining_est`` (tokens; a remaining prompt at the mean tokens per done row, a row to
-      regenerate at no less than its current length; None without a done row) and ``eta_s`` =
+      regenerate at no less than its current length, a row to continue at
+      :func:`continuation_tokens`; None without a done row), ``regenerate["continued"]`` (rows to be
+      continued) and ``eta_s`` =
       tokens_remaining_est / tokens_per_s (seconds; None when either is unknown).
     """
     from dflash_assets.automation import affected_reason, latest_records, plain_metadata
@@ -201,20 +226,31 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
     generation_s, tokens_generated, requests = generation_time(records, meta)
     mean_tokens = tokens_done / sum(rows_of.values()) if sum(rows_of.values()) else None
 
-    regen, regen_parts, regen_tokens = Counter(), [], 0.0
+    regen, regen_parts, regen_tokens, to_continue = Counter(), [], 0.0, Counter()
     if settings is not None:
         for pk in done:
             if pk not in meta or affected_reason(meta[pk], settings) is None:
                 continue
             if store is None:
-                reasons, tokens = Counter({affected_reason(meta[pk], settings): rows_of[pk]}), 0
+                reasons, tokens, continued = Counter({affected_reason(meta[pk], settings): rows_of[pk]}), 0, Counter()
             else:
-                reasons, tokens = invalid_rows(store, pk, settings)
+                reasons, tokens, continued = invalid_rows(store, pk, settings, continues)
             if reasons:
                 regen.update(reasons)
                 regen_parts.append(pk)
-                n = sum(reasons.values())
+                n = sum(reasons.values()) - sum(continued.values())
                 regen_tokens += max(tokens, n * (mean_tokens or 0.0))
+                to_continue.update(continued)
+    if to_continue:
+        report = None
+        try:
+            if store.exists("truncation_report", "report.json"):
+                report = store.read_json("truncation_report", "report.json")
+        except Exception:  # noqa: BLE001 - an estimate only
+            report = None
+        estimate = continuation_tokens(report, to_continue, settings.max_output_tokens)
+        # without a fit: each continued row at its current length (what a whole regeneration would cost at least)
+        regen_tokens += estimate if estimate is not None else sum(cap * n for cap, n in to_continue.items())
     rows_total = sum(partition_rows(pk) for pk in keys)
     not_done = comp["failed_keys"] + comp["in_progress_keys"] + comp["missing_keys"]
     regen_rows = sum(regen.values())
@@ -242,7 +278,8 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
             "tokens_per_s": tokens_per_s,
             "requests_per_s": requests_per_s,
             "rows_remaining": rows_remaining,
-            "regenerate": {"rows": regen_rows, "partitions": regen_parts, "by_reason": dict(sorted(regen.items()))},
+            "regenerate": {"rows": regen_rows, "partitions": regen_parts, "by_reason": dict(sorted(regen.items())),
+                           "continued": sum(to_continue.values())},
             "cap": settings.max_output_tokens if settings is not None else None,
             "tokens_remaining_est": tokens_remaining,
             "eta_s": eta_s,
@@ -284,7 +321,8 @@ def format_status(status: dict) -> str:
     regen = comp.get("regenerate") or {}
     if regen.get("rows"):
         reasons = ", ".join(f"{k}: {v}" for k, v in regen["by_reason"].items())
-        lines.append(f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} partitions ({reasons})")
+        lines.append(f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} partitions ({reasons})"
+                     + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else ""))
     for run in status.get("runs_in_progress", []):
         eta = run["eta_s"] if run["eta_s"] is not None and run["eta_s"] >= 0 else None
         lines.append(
@@ -316,6 +354,19 @@ def current_settings_and_store():
         return None, None, f"{type(exc).__name__}: {exc}"
 
 
+def config_continues_cut_rows() -> bool:
+    """Whether the active config's inference servers continue rows a lower cap cut (SGLang and
+    ``continue_truncated``); False when the config does not load."""
+    try:
+        from dflash_assets.config import resource_fields
+        from dflash_assets.resources.inference import InferenceServerResource
+
+        inference = InferenceServerResource(**resource_fields("inference"))
+        return inference.continue_truncated and inference.backend() == "sglang"
+    except Exception:  # noqa: BLE001 - an estimate only
+        return False
+
+
 def print_status(instance: dg.DagsterInstance | None = None) -> int:
     """Print :func:`format_status` for ``instance`` (default: ``DagsterInstance.get()``) under the active
     config's generation settings; returns exit code 0."""
@@ -323,5 +374,6 @@ def print_status(instance: dg.DagsterInstance | None = None) -> int:
     if error:
         print(f"note: could not load the config's generation settings and storage ({error}); rows the settings "
               "would regenerate are not counted")
-    print(format_status(collect_status(instance or dg.DagsterInstance.get(), settings=settings, store=store)))
+    print(format_status(collect_status(instance or dg.DagsterInstance.get(), settings=settings, store=store,
+                                       continues=settings is not None and config_continues_cut_rows())))
     return 0

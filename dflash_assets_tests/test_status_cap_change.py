@@ -124,3 +124,38 @@ def test_status_shows_the_rows_a_cap_lowering_regenerates(project):
     lowered = status_output(tmp, home, store_root, 7)
     assert regenerate_line(lowered) == (longer + 1, 3, {"cap lowered": longer, "error": 1})
     assert remaining(lowered) == longer + 1
+
+
+def test_status_counts_rows_to_be_continued_at_what_their_continuation_makes(project, tmp_path):
+    """With servers that continue cut rows (SGLang, continue_truncated), a cap raise's rows count at
+    E[min(L, new cap) - cap | L > cap] under the truncation report's length fit, not at a whole
+    regeneration; the expected value here is a Monte Carlo of that log-normal, not the product's
+    integral."""
+    import numpy as np
+
+    from dflash_assets.status import collect_status
+
+    tmp, home, store_root = project
+    store = Storage(str(store_root))
+    raised = GenerationResource(**yaml.safe_load(config_copy(tmp, 14, store_root).read_text())["resources"]["generation"]).settings()
+    mu, sigma = 2.0, 0.6
+    report = {"cap": CAP, "truncation_rate": 0.1, "advice": {"fit": {"family": "lognormal", "mu": mu, "sigma": sigma}}}
+    length_rows = sum(r == "length" for rows in LAYOUT.values() for _, r in rows)  # 3
+    ok_tokens = [t for rows in LAYOUT.values() for t, _ in rows if t is not None]
+    mean_tokens = sum(ok_tokens) / 30  # the error row (whole regeneration) counts at the mean row
+    lengths = np.random.default_rng(0).lognormal(mu, sigma, 4_000_000)
+    per_row = float(np.mean(np.minimum(lengths[lengths > CAP], 14) - CAP))
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        whole = collect_status(instance, settings=raised, store=store, continues=True)["completions"]
+        # no report yet: a continued row counts at its current length (no fit to go by)
+        assert whole["regenerate"]["continued"] == length_rows
+        assert whole["tokens_remaining_est"] == pytest.approx(mean_tokens + length_rows * CAP)
+        store.write_json(report, "truncation_report", "report.json")
+        try:
+            cont = collect_status(instance, settings=raised, store=store, continues=True)["completions"]
+            assert cont["regenerate"]["rows"] == length_rows + 1 and cont["regenerate"]["continued"] == length_rows
+            assert cont["tokens_remaining_est"] == pytest.approx(mean_tokens + length_rows * per_row, rel=0.01)
+            off = collect_status(instance, settings=raised, store=store, continues=False)["completions"]
+            assert off["regenerate"]["continued"] == 0
+        finally:
+            (store_root / "truncation_report" / "report.json").unlink()

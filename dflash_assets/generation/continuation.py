@@ -36,14 +36,15 @@ NOT_CONTINUED = ("the server did not continue the final assistant message (its r
                  "continue_final_message needs SGLang >= 0.4.4; or set inference.continue_truncated: false")
 
 
-def continuable(row: dict[str, Any] | None, settings: GenerationSettings) -> bool:
+def continuable(row: dict[str, Any] | None, settings: GenerationSettings, check_text: bool = True) -> bool:
     """Whether ``row`` can be continued under ``settings`` rather than regenerated.
 
     True for a ``length`` row cut by its own cap (``completion_tokens == max_output_tokens``, below
     ``settings.max_output_tokens``), made with the same sampling fingerprint, with its text stored, when
     the sampling is history-free (no presence or repetition penalty, no seed; see the module docstring).
     A row whose error came from a failed continuation (it keeps its cut text, see
-    :func:`merge_continuation`) is continuable again; any other error row is not.
+    :func:`merge_continuation`) is continuable again; any other error row is not. ``check_text=False``
+    skips the text check, for callers that read only the count columns (``status``).
     """
     if row is None or row.get("finish_reason") != "length":
         return False  # first-pass error rows have no finish_reason
@@ -54,7 +55,7 @@ def continuable(row: dict[str, Any] | None, settings: GenerationSettings) -> boo
         return False
     if tokens != row.get("max_output_tokens") or tokens >= settings.max_output_tokens:
         return False  # not cut by its cap (a context limit), or the cap was not raised
-    return row.get("reasoning_content") is not None or bool(row.get("content"))
+    return not check_text or row.get("reasoning_content") is not None or bool(row.get("content"))
 
 
 def prefix_text(row: dict[str, Any], opened: bool) -> str:
