@@ -242,10 +242,12 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
                 regen_tokens += max(tokens, n * (mean_tokens or 0.0))
                 to_continue.update(continued)
     if to_continue:
+        from dflash_assets.assets.truncation import REPORT_DIR
+
         report = None
         try:
-            if store.exists("truncation_report", "report.json"):
-                report = store.read_json("truncation_report", "report.json")
+            if store.exists(REPORT_DIR, "report.json"):
+                report = store.read_json(REPORT_DIR, "report.json")
         except Exception:  # noqa: BLE001 - an estimate only
             report = None
         estimate = continuation_tokens(report, to_continue, settings.max_output_tokens)

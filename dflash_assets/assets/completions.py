@@ -187,7 +187,7 @@ def completions(
                     run.continuing, run.continuing_rows = len(continuing), continuing
                     if note:
                         (context.log.warning if problem else context.log.info)(note)
-                    yield from run.generate(inference, pool, todo, continuing, opened)
+                    yield from run.generate(inference, pool, todo, opened)
     finally:
         for part in parts:
             part.journal.close()  # a clean stop syncs the journal (S3) whatever ended generation
@@ -256,14 +256,14 @@ class _RangeRun:
         return (f"range {self.keys[0]}...{self.keys[-1]}: {line}, slots {progress.in_flight}/{self.capacity}, "
                 f"{len(self.committed)}/{len(self.keys)} partitions committed")
 
-    def generate(self, inference: InferenceServerResource, pool, parts: list[_Partition], continuing: dict, opened: bool):
+    def generate(self, inference: InferenceServerResource, pool, parts: list[_Partition], opened: bool):
         """Stream every todo prompt of ``parts`` through one client; yield each partition's
         materialization as its last row lands (from this, the step's thread: Dagster records it at once).
-        ``continuing``, ``opened``: rows to continue rather than regenerate (:meth:`continuations`); each
+        ``self.continuing_rows``, ``opened``: rows to continue rather than regenerate (:meth:`continuations`); each
         prefix is built as its request goes out, not all at once before the run. More than
         ``max_consecutive_failures`` continuations in a row answered afresh (:data:`NOT_CONTINUED`) stop
         the run: a server that ignores ``continue_final_message`` would waste every one."""
-        settings, context = self.settings, self.context
+        settings, context, continuing = self.settings, self.context, self.continuing_rows
         client = self.client = inference.client(pool)
         self.capacity = client.concurrency
         owner = {i: part for part in parts for i in part.by_index}
