@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
-import pyarrow.parquet as pq
 
 from dflash_assets.figures import figure_png_bytes, new_figure
 
@@ -45,19 +44,11 @@ REPORT_COLUMNS = ("source", "finish_reason", "completion_tokens", "max_output_to
 def read_report_columns(store, *parts: str, columns: tuple[str, ...] = REPORT_COLUMNS) -> pl.DataFrame:
     """Only ``columns`` of a Parquet file under a :class:`~dflash_assets.storage.Storage` (those present).
 
-    Opens the file through the storage's filesystem and reads the column chunks of those columns alone
-    (on S3: ranged GETs), so memory and transfer scale with the few small columns, not the text.
-    Remote reads are retried like every storage call. Raises FileNotFoundError when the file is missing.
+    Reads the column chunks of those columns alone (on S3: ranged GETs), so memory and transfer scale
+    with the few small columns, not the text. Remote reads are retried like every storage call.
+    Raises FileNotFoundError when the file is missing.
     """
-    path = store.path(*parts)
-
-    def read():
-        with store.fs.open(path, "rb") as f:
-            parquet = pq.ParquetFile(f)
-            present = [c for c in columns if c in parquet.schema_arrow.names]
-            return parquet.read(columns=present)
-
-    return pl.from_arrow(store.call("get", parts, read))
+    return store.read_parquet(*parts, columns=columns)
 
 
 @dataclass(frozen=True)

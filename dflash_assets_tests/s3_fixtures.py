@@ -86,6 +86,7 @@ class TcpProxy:
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self.bytes_from_upstream = 0  # what clients received: an S3 read's transfer, headers included
 
     def start(self) -> TcpProxy:
         listener = socket.socket()
@@ -120,6 +121,9 @@ class TcpProxy:
         try:
             while data := src.recv(65536):
                 dst.sendall(data)
+                if src.getpeername()[1] == self.upstream_port:
+                    with self._lock:
+                        self.bytes_from_upstream += len(data)
         except OSError:
             pass
         finally:

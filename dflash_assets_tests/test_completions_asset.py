@@ -188,7 +188,7 @@ def test_two_real_partitions_stop_and_length_metadata_matches_table(tmp_path, lo
         assert meta["requested"] == 4 and meta["carried_over"] == 0 and meta["request_reasons"] == {"missing": 4}
         assert meta["max_output_tokens"] == CAP
     assert "4" in table(root, keys[0]).filter(pl.col("index") == 0)["content"][0]  # "2 + 2 = 4"
-    assert again["requested"] == 0 and again["carried_over"] == 4
+    assert again["requested"] == 0 and again["carried_over"] == 4 and again["resumed_from_journal"] == 0  # from the table
     assert again["finish_reasons"] == metas[keys[0]]["finish_reasons"]
 
 
@@ -256,6 +256,7 @@ def test_kill_9_mid_partition_then_resume_requests_only_unfinished_rows(tmp_path
     for i in set(range(len(KILL_PROMPTS))) - set(at_kill):
         assert resumed[KILL_PROMPTS[i]] == 1
     assert meta["requested"] == len(KILL_PROMPTS) - len(at_kill) and meta["carried_over"] == len(at_kill)
+    assert meta["resumed_from_journal"] == len(at_kill)  # the metadata says where the carried rows came from
     for i, row in at_kill.items():  # carried rows are the journal's, unchanged
         kept = frame.filter(pl.col("index") == i).row(0, named=True)
         assert (kept["content"], kept["completion_tokens"], kept["latency_s"]) == (
@@ -388,6 +389,7 @@ def test_server_dies_mid_run_clean_failure_rows_kept_then_resume_requests_only_m
     # only the rows without a finished row were requested, each once
     assert dict(healthy.attempts) == {i: 1 for i in range(len(FAULT_PROMPTS)) if i not in ok}
     assert meta["requested"] == len(FAULT_PROMPTS) - len(ok) and meta["carried_over"] == len(ok)
+    assert meta["resumed_from_journal"] == len(ok)
     assert meta["request_reasons"] == {k: v for k, v in {"error": len(errored),
                                        "missing": len(FAULT_PROMPTS) - len(journal)}.items() if v}
     frame = table(root, pk)
@@ -396,3 +398,38 @@ def test_server_dies_mid_run_clean_failure_rows_kept_then_resume_requests_only_m
     servers = {r["index"]: r["server"] for r in frame.iter_rows(named=True)}
     assert all(servers[i].startswith(server.url) for i in ok)  # the first run's rows were kept
     assert all(servers[i].startswith(server2.url) for i in set(range(len(FAULT_PROMPTS))) - ok)
+
+
+def test_commit_overlays_new_rows_on_the_stored_table_and_writes_what_whole_rows_would(tmp_path):
+    """The commit no longer holds every stored row in memory: it reads the last table back and lays the
+    journal's and this run's rows over it. The file must be the one the whole rows as dicts give, byte
+    for byte (the data version is its hash), also over a table written before ``continued_from_tokens``."""
+    from dflash_assets.assets.completions import PLAN_COLUMNS, load_plan_rows, partition_file, partition_frame
+    from dflash_assets.generation.records import rows_to_frame
+    from dflash_assets.storage import Storage, parquet_bytes
+
+    def row(i: int, text: str, tokens: int, **extra) -> dict:
+        return {"index": i, "prompt_id": f"p{i}", "source": "s", "reasoning_content": text, "content": "a" * i,
+                "finish_reason": "length" if tokens == 64 else "stop", "prompt_tokens": 9, "completion_tokens": tokens,
+                "output_token_ids": list(range(tokens)), "truncated_in_reasoning": False, "empty_answer": False,
+                "max_output_tokens": 64, "settings_fingerprint": "f", "settings": "{}", "latency_s": 0.5,
+                "server": "s0", "attempts": 1, "error": None, **extra}
+
+    store = Storage(str(tmp_path))
+    stored = [row(i, f"thinking {i} " * 40, 64 if i % 3 == 0 else 20 + i) for i in range(100, 110)]
+    old_table = rows_to_frame(stored).drop("continued_from_tokens")  # as a table of an older version
+    store.write_parquet(old_table, *partition_file("0000100-0000109"))
+    journal = RowJournal(tmp_path / "j.jsonl")
+    journal.append_many([row(104, "from the journal", 33)])
+    view, journal_rows = load_plan_rows(store, "0000100-0000109", journal)
+    assert set(view) == set(range(100, 110)) and set(journal_rows) == {104}
+    assert set(view[101]) == set(PLAN_COLUMNS) and view[104]["reasoning_content"] == "from the journal"
+
+    new = {**journal_rows, 103: row(103, "continued", 128, continued_from_tokens=64), 109: row(109, None, 0, error="boom")}
+    prompts = pl.DataFrame({"index": list(range(100, 110))})
+    frame = partition_frame(store, "0000100-0000109", prompts, new)
+    whole = {r["index"]: r for r in stored} | new
+    assert parquet_bytes(frame) == parquet_bytes(rows_to_frame(list(whole.values())))
+    assert frame["continued_from_tokens"].to_list() == [0, 0, 0, 64, 0, 0, 0, 0, 0, 0]
+    # a prompt dropped from the partition's range is not written back
+    assert partition_frame(store, "0000100-0000109", prompts.head(5), new)["index"].to_list() == [100, 101, 102, 103, 104]

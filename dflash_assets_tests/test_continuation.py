@@ -233,6 +233,9 @@ def test_cap_raise_in_sglang_mode_continues_exactly_the_cut_rows(tmp_path, monke
         metas = [{k: getattr(v, "value", v) for k, v in m.metadata.items()}
                  for m in result.asset_materializations_for_node("completions")]
         assert sum(m["continued"] for m in metas) == (len(cut) if continues else 0)
+        in_table = {m.partition: m.metadata["continued_in_table"].value for m in result.asset_materializations_for_node("completions")}
+        assert in_table == {pk: int((pl.read_parquet(root / "completions" / f"{pk}.parquet")["continued_from_tokens"] > 0).sum())
+                            for pk in keys}  # the table's own count, whichever run continued its rows
         assert sum(m["continued_tokens_reused"] for m in metas) == (OLD_CAP * len(cut) if continues else 0)
         assert sum(m["output_tokens_generated"] for m in metas) == sum(
             min(wanted[i], raised) - (OLD_CAP if continues else 0) for i in cut)

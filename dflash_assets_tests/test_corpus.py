@@ -6,6 +6,7 @@ from pathlib import Path
 
 import dagster as dg
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 
 from dflash_assets.assets.prompts import CORPUS_FILE, default_sources, prompt_corpus
@@ -146,7 +147,8 @@ def test_unreadable_file_and_all_rejected_source_fail_naming_the_file(tmp_path):
 def test_rematerializing_is_byte_identical_and_default_corpus_is_humaneval(tmp_path):
     with dg.instance_for_test() as instance:
         assert materialize_corpus(instance, tmp_path / "one", default_sources()).success
-        assert materialize_corpus(instance, tmp_path / "two", default_sources(), partition_size=50).success
+        assert materialize_corpus(instance, tmp_path / "two", default_sources()).success
+        assert materialize_corpus(instance, tmp_path / "fifty", default_sources(), partition_size=50).success
         assert instance.get_dynamic_partitions(prompt_ranges.name) == [
             "0000000-0000049", "0000050-0000099", "0000100-0000149", "0000150-0000163"]
     one = (tmp_path / "one").joinpath(*CORPUS_FILE).read_bytes()
@@ -154,6 +156,11 @@ def test_rematerializing_is_byte_identical_and_default_corpus_is_humaneval(tmp_p
     assert one == two
     corpus = pl.read_parquet(tmp_path / "one" / "prompt_corpus" / "corpus.parquet")
     assert corpus.height == 164 and corpus["prompt_id"][0] == "HumanEval:HumanEval/0"
+    # a row group per partition (a partition's run reads its group alone), the same rows
+    fifty = (tmp_path / "fifty").joinpath(*CORPUS_FILE)
+    groups = pq.ParquetFile(fifty).metadata
+    assert [groups.row_group(g).num_rows for g in range(groups.num_row_groups)] == [50, 50, 50, 14]
+    assert pl.read_parquet(fifty).equals(corpus)
 
 
 def test_partition_keys_sort_and_cover():

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import dagster as dg
+import numpy as np
 import polars as pl
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
@@ -25,7 +26,7 @@ from dagster._serdes import serialize_value
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import CORPUS_FILE, prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
-from dflash_assets.corpus import build_corpus
+from dflash_assets.corpus import CORPUS_SCHEMA, build_corpus
 from dflash_assets.generation.journal_sync import SyncedRowJournal
 from dflash_assets.partitions import partition_keys, prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
@@ -186,6 +187,37 @@ def test_storage_roundtrip_errors_and_throttling(s3_target, tmp_path, monkeypatc
     monkeypatch.setattr(store.fs, "pipe_file", throttled)
     store.write_bytes(b"after throttling", "t", "w.bin")
     assert len(calls) == 3 and s3_target.get("t/w.bin") == b"after throttling"
+
+
+def test_a_partitions_prompts_are_read_from_its_row_group_alone(s3_target, tmp_path):
+    """Range runs read the corpus per partition: a 902K-prompt corpus (~750 MB) was fetched whole, 903
+    times, by a run over every partition. Written with a row group per partition, one partition's read
+    fetches its group (ranged GETs) and returns exactly the rows a whole read and a filter give."""
+    from dflash_assets.assets.completions import load_range_prompts
+
+    store = resolved(storage_resource(s3_target, tmp_path)).open()
+    rng = np.random.default_rng(0)
+    words = np.array(["".join(rng.choice(list("abcdefghij"), 6)) for _ in range(2000)])
+    corpus = pl.DataFrame(
+        [{"index": i, "prompt_id": f"p{i}", "source": "s", "messages": [{"role": "user", "content": " ".join(rng.choice(words, 300))}],
+          "content_hash": f"{i:x}", "file": "f.jsonl", "line": i} for i in range(4000)],
+        schema=CORPUS_SCHEMA)
+    store.write_parquet(corpus, *CORPUS_FILE, row_group_size=200)
+    size = store.size(*CORPUS_FILE)
+    assert size > 3_000_000  # random words: zstd cannot shrink it to a few blocks
+
+    s3_target.proxy.bytes_from_upstream = 0
+    one = load_range_prompts(store, ["0000600-0000799"])["0000600-0000799"]
+    fetched = s3_target.proxy.bytes_from_upstream
+    assert one.equals(corpus.filter(pl.col("index").is_between(600, 799)))
+    assert fetched < size / 5, f"{fetched} bytes fetched for 1 of 20 row groups of a {size}-byte file"
+
+    parts = load_range_prompts(store, ["0000000-0000199", "0003800-0003999"])
+    assert parts["0003800-0003999"].equals(corpus.slice(3800, 200)) and parts["0000000-0000199"].equals(corpus.head(200))
+    only = store.read_parquet(*CORPUS_FILE, columns=["line"], index_ranges=[(10, 12), (3999, 5000)])
+    assert only["line"].to_list() == [10, 11, 12, 3999]
+    with pytest.raises(dg.Failure, match="partition 0003900-0004099: the corpus holds 100 of its 200 prompts"):
+        load_range_prompts(store, ["0003900-0004099"])
 
 
 def test_check_reports_missing_bucket(s3_target, tmp_path):

@@ -36,7 +36,14 @@ from dflash_assets.generation.continuation import (
     merge_continuation,
     prefix_text,
 )
-from dflash_assets.generation.records import THINK_OPEN, invalid_reason, no_good_row_message, row_from_result, rows_to_frame
+from dflash_assets.generation.records import (
+    THINK_OPEN,
+    align_to_schema,
+    invalid_reason,
+    no_good_row_message,
+    row_from_result,
+    rows_to_frame,
+)
 from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
@@ -60,26 +67,83 @@ def partition_file(pk: str) -> tuple[str, str]:
 
 
 def load_prompts(storage, pk: str) -> pl.DataFrame:
-    """Corpus rows of partition ``pk``. Raises dagster.Failure when the corpus lacks the range."""
-    first, last = key_range(pk)
-    corpus = storage.read_parquet(*CORPUS_FILE)
-    prompts = corpus.filter(pl.col("index").is_between(first, last))
-    if prompts.height != last - first + 1:
-        raise dg.Failure(
-            f"partition {pk}: the corpus holds {prompts.height} of its {last - first + 1} prompts; "
-            "re-materialize prompt_corpus with the same partition_size, or drop stale partition keys"
-        )
-    return prompts
+    """Corpus rows of partition ``pk`` (only the corpus row groups that hold them are read).
+    Raises dagster.Failure when the corpus lacks the range."""
+    return load_range_prompts(storage, [pk])[pk]
+
+
+def load_range_prompts(storage, keys: list[str]) -> dict[str, pl.DataFrame]:
+    """Corpus rows of each partition in ``keys``, from one read of the row groups that hold them.
+
+    A run over the whole corpus reads it once; a corpus written with a row group per partition
+    (``prompt_corpus`` does) lets a one-partition run read ~1/900 of it. Raises dagster.Failure naming
+    the partition when the corpus lacks part of its range."""
+    ranges = {pk: key_range(pk) for pk in keys}
+    corpus = storage.read_parquet(*CORPUS_FILE, index_ranges=list(ranges.values()))
+    out = {}
+    for pk, (first, last) in ranges.items():
+        prompts = corpus.filter(pl.col("index").is_between(first, last))
+        if prompts.height != last - first + 1:
+            raise dg.Failure(
+                f"partition {pk}: the corpus holds {prompts.height} of its {last - first + 1} prompts; "
+                "re-materialize prompt_corpus with the same partition_size, or drop stale partition keys"
+            )
+        out[pk] = prompts
+    return out
+
+
+#: What deciding whether a stored row is still valid (and whether it can be continued) reads of a
+#: partition table: never its text or token ids, nearly all of its bytes.
+PLAN_COLUMNS = ("index", "error", "settings_fingerprint", "completion_tokens", "finish_reason", "max_output_tokens")
 
 
 def load_existing_rows(storage, pk: str, journal) -> dict[int, dict]:
-    """Rows already made for ``pk``: the last table, overlaid by the journal (later rows win)."""
+    """Rows already made for ``pk``, whole: the last table, overlaid by the journal (later rows win)."""
     rows: dict[int, dict] = {}
     if storage.exists(*partition_file(pk)):
         for row in storage.read_parquet(*partition_file(pk)).iter_rows(named=True):
             rows[row["index"]] = row
     rows.update(journal.load())
     return rows
+
+
+def load_plan_rows(storage, pk: str, journal) -> tuple[dict[int, dict], dict[int, dict]]:
+    """What planning ``pk`` reads: ``(view, journal_rows)``.
+
+    ``view``: index -> the row's :data:`PLAN_COLUMNS` from the last table, overlaid by the journal's
+    whole rows (later rows win); ``journal_rows``: the journal's rows alone, which the table lacks and
+    the commit must write."""
+    view: dict[int, dict] = {}
+    if storage.exists(*partition_file(pk)):
+        for row in storage.read_parquet(*partition_file(pk), columns=PLAN_COLUMNS).iter_rows(named=True):
+            view[row["index"]] = row
+    journal_rows = journal.load()
+    view.update(journal_rows)
+    return view, journal_rows
+
+
+def table_rows(storage, pk: str, indexes: list[int]) -> dict[int, dict]:
+    """Whole rows ``indexes`` of ``pk``'s last table (those it has)."""
+    if not indexes or not storage.exists(*partition_file(pk)):
+        return {}
+    frame = storage.read_parquet(*partition_file(pk)).filter(pl.col("index").is_in(indexes))
+    return {row["index"]: row for row in frame.iter_rows(named=True)}
+
+
+def partition_frame(storage, pk: str, prompts: pl.DataFrame, rows: dict[int, dict]) -> pl.DataFrame:
+    """The table to commit for ``pk``: ``rows`` (journal and this run's, whole) over the last table's
+    rows, one per prompt of the partition, sorted by index. Equal, value for value and so byte for
+    byte once written, to :func:`rows_to_frame` of every row as dicts; only one partition's text is
+    in memory at a time."""
+    indexes = prompts["index"].to_list()
+    new = rows_to_frame([rows[i] for i in indexes if i in rows])
+    if not storage.exists(*partition_file(pk)):
+        return new
+    old = storage.read_parquet(*partition_file(pk)).filter(
+        pl.col("index").is_in(indexes) & ~pl.col("index").is_in(list(rows)))
+    if old.is_empty():
+        return new
+    return pl.concat([align_to_schema(old), new]).sort("index").rechunk()
 
 
 def plan_requests(prompts: pl.DataFrame, existing: dict[int, dict], settings: GenerationSettings) -> tuple[list[dict], Counter]:
@@ -120,7 +184,9 @@ def completion_stats(frame: pl.DataFrame) -> dict:
 
 @dataclass
 class _Partition:
-    """One partition of the run: its prompts, rows so far, and what is still out."""
+    """One partition of the run: its prompts, rows so far, and what is still out. ``existing``: index ->
+    whole row for what its last table lacks or will lose (journal rows, cut rows being continued,
+    this run's rows); the table's other rows are read again only at commit."""
 
     pk: str
     prompts: pl.DataFrame
@@ -129,6 +195,7 @@ class _Partition:
     todo: list
     reasons: Counter
     remaining: int = 0
+    resumed: int = 0  # valid rows taken from the journal an interrupted run left (not requested again)
     first_sent: float | None = None
     by_index: dict = field(default_factory=dict)
 
@@ -169,8 +236,7 @@ def completions(
     run = _RangeRun(context, store, settings, keys)
     parts = []
     try:
-        for pk in keys:
-            prompts = load_prompts(store, pk)
+        for pk, prompts in load_range_prompts(store, keys).items():
             journal = storage.open_journal("completions", f"{pk}.journal.jsonl")
             parts.append(run.plan(pk, prompts, journal))
         for part in parts:
@@ -226,13 +292,18 @@ class _RangeRun:
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
 
     def plan(self, pk: str, prompts: pl.DataFrame, journal) -> _Partition:
-        existing = load_existing_rows(self.store, pk, journal)
-        todo, reasons = plan_requests(prompts, existing, self.settings)
+        view, existing = load_plan_rows(self.store, pk, journal)
+        todo, reasons = plan_requests(prompts, view, self.settings)
+        # the text of a cut row is read only when it may be continued; every other stored row stays on disk
+        cut = [p["index"] for p in todo if p["index"] not in existing and continuable(view.get(p["index"]), self.settings, check_text=False)]
+        existing.update(table_rows(self.store, pk, cut))
+        requested = {p["index"] for p in todo}
         part = _Partition(pk, prompts, journal, existing, todo, reasons, remaining=len(todo),
-                          by_index={p["index"]: p for p in todo})
+                          resumed=sum(1 for i in existing if i not in requested), by_index={p["index"]: p for p in todo})
         self.rows_total += len(todo)
         self.context.log.info(
             f"{pk}: {prompts.height} prompts, {len(todo)} to request {dict(reasons)}, cap {self.settings.max_output_tokens}"
+            + (f"; {part.resumed} rows kept from the journal of an interrupted run" if part.resumed else "")
         )
         return part
 
@@ -424,8 +495,8 @@ class _RangeRun:
         a one-partition run. A partition none of whose rows succeeded yields nothing: it is noted in
         ``no_good_row`` and the run fails at its end, the journal kept."""
         prompts, pk = part.prompts, part.pk
-        frame = rows_to_frame([part.existing[i] for i in prompts["index"].to_list() if i in part.existing])
-        if (message := no_good_row_message(frame.to_dicts(), pk)) is not None:
+        frame = partition_frame(self.store, pk, prompts, part.existing)
+        if (message := no_good_row_message(frame.select("index", "error").to_dicts(), pk)) is not None:
             self.context.log.error(message)
             self.no_good_row[pk] = message
             return
@@ -446,12 +517,15 @@ class _RangeRun:
             "requested": len(part.todo),
             "request_reasons": dict(part.reasons),
             "carried_over": prompts.height - len(part.todo),
+            "resumed_from_journal": part.resumed,
             "wall_s": round(wall, 2),
             "output_tok_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
             "req_per_s": round(len(rows) / wall, 2) if wall > 0 else 0.0,
             "servers": dict(Counter(r.get("server") for r in rows)),
             "continued": len(continued),
             "continued_tokens_reused": sum(r["continued_from_tokens"] for r in continued),
+            # this run's and earlier runs' (one killed mid-raise, say): the table's own count
+            "continued_in_table": int((frame["continued_from_tokens"] > 0).sum()),
             "output_tokens_generated": tokens,
             "max_output_tokens": self.settings.max_output_tokens,
             "settings": self.settings.model_dump(),

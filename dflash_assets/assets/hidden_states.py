@@ -1,7 +1,6 @@
 """Stage 5: ``hidden_states[pk]``: target-layer features for every tokenized sequence, sharded, resumable."""
 
 import hashlib
-import io
 import json
 import os
 import time
@@ -39,10 +38,8 @@ class HiddenStatesConfig(dg.Config):
 
 
 def corpus_indexes(store) -> list[int]:
-    """Every prompt index of the corpus (only the ``index`` column is decoded)."""
-    import pyarrow.parquet as pq
-
-    return pq.read_table(io.BytesIO(store.read_bytes(*CORPUS_FILE)), columns=["index"]).column("index").to_pylist()
+    """Every prompt index of the corpus (only the ``index`` column chunks are read)."""
+    return store.read_parquet(*CORPUS_FILE, columns=["index"])["index"].to_list()
 
 
 def storage_plan(

@@ -80,7 +80,8 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig,
     corpus = result.corpus
     if config.max_prompts is not None and corpus.height > config.max_prompts:
         corpus = corpus.head(config.max_prompts)
-    corpus_uri = store.write_parquet(corpus, *CORPUS_FILE)
+    # a row group per partition: a partition's run reads its own prompts, not the whole corpus
+    corpus_uri = store.write_parquet(corpus, *CORPUS_FILE, row_group_size=config.partition_size)
     store.write_parquet(result.rejected, *REJECTED_FILE)
 
     keys = partition_keys(corpus.height, config.partition_size)

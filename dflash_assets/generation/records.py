@@ -146,6 +146,15 @@ def rows_to_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=COMPLETIONS_SCHEMA).with_columns(pl.col("continued_from_tokens").fill_null(0))
 
 
+def align_to_schema(frame: pl.DataFrame) -> pl.DataFrame:
+    """A stored completions table with exactly COMPLETIONS_SCHEMA's columns, in its order and types:
+    columns an older table lacks are null (``continued_from_tokens`` 0, as :func:`rows_to_frame`
+    reads them), columns the schema no longer has are dropped."""
+    columns = [pl.col(name).cast(dtype) if name in frame.columns else pl.lit(None, dtype).alias(name)
+               for name, dtype in COMPLETIONS_SCHEMA.items()]
+    return frame.select(columns).with_columns(pl.col("continued_from_tokens").fill_null(0))
+
+
 def no_good_row_message(rows: list[dict[str, Any]], pk: str, quote: int = 3) -> str | None:
     """The failure message for a partition none of whose rows succeeded, or None when one did (or none exist).
 
