@@ -97,10 +97,6 @@ def latest_metadata_by_partition(instance: dg.DagsterInstance, asset_name: str, 
     return {pk: plain_metadata(r) for pk, r in latest_records(instance, dg.AssetKey(asset_name), list(keys)).items()}
 
 
-#: Columns :func:`~dflash_assets.generation.records.invalid_reason` reads.
-VALIDITY_COLUMNS = ("error", "settings_fingerprint", "completion_tokens", "finish_reason", "max_output_tokens")
-
-
 def invalid_rows(store, pk: str, settings, continues: bool = False) -> tuple[Counter, int, Counter]:
     """``(reasons, tokens, continued)``: rows of completions partition ``pk`` that ``settings`` regenerate,
     counted by :func:`~dflash_assets.generation.records.invalid_reason`; the current completion tokens
@@ -108,7 +104,7 @@ def invalid_rows(store, pk: str, settings, continues: bool = False) -> tuple[Cou
     :mod:`~dflash_assets.generation.continuation`), the rows to be continued counted by their cap."""
     from dflash_assets.assets.completions import partition_file
     from dflash_assets.generation.continuation import continuable
-    from dflash_assets.generation.records import invalid_reason
+    from dflash_assets.generation.records import VALIDITY_COLUMNS, invalid_reason
     from dflash_assets.truncation import read_report_columns
 
     frame = read_report_columns(store, *partition_file(pk), columns=VALIDITY_COLUMNS)

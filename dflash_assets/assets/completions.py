@@ -38,6 +38,7 @@ from dflash_assets.generation.continuation import (
 )
 from dflash_assets.generation.records import (
     THINK_OPEN,
+    VALIDITY_COLUMNS,
     align_to_schema,
     invalid_reason,
     no_good_row_message,
@@ -92,9 +93,9 @@ def load_range_prompts(storage, keys: list[str]) -> dict[str, pl.DataFrame]:
     return out
 
 
-#: What deciding whether a stored row is still valid (and whether it can be continued) reads of a
-#: partition table: never its text or token ids, nearly all of its bytes.
-PLAN_COLUMNS = ("index", "error", "settings_fingerprint", "completion_tokens", "finish_reason", "max_output_tokens")
+#: What planning reads of a stored partition table (whether each row is still valid, and whether it
+#: can be continued): never its text or token ids, nearly all of its bytes.
+PLAN_COLUMNS = ("index", *VALIDITY_COLUMNS)
 
 
 def load_existing_rows(storage, pk: str, journal) -> dict[int, dict]:

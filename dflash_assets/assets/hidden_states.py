@@ -12,13 +12,12 @@ from pydantic import Field
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.assets.tokenized import tokenized_file
 from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, file_sha256, read_shard
-from dflash_assets.automation import latest_metadata
 from dflash_assets.dflash.target_features import bytes_per_token, default_target_layer_ids
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.status import GPU_POOL
+from dflash_assets.status import GPU_POOL, latest_metadata_by_partition
 
 CHECK_IDS = "stored_input_ids_match_tokenized"
 CHECK_FINITE = "hidden_states_finite"
@@ -57,12 +56,11 @@ def storage_plan(
     ``exact`` excluded: they are being rewritten), free space at the local root or scratch."""
     keys = instance.get_dynamic_partitions(prompt_ranges.name)
     exact = exact or {}
-    partitions = {pk: latest_metadata(instance, dg.AssetKey("tokenized_sequences"), pk) or {} for pk in keys}
-    stored = {}
-    for pk in keys:
-        if pk not in exact:
-            meta = latest_metadata(instance, dg.AssetKey("hidden_states"), pk) or {}
-            stored[pk] = int(meta.get("bytes") or 0)
+    # two instance queries per asset whatever the partition count (a run per partition would make ~1,800 at 903)
+    tokenized = latest_metadata_by_partition(instance, "tokenized_sequences", keys)
+    partitions = {pk: tokenized.get(pk, {}) for pk in keys}
+    hidden = latest_metadata_by_partition(instance, "hidden_states", [pk for pk in keys if pk not in exact])
+    stored = {pk: int(hidden.get(pk, {}).get("bytes") or 0) for pk in keys if pk not in exact}
     model_dir = target_model.resolved_path()
     layer_ids, hidden = target_shape(model_dir, config.target_layer_ids or None)
     budget = int(config.storage_budget_gb * 1e9) if config.storage_budget_gb else None

@@ -115,6 +115,10 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
     }
 
 
+#: The columns :func:`invalid_reason` reads: deciding a stored row's validity never needs its text.
+VALIDITY_COLUMNS = ("error", "settings_fingerprint", "completion_tokens", "finish_reason", "max_output_tokens")
+
+
 def invalid_reason(row: dict[str, Any], settings: GenerationSettings) -> str | None:
     """Why ``row`` must be regenerated under ``settings``, or None when it stays valid.
 
