@@ -97,26 +97,30 @@ def latest_metadata_by_partition(instance: dg.DagsterInstance, asset_name: str, 
     return {pk: plain_metadata(r) for pk, r in latest_records(instance, dg.AssetKey(asset_name), list(keys)).items()}
 
 
-def invalid_rows(store, pk: str, settings, continues: bool = False) -> tuple[Counter, int, Counter]:
-    """``(reasons, tokens, continued)``: rows of completions partition ``pk`` that ``settings`` regenerate,
-    counted by :func:`~dflash_assets.generation.records.invalid_reason`; the current completion tokens
-    of those regenerated whole; and, when ``continues`` (the servers continue cut rows, see
-    :mod:`~dflash_assets.generation.continuation`), the rows to be continued counted by their cap."""
+def invalid_rows(store, pk: str, settings, continues: bool = False) -> tuple[Counter, int, Counter, int]:
+    """``(reasons, tokens, continued, cut)``: rows of completions partition ``pk`` that ``settings``
+    regenerate, counted by :func:`~dflash_assets.generation.records.invalid_reason`; the current
+    completion tokens of those regenerated whole; when ``continues`` (the servers continue cut rows, see
+    :mod:`~dflash_assets.generation.continuation`), the rows to be continued counted by their cap; and
+    the rows longer than a lowered cap, which the run cuts to it locally
+    (:mod:`~dflash_assets.generation.cap_cut`: no request, no token generated)."""
     from dflash_assets.assets.completions import partition_file
     from dflash_assets.generation.continuation import continuable
     from dflash_assets.generation.records import VALIDITY_COLUMNS, invalid_reason
     from dflash_assets.truncation import read_report_columns
 
     frame = read_report_columns(store, *partition_file(pk), columns=VALIDITY_COLUMNS)
-    reasons, tokens, continued = Counter(), 0, Counter()
+    reasons, tokens, continued, cut = Counter(), 0, Counter(), 0
     for row in frame.iter_rows(named=True):
         if (reason := invalid_reason(row, settings)) is not None:
             reasons[reason] += 1
-            if continues and continuable(row, settings, check_text=False):
+            if reason == "cap lowered":
+                cut += 1
+            elif continues and continuable(row, settings, check_text=False):
                 continued[int(row["max_output_tokens"])] += 1
             else:
                 tokens += row.get("completion_tokens") or 0
-    return reasons, tokens, continued
+    return reasons, tokens, continued, cut
 
 
 def continuation_tokens(report: dict | None, continued: Counter, new_cap: int) -> float | None:
@@ -204,8 +208,9 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
       ``tokens_per_s`` and ``requests_per_s`` (over generation_s; None when no time was recorded),
       ``tokens_remaining_est`` (tokens; a remaining prompt at the mean tokens per done row, a row to
       regenerate at no less than its current length, a row to continue at
-      :func:`continuation_tokens`; None without a done row), ``regenerate["continued"]`` (rows to be
-      continued) and ``eta_s`` =
+      :func:`continuation_tokens`, a row longer than a lowered cap at 0; None without a done row),
+      ``regenerate["continued"]`` (rows to be continued), ``regenerate["cut_locally"]`` (rows to be cut to
+      a lowered cap, no request) and ``eta_s`` =
       tokens_remaining_est / tokens_per_s (seconds; None when either is unknown).
     """
     from dflash_assets.automation import affected_reason, latest_records, plain_metadata
@@ -222,21 +227,22 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
     generation_s, tokens_generated, requests = generation_time(records, meta)
     mean_tokens = tokens_done / sum(rows_of.values()) if sum(rows_of.values()) else None
 
-    regen, regen_parts, regen_tokens, to_continue = Counter(), [], 0.0, Counter()
+    regen, regen_parts, regen_tokens, to_continue, to_cut = Counter(), [], 0.0, Counter(), 0
     if settings is not None:
         for pk in done:
             if pk not in meta or affected_reason(meta[pk], settings) is None:
                 continue
             if store is None:
-                reasons, tokens, continued = Counter({affected_reason(meta[pk], settings): rows_of[pk]}), 0, Counter()
+                reasons, tokens, continued, cut = Counter({affected_reason(meta[pk], settings): rows_of[pk]}), 0, Counter(), 0
             else:
-                reasons, tokens, continued = invalid_rows(store, pk, settings, continues)
+                reasons, tokens, continued, cut = invalid_rows(store, pk, settings, continues)
             if reasons:
                 regen.update(reasons)
                 regen_parts.append(pk)
-                n = sum(reasons.values()) - sum(continued.values())
+                n = sum(reasons.values()) - sum(continued.values()) - cut
                 regen_tokens += max(tokens, n * (mean_tokens or 0.0))
                 to_continue.update(continued)
+                to_cut += cut
     if to_continue:
         from dflash_assets.assets.truncation import REPORT_DIR
 
@@ -277,7 +283,7 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
             "requests_per_s": requests_per_s,
             "rows_remaining": rows_remaining,
             "regenerate": {"rows": regen_rows, "partitions": regen_parts, "by_reason": dict(sorted(regen.items())),
-                           "continued": sum(to_continue.values())},
+                           "continued": sum(to_continue.values()), "cut_locally": to_cut},
             "cap": settings.max_output_tokens if settings is not None else None,
             "tokens_remaining_est": tokens_remaining,
             "eta_s": eta_s,
@@ -320,7 +326,9 @@ def format_status(status: dict) -> str:
     if regen.get("rows"):
         reasons = ", ".join(f"{k}: {v}" for k, v in regen["by_reason"].items())
         lines.append(f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} partitions ({reasons})"
-                     + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else ""))
+                     + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else "")
+                     + (f"; {regen['cut_locally']} of them cut to the lower cap from their own tokens, no request "
+                        "(where their text encodes to their token count)" if regen.get("cut_locally") else ""))
     for run in status.get("runs_in_progress", []):
         eta = run["eta_s"] if run["eta_s"] is not None and run["eta_s"] >= 0 else None
         lines.append(

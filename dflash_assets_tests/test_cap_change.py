@@ -55,8 +55,11 @@ def before_prompt(row: dict) -> str:
     return _PROMPT_OF_INDEX[row["index"]]
 
 
-def check_change(before: Snapshot, change: CapChange, touched: dict[str, list[dict]], reason: str) -> None:
-    """Shared assertions for one cap change; ``touched`` = rows (by partition) that must be regenerated."""
+def check_change(before: Snapshot, change: CapChange, touched: dict[str, list[dict]], reason: str,
+                 requested: Counter | None = None, probes: int | None = None) -> None:
+    """Shared assertions for one cap change; ``touched`` = rows (by partition) that must be regenerated
+    (``requested``/``probes``: what reached the server, when not one request per touched row and one
+    readiness probe per partition run)."""
     after = change.after
     affected = sorted(pk for pk, rows in touched.items() if rows)
     untouched = sorted(set(before.rows) - set(affected))
@@ -65,9 +68,9 @@ def check_change(before: Snapshot, change: CapChange, touched: dict[str, list[di
     assert sorted(pk for rr in change.run_requests for pk in request_partitions(rr, sorted(before.rows))) == affected
     assert {rr.tags["dflash/reason"] for rr in change.run_requests} == {reason}
     # one request per touched row, for exactly those prompts; one readiness probe per partition run
-    expected = Counter(before_prompt(r) for rows in touched.values() for r in rows)
+    expected = Counter(before_prompt(r) for rows in touched.values() for r in rows) if requested is None else requested
     assert change.requested == expected
-    assert change.probes == len(affected)
+    assert change.probes == (len(affected) if probes is None else probes)
     for pk in before.rows:
         regenerated = {r["index"] for r in touched[pk]}
         old = {r["index"]: r for r in before.rows[pk]}
@@ -110,13 +113,33 @@ def test_raising_the_cap_requests_only_truncated_rows(scenario):
 
 
 @pytest.mark.slow
-def test_lowering_the_cap_requests_only_rows_longer_than_it(scenario):
+def test_lowering_the_cap_cuts_the_rows_longer_than_it_from_their_own_tokens(scenario, local_server):
+    """A request capped at C draws its first C tokens as an uncapped one does, so a row longer than a
+    lowered cap is cut to it locally, no request. Greedy decoding makes the check exact: each cut row
+    must be what the server itself answers at the lower cap, asked here directly."""
+    import httpx
+
+    from dflash_assets.generation.client import parse_chat_completion
+
     raised, lower = scenario.changes[0].after, scenario.changes[1]
     assert lower.new_cap == CAP_LOWERED
     touched = raised.longer_than(CAP_LOWERED)
-    check_change(raised, lower, touched, "cap lowered")
-    # the quick answers stay (they stop within the lower cap), so lowering is not a full re-run either
-    assert 0 < sum(lower.requested.values()) < len(PROMPTS)
+    after = {r["index"]: r for rows in lower.after.rows.values() for r in rows}
+    cut = {i for rows in touched.values() for i in (r["index"] for r in rows) if after[i]["cut_from_tokens"]}
+    assert len(cut) >= 2, "the scenario must cut rows locally"
+    not_cut = Counter(before_prompt(r) for rows in touched.values() for r in rows if r["index"] not in cut)
+    # untouched partitions and rows as before; the rows that could not be cut were requested, nothing else
+    check_change(raised, lower, touched, "cap lowered", requested=not_cut,
+                 probes=sum(1 for rows in touched.values() if any(r["index"] not in cut for r in rows)))
+    settings = GenerationResource(max_output_tokens=CAP_LOWERED, temperature=0.0).settings()
+    for i in sorted(cut):
+        row, old = after[i], next(r for rows in touched.values() for r in rows if r["index"] == i)
+        assert row["cut_from_tokens"] == old["completion_tokens"] and row["finish_reason"] == "length"
+        assert row["completion_tokens"] == row["max_output_tokens"] == CAP_LOWERED and row["latency_s"] == old["latency_s"]
+        body = local_server.pool().adapt_body(settings.request_body(local_server.model_name, [{"role": "user", "content": PROMPTS[i]}]))
+        reply = parse_chat_completion(httpx.post(f"{local_server.base_url}/chat/completions", json=body, timeout=120).json())
+        assert (reply["finish_reason"], reply["completion_tokens"]) == ("length", CAP_LOWERED)
+        assert row["content"] == reply["content"] and row["reasoning_content"] is None, (row, reply)
 
 
 @pytest.mark.slow

@@ -92,7 +92,7 @@ def status_output(tmp: Path, home: Path, store_root: Path, cap: int) -> str:
 
 
 def regenerate_line(text: str) -> tuple[int, int, dict[str, int]] | None:
-    m = re.search(r"to regenerate under the current settings: (\d+) rows in (\d+) partitions \((.*)\)", text)
+    m = re.search(r"to regenerate under the current settings: (\d+) rows in (\d+) partitions \(([^)]*)\)", text)
     if not m:
         return None
     reasons = dict((k, int(v)) for k, v in (part.split(": ") for part in m.group(3).split(", ")))
@@ -124,6 +124,8 @@ def test_status_shows_the_rows_a_cap_lowering_regenerates(project):
     lowered = status_output(tmp, home, store_root, 7)
     assert regenerate_line(lowered) == (longer + 1, 3, {"cap lowered": longer, "error": 1})
     assert remaining(lowered) == longer + 1
+    # a run cuts those rows to the lower cap from their own tokens: no request, nothing to generate
+    assert f"{longer} of them cut to the lower cap from their own tokens, no request" in lowered
 
 
 def test_status_counts_rows_to_be_continued_at_what_their_continuation_makes(project, tmp_path):

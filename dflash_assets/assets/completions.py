@@ -28,6 +28,7 @@ import dagster as dg
 import polars as pl
 
 from dflash_assets.assets.prompts import CORPUS_FILE
+from dflash_assets.generation.cap_cut import cut_to_cap
 from dflash_assets.generation.client import TooManyFailuresError
 from dflash_assets.generation.continuation import (
     NOT_CONTINUED,
@@ -239,7 +240,7 @@ def completions(
     try:
         for pk, prompts in load_range_prompts(store, keys).items():
             journal = storage.open_journal("completions", f"{pk}.journal.jsonl")
-            parts.append(run.plan(pk, prompts, journal))
+            parts.append(run.plan(pk, prompts, journal, inference))
         for part in parts:
             if not part.todo:
                 yield from run.commit_or_keep(part)
@@ -291,22 +292,76 @@ class _RangeRun:
         self.capacity = 0
         self.continuing = 0  # rows this run continues rather than regenerates
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
+        self.cut = 0  # rows cut locally to a lowered cap
+        self._builder = None  # the target tokenizer's SequenceBuilder (False: it did not load)
 
-    def plan(self, pk: str, prompts: pl.DataFrame, journal) -> _Partition:
+    def plan(self, pk: str, prompts: pl.DataFrame, journal, inference: InferenceServerResource) -> _Partition:
         view, existing = load_plan_rows(self.store, pk, journal)
         todo, reasons = plan_requests(prompts, view, self.settings)
+        if reasons.get("cap lowered"):
+            todo, cut = self.cut_locally(pk, todo, view, existing, journal, inference)
+            if cut:
+                reasons["cap lowered"] -= cut
+                reasons = Counter({k: v for k, v in reasons.items() if v})
         # the text of a cut row is read only when it may be continued; every other stored row stays on disk
         cut = [p["index"] for p in todo if p["index"] not in existing and continuable(view.get(p["index"]), self.settings, check_text=False)]
         existing.update(table_rows(self.store, pk, cut))
         requested = {p["index"] for p in todo}
         part = _Partition(pk, prompts, journal, existing, todo, reasons, remaining=len(todo),
-                          resumed=sum(1 for i in existing if i not in requested), by_index={p["index"]: p for p in todo})
+                          resumed=sum(1 for i in existing if i not in requested and not existing[i].get("cut_from_tokens")),
+                          by_index={p["index"]: p for p in todo})
         self.rows_total += len(todo)
         self.context.log.info(
             f"{pk}: {prompts.height} prompts, {len(todo)} to request {dict(reasons)}, cap {self.settings.max_output_tokens}"
             + (f"; {part.resumed} rows kept from the journal of an interrupted run" if part.resumed else "")
         )
         return part
+
+    def cut_locally(self, pk: str, todo: list[dict], view: dict[int, dict], existing: dict[int, dict], journal,
+                    inference: InferenceServerResource) -> tuple[list[dict], int]:
+        """Rows longer than a lowered cap, cut to their first cap tokens here instead of requested again
+        (:mod:`dflash_assets.generation.cap_cut`); the cut rows go to the journal at once (durable, and
+        the commit writes them). Returns the prompts still to request and how many rows were cut. Rows
+        that cannot be cut (no tokenizer, tokens that do not match the text) stay to be requested."""
+        lowered = [p for p in todo if invalid_reason(view[p["index"]], self.settings) == "cap lowered"]
+        builder = self.target_builder(inference)
+        if builder is None:
+            return todo, 0
+        whole = {**table_rows(self.store, pk, [p["index"] for p in lowered if p["index"] not in existing]), **existing}
+        cut, why_not = {}, Counter()
+        for p in lowered:
+            row, reason = cut_to_cap(whole[p["index"]], p["messages"], self.settings, builder)
+            if row is None:
+                why_not[reason] += 1
+            else:
+                cut[p["index"]] = row
+        if cut:
+            journal.append_many(list(cut.values()))
+            existing.update(cut)
+        self.cut += len(cut)
+        self.context.log.info(
+            f"{pk}: {len(cut)} of {len(lowered)} rows longer than the lowered cap {self.settings.max_output_tokens} "
+            "cut to it from their own tokens (no request)"
+            + (f"; requested again: {dict(why_not)}" if why_not else ""))
+        return [p for p in todo if p["index"] not in cut], len(cut)
+
+    def target_builder(self, inference: InferenceServerResource):
+        """A SequenceBuilder on the target's tokenizer, loaded once per run; None (a warning, once) when it
+        does not load: rows are then requested again instead of cut."""
+        if self._builder is None:
+            try:
+                from transformers import AutoTokenizer
+
+                from dflash_assets.tokenization import SequenceBuilder
+
+                path = str(inference.tokenizer_path())
+                self._builder = SequenceBuilder(AutoTokenizer.from_pretrained(path, local_files_only=True))
+            except Exception as exc:  # noqa: BLE001 - any failure means: request those rows again, and say why
+                self._builder = False
+                self.context.log.warning(
+                    f"rows longer than the lowered cap are requested again, not cut locally: the target's tokenizer "
+                    f"did not load from the configured path ({type(exc).__name__}: {str(exc)[:200]})")
+        return self._builder or None
 
     def commit_or_keep(self, part: _Partition):
         """A partition with nothing to request: in a range run, an unchanged table whose latest
@@ -527,6 +582,8 @@ class _RangeRun:
             "continued_tokens_reused": sum(r["continued_from_tokens"] for r in continued),
             # this run's and earlier runs' (one killed mid-raise, say): the table's own count
             "continued_in_table": int((frame["continued_from_tokens"] > 0).sum()),
+            "cut_to_lowered_cap": sum(1 for i in prompts["index"].to_list() if (part.existing.get(i) or {}).get("cut_from_tokens")
+                                      and i not in part.by_index),
             "output_tokens_generated": tokens,
             "max_output_tokens": self.settings.max_output_tokens,
             "settings": self.settings.model_dump(),

@@ -37,7 +37,11 @@ COMPLETIONS_SCHEMA = {
     "error": pl.String,
     # tokens of this row written by an earlier request and continued after a cap raise (0: one request)
     "continued_from_tokens": pl.Int64,
+    # tokens this row had before a lower cap cut it locally to its first max_output_tokens (0: not cut)
+    "cut_from_tokens": pl.Int64,
 }
+#: Counts that rows made before the column existed read as 0.
+_ZERO_IF_MISSING = ("continued_from_tokens", "cut_from_tokens")
 
 
 def split_reasoning(content: str | None, reasoning_content: str | None) -> tuple[str | None, str, bool]:
@@ -112,6 +116,7 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
         "attempts": int(result.attempts),
         "error": result.error,
         "continued_from_tokens": 0,
+        "cut_from_tokens": 0,
     }
 
 
@@ -147,16 +152,16 @@ def rows_to_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
     if not rows:
         return pl.DataFrame(schema=COMPLETIONS_SCHEMA)
     # rows made before the column existed were made by one request
-    return pl.DataFrame(rows, schema=COMPLETIONS_SCHEMA).with_columns(pl.col("continued_from_tokens").fill_null(0))
+    return pl.DataFrame(rows, schema=COMPLETIONS_SCHEMA).with_columns(pl.col(c).fill_null(0) for c in _ZERO_IF_MISSING)
 
 
 def align_to_schema(frame: pl.DataFrame) -> pl.DataFrame:
     """A stored completions table with exactly COMPLETIONS_SCHEMA's columns, in its order and types:
-    columns an older table lacks are null (``continued_from_tokens`` 0, as :func:`rows_to_frame`
-    reads them), columns the schema no longer has are dropped."""
+    columns an older table lacks are null (``continued_from_tokens``, ``cut_from_tokens`` 0, as
+    :func:`rows_to_frame` reads them), columns the schema no longer has are dropped."""
     columns = [pl.col(name).cast(dtype) if name in frame.columns else pl.lit(None, dtype).alias(name)
                for name, dtype in COMPLETIONS_SCHEMA.items()]
-    return frame.select(columns).with_columns(pl.col("continued_from_tokens").fill_null(0))
+    return frame.select(columns).with_columns(pl.col(c).fill_null(0) for c in _ZERO_IF_MISSING)
 
 
 def no_good_row_message(rows: list[dict[str, Any]], pk: str, quote: int = 3) -> str | None:
