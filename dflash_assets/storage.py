@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -298,11 +299,7 @@ class Storage:
 
         frame = pl.from_arrow(self.call("get", parts, read))
         if index_ranges is not None:
-            index = pl.col("index")
-            keep = pl.lit(False)
-            for first, last in index_ranges:
-                keep = keep | index.is_between(first, last)
-            frame = frame.filter(keep)
+            frame = frame.filter(pl.Series(in_ranges(frame["index"].to_numpy(), index_ranges)))
             if columns is not None and "index" not in columns:
                 frame = frame.drop("index")
         return frame
@@ -314,17 +311,42 @@ class Storage:
         return self.write_bytes(parquet_bytes(df, row_group_size), *parts)
 
 
+def merged_ranges(ranges: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Inclusive integer ``ranges`` merged where they overlap or touch, as sorted ``(firsts, lasts)``
+    arrays: a run over every partition is one range, however many partitions it has."""
+    firsts, lasts = [], []
+    for first, last in sorted(ranges):
+        if firsts and first <= lasts[-1] + 1:
+            lasts[-1] = max(lasts[-1], last)
+        else:
+            firsts.append(first)
+            lasts.append(last)
+    return np.asarray(firsts, dtype=np.int64), np.asarray(lasts, dtype=np.int64)
+
+
+def in_ranges(values: np.ndarray, ranges: list[tuple[int, int]]) -> np.ndarray:
+    """Boolean mask of ``values`` inside one of the inclusive ``ranges`` (O(n log ranges))."""
+    firsts, lasts = merged_ranges(ranges)
+    if not len(firsts):
+        return np.zeros(len(values), dtype=bool)
+    at = np.searchsorted(firsts, values, side="right") - 1
+    return (at >= 0) & (values <= lasts[np.maximum(at, 0)])
+
+
 def row_groups_overlapping(metadata: pq.FileMetaData, column: str, ranges: list[tuple[int, int]]) -> list[int]:
     """Row groups of a Parquet file whose min/max statistics of integer ``column`` overlap one of the
     inclusive ``ranges``; a group without statistics is always included (it may hold such rows)."""
     # leaf columns, not arrow fields: a nested column before it (messages) takes several leaf positions
     position = next((j for j in range(metadata.num_columns) if metadata.schema.column(j).path == column), -1)
+    firsts, lasts = merged_ranges(ranges)
     groups = []
     for g in range(metadata.num_row_groups):
         stats = metadata.row_group(g).column(position).statistics if position >= 0 else None
         if stats is None or not stats.has_min_max:
             groups.append(g)
-        elif any(first <= stats.max and stats.min <= last for first, last in ranges):
+            continue
+        at = int(np.searchsorted(firsts, stats.max, side="right")) - 1  # the last range starting at or before max
+        if at >= 0 and lasts[at] >= stats.min:
             groups.append(g)
     return groups
 

@@ -433,3 +433,32 @@ def test_commit_overlays_new_rows_on_the_stored_table_and_writes_what_whole_rows
     assert frame["continued_from_tokens"].to_list() == [0, 0, 0, 64, 0, 0, 0, 0, 0, 0]
     # a prompt dropped from the partition's range is not written back
     assert partition_frame(store, "0000100-0000109", prompts.head(5), new)["index"].to_list() == [100, 101, 102, 103, 104]
+
+
+def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
+    """A journal row outside its partition's prompts (a corpus re-cut, a stray write) is not written to the
+    table, so it must not count as resumed either: 5 such rows read as 'resumed 5' (review)."""
+    import logging
+    from types import SimpleNamespace
+
+    from dflash_assets.assets.completions import _RangeRun
+    from dflash_assets.settings import GenerationSettings
+    from dflash_assets.storage import Storage
+
+    settings = GenerationSettings(max_output_tokens=64)
+
+    def row(i: int) -> dict:
+        return {"index": i, "prompt_id": f"p{i}", "source": "s", "reasoning_content": None, "content": "ok",
+                "finish_reason": "stop", "prompt_tokens": 5, "completion_tokens": 3, "output_token_ids": None,
+                "truncated_in_reasoning": False, "empty_answer": False, "max_output_tokens": 64,
+                "settings_fingerprint": settings.sampling_fingerprint(), "settings": settings.settings_json,
+                "latency_s": 0.1, "server": "s0", "attempts": 1, "error": None}
+
+    journal = RowJournal(tmp_path / "j.jsonl")
+    journal.append_many([row(i) for i in (2, 3, 100, 101, 102)])  # 2 of the partition's, 3 strays
+    prompts = pl.DataFrame({"index": list(range(10)), "prompt_id": [f"p{i}" for i in range(10)],
+                            "source": ["s"] * 10, "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(10)]})
+    context = SimpleNamespace(log=logging.getLogger("test"))
+    run = _RangeRun(context, Storage(str(tmp_path)), settings, ["0000000-0000009"])
+    part = run.plan("0000000-0000009", prompts, journal, InferenceServerResource(mode="external", base_urls=["http://127.0.0.1:9/v1"]))
+    assert part.resumed == 2 and len(part.todo) == 8

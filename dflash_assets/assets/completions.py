@@ -306,9 +306,9 @@ class _RangeRun:
         # the text of a cut row is read only when it may be continued; every other stored row stays on disk
         cut = [p["index"] for p in todo if p["index"] not in existing and continuable(view.get(p["index"]), self.settings, check_text=False)]
         existing.update(table_rows(self.store, pk, cut))
-        requested = {p["index"] for p in todo}
+        kept = set(prompts["index"].to_list()) - {p["index"] for p in todo}  # a journal may hold stray rows
         part = _Partition(pk, prompts, journal, existing, todo, reasons, remaining=len(todo),
-                          resumed=sum(1 for i in existing if i not in requested and not existing[i].get("cut_from_tokens")),
+                          resumed=sum(1 for i in kept if i in existing and not existing[i].get("cut_from_tokens")),
                           by_index={p["index"]: p for p in todo})
         self.rows_total += len(todo)
         self.context.log.info(
