@@ -31,11 +31,13 @@ from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.generation.cap_cut import cut_to_cap
 from dflash_assets.generation.client import TooManyFailuresError
 from dflash_assets.generation.continuation import (
+    FIRST_CONTINUING_SGLANG,
     NOT_CONTINUED,
     continuable,
     continuation_body,
     merge_continuation,
     prefix_text,
+    sglang_predates_continuation,
 )
 from dflash_assets.generation.records import (
     THINK_OPEN,
@@ -61,6 +63,16 @@ from dagster._core.definitions.data_version import (  # the tags Dagster itself 
 )
 
 PROGRESS_EVERY_S = 5.0
+
+
+def installed_version(package: str) -> str | None:
+    """``package``'s installed version in this interpreter, or None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def partition_file(pk: str) -> tuple[str, str]:
@@ -524,6 +536,11 @@ class _RangeRun:
             why_not = "inference.continue_truncated is false"
         elif inference.backend() != "sglang":
             why_not = f"continue_final_message is SGLang's and these servers are {inference.backend()!r}"
+        elif inference.mode == "sglang" and inference.launch_module.startswith("sglang.") and sglang_predates_continuation(
+                installed := installed_version("sglang")):
+            # the servers run with this interpreter, so its SGLang is theirs
+            why_not = f"the installed SGLang {installed} predates continue_final_message ({FIRST_CONTINUING_SGLANG})"
+            problem = True
         else:
             try:
                 from transformers import AutoTokenizer

@@ -36,6 +36,22 @@ NOT_CONTINUED = ("the server did not continue the final assistant message (its r
                  "continue_final_message needs SGLang >= 0.4.4; or set inference.continue_truncated: false")
 
 
+#: The first SGLang release whose chat endpoint honours ``continue_final_message``.
+FIRST_CONTINUING_SGLANG = "0.4.4"
+
+
+def sglang_predates_continuation(version: str | None) -> bool:
+    """Whether SGLang ``version`` (e.g. ``importlib.metadata.version("sglang")``) is older than
+    :data:`FIRST_CONTINUING_SGLANG`; False when unknown (None or unparsable): the reply check of
+    :func:`merge_continuation` still catches a server that answers afresh."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return version is not None and Version(version) < Version(FIRST_CONTINUING_SGLANG)
+    except InvalidVersion:
+        return False
+
+
 def continuable(row: dict[str, Any] | None, settings: GenerationSettings, check_text: bool = True) -> bool:
     """Whether ``row`` can be continued under ``settings`` rather than regenerated.
 
