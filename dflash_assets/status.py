@@ -327,8 +327,8 @@ def format_status(status: dict) -> str:
         reasons = ", ".join(f"{k}: {v}" for k, v in regen["by_reason"].items())
         lines.append(f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} partitions ({reasons})"
                      + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else "")
-                     + (f"; {regen['cut_locally']} of them cut to the lower cap from their own tokens, no request "
-                        "(where their text encodes to their token count)" if regen.get("cut_locally") else ""))
+                     + (f"; up to {regen['cut_locally']} of them cut to the lower cap from their own tokens, no request "
+                        "(those whose tokens match their text; the estimate counts them at 0 tokens)" if regen.get("cut_locally") else ""))
     for run in status.get("runs_in_progress", []):
         eta = run["eta_s"] if run["eta_s"] is not None and run["eta_s"] >= 0 else None
         lines.append(

@@ -246,3 +246,19 @@ def test_free_port_block_skips_a_block_with_a_taken_port_and_stays_below_the_eph
         with pytest.raises(RuntimeError, match="no 2 consecutive free ports"):
             free_port_block(2, low=base, high=base + 3)
         assert free_port_block(1, low=base, high=base + 2) == base
+
+
+def test_sglang_requests_ask_for_the_models_token_ids_and_others_do_not():
+    """SGLang's chat endpoint returns ``choices[0].token_ids`` when asked (``return_token_ids``, its
+    ChatCompletionRequest): the model's own tokens, which tokenization trains on and a lowered cap cuts
+    exactly. transformers serve rejects unknown fields with 422, so it is not asked."""
+    from dflash_assets.generation.client import parse_chat_completion
+    from dflash_assets.generation.servers import ServerPool
+
+    body = {"model": "m", "messages": [], "top_k": 20}
+    assert ServerPool(["http://x/v1"], "m", None, 1, "sglang").adapt_body(body)["return_token_ids"] is True
+    assert "return_token_ids" not in ServerPool(["http://x/v1"], "m", None, 1, "transformers").adapt_body(body)
+    assert "return_token_ids" not in ServerPool(["http://x/v1"], "m", None, 1, "openai").adapt_body(body)
+    reply = {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop", "token_ids": [5, 6, 2]}],
+             "usage": {"prompt_tokens": 3, "completion_tokens": 3}}
+    assert parse_chat_completion(reply)["output_token_ids"] == [5, 6, 2]

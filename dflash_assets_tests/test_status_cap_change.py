@@ -125,7 +125,7 @@ def test_status_shows_the_rows_a_cap_lowering_regenerates(project):
     assert regenerate_line(lowered) == (longer + 1, 3, {"cap lowered": longer, "error": 1})
     assert remaining(lowered) == longer + 1
     # a run cuts those rows to the lower cap from their own tokens: no request, nothing to generate
-    assert f"{longer} of them cut to the lower cap from their own tokens, no request" in lowered
+    assert f"up to {longer} of them cut to the lower cap from their own tokens, no request" in lowered
 
 
 def test_status_counts_rows_to_be_continued_at_what_their_continuation_makes(project, tmp_path):

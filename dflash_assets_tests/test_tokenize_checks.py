@@ -43,13 +43,13 @@ def test_fast_encoder_gives_the_tokenizer_calls_ids(tok):
     texts = ["Hello <|im_end|> world", "  spaced\n\n\tout  ", "ünïcødé → 数学 🙂", "", "<|im_start|>user\nhi"]
     builder = SequenceBuilder(tok)
     assert builder._fast_backend() is not None
-    assert builder._encode(texts) == tok(texts, add_special_tokens=False)["input_ids"]
+    assert builder.encode_texts(texts) == tok(texts, add_special_tokens=False)["input_ids"]
     # a tokenizer that splits special tokens: the transformers call (which sets the backend) is matched too
     split = AutoTokenizer.from_pretrained(ensure_local_model(), split_special_tokens=True)
     want = split(texts, add_special_tokens=False)["input_ids"]
     assert want != tok(texts, add_special_tokens=False)["input_ids"]
     splitting = SequenceBuilder(split)
-    assert splitting._encode(texts) == want and splitting._encode(texts) == want
+    assert splitting.encode_texts(texts) == want and splitting.encode_texts(texts) == want
 
 
 def test_roundtrip_and_length_checks_flag_the_right_rows(tmp_path, tok):

@@ -28,7 +28,7 @@ import dagster as dg
 import polars as pl
 
 from dflash_assets.assets.prompts import CORPUS_FILE
-from dflash_assets.generation.cap_cut import cut_to_cap
+from dflash_assets.generation.cap_cut import cut_rows
 from dflash_assets.generation.client import TooManyFailuresError
 from dflash_assets.generation.continuation import (
     FIRST_CONTINUING_SGLANG,
@@ -210,6 +210,7 @@ class _Partition:
     reasons: Counter
     remaining: int = 0
     resumed: int = 0  # valid rows taken from the journal an interrupted run left (not requested again)
+    cut: int = 0  # rows cut to a lowered cap in memory (not journaled): the table must be rewritten
     first_sent: float | None = None
     by_index: dict = field(default_factory=dict)
 
@@ -309,18 +310,21 @@ class _RangeRun:
 
     def plan(self, pk: str, prompts: pl.DataFrame, journal, inference: InferenceServerResource) -> _Partition:
         view, existing = load_plan_rows(self.store, pk, journal)
+        journaled = set(existing)
         todo, reasons = plan_requests(prompts, view, self.settings)
+        cut_here = 0
         if reasons.get("cap lowered"):
-            todo, cut = self.cut_locally(pk, todo, view, existing, journal, inference)
-            if cut:
-                reasons["cap lowered"] -= cut
+            todo, cut_here = self.cut_locally(pk, todo, view, existing, inference)
+            if cut_here:
+                reasons["cap lowered"] -= cut_here
                 reasons = Counter({k: v for k, v in reasons.items() if v})
         # the text of a cut row is read only when it may be continued; every other stored row stays on disk
-        cut = [p["index"] for p in todo if p["index"] not in existing and continuable(view.get(p["index"]), self.settings, check_text=False)]
-        existing.update(table_rows(self.store, pk, cut))
+        to_continue = [p["index"] for p in todo if p["index"] not in existing
+                       and continuable(view.get(p["index"]), self.settings, check_text=False)]
+        existing.update(table_rows(self.store, pk, to_continue))
         kept = set(prompts["index"].to_list()) - {p["index"] for p in todo}  # a journal may hold stray rows
-        part = _Partition(pk, prompts, journal, existing, todo, reasons, remaining=len(todo),
-                          resumed=sum(1 for i in kept if i in existing and not existing[i].get("cut_from_tokens")),
+        part = _Partition(pk, prompts, journal, existing, todo, reasons, remaining=len(todo), cut=cut_here,
+                          resumed=len(kept & journaled),
                           by_index={p["index"]: p for p in todo})
         self.rows_total += len(todo)
         self.context.log.info(
@@ -329,27 +333,26 @@ class _RangeRun:
         )
         return part
 
-    def cut_locally(self, pk: str, todo: list[dict], view: dict[int, dict], existing: dict[int, dict], journal,
+    def cut_locally(self, pk: str, todo: list[dict], view: dict[int, dict], existing: dict[int, dict],
                     inference: InferenceServerResource) -> tuple[list[dict], int]:
         """Rows longer than a lowered cap, cut to their first cap tokens here instead of requested again
-        (:mod:`dflash_assets.generation.cap_cut`); the cut rows go to the journal at once (durable, and
-        the commit writes them). Returns the prompts still to request and how many rows were cut. Rows
-        that cannot be cut (no tokenizer, tokens that do not match the text) stay to be requested."""
-        lowered = [p for p in todo if invalid_reason(view[p["index"]], self.settings) == "cap lowered"]
-        builder = self.target_builder(inference)
+        (:mod:`dflash_assets.generation.cap_cut`). The cut rows join ``existing``, which the commit writes;
+        they are not journaled: a run that fails before the commit leaves the table as it was, and the
+        next run cuts them again at no cost. Returns the prompts still to request and how many rows were
+        cut. Rows that cannot be cut (no tokenizer, tokens that do not match the text) stay to be requested."""
+        lowered = [p for p in todo if (row := view.get(p["index"])) is not None and invalid_reason(row, self.settings) == "cap lowered"]
+        builder = self.target_builder(inference) if lowered else None
         if builder is None:
             return todo, 0
         whole = {**table_rows(self.store, pk, [p["index"] for p in lowered if p["index"] not in existing]), **existing}
+        results = cut_rows([(whole[p["index"]], p["messages"]) for p in lowered], self.settings, builder)
         cut, why_not = {}, Counter()
-        for p in lowered:
-            row, reason = cut_to_cap(whole[p["index"]], p["messages"], self.settings, builder)
+        for p, (row, reason) in zip(lowered, results, strict=True):
             if row is None:
                 why_not[reason] += 1
             else:
                 cut[p["index"]] = row
-        if cut:
-            journal.append_many(list(cut.values()))
-            existing.update(cut)
+        existing.update(cut)
         self.cut += len(cut)
         self.context.log.info(
             f"{pk}: {len(cut)} of {len(lowered)} rows longer than the lowered cap {self.settings.max_output_tokens} "
@@ -379,7 +382,7 @@ class _RangeRun:
         """A partition with nothing to request: in a range run, an unchanged table whose latest
         materialization has this data version is kept as is (no new materialization, so downstream
         stays fresh); otherwise it is committed."""
-        if len(self.keys) > 1 and self.store.exists(*partition_file(part.pk)) and not part.journal.load():
+        if len(self.keys) > 1 and not part.cut and self.store.exists(*partition_file(part.pk)) and not part.journal.load():
             version = hashlib.sha256(self.store.read_bytes(*partition_file(part.pk))).hexdigest()[:20]
             record = self.context.instance.get_latest_data_version_record(self.context.asset_key, partition_key=part.pk)
             current = extract_data_version_from_entry(record.event_log_entry) if record is not None else None
@@ -599,8 +602,7 @@ class _RangeRun:
             "continued_tokens_reused": sum(r["continued_from_tokens"] for r in continued),
             # this run's and earlier runs' (one killed mid-raise, say): the table's own count
             "continued_in_table": int((frame["continued_from_tokens"] > 0).sum()),
-            "cut_to_lowered_cap": sum(1 for i in prompts["index"].to_list() if (part.existing.get(i) or {}).get("cut_from_tokens")
-                                      and i not in part.by_index),
+            "cut_to_lowered_cap": part.cut,
             "output_tokens_generated": tokens,
             "max_output_tokens": self.settings.max_output_tokens,
             "settings": self.settings.model_dump(),

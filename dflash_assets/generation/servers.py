@@ -47,13 +47,18 @@ class ServerPool:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def adapt_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Return ``body`` minus the fields this backend rejects.
+        """Return ``body`` as this backend takes it.
 
-        For ``transformers serve`` that is :data:`TRANSFORMERS_SERVE_REJECTED_FIELDS` (HTTP 422 otherwise);
-        its sampling was fixed at startup by the probe (see :mod:`~dflash_assets.generation.transformers_server`). Others: unchanged copy.
+        For ``transformers serve``: minus :data:`TRANSFORMERS_SERVE_REJECTED_FIELDS` (HTTP 422 otherwise);
+        its sampling was fixed at startup by the probe (see :mod:`~dflash_assets.generation.transformers_server`).
+        For SGLang: plus ``return_token_ids`` (``choices[0].token_ids``: the model's own tokens, which
+        tokenization trains on and a lowered cap cuts exactly; an SGLang without the field ignores it).
+        Others: unchanged copy.
         """
         if self.backend == "transformers":
             return {k: v for k, v in body.items() if k not in TRANSFORMERS_SERVE_REJECTED_FIELDS}
+        if self.backend == "sglang":
+            return {**body, "return_token_ids": True}
         return dict(body)
 
     def __repr__(self) -> str:  # keep the key out of logs
