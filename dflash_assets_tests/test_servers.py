@@ -253,7 +253,6 @@ def test_sglang_requests_ask_for_the_models_token_ids_and_others_do_not():
     ChatCompletionRequest): the model's own tokens, which tokenization trains on and a lowered cap cuts
     exactly. transformers serve rejects unknown fields with 422, so it is not asked."""
     from dflash_assets.generation.client import parse_chat_completion
-    from dflash_assets.generation.servers import ServerPool
 
     body = {"model": "m", "messages": [], "top_k": 20}
     assert ServerPool(["http://x/v1"], "m", None, 1, "sglang").adapt_body(body)["return_token_ids"] is True
