@@ -39,7 +39,7 @@ class GenerationSettings(BaseModel):
     models loop until the cap.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # no bool-as-int, no numeric strings
 
     max_output_tokens: int = Field(default=4096, ge=1, description="Generation cap, in tokens.")
     temperature: float = Field(default=0.6, ge=0.0)

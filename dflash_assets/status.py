@@ -143,8 +143,9 @@ def generation_time(records: dict[str, dg.EventLogRecord], meta: dict[str, dict]
     A partition's generation is ``[t - wall_s, t]`` (``t``: its materialization time); the partitions of
     one run (a range run generates them side by side) count as the run's span from its first start to
     its last commit, and runs add up (the ``dflash_inference`` pool runs one at a time). Tokens are the
-    ones generated in that run (``output_tok_per_s * wall_s``; ``completion_tokens_total`` for metadata
-    without a rate), requests the ``requested`` rows (``rows`` without it).
+    ones generated in that run (``output_tokens_generated``; ``output_tok_per_s * wall_s`` or
+    ``completion_tokens_total`` for older metadata), requests the ``requested`` rows (``rows`` without it):
+    a partition whose rows were all cut to a lowered cap adds neither time nor tokens.
     """
     spans: dict[str, list[float]] = {}
     tokens = requests = 0.0
@@ -154,7 +155,10 @@ def generation_time(records: dict[str, dg.EventLogRecord], meta: dict[str, dict]
         span = spans.setdefault(record.run_id or pk, [record.timestamp - wall, record.timestamp])
         span[0], span[1] = min(span[0], record.timestamp - wall), max(span[1], record.timestamp)
         rate = m.get("output_tok_per_s")
-        tokens += float(rate) * wall if rate else float(m.get("completion_tokens_total", 0) or 0)
+        if m.get("output_tokens_generated") is not None:  # a run that cut or continued rows made fewer than its table holds
+            tokens += float(m["output_tokens_generated"])
+        else:
+            tokens += float(rate) * wall if rate else float(m.get("completion_tokens_total", 0) or 0)
         requests += int(m.get("requested", m.get("rows", 0)) or 0)
     return sum(end - start for start, end in spans.values()), tokens, int(requests)
 

@@ -462,3 +462,37 @@ def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
     run = _RangeRun(context, Storage(str(tmp_path)), settings, ["0000000-0000009"])
     part = run.plan("0000000-0000009", prompts, journal, InferenceServerResource(mode="external", base_urls=["http://127.0.0.1:9/v1"]))
     assert part.resumed == 2 and len(part.todo) == 8
+
+
+def test_a_range_run_commits_again_a_partition_whose_last_run_failed_with_its_table_intact(tmp_path):
+    """New-user trial: a run of one partition failed at start-up (server down), leaving its table as it
+    was; a range run over it then said 'complete and unchanged: kept', recorded nothing, and the UI and
+    `status` kept showing the partition failed. Such a partition must be committed again."""
+    from dflash_assets.status import stage_counts
+    from dflash_assets_tests.test_node_scale import range_materialize
+
+    root = tmp_path / "store"
+    prompts = [f"Task {i}: write a function that returns {i} squared." for i in range(4)]
+    with dg.instance_for_test() as instance, FakeServer(PerPromptScript(prompts, lambda i, k: answer(i))) as server:
+        keys = write_corpus(instance, root, prompts, partition_size=2)
+        assert range_materialize(instance, root, keys, fake_inference(server.url), cap=CAP).success
+        down = fake_inference("http://127.0.0.1:9", startup_timeout_s=1.0)
+        assert not materialize(instance, root, keys[1], down, cap=CAP + 8, raise_on_error=False).success  # a raise, no server
+        assert stage_counts(instance, "completions", keys)["failed_keys"] == [keys[1]]
+        before = (root / "completions" / f"{keys[1]}.parquet").read_bytes()
+        result = range_materialize(instance, root, keys, fake_inference(server.url), cap=CAP)
+        assert result.success
+        assert [m.partition for m in result.asset_materializations_for_node("completions")] == [keys[1]]  # keys[0] kept
+        assert (root / "completions" / f"{keys[1]}.parquet").read_bytes() == before
+        assert stage_counts(instance, "completions", keys)["done_keys"] == keys
+
+
+def test_a_reversed_partition_range_fails_saying_so(tmp_path):
+    """New-user trial: `--partition-range LAST...FIRST` succeeded in 51 ms having done nothing."""
+    from dflash_assets_tests.test_node_scale import range_materialize
+
+    root = tmp_path / "store"
+    with dg.instance_for_test() as instance:
+        keys = write_corpus(instance, root, [f"q{i}" for i in range(4)], partition_size=2)
+        result = range_materialize(instance, root, keys[::-1], fake_inference("http://127.0.0.1:9"), raise_on_error=False)
+        assert not result.success and "is the partition range reversed?" in failure_message(result)

@@ -68,6 +68,15 @@ def test_a_bad_value_names_the_file_and_the_resource(tmp_path, monkeypatch):
     assert msg.startswith(f"{path}: resources.generation: ") and "max_output_tokens" in msg and "integer" in msg
 
 
+@pytest.mark.parametrize("value", ["true", '"20"', "20.0"])
+def test_a_cap_that_only_looks_like_a_number_is_an_error(tmp_path, monkeypatch, value):
+    """`max_output_tokens: true` was taken as cap 1, and a run then cut every row to one token (a
+    new-user trial); a string or a float is as likely a slip."""
+    write(tmp_path, f"resources:\n  generation: {{max_output_tokens: {value}}}\n", monkeypatch)
+    msg = error_of(cfg.build_resources, CLASSES)
+    assert "max_output_tokens" in msg and "valid integer" in msg
+
+
 def test_yaml_error_names_the_file(tmp_path, monkeypatch):
     path = write(tmp_path, "resources:\n  generation: {max_output_tokens: 64\n", monkeypatch)
     msg = error_of(cfg.project_config)

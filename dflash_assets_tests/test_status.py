@@ -190,3 +190,19 @@ def test_status_shows_a_range_run_in_progress(instance):
     assert run["range"] == f"{keys[0]}...{keys[-1]}" and run["eta_s"] == 8.0
     assert f"in progress ({keys[0]}...{keys[-1]}): 10 / 30 rows, 2.5 req/s, 250.0 output tok/s, slots 8 / 8, ETA 8s" in text
     assert collect_status(instance)["runs_in_progress"] == []  # the run ended
+
+
+def test_generation_time_leaves_out_partitions_whose_rows_were_cut_without_a_request():
+    """New-user trial: after a cap lowering cut every row locally, `status` read 'generation 0.0 s
+    (24788.6 output tok/s)': the cut partitions' table tokens counted as generated in no time."""
+    from types import SimpleNamespace
+
+    from dflash_assets.status import generation_time
+
+    records = {"a": SimpleNamespace(run_id="r1", timestamp=100.0), "b": SimpleNamespace(run_id="r2", timestamp=200.0),
+               "old": SimpleNamespace(run_id="r0", timestamp=50.0)}
+    meta = {"a": {"wall_s": 20.0, "output_tok_per_s": 50.0, "output_tokens_generated": 1000, "requested": 8},
+            "b": {"wall_s": 0.0, "output_tok_per_s": 0.0, "output_tokens_generated": 0, "requested": 0,
+                  "completion_tokens_total": 160, "cut_to_lowered_cap": 8},
+            "old": {"wall_s": 10.0, "output_tok_per_s": 30.0, "requested": 4}}  # metadata from before the field
+    assert generation_time(records, meta) == (30.0, 1300.0, 12)

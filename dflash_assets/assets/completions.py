@@ -86,6 +86,27 @@ def load_prompts(storage, pk: str) -> pl.DataFrame:
     return load_range_prompts(storage, [pk])[pk]
 
 
+def failed_since_materialized(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: list[str],
+                              this_run: str) -> set[str]:
+    """Partitions of ``keys`` that another run planned after their latest materialization (a few instance
+    queries for all of them).
+
+    Such a run failed or did not record the partition (a run that fails at start-up changes no table),
+    and the UI and ``status`` show the partition failed until a new materialization is recorded; so it
+    is committed again rather than kept."""
+    if not keys:
+        return set()
+    latest = instance.event_log_storage.get_latest_storage_id_by_partition(
+        asset_key, dg.DagsterEventType.ASSET_MATERIALIZATION, set(keys))
+    if not latest:
+        return set()
+    planned = instance.fetch_planned_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=list(latest), after_storage_id=min(latest.values())),
+        limit=100_000).records
+    return {r.partition_key for r in planned
+            if r.run_id != this_run and r.partition_key in latest and r.storage_id > latest[r.partition_key]}
+
+
 def load_range_prompts(storage, keys: list[str]) -> dict[str, pl.DataFrame]:
     """Corpus rows of each partition in ``keys``, from one read of the row groups that hold them.
 
@@ -246,6 +267,9 @@ def completions(
     generation: GenerationResource,
 ):
     keys = list(context.partition_keys)
+    if not keys:  # `--partition-range LAST...FIRST` resolves to no key and would succeed doing nothing
+        raise dg.Failure("the run selects no completions partition: is the partition range reversed? "
+                         "give it as FIRST...LAST in key order (`python -m dflash_assets status` lists the keys)")
     store = storage.open()
     settings = generation.settings()
     run = _RangeRun(context, store, settings, keys)
@@ -254,6 +278,8 @@ def completions(
         for pk, prompts in load_range_prompts(store, keys).items():
             journal = storage.open_journal("completions", f"{pk}.journal.jsonl")
             parts.append(run.plan(pk, prompts, journal, inference))
+        run.failed_since_materialized = failed_since_materialized(context.instance, context.asset_key,
+                                                                  [p.pk for p in parts if not p.todo], context.run.run_id)
         for part in parts:
             if not part.todo:
                 yield from run.commit_or_keep(part)
@@ -306,6 +332,7 @@ class _RangeRun:
         self.continuing = 0  # rows this run continues rather than regenerates
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
         self.cut = 0  # rows cut locally to a lowered cap
+        self.failed_since_materialized: set[str] = set()  # never "kept": their status must go back to done
         self._builder = None  # the target tokenizer's SequenceBuilder (False: it did not load)
 
     def plan(self, pk: str, prompts: pl.DataFrame, journal, inference: InferenceServerResource) -> _Partition:
@@ -382,7 +409,8 @@ class _RangeRun:
         """A partition with nothing to request: in a range run, an unchanged table whose latest
         materialization has this data version is kept as is (no new materialization, so downstream
         stays fresh); otherwise it is committed."""
-        if len(self.keys) > 1 and not part.cut and self.store.exists(*partition_file(part.pk)) and not part.journal.load():
+        if (len(self.keys) > 1 and not part.cut and part.pk not in self.failed_since_materialized
+                and self.store.exists(*partition_file(part.pk)) and not part.journal.load()):
             version = hashlib.sha256(self.store.read_bytes(*partition_file(part.pk))).hexdigest()[:20]
             record = self.context.instance.get_latest_data_version_record(self.context.asset_key, partition_key=part.pk)
             current = extract_data_version_from_entry(record.event_log_entry) if record is not None else None

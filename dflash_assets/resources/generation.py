@@ -15,15 +15,16 @@ class GenerationResource(dg.ConfigurableResource):
     the shell with ``--config-json``. Every completions row records the settings it was made with.
     """
 
-    max_output_tokens: int = Field(default=_DEFAULTS.max_output_tokens, ge=1, description="Generation cap, tokens.")
-    temperature: float = _DEFAULTS.temperature
-    top_p: float = _DEFAULTS.top_p
-    top_k: int = _DEFAULTS.top_k
-    min_p: float = _DEFAULTS.min_p
-    presence_penalty: float = _DEFAULTS.presence_penalty
-    repetition_penalty: float = _DEFAULTS.repetition_penalty
-    seed: int | None = _DEFAULTS.seed
-    enable_thinking: bool = _DEFAULTS.enable_thinking
+    # strict: YAML `true` or "20" would otherwise become a cap of 1 or 20 (a lowered cap cuts rows for good)
+    max_output_tokens: int = Field(default=_DEFAULTS.max_output_tokens, ge=1, strict=True, description="Generation cap, tokens.")
+    temperature: float = Field(default=_DEFAULTS.temperature, strict=True)
+    top_p: float = Field(default=_DEFAULTS.top_p, strict=True)
+    top_k: int = Field(default=_DEFAULTS.top_k, strict=True)
+    min_p: float = Field(default=_DEFAULTS.min_p, strict=True)
+    presence_penalty: float = Field(default=_DEFAULTS.presence_penalty, strict=True)
+    repetition_penalty: float = Field(default=_DEFAULTS.repetition_penalty, strict=True)
+    seed: int | None = Field(default=_DEFAULTS.seed, strict=True)
+    enable_thinking: bool = Field(default=_DEFAULTS.enable_thinking, strict=True)
 
     def settings(self) -> GenerationSettings:
         """The immutable settings object the client and the row records use."""
