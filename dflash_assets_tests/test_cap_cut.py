@@ -156,3 +156,14 @@ def test_lowering_a_half_done_partition_cuts_what_it_has_and_journals_nothing(tm
     assert materialization.metadata["cut_to_lowered_cap"].value == 4
     table = pl.read_parquet(store_root / "completions" / "0000000-0000003.parquet")
     assert table["completion_tokens"].to_list() == [10] * 4 and (table["cut_from_tokens"] > 10).all()
+
+
+def test_a_tokenizer_directory_that_is_not_there_is_called_that(tmp_path):
+    """New-user trial: a wrong external_tokenizer_path warned with transformers' 'Repo id must be in the
+    form ...' rather than saying the directory is missing."""
+    from dflash_assets.assets.completions import missing_directory
+
+    with pytest.raises(FileNotFoundError, match="no such directory: /nowhere/tokenizer"):
+        missing_directory("/nowhere/tokenizer")
+    missing_directory(str(tmp_path))  # a directory
+    missing_directory("Qwen/Qwen3-8B")  # may be a hub id in the local cache: left to transformers

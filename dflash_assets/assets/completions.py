@@ -86,6 +86,15 @@ def load_prompts(storage, pk: str) -> pl.DataFrame:
     return load_range_prompts(storage, [pk])[pk]
 
 
+def missing_directory(path: str) -> None:
+    """Raise FileNotFoundError for a tokenizer path written as a directory (absolute, ``./``, ``../``,
+    ``~``) that is not one: transformers would report it as a malformed hub id."""
+    from pathlib import Path
+
+    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():  # "org/name" may be a hub id
+        raise FileNotFoundError(f"no such directory: {path}")
+
+
 def failed_since_materialized(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: list[str],
                               this_run: str) -> set[str]:
     """Partitions of ``keys`` that another run planned after their latest materialization (a few instance
@@ -397,6 +406,7 @@ class _RangeRun:
                 from dflash_assets.tokenization import SequenceBuilder
 
                 path = str(inference.tokenizer_path())
+                missing_directory(path)
                 self._builder = SequenceBuilder(AutoTokenizer.from_pretrained(path, local_files_only=True))
             except Exception as exc:  # noqa: BLE001 - any failure means: request those rows again, and say why
                 self._builder = False
@@ -579,6 +589,7 @@ class _RangeRun:
                 from dflash_assets.tokenization import SequenceBuilder
 
                 path = str(inference.tokenizer_path())
+                missing_directory(path)
                 # a local directory or a hub id already in the local cache: no network wait on a GPU node
                 builder = SequenceBuilder(AutoTokenizer.from_pretrained(path, local_files_only=True))
                 # the generation prompt's ending is the template's, not the conversation's: render one
