@@ -104,7 +104,7 @@ def invalid_rows(store, pk: str, settings, continues: bool = False) -> tuple[Cou
     :mod:`~dflash_assets.generation.continuation`), the rows to be continued counted by their cap; and
     the rows longer than a lowered cap, which the run cuts to it locally
     (:mod:`~dflash_assets.generation.cap_cut`: no request, no token generated)."""
-    from dflash_assets.assets.completions import partition_file
+    from dflash_assets.assets.completions_tables import partition_file
     from dflash_assets.generation.continuation import continuable
     from dflash_assets.generation.records import VALIDITY_COLUMNS, invalid_reason
     from dflash_assets.truncation import read_report_columns

@@ -18,7 +18,7 @@ import dagster as dg
 from dflash_assets.assets import drafter as drafter_asset
 from dflash_assets.assets import evaluation as evaluation_asset
 from dflash_assets.assets import truncation as truncation_asset
-from dflash_assets.assets.completions import partition_file
+from dflash_assets.assets.completions_tables import partition_file
 from dflash_assets.assets.prompts import CORPUS_FILE, REJECTED_FILE
 from dflash_assets.assets.tokenized import tokenized_file
 from dflash_assets.automation import latest_metadata

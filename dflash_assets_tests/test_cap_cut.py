@@ -126,7 +126,7 @@ def test_lowering_a_half_done_partition_cuts_what_it_has_and_journals_nothing(tm
     import polars as pl
     from transformers import AutoTokenizer
 
-    from dflash_assets.assets.completions import partition_file
+    from dflash_assets.assets.completions_tables import partition_file
     from dflash_assets.generation.journal import RowJournal
     from dflash_assets.generation.records import rows_to_frame
 

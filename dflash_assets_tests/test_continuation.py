@@ -275,7 +275,7 @@ def test_servers_that_answer_continuations_afresh_stop_the_run_and_the_cut_rows_
         message = failure.event_specific_data.error.message
         assert "answered afresh" in message and "continue_truncated: false" in message
         # whatever landed (journal or table) kept the cut text; nothing was appended to it
-        from dflash_assets.assets.completions import load_existing_rows
+        from dflash_assets.assets.completions_tables import load_existing_rows
         from dflash_assets.resources.storage import StorageResource
 
         storage = StorageResource(root=str(root))

@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 import dagster as dg
 import polars as pl
 
-from dflash_assets.assets.prompts import CORPUS_FILE
+from dflash_assets.assets.completions_tables import (
+    completion_stats,
+    load_plan_rows,
+    load_range_prompts,
+    partition_file,
+    partition_frame,
+    table_rows,
+)
 from dflash_assets.generation.cap_cut import cut_rows
 from dflash_assets.generation.client import TooManyFailuresError
 from dflash_assets.generation.continuation import (
@@ -41,20 +48,16 @@ from dflash_assets.generation.continuation import (
 )
 from dflash_assets.generation.records import (
     THINK_OPEN,
-    VALIDITY_COLUMNS,
-    align_to_schema,
     invalid_reason,
     no_good_row_message,
     row_from_result,
-    rows_to_frame,
 )
-from dflash_assets.partitions import key_range, prompt_ranges
+from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.status import INFERENCE_POOL
-from dflash_assets.truncation import row_counts, token_summary
 from dagster._core.definitions.data_version import (  # the tags Dagster itself writes for a data version
     CODE_VERSION_TAG,
     DATA_VERSION_IS_USER_PROVIDED_TAG,
@@ -73,17 +76,6 @@ def installed_version(package: str) -> str | None:
         return version(package)
     except PackageNotFoundError:
         return None
-
-
-def partition_file(pk: str) -> tuple[str, str]:
-    return ("completions", f"{pk}.parquet")
-
-
-
-def load_prompts(storage, pk: str) -> pl.DataFrame:
-    """Corpus rows of partition ``pk`` (only the corpus row groups that hold them are read).
-    Raises dagster.Failure when the corpus lacks the range."""
-    return load_range_prompts(storage, [pk])[pk]
 
 
 def missing_directory(path: str) -> None:
@@ -116,80 +108,6 @@ def failed_since_materialized(instance: dg.DagsterInstance, asset_key: dg.AssetK
             if r.run_id != this_run and r.partition_key in latest and r.storage_id > latest[r.partition_key]}
 
 
-def load_range_prompts(storage, keys: list[str]) -> dict[str, pl.DataFrame]:
-    """Corpus rows of each partition in ``keys``, from one read of the row groups that hold them.
-
-    A run over the whole corpus reads it once; a corpus written with a row group per partition
-    (``prompt_corpus`` does) lets a one-partition run read ~1/900 of it. Raises dagster.Failure naming
-    the partition when the corpus lacks part of its range."""
-    ranges = {pk: key_range(pk) for pk in keys}
-    corpus = storage.read_parquet(*CORPUS_FILE, index_ranges=list(ranges.values()))
-    out = {}
-    for pk, (first, last) in ranges.items():
-        prompts = corpus.filter(pl.col("index").is_between(first, last))
-        if prompts.height != last - first + 1:
-            raise dg.Failure(
-                f"partition {pk}: the corpus holds {prompts.height} of its {last - first + 1} prompts; "
-                "re-materialize prompt_corpus with the same partition_size, or drop stale partition keys"
-            )
-        out[pk] = prompts
-    return out
-
-
-#: What planning reads of a stored partition table (whether each row is still valid, and whether it
-#: can be continued): never its text or token ids, nearly all of its bytes.
-PLAN_COLUMNS = ("index", *VALIDITY_COLUMNS)
-
-
-def load_existing_rows(storage, pk: str, journal) -> dict[int, dict]:
-    """Rows already made for ``pk``, whole: the last table, overlaid by the journal (later rows win)."""
-    rows: dict[int, dict] = {}
-    if storage.exists(*partition_file(pk)):
-        for row in storage.read_parquet(*partition_file(pk)).iter_rows(named=True):
-            rows[row["index"]] = row
-    rows.update(journal.load())
-    return rows
-
-
-def load_plan_rows(storage, pk: str, journal) -> tuple[dict[int, dict], dict[int, dict]]:
-    """What planning ``pk`` reads: ``(view, journal_rows)``.
-
-    ``view``: index -> the row's :data:`PLAN_COLUMNS` from the last table, overlaid by the journal's
-    whole rows (later rows win); ``journal_rows``: the journal's rows alone, which the table lacks and
-    the commit must write."""
-    view: dict[int, dict] = {}
-    if storage.exists(*partition_file(pk)):
-        for row in storage.read_parquet(*partition_file(pk), columns=PLAN_COLUMNS).iter_rows(named=True):
-            view[row["index"]] = row
-    journal_rows = journal.load()
-    view.update(journal_rows)
-    return view, journal_rows
-
-
-def table_rows(storage, pk: str, indexes: list[int]) -> dict[int, dict]:
-    """Whole rows ``indexes`` of ``pk``'s last table (those it has)."""
-    if not indexes or not storage.exists(*partition_file(pk)):
-        return {}
-    frame = storage.read_parquet(*partition_file(pk)).filter(pl.col("index").is_in(indexes))
-    return {row["index"]: row for row in frame.iter_rows(named=True)}
-
-
-def partition_frame(storage, pk: str, prompts: pl.DataFrame, rows: dict[int, dict]) -> pl.DataFrame:
-    """The table to commit for ``pk``: ``rows`` (journal and this run's, whole) over the last table's
-    rows, one per prompt of the partition, sorted by index. Equal, value for value and so byte for
-    byte once written, to :func:`rows_to_frame` of every row as dicts; only one partition's text is
-    in memory at a time."""
-    indexes = prompts["index"].to_list()
-    new = rows_to_frame([rows[i] for i in indexes if i in rows])
-    if not storage.exists(*partition_file(pk)):
-        return new
-    old = storage.read_parquet(*partition_file(pk)).filter(
-        pl.col("index").is_in(indexes) & ~pl.col("index").is_in(list(rows)))
-    if old.is_empty():
-        return new
-    return pl.concat([align_to_schema(old), new]).sort("index").rechunk()
-
-
 def plan_requests(prompts: pl.DataFrame, existing: dict[int, dict], settings: GenerationSettings) -> tuple[list[dict], Counter]:
     """Prompts (corpus rows) that need a request, and why, counted by reason."""
     todo, reasons = [], Counter()
@@ -200,30 +118,6 @@ def plan_requests(prompts: pl.DataFrame, existing: dict[int, dict], settings: Ge
             todo.append(prompt)
             reasons[reason] += 1
     return todo, reasons
-
-
-def completion_stats(frame: pl.DataFrame) -> dict:
-    """Metadata numbers: finish_reason counts and completion-token mean/P50/P90/P99/max."""
-    ok, counts = row_counts(frame)
-    tokens = ok["completion_tokens"].drop_nulls().to_numpy()
-    summary = token_summary(tokens)
-    stats = {
-        **counts,
-        "completion_tokens_total": summary["total"],
-        "completion_tokens_missing": int(ok["completion_tokens"].is_null().sum()),
-        # what the cap-change sensor needs to decide, without reading the table, whether a new cap touches it
-        "length_row_caps": sorted({int(c) for c in ok.filter(pl.col("finish_reason") == "length")["max_output_tokens"].to_list()}),
-        "settings_fingerprints": sorted(set(ok["settings_fingerprint"].to_list())),
-        "completion_tokens_max": summary["max"] if tokens.size else 0,
-    }
-    if tokens.size:
-        stats.update(
-            completion_tokens_mean=round(summary["mean"], 1),
-            completion_tokens_p50=summary["p50"],
-            completion_tokens_p90=summary["p90"],
-            completion_tokens_p99=summary["p99"],
-        )
-    return stats
 
 
 @dataclass

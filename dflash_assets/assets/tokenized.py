@@ -8,7 +8,7 @@ import polars as pl
 import pyarrow as pa
 from pydantic import Field
 
-from dflash_assets.assets.completions import load_prompts, partition_file
+from dflash_assets.assets.completions_tables import load_prompts, partition_file
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource

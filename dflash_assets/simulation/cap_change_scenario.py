@@ -16,7 +16,8 @@ import dagster as dg
 import polars as pl
 
 from dflash_assets.automation import request_partitions
-from dflash_assets.assets.completions import completions, partition_file
+from dflash_assets.assets.completions import completions
+from dflash_assets.assets.completions_tables import partition_file
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_file, tokenized_sequences
 from dflash_assets.resources.generation import GenerationResource
