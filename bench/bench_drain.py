@@ -1,0 +1,93 @@
+"""How much of a node the end of a run leaves idle, and what order-blind chunked scheduling would win back.
+
+A zero-cost model (no overhead, no prefill time) of ``slots`` decoding at ``tok_per_s`` each, on the
+output lengths ``bench_node.py``'s simulated servers draw for its prompts (lognormal, median 1,970,
+sigma 0.8, cut at the cap). Prints the efficiency (tokens / (capacity x makespan)) of:
+
+- first-come (what the pipeline does, and any scheduler that cannot know lengths in advance);
+- longest-first with the lengths known in advance (clairvoyant; not possible, an upper mark);
+- first-come, then the last ``window`` prompts generated in chunks of ``chunk`` tokens, a cut sequence
+  continued later behind every fresh prompt. Beside each: the prefix tokens those continuations send
+  again, per generated token (prefill the GPU must redo unless the prefix cache still holds them).
+
+    python bench/bench_drain.py [--prompts 2000] [--slots 280] [--cap 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dflash_assets.simulation.sglang_stub import drawn_length  # noqa: E402
+
+
+def makespan(lengths: list[int], slots: int, tok_per_s: float, window: int = 0, chunk: int = 0) -> tuple[float, int]:
+    """Seconds until the last token, and prefix tokens re-sent, for first-come order with the last
+    ``window`` prompts chunked at ``chunk`` tokens (continuations queue behind fresh prompts)."""
+    n = len(lengths)
+    fresh, continuations = list(range(n)), []
+    next_fresh = next_continuation = 0
+    finishing: list[tuple[float, int, int]] = []  # (time, prompt, tokens done after this request)
+    busy, resent, end = 0, 0, 0.0
+
+    def start(now: float) -> None:
+        nonlocal busy, resent, next_fresh, next_continuation
+        while busy < slots:
+            if next_fresh < n:
+                i, done = fresh[next_fresh], 0
+                next_fresh += 1
+            elif next_continuation < len(continuations):
+                i, done = continuations[next_continuation]
+                next_continuation += 1
+            else:
+                return
+            left = lengths[i] - done
+            step = min(chunk, left) if i >= n - window else left
+            resent += done
+            heapq.heappush(finishing, (now + step / tok_per_s, i, done + step))
+            busy += 1
+
+    start(0.0)
+    while finishing:
+        end, i, done = heapq.heappop(finishing)
+        busy -= 1
+        if done < lengths[i]:
+            continuations.append((i, done))
+        start(end)
+    return end, resent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=2000)
+    parser.add_argument("--slots", type=int, default=280, help="servers x max_running_requests")
+    parser.add_argument("--tok-per-s", type=float, default=87.5, help="decode rate of one slot")
+    parser.add_argument("--cap", type=int, default=4096)
+    args = parser.parse_args()
+    lengths = [min(drawn_length([{"role": "user", "content": f"bench prompt {i}"}], 1970, 0.8), args.cap)
+               for i in range(args.prompts)]
+    total = sum(lengths)
+
+    def efficiency(seconds: float) -> float:
+        return total / (args.slots * args.tok_per_s * seconds)
+
+    first_come, _ = makespan(lengths, args.slots, args.tok_per_s)
+    longest_first, _ = makespan(sorted(lengths, reverse=True), args.slots, args.tok_per_s)
+    print(f"prompts: {args.prompts}  slots: {args.slots}  cap: {args.cap}  tokens: {total}")
+    print(f"first_come_efficiency: {efficiency(first_come):.3f} (no goal; the bound of any order-blind scheduler "
+          f"without chunking; drain {first_come - total / (args.slots * args.tok_per_s):.1f} s)")
+    print(f"longest_first_known_lengths_efficiency: {efficiency(longest_first):.3f} (clairvoyant, not possible)")
+    for window in (args.slots, 2 * args.slots, args.prompts // 2, args.prompts):
+        for chunk in (512, 1024, 2048):
+            seconds, resent = makespan(lengths, args.slots, args.tok_per_s, window, chunk)
+            print(f"chunked last {window} prompts at {chunk} tokens: efficiency {efficiency(seconds):.3f}, "
+                  f"prefix tokens re-sent per generated token {resent / total:.2f}")
+
+
+if __name__ == "__main__":
+    main()
