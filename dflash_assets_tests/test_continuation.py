@@ -275,13 +275,15 @@ def test_servers_that_answer_continuations_afresh_stop_the_run_and_the_cut_rows_
         message = failure.event_specific_data.error.message
         assert "answered afresh" in message and "continue_truncated: false" in message
         # whatever landed (journal or table) kept the cut text; nothing was appended to it
-        from dflash_assets.assets.completions_tables import load_existing_rows
         from dflash_assets.resources.storage import StorageResource
 
         storage = StorageResource(root=str(root))
         rows = {}
-        for pk in keys:
-            rows.update(load_existing_rows(storage.open(), pk, storage.open_journal("completions", f"{pk}.journal.jsonl")))
+        for pk in keys:  # as the next run sees them: the last table, overlaid by the journal
+            table = root / "completions" / f"{pk}.parquet"
+            if table.exists():
+                rows.update({r["index"]: r for r in pl.read_parquet(table).iter_rows(named=True)})
+            rows.update(storage.open_journal("completions", f"{pk}.journal.jsonl").load())
         for old in cut.iter_rows(named=True):
             row = rows[old["index"]]
             assert row["reasoning_content"] == old["reasoning_content"] and row["completion_tokens"] == OLD_CAP

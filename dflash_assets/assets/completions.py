@@ -87,6 +87,19 @@ def missing_directory(path: str) -> None:
         raise FileNotFoundError(f"no such directory: {path}")
 
 
+def load_target_builder(inference: InferenceServerResource):
+    """A SequenceBuilder on the target's tokenizer, from a local directory or a hub id already in the
+    local cache (no network wait on a GPU node). Raises whatever loading raises (FileNotFoundError for
+    a directory path that is not one)."""
+    from transformers import AutoTokenizer
+
+    from dflash_assets.tokenization import SequenceBuilder
+
+    path = str(inference.tokenizer_path())
+    missing_directory(path)
+    return SequenceBuilder(AutoTokenizer.from_pretrained(path, local_files_only=True))
+
+
 def failed_since_materialized(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: list[str],
                               this_run: str) -> set[str]:
     """Partitions of ``keys`` that another run planned after their latest materialization (a few instance
@@ -181,8 +194,9 @@ def completions(
         for pk, prompts in load_range_prompts(store, keys).items():
             journal = storage.open_journal("completions", f"{pk}.journal.jsonl")
             parts.append(run.plan(pk, prompts, journal, inference))
-        run.failed_since_materialized = failed_since_materialized(context.instance, context.asset_key,
-                                                                  [p.pk for p in parts if not p.todo], context.run.run_id)
+        if len(keys) > 1:  # only a range run keeps an unchanged partition (commit_or_keep)
+            run.failed_since_materialized = failed_since_materialized(context.instance, context.asset_key,
+                                                                      [p.pk for p in parts if not p.todo], context.run.run_id)
         for part in parts:
             if not part.todo:
                 yield from run.commit_or_keep(part)
@@ -234,7 +248,6 @@ class _RangeRun:
         self.capacity = 0
         self.continuing = 0  # rows this run continues rather than regenerates
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
-        self.cut = 0  # rows cut locally to a lowered cap
         self.failed_since_materialized: set[str] = set()  # never "kept": their status must go back to done
         self._builder = None  # the target tokenizer's SequenceBuilder (False: it did not load)
 
@@ -283,7 +296,6 @@ class _RangeRun:
             else:
                 cut[p["index"]] = row
         existing.update(cut)
-        self.cut += len(cut)
         self.context.log.info(
             f"{pk}: {len(cut)} of {len(lowered)} rows longer than the lowered cap {self.settings.max_output_tokens} "
             "cut to it from their own tokens (no request)"
@@ -295,13 +307,7 @@ class _RangeRun:
         does not load: rows are then requested again instead of cut."""
         if self._builder is None:
             try:
-                from transformers import AutoTokenizer
-
-                from dflash_assets.tokenization import SequenceBuilder
-
-                path = str(inference.tokenizer_path())
-                missing_directory(path)
-                self._builder = SequenceBuilder(AutoTokenizer.from_pretrained(path, local_files_only=True))
+                self._builder = load_target_builder(inference)
             except Exception as exc:  # noqa: BLE001 - any failure means: request those rows again, and say why
                 self._builder = False
                 self.context.log.warning(
@@ -478,14 +484,7 @@ class _RangeRun:
             problem = True
         else:
             try:
-                from transformers import AutoTokenizer
-
-                from dflash_assets.tokenization import SequenceBuilder
-
-                path = str(inference.tokenizer_path())
-                missing_directory(path)
-                # a local directory or a hub id already in the local cache: no network wait on a GPU node
-                builder = SequenceBuilder(AutoTokenizer.from_pretrained(path, local_files_only=True))
+                builder = load_target_builder(inference)
                 # the generation prompt's ending is the template's, not the conversation's: render one
                 opened = builder.prompt_text(found[0][0]["messages"], settings.enable_thinking).rstrip("\n").endswith(THINK_OPEN)
             except Exception as exc:  # noqa: BLE001 - any failure means: regenerate whole, and say why

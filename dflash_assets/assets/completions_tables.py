@@ -51,16 +51,6 @@ def load_range_prompts(storage, keys: list[str]) -> dict[str, pl.DataFrame]:
 PLAN_COLUMNS = ("index", *VALIDITY_COLUMNS)
 
 
-def load_existing_rows(storage, pk: str, journal) -> dict[int, dict]:
-    """Rows already made for ``pk``, whole: the last table, overlaid by the journal (later rows win)."""
-    rows: dict[int, dict] = {}
-    if storage.exists(*partition_file(pk)):
-        for row in storage.read_parquet(*partition_file(pk)).iter_rows(named=True):
-            rows[row["index"]] = row
-    rows.update(journal.load())
-    return rows
-
-
 def load_plan_rows(storage, pk: str, journal) -> tuple[dict[int, dict], dict[int, dict]]:
     """What planning ``pk`` reads: ``(view, journal_rows)``.
 
