@@ -63,8 +63,10 @@ EFFICIENCY_GOAL = 0.90
 class Node:
     """One bench environment: DAGSTER_HOME, storage, config, prompts, simulator logs."""
 
-    def __init__(self, base: Path, name: str, args: argparse.Namespace, cap: int, continue_truncated: bool = True) -> None:
+    def __init__(self, base: Path, name: str, args: argparse.Namespace, cap: int, continue_truncated: bool = True,
+                 tail_chunk_tokens: int = 0) -> None:
         self.args, self.dir, self.continue_truncated = args, base / name, continue_truncated
+        self.tail_chunk_tokens = tail_chunk_tokens
         # the simulated target's tokenizer (thinking markers, Qwen3 template): continuing cut rows needs it
         self.model_path = base / "simulated-qwen"
         if not (self.model_path / "tokenizer.json").exists():
@@ -96,6 +98,8 @@ class Node:
                 "storage": {"root": str(self.data)},
                 "inference": {"mode": "sglang", "model_path": str(self.model_path), "num_servers": a.servers,
                               "continue_truncated": self.continue_truncated,
+                              "tail_chunk_tokens": self.tail_chunk_tokens,
+                              "tail_prompts_per_slot": a.tail_prompts_per_slot,
                               "max_running_requests": a.slots, "port_base": self.port_base,
                               "launch_module": "dflash_assets.simulation.sglang_stub", "extra_args": sim,
                               "startup_timeout_s": a.startup_s / a.speed + 120},
@@ -219,40 +223,59 @@ def timed_run(node: Node, keys: list[str]) -> dict:
             "servers_up_real": up, "tokens": sum(e["tokens"] for e in done)}
 
 
-def scenario_base(base: Path, args) -> Node:
-    node = Node(base, "base", args, cap=4096)
+def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int = 0) -> Node:
+    """A fresh range at cap 4,096; ``tail_chunk_tokens``: the run's end generated in chunks."""
+    node = Node(base, label, args, cap=4096, tail_chunk_tokens=tail_chunk_tokens)
     keys = node.make_corpus()
     r = timed_run(node, keys)
     capacity = args.servers * args.slots
     wall_s = sim_wall(r["wall"], r["servers_up_real"], args.speed)
     gen_window = r["servers_up_real"] * args.speed - args.startup_s
-    print("== base: fresh range, cap 4096 ==")
-    print(f"base_exit_code: {r['rc']}")
-    print(f"base_partitions: {len(keys)}  prompts: {args.prompts}  servers: {args.servers} x {args.slots} slots  "
+    recv = [e for e in r["events"] if e["ev"] == "recv"]
+    print(f"== {label}: fresh range, cap 4096" + (f", the last {round(args.tail_prompts_per_slot * capacity)} prompts in "
+                                                   f"chunks of {tail_chunk_tokens} tokens ==" if tail_chunk_tokens else " =="))
+    print(f"{label}_exit_code: {r['rc']}")
+    print(f"{label}_partitions: {len(keys)}  prompts: {args.prompts}  servers: {args.servers} x {args.slots} slots  "
           f"{args.tok_per_s} tok/s/slot  start-up {args.startup_s} s  speed x{args.speed}")
-    print(f"base_server_starts: {r['starts']} (goal {args.servers})")
-    print(f"base_requests: {len([e for e in r['events'] if e['ev'] == 'recv'])}")
-    print(f"base_generated_tokens: {r['tokens']}")
-    print(f"base_wall_real_s: {r['wall']:.1f}  dagster_and_client_overhead_real_s: {r['wall'] - r['servers_up_real']:.1f}")
-    print(f"base_wall_simulated_s: {wall_s:.1f}")
+    print(f"{label}_server_starts: {r['starts']} (goal {args.servers})")
+    print(f"{label}_requests: {len(recv)}")
+    if tail_chunk_tokens:
+        follow_ups = [e for e in recv if e.get("continued_from")]
+        print(f"{label}_chunk_follow_ups: {len(follow_ups)}  prefix_tokens_re_sent: {sum(e['continued_from'] for e in follow_ups)} "
+              f"({sum(e['continued_from'] for e in follow_ups) / max(1, r['tokens']):.2f} per generated token)")
+        if any("prefill_tokens" in e for e in recv):
+            charged = sum(e.get("prefill_tokens") or 0 for e in follow_ups)
+            cached = sum(e.get("cached_tokens") or 0 for e in follow_ups)
+            print(f"{label}_follow_up_prefill_tokens_charged: {charged}  served_from_prefix_cache: {cached}")
+        rows = node.rows()
+        wanted = wanted_lengths(args.prompts, 4096)
+        same = sum(rows[i]["completion_tokens"] == wanted[i] and (rows[i]["finish_reason"] == "length") == (wanted[i] == 4096)
+                   for i in range(args.prompts) if i in rows)
+        print(f"{label}_rows_as_one_request_at_4096_makes: {same}/{args.prompts} (completion_tokens and finish_reason)")
+    print(f"{label}_generated_tokens: {r['tokens']}")
+    print(f"{label}_wall_real_s: {r['wall']:.1f}  dagster_and_client_overhead_real_s: {r['wall'] - r['servers_up_real']:.1f}")
+    print(f"{label}_wall_simulated_s: {wall_s:.1f}")
     eff = r["tokens"] / (capacity * args.tok_per_s * (wall_s - args.startup_s))
-    print(f"base_efficiency: {eff:.3f} (goal >= {EFFICIENCY_GOAL})")
-    print(f"base_efficiency_generation_window: {r['tokens'] / (capacity * args.tok_per_s * gen_window):.3f} "
+    print(f"{label}_efficiency: {eff:.3f} (goal >= {EFFICIENCY_GOAL})")
+    print(f"{label}_efficiency_generation_window: {r['tokens'] / (capacity * args.tok_per_s * gen_window):.3f} "
           f"(servers ready -> last row, simulated)")
-    lengths = wanted_lengths(args.prompts, 4096)
-    bound = ideal_fifo(lengths, capacity, args.tok_per_s)
-    print(f"ideal_fifo_efficiency: {bound:.3f} (same lengths, perfect "
-          "first-come scheduler, zero overhead: the bound without knowing lengths in advance)")
-    print(f"base efficiency / first-come bound ratio: {eff / bound:.3f} (no goal set; the goal above, >= {EFFICIENCY_GOAL}, "
-          f"is {'above' if bound < EFFICIENCY_GOAL else 'within'} the bound at this size)")
+    if not tail_chunk_tokens:
+        lengths = wanted_lengths(args.prompts, 4096)
+        bound = ideal_fifo(lengths, capacity, args.tok_per_s)
+        print(f"ideal_fifo_efficiency: {bound:.3f} (same lengths, perfect first-come scheduler without chunks, zero "
+              "overhead: the bound without knowing lengths in advance)")
+        print(f"{label} efficiency / first-come bound ratio: {eff / bound:.3f}")
     mats = node.materializations(keys)
     run_ids = {m[2] for m in mats.values()}
-    print(f"base_runs: {len(run_ids)}  partitions_materialized: {len(mats)}/{len(keys)}")
+    print(f"{label}_runs: {len(run_ids)}  partitions_materialized: {len(mats)}/{len(keys)}")
     end = node.run_end(next(iter(run_ids))) if len(run_ids) == 1 else None
     if end:
         rel = [(pk, (ts - end) * 1.0) for pk, (ts, _, _) in sorted(mats.items())]
-        print("base_materialization_vs_run_end_real_s: " + ", ".join(f"{pk}:{d:+.1f}" for pk, d in rel))
-        print(f"base_partitions_committed_before_run_end: {sum(d < -0.5 for _, d in rel)}/{len(rel)}")
+        print(f"{label}_materialization_vs_run_end_real_s: " + ", ".join(f"{pk}:{d:+.1f}" for pk, d in rel))
+        print(f"{label}_partitions_committed_before_run_end: {sum(d < -0.5 for _, d in rel)}/{len(rel)}")
+    if tail_chunk_tokens:
+        print(f"{label}_rows_chunked: {sum(m[1].get('tail_chunked', 0) for m in mats.values())}  "
+              f"chunk_requests: {sum(m[1].get('tail_chunk_requests', 0) for m in mats.values())} (metadata)")
     versions = {pk: m[1].get("settings") is not None for pk, m in mats.items()}
     assert all(versions.values())
     return node
@@ -440,7 +463,9 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=10)
     parser.add_argument("--speed", type=float, default=10.0, help="simulated seconds per real second")
     parser.add_argument("--resume-wait-s", type=float, default=90.0)
-    parser.add_argument("--scenarios", default="base,cap_bump,kill,server_kill")
+    parser.add_argument("--scenarios", default="base,tail,cap_bump,kill,server_kill")
+    parser.add_argument("--tail-chunk-tokens", type=int, default=512, help="scenario tail: inference.tail_chunk_tokens")
+    parser.add_argument("--tail-prompts-per-slot", type=float, default=4.0, help="scenario tail: inference.tail_prompts_per_slot")
     parser.add_argument("--keep", action="store_true", help="keep the bench directory")
     parser.add_argument("--no-cap-bump-whole", dest="cap_bump_whole", action="store_false",
                         help="skip the side-by-side cap raise that regenerates cut rows whole")
@@ -452,6 +477,8 @@ def main() -> None:
         node = None
         if "base" in chosen or "cap_bump" in chosen:
             node = scenario_base(base, args)
+        if "tail" in chosen:
+            scenario_base(base, args, "tail", args.tail_chunk_tokens)
         if "cap_bump" in chosen and node is not None:
             scenario_cap_bump(node, args)
         if "kill" in chosen:

@@ -52,6 +52,7 @@ from dflash_assets.generation.records import (
     no_good_row_message,
     row_from_result,
 )
+from dflash_assets.generation.tail_chunks import TailChunker
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
@@ -205,13 +206,14 @@ def completions(
             label = keys[0] if len(keys) == 1 else f"{keys[0]}...{keys[-1]}"
             # the target's tokenizer (for continuing cut rows) loads while the servers start, not after
             with ThreadPoolExecutor(1, thread_name_prefix="dflash-continuations") as pool_planner:
-                planned = pool_planner.submit(run.continuations, inference, todo)
+                planned = pool_planner.submit(run.plan_continuations, inference, todo)
                 with inference.serve(log_dir=storage.local_scratch("server_logs", label), settings=settings) as pool:
-                    continuing, opened, note, problem = planned.result()
+                    (continuing, opened, note, problem), (tail, tail_note, tail_problem) = planned.result()
                     run.continuing, run.continuing_rows = len(continuing), continuing
-                    if note:
-                        (context.log.warning if problem else context.log.info)(note)
-                    yield from run.generate(inference, pool, todo, opened)
+                    for line, warn in ((note, problem), (tail_note, tail_problem)):
+                        if line:
+                            (context.log.warning if warn else context.log.info)(line)
+                    yield from run.generate(inference, pool, todo, opened, tail)
     finally:
         for part in parts:
             part.journal.close()  # a clean stop syncs the journal (S3) whatever ended generation
@@ -250,6 +252,8 @@ class _RangeRun:
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
         self.failed_since_materialized: set[str] = set()  # never "kept": their status must go back to done
         self._builder = None  # the target tokenizer's SequenceBuilder (False: it did not load)
+        self._gate: tuple[str | None, bool, bool] | None = None  # continuation_gate's answer, once per run
+        self.tail: TailChunker | None = None
 
     def plan(self, pk: str, prompts: pl.DataFrame, journal, inference: InferenceServerResource) -> _Partition:
         view, existing = load_plan_rows(self.store, pk, journal)
@@ -336,11 +340,14 @@ class _RangeRun:
         return (f"range {self.keys[0]}...{self.keys[-1]}: {line}, slots {progress.in_flight}/{self.capacity}, "
                 f"{len(self.committed)}/{len(self.keys)} partitions committed")
 
-    def generate(self, inference: InferenceServerResource, pool, parts: list[_Partition], opened: bool):
+    def generate(self, inference: InferenceServerResource, pool, parts: list[_Partition], opened: bool,
+                 tail: tuple[int, bool] | None = None):
         """Stream every todo prompt of ``parts`` through one client; yield each partition's
         materialization as its last row lands (from this, the step's thread: Dagster records it at once).
         ``self.continuing_rows``, ``opened``: rows to continue rather than regenerate (:meth:`continuations`); each
-        prefix is built as its request goes out, not all at once before the run. More than
+        prefix is built as its request goes out, not all at once before the run. ``tail``: :meth:`tail_plan`'s
+        ``(chunk_tokens, opened)``: the stream's last ``tail_prompts_per_slot`` x slots fresh prompts are
+        generated in chunks (:class:`~dflash_assets.generation.tail_chunks.TailChunker`). More than
         ``max_consecutive_failures`` continuations in a row answered afresh (:data:`NOT_CONTINUED`) stop
         the run: a server that ignores ``continue_final_message`` would waste every one."""
         settings, context, continuing = self.settings, self.context, self.continuing_rows
@@ -348,25 +355,37 @@ class _RangeRun:
         self.capacity = client.concurrency
         owner = {i: part for part in parts for i in part.by_index}
         commits: queue.Queue = queue.Queue()
+        fresh_total = sum(1 for part in parts for p in part.todo if p["index"] not in continuing)
+        chunker = self.tail = None
+        if tail is not None:
+            window = min(fresh_total, max(1, round(inference.tail_prompts_per_slot * client.concurrency)))
+            chunker = self.tail = TailChunker(settings, pool.model, pool.adapt_body, tail[1], tail[0], window, fresh_total)
+            context.log.info(f"the last {window} of {fresh_total} fresh prompts are generated in chunks of {tail[0]} "
+                             f"tokens ({inference.tail_prompts_per_slot:g} per slot), each continued once every fresh "
+                             "prompt has gone out")
 
         def items():
+            position = 0
             for part in parts:
                 part.first_sent = time.monotonic()
                 for p in part.todo:
                     i = p["index"]
                     if i in continuing:
                         row = continuing[i]
-                        body = continuation_body(settings, pool.model, p["messages"], row, prefix_text(row, opened), i)
+                        body = pool.adapt_body(continuation_body(settings, pool.model, p["messages"], row, prefix_text(row, opened), i))
                     else:
-                        body = settings.request_body(pool.model, p["messages"], i)
-                    yield i, pool.adapt_body(body)
+                        position += 1
+                        body = pool.adapt_body(settings.request_body(pool.model, p["messages"], i))
+                        if chunker is not None:
+                            body = chunker.first_body(position, p, body)
+                    yield i, body
 
         results: queue.Queue = queue.Queue()
         end = object()
 
         def work() -> None:  # the client's event loop; results go to the journal writer
             try:
-                client.generate_blocking(items(), results.put)
+                client.generate_blocking(items(), results.put, chunker.follow_up if chunker is not None else None)
                 results.put(end)
             except BaseException as exc:  # noqa: BLE001 - handed to the step's thread
                 commits.put(("error", exc))
@@ -393,8 +412,10 @@ class _RangeRun:
                             continue
                         part, prior = owner[result.index], continuing.get(result.index)
                         prompt = part.by_index[result.index]
-                        row = (merge_continuation(prior, result, prompt, settings) if prior is not None
-                               else row_from_result(result, prompt, settings))
+                        row = chunker.final_row(result, prompt) if chunker is not None else None
+                        if row is None:
+                            row = (merge_continuation(prior, result, prompt, settings) if prior is not None
+                                   else row_from_result(result, prompt, settings))
                         if prior is not None:  # servers that answer continuations afresh waste every one
                             afresh_in_a_row = afresh_in_a_row + 1 if row.get("error") == NOT_CONTINUED else 0
                         by_part.setdefault(part.pk, []).append(row)
@@ -453,6 +474,9 @@ class _RangeRun:
         worker.join()
         writer.join()
         context.log.info(self.progress_line())
+        if chunker is not None:
+            context.log.info(f"{chunker.rows_chunked} prompts of the run's end were generated in chunks of "
+                             f"{chunker.chunk_tokens} tokens: {chunker.follow_ups} continuation requests")
         for fault in client.faults:
             context.log.warning(f"server fault during the run: {fault}")
 
@@ -463,15 +487,34 @@ class _RangeRun:
         whether the target's generation prompt already ends with ``<think>`` (decides each prefix's
         layout); a line for the run log (None when no row was cut by a lower cap); whether that line
         reports a problem (a warning). ``continuing`` is empty, the line saying why, when the servers
-        cannot continue (not SGLang), ``continue_truncated`` is off, or the target's tokenizer does not
-        load or render (the problem case: those rows are then regenerated whole). Safe to run in a
-        thread: it logs nothing.
+        cannot continue (:meth:`continuation_gate`). Safe to run in a thread: it logs nothing.
         """
         settings = self.settings
         found = [(p, part.existing[p["index"]]) for part in parts for p in part.todo
                  if continuable(part.existing.get(p["index"]), settings)]
         if not found:
             return {}, False, None, False
+        why_not, problem, opened = self.continuation_gate(inference, found[0][0]["messages"])
+        if why_not is not None:
+            return {}, False, f"{len(found)} rows cut by a lower cap are regenerated from their first token: {why_not}", problem
+        reused = sum(int(row["completion_tokens"]) for _, row in found)
+        return ({p["index"]: row for p, row in found}, opened,
+                f"{len(found)} rows cut by a lower cap are continued from the {reused:,} tokens they have "
+                f"(continue_final_message; max_tokens = {settings.max_output_tokens} minus each row's tokens)", False)
+
+    def plan_continuations(self, inference: InferenceServerResource, parts: list[_Partition]):
+        """:meth:`continuations` and :meth:`tail_plan`, in that order (one thread, while servers start)."""
+        found = self.continuations(inference, parts)
+        return found, self.tail_plan(inference, parts, found[0])
+
+    def continuation_gate(self, inference: InferenceServerResource, messages: list[dict]) -> tuple[str | None, bool, bool]:
+        """Whether these servers can continue a row: ``(why_not, problem, opened)``. ``why_not`` is None
+        when they can; else it says why not (``continue_truncated`` off, not SGLang, an SGLang before
+        ``continue_final_message``, a target tokenizer that does not load or render: the ``problem``
+        cases). ``opened``: the target's generation prompt (rendered for ``messages``) ends with
+        ``<think>``. Computed once per run."""
+        if self._gate is not None:
+            return self._gate
         why_not, problem, opened = None, False, False
         if not inference.continue_truncated:
             why_not = "inference.continue_truncated is false"
@@ -486,16 +529,33 @@ class _RangeRun:
             try:
                 builder = load_target_builder(inference)
                 # the generation prompt's ending is the template's, not the conversation's: render one
-                opened = builder.prompt_text(found[0][0]["messages"], settings.enable_thinking).rstrip("\n").endswith(THINK_OPEN)
+                opened = builder.prompt_text(messages, self.settings.enable_thinking).rstrip("\n").endswith(THINK_OPEN)
             except Exception as exc:  # noqa: BLE001 - any failure means: regenerate whole, and say why
                 why_not, problem = (f"the target's tokenizer did not load from {inference.tokenizer_path()} (a directory, or a "
                                     f"hub id in the local cache) or did not render ({type(exc).__name__}: {str(exc)[:200]})"), True
+        self._gate = (why_not, problem, opened)
+        return self._gate
+
+    def tail_plan(self, inference: InferenceServerResource, parts: list[_Partition],
+                  continuing: dict[int, dict]) -> tuple[tuple[int, bool] | None, str | None, bool]:
+        """Whether the end of this run is generated in chunks (``inference.tail_chunk_tokens``,
+        :mod:`dflash_assets.generation.tail_chunks`): ``((chunk_tokens, opened) or None, note, problem)``.
+        Off (None) when not configured or the sampling is not history-free; not possible (a warning)
+        when the servers cannot continue. ``continuing``: :meth:`continuations`' rows (not chunked: they
+        are continued whole). Safe to run in a thread: it logs nothing."""
+        settings, chunk = self.settings, inference.tail_chunk_tokens
+        if not chunk or chunk >= settings.max_output_tokens:
+            return None, None, False
+        if settings.presence_penalty != 0.0 or settings.repetition_penalty != 1.0 or settings.seed is not None:
+            return None, ("inference.tail_chunk_tokens is ignored: a seed or a presence/repetition penalty makes a "
+                          "continued row differ from one generated whole"), False
+        fresh = [p for part in parts for p in part.todo if p["index"] not in continuing]
+        if not fresh:
+            return None, None, False
+        why_not, problem, opened = self.continuation_gate(inference, fresh[0]["messages"])
         if why_not is not None:
-            return {}, False, f"{len(found)} rows cut by a lower cap are regenerated from their first token: {why_not}", problem
-        reused = sum(int(row["completion_tokens"]) for _, row in found)
-        return ({p["index"]: row for p, row in found}, opened,
-                f"{len(found)} rows cut by a lower cap are continued from the {reused:,} tokens they have "
-                f"(continue_final_message; max_tokens = {settings.max_output_tokens} minus each row's tokens)", False)
+            return None, f"inference.tail_chunk_tokens is not used: {why_not}", True
+        return (chunk, opened), None, False
 
     def commit(self, part: _Partition):
         """Write ``part``'s table (atomic), drop its journal, and yield its materialization: an
@@ -535,6 +595,9 @@ class _RangeRun:
             # this run's and earlier runs' (one killed mid-raise, say): the table's own count
             "continued_in_table": int((frame["continued_from_tokens"] > 0).sum()),
             "cut_to_lowered_cap": part.cut,
+            # rows of the run's end generated in chunks (inference.tail_chunk_tokens), and their requests
+            "tail_chunked": sum(1 for r in rows if r.get("tail_chunks")),
+            "tail_chunk_requests": sum(r.get("tail_chunks") or 0 for r in rows),
             "output_tokens_generated": tokens,
             "max_output_tokens": self.settings.max_output_tokens,
             "settings": self.settings.model_dump(),

@@ -19,6 +19,9 @@ Design choices, each answering a failure seen in hand-run generation:
   out: its in-flight requests are cancelled and re-sent at once to the others, and the supervisor
   restarts it (sglang) or re-probes it until it answers (external). Each fault is kept in
   :attr:`CompletionClient.faults`.
+- Follow-ups (``generate(..., follow_up=)``): a reply may be answered with another request for the same
+  row (the next chunk of a sequence generated in parts). Follow-ups go out after every fresh item has,
+  to the server that made the part before when it has a free slot (its prefix cache holds that part).
 - The API key only ever goes into the ``Authorization`` header; it is scrubbed from every error
   string, log line and result.
 
@@ -28,6 +31,7 @@ No Dagster imports: the asset wraps this and logs :meth:`CompletionClient.progre
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -447,11 +451,17 @@ class CompletionClient:
             return fields
         return {k: redact(v, self._api_key) if isinstance(v, str) else v for k, v in fields.items()}
 
-    def _pick_server(self) -> _Server:
-        """Least in-flight server among those not being avoided; ties rotate."""
+    def _pick_server(self, prefer: str | None = None) -> _Server:
+        """Least in-flight server among those not being avoided; ties rotate. ``prefer`` (a label): that
+        server when it is up, not avoided, and below its share of ``concurrency``."""
         now = time.monotonic()
         up = [s for s in self._servers if s.down_reason is None] or self._servers
         candidates = [s for s in up if s.avoid_until <= now]
+        if prefer is not None:
+            share = max(1, self.concurrency // len(self._servers))
+            chosen = next((s for s in candidates if s.label == prefer and s.down_reason is None and s.in_flight < share), None)
+            if chosen is not None:
+                return chosen
         if not candidates:  # every server recently failed: take the one that comes back first
             return min(up, key=lambda s: (s.avoid_until, s.in_flight))
         if len(candidates) == 1:
@@ -465,12 +475,14 @@ class CompletionClient:
         pause = min(self.backoff_max_s, self.backoff_base_s * 2 ** (server.recent_faults - 1))
         server.avoid_until = time.monotonic() + pause
 
-    async def _attempt(self, http: httpx.AsyncHTTPTransport, payload: bytes) -> tuple[dict[str, Any], _Server]:
-        """One HTTP attempt on the least-loaded server; raises :class:`_AttemptError` on any failure."""
+    async def _attempt(self, http: httpx.AsyncHTTPTransport, payload: bytes,
+                       prefer: str | None = None) -> tuple[dict[str, Any], _Server]:
+        """One HTTP attempt on the least-loaded server (or ``prefer``, see :meth:`_pick_server`); raises
+        :class:`_AttemptError` on any failure."""
         while (self.supervisor is not None and getattr(self.supervisor, "can_restart", False) and not self._stopping
                and all(s.down_reason is not None for s in self._servers) and any(s.recovering for s in self._servers)):
             await asyncio.sleep(0.1)  # every server is being restarted: wait for one rather than fail rows
-        server = self._pick_server()
+        server = self._pick_server(prefer)
         if server.in_flight == 0:
             server.last_progress = time.monotonic()  # busy from now: the stall clock starts
         server.in_flight += 1
@@ -546,8 +558,10 @@ class CompletionClient:
         finally:
             server.in_flight -= 1
 
-    async def _request(self, http: httpx.AsyncHTTPTransport, index: int, body: dict[str, Any]) -> CompletionResult:
-        """All attempts for one row; never raises for request failures (they become ``error``)."""
+    async def _request(self, http: httpx.AsyncHTTPTransport, index: int, body: dict[str, Any],
+                       prefer: str | None = None) -> CompletionResult:
+        """All attempts for one row; never raises for request failures (they become ``error``). The first
+        attempt goes to ``prefer`` when it can take it (:meth:`_pick_server`), retries to any server."""
         start = time.monotonic()
         payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
         attempts = 0
@@ -595,7 +609,7 @@ class CompletionClient:
                         )
                     attempts += 1
                     try:
-                        fields, server = await self._attempt(http, payload)
+                        fields, server = await self._attempt(http, payload, prefer if attempts == 1 else None)
                     except _AttemptError as exc:
                         last_error = exc
                         raise
@@ -733,6 +747,7 @@ class CompletionClient:
         self,
         items: Iterable[tuple[int, dict[str, Any]]],
         on_result: Callable[[CompletionResult], None],
+        follow_up: Callable[[CompletionResult], dict[str, Any] | None] | None = None,
     ) -> GenerationProgress:
         """Send every ``(index, body)`` item and call ``on_result`` as each row finishes (completion order).
 
@@ -742,18 +757,63 @@ class CompletionClient:
                 millions of rows is fine; at most ``concurrency`` rows are in flight.
             on_result: sync callback, called once per item that was started (success or final failure),
                 on the event loop thread; keep it quick (an fsync'd journal append is fine).
+            follow_up: sync callback on the event loop thread, called with each request's result before
+                ``on_result``; returning a body sends it as the next request for the same row instead of
+                delivering the result (the row's next chunk), returning None delivers it. Follow-ups go
+                out once ``items`` is exhausted, oldest first, each to the server that answered the
+                request before it when that one has a free slot. A follow-up wanted while generation is
+                stopping is neither sent nor delivered (the row counts as not done, like one in flight).
 
         Returns:
-            the final :class:`GenerationProgress`.
+            the final :class:`GenerationProgress` (``output_tokens`` counts every request's tokens,
+            follow-ups' included).
 
         Raises:
             TooManyFailuresError: ``max_consecutive_failures`` rows failed in a row; raised after the rows
                 in flight finished and were delivered. Items not yet started are not sent.
-            Exception: whatever ``on_result`` raised; the other rows in flight are then cancelled
-                (their results could not be recorded either).
+            Exception: whatever ``on_result`` or ``follow_up`` raised; the other rows in flight are then
+                cancelled (their results could not be recorded either).
         """
         self._reset_counters()
         iterator = iter(items)
+        # follow-ups to send, per server that made the part before: (sequence, index, body)
+        pending: dict[str, collections.deque[tuple[int, int, dict[str, Any]]]] = collections.defaultdict(collections.deque)
+        queued = itertools.count()
+        fresh_left = True
+        # Workers with nothing to send wait here until no request is left in flight (the run's end) or
+        # generation stops; a follow-up is sent by a worker whose request just ended, so none waits on it.
+        changed = asyncio.Condition()
+
+        def take_follow_up(freed: str | None) -> tuple[int, dict[str, Any], str] | None:
+            """The follow-up for the server whose slot was just freed, else the oldest one."""
+            lane = pending.get(freed) if freed is not None else None
+            if not lane:
+                heads = [(q[0][0], label) for label, q in pending.items() if q]
+                if not heads:
+                    return None
+                freed = min(heads)[1]
+                lane = pending[freed]
+            _, index, body = lane.popleft()
+            return index, body, freed
+
+        async def next_item(freed: str | None) -> tuple[int, dict[str, Any], str | None] | None:
+            nonlocal fresh_left
+            while not self._stopping:
+                if fresh_left:
+                    try:
+                        index, body = next(iterator)
+                        return index, body, None
+                    except StopIteration:
+                        fresh_left = False
+                item = take_follow_up(freed)
+                if item is not None:
+                    return item
+                if follow_up is None or self._rows_in_flight == 0:
+                    return None  # nothing left, and no request in flight that could ask for more
+                async with changed:
+                    await changed.wait()
+            return None
+
         # One small transport (connection pool) per worker ("lane"): a worker has at most one request
         # in flight, so its pool never queues. A single shared httpcore pool re-scans every connection
         # for each request and hands one idle connection to several queued requests at once, which
@@ -764,24 +824,39 @@ class CompletionClient:
 
         async def worker() -> None:
             async with httpx.AsyncHTTPTransport(verify=ssl_context, limits=limits, retries=0) as http:
+                freed = None  # the server this worker's last request ended on
                 while not self._stopping:
-                    try:
-                        index, body = next(iterator)
-                    except StopIteration:
-                        return
+                    item = await next_item(freed)
+                    if item is None:
+                        break
+                    index, body, prefer = item
                     self._rows_in_flight += 1
                     try:
-                        result = await self._request(http, index, body)
+                        result = await self._request(http, index, body, prefer)
                     finally:
                         self._rows_in_flight -= 1
+                    freed = result.server
                     if self._callback_failed:
-                        return  # another worker's on_result raised: the run is being aborted
+                        return  # another worker's callback raised: the run is being aborted
                     try:
-                        on_result(result)
+                        following = follow_up(result) if follow_up is not None else None
+                        if following is None:
+                            on_result(result)
                     except BaseException:
                         self._callback_failed = self._stopping = True
                         raise
-                    self._record(result)
+                    if following is None:
+                        self._record(result)
+                    elif not self._stopping:
+                        # this worker sends it next itself (its server has the slot just freed): no wake-up
+                        self._output_tokens += result.completion_tokens or 0
+                        pending[result.server].append((next(queued), index, following))
+                    if follow_up is not None and (self._stopping or (self._rows_in_flight == 0 and not any(pending.values()))):
+                        async with changed:  # nothing more can come: the waiting workers may end
+                            changed.notify_all()
+            if follow_up is not None:
+                async with changed:
+                    changed.notify_all()
 
         workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
         self._loop = asyncio.get_running_loop()
@@ -809,6 +884,7 @@ class CompletionClient:
         self,
         items: Iterable[tuple[int, dict[str, Any]]],
         on_result: Callable[[CompletionResult], None],
+        follow_up: Callable[[CompletionResult], dict[str, Any] | None] | None = None,
     ) -> GenerationProgress:
         """:meth:`generate` for synchronous callers (a Dagster asset body): runs it on a fresh event loop,
         uvloop's when installed (it comes with ``uvicorn[standard]``; ~15% less client CPU per request).
@@ -822,7 +898,7 @@ class CompletionClient:
         except ImportError:
             loop_factory = None
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return run_interruptibly(runner, self.generate(items, on_result))
+            return run_interruptibly(runner, self.generate(items, on_result, follow_up))
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

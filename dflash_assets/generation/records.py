@@ -39,9 +39,11 @@ COMPLETIONS_SCHEMA = {
     "continued_from_tokens": pl.Int64,
     # tokens this row had before a lower cap cut it locally to its first max_output_tokens (0: not cut)
     "cut_from_tokens": pl.Int64,
+    # requests that made this row when the end of a run generated it in chunks (inference.tail_chunk_tokens; 0: one)
+    "tail_chunks": pl.Int64,
 }
 #: Counts that rows made before the column existed read as 0.
-_ZERO_IF_MISSING = ("continued_from_tokens", "cut_from_tokens")
+_ZERO_IF_MISSING = ("continued_from_tokens", "cut_from_tokens", "tail_chunks")
 
 
 def split_reasoning(content: str | None, reasoning_content: str | None) -> tuple[str | None, str, bool]:
@@ -117,6 +119,7 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
         "error": result.error,
         "continued_from_tokens": 0,
         "cut_from_tokens": 0,
+        "tail_chunks": 0,
     }
 
 

@@ -1,0 +1,160 @@
+"""The end of a run generated in chunks (``inference.tail_chunk_tokens``): each chunked row is the row one
+request at the cap makes, the follow-ups go out only after every fresh prompt, and the metadata says
+which rows were chunked.
+
+References: the GPU-node simulator's own one-request reply (``sglang_stub.reply_fields``, one length per
+prompt) for the row, and a run without chunking over the same prompts for the tables.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from dflash_assets.assets.completions import _RangeRun
+from dflash_assets.assets.prompts import CORPUS_FILE
+from dflash_assets.generation.records import row_from_result
+from dflash_assets.generation.tail_chunks import TailChunker
+from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.settings import GenerationSettings
+from dflash_assets.simulation.sglang_stub import drawn_length, reply_fields
+from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
+from dflash_assets_tests.test_completions_asset import write_corpus
+from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim
+
+PROMPT = {"index": 3, "prompt_id": "t:3", "source": "t", "messages": [{"role": "user", "content": "prompt 3"}]}
+FIELDS = ("reasoning_content", "content", "finish_reason", "completion_tokens", "truncated_in_reasoning", "empty_answer")
+
+
+def result_of(fields: dict, index: int = 3, server: str = "http://s") -> SimpleNamespace:
+    return SimpleNamespace(index=index, content=fields["content"], reasoning_content=fields["reasoning_content"],
+                           finish_reason=fields["finish_reason"], prompt_tokens=10,
+                           completion_tokens=fields["completion_tokens"], output_token_ids=None,
+                           latency_s=0.1, server=server, attempts=1, error=None)
+
+
+@pytest.mark.parametrize("length", [
+    30,    # done within the first chunk: one request, no follow-up
+    100,   # thinking closes at 90, inside the third chunk
+    72,    # thinking (65 tokens) closes inside the second chunk
+    64,    # exactly two chunks
+    93,    # thinking closes at 84... the answer straddles the last seam
+    300,   # still thinking at the cap (cap 256): length
+    283,   # thinking closes at 255, one token before the cap
+])
+def test_a_chunked_row_is_the_row_one_request_at_the_cap_makes(length):
+    cap, chunk = 256, 32
+    settings = GenerationSettings(max_output_tokens=cap)
+    chunker = TailChunker(settings, "m", dict, opened=False, chunk_tokens=chunk, window_rows=1, total_rows=1)
+    body = chunker.first_body(1, PROMPT, settings.request_body("m", PROMPT["messages"], 3))
+    assert body["max_tokens"] == chunk
+    done, requests = 0, 1
+    while True:
+        reply = reply_fields(length, body["max_tokens"], done, raw=done > 0)  # continuations ask for raw text
+        result = result_of(reply)
+        following = chunker.follow_up(result)
+        if following is None:
+            break
+        requests += 1
+        done += reply["completion_tokens"]
+        prefix = following["messages"][-1]["content"]
+        assert following["continue_final_message"] and sum(w in ("t", "a") for w in prefix.split()) == done
+        assert following["max_tokens"] == min(chunk, cap - done)
+        body = following
+    row = chunker.final_row(result, PROMPT)
+    want = row_from_result(result_of(reply_fields(length, cap)), PROMPT, settings)
+    assert {k: row[k] for k in FIELDS} == {k: want[k] for k in FIELDS}
+    assert requests == math.ceil(min(length, cap) / chunk)
+    assert row["tail_chunks"] == (requests if requests > 1 else 0) and row["continued_from_tokens"] == 0
+    assert chunker.follow_ups == requests - 1
+
+
+def test_only_the_window_is_chunked_and_a_chunk_at_or_above_the_cap_chunks_nothing():
+    settings = GenerationSettings(max_output_tokens=100)
+    chunker = TailChunker(settings, "m", dict, opened=False, chunk_tokens=40, window_rows=3, total_rows=10)
+    caps = [chunker.first_body(k, {**PROMPT, "index": k}, {"max_tokens": 100})["max_tokens"] for k in range(1, 11)]
+    assert caps == [100] * 7 + [40] * 3
+    off = TailChunker(settings, "m", dict, opened=False, chunk_tokens=100, window_rows=10, total_rows=10)
+    assert off.first_body(5, PROMPT, {"max_tokens": 100}) == {"max_tokens": 100} and off.rows_chunked == 0
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"seed": 7}, "makes a continued row differ"),
+    ({"presence_penalty": 0.5}, "makes a continued row differ"),
+])
+def test_tail_chunking_is_off_for_sampling_that_is_not_history_free(change, why, tmp_path):
+    settings = GenerationSettings(max_output_tokens=256, **change)
+    run = _RangeRun(None, None, settings, ["k"])
+    part = SimpleNamespace(todo=[PROMPT])
+    inference = InferenceServerResource(mode="sglang", model_path=str(write_thinking_tokenizer(tmp_path / "m", False)),
+                                        tail_chunk_tokens=32)
+    plan, note, problem = run.tail_plan(inference, [part], {})
+    assert plan is None and why in note and not problem
+    # and with history-free sampling the same config chunks, with the template's layout
+    run = _RangeRun(None, None, GenerationSettings(max_output_tokens=256), ["k"])
+    assert run.tail_plan(inference, [part], {}) == ((32, False), None, False)
+    no_continue = inference.model_copy(update={"continue_truncated": False})
+    plan, note, problem = _RangeRun(None, None, GenerationSettings(max_output_tokens=256), ["k"]).tail_plan(no_continue, [part], {})
+    assert plan is None and "continue_truncated is false" in note and problem
+
+
+def test_a_range_run_with_tail_chunking_makes_the_same_tables_and_sends_follow_ups_last(tmp_path, monkeypatch):
+    """Through the real asset and the GPU-node simulator: 24 prompts, 2 servers x 3 slots, the last
+    2 x 6 = 12 chunked at 40 tokens. The tables equal a run without chunking in every text and count;
+    each chunked prompt was sent ceil(min(length, cap) / 40) times, continuing from 40 k tokens; no
+    follow-up left before the last fresh prompt; metadata counts the chunked rows and all their tokens."""
+    monkeypatch.setenv("DFLASH_SERVER_REGISTRY", str(tmp_path / "registry"))
+    model = write_thinking_tokenizer(tmp_path / "target", opens_think=False)
+    cap, chunk = 256, 40
+    prompts = [f"prompt {i}" for i in range(24)]
+    root, plain_root = tmp_path / "data", tmp_path / "plain"
+    (tmp_path / "p").mkdir()
+    with dg.instance_for_test() as instance:
+        keys = write_corpus(instance, root, prompts, partition_size=8)
+        chunked = sglang_sim(tmp_path, 2, 3, model_path=str(model), tail_chunk_tokens=chunk, tail_prompts_per_slot=2.0)
+        result = range_materialize(instance, root, keys, chunked, cap=cap)
+        assert result.success
+        plain_keys = write_corpus(instance, plain_root, prompts, partition_size=8)
+        assert range_materialize(instance, plain_root, plain_keys, sglang_sim(tmp_path / "p", 2, 3, model_path=str(model)), cap=cap).success
+        log = [e.user_message for e in instance.all_logs(result.run_id)]
+    got = pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys]).sort("index")
+    plain = pl.concat([pl.read_parquet(plain_root / "completions" / f"{pk}.parquet") for pk in plain_keys]).sort("index")
+    assert got.select(FIELDS).to_dicts() == plain.select(FIELDS).to_dicts()
+
+    corpus = {r["index"]: r for r in pl.read_parquet(root.joinpath(*CORPUS_FILE)).iter_rows(named=True)}
+    length = {i: min(drawn_length(r["messages"], 120, 0.5), cap) for i, r in corpus.items()}  # the simulator's draw
+    window = set(sorted(corpus)[-12:])
+    want_chunks = {i: math.ceil(length[i] / chunk) if i in window else 1 for i in corpus}
+    assert sum(n > 1 for n in want_chunks.values()) >= 6  # the test means something: most of the window is long
+    assert dict(zip(got["index"], got["tail_chunks"])) == {i: n if n > 1 else 0 for i, n in want_chunks.items()}
+    assert got["continued_from_tokens"].to_list() == [0] * 24
+
+    events = [e for e in map(json.loads, (tmp_path / "requests.jsonl").read_text().splitlines())
+              if e["ev"] == "recv" and e["key"].startswith("prompt")]
+    sent: dict[int, list[dict]] = {}
+    for e in events:
+        sent.setdefault(int(e["key"].split()[1]), []).append(e)
+    assert {corpus_index(corpus, k): len(v) for k, v in sent.items()} == want_chunks
+    for k, chain in sent.items():
+        assert [e["continued_from"] for e in chain] == [chunk * j for j in range(len(chain))]
+    fresh = [e for e in events if e["continued_from"] == 0]
+    follow_ups = [e for e in events if e["continued_from"] > 0]
+    assert follow_ups and min(e["t"] for e in follow_ups) >= max(e["t"] for e in fresh)
+
+    metas = {m.partition: {k: getattr(v, "value", v) for k, v in m.metadata.items()}
+             for m in result.asset_materializations_for_node("completions")}
+    assert sum(m["tail_chunked"] for m in metas.values()) == sum(n > 1 for n in want_chunks.values())
+    assert sum(m["tail_chunk_requests"] for m in metas.values()) == sum(n for n in want_chunks.values() if n > 1)
+    assert sum(m["output_tokens_generated"] for m in metas.values()) == sum(length.values())
+    assert sum(m["continued"] for m in metas.values()) == 0
+    assert any("generated in chunks of 40 tokens" in m for m in log)
+
+
+def corpus_index(corpus: dict[int, dict], prompt_number: int) -> int:
+    """The corpus index of the bench prompt ``prompt <n>`` (write_corpus keeps the order)."""
+    return sorted(corpus)[prompt_number]
