@@ -112,7 +112,8 @@ def test_cold_continuation_pays_its_prefix_at_the_prefill_rate_and_a_free_prefil
     assert slow - fast <= expected + SLACK
     assert fast < expected / 2
     (admitted,) = charged.events("prefill", "prompt-a")
-    assert (admitted["prefill_tokens"], admitted["cached_tokens"], admitted["continued_from"]) == (prefix + PROMPT_TOKENS, 0, prefix)
+    charged_as = (admitted["prefill_tokens"], admitted["cached_tokens"], admitted["continued_from"])
+    assert charged_as == (prefix + PROMPT_TOKENS, 0, prefix)
     (recv,) = charged.events("recv", "prompt-a")
     assert recv["continued_from"] == prefix and recv["prefix_head"] == "t t t t t t " and recv["max_tokens"] == 10
 

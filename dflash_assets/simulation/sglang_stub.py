@@ -266,7 +266,8 @@ class Simulator:
             self.log_request(ev="prefill", key=key, max_tokens=max_tokens, continued_from=done,
                              prefill_tokens=prefill_tokens, cached_tokens=cached)
             # the slot is held for the prefill, then completion_tokens / per-slot rate of unstalled decode
-            work = asyncio.ensure_future(self.run_request(prefill_tokens, fields["completion_tokens"] / self.args.sim_decode_tok_per_s))
+            decode_s = fields["completion_tokens"] / self.args.sim_decode_tok_per_s
+            work = asyncio.ensure_future(self.run_request(prefill_tokens, decode_s))
             hang = asyncio.ensure_future(self.hung.wait())
             await asyncio.wait({work, hang}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
@@ -278,7 +279,8 @@ class Simulator:
         self.finished += 1
         if self.args.sim_hang_after and self.finished >= self.args.sim_hang_after:
             self.hang()
-        self.log_request(ev="done", key=key, max_tokens=max_tokens, tokens=fields["completion_tokens"], stalled_s=round(stalled, 6))
+        self.log_request(ev="done", key=key, max_tokens=max_tokens, tokens=fields["completion_tokens"],
+                         stalled_s=round(stalled, 6))
         return {
             "id": f"sim-{self.finished}",
             "object": "chat.completion",
@@ -349,10 +351,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sim-startup-s", type=float, default=180.0, help="simulated seconds until the port opens")
     p.add_argument("--sim-decode-tok-per-s", type=float, default=87.5, help="decode rate of one slot, simulated tok/s")
     p.add_argument("--sim-prefill-tok-per-s", type=float, default=9000.0,
-                   help="prefill rate of the server, simulated tok/s (default: a ~27B dense model, 2 x 27e9 FLOP "
+                   help="prefill rate of the server, simulated tok/s (default 9000: a ~27B dense model, 2 x 27e9 FLOP "
                         "per token, at ~50%% of an H200's ~990 bf16 TFLOPS); decodes stall while it runs; 0: free")
     p.add_argument("--sim-kv-cache-tokens", type=int, default=270000,
-                   help="KV pool of the radix cache, tokens (default: ~70 GB at ~256 KB per token, a Qwen3-32B-class "
+                   help="KV pool of the radix cache, tokens (default 270000: ~70 GB at ~256 KB per token, a Qwen3-32B-class "
                         "model: 64 layers x 8 KV heads x 128 x K and V x bf16)")
     p.add_argument("--sim-speed", type=float, default=1.0, help="simulated seconds per real second")
     p.add_argument("--sim-median-tokens", type=float, default=1970.0)
