@@ -20,6 +20,21 @@ What it simulates, all in *simulated seconds* divided by ``--sim-speed`` to get 
   is left out of the length draw (so the sequence keeps its one length), its tokens (words) count as
   done, and only the rest is generated, under ``max_tokens``. With ``separate_reasoning: false`` the reply
   is the raw text (``</think>`` where the thinking closes) in ``message.content``;
+- prefill: a request's uncached prompt tokens (``usage.prompt_tokens`` plus a continued prefix's tokens)
+  are computed at ``--sim-prefill-tok-per-s`` (default 9,000 tok/s: a ~27B dense model, 2 x 27e9 FLOP
+  per token, at ~50% of an H200's ~990 bf16 TFLOPS) before its decode starts, one prefill at a time per
+  server, holding the request's slot; while a prefill runs every decoding request on the server is
+  stalled (SGLang runs a prefill batch between decode steps), so a request decoding for D simulated
+  seconds finishes after D seconds *not* spent in prefills. ``0``: prefill is free;
+- a radix (prefix) cache: finished sequences are kept per server, keyed by the conversation without the
+  continued prefix; a request whose conversation is cached gets its prompt and up to the cached
+  generated tokens of its prefix as hits, and only the rest is prefilled (no sharing across
+  conversations, e.g. a common system prompt: conservative). The pool, ``--sim-kv-cache-tokens``
+  (default 270,000: ~70 GB of KV at ~256 KB per token for a Qwen3-32B-class model, 64 layers x 8 KV
+  heads x 128 x K and V x bf16), holds the cached sequences and the running requests (prompt + prefix
+  + their ``completion_tokens``); cached sequences are evicted least-recently-used when it overflows
+  (a hit takes the sequence out while it runs and puts it back, most recent, when it finishes). The
+  pool bounds only what stays cached: admission is by slots alone;
 - routes ``POST /v1/chat/completions``, ``GET /v1/models``, ``/health``, ``/health_generate``.
 
 Faults on demand: ``--sim-ignore-continue`` answers continuations afresh (an SGLang before 0.4.4); SIGUSR1 makes it hang (``/health`` keeps answering 200, no request finishes, and
@@ -29,6 +44,9 @@ N finished requests; kill -9 is a dead server.
 Bookkeeping for benches: every start appends one line to ``--sim-starts-file``; every request arrival
 and finish appends one JSON line to ``--sim-request-log`` (``{"ev": "recv"|"done", "key", "max_tokens",
 "tokens", "t"}``, plus ``continued_from`` (prefix tokens) and ``prefix_head`` (its first characters) on ``recv``; ``key`` = the last user message, which the benches make the prompt's id).
+Admission (the request gets its slot; the cache is looked up then) appends ``{"ev": "prefill", "key",
+"max_tokens", "continued_from", "prefill_tokens" (uncached, charged), "cached_tokens", "t"}``; ``done``
+also carries ``stalled_s``, the simulated seconds its decode waited for other requests' prefills.
 
 Stdlib only (asyncio streams, HTTP/1.1 keep-alive with Content-Length bodies).
 """
@@ -44,6 +62,7 @@ import os
 import signal
 import sys
 import time
+from collections import OrderedDict
 from statistics import NormalDist
 from typing import Any
 
@@ -94,8 +113,63 @@ def reply_fields(length: int, max_tokens: int, done: int = 0, raw: bool = False)
     return {**fields, "reasoning_content": "t " * thinking, "content": "a " * answering if answering else None}
 
 
+def prompt_tokens_of(messages: Any) -> int:
+    """``usage.prompt_tokens`` of ``messages``: their contents' words + 5 (the chat template's tokens)."""
+    return sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict)) + 5
+
+
+class RadixCache:
+    """The KV pool of one server as the simulator sees it: finished sequences kept whole, keyed by their
+    conversation (without the continued prefix), evicted least-recently-used when the cached tokens plus
+    the running requests' reserved tokens exceed ``capacity`` tokens.
+
+    No partial matches across conversations (a shared system prompt is not shared): conservative.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.running = 0  # tokens reserved by admitted requests (prompt + prefix + completion_tokens)
+        self._cached = 0
+        self._generated: OrderedDict[str, int] = OrderedDict()  # key -> generated tokens held, oldest first
+        self._prompt: dict[str, int] = {}  # key -> prompt tokens of that sequence
+
+    def admit(self, key: str, prompt_tokens: int, done: int, completion_tokens: int) -> tuple[int, int, int]:
+        """A request of ``prompt_tokens`` + ``done`` prefix tokens, generating ``completion_tokens``, gets
+        its slot: reserves its whole sequence, evicts, and returns ``(cached_tokens, prefill_tokens,
+        held)``: a hit gets ``prompt_tokens + min(done, held)`` cached, ``held`` being the generated tokens
+        of the cached sequence, which it takes out while it runs (SGLang locks it; pass ``held`` back to
+        :meth:`finish`)."""
+        held = self._generated.pop(key, None)
+        if held is None:
+            held, cached = 0, 0
+        else:
+            self._cached -= self._prompt.pop(key) + held
+            cached = prompt_tokens + min(done, held)
+        self.running += prompt_tokens + done + completion_tokens
+        self._evict()
+        return cached, prompt_tokens + done - cached, held
+
+    def finish(self, key: str, prompt_tokens: int, done: int, completion_tokens: int, held: int = 0) -> None:
+        """The admitted request finished: its sequence (or the longer one it took out, ``held``
+        generated tokens) is cached, most recent, and its reservation released."""
+        self.running -= prompt_tokens + done + completion_tokens
+        old = self._generated.pop(key, None)
+        if old is not None:  # the same conversation finished twice at once: keep one
+            self._cached -= self._prompt.pop(key) + old
+        generated = max(done + completion_tokens, held, old or 0)
+        self._generated[key], self._prompt[key] = generated, prompt_tokens
+        self._cached += prompt_tokens + generated
+        self._evict()
+
+    def _evict(self) -> None:
+        while self._generated and self._cached + self.running > self.capacity:
+            key, generated = self._generated.popitem(last=False)
+            self._cached -= self._prompt.pop(key) + generated
+
+
 class Simulator:
-    """State of one simulated server: slots, clock scaling, hang switch, logs."""
+    """State of one simulated server: slots, clock scaling, prefill lock and stall clock, radix cache,
+    hang switch, logs."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -104,10 +178,59 @@ class Simulator:
         self.ready = False
         self.hung = asyncio.Event()
         self.finished = 0
+        self.cache = RadixCache(args.sim_kv_cache_tokens)
+        self._prefill_lock = asyncio.Lock()
+        self._stall_s = 0.0  # simulated seconds of prefills finished on this server, all requests
+        self._prefill_since: float | None = None  # time.monotonic() when the running prefill began
+        self._prefill_s = 0.0  # simulated seconds the running prefill takes
+        self._no_prefill = asyncio.Event()
+        self._no_prefill.set()
         self._request_log = open(args.sim_request_log, "a", buffering=1) if args.sim_request_log else None
 
     def real(self, sim_seconds: float) -> float:
         return sim_seconds / self.speed
+
+    def stalled_s(self) -> float:
+        """Simulated seconds this server has spent in prefills so far (the running one as far as it got).
+        Counted at their nominal length: event-loop lateness (times ``--sim-speed``) is no stall."""
+        if self._prefill_since is None:
+            return self._stall_s
+        return self._stall_s + min(self._prefill_s, (time.monotonic() - self._prefill_since) * self.speed)
+
+    async def prefill(self, tokens: int) -> None:
+        """Compute ``tokens`` uncached prompt tokens at ``--sim-prefill-tok-per-s``, one prefill at a time.
+        Taken even for 0 tokens, so a decode never starts in the middle of another request's prefill."""
+        async with self._prefill_lock:
+            self._prefill_since, self._prefill_s = time.monotonic(), tokens / self.args.sim_prefill_tok_per_s
+            self._no_prefill.clear()
+            try:
+                await asyncio.sleep(self.real(self._prefill_s))
+            finally:
+                self._stall_s = self.stalled_s()
+                self._prefill_since = None
+                self._no_prefill.set()
+
+    async def decode(self, sim_seconds: float) -> float:
+        """Wait until ``sim_seconds`` simulated seconds have passed outside other requests' prefills
+        (started after this decode); returns the simulated seconds stalled."""
+        start, stall0 = time.monotonic(), self.stalled_s()
+        while True:
+            if self._prefill_since is not None:  # stalled until it ends (then perhaps by the next one)
+                await self._no_prefill.wait()
+                continue
+            stalled = self.stalled_s() - stall0
+            left = sim_seconds - ((time.monotonic() - start) * self.speed - stalled)
+            if left <= 0:
+                return stalled
+            await asyncio.sleep(self.real(left))
+
+    async def run_request(self, prefill_tokens: int, decode_s: float) -> float:
+        """Prefill (unless free) then decode; returns the simulated seconds the decode was stalled."""
+        if self.args.sim_prefill_tok_per_s > 0:
+            await self.prefill(prefill_tokens)
+            return await self.decode(decode_s)
+        await asyncio.sleep(self.real(decode_s))
+        return 0.0
 
     def log_request(self, **fields: Any) -> None:
         if self._request_log is not None:
@@ -133,22 +256,31 @@ class Simulator:
         self.log_request(ev="recv", key=key, max_tokens=max_tokens, continued_from=done,
                          prefix_head=None if prefix is None else prefix[:12])
         fields = reply_fields(length, int(max_tokens), done, raw=body.get("separate_reasoning") is False)
+        prompt_tokens = prompt_tokens_of(messages)
+        conversation = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+        sequence = (conversation, prompt_tokens, done, fields["completion_tokens"])
         async with self.slots:
             if self.hung.is_set():
                 await asyncio.Event().wait()
-            # decoding: the slot is held for completion_tokens / per-slot rate (simulated seconds)
-            done = asyncio.ensure_future(asyncio.sleep(self.real(fields["completion_tokens"] / self.args.sim_decode_tok_per_s)))
+            cached, prefill_tokens, held = self.cache.admit(*sequence)
+            self.log_request(ev="prefill", key=key, max_tokens=max_tokens, continued_from=done,
+                             prefill_tokens=prefill_tokens, cached_tokens=cached)
+            # the slot is held for the prefill, then completion_tokens / per-slot rate of unstalled decode
+            decode_s = fields["completion_tokens"] / self.args.sim_decode_tok_per_s
+            work = asyncio.ensure_future(self.run_request(prefill_tokens, decode_s))
             hang = asyncio.ensure_future(self.hung.wait())
-            await asyncio.wait({done, hang}, return_when=asyncio.FIRST_COMPLETED)
-            if not done.done():
-                done.cancel()
+            await asyncio.wait({work, hang}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
                 await asyncio.Event().wait()  # hung: never finishes
             hang.cancel()
+            stalled = work.result()
+            self.cache.finish(*sequence, held=held)
         self.finished += 1
         if self.args.sim_hang_after and self.finished >= self.args.sim_hang_after:
             self.hang()
-        self.log_request(ev="done", key=key, max_tokens=max_tokens, tokens=fields["completion_tokens"])
-        prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict)) + 5
+        self.log_request(ev="done", key=key, max_tokens=max_tokens, tokens=fields["completion_tokens"],
+                         stalled_s=round(stalled, 6))
         return {
             "id": f"sim-{self.finished}",
             "object": "chat.completion",
@@ -218,6 +350,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None)
     p.add_argument("--sim-startup-s", type=float, default=180.0, help="simulated seconds until the port opens")
     p.add_argument("--sim-decode-tok-per-s", type=float, default=87.5, help="decode rate of one slot, simulated tok/s")
+    p.add_argument("--sim-prefill-tok-per-s", type=float, default=9000.0,
+                   help="prefill rate of the server, simulated tok/s (default 9000: a ~27B dense model, 2 x 27e9 FLOP "
+                        "per token, at ~50%% of an H200's ~990 bf16 TFLOPS); decodes stall while it runs; 0: free")
+    p.add_argument("--sim-kv-cache-tokens", type=int, default=270000,
+                   help="KV pool of the radix cache, tokens (default 270000: ~70 GB at ~256 KB per token, a Qwen3-32B-class "
+                        "model: 64 layers x 8 KV heads x 128 x K and V x bf16)")
     p.add_argument("--sim-speed", type=float, default=1.0, help="simulated seconds per real second")
     p.add_argument("--sim-median-tokens", type=float, default=1970.0)
     p.add_argument("--sim-sigma", type=float, default=0.8)
@@ -230,6 +368,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args, _unknown = p.parse_known_args(argv)  # SGLang flags we do not model (--tp-size, --reasoning-parser ...)
     if args.sim_speed <= 0 or args.sim_decode_tok_per_s <= 0 or args.max_running_requests < 1:
         p.error("--sim-speed, --sim-decode-tok-per-s and --max-running-requests must be positive")
+    if args.sim_prefill_tok_per_s < 0 or args.sim_kv_cache_tokens < 0:
+        p.error("--sim-prefill-tok-per-s and --sim-kv-cache-tokens must be 0 or more")
     return args
 
 
