@@ -12,6 +12,12 @@ Scenarios (each prints ``name: value`` lines):
    (wall - one start-up)), each partition's materialization time against the run's end. Beside it,
    ``ideal_fifo_efficiency``: the same lengths through a perfect first-come scheduler with zero
    overhead (the bound any client that cannot know lengths in advance has: slots drain at the end).
+   ``tail``: the same fresh range with ``inference.tail_chunk_tokens`` (``--tail-chunk-tokens``, 512) on:
+   the last ``--tail-prompts-per-slot`` x slots prompts generated in chunks, each continued after every
+   fresh prompt (:mod:`dflash_assets.generation.tail_chunks`); besides efficiency: the follow-ups, the
+   prefix tokens they re-send, how many of those the servers' prefix cache held and how many it charged
+   as prefill (the stand-in's ``--sim-prefill-tok-per-s``, during which that server's decoding waits),
+   and whether every row is what one request at 4,096 makes.
 2. ``cap_bump``: cap 8,192, same range: requests vs rows that had finish_reason length; wall vs
    max(longest request, tokens / capacity) + one start-up. The cut rows are continued from their 4,096
    tokens (SGLang ``continue_final_message``); then, on a copy of the state before it, the same raise
@@ -29,6 +35,10 @@ Dagster CLI, the client, journal and Parquet writes) runs at its real speed. So 
 real size, GPU time at simulated size.
 
     python bench/bench_node.py [--servers 7] [--slots 40] [--prompts 2000] [--partitions 10] [--speed 10]
+                               [--scenarios base,tail,cap_bump,kill,server_kill] [--tail-chunk-tokens 512]
+
+``--speed 1`` runs the GPU side in real time (each fresh range ~7 minutes): the client then handles
+requests at the rate a real node sends them, not ten times that.
 """
 
 from __future__ import annotations
@@ -92,6 +102,7 @@ class Node:
     def set_cap(self, cap: int) -> None:
         a = self.args
         sim = ["--sim-startup-s", str(a.startup_s), "--sim-decode-tok-per-s", str(a.tok_per_s), "--sim-speed", str(a.speed),
+               "--sim-prefill-tok-per-s", str(a.prefill_tok_per_s),
                "--sim-starts-file", str(self.starts_file), "--sim-request-log", str(self.request_log)]
         config = {
             "resources": {
@@ -243,10 +254,11 @@ def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int 
         follow_ups = [e for e in recv if e.get("continued_from")]
         print(f"{label}_chunk_follow_ups: {len(follow_ups)}  prefix_tokens_re_sent: {sum(e['continued_from'] for e in follow_ups)} "
               f"({sum(e['continued_from'] for e in follow_ups) / max(1, r['tokens']):.2f} per generated token)")
-        if any("prefill_tokens" in e for e in recv):
-            charged = sum(e.get("prefill_tokens") or 0 for e in follow_ups)
-            cached = sum(e.get("cached_tokens") or 0 for e in follow_ups)
-            print(f"{label}_follow_up_prefill_tokens_charged: {charged}  served_from_prefix_cache: {cached}")
+        prefills = [e for e in r["events"] if e["ev"] == "prefill" and e.get("continued_from")]
+        charged = sum(e["prefill_tokens"] for e in prefills)
+        print(f"{label}_follow_up_prefill_tokens: charged {charged}, from the prefix cache "
+              f"{sum(e['cached_tokens'] for e in prefills)}  (charged = {charged / (args.servers * args.prefill_tok_per_s):.1f} "
+              f"simulated s of every server's decode, at {args.prefill_tok_per_s:g} tok/s)")
         rows = node.rows()
         wanted = wanted_lengths(args.prompts, 4096)
         same = sum(rows[i]["completion_tokens"] == wanted[i] and (rows[i]["finish_reason"] == "length") == (wanted[i] == 4096)
@@ -458,6 +470,8 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=7)
     parser.add_argument("--slots", type=int, default=40)
     parser.add_argument("--tok-per-s", type=float, default=87.5)
+    parser.add_argument("--prefill-tok-per-s", type=float, default=9000.0,
+                        help="prefill rate of one server (uncached prompt tokens; decoding waits meanwhile)")
     parser.add_argument("--startup-s", type=float, default=180.0)
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--partitions", type=int, default=10)

@@ -161,7 +161,7 @@ def test_lowering_a_half_done_partition_cuts_what_it_has_and_journals_nothing(tm
 def test_a_tokenizer_directory_that_is_not_there_is_called_that(tmp_path):
     """New-user trial: a wrong external_tokenizer_path warned with transformers' 'Repo id must be in the
     form ...' rather than saying the directory is missing."""
-    from dflash_assets.assets.completions import missing_directory
+    from dflash_assets.assets.completions_continuing import missing_directory
 
     with pytest.raises(FileNotFoundError, match="no such directory: /nowhere/tokenizer"):
         missing_directory("/nowhere/tokenizer")

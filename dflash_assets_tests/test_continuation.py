@@ -301,11 +301,11 @@ def test_servers_that_answer_continuations_afresh_stop_the_run_and_the_cut_rows_
 def test_an_sglang_older_than_continue_final_message_regenerates_whole_and_says_why(monkeypatch, tmp_path):
     """SGLang before 0.4.4 ignores continue_final_message; with a template whose generation prompt opens
     <think>, its fresh reply cannot be told from a continuation, so the installed version decides first."""
-    import logging
     from collections import Counter
-    from types import SimpleNamespace
 
     from dflash_assets.assets import completions as asset
+    from dflash_assets.assets import completions_continuing
+    from dflash_assets.assets.completions_continuing import ContinuationPlanner
     from dflash_assets.generation.continuation import sglang_predates_continuation
     from dflash_assets.resources.inference import InferenceServerResource
 
@@ -317,11 +317,10 @@ def test_an_sglang_older_than_continue_final_message_regenerates_whole_and_says_
            "truncated_in_reasoning": True}
     prompt = {"index": 0, "messages": [{"role": "user", "content": "q"}]}
     part = asset._Partition("0000000-0000000", None, None, {0: cut}, [prompt], Counter({"cap raised": 1}))
-    run = asset._RangeRun(SimpleNamespace(log=logging.getLogger("t")), None, settings, ["0000000-0000000"])
     inference = InferenceServerResource(mode="sglang", model_path=str(write_thinking_tokenizer(tmp_path / "m", True)))
-    monkeypatch.setattr(asset, "installed_version", lambda name: "0.4.3")
-    continuing, _, note, problem = run.continuations(inference, [part])
+    monkeypatch.setattr(completions_continuing, "installed_version", lambda name: "0.4.3")
+    continuing, _, note, problem = ContinuationPlanner(settings).continuations(inference, [part])
     assert continuing == {} and problem and "the installed SGLang 0.4.3 predates continue_final_message (0.4.4)" in note
-    monkeypatch.setattr(asset, "installed_version", lambda name: "0.5.1")
-    continuing, opened, note, problem = run.continuations(inference, [part])
+    monkeypatch.setattr(completions_continuing, "installed_version", lambda name: "0.5.1")
+    continuing, opened, note, problem = ContinuationPlanner(settings).continuations(inference, [part])
     assert list(continuing) == [0] and opened and not problem

@@ -16,7 +16,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from dflash_assets.assets.completions import _RangeRun
+from dflash_assets.assets.completions_continuing import ContinuationPlanner
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.generation.records import row_from_result
 from dflash_assets.generation.tail_chunks import TailChunker
@@ -89,17 +89,15 @@ def test_only_the_window_is_chunked_and_a_chunk_at_or_above_the_cap_chunks_nothi
 ])
 def test_tail_chunking_is_off_for_sampling_that_is_not_history_free(change, why, tmp_path):
     settings = GenerationSettings(max_output_tokens=256, **change)
-    run = _RangeRun(None, None, settings, ["k"])
     part = SimpleNamespace(todo=[PROMPT])
     inference = InferenceServerResource(mode="sglang", model_path=str(write_thinking_tokenizer(tmp_path / "m", False)),
                                         tail_chunk_tokens=32)
-    plan, note, problem = run.tail_plan(inference, [part], {})
+    plan, note, problem = ContinuationPlanner(settings).tail(inference, [part], {})
     assert plan is None and why in note and not problem
     # and with history-free sampling the same config chunks, with the template's layout
-    run = _RangeRun(None, None, GenerationSettings(max_output_tokens=256), ["k"])
-    assert run.tail_plan(inference, [part], {}) == ((32, False), None, False)
+    assert ContinuationPlanner(GenerationSettings(max_output_tokens=256)).tail(inference, [part], {}) == ((32, False), None, False)
     no_continue = inference.model_copy(update={"continue_truncated": False})
-    plan, note, problem = _RangeRun(None, None, GenerationSettings(max_output_tokens=256), ["k"]).tail_plan(no_continue, [part], {})
+    plan, note, problem = ContinuationPlanner(GenerationSettings(max_output_tokens=256)).tail(no_continue, [part], {})
     assert plan is None and "continue_truncated is false" in note and problem
 
 
@@ -158,3 +156,23 @@ def test_a_range_run_with_tail_chunking_makes_the_same_tables_and_sends_follow_u
 def corpus_index(corpus: dict[int, dict], prompt_number: int) -> int:
     """The corpus index of the bench prompt ``prompt <n>`` (write_corpus keeps the order)."""
     return sorted(corpus)[prompt_number]
+
+
+def test_follow_up_lanes_keep_a_row_on_its_server_and_balance_by_stealing_the_cheapest_prefix():
+    from dflash_assets.generation.client import FollowUpLanes
+
+    lanes = FollowUpLanes(steal_margin=2)
+    assert lanes.take("a") is None and not lanes
+    for k, tokens in enumerate([900, 300, 600, 100]):  # four rows made on server a, oldest first
+        lanes.push("a", tokens, k, {"n": k})
+    lanes.push("b", 50, 10, {"n": 10})
+    # b's lane (1) is within 2 of a's (4)? no: 4 - 1 = 3 > 2, so b's slot steals a's cheapest prefix (row 3)
+    assert lanes.take("b") == (3, {"n": 3}, "b")
+    # now a: 3 items, b: 1; a's own slot takes a's oldest
+    assert lanes.take("a") == (0, {"n": 0}, "a")
+    # a: 2, b: 1: within the margin, so b takes its own
+    assert lanes.take("b") == (10, {"n": 10}, "b")
+    # a slot on a server with no lane (or a worker that has sent nothing yet) takes the longest lane's cheapest
+    assert lanes.take("c") == (1, {"n": 1}, "c")
+    assert lanes.take(None) == (2, {"n": 2}, None)
+    assert len(lanes) == 0 and lanes.take("a") is None

@@ -37,17 +37,15 @@ from dflash_assets.assets.completions_tables import (
 )
 from dflash_assets.generation.cap_cut import cut_rows
 from dflash_assets.generation.client import TooManyFailuresError
+from dflash_assets.assets.completions_continuing import ContinuationPlanner, load_target_builder
 from dflash_assets.generation.continuation import (
-    FIRST_CONTINUING_SGLANG,
     NOT_CONTINUED,
     continuable,
     continuation_body,
     merge_continuation,
     prefix_text,
-    sglang_predates_continuation,
 )
 from dflash_assets.generation.records import (
-    THINK_OPEN,
     invalid_reason,
     no_good_row_message,
     row_from_result,
@@ -67,38 +65,6 @@ from dagster._core.definitions.data_version import (  # the tags Dagster itself 
 )
 
 PROGRESS_EVERY_S = 5.0
-
-
-def installed_version(package: str) -> str | None:
-    """``package``'s installed version in this interpreter, or None when it is not installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
-def missing_directory(path: str) -> None:
-    """Raise FileNotFoundError for a tokenizer path written as a directory (absolute, ``./``, ``../``,
-    ``~``) that is not one: transformers would report it as a malformed hub id."""
-    from pathlib import Path
-
-    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():  # "org/name" may be a hub id
-        raise FileNotFoundError(f"no such directory: {path}")
-
-
-def load_target_builder(inference: InferenceServerResource):
-    """A SequenceBuilder on the target's tokenizer, from a local directory or a hub id already in the
-    local cache (no network wait on a GPU node). Raises whatever loading raises (FileNotFoundError for
-    a directory path that is not one)."""
-    from transformers import AutoTokenizer
-
-    from dflash_assets.tokenization import SequenceBuilder
-
-    path = str(inference.tokenizer_path())
-    missing_directory(path)
-    return SequenceBuilder(AutoTokenizer.from_pretrained(path, local_files_only=True))
 
 
 def failed_since_materialized(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: list[str],
@@ -206,7 +172,7 @@ def completions(
             label = keys[0] if len(keys) == 1 else f"{keys[0]}...{keys[-1]}"
             # the target's tokenizer (for continuing cut rows) loads while the servers start, not after
             with ThreadPoolExecutor(1, thread_name_prefix="dflash-continuations") as pool_planner:
-                planned = pool_planner.submit(run.plan_continuations, inference, todo)
+                planned = pool_planner.submit(ContinuationPlanner(settings).plan, inference, todo)
                 with inference.serve(log_dir=storage.local_scratch("server_logs", label), settings=settings) as pool:
                     (continuing, opened, note, problem), (tail, tail_note, tail_problem) = planned.result()
                     run.continuing, run.continuing_rows = len(continuing), continuing
@@ -252,7 +218,6 @@ class _RangeRun:
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
         self.failed_since_materialized: set[str] = set()  # never "kept": their status must go back to done
         self._builder = None  # the target tokenizer's SequenceBuilder (False: it did not load)
-        self._gate: tuple[str | None, bool, bool] | None = None  # continuation_gate's answer, once per run
         self.tail: TailChunker | None = None
 
     def plan(self, pk: str, prompts: pl.DataFrame, journal, inference: InferenceServerResource) -> _Partition:
@@ -344,8 +309,8 @@ class _RangeRun:
                  tail: tuple[int, bool] | None = None):
         """Stream every todo prompt of ``parts`` through one client; yield each partition's
         materialization as its last row lands (from this, the step's thread: Dagster records it at once).
-        ``self.continuing_rows``, ``opened``: rows to continue rather than regenerate (:meth:`continuations`); each
-        prefix is built as its request goes out, not all at once before the run. ``tail``: :meth:`tail_plan`'s
+        ``self.continuing_rows``, ``opened``: rows to continue rather than regenerate (:meth:`ContinuationPlanner.continuations`); each
+        prefix is built as its request goes out, not all at once before the run. ``tail``: :meth:`ContinuationPlanner.tail`'s
         ``(chunk_tokens, opened)``: the stream's last ``tail_prompts_per_slot`` x slots fresh prompts are
         generated in chunks (:class:`~dflash_assets.generation.tail_chunks.TailChunker`). More than
         ``max_consecutive_failures`` continuations in a row answered afresh (:data:`NOT_CONTINUED`) stop
@@ -479,83 +444,6 @@ class _RangeRun:
                              f"{chunker.chunk_tokens} tokens: {chunker.follow_ups} continuation requests")
         for fault in client.faults:
             context.log.warning(f"server fault during the run: {fault}")
-
-    def continuations(self, inference: InferenceServerResource, parts: list[_Partition]) -> tuple[dict[int, dict], bool, str | None, bool]:
-        """Rows to continue rather than regenerate (see :mod:`dflash_assets.generation.continuation`).
-
-        Returns ``(continuing, opened, note, problem)``: index -> the row as it is (not a copy);
-        whether the target's generation prompt already ends with ``<think>`` (decides each prefix's
-        layout); a line for the run log (None when no row was cut by a lower cap); whether that line
-        reports a problem (a warning). ``continuing`` is empty, the line saying why, when the servers
-        cannot continue (:meth:`continuation_gate`). Safe to run in a thread: it logs nothing.
-        """
-        settings = self.settings
-        found = [(p, part.existing[p["index"]]) for part in parts for p in part.todo
-                 if continuable(part.existing.get(p["index"]), settings)]
-        if not found:
-            return {}, False, None, False
-        why_not, problem, opened = self.continuation_gate(inference, found[0][0]["messages"])
-        if why_not is not None:
-            return {}, False, f"{len(found)} rows cut by a lower cap are regenerated from their first token: {why_not}", problem
-        reused = sum(int(row["completion_tokens"]) for _, row in found)
-        return ({p["index"]: row for p, row in found}, opened,
-                f"{len(found)} rows cut by a lower cap are continued from the {reused:,} tokens they have "
-                f"(continue_final_message; max_tokens = {settings.max_output_tokens} minus each row's tokens)", False)
-
-    def plan_continuations(self, inference: InferenceServerResource, parts: list[_Partition]):
-        """:meth:`continuations` and :meth:`tail_plan`, in that order (one thread, while servers start)."""
-        found = self.continuations(inference, parts)
-        return found, self.tail_plan(inference, parts, found[0])
-
-    def continuation_gate(self, inference: InferenceServerResource, messages: list[dict]) -> tuple[str | None, bool, bool]:
-        """Whether these servers can continue a row: ``(why_not, problem, opened)``. ``why_not`` is None
-        when they can; else it says why not (``continue_truncated`` off, not SGLang, an SGLang before
-        ``continue_final_message``, a target tokenizer that does not load or render: the ``problem``
-        cases). ``opened``: the target's generation prompt (rendered for ``messages``) ends with
-        ``<think>``. Computed once per run."""
-        if self._gate is not None:
-            return self._gate
-        why_not, problem, opened = None, False, False
-        if not inference.continue_truncated:
-            why_not = "inference.continue_truncated is false"
-        elif inference.backend() != "sglang":
-            why_not = f"continue_final_message is SGLang's and these servers are {inference.backend()!r}"
-        elif inference.mode == "sglang" and inference.launch_module.startswith("sglang.") and sglang_predates_continuation(
-                installed := installed_version("sglang")):
-            # the servers run with this interpreter, so its SGLang is theirs
-            why_not = f"the installed SGLang {installed} predates continue_final_message ({FIRST_CONTINUING_SGLANG})"
-            problem = True
-        else:
-            try:
-                builder = load_target_builder(inference)
-                # the generation prompt's ending is the template's, not the conversation's: render one
-                opened = builder.prompt_text(messages, self.settings.enable_thinking).rstrip("\n").endswith(THINK_OPEN)
-            except Exception as exc:  # noqa: BLE001 - any failure means: regenerate whole, and say why
-                why_not, problem = (f"the target's tokenizer did not load from {inference.tokenizer_path()} (a directory, or a "
-                                    f"hub id in the local cache) or did not render ({type(exc).__name__}: {str(exc)[:200]})"), True
-        self._gate = (why_not, problem, opened)
-        return self._gate
-
-    def tail_plan(self, inference: InferenceServerResource, parts: list[_Partition],
-                  continuing: dict[int, dict]) -> tuple[tuple[int, bool] | None, str | None, bool]:
-        """Whether the end of this run is generated in chunks (``inference.tail_chunk_tokens``,
-        :mod:`dflash_assets.generation.tail_chunks`): ``((chunk_tokens, opened) or None, note, problem)``.
-        Off (None) when not configured or the sampling is not history-free; not possible (a warning)
-        when the servers cannot continue. ``continuing``: :meth:`continuations`' rows (not chunked: they
-        are continued whole). Safe to run in a thread: it logs nothing."""
-        settings, chunk = self.settings, inference.tail_chunk_tokens
-        if not chunk or chunk >= settings.max_output_tokens:
-            return None, None, False
-        if settings.presence_penalty != 0.0 or settings.repetition_penalty != 1.0 or settings.seed is not None:
-            return None, ("inference.tail_chunk_tokens is ignored: a seed or a presence/repetition penalty makes a "
-                          "continued row differ from one generated whole"), False
-        fresh = [p for part in parts for p in part.todo if p["index"] not in continuing]
-        if not fresh:
-            return None, None, False
-        why_not, problem, opened = self.continuation_gate(inference, fresh[0]["messages"])
-        if why_not is not None:
-            return None, f"inference.tail_chunk_tokens is not used: {why_not}", True
-        return (chunk, opened), None, False
 
     def commit(self, part: _Partition):
         """Write ``part``'s table (atomic), drop its journal, and yield its materialization: an

@@ -21,7 +21,7 @@ Design choices, each answering a failure seen in hand-run generation:
   :attr:`CompletionClient.faults`.
 - Follow-ups (``generate(..., follow_up=)``): a reply may be answered with another request for the same
   row (the next chunk of a sequence generated in parts). Follow-ups go out after every fresh item has,
-  to the server that made the part before when it has a free slot (its prefix cache holds that part).
+  round-robin per server that made the part before (its prefix cache holds it), lanes kept balanced.
 - The API key only ever goes into the ``Authorization`` header; it is scrubbed from every error
   string, log line and result.
 
@@ -298,6 +298,47 @@ def _server_error_message(response: httpx.Response) -> str:
         message = json.dumps(message)
     message = " ".join(message.split())
     return message[:_MAX_ERROR_CHARS] + ("..." if len(message) > _MAX_ERROR_CHARS else "")
+
+
+class FollowUpLanes:
+    """Follow-up requests waiting to be sent, one FIFO lane per server that made the part before.
+
+    :meth:`take` for a slot just freed on server ``freed`` gives the oldest of that server's lane (its
+    prefix cache holds the part before: no prefill), unless that lane is shorter than the longest one by
+    more than ``steal_margin`` items: then the longest lane's follow-up with the fewest tokens so far
+    (the cheapest prefix to prefill anew). Round-robin within a lane keeps every long row moving;
+    balancing the lanes keeps one server from finishing the run alone. Measured in
+    ``bench/bench_node.py`` (scenario ``tail``): with lanes and no balancing one server ended the run
+    with a queue while the others idled; with one global FIFO, a third of the prefixes missed the cache.
+    """
+
+    def __init__(self, steal_margin: int) -> None:
+        self.steal_margin = steal_margin
+        self._lanes: dict[str, collections.deque[tuple[int, int, dict[str, Any]]]] = collections.defaultdict(collections.deque)
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def push(self, server: str, tokens: int, index: int, body: dict[str, Any]) -> None:
+        """Queue ``body`` for row ``index``, whose parts so far (``tokens``) came from ``server``."""
+        self._lanes[server].append((tokens, index, body))
+        self._count += 1
+
+    def take(self, freed: str | None) -> tuple[int, dict[str, Any], str | None] | None:
+        """``(index, body, server to send it to)`` for a slot freed on ``freed``, or None when empty."""
+        if not self._count:
+            return None
+        lane = self._lanes.get(freed) if freed is not None else None
+        longest = max(self._lanes.values(), key=len)
+        self._count -= 1
+        if lane and len(longest) - len(lane) <= self.steal_margin:
+            _, index, body = lane.popleft()
+            return index, body, freed
+        k = min(range(len(longest)), key=lambda j: longest[j][0])
+        _, index, body = longest[k]
+        del longest[k]
+        return index, body, freed
 
 
 class CompletionClient:
@@ -776,25 +817,12 @@ class CompletionClient:
         """
         self._reset_counters()
         iterator = iter(items)
-        # follow-ups to send, per server that made the part before: (sequence, index, body)
-        pending: dict[str, collections.deque[tuple[int, int, dict[str, Any]]]] = collections.defaultdict(collections.deque)
-        queued = itertools.count()
+        pending = FollowUpLanes(steal_margin=max(1, self.concurrency // len(self._servers) // 8))
+        row_tokens: dict[int, int] = {}  # tokens of the parts before, per row being followed up
         fresh_left = True
         # Workers with nothing to send wait here until no request is left in flight (the run's end) or
         # generation stops; a follow-up is sent by a worker whose request just ended, so none waits on it.
         changed = asyncio.Condition()
-
-        def take_follow_up(freed: str | None) -> tuple[int, dict[str, Any], str] | None:
-            """The follow-up for the server whose slot was just freed, else the oldest one."""
-            lane = pending.get(freed) if freed is not None else None
-            if not lane:
-                heads = [(q[0][0], label) for label, q in pending.items() if q]
-                if not heads:
-                    return None
-                freed = min(heads)[1]
-                lane = pending[freed]
-            _, index, body = lane.popleft()
-            return index, body, freed
 
         async def next_item(freed: str | None) -> tuple[int, dict[str, Any], str | None] | None:
             nonlocal fresh_left
@@ -805,7 +833,7 @@ class CompletionClient:
                         return index, body, None
                     except StopIteration:
                         fresh_left = False
-                item = take_follow_up(freed)
+                item = pending.take(freed)
                 if item is not None:
                     return item
                 if follow_up is None or self._rows_in_flight == 0:
@@ -846,12 +874,14 @@ class CompletionClient:
                         self._callback_failed = self._stopping = True
                         raise
                     if following is None:
+                        row_tokens.pop(index, None)
                         self._record(result)
                     elif not self._stopping:
                         # this worker sends it next itself (its server has the slot just freed): no wake-up
                         self._output_tokens += result.completion_tokens or 0
-                        pending[result.server].append((next(queued), index, following))
-                    if follow_up is not None and (self._stopping or (self._rows_in_flight == 0 and not any(pending.values()))):
+                        row_tokens[index] = row_tokens.get(index, 0) + (result.completion_tokens or 0)
+                        pending.push(result.server, row_tokens[index], index, following)
+                    if follow_up is not None and (self._stopping or (self._rows_in_flight == 0 and not pending)):
                         async with changed:  # nothing more can come: the waiting workers may end
                             changed.notify_all()
             if follow_up is not None:
