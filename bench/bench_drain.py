@@ -8,7 +8,13 @@ sigma 0.8, cut at the cap). Prints the efficiency (tokens / (capacity x makespan
 - longest-first with the lengths known in advance (clairvoyant; not possible, an upper mark);
 - first-come, then the last ``window`` prompts generated in chunks of ``chunk`` tokens, a cut sequence
   continued later behind every fresh prompt. Beside each: the prefix tokens those continuations send
-  again, per generated token (prefill the GPU must redo unless the prefix cache still holds them).
+  again, per generated token (prefill the GPU must redo unless the prefix cache still holds them);
+- the same with the pipeline's queues (``inference.tail_chunk_tokens``, ``client.FollowUpLanes``): one
+  FIFO per server, a continuation queued on the server that wrote its prefix; a slot takes its own
+  server's oldest, unless that queue is shorter than the longest by more than slots per server // 8:
+  then the longest queue's continuation with the fewest tokens so far, whose prefix is then prefilled
+  again on the new server (``--prefill-tok-per-s``; only that slot waits here, the whole server in
+  ``bench_node``'s stand-in).
 
     python bench/bench_drain.py [--prompts 2000] [--slots 280] [--cap 4096]
 """
@@ -62,12 +68,61 @@ def makespan(lengths: list[int], slots: int, tok_per_s: float, window: int = 0, 
     return end, resent
 
 
+def lanes_makespan(lengths: list[int], servers: int, slots: int, tok_per_s: float, window: int, chunk: int,
+                   prefill_tok_per_s: float) -> tuple[float, int]:
+    """Seconds until the last token, and prefix tokens prefilled again (moved to another server), with
+    the continuations in per-server queues kept balanced (the pipeline's ``FollowUpLanes``)."""
+    n, margin = len(lengths), max(1, slots // 8)
+    lanes: list[list[tuple[int, int]]] = [[] for _ in range(servers)]  # (prompt, tokens done), oldest first
+    finishing: list[tuple[float, int, int, int]] = []  # (time, prompt, tokens done after it, server)
+    idle = [0] * servers
+    next_fresh, moved = 0, 0
+
+    def start(now: float, server: int) -> bool:
+        nonlocal next_fresh, moved
+        cost = 0.0
+        if next_fresh < n:
+            i, done = next_fresh, 0
+            next_fresh += 1
+        else:
+            longest = max(range(servers), key=lambda k: len(lanes[k]))
+            if not lanes[longest]:
+                return False
+            if lanes[server] and len(lanes[longest]) - len(lanes[server]) <= margin:
+                i, done = lanes[server].pop(0)
+            else:
+                j = min(range(len(lanes[longest])), key=lambda j: lanes[longest][j][1])
+                i, done = lanes[longest].pop(j)
+                moved += done
+                cost = done / prefill_tok_per_s
+        left = lengths[i] - done
+        step = min(chunk, left) if done or i >= n - window else left
+        heapq.heappush(finishing, (now + cost + step / tok_per_s, i, done + step, server))
+        return True
+
+    for server in range(servers):
+        for _ in range(slots):
+            start(0.0, server)
+    end = 0.0
+    while finishing:
+        end, i, done, server = heapq.heappop(finishing)
+        if done < lengths[i]:
+            lanes[server].append((i, done))
+        idle[server] += 0 if start(end, server) else 1
+        for k in range(servers):  # slots that found nothing take what this one queued
+            while idle[k] and start(end, k):
+                idle[k] -= 1
+    return end, moved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--slots", type=int, default=280, help="servers x max_running_requests")
     parser.add_argument("--tok-per-s", type=float, default=87.5, help="decode rate of one slot")
     parser.add_argument("--cap", type=int, default=4096)
+    parser.add_argument("--servers", type=int, default=7, help="for the per-server queues (slots split evenly)")
+    parser.add_argument("--prefill-tok-per-s", type=float, default=9000.0, help="prefill of a moved prefix, per server")
     args = parser.parse_args()
     lengths = [min(drawn_length([{"role": "user", "content": f"bench prompt {i}"}], 1970, 0.8), args.cap)
                for i in range(args.prompts)]
@@ -87,6 +142,15 @@ def main() -> None:
             seconds, resent = makespan(lengths, args.slots, args.tok_per_s, window, chunk)
             print(f"chunked last {window} prompts at {chunk} tokens: efficiency {efficiency(seconds):.3f}, "
                   f"prefix tokens re-sent per generated token {resent / total:.2f}")
+    per_server = args.slots // args.servers
+    for per_slot in (2, 4, 6):
+        for chunk in (256, 512, 1024):
+            window = min(args.prompts, per_slot * args.slots)
+            seconds, moved = lanes_makespan(lengths, args.servers, per_server, args.tok_per_s, window, chunk,
+                                            args.prefill_tok_per_s)
+            print(f"pipeline queues (per server, balanced), last {window} prompts ({per_slot} per slot) at {chunk} "
+                  f"tokens: efficiency {efficiency(seconds):.3f}, prefix tokens prefilled again on another server "
+                  f"{moved} ({moved / total:.3f} per generated token)")
 
 
 if __name__ == "__main__":

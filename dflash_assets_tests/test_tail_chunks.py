@@ -52,10 +52,10 @@ def test_a_chunked_row_is_the_row_one_request_at_the_cap_makes(length):
     settings = GenerationSettings(max_output_tokens=cap)
     chunker = TailChunker(settings, "m", dict, opened=False, chunk_tokens=chunk, window_rows=1, total_rows=1)
     body = chunker.first_body(1, PROMPT, settings.request_body("m", PROMPT["messages"], 3))
-    assert body["max_tokens"] == chunk
+    assert body["max_tokens"] == chunk and body["separate_reasoning"] is False  # raw text: no parser trimming
     done, requests = 0, 1
     while True:
-        reply = reply_fields(length, body["max_tokens"], done, raw=done > 0)  # continuations ask for raw text
+        reply = reply_fields(length, body["max_tokens"], done, raw=True)
         result = result_of(reply)
         following = chunker.follow_up(result)
         if following is None:
@@ -72,6 +72,61 @@ def test_a_chunked_row_is_the_row_one_request_at_the_cap_makes(length):
     assert requests == math.ceil(min(length, cap) / chunk)
     assert row["tail_chunks"] == (requests if requests > 1 else 0) and row["continued_from_tokens"] == 0
     assert chunker.follow_ups == requests - 1
+    assert row["latency_s"] == pytest.approx(0.1 * requests) and row["attempts"] == requests
+
+
+def raw_result(text: str, tokens: int, finish: str = "length", index: int = 3) -> SimpleNamespace:
+    return SimpleNamespace(index=index, content=text, reasoning_content=None, finish_reason=finish, prompt_tokens=10,
+                           completion_tokens=tokens, output_token_ids=[1] * tokens, latency_s=0.1, server="s",
+                           attempts=1, error=None)
+
+
+@pytest.mark.parametrize("opened, pieces, reasoning, answer", [
+    # a cut right after a paragraph break: the prefix keeps the "\n\n" (a reasoning parser strips it)
+    (False, ["<think>\nStep one.\n\n", "Step two.\n</think>\n\nThe answer."], "Step one.\n\nStep two.", "The answer."),
+    # a cut right after </think>: the answer that follows is the answer, not more thinking
+    (False, ["<think>\nAll thought.\n</think>\n\n", "The answer."], "All thought.", "The answer."),
+    # a template whose generation prompt opens <think>: the text starts inside the thinking
+    (True, ["Thinking, cut ", "here.\n</think>\n\nDone."], "Thinking, cut here.", "Done."),
+])
+def test_chunk_seams_keep_the_text_as_the_model_wrote_it(opened, pieces, reasoning, answer):
+    settings = GenerationSettings(max_output_tokens=100)
+    chunker = TailChunker(settings, "m", dict, opened=opened, chunk_tokens=10, window_rows=1, total_rows=1)
+    chunker.first_body(1, PROMPT, settings.request_body("m", PROMPT["messages"], 3))
+    so_far = ""
+    for k, piece in enumerate(pieces):
+        last = k == len(pieces) - 1
+        result = raw_result(piece, 10, "stop" if last else "length")
+        following = chunker.follow_up(result)
+        so_far += piece
+        if last:
+            assert following is None
+        else:
+            assert following["messages"][-1] == {"role": "assistant", "content": so_far}  # exactly what was written
+            assert following["continue_final_message"] and following["separate_reasoning"] is False
+    row = chunker.final_row(result, PROMPT)
+    assert (row["reasoning_content"], row["content"]) == (reasoning, answer)
+    assert not row["truncated_in_reasoning"] and not row["empty_answer"] and row["finish_reason"] == "stop"
+    assert row["completion_tokens"] == 10 * len(pieces) and row["output_token_ids"] is None and row["tail_chunks"] == len(pieces)
+    assert row["prompt_tokens"] == 10
+
+
+def test_a_chunk_answered_afresh_or_failed_gives_an_error_row():
+    from dflash_assets.generation.continuation import NOT_CONTINUED
+
+    settings = GenerationSettings(max_output_tokens=100)
+    chunker = TailChunker(settings, "m", dict, opened=False, chunk_tokens=10, window_rows=2, total_rows=2)
+    for k in (3, 4):
+        chunker.first_body(k - 2, {**PROMPT, "index": k}, settings.request_body("m", PROMPT["messages"], k))
+        assert chunker.follow_up(raw_result("<think>\nhalf ", 10, index=k)) is not None
+    afresh = raw_result("<think>\nstarting over", 10, index=3)  # a server that ignored continue_final_message
+    assert chunker.follow_up(afresh) is None
+    row = chunker.final_row(afresh, {**PROMPT, "index": 3})
+    assert row["error"] == NOT_CONTINUED and row["tail_chunks"] == 2 and row["reasoning_content"] is None
+    failed = SimpleNamespace(**{**vars(raw_result("", 0, index=4)), "error": "HTTP 500", "finish_reason": None, "completion_tokens": None})
+    assert chunker.follow_up(failed) is None
+    row = chunker.final_row(failed, {**PROMPT, "index": 4})
+    assert row["error"] == "HTTP 500" and row["completion_tokens"] is None and row["attempts"] == 2
 
 
 def test_only_the_window_is_chunked_and_a_chunk_at_or_above_the_cap_chunks_nothing():
@@ -176,3 +231,36 @@ def test_follow_up_lanes_keep_a_row_on_its_server_and_balance_by_stealing_the_ch
     assert lanes.take("c") == (1, {"n": 1}, "c")
     assert lanes.take(None) == (2, {"n": 2}, None)
     assert len(lanes) == 0 and lanes.take("a") is None
+
+
+def test_servers_that_answer_chunks_afresh_stop_the_run_and_small_runs_are_not_chunked(tmp_path, monkeypatch):
+    """A server ignoring continue_final_message (``--sim-ignore-continue``) answers every follow-up afresh:
+    ``max_consecutive_failures`` such rows in a row stop the run (a rerun would chunk them again), and no
+    wrong row is stored. A run whose fresh prompts all fit in the slots at once chunks nothing."""
+    monkeypatch.setenv("DFLASH_SERVER_REGISTRY", str(tmp_path / "registry"))
+    model = write_thinking_tokenizer(tmp_path / "target", opens_think=False)
+    prompts = [f"prompt {i}" for i in range(24)]
+    root = tmp_path / "data"
+    with dg.instance_for_test() as instance:
+        keys = write_corpus(instance, root, prompts, partition_size=8)
+        ignoring = sglang_sim(tmp_path, 2, 3, "--sim-ignore-continue", model_path=str(model), tail_chunk_tokens=40,
+                              tail_prompts_per_slot=2.0, max_consecutive_failures=3)
+        result = range_materialize(instance, root, keys, ignoring, cap=256, raise_on_error=False)
+        assert not result.success
+        failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+        assert "answered afresh" in str(failure.event_specific_data.error.message)
+        stored = [pl.read_parquet(p) for p in (root / "completions").glob("*.parquet")]
+        chunked = pl.concat(stored).filter(pl.col("tail_chunks") > 0) if stored else pl.DataFrame()
+        assert chunked.is_empty() or chunked["error"].is_not_null().all()  # afresh text is never stored as a row
+
+        small_root = tmp_path / "small"
+        small_keys = write_corpus(instance, small_root, prompts[:6], partition_size=3)
+        (tmp_path / "s").mkdir()
+        fits = sglang_sim(tmp_path / "s", 2, 3, model_path=str(model), tail_chunk_tokens=40)
+        small = range_materialize(instance, small_root, small_keys, fits, cap=256)
+        assert small.success
+        log = [e.user_message for e in instance.all_logs(small.run_id)]
+        assert any("fit in the 6 slots at once" in m for m in log)
+    events = [json.loads(line) for line in (tmp_path / "s" / "requests.jsonl").read_text().splitlines()]
+    assert all(e.get("continued_from", 0) == 0 for e in events if e["ev"] == "recv")
+    assert all(e["max_tokens"] == 256 for e in events if e["ev"] == "recv" and e["key"].startswith("prompt"))

@@ -323,11 +323,16 @@ class _RangeRun:
         fresh_total = sum(1 for part in parts for p in part.todo if p["index"] not in continuing)
         chunker = self.tail = None
         if tail is not None:
-            window = min(fresh_total, max(1, round(inference.tail_prompts_per_slot * client.concurrency)))
-            chunker = self.tail = TailChunker(settings, pool.model, pool.adapt_body, tail[1], tail[0], window, fresh_total)
-            context.log.info(f"the last {window} of {fresh_total} fresh prompts are generated in chunks of {tail[0]} "
-                             f"tokens ({inference.tail_prompts_per_slot:g} per slot), each continued once every fresh "
-                             "prompt has gone out")
+            # the first `concurrency` prompts start at once whatever is done: chunking them gains nothing
+            window = min(fresh_total - client.concurrency, round(inference.tail_prompts_per_slot * client.concurrency))
+            if window > 0:
+                chunker = self.tail = TailChunker(settings, pool.model, pool.adapt_body, tail[1], tail[0], window, fresh_total)
+                context.log.info(f"the last {window} of {fresh_total} fresh prompts are generated in chunks of {tail[0]} "
+                                 f"tokens ({inference.tail_prompts_per_slot:g} per slot), each continued once every fresh "
+                                 "prompt has gone out")
+            else:
+                context.log.info(f"inference.tail_chunk_tokens: not used, the {fresh_total} fresh prompts fit in the "
+                                 f"{client.concurrency} slots at once")
 
         def items():
             position = 0
@@ -381,7 +386,7 @@ class _RangeRun:
                         if row is None:
                             row = (merge_continuation(prior, result, prompt, settings) if prior is not None
                                    else row_from_result(result, prompt, settings))
-                        if prior is not None:  # servers that answer continuations afresh waste every one
+                        if prior is not None or row.get("tail_chunks"):  # servers that answer continuations afresh waste every one
                             afresh_in_a_row = afresh_in_a_row + 1 if row.get("error") == NOT_CONTINUED else 0
                         by_part.setdefault(part.pk, []).append(row)
                     for rows in by_part.values():

@@ -135,7 +135,8 @@ class GenerationProgress:
         rows_failed: of those, final failures.
         requests_sent: HTTP attempts started (>= rows_done when retries happened).
         in_flight: requests currently being processed (attempts on the wire or waiting to retry).
-        output_tokens: sum of ``completion_tokens`` of the successful rows (tokens).
+        output_tokens: sum of ``completion_tokens`` of the successful rows, and of every part of a row
+            made in parts (``generate``'s ``follow_up``) (tokens).
         elapsed_s: seconds since the ``generate`` call started.
         requests_per_s: rows_done / elapsed_s.
         output_tokens_per_s: output_tokens / elapsed_s.
@@ -335,7 +336,7 @@ class FollowUpLanes:
         if lane and len(longest) - len(lane) <= self.steal_margin:
             _, index, body = lane.popleft()
             return index, body, freed
-        k = min(range(len(longest)), key=lambda j: longest[j][0])
+        k = min(enumerate(longest), key=lambda item: item[1][0])[0]  # one pass (deque indexing is O(n))
         _, index, body = longest[k]
         del longest[k]
         return index, body, freed
@@ -801,8 +802,8 @@ class CompletionClient:
             follow_up: sync callback on the event loop thread, called with each request's result before
                 ``on_result``; returning a body sends it as the next request for the same row instead of
                 delivering the result (the row's next chunk), returning None delivers it. Follow-ups go
-                out once ``items`` is exhausted, oldest first, each to the server that answered the
-                request before it when that one has a free slot. A follow-up wanted while generation is
+                out once ``items`` is exhausted, in :class:`FollowUpLanes` order: mostly each to the
+                server that answered the request before it. A follow-up wanted while generation is
                 stopping is neither sent nor delivered (the row counts as not done, like one in flight).
 
         Returns:
@@ -820,27 +821,19 @@ class CompletionClient:
         pending = FollowUpLanes(steal_margin=max(1, self.concurrency // len(self._servers) // 8))
         row_tokens: dict[int, int] = {}  # tokens of the parts before, per row being followed up
         fresh_left = True
-        # Workers with nothing to send wait here until no request is left in flight (the run's end) or
-        # generation stops; a follow-up is sent by a worker whose request just ended, so none waits on it.
-        changed = asyncio.Condition()
 
-        async def next_item(freed: str | None) -> tuple[int, dict[str, Any], str | None] | None:
+        def next_item(freed: str | None) -> tuple[int, dict[str, Any], str | None] | None:
+            """The next fresh item, else a follow-up, else None: the worker ends. A worker that queues a
+            follow-up takes one right after (no await between), so a worker that finds nothing queued is
+            never needed again: every later follow-up comes from, and is sent by, a worker still busy."""
             nonlocal fresh_left
-            while not self._stopping:
-                if fresh_left:
-                    try:
-                        index, body = next(iterator)
-                        return index, body, None
-                    except StopIteration:
-                        fresh_left = False
-                item = pending.take(freed)
-                if item is not None:
-                    return item
-                if follow_up is None or self._rows_in_flight == 0:
-                    return None  # nothing left, and no request in flight that could ask for more
-                async with changed:
-                    await changed.wait()
-            return None
+            if fresh_left:
+                try:
+                    index, body = next(iterator)
+                    return index, body, None
+                except StopIteration:
+                    fresh_left = False
+            return pending.take(freed)
 
         # One small transport (connection pool) per worker ("lane"): a worker has at most one request
         # in flight, so its pool never queues. A single shared httpcore pool re-scans every connection
@@ -854,7 +847,7 @@ class CompletionClient:
             async with httpx.AsyncHTTPTransport(verify=ssl_context, limits=limits, retries=0) as http:
                 freed = None  # the server this worker's last request ended on
                 while not self._stopping:
-                    item = await next_item(freed)
+                    item = next_item(freed)
                     if item is None:
                         break
                     index, body, prefer = item
@@ -881,12 +874,6 @@ class CompletionClient:
                         self._output_tokens += result.completion_tokens or 0
                         row_tokens[index] = row_tokens.get(index, 0) + (result.completion_tokens or 0)
                         pending.push(result.server, row_tokens[index], index, following)
-                    if follow_up is not None and (self._stopping or (self._rows_in_flight == 0 and not pending)):
-                        async with changed:  # nothing more can come: the waiting workers may end
-                            changed.notify_all()
-            if follow_up is not None:
-                async with changed:
-                    changed.notify_all()
 
         workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
         self._loop = asyncio.get_running_loop()
