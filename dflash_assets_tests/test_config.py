@@ -77,6 +77,18 @@ def test_a_cap_that_only_looks_like_a_number_is_an_error(tmp_path, monkeypatch, 
     assert "max_output_tokens" in msg and "valid integer" in msg
 
 
+@pytest.mark.parametrize("key, value, kind", [("tail_chunk_tokens", "true", "valid integer"),
+                                               ("max_running_requests", "true", "valid integer"),
+                                               ("continue_truncated", '"no"', "valid boolean")])
+def test_an_inference_number_or_switch_that_only_looks_like_one_is_an_error(tmp_path, monkeypatch, key, value, kind):
+    """`tail_chunk_tokens: true` was taken as 1-token chunks (as `max_output_tokens: true` was a cap of 1)."""
+    from dflash_assets.resources.inference import InferenceServerResource
+
+    write(tmp_path, f"resources:\n  inference: {{{key}: {value}}}\n", monkeypatch)
+    msg = error_of(cfg.build_resources, {"inference": InferenceServerResource})
+    assert key in msg and kind in msg, msg
+
+
 def test_yaml_error_names_the_file(tmp_path, monkeypatch):
     path = write(tmp_path, "resources:\n  generation: {max_output_tokens: 64\n", monkeypatch)
     msg = error_of(cfg.project_config)

@@ -51,24 +51,25 @@ class InferenceServerResource(dg.ConfigurableResource):
     """
 
     mode: Literal["local", "sglang", "external"] = Field(default="local")
+    # numbers and switches are strict: YAML `true` would otherwise become 1 slot, 1 server or a 1-token chunk
     api_key: str | None = Field(default=None, description="Server API key; set with EnvVar('DFLASH_SERVER_API_KEY').")
     max_running_requests: int | None = Field(
-        default=None, ge=1, description="Requests in flight per server; None: 16 local, 40 otherwise."
+        strict=True, default=None, ge=1, description="Requests in flight per server; None: 16 local, 40 otherwise."
     )
-    startup_timeout_s: float = Field(default=1800.0, gt=0, description="Seconds to wait for servers to generate.")
+    startup_timeout_s: float = Field(strict=True, default=1800.0, gt=0, description="Seconds to wait for servers to generate.")
 
     # sglang
     model_path: str = Field(default="", description="sglang: HF model directory (also the tokenizer).")
-    num_servers: int = Field(default=1, ge=1, description="sglang: servers (data-parallel replicas).")
+    num_servers: int = Field(strict=True, default=1, ge=1, description="sglang: servers (data-parallel replicas).")
     gpu_ids: list[int] | None = Field(default=None, description="sglang: GPUs to use; None = 0..N*tp-1.")
-    port_base: int = Field(default=30000, description="sglang: server i listens on port_base + i (router: port_base).")
+    port_base: int = Field(strict=True, default=30000, description="sglang: server i listens on port_base + i (router: port_base).")
     host: str = Field(default="127.0.0.1", description="sglang: listen address.")
-    max_mamba_cache_size: int | None = Field(default=None, description="sglang: --max-mamba-cache-size.")
-    mem_fraction_static: float | None = Field(default=None, description="sglang: --mem-fraction-static.")
-    context_length: int | None = Field(default=None, description="sglang: --context-length (tokens).")
-    tp_size: int = Field(default=1, ge=1, description="sglang: --tp-size, GPUs per server.")
+    max_mamba_cache_size: int | None = Field(strict=True, default=None, description="sglang: --max-mamba-cache-size.")
+    mem_fraction_static: float | None = Field(strict=True, default=None, description="sglang: --mem-fraction-static.")
+    context_length: int | None = Field(strict=True, default=None, description="sglang: --context-length (tokens).")
+    tp_size: int = Field(strict=True, default=1, ge=1, description="sglang: --tp-size, GPUs per server.")
     reasoning_parser: str | None = Field(default="qwen3", description="sglang: --reasoning-parser.")
-    use_router: bool = Field(default=False, description="sglang: one sglang_router --dp-size N instead of N servers.")
+    use_router: bool = Field(strict=True, default=False, description="sglang: one sglang_router --dp-size N instead of N servers.")
     extra_args: list[str] = Field(default_factory=list, description="sglang/local: extra server flags.")
     launch_module: str = Field(
         default="sglang.launch_server",
@@ -85,25 +86,25 @@ class InferenceServerResource(dg.ConfigurableResource):
     )
 
     # client (all modes)
-    request_timeout_s: float = Field(default=3600.0, gt=0, description="Seconds one request may run (long reasoning).")
-    max_attempts: int = Field(default=5, ge=1, description="HTTP attempts per row for transient failures.")
-    backoff_base_s: float = Field(default=1.0, ge=0, description="Retry k waits base * 2**(k-1) + jitter seconds.")
-    max_consecutive_failures: int = Field(default=20, ge=1, description="Rows failing in a row before the partition stops.")
+    request_timeout_s: float = Field(strict=True, default=3600.0, gt=0, description="Seconds one request may run (long reasoning).")
+    max_attempts: int = Field(strict=True, default=5, ge=1, description="HTTP attempts per row for transient failures.")
+    backoff_base_s: float = Field(strict=True, default=1.0, ge=0, description="Retry k waits base * 2**(k-1) + jitter seconds.")
+    max_consecutive_failures: int = Field(strict=True, default=20, ge=1, description="Rows failing in a row before the partition stops.")
     stall_timeout_s: float | None = Field(
-        default=900.0, gt=0,
+        strict=True, default=900.0, gt=0,
         description="A server holding requests that finishes none for this long is hung: taken out, its requests "
         "re-sent to the others, restarted (sglang) or re-probed (external). Above the longest request "
         "(cap / per-request tok/s: 8192 / 87 = ~94 s on the user's GPUs). None: no hang detection.",
     )
-    server_retry_s: float = Field(default=30.0, gt=0, description="external: seconds between probes of a server left out.")
+    server_retry_s: float = Field(strict=True, default=30.0, gt=0, description="external: seconds between probes of a server left out.")
     continue_truncated: bool = Field(
-        default=True,
+        strict=True, default=True,
         description="After a cap raise, continue each row the old cap cut from the tokens it has (SGLang "
         "continue_final_message; sglang mode, or external_backend 'sglang') instead of regenerating it whole. "
         "Same distribution when sampling has no penalties and no seed (else rows are regenerated whole).",
     )
     tail_chunk_tokens: int = Field(
-        default=0, ge=0,
+        strict=True, default=0, ge=0,
         description="0: off. Else the last tail_prompts_per_slot x slots prompts of a run are generated in chunks of "
         "this many tokens, each continued (continue_final_message, as continue_truncated) once every fresh prompt "
         "has gone out, so the run's last minutes keep the slots busy instead of waiting on its last long requests "
@@ -111,7 +112,7 @@ class InferenceServerResource(dg.ConfigurableResource):
         "seams where SGLang re-tokenizes their text. Needs what continue_truncated needs.",
     )
     tail_prompts_per_slot: float = Field(
-        default=4.0, gt=0, description="tail_chunk_tokens: prompts generated in chunks, per slot (servers x "
+        strict=True, default=4.0, gt=0, description="tail_chunk_tokens: prompts generated in chunks, per slot (servers x "
         "max_running_requests) of the run.",
     )
 
