@@ -79,9 +79,11 @@ def test_a_cap_that_only_looks_like_a_number_is_an_error(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("key, value, kind", [("tail_chunk_tokens", "true", "valid integer"),
                                                ("max_running_requests", "true", "valid integer"),
-                                               ("continue_truncated", '"no"', "valid boolean")])
+                                               ("continue_truncated", '"no"', "valid boolean"),
+                                               ("tail_prompts_per_slot", ".inf", "finite number")])
 def test_an_inference_number_or_switch_that_only_looks_like_one_is_an_error(tmp_path, monkeypatch, key, value, kind):
-    """`tail_chunk_tokens: true` was taken as 1-token chunks (as `max_output_tokens: true` was a cap of 1)."""
+    """`tail_chunk_tokens: true` was taken as 1-token chunks (as `max_output_tokens: true` was a cap of 1);
+    `tail_prompts_per_slot: .inf` passed and crashed the run after the servers had started."""
     from dflash_assets.resources.inference import InferenceServerResource
 
     write(tmp_path, f"resources:\n  inference: {{{key}: {value}}}\n", monkeypatch)

@@ -78,6 +78,14 @@ def test_continued_row_equals_the_row_one_request_at_the_new_cap_makes(length, r
     assert got["max_output_tokens"] == NEW_CAP and got["prompt_tokens"] == 10
 
 
+def test_a_continued_row_keeps_its_earlier_requests():
+    """A cap raise erased a chunked row's history (tail_chunks 8, attempts 8 became 0 and 1)."""
+    cut = {**one_go(300, OLD_CAP), "tail_chunks": 8, "attempts": 8, "latency_s": 4.0}
+    reply = reply_fields(300, NEW_CAP - OLD_CAP, OLD_CAP, raw=True)
+    merged = merge_continuation(cut, result_of(reply), PROMPT, GenerationSettings(max_output_tokens=NEW_CAP))
+    assert (merged["tail_chunks"], merged["attempts"], merged["latency_s"]) == (8, 9, 4.5)
+
+
 def test_answer_text_labelled_reasoning_by_the_server_stays_answer():
     """Cut in the answer; a server that splits reasoning anyway (force-reasoning parsers) labels the
     new answer text reasoning: it is still appended to the answer."""

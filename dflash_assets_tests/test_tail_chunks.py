@@ -205,6 +205,8 @@ def test_a_range_run_with_tail_chunking_makes_the_same_tables_and_sends_follow_u
     assert sum(m["tail_chunk_requests"] for m in metas.values()) == sum(n for n in want_chunks.values() if n > 1)
     assert sum(m["output_tokens_generated"] for m in metas.values()) == sum(length.values())
     assert sum(m["continued"] for m in metas.values()) == 0
+    assert {pk: m["tail_chunked_in_table"] for pk, m in metas.items()} == {
+        pk: int((pl.read_parquet(root / "completions" / f"{pk}.parquet")["tail_chunks"] > 0).sum()) for pk in keys}
     assert any("generated in chunks of 40 tokens" in m for m in log)
 
 
@@ -248,7 +250,8 @@ def test_servers_that_answer_chunks_afresh_stop_the_run_and_small_runs_are_not_c
         result = range_materialize(instance, root, keys, ignoring, cap=256, raise_on_error=False)
         assert not result.success
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-        assert "answered afresh" in str(failure.event_specific_data.error.message)
+        message = str(failure.event_specific_data.error.message)
+        assert "answered afresh" in message and "tail_chunk_tokens: 0" in message and "requested again whole" in message
         stored = [pl.read_parquet(p) for p in (root / "completions").glob("*.parquet")]
         chunked = pl.concat(stored).filter(pl.col("tail_chunks") > 0) if stored else pl.DataFrame()
         assert chunked.is_empty() or chunked["error"].is_not_null().all()  # afresh text is never stored as a row
@@ -261,6 +264,15 @@ def test_servers_that_answer_chunks_afresh_stop_the_run_and_small_runs_are_not_c
         assert small.success
         log = [e.user_message for e in instance.all_logs(small.run_id)]
         assert any("fit in the 6 slots at once" in m for m in log)
+        # a window that rounds to no prompt says so (it said "fit in the slots" for 12 prompts on 6)
+        tiny_root = tmp_path / "tiny"
+        tiny_keys = write_corpus(instance, tiny_root, prompts[:12], partition_size=6)
+        (tmp_path / "t").mkdir()
+        tiny = sglang_sim(tmp_path / "t", 2, 3, model_path=str(model), tail_chunk_tokens=40, tail_prompts_per_slot=0.01)
+        tiny_run = range_materialize(instance, tiny_root, tiny_keys, tiny, cap=256)
+        assert tiny_run.success
+        log = [e.user_message for e in instance.all_logs(tiny_run.run_id)]
+        assert any("tail_prompts_per_slot 0.01 x 6 slots rounds to no prompt" in m for m in log)
     events = [json.loads(line) for line in (tmp_path / "s" / "requests.jsonl").read_text().splitlines()]
     assert all(e.get("continued_from", 0) == 0 for e in events if e["ev"] == "recv")
     assert all(e["max_tokens"] == 256 for e in events if e["ev"] == "recv" and e["key"].startswith("prompt"))

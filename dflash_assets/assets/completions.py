@@ -330,9 +330,12 @@ class _RangeRun:
                 context.log.info(f"the last {window} of {fresh_total} fresh prompts are generated in chunks of {tail[0]} "
                                  f"tokens ({inference.tail_prompts_per_slot:g} per slot), each continued once every fresh "
                                  "prompt has gone out")
-            else:
+            elif fresh_total <= client.concurrency:
                 context.log.info(f"inference.tail_chunk_tokens: not used, the {fresh_total} fresh prompts fit in the "
                                  f"{client.concurrency} slots at once")
+            else:
+                context.log.info(f"inference.tail_chunk_tokens: not used, tail_prompts_per_slot "
+                                 f"{inference.tail_prompts_per_slot:g} x {client.concurrency} slots rounds to no prompt")
 
         def items():
             position = 0
@@ -402,7 +405,9 @@ class _RangeRun:
                         client.abort()
                         commits.put(("error", dg.Failure(
                             f"{afresh_in_a_row} continuations in a row were answered afresh instead of continued: "
-                            + NOT_CONTINUED + "; the cut rows keep their text")))
+                            + NOT_CONTINUED + (" (or inference.tail_chunk_tokens: 0)" if chunker is not None else "")
+                            + "; rows cut by a lower cap keep their text"
+                            + (", rows of the run's end made in chunks are requested again whole" if chunker is not None else ""))))
                 commits.put(("done", None))
             except BaseException as exc:  # noqa: BLE001 - a journal that cannot be written stops the run
                 client.abort()
@@ -491,6 +496,7 @@ class _RangeRun:
             # rows of the run's end generated in chunks (inference.tail_chunk_tokens), and their requests
             "tail_chunked": sum(1 for r in rows if r.get("tail_chunks")),
             "tail_chunk_requests": sum(r.get("tail_chunks") or 0 for r in rows),
+            "tail_chunked_in_table": int((frame["tail_chunks"] > 0).sum()),  # whichever run made them
             "output_tokens_generated": tokens,
             "max_output_tokens": self.settings.max_output_tokens,
             "settings": self.settings.model_dump(),

@@ -116,8 +116,11 @@ class ContinuationPlanner:
         when the servers cannot continue. ``continuing``: :meth:`continuations`' rows (not chunked: they
         are continued whole). Safe to run in a thread: it logs nothing."""
         settings, chunk = self.settings, inference.tail_chunk_tokens
-        if not chunk or chunk >= settings.max_output_tokens:
+        if not chunk:
             return None, None, False
+        if chunk >= settings.max_output_tokens:
+            return None, (f"inference.tail_chunk_tokens is not used: {chunk} is not below the cap "
+                          f"{settings.max_output_tokens}"), False
         if settings.presence_penalty != 0.0 or settings.repetition_penalty != 1.0 or settings.seed is not None:
             return None, ("inference.tail_chunk_tokens is ignored: a seed or a presence/repetition penalty makes a "
                           "continued row differ from one generated whole"), False

@@ -31,7 +31,6 @@ No Dagster imports: the asset wraps this and logs :meth:`CompletionClient.progre
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import json
@@ -46,10 +45,13 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from dflash_assets.generation.follow_ups import FollowUpLanes
+from dflash_assets.generation.replies import parse_chat_completion, server_error_message
 from dflash_assets.generation.urls import chat_completions_url, redact, strip_credentials
 
 __all__ = [
     "CompletionClient",
+    "FollowUpLanes",
     "CompletionResult",
     "GenerationProgress",
     "TooManyFailuresError",
@@ -60,7 +62,6 @@ logger = logging.getLogger(__name__)
 
 # HTTP statuses worth another attempt: request timeout, rate limit, and server-side errors.
 _TRANSIENT_STATUSES = frozenset({408, 429})
-_MAX_ERROR_CHARS = 500
 
 
 class TooManyFailuresError(RuntimeError):
@@ -213,133 +214,6 @@ async def _exchange(http: httpx.AsyncHTTPTransport, request: httpx.Request) -> h
     finally:
         await response.aclose()
     return response
-
-
-def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _int_list_or_none(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return list(value)
-    return None
-
-
-def parse_chat_completion(payload: Any) -> dict[str, Any]:
-    """Fields of a non-streaming chat-completion reply, as :class:`CompletionResult` names them.
-
-    Args:
-        payload: the decoded JSON reply of ``POST /v1/chat/completions``.
-
-    Returns:
-        dict with reasoning_content, content, finish_reason, prompt_tokens, completion_tokens,
-        output_token_ids, prompt_token_ids (each None when the reply lacks it).
-
-    Raises:
-        ValueError: the reply has no ``choices[0]`` object (not a chat completion).
-    """
-    if not isinstance(payload, dict):
-        raise ValueError(f"reply is not a JSON object: {type(payload).__name__}")
-    choices = payload.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise ValueError("reply has no choices[0]")
-    choice = choices[0]
-    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
-    reasoning = message.get("reasoning_content")
-    if reasoning is None:
-        reasoning = message.get("reasoning")  # vLLM >= 0.10 name
-    usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else {}
-
-    # Generated ids: SGLang/vLLM `return_token_ids` -> choices[0].token_ids; older SGLang output_ids;
-    # last resort, logprobs entries that carry an integer token_id.
-    output_ids = _int_list_or_none(choice.get("token_ids"))
-    if output_ids is None:
-        output_ids = _int_list_or_none(choice.get("output_ids"))
-    if output_ids is None:
-        logprobs = choice.get("logprobs")
-        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
-        if isinstance(entries, list) and entries:
-            ids = [e.get("token_id") if isinstance(e, dict) else None for e in entries]
-            output_ids = _int_list_or_none(ids)
-    prompt_ids = _int_list_or_none(choice.get("prompt_token_ids"))
-    if prompt_ids is None:
-        prompt_ids = _int_list_or_none(payload.get("prompt_token_ids"))
-
-    return {
-        "reasoning_content": reasoning if isinstance(reasoning, str) else None,
-        "content": message.get("content") if isinstance(message.get("content"), str) else None,
-        "finish_reason": choice.get("finish_reason") if isinstance(choice.get("finish_reason"), str) else None,
-        "prompt_tokens": _int_or_none(usage.get("prompt_tokens")),
-        "completion_tokens": _int_or_none(usage.get("completion_tokens")),
-        "output_token_ids": output_ids,
-        "prompt_token_ids": prompt_ids,
-    }
-
-
-def _server_error_message(response: httpx.Response) -> str:
-    """The server's own error text: OpenAI ``{"error": {"message"}}``, SGLang ``{"message"}``,
-    FastAPI ``{"detail"}``, else the raw body (truncated)."""
-    text = response.text
-    try:
-        data = json.loads(text)
-    except ValueError:
-        data = None
-    message: Any = None
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict):
-            message = err.get("message")
-        elif isinstance(err, str):
-            message = err
-        if message is None:
-            message = data.get("message", data.get("detail"))
-    if message is None:
-        message = text
-    if not isinstance(message, str):
-        message = json.dumps(message)
-    message = " ".join(message.split())
-    return message[:_MAX_ERROR_CHARS] + ("..." if len(message) > _MAX_ERROR_CHARS else "")
-
-
-class FollowUpLanes:
-    """Follow-up requests waiting to be sent, one FIFO lane per server that made the part before.
-
-    :meth:`take` for a slot just freed on server ``freed`` gives the oldest of that server's lane (its
-    prefix cache holds the part before: no prefill), unless that lane is shorter than the longest one by
-    more than ``steal_margin`` items: then the longest lane's follow-up with the fewest tokens so far
-    (the cheapest prefix to prefill anew). Round-robin within a lane keeps every long row moving;
-    balancing the lanes keeps one server from finishing the run alone. Measured in
-    ``bench/bench_node.py`` (scenario ``tail``): with lanes and no balancing one server ended the run
-    with a queue while the others idled; with one global FIFO, a third of the prefixes missed the cache.
-    """
-
-    def __init__(self, steal_margin: int) -> None:
-        self.steal_margin = steal_margin
-        self._lanes: dict[str, collections.deque[tuple[int, int, dict[str, Any]]]] = collections.defaultdict(collections.deque)
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def push(self, server: str, tokens: int, index: int, body: dict[str, Any]) -> None:
-        """Queue ``body`` for row ``index``, whose parts so far (``tokens``) came from ``server``."""
-        self._lanes[server].append((tokens, index, body))
-        self._count += 1
-
-    def take(self, freed: str | None) -> tuple[int, dict[str, Any], str | None] | None:
-        """``(index, body, server to send it to)`` for a slot freed on ``freed``, or None when empty."""
-        if not self._count:
-            return None
-        lane = self._lanes.get(freed) if freed is not None else None
-        longest = max(self._lanes.values(), key=len)
-        self._count -= 1
-        if lane and len(longest) - len(lane) <= self.steal_margin:
-            _, index, body = lane.popleft()
-            return index, body, freed
-        k = min(enumerate(longest), key=lambda item: item[1][0])[0]  # one pass (deque indexing is O(n))
-        _, index, body = longest[k]
-        del longest[k]
-        return index, body, freed
 
 
 class CompletionClient:
@@ -577,7 +451,7 @@ class CompletionClient:
             if status != 200:
                 transient = status in _TRANSIENT_STATUSES or status >= 500
                 raise _AttemptError(
-                    f"HTTP {status} from {server.label}: {_server_error_message(response)}",
+                    f"HTTP {status} from {server.label}: {server_error_message(response)}",
                     transient=transient,
                     server=server.label,
                     server_fault=status >= 500,

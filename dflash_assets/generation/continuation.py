@@ -101,7 +101,8 @@ def merge_continuation(row: dict[str, Any], result: Any, prompt: dict[str, Any],
     stored in :func:`~dflash_assets.generation.records.split_reasoning`'s form. Counts:
     ``completion_tokens`` = the row's + the new; ``prompt_tokens`` the row's (the server counts the prefix
     as prompt); ``output_token_ids`` None (the server re-tokenized the prefix text);
-    ``continued_from_tokens`` the row's tokens.
+    ``continued_from_tokens`` the row's tokens; ``latency_s`` and ``attempts`` the sums of the row's and
+    the continuation's, ``tail_chunks`` the row's.
 
     A failed request, a reply without ``usage.completion_tokens`` or with another ``finish_reason`` than
     stop/length, or one that starts a new ``<think>`` (a server that ignored ``continue_final_message``
@@ -145,5 +146,9 @@ def merge_continuation(row: dict[str, Any], result: Any, prompt: dict[str, Any],
         truncated_in_reasoning=bool(result.finish_reason == "length" and reasoning is not None and not closed),
         empty_answer=not answer.strip(),
         continued_from_tokens=old_tokens,
+        # the row's requests together: an earlier run's chunks and attempts are still part of it
+        latency_s=round(float(row.get("latency_s") or 0.0) + merged["latency_s"], 4),
+        attempts=int(row.get("attempts") or 0) + merged["attempts"],
+        tail_chunks=int(row.get("tail_chunks") or 0),
     )
     return merged

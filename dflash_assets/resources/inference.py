@@ -112,7 +112,7 @@ class InferenceServerResource(dg.ConfigurableResource):
         "seams where SGLang re-tokenizes their text. Needs what continue_truncated needs.",
     )
     tail_prompts_per_slot: float = Field(
-        strict=True, default=4.0, gt=0, description="tail_chunk_tokens: prompts generated in chunks, per slot (servers x "
+        strict=True, default=4.0, gt=0, allow_inf_nan=False, description="tail_chunk_tokens: prompts generated in chunks, per slot (servers x "
         "max_running_requests) of the run.",
     )
 
