@@ -9,12 +9,12 @@ sigma 0.8, cut at the cap). Prints the efficiency (tokens / (capacity x makespan
 - first-come, then the last ``window`` prompts generated in chunks of ``chunk`` tokens, a cut sequence
   continued later behind every fresh prompt. Beside each: the prefix tokens those continuations send
   again, per generated token (prefill the GPU must redo unless the prefix cache still holds them);
-- the same with the pipeline's queues (``inference.tail_chunk_tokens``, ``client.FollowUpLanes``): one
-  FIFO per server, a continuation queued on the server that wrote its prefix; a slot takes its own
-  server's oldest, unless that queue is shorter than the longest by more than slots per server // 8:
-  then the longest queue's continuation with the fewest tokens so far, whose prefix is then prefilled
-  again on the new server (``--prefill-tok-per-s``; only that slot waits here, the whole server in
-  ``bench_node``'s stand-in).
+- the same with the pipeline's own queues (``inference.tail_chunk_tokens``; the client's
+  ``FollowUpLanes``, called here): one FIFO per server, a continuation queued on the server that wrote
+  its prefix; a slot takes its own server's oldest, unless that queue is shorter than the longest by
+  more than slots per server // 8: then the longest queue's continuation with the fewest tokens so far,
+  whose prefix is then prefilled again on the new server (``--prefill-tok-per-s``; only that slot waits
+  here, the whole server in ``bench_node``'s stand-in).
 
     python bench/bench_drain.py [--prompts 2000] [--slots 280] [--cap 4096]
 """
@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dflash_assets.generation.follow_ups import FollowUpLanes  # noqa: E402
 from dflash_assets.simulation.sglang_stub import drawn_length  # noqa: E402
 
 
@@ -71,9 +72,9 @@ def makespan(lengths: list[int], slots: int, tok_per_s: float, window: int = 0, 
 def lanes_makespan(lengths: list[int], servers: int, slots: int, tok_per_s: float, window: int, chunk: int,
                    prefill_tok_per_s: float) -> tuple[float, int]:
     """Seconds until the last token, and prefix tokens prefilled again (moved to another server), with
-    the continuations in per-server queues kept balanced (the pipeline's ``FollowUpLanes``)."""
-    n, margin = len(lengths), max(1, slots // 8)
-    lanes: list[list[tuple[int, int]]] = [[] for _ in range(servers)]  # (prompt, tokens done), oldest first
+    the continuations queued in the pipeline's own :class:`~dflash_assets.generation.follow_ups.FollowUpLanes`."""
+    n = len(lengths)
+    lanes = FollowUpLanes(steal_margin=max(1, slots // 8))  # the client's margin: slots per server // 8
     finishing: list[tuple[float, int, int, int]] = []  # (time, prompt, tokens done after it, server)
     idle = [0] * servers
     next_fresh, moved = 0, 0
@@ -85,14 +86,11 @@ def lanes_makespan(lengths: list[int], servers: int, slots: int, tok_per_s: floa
             i, done = next_fresh, 0
             next_fresh += 1
         else:
-            longest = max(range(servers), key=lambda k: len(lanes[k]))
-            if not lanes[longest]:
+            taken = lanes.take(str(server))
+            if taken is None:
                 return False
-            if lanes[server] and len(lanes[longest]) - len(lanes[server]) <= margin:
-                i, done = lanes[server].pop(0)
-            else:
-                j = min(range(len(lanes[longest])), key=lambda j: lanes[longest][j][1])
-                i, done = lanes[longest].pop(j)
+            _, (i, done, origin), _ = taken
+            if origin != server:  # its prefix is not in this server's cache
                 moved += done
                 cost = done / prefill_tok_per_s
         left = lengths[i] - done
@@ -107,7 +105,7 @@ def lanes_makespan(lengths: list[int], servers: int, slots: int, tok_per_s: floa
     while finishing:
         end, i, done, server = heapq.heappop(finishing)
         if done < lengths[i]:
-            lanes[server].append((i, done))
+            lanes.push(str(server), done, i, (i, done, server))
         idle[server] += 0 if start(end, server) else 1
         for k in range(servers):  # slots that found nothing take what this one queued
             while idle[k] and start(end, k):

@@ -35,9 +35,9 @@ from dflash_assets.assets.completions_tables import (
     partition_frame,
     table_rows,
 )
+from dflash_assets.assets.completions_continuing import ContinuationPlanner, load_target_builder
 from dflash_assets.generation.cap_cut import cut_rows
 from dflash_assets.generation.client import TooManyFailuresError
-from dflash_assets.assets.completions_continuing import ContinuationPlanner, load_target_builder
 from dflash_assets.generation.continuation import (
     NOT_CONTINUED,
     continuable,
@@ -218,7 +218,6 @@ class _RangeRun:
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
         self.failed_since_materialized: set[str] = set()  # never "kept": their status must go back to done
         self._builder = None  # the target tokenizer's SequenceBuilder (False: it did not load)
-        self.tail: TailChunker | None = None
 
     def plan(self, pk: str, prompts: pl.DataFrame, journal, inference: InferenceServerResource) -> _Partition:
         view, existing = load_plan_rows(self.store, pk, journal)
@@ -321,12 +320,12 @@ class _RangeRun:
         owner = {i: part for part in parts for i in part.by_index}
         commits: queue.Queue = queue.Queue()
         fresh_total = sum(1 for part in parts for p in part.todo if p["index"] not in continuing)
-        chunker = self.tail = None
+        chunker = None
         if tail is not None:
             # the first `concurrency` prompts start at once whatever is done: chunking them gains nothing
             window = min(fresh_total - client.concurrency, round(inference.tail_prompts_per_slot * client.concurrency))
             if window > 0:
-                chunker = self.tail = TailChunker(settings, pool.model, pool.adapt_body, tail[1], tail[0], window, fresh_total)
+                chunker = TailChunker(settings, pool.model, pool.adapt_body, tail[1], tail[0], window, fresh_total)
                 context.log.info(f"the last {window} of {fresh_total} fresh prompts are generated in chunks of {tail[0]} "
                                  f"tokens ({inference.tail_prompts_per_slot:g} per slot), each continued once every fresh "
                                  "prompt has gone out")

@@ -5,7 +5,12 @@ message and the target's tokenizer, decided once per run by :meth:`ContinuationP
 
 from __future__ import annotations
 
-from dflash_assets.generation.continuation import FIRST_CONTINUING_SGLANG, continuable, sglang_predates_continuation
+from dflash_assets.generation.continuation import (
+    FIRST_CONTINUING_SGLANG,
+    continuable,
+    history_free,
+    sglang_predates_continuation,
+)
 from dflash_assets.generation.records import THINK_OPEN
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.settings import GenerationSettings
@@ -109,7 +114,7 @@ class ContinuationPlanner:
         return self._gate
 
     def tail(self, inference: InferenceServerResource, parts: list,
-                  continuing: dict[int, dict]) -> tuple[tuple[int, bool] | None, str | None, bool]:
+             continuing: dict[int, dict]) -> tuple[tuple[int, bool] | None, str | None, bool]:
         """Whether the end of this run is generated in chunks (``inference.tail_chunk_tokens``,
         :mod:`dflash_assets.generation.tail_chunks`): ``((chunk_tokens, opened) or None, note, problem)``.
         Off (None) when not configured or the sampling is not history-free; not possible (a warning)
@@ -121,7 +126,7 @@ class ContinuationPlanner:
         if chunk >= settings.max_output_tokens:
             return None, (f"inference.tail_chunk_tokens is not used: {chunk} is not below the cap "
                           f"{settings.max_output_tokens}"), False
-        if settings.presence_penalty != 0.0 or settings.repetition_penalty != 1.0 or settings.seed is not None:
+        if not history_free(settings):
             return None, ("inference.tail_chunk_tokens is ignored: a seed or a presence/repetition penalty makes a "
                           "continued row differ from one generated whole"), False
         fresh = [p for part in parts for p in part.todo if p["index"] not in continuing]

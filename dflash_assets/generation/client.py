@@ -744,7 +744,7 @@ class CompletionClient:
                         row_tokens.pop(index, None)
                         self._record(result)
                     elif not self._stopping:
-                        # this worker sends it next itself (its server has the slot just freed): no wake-up
+                        # queued for this worker's next turn of the loop (next_item), on the slot just freed
                         self._output_tokens += result.completion_tokens or 0
                         row_tokens[index] = row_tokens.get(index, 0) + (result.completion_tokens or 0)
                         pending.push(result.server, row_tokens[index], index, following)

@@ -52,6 +52,12 @@ def sglang_predates_continuation(version: str | None) -> bool:
         return False
 
 
+def history_free(settings: GenerationSettings) -> bool:
+    """Whether a row sampled under ``settings`` may be made in parts: no presence or repetition penalty
+    and no per-request seed (see the module docstring)."""
+    return settings.presence_penalty == 0.0 and settings.repetition_penalty == 1.0 and settings.seed is None
+
+
 def continuable(row: dict[str, Any] | None, settings: GenerationSettings, check_text: bool = True) -> bool:
     """Whether ``row`` can be continued under ``settings`` rather than regenerated.
 
@@ -64,7 +70,7 @@ def continuable(row: dict[str, Any] | None, settings: GenerationSettings, check_
     """
     if row is None or row.get("finish_reason") != "length":
         return False  # first-pass error rows have no finish_reason
-    if settings.presence_penalty != 0.0 or settings.repetition_penalty != 1.0 or settings.seed is not None:
+    if not history_free(settings):
         return False
     tokens = row.get("completion_tokens")
     if row.get("settings_fingerprint") != settings.sampling_fingerprint() or not tokens:
