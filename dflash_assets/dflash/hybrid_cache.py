@@ -20,8 +20,8 @@ a partial acceptance, restores them and advances them over the accepted tokens:
 * ``none``: no linear-attention layer (Llama, Qwen3, SmolLM2): crop only, no snapshot, no hook (what
   plain models always cost).
 
-SGLang takes the other road named in the DFlash serving code (per-draft-position states,
-``--mamba-scheduler-strategy extra_buffer``), which needs its own kernels.
+SGLang instead keeps a state per draft position (``--mamba-scheduler-strategy extra_buffer``), which needs
+kernels that write them; here the price is the re-run, counted in ``forwards`` / ``tokens``.
 
 Plain torch + transformers; no Dagster.
 """
