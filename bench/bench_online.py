@@ -17,7 +17,8 @@ Tokens are block tokens (anchors x block_size), the drafter's work per step; con
 target's work) are printed beside them. The target is random-init (``bench/random_targets.py``), which
 does not change the cost.
 
-Usage: ``python bench/bench_online.py [--size cpu|tiny|qwen3-4b] [--device cpu|cuda] [--steps 8]``.
+Usage: ``python bench/bench_online.py [--size cpu|tiny|qwen3-4b|hybrid-tiny|hybrid-cpu|qwen36-27b] [--num-layers N]
+[--draft-overrides JSON] [--device cpu|cuda] [--steps 8]``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from random_targets import SIZES, num_parameters, random_target  # noqa: E402
+from random_targets import ALL_SIZES, num_parameters, random_target  # noqa: E402
 
 from dflash_assets.dflash.loss import dflash_loss_from_hidden  # noqa: E402
 from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel, default_target_layer_ids  # noqa: E402
@@ -92,7 +93,10 @@ def _bare_timed(target, drafter, batches, layer_ids, device) -> tuple[float, int
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="cpu")
+    p.add_argument("--size", choices=ALL_SIZES, default="cpu")
+    p.add_argument("--num-layers", type=int, default=None, help="target depth (default: the size's)")
+    p.add_argument("--draft-overrides", type=json.loads, default={},
+                   help='drafter shape unlike the target\'s, e.g. {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}')
     p.add_argument("--tiny", action="store_true", help="same as --size tiny --steps 3 --seq-len 96 (a smoke run)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=8, help="measured steps (after as many warm-up steps)")
@@ -111,12 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = random_target(a.size, device, dtype)
+    target = random_target(a.size, device, dtype, num_layers=a.num_layers)
     cfg_dict = target.config.to_dict()
     vocab = target.config.vocab_size
     layer_ids = default_target_layer_ids(target.config.num_hidden_layers, 5)
     dc = DFlashConfig.from_target_config(cfg_dict, mask_token_id=vocab - 1, num_hidden_layers=a.draft_layers,
-                                         num_context_features=5, target_layer_ids=layer_ids, block_size=a.block_size)
+                                         num_context_features=5, target_layer_ids=layer_ids, block_size=a.block_size,
+                                         **a.draft_overrides)
     head = (target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach())
     steps = 2 * a.steps  # first half: warm-up window
     rows = make_rows(steps * a.batch_size, a.seq_len, a.seq_len // 4, vocab)
@@ -130,8 +135,11 @@ def main(argv: list[str] | None = None) -> dict:
     plan = StepPlan(len(ds), 1, a.batch_size, seed)
     batches = [build_batch(ds, plan.rows(s, 0)[1], plan.rows(s, 0)[0], seed, a.block_size, a.anchors, dc.mask_token_id)
                for s in range(steps)]
+    draft_parameters = [0]
+
     def run_bare() -> tuple[float, int, int]:
         drafter = DFlashDraftModel(dc)
+        draft_parameters[0] = sum(p.numel() for p in drafter.parameters())
         drafter.reset_parameters(0.02, seed=0)
         drafter.to(device)
         hd = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -166,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     online = online_runs[median]
     res = {
         "size": a.size, "target_parameters": num_parameters(target), "device": str(device),
+        "draft_parameters": draft_parameters[0],
         "torch_threads": torch.get_num_threads(), "steps_measured": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len,
         "block_size": a.block_size, "anchors": a.anchors, "draft_layers": a.draft_layers,
         "bare_block_tokens_per_s": round(bare_block / bare_s, 1),

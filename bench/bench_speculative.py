@@ -13,8 +13,16 @@ whole context every step (before the drafter's context cache) and with the cache
 accepted positions), as speculative / plain wall time; an untrained drafter accepts almost nothing and
 does strictly more work than plain decoding, so its speedup must stay below 1.0.
 
-Usage: ``python bench/bench_speculative.py [--steps 60] [--block-size 4] [--layers 1] [--max-new-tokens 48]
-[--drafter EXPORT_DIR] [--png hist.png] [--device cpu|cuda]``; prints one JSON object, then the
+Hybrid targets (``--target hybrid-tiny|hybrid-cpu|qwen36-27b``, a random-init Qwen3.5/3.6-shaped decoder from
+``bench/random_targets.py``, random prompts, a drafter trained here on the target's greedy completions):
+after a partial acceptance the linear-attention state is rolled back (``dflash.hybrid_cache``), which costs
+target work plain models do not pay; printed beside the plain figures: verify forwards and the tokens they
+fed, rollback passes (linear-attention mixers only) and the tokens they re-ran, and the share of the
+target's weights a rollback pass reads.
+
+Usage: ``python bench/bench_speculative.py [--target smollm2|hybrid-cpu|...] [--steps 60] [--block-size 4]
+[--layers 1] [--max-new-tokens 48] [--drafter EXPORT_DIR] [--png hist.png] [--device cpu|cuda]``; prints one
+JSON object, then the
 wall-time speedup measured side by side: for each prompt, plain and speculative decoding run back to
 back (the order alternating by prompt), so both see the same machine load (the figures inside the
 evaluations reuse plain timings made minutes earlier and are left out of the headline). Goal: lossless,
@@ -60,7 +68,8 @@ HELDOUT_QUESTIONS = ["What is the capital of Italy?", "Name three fruits."]
 
 def _summary(ev: dict) -> dict:
     keys = ("tau", "tau_stderr", "tau_pooled", "tau_pooled_stderr", "per_prompt_tau", "histogram", "acceptance_per_position", "new_tokens", "target_forwards_plain", "target_forwards_spec",
-            "target_forwards_saved", "forward_reduction", "wall_s_plain", "wall_s_spec", "speedup", "lossless")
+            "target_forwards_saved", "forward_reduction", "target_tokens_plain", "target_tokens_spec", "rollback",
+            "rollback_forwards", "rollback_tokens", "wall_s_plain", "wall_s_spec", "speedup", "lossless")
     return {k: ev[k] for k in keys}
 
 
@@ -85,6 +94,7 @@ def drafter_step_ms(drafter, context_len: int, steps: int = 30) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2", help="smollm2 (the local model) or a hybrid size of bench/random_targets.py")
     ap.add_argument("--drafter", help="exported drafter dir (skip training)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--block-size", type=int, default=4)
@@ -97,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.target != "smollm2":
+        return hybrid_main(a)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -185,7 +197,88 @@ def main(argv: list[str] | None = None) -> int:
           f"goal: > 1.0 on a GPU, lossless always")
     print(f"tau trained {report['train_prompts']['trained']['tau']:.3f} vs untrained "
           f"{report['train_prompts']['untrained']['tau']:.3f} (goal: trained > untrained)")
+    for name in ("trained", "untrained"):
+        print(work_line(name, report["train_prompts"][name]))
     return 0
+
+
+def work_line(name: str, ev: dict, mixer_share: float | None = None) -> str:
+    """Target work of one evaluation: plain vs speculative forwards and tokens, and what the rollbacks added."""
+    share = f" (each reads {mixer_share:.1%} of the target's weights)" if mixer_share is not None else ""
+    return (f"{name}: tau {ev['tau']:.3f}, lossless {ev['lossless']}; target work: plain {ev['target_forwards_plain']} forwards "
+            f"over {ev['target_tokens_plain']} tokens, speculative {ev['target_forwards_spec']} verify forwards over "
+            f"{ev['target_tokens_spec']} tokens + rollback ({ev['rollback']}) {ev['rollback_forwards']} passes over "
+            f"{ev['rollback_tokens']} tokens{share}")
+
+
+def mixer_weight_share(target) -> float:
+    """Share of the target's parameters in its linear-attention token mixers (what a ``mixers`` rollback reads)."""
+    total = sum(p.numel() for p in target.parameters())
+    mixers = sum(p.numel() for m in target.modules() if hasattr(m, "linear_attn") for p in m.linear_attn.parameters())
+    return mixers / total if total else 0.0
+
+
+def scripted_run(target, dc, prompts, plain, max_new_tokens: int, seed: int) -> dict:
+    """A drafter that knows the greedy continuation and errs at a random draft of each block
+    (``simulation.oracle_drafter``): acceptances of every length, so rollbacks over several tokens."""
+    from dflash_assets.simulation.oracle_drafter import OracleDrafter
+
+    rng = torch.Generator().manual_seed(seed)
+    runs = []
+    for p, r in zip(prompts, plain):
+        corrupt = [int(k) if k < dc.block_size else None for k in torch.randint(1, dc.block_size + 1, (max_new_tokens,), generator=rng)]
+        runs.append(dflash_generate(target, OracleDrafter(p + r.output_ids + [0] * dc.block_size, dc, corrupt), p, max_new_tokens))
+    return {"tau": sum(map(sum, (x.accepted_lengths for x in runs))) / sum(len(x.accepted_lengths) for x in runs),
+            "lossless": all(x.output_ids == r.output_ids for x, r in zip(runs, plain)),
+            "target_forwards_plain": sum(r.num_target_forwards for r in plain), "target_tokens_plain": sum(r.num_target_tokens for r in plain),
+            "target_forwards_spec": sum(x.num_target_forwards for x in runs), "target_tokens_spec": sum(x.num_target_tokens for x in runs),
+            "rollback": runs[0].rollback, "rollback_forwards": sum(x.rollback_forwards for x in runs),
+            "rollback_tokens": sum(x.rollback_tokens for x in runs)}
+
+
+def hybrid_main(a) -> int:
+    """The bench on a random-init hybrid target: lossless, tau, and the rollbacks' extra target work."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from random_targets import HYBRID_SIZES, num_parameters, random_target
+
+    if a.target not in HYBRID_SIZES:
+        raise SystemExit(f"--target {a.target!r}: use smollm2 or one of {sorted(HYBRID_SIZES)}")
+    t_start = time.perf_counter()
+    device = torch.device(a.device)
+    target = random_target(a.target, device, torch.float32, seed=a.seed)
+    vocab = target.config.vocab_size
+    g = torch.Generator().manual_seed(a.seed + 1)
+    prompts = [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in (12, 20, 28, 36, 44, 52)]
+    plain = [target_generate(target, p, a.max_new_tokens) for p in prompts]
+    layer_ids = default_target_layer_ids(target.config.num_hidden_layers)
+    rows = [{"index": i, "input_ids": p + r.output_ids, "loss_mask": [0] * len(p) + [1] * len(r.output_ids)}
+            for i, (p, r) in enumerate(zip(prompts, plain))]
+    tmp = Path(tempfile.mkdtemp(prefix="bench_spec_hybrid_"))
+    extract_partition(target, rows, tmp / "shards", layer_ids, rows_per_shard=64)
+    shards = sorted(str(p) for p in (tmp / "shards").glob("*.safetensors"))
+    dc = DFlashConfig.from_target_config(target.config, mask_token_id=vocab - 1, num_hidden_layers=a.layers,
+                                         block_size=a.block_size, target_layer_ids=layer_ids)
+    head = (target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach())
+    cfg = TrainConfig(shards=shards, out_dir=str(tmp / "run"), block_size=a.block_size, max_anchors=128, batch_size=len(rows),
+                      lr=2e-3, max_steps=a.steps, warmup_ratio=0.05, min_lr_ratio=0.1, checkpoint_every=0, log_every=10,
+                      seed=a.seed, device=a.device, prefetch=1)
+    drafter = train(cfg, draft_config=dc, target_head=head).model.eval()
+    # held-out prompts: the trained drafter is right only part of the way, so partial acceptances (rollbacks) happen
+    heldout = [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in (16, 24, 32, 40)]
+    drafters = {"trained": drafter, "untrained": untrained_drafter_like(drafter, seed=a.seed)}
+    evs = {f"{name} ({which} prompts)": ev
+           for which, ps in (("training", prompts), ("held-out", heldout))
+           for name, ev in evaluate_drafters(target, drafters, ps, a.max_new_tokens).items()}
+    evs["scripted (training prompts)"] = scripted_run(target, dc, prompts, plain, a.max_new_tokens, a.seed)
+    share = mixer_weight_share(target)
+    report = {"target": a.target, "target_parameters": num_parameters(target), "max_new_tokens": a.max_new_tokens,
+              "block_size": a.block_size, "prompts": {"training": len(prompts), "held-out": len(heldout)},
+              "mixer_weight_share": share, **{name: _summary(ev) if "scripted" not in name else ev for name, ev in evs.items()},
+              "total_s": time.perf_counter() - t_start}
+    print(json.dumps(report, indent=1))
+    for name, ev in evs.items():
+        print(work_line(name, ev, share))
+    return 0 if all(ev["lossless"] for ev in evs.values()) else 1
 
 
 def side_by_side(target, drafter, prompts, max_new_tokens: int, end_id: int) -> dict:

@@ -15,7 +15,6 @@ drafter's held-out split, so a subset is not biased toward or away from held-out
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -23,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_assets.dflash.target_features import bytes_per_token, default_target_layer_ids
+from dflash_assets.dflash.target_features import bytes_per_token
+from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
 from dflash_assets.partitions import key_range
 
 SUBSET_SALT = "dflash-hidden-states-subset:"
@@ -61,11 +61,9 @@ def in_subset(index: int, threshold: float) -> bool:
 
 
 def target_shape(model_dir: str | os.PathLike, layer_ids: list[int] | None) -> tuple[list[int], int]:
-    """``(target_layer_ids, hidden_size)`` from the target's config.json (default ids: the DFlash rule for 5)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config") or cfg
-    ids = list(layer_ids or default_target_layer_ids(int(text["num_hidden_layers"]), 5))
-    return ids, int(text["hidden_size"])
+    """``(target_layer_ids, hidden_size)`` from the target's config.json (ids: :func:`resolve_target_layer_ids`)."""
+    text = text_config(model_dir)
+    return resolve_target_layer_ids(text, layer_ids, 5), int(text["hidden_size"])
 
 
 @dataclass

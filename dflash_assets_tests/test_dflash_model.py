@@ -158,8 +158,14 @@ def _single_block_reference(model, input_ids, features, anchor, bs):
     return model(block, target_hidden=features[None, :anchor], position_ids=pos)[0]
 
 
-def test_packed_training_forward_equals_per_block_inference():
-    model = tiny_model()
+# the drafter's own attention shape, unlike the target's (SpecForge's Qwen3.6 drafter: 32 / 8 / 128 vs 24 / 4 / 256)
+OWN_SHAPE = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=6, intermediate_size=40)
+
+
+@pytest.mark.parametrize("shape", [{}, OWN_SHAPE], ids=["target_shape", "own_attention_shape"])
+def test_packed_training_forward_equals_per_block_inference(shape):
+    model = tiny_model(**shape)
+    assert model.layers[0].self_attn.q_proj.weight.shape == (model.config.num_attention_heads * model.config.head_dim, 32)
     bs, t = model.config.block_size, 20
     torch.manual_seed(2)
     input_ids = torch.randint(0, 60, (t,))
@@ -207,6 +213,24 @@ def test_from_target_config_local_model_shape():
     assert dc.target_layer_ids == [1, 8, 14, 20, 27] and dc.block_size == 16
     with pytest.raises(ValueError):
         DFlashConfig.from_target_config(cfg_json, mask_token_id=16, target_layer_ids=[30])
+
+
+def test_drafter_shape_overrides_and_their_checks():
+    from dflash_assets.dflash.model import DRAFT_SHAPE_FIELDS
+
+    target = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
+              "vocab_size": 64, "num_hidden_layers": 8}
+    dc = DFlashConfig.from_target_config(target, mask_token_id=63, num_hidden_layers=1, **OWN_SHAPE)
+    assert {k: getattr(dc, k) for k in OWN_SHAPE} == OWN_SHAPE and dc.hidden_size == 32
+    assert set(OWN_SHAPE) <= set(DRAFT_SHAPE_FIELDS) <= set(dc.to_dict())
+    wrapped = DFlashConfig.from_target_config({"text_config": target}, mask_token_id=63, num_hidden_layers=1)
+    assert (wrapped.num_target_layers, wrapped.target_layer_ids) == (8, [1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match="mask_token_id 64 is outside the target's vocabulary"):
+        DFlashConfig.from_target_config(target, mask_token_id=64)
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        DFlashConfig.from_target_config(target, mask_token_id=63, num_attention_heads=6, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="head_dim 7 must be even"):
+        DFlashConfig.from_target_config(target, mask_token_id=63, head_dim=7)
 
 
 def test_default_mask_token_id_choices():

@@ -329,3 +329,41 @@ def test_torchrun_two_processes_gloo_identical_weights(tmp_path):
 def _write_json(path: Path, obj) -> Path:
     path.write_text(json.dumps(obj))
     return path
+
+
+def test_drafter_with_its_own_attention_shape_trains_exports_reloads_and_decodes(tmp_path):
+    """Heads, KV heads, head_dim and MLP width unlike the target's (as the published Qwen3.6 recipe's 32 / 8 /
+    128 against the target's 24 / 4 / 256): a step trains, the export says the shape in the fields SGLang and
+    vLLM read, the reload is tensor for tensor the trained model, and it decodes losslessly."""
+    from dflash_assets.dflash.export import export_drafter, load_exported
+    from dflash_assets.dflash.shards import extract_partition, read_index
+    from dflash_assets.dflash.speculative import dflash_generate, target_generate
+
+    from tiny_target import LAYER_IDS, VOCAB as TV, make_rows, make_target
+
+    model, target_dir = make_target(tmp_path)
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim) == (4, 2, 8)
+    rows = make_rows(6)
+    extract_partition(model, rows, tmp_path / "hs", LAYER_IDS, rows_per_shard=8, max_tokens_per_batch=256)
+    shards = [str(tmp_path / "hs" / s["name"]) for s in read_index(tmp_path / "hs")["shards"]]
+    shape = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 6, "intermediate_size": 40}
+    cfg = TrainConfig(shards=shards, out_dir=str(tmp_path / "run"), target_model_path=str(target_dir), num_hidden_layers=1,
+                      num_context_features=3, target_layer_ids=LAYER_IDS, block_size=4, mask_token_id=TV - 1,
+                      draft_overrides=shape, max_anchors=4, batch_size=2, max_steps=2, checkpoint_every=0, device="cpu")
+    result = train(cfg)
+    trained = result.model.eval()
+    assert {k: getattr(trained.config, k) for k in shape} == shape and result.step == 2
+    attn = trained.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (48, 32) and attn.k_proj.weight.shape == (24, 32) and attn.o_proj.weight.shape == (32, 48)
+    out = export_drafter(trained, tmp_path / "export", dtype=torch.float32)
+    exported = json.loads((out / "config.json").read_text())
+    assert {k: exported[k] for k in shape} == shape and exported["hidden_size"] == 32
+    assert exported["dflash_config"] == {"mask_token_id": TV - 1, "target_layer_ids": LAYER_IDS, "block_size": 4}
+    embed, head = model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach()
+    loaded = load_exported(out, embed_weight=embed, lm_head_weight=head).eval()
+    theirs, ours = loaded.state_dict(), trained.state_dict()
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
+    for prompt in ([5, 9, 13, 2, 40, 41], [70, 3, 3, 8]):
+        plain = target_generate(model, prompt, 12)
+        spec = dflash_generate(model, loaded, prompt, 12)
+        assert spec.output_ids == plain.output_ids and spec.num_draft_forwards > 0

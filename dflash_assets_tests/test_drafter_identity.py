@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import dagster as dg
+import pytest
 import torch
 
 from dflash_assets.assets.drafter import STATE_FILE, dflash_drafter, file_sha256
@@ -28,6 +29,16 @@ from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets_tests.test_dflash_train import HIDDEN, N_FEATS, VOCAB, _tiny_cfg, make_tiny_target, write_shard
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _project_layers(tmp_path, monkeypatch):
+    """The partitions below store layers [1, 3, 5]: the project config says so (the drafter resolves them there)."""
+    from dflash_assets_tests.tiny_target import project_config_with_layers
+
+    monkeypatch.setenv("DFLASH_CONFIG", str(project_config_with_layers(tmp_path / "config", [1, 3, 5])))
+
+
 KEYS = ["0-9", "10-19"]
 CONFIG = {"num_hidden_layers": 1, "block_size": 4, "mask_token_id": VOCAB - 1, "max_steps": 6, "checkpoint_every": 3,
           "batch_size": 2, "max_anchors": 6, "intermediate_size": 64, "eval_fraction": 0.0, "lr": 0.01, "seed": 3}

@@ -19,10 +19,10 @@ from dflash_assets.resources.target_model import TargetModelResource
 
 try:
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target  # noqa: F401 (fixtures)
-    from dflash_assets_tests.tiny_target import LAYER_IDS, VOCAB, make_rows, make_target
+    from dflash_assets_tests.tiny_target import LAYER_IDS, VOCAB, make_rows, make_target, project_config_with_layers
 except ImportError:
     from s3_fixtures import moto_server, s3_env, s3_target  # type: ignore[no-redef]  # noqa: F401
-    from tiny_target import LAYER_IDS, VOCAB, make_rows, make_target  # type: ignore[no-redef]
+    from tiny_target import LAYER_IDS, VOCAB, make_rows, make_target, project_config_with_layers  # type: ignore[no-redef]
 
 PK = "0000000-0000011"
 
@@ -52,6 +52,8 @@ def machine(target, scratch: Path) -> StorageResource:
 
 
 def test_fresh_machine_downloads_shards_instead_of_recomputing(s3_target, tmp_path, monkeypatch):
+    # the project config names the layers: hidden_states (below, also by run config) and the drafter resolve the same
+    monkeypatch.setenv("DFLASH_CONFIG", str(project_config_with_layers(tmp_path / "config", LAYER_IDS)))
     _, target_dir = make_target(tmp_path)
     target = TargetModelResource(model_path=str(target_dir), dtype="float32", device="cpu")
     counter = Counter()

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import polars as pl
+import pytest
 import torch
 
 from dflash_assets.dflash.online import OnlineTargetFeatures, TokenizedRows, read_tokenized_rows
@@ -107,3 +108,62 @@ def test_cli_online_mode_writes_summary(tmp_path):
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["features"] == "online" and summary["step"] == 3 and summary["target_forwards"] == 3
+
+
+def test_online_and_offline_runs_of_the_drafter_asset_use_the_configured_layers(tmp_path, monkeypatch):
+    """ops.hidden_states.config.target_layer_ids set to non-default ids: the drafter asset's training config
+    (``train_config_for``) takes them for both feature sources, so online training (which runs the target
+    itself) learns from the layers the offline shards store. Before, online fell back to the default ids."""
+    from dflash_assets.assets.drafter import DrafterConfig, train_config_for
+    from dflash_assets.assets.hidden_states import resolve_layer_ids
+    from dflash_assets.dflash.target_layers import resolve_target_layer_ids
+    from dflash_assets.feature_sources import hidden_states_config
+    from dflash_assets.resources.target_model import TargetModelResource
+
+    configured = [0, 2, 4]
+    project = tmp_path / "project.yaml"
+    project.write_text(f"ops:\n  hidden_states:\n    config:\n      target_layer_ids: {configured}\n")
+    monkeypatch.setenv("DFLASH_CONFIG", str(project))
+    model, target_dir = make_target(tmp_path)
+    assert resolve_target_layer_ids(target_dir, None, 5) != configured  # what online used to take
+    # offline: hidden_states stores the layers its config resolves to
+    stored = resolve_layer_ids(hidden_states_config().target_layer_ids, model)
+    assert stored == configured
+    rows = make_rows()
+    extract_partition(model, rows, tmp_path / "hs", stored, rows_per_shard=4, max_tokens_per_batch=256, dtype=torch.bfloat16)
+    shards = [str(tmp_path / "hs" / s["name"]) for s in read_index(tmp_path / "hs")["shards"]]
+    tokenized = [write_tokenized(tmp_path / "tok.parquet", rows)]
+    settings = DrafterConfig(num_hidden_layers=1, block_size=4, mask_token_id=VOCAB - 1, max_steps=8, max_anchors=4,
+                             batch_size=2, lr=3e-3, eval_fraction=0.0, checkpoint_every=0, seed=5, intermediate_size=32)
+    resource = TargetModelResource(model_path=str(target_dir), dtype="float32", device="cpu")
+    runs = {}
+    for mode in ("offline", "online"):
+        cfg = train_config_for(settings, resource, mode=mode, shards=shards if mode == "offline" else [],
+                               tokenized=tokenized if mode == "online" else [], out_dir=str(tmp_path / mode))
+        assert cfg.target_layer_ids == configured and cfg.num_context_features == 3
+        runs[mode] = train(cfg, online_target=model if mode == "online" else None)
+    for result in runs.values():
+        assert result.summary["draft_config"]["target_layer_ids"] == configured
+        assert result.model.fc.weight.shape == (HIDDEN, 3 * HIDDEN)
+    # the same layers -> the same features -> the same losses (bf16 features both ways)
+    a, b = ([r["loss"] for r in runs[m].records] for m in ("offline", "online"))
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-4
+
+
+def test_drafter_settings_are_checked_against_the_target_before_any_work(tmp_path, monkeypatch):
+    from dflash_assets.assets.drafter import DrafterConfig, resolved_settings
+    from dflash_assets.resources.target_model import TargetModelResource
+
+    monkeypatch.setenv("DFLASH_CONFIG", str(tmp_path / "project.yaml"))
+    (tmp_path / "project.yaml").write_text("ops: {}\n")
+    _, target_dir = make_target(tmp_path)
+    resource = TargetModelResource(model_path=str(target_dir))
+    ids, overrides = resolved_settings(DrafterConfig(mask_token_id=VOCAB - 1, num_attention_heads=8, head_dim=4), resource)
+    assert ids == [1, 2, 2, 2, 3] and overrides == {"num_attention_heads": 8, "head_dim": 4}  # 6 layers, default rule
+    with pytest.raises(ValueError, match=rf"ops.dflash_drafter.config: mask_token_id {VOCAB} is outside the target's vocabulary \(vocab_size {VOCAB}\)"):
+        resolved_settings(DrafterConfig(mask_token_id=VOCAB), resource)
+    with pytest.raises(ValueError, match="ops.dflash_drafter.config: num_attention_heads 6 must be a multiple of num_key_value_heads 4"):
+        resolved_settings(DrafterConfig(num_attention_heads=6, num_key_value_heads=4), resource)
+    (tmp_path / "project.yaml").write_text("ops:\n  hidden_states:\n    config:\n      target_layer_ids: [1, 6]\n")
+    with pytest.raises(ValueError, match=r"ops.hidden_states.config.target_layer_ids: target_layer_ids \[6\] are outside 0..5"):
+        resolved_settings(DrafterConfig(), resource)

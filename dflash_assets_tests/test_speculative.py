@@ -14,7 +14,6 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from dflash_assets.dflash.evaluation import (
     acceptance_histogram,
@@ -33,6 +32,7 @@ from dflash_assets.dflash.speculative import (
     dflash_generate,
     target_generate,
 )
+from dflash_assets.simulation.oracle_drafter import OracleDrafter
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "How many days are in a week?"]
 MAX_NEW = 24
@@ -78,42 +78,6 @@ def untrained(smol, block_size=BS):
     d = DFlashDraftModel(drafter_config(smol, block_size))
     d.reset_parameters(seed=0)
     return d.attach_target(smol["embed"], smol["head"]).eval()
-
-
-class OracleDrafter(nn.Module):
-    """Proposes the known greedy continuation ``reference`` (prompt + completion), with scripted errors.
-
-    ``corrupt[i]`` (1-based draft index or None) is the draft made wrong at the i-th call; the hand
-    count of that step's accepted length is then ``corrupt[i]`` (``corrupt[i] - 1`` drafts + bonus),
-    or ``block_size`` when None. Records the context it was given, to check it against the features.
-    """
-
-    def __init__(self, reference: list[int], config: DFlashConfig, corrupt: list[int | None] = ()):
-        super().__init__()
-        self.config = config
-        self.reference = reference
-        self.corrupt = list(corrupt)
-        self.calls: list[tuple[int, torch.Tensor]] = []
-        self.dummy = nn.Parameter(torch.zeros(1))  # gives the module a device
-
-    def forward(self, input_ids, *, target_hidden, position_ids, attention_mask=None):
-        q = input_ids.shape[1]
-        start = int(position_ids[0, -q])
-        assert position_ids[0].tolist() == list(range(start + q))
-        assert int(input_ids[0, 0]) == self.reference[start]  # the anchor is the last accepted token
-        assert (input_ids[0, 1:] == self.config.mask_token_id).all()
-        bad = self.corrupt[len(self.calls)] if len(self.calls) < len(self.corrupt) else None
-        self.calls.append((start, target_hidden.clone()))
-        logits = torch.zeros(1, q, self.config.vocab_size)
-        for k in range(1, q):
-            tok = self.reference[start + k] if start + k < len(self.reference) else 0
-            if k == bad:
-                tok = (tok + 1) % self.config.vocab_size
-            logits[0, k, tok] = 1.0
-        return logits
-
-    def compute_logits(self, hidden):
-        return hidden
 
 
 def test_acceptance_length_histogram_and_png():

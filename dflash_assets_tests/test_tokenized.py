@@ -341,3 +341,48 @@ def test_server_token_ids_are_used_as_returned(smol_tokenizer):
                                              add_generation_prompt=True, return_dict=False)
         assert r["input_ids"] == prompt_ids + expected_tail[r["index"]]
         assert r["loss_mask"] == [0] * len(prompt_ids) + [1] * len(expected_tail[r["index"]])
+
+
+def test_gpu_config_cuts_long_thinking_rows_instead_of_setting_them_aside(tmp_path):
+    """gpu_qwen36_27b.yaml's tokenized settings (the published recipe: cut at 4,096): rows far longer than
+    that, finished or cut by the generation cap inside the thinking, are all kept, cut at 4,096 with their
+    supervised tokens intact, and the drafter's training rows keep every one of them."""
+    import yaml
+
+    from dflash_assets.assets.drafter import DrafterConfig
+    from dflash_assets.assets.tokenized import TokenizeConfig
+    from dflash_assets.config import BUNDLED
+    from dflash_assets.dflash.online import TokenizedRows
+
+    ops = yaml.safe_load((BUNDLED / "gpu_qwen36_27b.yaml").read_text())["ops"]
+    settings = TokenizeConfig(**ops["tokenized_sequences"]["config"])
+    drafter = DrafterConfig(**ops["dflash_drafter"]["config"])
+    assert (settings.max_length, settings.over_max_length, settings.truncated) == (4096, "cut", "keep")
+    assert drafter.max_length == settings.max_length
+    tok = thinking_tokenizer(tmp_path, opens_think=True)
+    long_text = " ".join(f"step {i} of the plan" for i in range(1500))  # > 4,096 tokens
+    questions = {i: f"Hard task number {i}." for i in range(5)}
+    rows = rows_to_frame([
+        completion_row(0, "Done.", reasoning=long_text),  # finished, longer than max_length
+        completion_row(1, "", "length", reasoning=long_text, truncated_in_reasoning=True),  # cut by the cap
+        completion_row(2, "", "length", reasoning=long_text + " and more", truncated_in_reasoning=True),
+        completion_row(3, "Short, but with room for a block of 16.", reasoning="An easy one. " * 8),
+        completion_row(4, long_text, "length", reasoning="Thought."),  # cut by the cap in the answer
+    ])
+    policy = TokenizePolicy(settings.max_length, settings.truncated, settings.over_max_length)
+    out, aside, counts = tokenize_partition(rows, corpus_frame(questions), SequenceBuilder(tok), policy)
+    assert aside.height == 0, aside.to_dicts()  # no row set aside, for length or anything else
+    assert out["index"].to_list() == [0, 1, 2, 3, 4]
+    assert counts["cut"] == 4 and counts["kept"] == 5
+    lengths = out["input_ids"].list.len().to_list()
+    assert lengths[:3] == [4096] * 3 and lengths[4] == 4096 and lengths[3] < 4096
+    for r in out.iter_rows(named=True):  # the cut keeps the prefix: prompt unsupervised, the rest supervised
+        assert r["loss_mask"] == [0] * r["prompt_len"] + [1] * (len(r["input_ids"]) - r["prompt_len"])
+    train_rows = TokenizedRows([{"index": r["index"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
+                                for r in out.iter_rows(named=True)], max_length=drafter.max_length,
+                               block_size=drafter.block_size)
+    assert len(train_rows) == 5 and train_rows.dropped_rows == 0
+    assert train_rows.num_tokens == sum(lengths)
+    # the settings this replaced (3,072, drop, drop) set all but the short row aside
+    _, old_aside, _ = tokenize_partition(rows, corpus_frame(questions), SequenceBuilder(tok), TokenizePolicy(3072, "drop", "drop"))
+    assert sorted(old_aside["index"].to_list()) == [0, 1, 2, 4]

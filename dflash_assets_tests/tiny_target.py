@@ -33,3 +33,45 @@ def make_rows(n: int = 10, seed: int = 1, first_index: int = 100) -> list[dict]:
         ids = torch.randint(0, VOCAB - 1, (t,), generator=g).tolist()
         rows.append({"index": first_index + i, "input_ids": ids, "loss_mask": [0] * 8 + [1] * (t - 8)})
     return rows
+
+
+# Qwen3.5/3.6-style hybrid decoder: 3 linear-attention (Gated DeltaNet) layers then 1 full-attention layer,
+# repeated; partial rotary (0.25) and gated attention as in the real config, every size scaled down.
+HYBRID_LAYER_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 2
+HYBRID_TEXT = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=len(HYBRID_LAYER_TYPES),
+                   layer_types=HYBRID_LAYER_TYPES, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                   linear_conv_kernel_dim=4, max_position_embeddings=256, tie_word_embeddings=False)
+HYBRID_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=HIDDEN, patch_size=4,
+                     spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+
+
+def make_hybrid_target(root: Path | None = None, *, wrapper: bool = False, seed: int = 0):
+    """``(model, directory or None)``: a random-init hybrid target, float32, eval mode, 8 layers, hidden 32.
+
+    ``wrapper``: the multimodal ``Qwen3_5ForConditionalGeneration`` (decoder at ``model.language_model``,
+    a one-block vision tower) instead of ``Qwen3_5ForCausalLM``. Saved under ``root/hybrid`` when given.
+    """
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    if wrapper:
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=HYBRID_TEXT, vision_config=HYBRID_VISION,
+                                                              tie_word_embeddings=False))
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**HYBRID_TEXT))
+    model.eval()
+    path = None
+    if root is not None:
+        path = Path(root) / ("hybrid-wrapper" if wrapper else "hybrid")
+        model.save_pretrained(path)
+    return model, path
+
+
+def project_config_with_layers(directory: Path, layer_ids: list[int]) -> Path:
+    """A project config file (point ``DFLASH_CONFIG`` at it) whose ``ops.hidden_states.config.target_layer_ids``
+    is ``layer_ids``: the one setting every stage, the drafter included, resolves its target layers from."""
+    path = Path(directory) / "project.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"ops:\n  hidden_states:\n    config:\n      target_layer_ids: {list(layer_ids)}\n")
+    return path

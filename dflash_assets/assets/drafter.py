@@ -14,9 +14,11 @@ from pydantic import Field
 from dflash_assets.assets.hidden_states import ShardIntegrityError, fetch_shards
 from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.dflash.export import export_drafter
+from dflash_assets.dflash.model import DRAFT_SHAPE_FIELDS, DFlashConfig
 from dflash_assets.dflash.shards import INDEX_NAME
 from dflash_assets.dflash.train import TrainConfig, train
-from dflash_assets.feature_sources import decide_mode, tokenized_inputs
+from dflash_assets.dflash.target_layers import default_target_layer_ids, num_target_layers, resolve_target_layer_ids, text_config
+from dflash_assets.feature_sources import decide_mode, hidden_states_config, tokenized_inputs
 from dflash_assets.figures import figure_png_bytes, new_figure
 from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
@@ -33,7 +35,10 @@ class DrafterConfig(dg.Config):
 
     num_hidden_layers: int = Field(default=5, ge=1, description="Draft decoder layers.")
     block_size: int = Field(default=16, ge=2)
-    mask_token_id: int | None = Field(default=None, description="None = a token the target never produces (see dflash.model).")
+    mask_token_id: int | None = Field(
+        default=None, ge=0,
+        description="MASK token filling block positions 1..: an id below the target's vocab_size that it never generates; "
+                    "None = chosen from the tokenizer (see dflash.model.default_mask_token_id).")
     epochs: int = Field(default=6, ge=1)
     max_steps: int | None = Field(default=None, ge=1, description="Overrides epochs when set.")
     batch_size: int = Field(default=1, ge=1, description="Sequences per rank per step.")
@@ -52,7 +57,11 @@ class DrafterConfig(dg.Config):
                     "tokenized_sequences (nothing stored); auto: online when the hidden-state storage plan does not fit.",
     )
     seed: int = 0
-    intermediate_size: int | None = Field(default=None, description="Override the drafter MLP width (default: the target's).")
+    # the drafter's shape (dflash.model.DRAFT_SHAPE_FIELDS); None = the target's. hidden_size is always the target's.
+    num_attention_heads: int | None = Field(default=None, ge=1, description="Draft attention query heads (default: the target's).")
+    num_key_value_heads: int | None = Field(default=None, ge=1, description="Draft attention KV heads, dividing num_attention_heads (default: the target's).")
+    head_dim: int | None = Field(default=None, ge=2, description="Draft attention head size, even (RoPE) (default: the target's).")
+    intermediate_size: int | None = Field(default=None, ge=1, description="Override the drafter MLP width (default: the target's).")
     layer_types: list[str] | None = Field(
         default=None,
         description="Attention of each draft layer: full_attention (non-causal) or sliding_attention (causal, sliding_window "
@@ -103,9 +112,19 @@ def _sha(obj) -> str:
 RESULT_NEUTRAL = {"nproc", "nnodes", "rdzv_endpoint", "rdzv_id", "features"}
 
 
+# settings added after runs were recorded: left out of the fingerprint while unset, so a run made before they
+# existed keeps its id (its drafter had the target's shape, which is what unset means)
+ADDED_LATER = {"num_attention_heads", "num_key_value_heads", "head_dim"}
+
+
 def config_fingerprint(config: dg.Config) -> str:
-    """SHA-256 (16 hex) of the settings that shape the result (:data:`RESULT_NEUTRAL` excluded)."""
-    return _sha(config.model_dump(exclude=RESULT_NEUTRAL))[:16]
+    """SHA-256 (16 hex) of the settings that shape the result (:data:`RESULT_NEUTRAL` excluded, and
+    :data:`ADDED_LATER` ones while None)."""
+    values = config.model_dump(exclude=RESULT_NEUTRAL)
+    for key in ADDED_LATER:
+        if values.get(key) is None:
+            values.pop(key, None)
+    return _sha(values)[:16]
 
 
 def config_changed_since_last(instance: dg.DagsterInstance, key: str, config: dg.Config) -> bool:
@@ -189,6 +208,64 @@ def read_log(path: str) -> list[dict]:
     return records
 
 
+def draft_overrides(config: DrafterConfig) -> dict:
+    """The drafter-shape settings given (:data:`~dflash_assets.dflash.model.DRAFT_SHAPE_FIELDS`, None = the target's)."""
+    values = {k: getattr(config, k) for k in DRAFT_SHAPE_FIELDS if getattr(config, k) is not None}
+    if "layer_types" in values:
+        values["layer_types"] = list(values["layer_types"])
+    return values
+
+
+def resolved_settings(config: DrafterConfig, target_model: TargetModelResource) -> tuple[list[int], dict]:
+    """``(target_layer_ids, draft overrides)`` of a run, checked against the target's config.json (no model loaded).
+
+    ``target_layer_ids`` are ``ops.hidden_states.config.target_layer_ids`` resolved once
+    (:func:`~dflash_assets.dflash.target_layers.resolve_target_layer_ids`) for offline and online training
+    alike, so the layers the drafter learns from never depend on whether the storage plan fits. The drafter
+    config is built here so that a bad shape or mask token fails before any work.
+
+    Raises:
+        ValueError: a bad setting, naming its key (``ops.dflash_drafter.config: ...`` or
+            ``ops.hidden_states.config.target_layer_ids: ...``) and the fix.
+    """
+    model_path = target_model.resolved_path()
+    try:
+        layer_ids = resolve_target_layer_ids(model_path, hidden_states_config().target_layer_ids or None, 5)
+    except ValueError as exc:
+        raise ValueError(f"ops.hidden_states.config.target_layer_ids: {exc}") from exc
+    overrides = draft_overrides(config)
+    target_config = text_config(model_path)
+    # the default mask token is chosen from the tokenizer at training time and checked there
+    mask = config.mask_token_id if config.mask_token_id is not None else int(target_config["vocab_size"]) - 1
+    try:
+        DFlashConfig.from_target_config(target_config, mask_token_id=mask, num_hidden_layers=config.num_hidden_layers,
+                                        target_layer_ids=layer_ids, block_size=config.block_size, **overrides)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"ops.dflash_drafter.config: {exc}") from exc
+    return layer_ids, overrides
+
+
+def train_config_for(config: DrafterConfig, target_model: TargetModelResource, *, mode: str, shards: list[str],
+                     tokenized: list[str], out_dir: str, init_from: str | None = None) -> TrainConfig:
+    """The :class:`TrainConfig` of a run, the same for offline and online features but for the data
+    (``shards`` / ``tokenized``); layers and shape from :func:`resolved_settings`.
+
+    Raises:
+        ValueError: see :func:`resolved_settings`.
+    """
+    layer_ids, overrides = resolved_settings(config, target_model)
+    model_path = target_model.resolved_path()
+    return TrainConfig(
+        shards=shards, out_dir=out_dir, features=mode, tokenized=tokenized, target_dtype=target_model.dtype,
+        target_model_path=str(model_path), num_hidden_layers=config.num_hidden_layers, num_context_features=len(layer_ids),
+        target_layer_ids=layer_ids, block_size=config.block_size, mask_token_id=config.mask_token_id,
+        draft_overrides=overrides, max_length=config.max_length, max_anchors=config.max_anchors,
+        eval_fraction=config.eval_fraction, batch_size=config.batch_size, lr=config.lr, epochs=config.epochs,
+        max_steps=config.max_steps, seed=config.seed, checkpoint_every=config.checkpoint_every, device=target_model.device,
+        init_from=init_from,
+    )
+
+
 @dg.asset(
     deps=["hidden_states", "tokenized_sequences"],  # offline reads the first, online only the second
     group_name="drafter",
@@ -212,6 +289,10 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
             torchrun_argv([], nproc_per_node=config.nproc, nnodes=config.nnodes, rdzv_endpoint=config.rdzv_endpoint, rdzv_id=config.rdzv_id)
         except ValueError as exc:
             raise dg.Failure(str(exc)) from exc
+    try:  # settings checked against the target before any work
+        layer_ids, _ = resolved_settings(config, target_model)
+    except ValueError as exc:
+        raise dg.Failure(str(exc)) from exc
     mode, mode_reason = decide_mode(context.instance, storage, target_model, config.features)
     indexes: dict[str, dict] = {}
     shards, used, skipped = complete_shards(storage, keys, indexes) if mode == "offline" else ([], [], [])
@@ -225,6 +306,10 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
             raise dg.Failure(f"features: online, but no tokenized_sequences partition among {len(keys)}: materialize it first")
         # online, the training data is the tokenized rows: identified by their files' content
         indexes = {pk: {"features": "online", "tokenized_sha256": file_sha256(path)} for pk, path in zip(used, tokenized)}
+        if layer_ids != default_target_layer_ids(num_target_layers(target_model.resolved_path()), 5):
+            # online, the layers are not in the data: a change of them is a change of the training data (the
+            # default ones are left out, so runs recorded before the layers were configurable keep their id)
+            indexes = {pk: dict(index, target_layer_ids=layer_ids) for pk, index in indexes.items()}
     elif not shards:
         raise dg.Failure(f"no complete hidden_states partition among {len(keys)}: materialize hidden_states first "
                          "(or set ops.dflash_drafter.config.features: online)")
@@ -245,17 +330,11 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
         atomic_write_bytes(state_path, json.dumps(dict(run, complete=False), indent=1).encode())
     # a warm run not yet checkpointed starts from its parent export (still in place until this run exports)
     init_from = export_dir if run["parent"] and export_sha == run["parent"] else None
-    overrides = {"intermediate_size": config.intermediate_size} if config.intermediate_size else {}
-    if config.layer_types is not None:
-        overrides.update(layer_types=list(config.layer_types), sliding_window=config.sliding_window)
-    cfg = TrainConfig(
-        shards=shards, out_dir=run_dir, features=mode, tokenized=tokenized, target_dtype=target_model.dtype, target_model_path=str(target_model.resolved_path()),
-        num_hidden_layers=config.num_hidden_layers, block_size=config.block_size, mask_token_id=config.mask_token_id,
-        draft_overrides=overrides, max_length=config.max_length, max_anchors=config.max_anchors,
-        eval_fraction=config.eval_fraction, batch_size=config.batch_size, lr=config.lr, epochs=config.epochs,
-        max_steps=config.max_steps, seed=config.seed, checkpoint_every=config.checkpoint_every, device=target_model.device,
-        init_from=init_from,
-    )
+    try:
+        cfg = train_config_for(config, target_model, mode=mode, shards=shards, tokenized=tokenized, out_dir=run_dir,
+                               init_from=init_from)
+    except ValueError as exc:
+        raise dg.Failure(str(exc)) from exc
     started = time.monotonic()
     what = f"{len(shards)} shards" if mode == "offline" else "tokenized rows, features computed online by the frozen target"
     if reused:
@@ -321,6 +400,7 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
             "features": mode,
             "features_reason": mode_reason,
             "target_forwards": summary.get("target_forwards", 0),
+            "target_kernels": summary.get("target_kernels") or "",
             "offline_subset": _offline_subset(context.instance, used) if mode == "offline" else {},
             "seed": config.seed,
             "eval_fraction": config.eval_fraction,

@@ -12,7 +12,9 @@ from pydantic import Field
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.assets.tokenized import tokenized_file
 from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, file_sha256, read_shard
-from dflash_assets.dflash.target_features import bytes_per_token, default_target_layer_ids
+from dflash_assets.dflash.target_features import bytes_per_token
+from dflash_assets.dflash.target_kernels import linear_attention_kernels
+from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
 from dflash_assets.resources.storage import StorageResource
@@ -73,17 +75,18 @@ def storage_plan(
     )
 
 
-def resolve_layer_ids(config_ids: list[int], num_target_layers: int) -> list[int]:
-    """Configured ids, or ``round(1 + i*(L-4)/4)`` for i in 0..4 (DFlash, arXiv 2602.06036).
+def resolve_layer_ids(config_ids: list[int], target) -> list[int]:
+    """The target layers to store: :func:`~dflash_assets.dflash.target_layers.resolve_target_layer_ids` of
+    ``config_ids`` (empty = the DFlash rule for 5 layers, arXiv 2602.06036) over ``target`` (model, config
+    or directory; a multimodal wrapper counts its ``text_config`` layers).
 
     Raises:
-        dagster.Failure: an id outside ``0 .. L-1``.
+        dagster.Failure: an id outside ``0 .. L-1``, naming ``ops.hidden_states.config.target_layer_ids``.
     """
-    ids = list(config_ids) or default_target_layer_ids(num_target_layers, 5)
-    bad = [i for i in ids if not 0 <= i < num_target_layers]
-    if bad:
-        raise dg.Failure(f"target_layer_ids {bad} are outside 0..{num_target_layers - 1} for this target model")
-    return ids
+    try:
+        return resolve_target_layer_ids(target, config_ids or None, 5)
+    except ValueError as exc:
+        raise dg.Failure(f"ops.hidden_states.config.target_layer_ids: {exc}") from exc
 
 
 class ShardIntegrityError(RuntimeError):
@@ -174,8 +177,10 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
     if len(rows) < all_rows:
         context.log.info(f"{pk}: subset {plan.subset}: storing {len(rows)} of {all_rows} rows")
     model = target_model.load_model()
-    layer_ids = resolve_layer_ids(config.target_layer_ids, model.config.num_hidden_layers)
-    per_token = bytes_per_token(len(layer_ids), model.config.hidden_size, 2)
+    kernels = linear_attention_kernels(model)
+    context.log.info(f"{pk}: target {type(model).__name__}: {kernels['summary']}")
+    layer_ids = resolve_layer_ids(config.target_layer_ids, model)
+    per_token = bytes_per_token(len(layer_ids), int(text_config(model).hidden_size), 2)
     num_tokens = sum(len(r["input_ids"]) for r in rows)
     corpus_rows = len(indexes)
     corpus_estimate = per_token * num_tokens / max(1, len(rows)) * corpus_rows
@@ -226,6 +231,7 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
             "subset": plan.subset,
             "rows_in_partition": all_rows,
             "target_layer_ids": layer_ids,
+            "linear_attention_kernels": kernels["summary"],
             "shards": len(index["shards"]),
             "shards_written": len(result.written_shards),
             "shards_kept": len(result.skipped_shards),

@@ -241,7 +241,11 @@ def evaluate_drafters(
         ``acceptance_per_position``, ...), ``accepted_lengths`` (per prompt lists), ``block_size``,
         ``num_prompts``, ``new_tokens`` (total generated), ``target_forwards_plain``,
         ``target_forwards_spec``, ``target_forwards_saved`` (plain - spec), ``forward_reduction``
-        (plain / spec), ``wall_s_plain``, ``wall_s_spec`` (seconds, summed over prompts), ``speedup``
+        (plain / spec), ``target_tokens_plain`` / ``target_tokens_spec`` (tokens fed through those
+        forwards), ``rollback`` (how a hybrid target's cache was rolled back: ``none`` / ``mixers`` /
+        ``forward``, see :class:`~dflash_assets.dflash.speculative.SpecResult`), ``rollback_forwards`` and
+        ``rollback_tokens`` (the extra target passes and tokens that cost, summed over prompts),
+        ``wall_s_plain``, ``wall_s_spec`` (seconds, summed over prompts), ``speedup``
         (``wall_s_plain / wall_s_spec``), ``timing``, ``lossless`` (every prompt's speculative output
         equals the plain greedy output token for token), ``mismatched_prompts`` (indices where it does not).
 
@@ -297,6 +301,11 @@ def evaluate_drafters(
             "target_forwards_spec": fw_spec,
             "target_forwards_saved": fw_plain - fw_spec,
             "forward_reduction": fw_plain / fw_spec if fw_spec else math.nan,
+            "target_tokens_plain": sum(r.num_target_tokens for r in plain),
+            "target_tokens_spec": sum(r.num_target_tokens for r in runs),
+            "rollback": ",".join(sorted({r.rollback for r in runs})) or "none",
+            "rollback_forwards": sum(r.rollback_forwards for r in runs),
+            "rollback_tokens": sum(r.rollback_tokens for r in runs),
             "wall_s_plain": wall_plain,
             "wall_s_spec": wall_spec,
             "speedup": wall_plain / wall_spec if wall_spec > 0 else math.nan,

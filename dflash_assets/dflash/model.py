@@ -34,30 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_assets.dflash.target_layers import default_target_layer_ids, resolve_target_layer_ids, text_config
+
 # Special tokens of SmolLM2/StarCoder-style vocabularies used only in code pretraining
 # (Jupyter/GitHub markup): a chat model never emits them, so they are safe MASK tokens.
 _NEVER_GENERATED_SPECIAL_TOKENS = ("<|MASK|>", "<empty_output>", "<jupyter_script>", "<issue_closed>")
-
-
-def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
-    """Target layer ids whose outputs feed the drafter: ``round(1 + i*(L-4)/(n-1))`` for i in 0..n-1.
-
-    Same rule as z-lab/dflash ``build_target_layer_ids`` and SGLang's copy of it (Python ``round``,
-    i.e. round-half-to-even; ``n == 1`` gives the middle layer ``L // 2``). Id ``i`` means the output of
-    decoder layer ``i``, i.e. HF ``hidden_states[i + 1]``. L=64 -> [1, 16, 31, 46, 61];
-    L=30 -> [1, 8, 14, 20, 27].
-
-    Raises:
-        ValueError: ``n < 1``, or ``L < 4`` when ``n > 1``.
-    """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if n == 1:
-        return [num_target_layers // 2]
-    if num_target_layers < 4:
-        raise ValueError(f"need num_target_layers >= 4, got {num_target_layers}")
-    span = num_target_layers - 4  # from layer 1 to layer L-3
-    return [int(round(1 + i * span / (n - 1))) for i in range(n)]
 
 
 def default_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
@@ -142,7 +123,10 @@ class DFlashConfig:
         if self.sliding_window is not None:
             self.sliding_window = int(self.sliding_window)
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} must be a multiple of num_key_value_heads "
+                             f"{self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates half of each head)")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
@@ -150,6 +134,11 @@ class DFlashConfig:
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} out of range for {self.num_target_layers} layers")
+        if not 0 <= int(self.mask_token_id) < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target's vocabulary (vocab_size "
+                             f"{self.vocab_size}): set mask_token_id to an id in 0..{self.vocab_size - 1} the target never "
+                             "generates")
+        self.mask_token_id = int(self.mask_token_id)
         if self.hidden_act != "silu":
             raise ValueError("only hidden_act='silu' is supported (SGLang's DFlash loader has the same limit)")
 
@@ -177,11 +166,16 @@ class DFlashConfig:
         """Build a drafter config from the target's HF config (object or dict).
 
         Hidden size, heads, head_dim, intermediate size, norm eps, RoPE base, vocab and max positions
-        are the target's (as in the released DFlash drafters); ``overrides`` replaces any field
-        (e.g. a smaller ``intermediate_size`` for a test). Multimodal configs with a ``text_config``
-        use that. ``target_layer_ids`` defaults to ``default_target_layer_ids(L, num_context_features)``.
+        are the target's (as in z-lab's Qwen3 drafters); ``overrides`` replaces any field, e.g. the
+        attention shape of :data:`DRAFT_SHAPE_FIELDS` (SpecForge's Qwen3.6-27B drafter: 32 heads, 8 KV
+        heads, head_dim 128 where the target has 24 / 4 / 256). Multimodal configs with a
+        ``text_config`` use that. ``target_layer_ids``: see
+        :func:`~dflash_assets.dflash.target_layers.resolve_target_layer_ids` (None = the default rule).
+
+        Raises:
+            ValueError: a field is invalid (see ``__post_init__``), e.g. ``mask_token_id >= vocab_size``.
         """
-        text = _get(target_hf_config, "text_config", None) or target_hf_config
+        text = text_config(target_hf_config)
         num_target_layers = int(_get(text, "num_hidden_layers"))
         hidden = int(_get(text, "hidden_size"))
         heads = int(_get(text, "num_attention_heads"))
@@ -196,9 +190,7 @@ class DFlashConfig:
             rope_theta=_rope_theta(text),
             max_position_embeddings=int(_get(text, "max_position_embeddings", 32768)),
             num_target_layers=num_target_layers,
-            target_layer_ids=list(target_layer_ids)
-            if target_layer_ids is not None
-            else default_target_layer_ids(num_target_layers, num_context_features),
+            target_layer_ids=resolve_target_layer_ids(text, target_layer_ids, num_context_features),
             num_hidden_layers=num_hidden_layers,
             block_size=block_size,
             mask_token_id=int(mask_token_id),
@@ -208,6 +200,11 @@ class DFlashConfig:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# Fields of DFlashConfig a run config may set (the rest follow the target): the drafter's attention shape,
+# MLP width and per-layer attention kind. The drafter asset's settings of these names become overrides.
+DRAFT_SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "layer_types",
+                      "sliding_window")
 
 
 def sliding_window_mask(position_ids: torch.Tensor, num_queries: int, window: int) -> torch.Tensor:
@@ -566,6 +563,7 @@ def count_parameters(model: nn.Module) -> int:
 
 
 __all__ = [
+    "DRAFT_SHAPE_FIELDS",
     "LAYER_TYPES",
     "ContextCache",
     "DFlashConfig",

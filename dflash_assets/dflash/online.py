@@ -11,7 +11,6 @@ target's own batch-shape rounding.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -174,6 +173,8 @@ class OnlineTargetFeatures:
     Attributes:
         forwards: number of target forward passes run (tests count them).
         tokens: real (unpadded) context tokens processed.
+        kernels: which linear-attention kernels the target runs, when the trainer recorded it
+            (:func:`~dflash_assets.dflash.target_kernels.linear_attention_kernels` summary), else None.
     """
 
     def __init__(self, model: torch.nn.Module, target_layer_ids: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> None:
@@ -184,6 +185,7 @@ class OnlineTargetFeatures:
         self.dtype = dtype
         self.forwards = 0
         self.tokens = 0
+        self.kernels: str | None = None
         try:
             self.device = next(model.parameters()).device
         except StopIteration:
@@ -207,12 +209,3 @@ class OnlineTargetFeatures:
         out = feats.clone()  # outside inference mode: a tensor autograd may save
         out.masked_fill_(attention.to(self.device).eq(0).unsqueeze(-1), 0)
         return out
-
-
-def target_layer_ids_for(model_path: str | os.PathLike, n: int = 5) -> list[int]:
-    """DFlash default layer ids for the target at ``model_path`` (from its config.json)."""
-    from dflash_assets.dflash.target_features import default_target_layer_ids
-
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    text = cfg.get("text_config") or cfg
-    return default_target_layer_ids(int(text["num_hidden_layers"]), n)

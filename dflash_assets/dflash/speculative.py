@@ -11,7 +11,11 @@ One step (z-lab/dflash ``dflash_generate``; DFlash paper arXiv 2602.06036):
 4. the longest prefix with ``d_k == y_{k-1}`` is accepted, plus the target's own next token (the bonus),
    so every step yields between 1 and ``block_size`` tokens, all identical to plain greedy decoding;
 5. the verification pass's features of the accepted positions (``x_s, d_1..d_j``) extend the drafter's
-   context, and the target KV cache is cropped back to the accepted prefix.
+   context, and the target's cache is brought back to the accepted prefix: attention layers are cropped;
+   linear-attention layers of hybrid targets (Qwen3.5/3.6 Gated DeltaNet, whose recurrent state cannot be
+   cropped) are restored from a snapshot taken before the verify forward and advanced over the accepted
+   tokens (:class:`~dflash_assets.dflash.hybrid_cache.VerifyRollback`; that extra target work is counted
+   in :class:`SpecResult`).
 
 Target features of position ``p`` are the outputs of decoder layers ``target_layer_ids`` at ``p``,
 concatenated in that order (HF ``hidden_states[i + 1]``; for the last layer HF's final-norm output),
@@ -33,6 +37,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from dflash_assets.dflash.hybrid_cache import VerifyRollback
 from dflash_assets.dflash.target_features import find_decoder_layers
 
 __all__ = [
@@ -59,6 +64,14 @@ class SpecResult:
         wall_s: wall-clock seconds of the whole generation (prefill included).
         stopped_on_eos: whether the last token is one of ``eos_token_ids``.
         num_draft_forwards: drafter forward passes (0 for plain decoding).
+        num_target_tokens: tokens fed through those target forwards (prompt + every verified token).
+        rollback: how the target's cache was brought back to the accepted prefix after a partial
+            acceptance: ``none`` (attention layers only: cropped, no extra work), ``mixers`` (hybrid
+            target: linear-attention mixers re-run) or ``forward`` (hybrid target: whole target re-run);
+            see :class:`~dflash_assets.dflash.hybrid_cache.VerifyRollback`.
+        rollback_forwards: extra target passes those rollbacks ran (``mixers``: passes of the
+            linear-attention token mixers only; ``forward``: whole target forwards); 0 for ``none``.
+        rollback_tokens: tokens those extra passes re-ran.
     """
 
     output_ids: list[int]
@@ -67,6 +80,10 @@ class SpecResult:
     wall_s: float
     stopped_on_eos: bool = False
     num_draft_forwards: int = 0
+    num_target_tokens: int = 0
+    rollback: str = "none"
+    rollback_forwards: int = 0
+    rollback_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -174,13 +191,6 @@ def _new_cache(target: nn.Module):
         return DynamicCache()
 
 
-def _crop(cache, keep: int) -> None:
-    """Keep the first ``keep`` positions of every layer of ``cache``."""
-    remove = cache.get_seq_length() - keep
-    if remove > 0:
-        cache.crop(-remove)  # a negative value removes that many tokens (transformers 5)
-
-
 def _target_forward(target, ids: torch.Tensor, start: int, cache, cache_kw: str, logits_to_keep: int = 0):
     positions = torch.arange(start, start + ids.shape[-1], device=ids.device)[None]
     return target(input_ids=ids[None], position_ids=positions, use_cache=True, logits_to_keep=logits_to_keep,
@@ -285,7 +295,8 @@ def target_generate(
         generated.append(tok)
         stopped = tok in eos
     _sync(device)
-    return SpecResult(generated, [1] * (forwards - 1), forwards, time.perf_counter() - t0, stopped)
+    return SpecResult(generated, [1] * (forwards - 1), forwards, time.perf_counter() - t0, stopped,
+                      num_target_tokens=prompt.shape[0] + forwards - 1)
 
 
 @torch.inference_mode()
@@ -301,6 +312,7 @@ def dflash_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     use_context_cache: bool = True,
+    rollback: str = "auto",
 ) -> SpecResult:
     """Speculative decoding of one prompt with a DFlash drafter (see the module docstring for the step).
 
@@ -324,12 +336,17 @@ def dflash_generate(
             (:class:`DFlashDraftModel`), keep the projected context's per-layer keys/values and project
             only the newly accepted positions each step; False re-projects the whole context every step
             (the reference layout, kept for timing comparisons). Outputs are the same either way.
+        rollback: how a hybrid target's linear-attention state is brought back after a partial
+            acceptance (:class:`~dflash_assets.dflash.hybrid_cache.VerifyRollback`): ``auto`` (default:
+            ``mixers`` when possible), ``mixers`` or ``forward``; a target without linear attention
+            always uses ``none`` (cropping only).
 
     Returns:
         :class:`SpecResult`; ``accepted_lengths[i]`` in ``[1, block_size]``.
 
     Raises:
-        ValueError: ``max_new_tokens < 1``, ``block_size < 2`` or a malformed prompt.
+        ValueError: ``max_new_tokens < 1``, ``block_size < 2``, a malformed prompt, or a ``rollback`` the
+            target does not allow.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -352,7 +369,9 @@ def dflash_generate(
     t0 = time.perf_counter()
     cache = _new_cache(target)
     cached = use_context_cache and hasattr(drafter, "extend_context") and hasattr(drafter, "forward_block")
-    with FeatureCapture(target, target_layer_ids) as capture:
+    restore = VerifyRollback(target, cache, rollback)
+    target_tokens = num_prompt
+    with FeatureCapture(target, target_layer_ids) as capture, restore:
         out = _target_forward(target, prompt, 0, cache, cache_kw, logits_to_keep=1)
         context = capture.pop().to(draft_device)  # [1, P, n*H]: features of positions 0..P-1
         if cached:
@@ -385,8 +404,10 @@ def dflash_generate(
             else:
                 drafts = torch.zeros(0, dtype=torch.long, device=device)
             verify_ids = torch.cat([torch.tensor([last], device=device), drafts])
+            restore.before_verify(verify_ids.shape[0])
             out = _target_forward(target, verify_ids, start, cache, cache_kw, logits_to_keep=0)
             forwards += 1
+            target_tokens += verify_ids.shape[0]
             feats = capture.pop()  # [1, verify, n*H] at positions start .. start+verify-1
             logits = out.logits[0]  # [verify, V]
             if temperature > 0 and draft_probs is not None:
@@ -403,7 +424,12 @@ def dflash_generate(
                 drafter.extend_context(draft_cache, feats[:, : len(new)].to(draft_device))
             else:
                 context = torch.cat([context, feats[:, : len(new)].to(draft_device)], dim=1)
-            _crop(cache, start + len(new))
+
+            def replay(n: int, ids=verify_ids, at=start) -> None:  # rollback "forward": the accepted tokens again
+                _target_forward(target, ids[:n], at, cache, cache_kw, logits_to_keep=1)
+                capture.pop()  # the same features as the verify pass's; not needed
+
+            restore.after_verify(start, verify_ids.shape[0], len(new), replay)
     _sync(device)
     return SpecResult(
         output_ids=generated,
@@ -412,4 +438,8 @@ def dflash_generate(
         wall_s=time.perf_counter() - t0,
         stopped_on_eos=stopped,
         num_draft_forwards=draft_forwards,
+        num_target_tokens=target_tokens,
+        rollback=restore.mode,
+        rollback_forwards=restore.forwards,
+        rollback_tokens=restore.tokens,
     )

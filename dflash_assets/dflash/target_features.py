@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_assets.dflash.model import default_target_layer_ids  # noqa: F401  (one rule, re-exported)
+from dflash_assets.dflash.target_layers import default_target_layer_ids, text_config  # noqa: F401  (one rule, re-exported)
 
 __all__ = [
     "InsufficientDiskSpaceError",
@@ -93,9 +93,7 @@ class TargetFeatureExtractor:
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} outside [0, {self.num_layers}) for this model")
-        config = getattr(model, "config", None)
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.hidden_size = int(text_config.hidden_size)
+        self.hidden_size = int(text_config(model).hidden_size)
         self.last_layer_id = max(self.target_layer_ids)
         self.final_norm = getattr(self.base_model, "norm", None)
 

@@ -48,6 +48,7 @@ from dflash_assets.dflash.model import (
     default_mask_token_id,
     load_target_head,
 )
+from dflash_assets.dflash.target_layers import resolve_target_layer_ids
 
 LOG_FILE = "train_log.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -523,7 +524,7 @@ def _datasets(cfg: TrainConfig, dd: _Dist, draft_config, online_target):
         return dataset, eval_set, None
     if cfg.features != "online":
         raise ValueError(f"TrainConfig.features must be 'offline' or 'online', got {cfg.features!r}")
-    from dflash_assets.dflash.online import OnlineTargetFeatures, TokenizedRows, load_frozen_target, read_tokenized_rows, target_layer_ids_for
+    from dflash_assets.dflash.online import OnlineTargetFeatures, TokenizedRows, load_frozen_target, read_tokenized_rows
 
     if online_target is None:
         if not cfg.target_model_path:
@@ -534,9 +535,14 @@ def _datasets(cfg: TrainConfig, dd: _Dist, draft_config, online_target):
         online_target = online_target.to(dd.device)
     if draft_config is not None:
         layer_ids = draft_config.target_layer_ids
-    else:
-        layer_ids = cfg.target_layer_ids or target_layer_ids_for(cfg.target_model_path, cfg.num_context_features)
+    else:  # the same resolution as the drafter config's and the shards' (dflash.target_layers)
+        layer_ids = resolve_target_layer_ids(online_target, cfg.target_layer_ids, cfg.num_context_features)
     features = OnlineTargetFeatures(online_target, layer_ids)
+    if dd.rank == 0:
+        from dflash_assets.dflash.target_kernels import linear_attention_kernels
+
+        features.kernels = linear_attention_kernels(online_target)["summary"]
+        print(f"[dflash.train] online target {type(online_target).__name__}: {features.kernels}", flush=True)
     rows = read_tokenized_rows(cfg.tokenized)
     dataset = TokenizedRows(rows, split="train", features=features, **split_kw).tokens_only()
     eval_set = TokenizedRows(rows, split="eval", features=features, **split_kw) if cfg.eval_fraction > 0 else None
@@ -709,6 +715,7 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback, online_
         "world_size": dd.world,
         "features": cfg.features,
         "target_forwards": online.forwards if online is not None else 0,
+        "target_kernels": getattr(online, "kernels", None),
         "train_rows": len(dataset),
         "dropped_rows": dataset.dropped_rows,
         "train_tokens": dataset.num_tokens,
