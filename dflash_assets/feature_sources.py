@@ -62,12 +62,13 @@ def tokenized_inputs(storage, keys: list[str]) -> tuple[list[str], list[str]]:
 def heldout_set(storage, keys: list[str], mode: str, *, eval_fraction: float, max_length: int, block_size: int,
                 target=None, target_layer_ids: list[int] | None = None):
     """The drafter's held-out rows as a dataset with features: shards (offline) or tokenized rows whose
-    features the frozen ``target`` computes per row (online; needs ``target`` and ``target_layer_ids``)."""
+    features the frozen ``target`` computes per row (online; needs ``target`` and ``target_layer_ids``;
+    without ``target``, rows without features, which :meth:`TokenizedRows.attach` can give them later)."""
     if mode == "online":
         from dflash_assets.dflash.online import OnlineTargetFeatures, TokenizedRows, read_tokenized_rows
 
         paths, _ = tokenized_inputs(storage, keys)
-        features = OnlineTargetFeatures(target, target_layer_ids)
+        features = None if target is None else OnlineTargetFeatures(target, target_layer_ids)
         return TokenizedRows(read_tokenized_rows(paths), split="eval", eval_fraction=eval_fraction, max_length=max_length,
                              block_size=block_size, features=features)
     from dflash_assets.assets.drafter import complete_shards

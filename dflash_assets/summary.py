@@ -113,6 +113,7 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
         "evaluation_outcome": evaluation.get("outcome"),
         "evaluation_ran": None if ran is None or not evaluation else "drafter_evaluation" in ran,
         "eval_prompts": evaluation.get("num_prompts"), "lossless": evaluation.get("lossless"),
+        **{k: evaluation.get(k) for k in ENGINE_KEYS},
         "materialized": materialized,
         "failed_checks": failed_checks(instance, keys),
         "outputs": output_locations(storage, keys),
@@ -311,6 +312,8 @@ def acceptance_line(s: dict) -> str:
     """``tau T +- SE (mean of per-prompt means; pooled P +- SE) (untrained drafter: T0 +- SE0) on N held-out prompts,
     speedup X, lossless: yes``; SE is the standard error across prompts; parts not measured are left out or ``-``;
     ``(reused: drafter unchanged, no decoding)`` when the evaluation did not decode again."""
+    if s.get("tau") is None and s.get("engine_kind") is not None:
+        return "acceptance length  tau - (in-process decoding not run: drafter_evaluation.in_process is false)"
     if s.get("tau") is None:
         return f"acceptance length  tau - (untrained drafter: {'-' if s.get('tau_untrained') is None else s['tau_untrained']})"
 
@@ -330,6 +333,24 @@ def acceptance_line(s: dict) -> str:
     if s.get("evaluation_ran") is False or s.get("evaluation_outcome") == "reused":
         text += " (reused: drafter unchanged, no decoding)"
     return text
+
+
+ENGINE_KEYS = ("engine_kind", "engine_simulated", "engine_requests", "engine_tau", "engine_tau_stderr", "engine_tau_pooled",
+               "simulated_engine_tau", "simulated_engine_tau_pooled")
+
+
+def engine_line(s: dict) -> str | None:
+    """The serving engine's figure, on a line of its own: SGLang's per-request ``spec_accept_length`` (mean over
+    requests; pooled) for a real engine; for the simulator, a line that says the figure is simulated plumbing,
+    not a measurement. None when no engine ran."""
+    if s.get("engine_kind") is None:
+        return None
+    if s.get("engine_simulated"):
+        return (f"engine (SIMULATED)  plumbing check only, not a measurement: {s.get('engine_requests')} requests answered by the "
+                f"GPU-node simulator with SGLang's per-request fields (simulated tau {s.get('simulated_engine_tau')}, "
+                f"pooled {s.get('simulated_engine_tau_pooled')})")
+    return (f"engine tau (SGLang) {s.get('engine_tau')} +- {s.get('engine_tau_stderr')} (mean of per-request spec_accept_length; "
+            f"pooled {s.get('engine_tau_pooled')}) on {s.get('engine_requests')} requests, {s.get('engine_kind')} servers")
 
 
 def dataset_lines(s: dict) -> list[str]:
@@ -368,6 +389,7 @@ def format_summary(s: dict) -> str:
         *feature_lines(s),
         acceptance_line(s),
         *[" " * 19 + row.strip() for row in dataset_lines(s)],
+        *([engine_line(s)] if engine_line(s) else []),
         *failed_check_lines(s.get("failed_checks") or []),
         "",
         "== where the outputs are ==",

@@ -5,11 +5,12 @@ Definitions (DFlash paper arXiv 2602.06036, "average acceptance length tau"; z-l
 so its accepted length is in ``[1, block_size]``. Two averages are reported (:func:`tau_statistics`):
 
 * **per-prompt mean** (the headline, as z-lab's benchmark reports a dataset): the mean over prompts of
-  each prompt's mean accepted length; its standard error is ``std(per-prompt taus, ddof=1) / sqrt(n)``;
+  each prompt's mean accepted length;
 * **pooled**: total tokens from verification steps / number of verification steps over all prompts
-  (long prompts weigh more); its standard error is the ratio estimator's, clustered by prompt
-  (Cochran, *Sampling Techniques*, 6.3): ``sqrt(sum_i (S_i - tau * n_i)^2 / (m (m - 1))) / mean(n_i)``
-  with ``S_i`` / ``n_i`` the tokens / steps of prompt ``i`` of ``m``.
+  (long prompts weigh more);
+
+both with standard errors across prompts, by :func:`dflash_assets.dflash.tau.tau_from_sums` (the formula
+the engine evaluation uses too).
 
 Plain decoding has tau = 1 by the same count.
 
@@ -31,6 +32,7 @@ from torch import nn
 
 from dflash_assets.dflash.loss import accuracy_per_position, expected_acceptance_length
 from dflash_assets.dflash.speculative import SpecResult, dflash_generate, target_generate
+from dflash_assets.dflash.tau import tau_from_sums
 from dflash_assets.figures import figure_png_bytes, new_figure
 
 __all__ = [
@@ -100,22 +102,10 @@ def tau_statistics(per_prompt_lengths: Sequence[Sequence[int]], block_size: int)
         (:func:`acceptance_per_position`). Taus are NaN and standard errors 0 when m < 1 resp. m < 2.
     """
     per_prompt = [acceptance_length(v) for v in per_prompt_lengths]
-    measured = [(sum(v), len(v)) for v in per_prompt_lengths if len(v)]
-    m = len(measured)
-    means = [s / n for s, n in measured]
-    tau = sum(means) / m if m else math.nan
-    se = math.sqrt(sum((x - tau) ** 2 for x in means) / (m - 1) / m) if m > 1 else 0.0
-    total_s, total_n = sum(s for s, _ in measured), sum(n for _, n in measured)
-    pooled = total_s / total_n if total_n else math.nan
-    if m > 1:
-        nbar = total_n / m
-        pooled_se = math.sqrt(sum((s - pooled * n) ** 2 for s, n in measured) / (m * (m - 1))) / nbar
-    else:
-        pooled_se = 0.0
+    sums = tau_from_sums([(sum(v), len(v)) for v in per_prompt_lengths if len(v)])
     everything = [v for lengths in per_prompt_lengths for v in lengths]
     return {
-        "tau": tau, "tau_stderr": se, "tau_pooled": pooled, "tau_pooled_stderr": pooled_se,
-        "per_prompt_tau": per_prompt, "num_prompts_measured": m, "num_steps": total_n,
+        **sums, "per_prompt_tau": per_prompt,
         "histogram": acceptance_histogram(everything, block_size),
         "acceptance_per_position": acceptance_per_position(everything, block_size),
     }

@@ -4,7 +4,7 @@ servers someone else runs)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -126,8 +126,11 @@ class InferenceServerResource(dg.ConfigurableResource):
             return self.max_running_requests
         return LOCAL_MAX_RUNNING_REQUESTS if self.mode == "local" else SGLANG_MAX_RUNNING_REQUESTS
 
-    def sglang_commands(self) -> list[LaunchCommand]:
-        """The launch commands ``serve`` uses in sglang mode (key by variable name, never by value)."""
+    def sglang_commands(self, extra_args: Sequence[str] = (), use_router: bool | None = None) -> list[LaunchCommand]:
+        """The launch commands ``serve`` uses in sglang mode (key by variable name, never by value).
+
+        ``extra_args`` come after ``inference.extra_args`` (``drafter_evaluation`` adds the DFLASH flags);
+        ``use_router`` overrides ``inference.use_router``."""
         if not self.model_path:
             raise ValueError("mode 'sglang' needs model_path")
         common = dict(
@@ -135,9 +138,9 @@ class InferenceServerResource(dg.ConfigurableResource):
             max_running_requests=self.effective_max_running_requests(),
             max_mamba_cache_size=self.max_mamba_cache_size, mem_fraction_static=self.mem_fraction_static,
             context_length=self.context_length, tp_size=self.tp_size, reasoning_parser=self.reasoning_parser,
-            api_key_env=API_KEY_ENV if self.api_key else None, extra_args=self.extra_args,
+            api_key_env=API_KEY_ENV if self.api_key else None, extra_args=[*self.extra_args, *extra_args],
         )
-        if self.use_router:
+        if self.use_router if use_router is None else use_router:
             return [build_router_command(port=self.port_base, **common)]
         return build_sglang_commands(port_base=self.port_base, module=self.launch_module, **common)
 

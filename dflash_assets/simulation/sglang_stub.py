@@ -35,7 +35,12 @@ What it simulates, all in *simulated seconds* divided by ``--sim-speed`` to get 
   + their ``completion_tokens``); cached sequences are evicted least-recently-used when it overflows
   (a hit takes the sequence out while it runs and puts it back, most recent, when it finishes). The
   pool bounds only what stays cached: admission is by slots alone;
-- routes ``POST /v1/chat/completions``, ``GET /v1/models``, ``/health``, ``/health_generate``.
+- routes ``POST /v1/chat/completions``, ``POST /generate`` (SGLang's native endpoint: ``input_ids`` and
+  ``sampling_params``, the reply's ``meta_info``), ``GET /v1/models``, ``/server_info`` (and the older
+  ``/get_server_info``: ``"simulated": true``), ``/health``, ``/health_generate``; with ``--api-key``
+  every route but ``/health*`` wants the bearer token, as SGLang's middleware does;
+- DFLASH speculative decoding (:mod:`~dflash_assets.simulation.sglang_dflash`): SGLang's flags, its
+  refusals of an export at start-up, and per-request ``spec_*`` fields whose acceptance is simulated.
 
 Faults on demand: ``--sim-ignore-continue`` answers continuations afresh (an SGLang before 0.4.4); SIGUSR1 makes it hang (``/health`` keeps answering 200, no request finishes, and
 ``/health_generate`` never answers, as with a stuck scheduler); ``--sim-hang-after N`` does the same after
@@ -67,6 +72,7 @@ from statistics import NormalDist
 from typing import Any
 
 from dflash_assets.simulation.http11 import read_request
+from dflash_assets.simulation.sglang_dflash import DFlashSim, add_arguments as add_dflash_arguments
 
 REASONING_SHARE = 0.9  # tokens of thinking before the answer starts
 _NORMAL = NormalDist()
@@ -169,10 +175,11 @@ class RadixCache:
 
 class Simulator:
     """State of one simulated server: slots, clock scaling, prefill lock and stall clock, radix cache,
-    hang switch, logs."""
+    hang switch, logs, and the DFlash drafter when one is served."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, dflash: DFlashSim | None = None) -> None:
         self.args = args
+        self.dflash = dflash
         self.speed = args.sim_speed
         self.slots = asyncio.Semaphore(args.max_running_requests)
         self.ready = False
@@ -258,27 +265,7 @@ class Simulator:
         fields = reply_fields(length, int(max_tokens), done, raw=body.get("separate_reasoning") is False)
         prompt_tokens = prompt_tokens_of(messages)
         conversation = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
-        sequence = (conversation, prompt_tokens, done, fields["completion_tokens"])
-        async with self.slots:
-            if self.hung.is_set():
-                await asyncio.Event().wait()
-            cached, prefill_tokens, held = self.cache.admit(*sequence)
-            self.log_request(ev="prefill", key=key, max_tokens=max_tokens, continued_from=done,
-                             prefill_tokens=prefill_tokens, cached_tokens=cached)
-            # the slot is held for the prefill, then completion_tokens / per-slot rate of unstalled decode
-            decode_s = fields["completion_tokens"] / self.args.sim_decode_tok_per_s
-            work = asyncio.ensure_future(self.run_request(prefill_tokens, decode_s))
-            hang = asyncio.ensure_future(self.hung.wait())
-            await asyncio.wait({work, hang}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                work.cancel()
-                await asyncio.Event().wait()  # hung: never finishes
-            hang.cancel()
-            stalled = work.result()
-            self.cache.finish(*sequence, held=held)
-        self.finished += 1
-        if self.args.sim_hang_after and self.finished >= self.args.sim_hang_after:
-            self.hang()
+        stalled = await self.occupy(key, max_tokens, (conversation, prompt_tokens, done, fields["completion_tokens"]))
         self.log_request(ev="done", key=key, max_tokens=max_tokens, tokens=fields["completion_tokens"],
                          stalled_s=round(stalled, 6))
         return {
@@ -298,9 +285,60 @@ class Simulator:
             },
         }
 
+    async def native_generate(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """SGLang's ``/generate`` on token ids: a drawn length under ``max_new_tokens`` (stopping counts as a
+        matched stop token), ``meta_info`` with the speculative fields when a drafter is served."""
+        ids, params = body.get("input_ids"), body.get("sampling_params") or {}
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            return 400, {"error": {"message": "the simulator's /generate takes input_ids (a list of ints)"}}
+        max_new = int(params.get("max_new_tokens") or 128)
+        length = drawn_length(ids, self.args.sim_median_tokens, self.args.sim_sigma, self.args.sim_seed)
+        n = min(length, max_new)
+        key = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]  # = generation.sglang_dflash.input_sha
+        self.log_request(ev="recv", key=key, max_tokens=max_new, continued_from=0, prefix_head=None)
+        spec = self.dflash.spec_fields(ids, n) if self.dflash is not None else {}
+        stalled = await self.occupy(key, max_new, (key, len(ids), 0, n), decode_tokens=spec.get("spec_verify_ct", n))
+        stops = list(params.get("stop_token_ids") or [])
+        finish = {"type": "length", "length": max_new} if length > max_new else {"type": "stop", "matched": stops[0] if stops else 0}
+        self.log_request(ev="done", key=key, max_tokens=max_new, tokens=n, stalled_s=round(stalled, 6), **spec)
+        meta = {"id": f"sim-{self.finished}", "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": n,
+                "cached_tokens": 0, **spec}
+        return 200, {"text": "a " * n, "output_ids": [0] * n, "meta_info": meta}
+
+    def server_info(self) -> dict[str, Any]:
+        """``/server_info``: the fields a client reads, and ``simulated: true``."""
+        return {"version": "sglang_stub (simulated)", "simulated": True, "model_path": self.args.model_path,
+                "tp_size": self.args.tp_size, "max_running_requests": self.args.max_running_requests,
+                "speculative_algorithm": None, **(self.dflash.server_info() if self.dflash is not None else {})}
+
+    async def occupy(self, key: str, max_tokens: int, sequence: tuple[str, int, int, int], decode_tokens: int | None = None) -> float:
+        """Hold a slot for one request: admission, prefill, then ``decode_tokens`` (default the completion)
+        steps of decode at the per-slot rate; returns the simulated seconds the decode was stalled."""
+        async with self.slots:
+            if self.hung.is_set():
+                await asyncio.Event().wait()
+            cached, prefill_tokens, held = self.cache.admit(*sequence)
+            self.log_request(ev="prefill", key=key, max_tokens=max_tokens, continued_from=sequence[2],
+                             prefill_tokens=prefill_tokens, cached_tokens=cached)
+            # the slot is held for the prefill, then completion_tokens / per-slot rate of unstalled decode
+            decode_s = (sequence[3] if decode_tokens is None else decode_tokens) / self.args.sim_decode_tok_per_s
+            work = asyncio.ensure_future(self.run_request(prefill_tokens, decode_s))
+            hang = asyncio.ensure_future(self.hung.wait())
+            await asyncio.wait({work, hang}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+                await asyncio.Event().wait()  # hung: never finishes
+            hang.cancel()
+            stalled = work.result()
+            self.cache.finish(*sequence, held=held)
+        self.finished += 1
+        if self.args.sim_hang_after and self.finished >= self.args.sim_hang_after:
+            self.hang()
+        return stalled
+
     async def route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any]:
         path = path.split("?", 1)[0]
-        if self.args.api_key and headers.get("authorization") != f"Bearer {self.args.api_key}" and path.startswith("/v1"):
+        if self.args.api_key and headers.get("authorization") != f"Bearer {self.args.api_key}" and not path.startswith("/health"):
             return 401, {"error": {"message": "Invalid API key"}}
         if path == "/health":
             return 200, {}
@@ -311,6 +349,14 @@ class Simulator:
             return 200, {}
         if path == "/v1/models":
             return 200, {"object": "list", "data": [{"id": self.args.model_path, "object": "model"}]}
+        if path in ("/server_info", "/get_server_info"):
+            return 200, self.server_info()
+        if path == "/generate" and method == "POST":
+            try:
+                data = json.loads(body or b"{}")
+            except ValueError:
+                return 400, {"error": {"message": "body is not JSON"}}
+            return await self.native_generate(data)
         if path == "/v1/chat/completions" and method == "POST":
             try:
                 data = json.loads(body or b"{}")
@@ -365,6 +411,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sim-hang-after", type=int, default=0, help="hang after this many finished requests (0: never)")
     p.add_argument("--sim-ignore-continue", action="store_true",
                    help="ignore continue_final_message (as SGLang < 0.4.4): answer afresh")
+    add_dflash_arguments(p)
     args, _unknown = p.parse_known_args(argv)  # SGLang flags we do not model (--tp-size, --reasoning-parser ...)
     if args.sim_speed <= 0 or args.sim_decode_tok_per_s <= 0 or args.max_running_requests < 1:
         p.error("--sim-speed, --sim-decode-tok-per-s and --max-running-requests must be positive")
@@ -373,8 +420,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-async def serve(args: argparse.Namespace) -> None:
-    sim = Simulator(args)
+async def serve(args: argparse.Namespace, dflash: DFlashSim | None = None) -> None:
+    sim = Simulator(args, dflash)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, sim.hang)
     born = process_start_time()
@@ -394,9 +441,11 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    dflash = DFlashSim.from_args(args, argv)  # refuses an export SGLang would refuse, before the port opens
     try:
-        asyncio.run(serve(args))
+        asyncio.run(serve(args, dflash))
     except KeyboardInterrupt:
         pass
     sys.exit(0)
