@@ -153,3 +153,15 @@ def test_the_configs_choices_are_the_flag_builders():
     assert get_args(fields["draft_attention_backend"].annotation) == ("sglang_default", *DRAFT_ATTENTION_BACKENDS)
     assert get_args(fields["mamba_radix_cache_strategy"].annotation) == ("from_target", *MAMBA_STRATEGIES)
     assert set(DRAFT_ATTENTION_BACKENDS) <= set(SGLANG_DRAFT_ATTENTION_BACKENDS)
+
+
+def test_an_export_with_the_recipes_attention_shape_passes(tmp_path):
+    """The published recipe's drafter attention (32 heads x 128 = 4,096 != hidden 5,120) scaled down: the
+    heads' width differs from the hidden size, and SGLang's loader shapes follow head_dim, not hidden."""
+    export = make_export(tmp_path / "export", num_attention_heads=8, num_key_value_heads=2, head_dim=8)  # 64 != 32
+    check = check_dflash_export(export, target_dir=write_target_config(tmp_path / "target"), num_draft_tokens=4)
+    assert check.refusals == [] and check.warnings == []
+    config = json.loads((export / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (8, 2, 8)
+    assert check.tensors["layers.0.self_attn.q_proj.weight"] == [64, HIDDEN]
+    assert check.tensors["layers.0.self_attn.o_proj.weight"] == [HIDDEN, 64]
