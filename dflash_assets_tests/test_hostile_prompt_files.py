@@ -139,3 +139,30 @@ def test_the_record_bound_is_a_prompt_corpus_setting_and_not_part_of_its_fingerp
     # the bounds refuse a file or not; they never change a corpus that builds, so its fingerprint ignores them
     assert (corpus_fingerprint(PromptCorpusConfig(sources=[str(source)], max_record_mb=1, max_file_gb=1))
             == corpus_fingerprint(PromptCorpusConfig(sources=[str(source)])))
+
+
+@pytest.mark.parametrize("name", ["mixed.jsonl", "mixed.jsonl.gz", "mixed.json"])
+def test_records_cut_across_read_chunks_read_the_same(tmp_path, monkeypatch, name):
+    """The stream reader keeps a record whole whatever read chunk its bytes arrive in (5-byte chunks here):
+    BOM, blank and CRLF lines, U+2028 inside strings, brackets, quotes and backslashes inside strings."""
+    import dflash_assets.prompt_reader as reader
+
+    records = [{"prompt": "one\u2028two"}, {"prompt": 'brackets ] } [ { and a quote " inside'},
+               {"prompt": "ends with a backslash \\"}, {"messages": [{"role": "user", "content": "é ✓ 𝄞"}]},
+               {"prompt": "x" * 300}, {"prompt": ""}, {"instruction": "Sort.", "input": "[3, 1]"}]
+    if name.endswith(".json"):
+        text = "\ufeff[\n" + ",\r\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n]\n"
+    else:
+        text = "\ufeff\n\n" + "\r\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n \n"
+    data = text.encode()
+    (tmp_path / name).write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    whole = build_corpus([str(tmp_path / name)])
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 5)
+    cut = build_corpus([str(tmp_path / name)])
+    assert cut.corpus.equals(whole.corpus) and cut.rejected.equals(whole.rejected)
+    assert [m[-1]["content"] for m in whole.corpus["messages"].to_list()] == [
+        "one\u2028two", 'brackets ] } [ { and a quote " inside', "ends with a backslash \\", "é ✓ 𝄞", "x" * 300,
+        "Sort.\n\n[3, 1]"]
+    first = 1 if name.endswith(".json") else 3  # element numbers; JSONL lines after a BOM and two blank lines
+    assert whole.corpus["line"].to_list() == [first + k for k in (0, 1, 2, 3, 4, 6)]
+    assert kinds(whole) == [(first + 5, "empty content")]
