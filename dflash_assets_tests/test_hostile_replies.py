@@ -77,7 +77,7 @@ def test_each_hostile_reply_fails_its_own_row_with_the_reason_and_stores_no_data
     """Was: a deep body (RecursionError) or a 500 with one ended the whole run; a lone surrogate stopped the
     journal writer; ids >= 2**31 became silent nulls; counts >= 2**63 failed every commit; negative counts
     were stored; bodies had no cap; a trickled reply held its slot for as long as it trickled."""
-    assert set(EXPECTED) | {"trickle-once"} == set(HOSTILE)
+    assert set(EXPECTED) | {"trickle-once", "gzipped"} == set(HOSTILE)
     slow = ["trickle", "trickle-once"]  # a client with a 1 s deadline; the others get 30 s (a loaded machine)
     normal = [f"Task {i}: add {i} and {i}." for i in range(6)]
     prompts = [p for pair in zip(normal, [PREFIX + k for k in HOSTILE if k not in slow]) for p in pair]
@@ -99,6 +99,8 @@ def test_each_hostile_reply_fails_its_own_row_with_the_reason_and_stores_no_data
         assert result.content is result.output_token_ids is result.prompt_tokens is result.completion_tokens is None
     assert "(gave up after 2 attempts)" in by_prompt[PREFIX + "trickle"].error
     assert 2.0 <= by_prompt[PREFIX + "trickle"].latency_s < 5.0  # two 1 s deadlines; the trickle takes ~15 s
+    gzipped = by_prompt[PREFIX + "gzipped"]
+    assert (gzipped.error, gzipped.attempts, gzipped.content) == (None, 1, "gzipped fine")
     once = by_prompt[PREFIX + "trickle-once"]  # transient: the retry got a whole reply
     assert (once.error, once.attempts, once.content) == (None, 2, "Answer to: hostile:trickle-once")
     for prompt in normal:
@@ -116,7 +118,7 @@ def test_each_hostile_reply_fails_its_own_row_with_the_reason_and_stores_no_data
     frame = rows_to_frame(list(journal.load().values()))
     assert frame.height == len(prompts) and journal.skipped_lines == 0
     hostile = frame.filter(pl.col("error").is_not_null())
-    assert hostile.height == len(EXPECTED)
+    assert hostile.height == len(EXPECTED) and frame.height - hostile.height == len(normal) + 2
     assert hostile.select("content", "reasoning_content", "output_token_ids", "prompt_tokens",
                           "completion_tokens").null_count().row(0) == (hostile.height,) * 5
 

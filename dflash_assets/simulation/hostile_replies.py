@@ -3,7 +3,8 @@ in front of one) can send back, chosen by the prompt, so one server process serv
 
 A request whose last user message is ``hostile:<kind>`` gets :data:`HOSTILE` ``[kind]``; any other prompt gets a
 normal reply naming it (``"Answer to: <prompt>"``, 5 completion tokens, ids ``[1, 2, 3, 4, 5]``). Kinds ending
-in ``-once`` are hostile on a prompt's first arrival only (a transient fault: the retry gets a normal reply).
+in ``-once`` are hostile on a prompt's first arrival only (a transient fault: the retry gets a normal reply);
+``gzipped`` is a well-formed reply that is merely gzip-encoded.
 
 Served from its own process: ``python -m dflash_assets.simulation.stand_in_server --script hostile``.
 """
@@ -74,6 +75,8 @@ HOSTILE: dict[str, Any] = {
     # a reply trickled a byte every 50 ms: ~15 s for its ~300 bytes, every read well inside any read timeout
     "trickle": lambda: Trickle(every_s=0.05, chunk_bytes=1, payload=_reply_bytes("trickled")),
     "trickle-once": lambda: Trickle(every_s=0.05, chunk_bytes=1, payload=_reply_bytes("trickled")),
+    # not hostile: a well-formed reply gzip-encoded unasked (a gateway's doing) is read as any other
+    "gzipped": lambda: Raw(200, gzip.compress(_reply_bytes("gzipped fine")), headers=(("Content-Encoding", "gzip"),)),
     # error replies whose text is hostile (the row's error is stored too)
     "error-deep": lambda: Raw(500, b'{"error": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
     "error-surrogate": lambda: Raw(400, b'{"error": {"message": "bad \\ud800 input"}}'),
