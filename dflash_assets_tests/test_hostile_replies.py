@@ -168,9 +168,10 @@ def test_a_range_run_over_hostile_replies_and_unstorable_journal_rows_commits_th
         # journal rows an older version (or a bad disk) left: valid-looking, but no table can take them as they are
         unstorable = {0: {"prompt_tokens": 2**64}, 1: {"content": "\ud800"}, 2: {"output_token_ids": [7, 2**31]},
                       3: {"completion_tokens": "5"}}
+        longer = {4: {"completion_tokens": CAP + 4}}  # a good row past the cap: planning cuts or redoes it
         (root / "completions").mkdir()
         with open(root / "completions" / f"{pk}.journal.jsonl", "w") as f:
-            for i, bad in unstorable.items():
+            for i, bad in {**unstorable, **longer}.items():
                 good = {**{k: None for k in COMPLETIONS_SCHEMA}, "index": i, "prompt_id": corpus["prompt_id"][i],
                         "source": corpus["source"][i], "content": "old", "finish_reason": "stop", "prompt_tokens": 9,
                         "completion_tokens": 5, "max_output_tokens": CAP, "error": None,
@@ -179,7 +180,8 @@ def test_a_range_run_over_hostile_replies_and_unstorable_journal_rows_commits_th
         result = run_partition(instance, root, pk, hostile_inference(hostile_url, model_dir))
     assert result.success
     meta = {k: v.value for k, v in result.asset_materializations_for_node("completions")[0].metadata.items()}
-    assert meta["request_reasons"] == {"unstorable row": len(unstorable), "missing": len(prompts) - len(unstorable)}
+    assert meta["request_reasons"] == {"unstorable row": len(unstorable), "cap lowered": 1,
+                                       "missing": len(prompts) - len(unstorable) - 1}
     table = pl.read_parquet(root / "completions" / f"{pk}.parquet")
     assert table["index"].to_list() == list(range(len(prompts)))
     good = table.filter(pl.col("error").is_null())

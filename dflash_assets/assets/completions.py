@@ -256,7 +256,8 @@ class _RangeRun:
         they are not journaled: a run that fails before the commit leaves the table as it was, and the
         next run cuts them again at no cost. Returns the prompts still to request and how many rows were
         cut. Rows that cannot be cut (no tokenizer, tokens that do not match the text) stay to be requested."""
-        lowered = [p for p in todo if (row := view.get(p["index"])) is not None and invalid_reason(row, self.settings) == "cap lowered"]
+        lowered = [p for p in todo if (row := view.get(p["index"])) is not None and not row_problem(row)
+                   and invalid_reason(row, self.settings) == "cap lowered"]
         builder = self.target_builder(inference) if lowered else None
         if builder is None:
             return todo, 0
