@@ -8,6 +8,7 @@ therefore invalidates only ``length`` rows; lowering it only rows longer than th
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import polars as pl
@@ -80,11 +81,18 @@ def row_problem(row: dict[str, Any]) -> str | None:
         elif dtype == pl.Float64:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 return f"{name} is a {type(value).__name__}, not a number"
-        elif not isinstance(value, list) or not all(type(t) is int for t in value):
-            return f"{name} is not a list of integers"
-        elif value and not (0 <= min(value) and max(value) < _TOKEN_LIMIT):
-            bad = next(t for t in value if not 0 <= t < _TOKEN_LIMIT)
-            return f"{name} holds {bad if abs(bad) < 10**30 else 'a huge id'}, outside [0, 2**31)"
+        else:  # a list of token ids: checked in C (array), ~50x faster than a Python loop over 4K ids
+            try:
+                ids = array("q", value) if isinstance(value, list) else None
+            except OverflowError:
+                return f"{name} holds an id outside [0, 2**31)"
+            except TypeError:
+                ids = None
+            if ids is None:
+                return f"{name} is not a list of integers"
+            if ids and not (0 <= min(ids) and max(ids) < _TOKEN_LIMIT):
+                bad = next(t for t in ids if not 0 <= t < _TOKEN_LIMIT)
+                return f"{name} holds {bad}, outside [0, 2**31)"
     return None
 
 
