@@ -11,6 +11,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
+from dflash_assets.config import SECRET_ENV
 from dflash_assets.generation.probe import probe_external
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.generation.servers import API_KEY_ENV, ServerPool
@@ -52,7 +53,8 @@ class InferenceServerResource(dg.ConfigurableResource):
 
     mode: Literal["local", "sglang", "external"] = Field(default="local")
     # numbers and switches are strict: YAML `true` would otherwise become 1 slot, 1 server or a 1-token chunk
-    api_key: str | None = Field(default=None, description="Server API key; set with EnvVar('DFLASH_SERVER_API_KEY').")
+    api_key: str | None = Field(default=None, description="Server API key; set with EnvVar('DFLASH_SERVER_API_KEY').",
+                                json_schema_extra={SECRET_ENV: API_KEY_ENV})  # a value in the config file is refused
     max_running_requests: int | None = Field(
         strict=True, default=None, ge=1, description="Requests in flight per server; None: 16 local, 40 otherwise."
     )
