@@ -156,6 +156,7 @@ def completions(
     store = storage.open()
     settings = generation.settings()
     run = _RangeRun(context, store, settings, keys)
+    run.exposure = inference.exposure_warnings()
     parts = []
     try:
         for pk, prompts in load_range_prompts(store, keys).items():
@@ -214,6 +215,7 @@ class _RangeRun:
         self.failure: Exception | None = None
         self.client = None
         self.capacity = 0
+        self.exposure: list[str] = []  # inference.exposure_warnings(): logged by serve(), kept in metadata
         self.continuing = 0  # rows this run continues rather than regenerates
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
         self.failed_since_materialized: set[str] = set()  # never "kept": their status must go back to done
@@ -520,6 +522,8 @@ class _RangeRun:
                       or f["at_s"] >= part.first_sent - self.client_started()]
             if faults:
                 metadata["server_faults"] = [f"{f['server']}: {f['fault']} -> {f['action']}" for f in faults]
+        if self.exposure:
+            metadata["security_warnings"] = self.exposure
         self.committed.append(pk)
         self.context.log.info(f"{pk}: committed {frame.height} rows (data version {data_version})")
         self.release(part)
