@@ -11,7 +11,7 @@ from pydantic import Field
 
 from dflash_assets.config import SECRET_ENV
 from dflash_assets.settings import cache_dir, default_storage_root
-from dflash_assets.storage import RetryPolicy, Storage, StorageError
+from dflash_assets.storage import RetryPolicy, Storage, StorageError, check_name
 
 ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
 SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
@@ -141,7 +141,14 @@ class StorageResource(dg.ConfigurableResource):
             raise StorageError(f"storage root {self.root}: bucket {bucket!r} is not usable: {type(exc).__name__}: {exc}") from exc
 
     def local_scratch(self, *parts: str) -> str:
-        """A local path for in-flight files; its parent directory exists."""
+        """A local path for in-flight files; its parent directory exists.
+
+        Raises:
+            UnsafeNameError: a part is not one plain path component (``..``, a separator, an absolute
+                path): names from storage (index files, listings) never reach outside the scratch tree.
+        """
+        for part in parts:
+            check_name(part, "local path part")
         if not self.is_remote:
             base = self.root.removeprefix("file://")
         else:
@@ -153,15 +160,15 @@ class StorageResource(dg.ConfigurableResource):
 
     def ensure_local(self, *parts: str, size: int | None = None, refresh: bool = False) -> str:
         """Local path of ``parts``; for S3, downloaded to scratch when missing locally, when its size
-        differs from ``size`` (bytes), or always with ``refresh``. A missing object leaves the path
-        absent (check ``os.path.exists``)."""
+        differs from ``size`` (bytes; the download must then have that size to be put in place), or always
+        with ``refresh``. A missing object leaves the path absent (check ``os.path.exists``)."""
         path = self.local_scratch(*parts)
         if not self.is_remote:
             return path
         have = os.path.getsize(path) if os.path.exists(path) else None
         if refresh or have is None or (size is not None and have != size):
             try:
-                self.open().download(path, *parts)
+                self.open().download(path, *parts, size=size)
             except FileNotFoundError:
                 if refresh and os.path.exists(path):
                     os.unlink(path)  # the local copy is stale: storage no longer has it
@@ -169,10 +176,15 @@ class StorageResource(dg.ConfigurableResource):
 
     def ensure_local_dir(self, *parts: str) -> str:
         """Local directory of folder ``parts``; for S3, every object directly under it is downloaded
-        to scratch first (always: small folders such as the drafter export, which a rerun replaces)."""
+        to scratch first (always: small folders such as the drafter export, which a rerun replaces).
+
+        Raises:
+            UnsafeNameError: a listed name is not one plain path component.
+        """
         directory = os.path.dirname(self.local_scratch(*parts, "x"))
         if self.is_remote:
             for name in self.open().listdir(*parts):
+                check_name(name, f"{self.open().uri(*parts)} listing")
                 self.ensure_local(*parts, name, refresh=True)
         return directory
 
