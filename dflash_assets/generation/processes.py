@@ -422,6 +422,37 @@ def spawn_in_new_session(
     return proc
 
 
+def run_streaming(argv: Sequence[str], on_line: Callable[[str], None], *, env: Mapping[str, str] | None = None,
+                  grace_s: float = 30.0, parent_death_signal: bool = True) -> int:
+    """Run ``argv`` in a new session (its own process group), passing each line of its stdout+stderr to
+    ``on_line``; returns its exit code. Whatever interrupts the wait (Ctrl-C, Dagster's step interrupt,
+    an exception from ``on_line``) stops the whole process group (SIGTERM, SIGKILL after ``grace_s``:
+    :func:`stop_process_group`) before it propagates, so no child (``torchrun`` and its workers) is left
+    running. With ``parent_death_signal`` (Linux) the leader also gets :data:`PARENT_DEATH_SIGNAL` when
+    this process dies."""
+    preexec = _parent_death_preexec() if parent_death_signal else None
+
+    def spawn() -> subprocess.Popen:
+        return subprocess.Popen(
+            list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+            errors="replace", env=None if env is None else dict(env), start_new_session=True,
+            preexec_fn=preexec,  # noqa: PLW1509 - only the pre-resolved prctl (see spawn_in_new_session)
+        )
+
+    proc = _on_long_lived_thread(spawn) if preexec is not None else spawn()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            on_line(line.rstrip("\n"))
+        return proc.wait()
+    except BaseException:
+        stop_process_group(proc, grace_s=grace_s)
+        raise
+    finally:
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 def _copy_redacted(source, log_path: Path, secrets: Sequence[bytes]) -> None:
     """Copy ``source`` line by line to ``log_path`` (appending, flushed per line) with each secret as
     ``***``, until the process closes its end. A line is split at 64 KiB, so a secret is only missed if
