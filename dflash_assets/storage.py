@@ -302,7 +302,7 @@ class Storage:
             if size is not None and have != size:
                 raise IntegrityError(f"{self.uri(*parts)}: downloaded {have} bytes, expected {size}; not put in place")
             if sha256 is not None and file_sha256(tmp) != sha256:
-                raise IntegrityError(f"{self.uri(*parts)}: downloaded copy's SHA-256 differs from the expected one; "
+                raise IntegrityError(f"{self.uri(*parts)}: downloaded copy's sha256 differs from the expected one; "
                                      "not put in place")
             os.replace(tmp, local_path)
         finally:

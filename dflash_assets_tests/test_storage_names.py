@@ -73,7 +73,7 @@ def test_a_download_is_put_in_place_only_once_its_size_and_hash_match(s3_target,
     put(s3_target, "hidden_states/p/shard.safetensors", GOOD)
     path = Path(storage.local_scratch("hidden_states", "p", "shard.safetensors"))
     path.write_bytes(b"older copy")
-    with pytest.raises(IntegrityError, match="SHA-256 differs"):
+    with pytest.raises(IntegrityError, match="sha256 differs"):
         store.download(path, "hidden_states", "p", "shard.safetensors", sha256=hashlib.sha256(b"other").hexdigest())
     with pytest.raises(IntegrityError, match=f"downloaded {len(GOOD)} bytes, expected 7"):
         store.download(path, "hidden_states", "p", "shard.safetensors", size=7)
@@ -85,7 +85,7 @@ def test_a_download_is_put_in_place_only_once_its_size_and_hash_match(s3_target,
     # through fetch_shards: a shard whose stored bytes differ from index.json is not put in place
     put(s3_target, f"hidden_states/{PK}/shard-00000.safetensors", b"tampered " + GOOD[9:])
     index = {"shards": [entry("shard-00000.safetensors")]}
-    with pytest.raises(ShardIntegrityError, match="SHA-256 differs"):
+    with pytest.raises(ShardIntegrityError, match="sha256 differs"):
         fetch_shards(storage, PK, index)
     assert not Path(storage.local_scratch("hidden_states", PK, "shard-00000.safetensors")).exists()
 
