@@ -253,6 +253,76 @@ def stop_orphaned_step_workers(instance: dg.DagsterInstance, exclude: tuple[str,
     return stopped
 
 
+#: Statuses of a run whose steps may be executing.
+RUNNING_STATUSES = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+
+
+def _run_partitions(run: dg.DagsterRun, ordered: Callable[[], list[str]]) -> set[str]:
+    """Partition keys ``run`` targets: its ``dagster/partition`` tag, or every key of its partition range
+    (single-run backfill tags) in the order ``ordered()`` gives."""
+    from dagster._core.storage.tags import (
+        ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG, PARTITION_NAME_TAG,
+    )
+
+    if key := run.tags.get(PARTITION_NAME_TAG):
+        return {key}
+    start, end = run.tags.get(ASSET_PARTITION_RANGE_START_TAG), run.tags.get(ASSET_PARTITION_RANGE_END_TAG)
+    if start is None or end is None:
+        return set()
+    keys = ordered()
+    if start not in keys or end not in keys:
+        return {start, end}
+    return set(keys[keys.index(start): keys.index(end) + 1])
+
+
+def runs_holding_partitions(instance: dg.DagsterInstance, asset: str, partition_keys: list[str], this_run_id: str,
+                            ordered: Callable[[], list[str]] | None = None) -> dict[str, list[str]]:
+    """Other runs (STARTED or CANCELING, of any machine, not provably dead: :func:`run_process_alive`)
+    that materialize ``asset`` for any of ``partition_keys``: ``{run_id: [overlapping keys]}``. One
+    run-storage query.
+
+    The per-partition lock: every run is recorded STARTED in the run storage before its steps run, so a
+    step that checks this first and refuses on overlap never writes beside another run of its partition
+    (two that start at the same moment both refuse; none proceeds twice). Dagster's run-queue tag limits
+    would cover only queued runs, not ``dagster asset materialize`` or ``python -m dflash_assets run``.
+
+    Args:
+        ordered: partition keys in order, for runs over a key range (called at most once).
+    """
+    wanted = set(partition_keys)
+    cache: list[list[str]] = []
+
+    def keys_in_order() -> list[str]:
+        if not cache:
+            cache.append(ordered() if ordered is not None else [])
+        return cache[0]
+
+    holding = {}
+    for record in instance.get_run_records(dg.RunsFilter(statuses=RUNNING_STATUSES)):
+        run = record.dagster_run
+        if run.run_id == this_run_id:
+            continue
+        if run.asset_selection is not None and dg.AssetKey(asset) not in run.asset_selection:
+            continue
+        overlap = sorted(_run_partitions(run, keys_in_order) & wanted)
+        if overlap and run_process_alive(run, instance) is not False:  # a killed run holds nothing
+            holding[run.run_id] = overlap
+    return holding
+
+
+def partition_busy_message(instance: dg.DagsterInstance, asset: str, holding: dict[str, list[str]]) -> str:
+    """The refusal of a step whose partitions another run holds: which run, where, and what to do."""
+    parts = []
+    for run_id, keys in holding.items():
+        run = instance.get_run_by_id(run_id)
+        where = f"pid {run.tags.get(PID_TAG)} on {run.tags.get(HOST_TAG)}" if run and run.tags.get(PID_TAG) else "?"
+        shown = ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+        parts.append(f"run {run_id} ({where}) is materializing {asset}[{shown}]")
+    return ("; ".join(parts) + ": two runs of one partition would overwrite each other's files, so this one does "
+            "nothing. Let that run finish (or stop it); if its machine is lost, mark it failed: "
+            "`python -m dflash_assets mark-failed RUN_ID`")
+
+
 class ReapingExecutor(Executor):
     """Wraps an executor: tags the run with its process (:func:`process_tags`) and reaps dead runs
     (:func:`reap_dead_runs`) before the wrapped executor starts the steps (and their slot claims)."""

@@ -20,6 +20,7 @@ from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, sub
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.storage import IntegrityError, UnsafeNameError, check_name
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.runs import partition_busy_message, runs_holding_partitions
 from dflash_assets.status import GPU_POOL, latest_metadata_by_partition
 
 CHECK_IDS = "stored_input_ids_match_tokenized"
@@ -174,6 +175,10 @@ def partition_dir(storage: StorageResource, pk: str) -> str:
 )
 def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig, storage: StorageResource, target_model: TargetModelResource):
     pk = context.partition_key
+    # one run per partition: another one's shard writes and clean-up of temporary files would collide
+    if holding := runs_holding_partitions(context.instance, "hidden_states", [pk], context.run.run_id,
+                                          lambda: context.instance.get_dynamic_partitions(prompt_ranges.name)):
+        raise dg.Failure(partition_busy_message(context.instance, "hidden_states", holding))
     store = storage.open()
     tokenized = store.read_parquet(*tokenized_file(pk))
     rows = [{"index": r["index"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in tokenized.iter_rows(named=True)]
