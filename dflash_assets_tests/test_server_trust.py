@@ -250,3 +250,14 @@ def test_an_exposed_server_is_warned_about_in_the_run_log_and_the_completions_me
     assert warnings == inference.exposure_warnings()
     assert warnings[0].startswith("inference.host '0.0.0.0' with no API key")
     assert any(warnings[0] in line for line in logged)
+
+
+def test_an_sglang_without_config_files_fails_saying_the_key_needs_one(tmp_path, monkeypatch):
+    """An SGLang older than --config exits at start-up (argparse); the error says why and what to do."""
+    monkeypatch.setenv("DFLASH_SERVER_REGISTRY", str(tmp_path / "registry"))
+    script = "import argparse; p = argparse.ArgumentParser(); p.add_argument('--port'); p.parse_args()"
+    command = sglang_servers.LaunchCommand((sys.executable, "-c", script, "--port", "1"), {}, "127.0.0.1",
+                                           free_port(), api_key_env=API_KEY_ENV)
+    with pytest.raises(RuntimeError) as err, SGLangServers([command], tmp_path / "logs", api_key=KEY):
+        pass
+    assert "exited with code 2; this SGLang takes no --config file" in str(err.value) and KEY not in str(err.value)

@@ -25,10 +25,12 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
+
 
 class PortTakenError(RuntimeError):
     """A server's port is held by a process that is not the server started for it."""
@@ -125,9 +127,10 @@ def _describe_holder(inode: int) -> str:
     for name in os.listdir("/proc"):
         if name.isdigit() and inode in socket_inodes(int(name)):
             try:
-                cmd = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                cmd = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 cmd = "?"
+            cmd = cmd.strip()
             return f"pid {name} ({cmd[:120]})"
     return "a process this user cannot inspect (another user's)"
 
@@ -145,8 +148,6 @@ def check_port_free(host: str, port: int, what: str = "a server started here", w
     Raises:
         PortTakenError: the message names the port, the holder (pid and command when visible) and the fix.
     """
-    import time
-
     deadline = time.monotonic() + wait_s
     addresses = _host_addresses(host)
     while True:

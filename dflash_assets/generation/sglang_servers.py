@@ -394,10 +394,12 @@ class SGLangServers:
                 proc = procs[i]
                 if proc.poll() is not None:
                     drain_log(proc)
-                    raise RuntimeError(
-                        f"SGLang server {i} ({command.base_url}) exited with code {proc.returncode}; "
-                        f"log {self.log_path(i)}:\n{redact(log_tail(self.log_path(i)), self._launch_key(command))}"
-                    )
+                    tail = redact(log_tail(self.log_path(i)), self._launch_key(command))
+                    hint = ("; this SGLang takes no --config file, which carries the API key (kept off the command "
+                            "line): upgrade SGLang, or run without a key" if "--config" in tail and
+                            command.api_key_env and "unrecognized arguments" in tail else "")
+                    raise RuntimeError(f"SGLang server {i} ({command.base_url}) exited with code {proc.returncode}"
+                                       f"{hint}; log {self.log_path(i)}:\n{tail}")
                 # nothing is sent before the listener is provably this server's (raises when another holds it)
                 if not listener_is_ours(command.host, command.port, proc.pid, f"SGLang server {i}"):
                     continue
