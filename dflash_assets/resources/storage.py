@@ -50,12 +50,15 @@ class StorageResource(dg.ConfigurableResource):
     endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto...); None = AWS.")
     region: str | None = Field(default=None, description="S3 region; None = from the environment / us-east-1.")
     # secrets: from the environment only (a value in the config file is refused, see dflash_assets.config.secret_env)
-    aws_access_key_id: str | None = Field(default=None, description="Set with EnvVar('AWS_ACCESS_KEY_ID'), never literally.",
-                                          json_schema_extra={SECRET_ENV: ACCESS_KEY_ENV})
-    aws_secret_access_key: str | None = Field(default=None, description="Set with EnvVar('AWS_SECRET_ACCESS_KEY'), never literally.",
-                                              json_schema_extra={SECRET_ENV: SECRET_KEY_ENV})
-    aws_session_token: str | None = Field(default=None, description="Set with EnvVar('AWS_SESSION_TOKEN'), never literally.",
-                                          json_schema_extra={SECRET_ENV: SESSION_TOKEN_ENV})
+    aws_access_key_id: str | None = Field(
+        default=None, description="Set with EnvVar('AWS_ACCESS_KEY_ID'), never literally.",
+        json_schema_extra={SECRET_ENV: ACCESS_KEY_ENV})
+    aws_secret_access_key: str | None = Field(
+        default=None, description="Set with EnvVar('AWS_SECRET_ACCESS_KEY'), never literally.",
+        json_schema_extra={SECRET_ENV: SECRET_KEY_ENV})
+    aws_session_token: str | None = Field(
+        default=None, description="Set with EnvVar('AWS_SESSION_TOKEN'), never literally.",
+        json_schema_extra={SECRET_ENV: SESSION_TOKEN_ENV})
     journal_sync_rows: int = Field(default=100, ge=1, description="S3: sync the completions row journal every N rows...")
     journal_sync_s: float = Field(default=30.0, gt=0, description="...or every this many seconds while rows are pending.")
     retry_attempts: int = Field(default=6, ge=1, description="S3: tries per call for transient errors.")
