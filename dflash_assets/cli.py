@@ -1,4 +1,4 @@
-"""Shell entry point: ``python -m dflash_assets run | status``.
+"""Shell entry point: ``python -m dflash_assets run | status | mark-failed RUN_ID``.
 
 Every command sets ``DAGSTER_HOME`` to the project root (where ``dagster.yaml`` lives) unless it is
 already set, so run history persists and the Dagster UI shows the same runs.
@@ -26,8 +26,23 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--verbose", action="store_true", help="also print Dagster's DEBUG events (always kept in the run storage)")
     status = sub.add_parser("status", help="per-stage partition counts, rows done / remaining under the config's settings, rate and ETA")
     status.add_argument("--config", help="YAML config whose generation settings and storage to judge rows by (default: $DFLASH_CONFIG)")
+    failed = sub.add_parser("mark-failed",
+                            help="mark a STARTED run whose machine was lost failed and free its pool slots")
+    failed.add_argument("run_id")
     args = parser.parse_args(argv)
     home = _ensure_dagster_home()
+    if args.command == "mark-failed":  # needs no config and no definitions
+        import dagster as dg
+
+        from dflash_assets.runs import mark_run_failed
+
+        try:
+            with dg.DagsterInstance.get() as instance:
+                print(mark_run_failed(instance, args.run_id, by="`python -m dflash_assets mark-failed`"))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        sys.exit(0)
     if getattr(args, "config", None):
         # before the definitions are imported: they build the resources from this file
         os.environ["DFLASH_CONFIG"] = os.path.abspath(args.config)

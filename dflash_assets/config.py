@@ -7,6 +7,11 @@ assets, used as the default config of the project's jobs and by ``python -m dfla
 Nothing in the file is ignored: an unknown top-level key, resource name, resource field, op name or
 op config key is a :class:`ConfigError` naming the key, where it is, the valid keys and the file, and so
 is invalid YAML and every value the resource classes or Dagster's config types reject.
+
+Secrets never come from the file: a resource field marked ``json_schema_extra={SECRET_ENV: "NAME"}``
+(the server API key, the S3 credentials) given a value there is a :class:`ConfigError` naming the key
+and the environment variable to set instead. Dagster shows every resource value that is not an
+``EnvVar`` in the UI and over GraphQL; values from the environment reach it as ``EnvVar`` references.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import yaml
 BUNDLED = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = BUNDLED / "local_demo.yaml"
 TOP_LEVEL_KEYS = ("resources", "ops")
+#: Key of a pydantic field's ``json_schema_extra`` naming the environment variable a secret field comes from.
+SECRET_ENV = "secret_env"
 
 
 class ConfigError(ValueError):
@@ -85,7 +92,8 @@ def build_resources(classes: Mapping[str, type], extra: Mapping[str, Mapping[str
 
     Raises:
         ConfigError: an unknown resource name or field (which Dagster's ConfigurableResource would
-            silently accept), or a value the class rejects; the message names the file and the key.
+            silently accept), a secret field given a value in the file (:func:`secret_env`), or a value
+            the class rejects; the message names the file and the key.
     """
     path = config_path()
     sections = project_config()["resources"]
@@ -99,11 +107,24 @@ def build_resources(classes: Mapping[str, type], extra: Mapping[str, Mapping[str
         for key in fields:
             if key not in valid:
                 raise _unknown(str(path), f"resources.{name}", "key", str(key), valid)
+            if env := secret_env(cls, key):
+                raise ConfigError(
+                    f"{path}: resources.{name}.{key}: a secret cannot be set in the config file (Dagster would show "
+                    f"it in the UI and over GraphQL); remove the key and set the environment variable {env} instead"
+                )
         try:
             built[name] = cls(**fields, **dict((extra or {}).get(name) or {}))
         except Exception as exc:  # pydantic ValidationError, Dagster config errors
             raise ConfigError(f"{path}: resources.{name}: {_first_lines(exc)}") from None
     return built
+
+
+def secret_env(cls: type, field: str) -> str | None:
+    """The environment variable secret field ``field`` of resource class ``cls`` comes from, or None
+    when the field is no secret (see :data:`SECRET_ENV`)."""
+    info = getattr(cls, "model_fields", {}).get(field)
+    extra = getattr(info, "json_schema_extra", None)
+    return extra.get(SECRET_ENV) if isinstance(extra, dict) else None
 
 
 def validate_ops(assets_defs: Iterable[Any]) -> None:

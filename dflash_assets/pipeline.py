@@ -9,7 +9,6 @@ read back from the assets' metadata.
 """
 
 import os
-import socket
 import time
 
 import dagster as dg
@@ -23,7 +22,7 @@ from dflash_assets.config import config_path, op_config
 from dflash_assets.definitions import defs
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.partitions import prompt_ranges
-from dflash_assets.runs import reap_dead_runs
+from dflash_assets.runs import process_tags, reap_dead_runs
 
 PARTITION_STAGES = ["completions", "tokenized_sequences", "hidden_states"]
 UPSTREAM = {"completions": None, "tokenized_sequences": "completions", "hidden_states": "tokenized_sequences"}
@@ -64,7 +63,8 @@ def _materialize(keys: list[str], run_config: dict, partition_key: str | None = 
     """One in-process run (of one partition, or of a key range as one run: single-run backfill). Raises
     KeyboardInterrupt when Ctrl-C / SIGTERM interrupted it: Dagster turns the signal into a failed run,
     and ``raise_on_error=False`` would otherwise let the loop go on."""
-    tags = {"dflash/trigger": "cli-run", "dflash/pid": str(os.getpid()), "dflash/host": socket.gethostname()}
+    # the full process record (machine, boot, pid namespace, start time): the reaper acts only on what it proves dead
+    tags = {"dflash/trigger": "cli-run", **process_tags()}
     if partition_range is not None:
         tags.update({ASSET_PARTITION_RANGE_START_TAG: partition_range[0], ASSET_PARTITION_RANGE_END_TAG: partition_range[1]})
     result = dg.materialize(

@@ -5,14 +5,18 @@ daemon watching it, and Dagster's ``DefaultRunLauncher`` has no worker health ch
 STARTED and keeps its ``dflash_inference`` / ``dflash_gpu`` slot, so the next run waits on it forever.
 
 Every run of these definitions records its orchestrating process in run tags (:func:`process_tags`:
-pid, its start time, boot id, host) when its executor starts, before any step claims a slot
-(:data:`reaping_executor`). The same executor then reaps dead runs (:func:`reap_dead_runs`), so the same
-shell command run again starts at once; the daemon does the same for runs launched from the UI through
+pid, its start time, machine id, boot id, pid namespace, host) when its executor starts, before any
+step claims a slot (:data:`reaping_executor`); ``python -m dflash_assets run`` records the same at
+launch. The same executor then reaps dead runs (:func:`reap_dead_runs`), so the same shell command run
+again starts at once; the daemon does the same for runs launched from the UI through
 :class:`MonitoredRunLauncher` (dagster.yaml ``run_launcher`` + ``run_monitoring``).
 
-A run is reaped only when every process it recorded is verifiably gone on this host: the pid does not
-exist, or exists with another start time (recycled), or the machine was rebooted since. A run of
-another host, or without these tags, is never touched.
+A run is reaped only when it is provably dead (:func:`run_process_alive`): it was recorded on this
+machine (machine id, not the host name: two nodes or containers may share one), in this boot and pid
+namespace, and its pid is gone or names a process with another start time; or this machine (an
+``/etc/machine-id``) was rebooted since and the run logged nothing after the boot. A run of another
+machine, namespace, or without these tags is never touched: when its node is lost for good, an operator
+marks it failed (``python -m dflash_assets mark-failed RUN_ID``, or Terminate in the UI).
 """
 
 from __future__ import annotations
@@ -30,57 +34,84 @@ from dagster._core.executor.base import Executor
 from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
 from dagster._core.launcher.default_run_launcher import DefaultRunLauncher
 
-from dflash_assets.generation.processes import boot_id, is_running, proc_stat
+from dflash_assets.generation.processes import is_running, proc_stat
+from dflash_assets.machine import Identity, identity, same_machine
 
 PID_TAG, START_TAG, BOOT_TAG, HOST_TAG = "dflash/pid", "dflash/pid_start_time", "dflash/boot_id", "dflash/host"
+MACHINE_TAG, PID_NS_TAG = "dflash/machine_id", "dflash/pid_ns"
 STOP_GRACE_S = 20.0
 
 
 def process_tags(pid: int | None = None) -> dict[str, str]:
-    """Run tags naming process ``pid`` (default: this one): pid, start time (clock ticks after boot,
-    ``/proc/<pid>/stat`` field 22), boot id and host name. With all four a recycled pid never matches."""
+    """Run tags naming process ``pid`` (default: this one, in this pid namespace): pid, start time (clock
+    ticks after boot, ``/proc/<pid>/stat`` field 22), machine id, boot id, pid namespace
+    (:mod:`dflash_assets.machine`) and host name (for messages only). With all of them a pid names one
+    process of one machine."""
     pid = os.getpid() if pid is None else pid
     stat = proc_stat(pid)
     tags = {PID_TAG: str(pid), HOST_TAG: socket.gethostname()}
     if stat is not None:
         tags[START_TAG] = str(stat.start_time)
-    if boot := boot_id():
-        tags[BOOT_TAG] = boot
+    here = identity()
+    for tag, value in ((MACHINE_TAG, here.machine), (BOOT_TAG, here.boot), (PID_NS_TAG, here.pid_ns)):
+        if value:
+            tags[tag] = value
     return tags
+
+
+def recorded_identity(tags) -> Identity:
+    """The :class:`~dflash_assets.machine.Identity` a run's tags record (fields absent: None)."""
+    return Identity(tags.get(MACHINE_TAG), tags.get(BOOT_TAG), tags.get(PID_NS_TAG))
+
+
+def _btime() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            return float(next(int(line.split()[1]) for line in f if line.startswith("btime ")))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _logged_since_boot(instance: dg.DagsterInstance | None, run: dg.DagsterRun) -> bool:
+    """Whether ``run`` wrote an event after this machine booted (then it ran elsewhere: it cannot have
+    died in this machine's reboot). True when unknown (no instance, no boot time)."""
+    booted = _btime()
+    if instance is None or booted is None:
+        return True
+    records = instance.get_records_for_run(run.run_id, ascending=False, limit=1).records
+    return bool(records) and records[0].event_log_entry.timestamp >= booted
 
 
 def _process_started_at(pid: int) -> float | None:
     """Unix time at which process ``pid`` started (about 10 ms resolution), or None without /proc."""
-    stat = proc_stat(pid)
-    if stat is None:
+    stat, booted = proc_stat(pid), _btime()
+    if stat is None or booted is None:
         return None
-    try:
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return btime + stat.start_time / os.sysconf("SC_CLK_TCK")
+    return booted + stat.start_time / os.sysconf("SC_CLK_TCK")
 
 
-def run_process_alive(run: dg.DagsterRun) -> bool | None:
+def run_process_alive(run: dg.DagsterRun, instance: dg.DagsterInstance | None = None) -> bool | None:
     """Whether the process that orchestrates ``run`` (its :func:`process_tags`) still runs.
 
-    Returns None (unknown: leave the run alone) for a run without the tags or of another host; False
-    when the machine rebooted since, the pid is gone, or the pid now names a process started later.
-    A run tagged with a pid only (no start time) counts as alive while any process has that pid.
+    Returns None (unknown: leave the run alone) unless the tags prove where the process ran: another
+    machine (whatever its host name), another pid namespace, or missing tags (pid, start time, machine,
+    boot) are None. False when its pid is gone here or names a process with another start time, or when
+    this machine was rebooted since (:func:`~dflash_assets.machine.same_machine`) and the run logged
+    nothing after the boot (``instance`` given; without it a reboot alone counts).
     """
     tags = run.tags
     try:
-        pid = int(tags.get(PID_TAG, "0"))
+        pid, start = int(tags.get(PID_TAG, "0")), int(tags.get(START_TAG, ""))
     except ValueError:
         return None
-    if pid <= 0 or tags.get(HOST_TAG) != socket.gethostname():
+    if pid <= 0:
         return None
-    boot = boot_id()
-    if tags.get(BOOT_TAG) and boot and tags[BOOT_TAG] != boot:
-        return False
-    start = tags.get(START_TAG)
-    return is_running(pid, int(start) if start else None)
+    where = same_machine(recorded_identity(tags))
+    if where == "rebooted":
+        return None if _logged_since_boot(instance, run) else False
+    if where != "same":
+        return None
+    return is_running(pid, start)
 
 
 def live_step_workers(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[int]:
@@ -89,9 +120,8 @@ def live_step_workers(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[
     A pid counts only when its process started before the event that recorded it (so not recycled).
     They outlive an orchestrator killed alone (kill -9 of the run worker's pid, not its group).
     """
-    boot = boot_id()
-    if run.tags.get(HOST_TAG) != socket.gethostname() or (run.tags.get(BOOT_TAG) and boot and run.tags[BOOT_TAG] != boot):
-        return []  # step workers run on the orchestrator's host: a pid from another host or boot means nothing here
+    if same_machine(recorded_identity(run.tags)) != "same":
+        return []  # step workers run beside the orchestrator: a pid of another machine, boot or namespace means nothing
     alive = []
     for entry in instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_WORKER_STARTED):
         meta = entry.dagster_event.event_specific_data.metadata if entry.dagster_event else {}
@@ -150,7 +180,7 @@ def reap_dead_runs(instance: dg.DagsterInstance, by: str, exclude: tuple[str, ..
     reaped = []
     for record in instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])):
         run = record.dagster_run
-        if run.run_id in exclude or run_process_alive(run) is not False:
+        if run.run_id in exclude or run_process_alive(run, instance) is not False:
             continue
         workers = live_step_workers(instance, run)
         if workers and _stop(workers, STOP_GRACE_S):
@@ -160,15 +190,43 @@ def reap_dead_runs(instance: dg.DagsterInstance, by: str, exclude: tuple[str, ..
             + (f"; its step processes {workers} were stopped" if workers else "")
             + f"; marked failed and its pool slots freed by {by}"
         )
-        if instance.get_run_by_id(run.run_id).status != dg.DagsterRunStatus.STARTED:
+        if not _fail(instance, run, message):
             continue  # it ended meanwhile
-        instance.report_run_failed(run, message)
-        if instance.event_log_storage.supports_global_concurrency_limits:
-            instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
         reaped.append(run.run_id)
         if log:
             log(f"run {run.run_id}: {message}")
     return reaped
+
+
+def _fail(instance: dg.DagsterInstance, run: dg.DagsterRun, message: str) -> bool:
+    """Mark ``run`` failed with ``message`` and free its pool slots; False when it is no longer STARTED."""
+    if instance.get_run_by_id(run.run_id).status != dg.DagsterRunStatus.STARTED:
+        return False
+    instance.report_run_failed(run, message)
+    if instance.event_log_storage.supports_global_concurrency_limits:
+        instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+    return True
+
+
+def mark_run_failed(instance: dg.DagsterInstance, run_id: str, by: str = "an operator") -> str:
+    """Mark a STARTED run failed and free its pool slots on an operator's word: for a run whose machine
+    is lost, which :func:`reap_dead_runs` cannot prove dead. Returns what was done (one line).
+
+    Raises:
+        ValueError: no such run, or it is not STARTED (naming its status).
+    """
+    run = instance.get_run_by_id(run_id)
+    if run is None:
+        raise ValueError(f"no run {run_id} in this instance (DAGSTER_HOME={os.environ.get('DAGSTER_HOME')})")
+    if run.status != dg.DagsterRunStatus.STARTED:
+        raise ValueError(f"run {run_id} is {run.status.value}, not STARTED: nothing to do")
+    where = f"pid {run.tags.get(PID_TAG)} on {run.tags.get(HOST_TAG)}" if run.tags.get(PID_TAG) else "unknown process"
+    if run_process_alive(run, instance) is True:
+        raise ValueError(f"run {run_id} is alive on this machine ({where}): stop it instead (Ctrl-C, or Terminate "
+                         "in the UI)")
+    if not _fail(instance, run, f"marked failed by {by} (its process, {where}, was lost); its pool slots were freed"):
+        raise ValueError(f"run {run_id} ended meanwhile")
+    return f"run {run_id} ({where}) marked failed; its pool slots were freed"
 
 
 def stop_orphaned_step_workers(instance: dg.DagsterInstance, exclude: tuple[str, ...] = (),
@@ -178,13 +236,13 @@ def stop_orphaned_step_workers(instance: dg.DagsterInstance, exclude: tuple[str,
     the worker die) and frees its pool slots ``free_slots_after_run_end_seconds`` later, but the worker's
     step subprocess lives on: it would generate beside the run that takes the slot next. A run that ends
     by itself waits for its step processes, so a live one here is an orphan. One run query, plus one event
-    query per recently ended run of this host. Returns ``{run_id: pids stopped}``."""
+    query per recently ended run of this machine. Returns ``{run_id: pids stopped}``."""
     since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=within_s)
     stopped = {}
     ended = [dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
     for record in instance.get_run_records(dg.RunsFilter(statuses=ended, updated_after=since), limit=100):
         run = record.dagster_run
-        if run.run_id in exclude or run.tags.get(HOST_TAG) != socket.gethostname():
+        if run.run_id in exclude or same_machine(recorded_identity(run.tags)) != "same":
             continue
         if workers := live_step_workers(instance, run):
             left = _stop(workers, STOP_GRACE_S)
@@ -193,6 +251,76 @@ def stop_orphaned_step_workers(instance: dg.DagsterInstance, exclude: tuple[str,
                 log(f"run {run.run_id} ended but its step processes {workers} were still running: stopped"
                     + (f" (still running: {left})" if left else ""))
     return stopped
+
+
+#: Statuses of a run whose steps may be executing.
+RUNNING_STATUSES = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+
+
+def _run_partitions(run: dg.DagsterRun, ordered: Callable[[], list[str]]) -> set[str]:
+    """Partition keys ``run`` targets: its ``dagster/partition`` tag, or every key of its partition range
+    (single-run backfill tags) in the order ``ordered()`` gives."""
+    from dagster._core.storage.tags import (
+        ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG, PARTITION_NAME_TAG,
+    )
+
+    if key := run.tags.get(PARTITION_NAME_TAG):
+        return {key}
+    start, end = run.tags.get(ASSET_PARTITION_RANGE_START_TAG), run.tags.get(ASSET_PARTITION_RANGE_END_TAG)
+    if start is None or end is None:
+        return set()
+    keys = ordered()
+    if start not in keys or end not in keys:
+        return {start, end}
+    return set(keys[keys.index(start): keys.index(end) + 1])
+
+
+def runs_holding_partitions(instance: dg.DagsterInstance, asset: str, partition_keys: list[str], this_run_id: str,
+                            ordered: Callable[[], list[str]] | None = None) -> dict[str, list[str]]:
+    """Other runs (STARTED or CANCELING, of any machine, not provably dead: :func:`run_process_alive`)
+    that materialize ``asset`` for any of ``partition_keys``: ``{run_id: [overlapping keys]}``. One
+    run-storage query.
+
+    The per-partition lock: every run is recorded STARTED in the run storage before its steps run, so a
+    step that checks this first and refuses on overlap never writes beside another run of its partition
+    (two that start at the same moment both refuse; none proceeds twice). Dagster's run-queue tag limits
+    would cover only queued runs, not ``dagster asset materialize`` or ``python -m dflash_assets run``.
+
+    Args:
+        ordered: partition keys in order, for runs over a key range (called at most once).
+    """
+    wanted = set(partition_keys)
+    cache: list[list[str]] = []
+
+    def keys_in_order() -> list[str]:
+        if not cache:
+            cache.append(ordered() if ordered is not None else [])
+        return cache[0]
+
+    holding = {}
+    for record in instance.get_run_records(dg.RunsFilter(statuses=RUNNING_STATUSES)):
+        run = record.dagster_run
+        if run.run_id == this_run_id:
+            continue
+        if run.asset_selection is not None and dg.AssetKey(asset) not in run.asset_selection:
+            continue
+        overlap = sorted(_run_partitions(run, keys_in_order) & wanted)
+        if overlap and run_process_alive(run, instance) is not False:  # a killed run holds nothing
+            holding[run.run_id] = overlap
+    return holding
+
+
+def partition_busy_message(instance: dg.DagsterInstance, asset: str, holding: dict[str, list[str]]) -> str:
+    """The refusal of a step whose partitions another run holds: which run, where, and what to do."""
+    parts = []
+    for run_id, keys in holding.items():
+        run = instance.get_run_by_id(run_id)
+        where = f"pid {run.tags.get(PID_TAG)} on {run.tags.get(HOST_TAG)}" if run and run.tags.get(PID_TAG) else "?"
+        shown = ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+        parts.append(f"run {run_id} ({where}) is materializing {asset}[{shown}]")
+    return ("; ".join(parts) + ": two runs of one partition would overwrite each other's files, so this one does "
+            "nothing. Let that run finish (or stop it); if its machine is lost, mark it failed: "
+            "`python -m dflash_assets mark-failed RUN_ID`")
 
 
 class ReapingExecutor(Executor):
@@ -237,7 +365,7 @@ reaping_executor = _reaping(dg.multi_or_in_process_executor)
 class MonitoredRunLauncher(DefaultRunLauncher):
     """Dagster's DefaultRunLauncher plus a run worker health check from :func:`run_process_alive`, so the
     daemon's run monitoring (dagster.yaml ``run_monitoring``) fails a run whose worker was killed, and its
-    ``free_slots_after_run_end_seconds`` frees the slots. A worker of another host, or one not yet
+    ``free_slots_after_run_end_seconds`` frees the slots. A worker of another machine, or one not yet
     tagged (still loading code), counts as running."""
 
     @property
@@ -245,7 +373,7 @@ class MonitoredRunLauncher(DefaultRunLauncher):
         return True
 
     def check_run_worker_health(self, run: dg.DagsterRun) -> CheckRunHealthResult:
-        if run_process_alive(run) is not False:
+        if run_process_alive(run, self._instance) is not False:
             return CheckRunHealthResult(WorkerStatus.RUNNING)
         workers = live_step_workers(self._instance, run)
         if workers and _stop(workers, STOP_GRACE_S):

@@ -9,11 +9,16 @@ retried with exponential backoff and jitter (:class:`RetryPolicy`); when the att
 :class:`StorageError` names the operation and the object. Permanent errors (missing object, access
 denied, no such bucket) are raised at once as the usual ``FileNotFoundError`` / ``PermissionError``.
 Credentials live only inside the filesystem object; nothing here formats or logs them.
+
+Names that come from storage (listings, a stored index's file names) are data: before one becomes part
+of a local path it must be one plain path component (:func:`check_name`), and a download lands under a
+temporary name and is moved into place only once its size and SHA-256 match what was expected.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import json
 import logging
@@ -35,7 +40,8 @@ import tenacity
 
 from dflash_assets.atomic import atomic_write_bytes, temp_path
 
-__all__ = ["RetryPolicy", "Storage", "StorageError", "is_transient", "parquet_bytes"]
+__all__ = ["IntegrityError", "RetryPolicy", "Storage", "StorageError", "UnsafeNameError", "check_name", "is_transient",
+           "parquet_bytes"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,6 +60,38 @@ _TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.EAGAIN, errno.ETIMEDOUT
 class StorageError(RuntimeError):
     """An S3 operation still failed after every retry. The message names the operation, the object URI,
     the attempts and seconds spent, and the last error (never credentials)."""
+
+
+class UnsafeNameError(ValueError):
+    """A storage key or a name read from storage that is not one plain path component."""
+
+
+class IntegrityError(RuntimeError):
+    """A downloaded object's size or SHA-256 differs from what was expected; nothing was put in place."""
+
+
+def check_name(name: object, what: str) -> str:
+    """``name`` when it is one plain path component: a non-empty string without ``/``, ``\\`` or NUL, not
+    ``.`` or ``..`` (so not absolute either). ``what`` says where it came from, for the message.
+
+    Raises:
+        UnsafeNameError: naming ``what`` and the name (a stored index or key that could write outside the
+            directory it belongs to).
+    """
+    if (not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0")
+            or os.path.isabs(name)):
+        raise UnsafeNameError(f"{what}: {name!r} is not a plain file name (one path component: no '/', '\\', "
+                              "'..' or absolute path); it is not used. Re-materialize what wrote it")
+    return name
+
+
+def file_sha256(path: str | os.PathLike[str], chunk: int = 8 * 2**20) -> str:
+    """Hex SHA-256 of a file, read in ``chunk``-byte pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -236,19 +274,36 @@ class Storage:
             self.call("put", parts, lambda: self.fs.put_file(str(local_path), p))
         return self.uri(*parts)
 
-    def download(self, local_path: str | os.PathLike[str], *parts: str) -> str:
-        """Copy ``parts`` to a local file (temp name + rename, so a crash leaves no partial file).
-        Raises FileNotFoundError when the object is missing."""
+    def download(self, local_path: str | os.PathLike[str], *parts: str, size: int | None = None,
+                 sha256: str | None = None) -> str:
+        """Copy ``parts`` to a local file: to a temporary name in its directory, checked against ``size``
+        (bytes) and ``sha256`` (hex) when given, then renamed into place, so a crash or a mismatch leaves
+        no file at ``local_path`` (an older copy there stays as it was).
+
+        Raises:
+            FileNotFoundError: the object is missing.
+            IntegrityError: the copy's size or SHA-256 differs (naming the object and which).
+        """
         local_path = str(local_path)
-        if self.is_local:
-            if os.path.abspath(local_path) != os.path.abspath(self.path(*parts)):
-                _atomic_copy_local(self.path(*parts), local_path)
-            return local_path
         directory = os.path.dirname(local_path) or "."
         os.makedirs(directory, exist_ok=True)
         tmp = temp_path(local_path)
         try:
-            self.call("get", parts, lambda: self.fs.get_file(self.path(*parts), tmp))
+            if self.is_local:
+                if os.path.abspath(local_path) == os.path.abspath(self.path(*parts)):
+                    return local_path
+                with open(self.path(*parts), "rb") as inp, open(tmp, "xb") as out:
+                    shutil.copyfileobj(inp, out, 1 << 20)
+                    out.flush()
+                    os.fsync(out.fileno())
+            else:
+                self.call("get", parts, lambda: self.fs.get_file(self.path(*parts), tmp))
+            have = os.path.getsize(tmp)
+            if size is not None and have != size:
+                raise IntegrityError(f"{self.uri(*parts)}: downloaded {have} bytes, expected {size}; not put in place")
+            if sha256 is not None and file_sha256(tmp) != sha256:
+                raise IntegrityError(f"{self.uri(*parts)}: downloaded copy's sha256 differs from the expected one; "
+                                     "not put in place")
             os.replace(tmp, local_path)
         finally:
             if os.path.exists(tmp):

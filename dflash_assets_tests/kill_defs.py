@@ -15,7 +15,11 @@ from dflash_assets.status import INFERENCE_POOL
 @dg.asset(partitions_def=dg.StaticPartitionsDefinition(["p0", "p1"]), pool=INFERENCE_POOL)
 def slow_completions(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
     work = Path(os.environ["KILL_TEST_DIR"])
-    (work / f"started-{context.partition_key}-{os.getpid()}").write_text(str(os.getpid()))
+    # Written whole before it appears (temp name + rename): the test reads it while polling.
+    marker = work / f"started-{context.partition_key}-{os.getpid()}"
+    partial = work / f".partial-{marker.name}"
+    partial.write_text(str(os.getpid()))
+    os.replace(partial, marker)
     while (work / "hang").exists():
         time.sleep(0.1)
     return dg.MaterializeResult(metadata={"pid": os.getpid()})

@@ -201,9 +201,10 @@ from dflash_assets.assets.completions import completions
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
+from dflash_assets.runs import process_tags
 a = json.loads(sys.argv[1])
-with dg.instance_for_test(temp_dir=a["home"]) as instance:
-    dg.materialize([completions], instance=instance, partition_key=a["pk"], resources={
+with dg.instance_for_test(temp_dir=a["home"]) as instance:  # tagged with its process, as every product run is
+    dg.materialize([completions], instance=instance, partition_key=a["pk"], tags=process_tags(), resources={
         "storage": StorageResource(root=a["root"]),
         "inference": InferenceServerResource(**a["inference"]),
         "generation": GenerationResource(max_output_tokens=a["cap"], temperature=0.0)})

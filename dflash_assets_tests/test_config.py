@@ -91,6 +91,29 @@ def test_an_inference_number_or_switch_that_only_looks_like_one_is_an_error(tmp_
     assert key in msg and kind in msg, msg
 
 
+@pytest.mark.parametrize("resource, key, env", [("inference", "api_key", "DFLASH_SERVER_API_KEY"),
+                                                 ("storage", "aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+                                                 ("storage", "aws_access_key_id", "AWS_ACCESS_KEY_ID"),
+                                                 ("storage", "aws_session_token", "AWS_SESSION_TOKEN")])
+def test_a_secret_in_the_config_file_is_refused_naming_the_variable_to_use(tmp_path, monkeypatch, resource, key, env):
+    """Issue 27: a literal key in the YAML was accepted, and Dagster shows resource values that are not
+    EnvVars in the UI and over GraphQL. The value itself is not repeated in the message."""
+    from dflash_assets.resources.inference import InferenceServerResource
+
+    path = write(tmp_path, f"resources:\n  {resource}: {{{key}: sk-literal-0451}}\n", monkeypatch)
+    msg = error_of(cfg.build_resources, {**CLASSES, "inference": InferenceServerResource})
+    assert msg.startswith(f"{path}: resources.{resource}.{key}: a secret cannot be set in the config file")
+    assert f"set the environment variable {env} instead" in msg and "sk-literal-0451" not in msg
+    # the same value from the environment (an EnvVar reference) is what the file must not hold
+    monkeypatch.setenv(env, "sk-from-env")
+    write(tmp_path, f"resources:\n  {resource}: {{}}\n", monkeypatch)
+    classes = {"inference": InferenceServerResource, "storage": StorageResource}
+    import dagster as dg
+
+    built = cfg.build_resources(classes, extra={resource: {key: dg.EnvVar(env)}})
+    assert getattr(built[resource], key) == dg.EnvVar(env)
+
+
 def test_yaml_error_names_the_file(tmp_path, monkeypatch):
     path = write(tmp_path, "resources:\n  generation: {max_output_tokens: 64\n", monkeypatch)
     msg = error_of(cfg.project_config)

@@ -8,7 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_assets.dflash.export import config_from_hf_dict, export_drafter, hf_config_dict, load_exported
+from dflash_assets.dflash.export import (
+    config_from_hf_dict, export_drafter, hf_config_dict, load_exported, resolve_export,
+)
 from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
 
 torch.set_num_threads(1)
@@ -93,6 +95,57 @@ def test_export_roundtrip_identical_outputs(tmp_path):
     a, b = _outputs(model), _outputs(loaded16)
     assert torch.allclose(a, b, atol=0.05 * a.abs().max().item())
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def _model_with(layers: int) -> DFlashDraftModel:
+    cfg = make_model().config.to_dict()
+    model = DFlashDraftModel(DFlashConfig(**{**cfg, "num_hidden_layers": layers, "layer_types": None}))
+    model.reset_parameters(0.2, seed=layers)
+    return model
+
+
+def test_replacing_an_export_is_one_rename_and_a_reader_keeps_its_version(tmp_path, monkeypatch):
+    """Issue 27: the swap was two renames (old away, new in), between which the export path did not
+    exist, and a reader could take config.json from one export and the weights from the next. Now the
+    path is a symlink switched by one rename; a reader that resolved it keeps a whole version."""
+    import os
+
+    out = tmp_path / "export"
+    export_drafter(_model_with(1), out)
+    reader_view = resolve_export(out)  # e.g. SGLang starting with --speculative-draft-model-path
+    renames = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renames.append((str(a), str(b))), real_replace(a, b))[1])
+    export_drafter(_model_with(2), out)
+    touching_out = [r for r in renames if str(out) in (r[0], r[1])]
+    assert len(touching_out) == 1 and touching_out[0][1] == str(out)  # one rename, onto the path, none off it
+    assert out.is_symlink() and load_exported(out).config.num_hidden_layers == 2
+    assert load_exported(reader_view).config.num_hidden_layers == 1  # the earlier version is still whole
+    export_drafter(_model_with(1), out)
+    assert not reader_view.exists()  # two exports later it is removed
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert len(list((tmp_path / "export.versions").iterdir())) == 2  # current and previous
+
+    # a reader loading in a loop while exports switch in never misses the path nor mixes two exports
+    import threading
+
+    errors, loads, stop = [], [0], threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                load_exported(out)  # strict: config.json and weights of different exports would not load
+                loads[0] += 1
+            except Exception as exc:  # noqa: BLE001 - counted
+                errors.append(repr(exc))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for layers in (2, 1, 2, 1, 2, 1):
+        export_drafter(_model_with(layers), out)
+    stop.set()
+    reader.join()
+    assert errors == [] and loads[0] > 0
 
 
 def test_export_replaces_existing_dir_and_config_roundtrip(tmp_path):

@@ -16,7 +16,9 @@ from safetensors.torch import save_file
 from dflash_assets.dflash.data import HiddenStateShards, collate_training_batch
 from dflash_assets.dflash.masks import sample_anchors
 from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, load_target_head
-from dflash_assets.dflash.train import TrainConfig, evaluate, latest_checkpoint, lr_lambda, train
+from dflash_assets.dflash.train import (
+    CheckpointError, TrainConfig, evaluate, latest_checkpoint, load_checkpoint, lr_lambda, train,
+)
 
 torch.set_num_threads(2)
 
@@ -223,6 +225,70 @@ def test_kill_and_resume_reproduces_uninterrupted_curve(tmp_path):
     assert full.summary["rank_param_checksums"] == resumed.summary["rank_param_checksums"]
     assert len(list((out / "checkpoints").glob("step_*.pt"))) == 2  # keep_checkpoints
     assert full_losses[-1] < full_losses[0]
+
+
+class RunsCode:
+    """Pickles as a call that writes a marker file: what a hostile checkpoint on a shared disk holds."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('the checkpoint ran code')",))
+
+
+def _point_latest(out: Path, name: str) -> None:
+    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (out / "checkpoints" / "latest.json").write_text(json.dumps({"file": name, "step": 3}))
+
+
+def test_resume_never_runs_code_from_a_checkpoint_nor_loads_one_outside_the_run(tmp_path):
+    """Issue 27: resume did torch.load(weights_only=False) of the file latest.json named. A pickle that
+    runs code is refused unexecuted; latest.json naming a file outside checkpoints/ (a path, or a
+    symlink) is refused; a checkpoint written before the change (numpy RNG state) still resumes."""
+    target, shards = make_tiny_target(tmp_path)
+    marker = tmp_path / "marker"
+    out = tmp_path / "hostile"
+    _point_latest(out, "step_00000003.pt")
+    torch.save({"step": 3, "model": RunsCode(marker)}, out / "checkpoints" / "step_00000003.pt")
+    with pytest.raises(CheckpointError) as err:
+        train(_tiny_cfg(target, shards, out, max_steps=3))
+    assert "step_00000003.pt: not loaded, it refers to exec" in str(err.value)
+    assert "nothing in it ran" in str(err.value) and not marker.exists()
+
+    good = tmp_path / "good"
+    train(_tiny_cfg(target, shards, good, max_steps=3))  # a real checkpoint at step 3, outside the next run
+    outside = good / "checkpoints" / "step_00000003.pt"
+    for name in ("../../good/checkpoints/step_00000003.pt", str(outside), "step_3.pt"):
+        away = tmp_path / f"away-{len(name)}"
+        _point_latest(away, name)
+        with pytest.raises(CheckpointError, match="is not a checkpoint name"):
+            latest_checkpoint(away)
+    linked = tmp_path / "linked"
+    _point_latest(linked, "step_00000003.pt")
+    (linked / "checkpoints" / "step_00000003.pt").symlink_to(outside)
+    with pytest.raises(CheckpointError, match="outside"):
+        train(_tiny_cfg(target, shards, linked, max_steps=3))
+
+    # a checkpoint as written before issue 27 (np.random.get_state() pickled as an ndarray) still resumes
+    import numpy as np
+
+    old = tmp_path / "old"
+    with pytest.raises(Crash):
+        train(_tiny_cfg(target, shards, old, max_steps=6), progress_callback=lambda r: _crash_after(r, 4))
+    path = latest_checkpoint(old)
+    state = torch.load(path, weights_only=True)
+    n = state["rng"]["numpy"]
+    state["rng"]["numpy"] = (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"])
+    torch.save(state, path)
+    assert load_checkpoint(path)["step"] == 3
+    assert train(_tiny_cfg(target, shards, old, max_steps=6)).summary["resumed_from_step"] == 3
+
+
+def _crash_after(rec: dict, step: int) -> None:
+    if rec["step"] == step:
+        raise Crash()
 
 
 def _cli_args(target: Path, shards: list[str], out: Path, steps: int) -> list[str]:

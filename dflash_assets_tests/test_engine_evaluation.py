@@ -139,13 +139,15 @@ def test_engine_mode_reports_tau_per_dataset_from_the_engines_fields_labelled_si
     assert "SIMULATED" in meta["engine_table"] and "in-process" not in meta["engine_table"]
     assert all(info["simulated"] is True for info in engine["server_info"])
     # SGLang's DFLASH flags, the mamba strategy chosen from the target's hybrid layer_types, the key only by name
+    # (in a private --config file, never on the command line)
     flags = meta["engine_server_flags"]
     assert len(flags) == 2
     export = str(root / "dflash_drafter" / "export")
     for line in flags:
         for part in ("--speculative-algorithm DFLASH", f"--speculative-draft-model-path {export}",
                      "--speculative-num-draft-tokens 4", "--speculative-draft-attention-backend fa3",
-                     "--mamba-radix-cache-strategy extra_buffer", "--api-key $DFLASH_SERVER_API_KEY"):
+                     "--mamba-radix-cache-strategy extra_buffer",
+                     "--config '<0600 file: api-key: $DFLASH_SERVER_API_KEY>'"):
             assert part in line, (part, line)
     assert engine["server_info"][0]["speculative_num_draft_tokens"] == 4
     # the key is in no metadata, report, log line or server log (the simulator prints its arguments, key included)

@@ -123,17 +123,19 @@ def test_redact():
 
 
 def test_sglang_log_that_prints_the_key_is_redacted_in_the_file_and_the_error(tmp_path):
-    """SGLang logs its whole ServerArgs (``--api-key`` included) at start-up; a server that prints its
-    argv and dies must leave the key in neither its log file nor the start-up error (found in review)."""
-    script = "import sys; print('server_args=', sys.argv, flush=True); sys.exit(3)"
-    command = LaunchCommand((sys.executable, "-c", script), {}, "127.0.0.1", 1, api_key_env="H16_TEST_KEY")
+    """SGLang logs its whole ServerArgs (the key from its ``--config`` file included) at start-up; a server
+    that prints them and dies must leave the key in neither its log file nor the start-up error (found in
+    review)."""
+    script = ("import sys, yaml; args = sys.argv[1:]; key = yaml.safe_load(open(args[args.index('--config') + 1]))"
+              "['api-key']; print('server_args=', args, 'api_key=', repr(key), flush=True); sys.exit(3)")
+    command = LaunchCommand((sys.executable, "-c", script), {}, "127.0.0.1", free_port(), api_key_env="H16_TEST_KEY")
     with pytest.raises(RuntimeError) as err:
         with SGLangServers([command], tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0, parent_death_signal=False):
             pass
     message = str(err.value)
-    assert "exited with code 3" in message and KEY not in message and "'--api-key', '***'" in message
+    assert "exited with code 3" in message and KEY not in message and "api_key= '***'" in message
     log = (tmp_path / "logs" / "sglang_0.log").read_text()
-    assert "# launch:" in log and "'--api-key', '***'" in log and KEY not in log
+    assert "# launch:" in log and "api_key= '***'" in log and KEY not in log
 
 
 # ------------------------------------------------------------------ 4. the key never leaves through the probe

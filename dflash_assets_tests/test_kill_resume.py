@@ -4,7 +4,8 @@
 
 The asset is a stand-in (dflash_assets_tests/kill_defs.py) that hangs like a long generation; the CLI,
 executor, instance (SQLite under a temp DAGSTER_HOME with the project's pool settings) and processes are
-real. Also: live runs, runs of another host and runs without process tags are never reaped.
+real. Also: live runs, runs of another machine (one host name, one run storage) and runs without process
+tags are never reaped.
 """
 
 import os
@@ -20,7 +21,10 @@ import yaml
 from dagster._core.test_utils import create_run_for_test
 
 from dflash_assets.generation.processes import proc_stat
-from dflash_assets.runs import BOOT_TAG, HOST_TAG, PID_TAG, START_TAG, MonitoredRunLauncher, process_tags, reap_dead_runs, run_process_alive
+from dflash_assets.runs import (
+    BOOT_TAG, HOST_TAG, MACHINE_TAG, PID_NS_TAG, PID_TAG, START_TAG, MonitoredRunLauncher, mark_run_failed,
+    process_tags, reap_dead_runs, run_process_alive, stop_orphaned_step_workers,
+)
 from dflash_assets.status import INFERENCE_POOL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,32 +116,109 @@ def test_same_command_after_kill_9_starts_at_once(home, kill):
 
 
 def test_only_verifiably_dead_runs_are_reaped(tmp_path):
-    """Dead pid, recycled pid (other start time) and an earlier boot are reaped; a live process, another
-    host, a run without tags and a pid-only tag of a live pid are not."""
+    """Dead pid, recycled pid (other start time) and an earlier boot of this machine are reaped; a live
+    process, another machine (whatever its host name), another pid namespace, a run without tags, a
+    pid-only tag, and a run of an earlier boot that logged after this boot are not (issue 27: the host name
+    alone identified a machine, and a different boot id read as "rebooted")."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     me = process_tags()
+    other_boot = "00000000-0000-0000-0000-000000000000"
+    rebooted_is_provable = me[MACHINE_TAG].startswith("etc:")  # a home: id may be shared by other machines
     cases = {
         "live": me,
-        "other host": {**me, HOST_TAG: "another-node", PID_TAG: str(dead.pid)},
+        "other machine, same host name": {**me, MACHINE_TAG: "etc:" + "0" * 32, BOOT_TAG: other_boot,
+                                          PID_TAG: str(dead.pid)},
+        "other machine, same boot (containers)": {**me, MACHINE_TAG: "etc:" + "1" * 32, PID_TAG: str(dead.pid)},
+        "other pid namespace": {**me, PID_NS_TAG: "pid:[1]", PID_TAG: str(dead.pid)},
         "untagged": {},
         "pid only, live": {PID_TAG: me[PID_TAG], HOST_TAG: me[HOST_TAG]},
-        "pid only, dead": {PID_TAG: str(dead.pid), HOST_TAG: me[HOST_TAG]},  # `python -m dflash_assets run`'s tags
+        "pid only, dead": {PID_TAG: str(dead.pid), HOST_TAG: me[HOST_TAG]},  # tags of `run` before issue 27
         "dead pid": {**me, PID_TAG: str(dead.pid)},
+        "dead pid, renamed host": {**me, HOST_TAG: "renamed", PID_TAG: str(dead.pid)},
         "recycled pid": {**me, START_TAG: str(int(me[START_TAG]) - 1)},
-        "earlier boot": {**me, BOOT_TAG: "00000000-0000-0000-0000-000000000000"},
+        "earlier boot": {**me, BOOT_TAG: other_boot},
+        "earlier boot, logged since": {**me, BOOT_TAG: other_boot},
     }
+    dead_ones = {"dead pid", "dead pid, renamed host", "recycled pid"}
+    dead_ones |= {"earlier boot"} if rebooted_is_provable else set()
     with dg.instance_for_test(temp_dir=str(tmp_path), overrides={"concurrency": CONCURRENCY}) as instance:
         ids = {name: create_run_for_test(instance, status=dg.DagsterRunStatus.STARTED, tags=tags).run_id for name, tags in cases.items()}
+        logged = instance.get_run_by_id(ids["earlier boot, logged since"])
+        instance.report_engine_event("still running elsewhere", logged)
         launcher = MonitoredRunLauncher()
         launcher.register_instance(instance)
         health = {name: launcher.check_run_worker_health(instance.get_run_by_id(rid)).status.value for name, rid in ids.items()}
         reaped = reap_dead_runs(instance, by="test")
-        assert sorted(reaped) == sorted(ids[n] for n in ("dead pid", "recycled pid", "earlier boot", "pid only, dead"))
+        assert sorted(reaped) == sorted(ids[n] for n in dead_ones)
         status = {name: instance.get_run_by_id(rid).status for name, rid in ids.items()}
-    dead_ones = {"dead pid", "recycled pid", "earlier boot", "pid only, dead"}
     assert {n for n, s in status.items() if s == dg.DagsterRunStatus.FAILURE} == dead_ones
     assert {n for n, s in health.items() if s == "FAILED"} == dead_ones
+
+
+def _shared_storage_home(home: Path, storage: Path) -> Path:
+    home.mkdir()
+    (home / "dagster.yaml").write_text(yaml.safe_dump({
+        "concurrency": CONCURRENCY, "telemetry": {"enabled": False},
+        "storage": {"sqlite": {"base_dir": str(storage)}},
+    }))
+    return home
+
+
+def test_two_instances_sharing_one_run_storage_under_one_host_name_never_reap_a_live_run(tmp_path):
+    """Issue 27 acceptance: node A and node B have one host name and one run storage (two DAGSTER_HOMEs
+    pointing at one database). A's live run, holding a pool slot, records A's pid, which does not exist
+    on B. B's reaper (next run's executor), its daemon health check and its orphan step-worker sweep
+    leave the run and its slot alone; B's own dead run on the same storage is still reaped."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    me = process_tags()  # node B: this process
+    node_a = {**me, MACHINE_TAG: "etc:" + "a" * 32, BOOT_TAG: "aaaaaaaa-0000-0000-0000-000000000000",
+              PID_NS_TAG: "pid:[4026531836]", PID_TAG: str(dead.pid), START_TAG: "12345"}
+    assert node_a[HOST_TAG] == me[HOST_TAG]  # one host name: what the old reaper trusted
+    storage = tmp_path / "shared_storage"
+    home_a, home_b = _shared_storage_home(tmp_path / "a", storage), _shared_storage_home(tmp_path / "b", storage)
+    with dg.DagsterInstance.from_config(str(home_a)) as a:
+        live = create_run_for_test(a, status=dg.DagsterRunStatus.STARTED, tags=node_a)
+        a.event_log_storage.set_concurrency_slots(INFERENCE_POOL, 1)
+        assert a.event_log_storage.claim_concurrency_slot(INFERENCE_POOL, live.run_id, "completions").is_claimed
+        a.report_engine_event("generating", live)
+    with dg.DagsterInstance.from_config(str(home_b)) as b:
+        mine = create_run_for_test(b, status=dg.DagsterRunStatus.STARTED, tags={**me, PID_TAG: str(dead.pid)})
+        assert {r.run_id for r in b.get_runs()} == {live.run_id, mine.run_id}  # one storage
+        launcher = MonitoredRunLauncher()
+        launcher.register_instance(b)
+        assert launcher.check_run_worker_health(b.get_run_by_id(live.run_id)).status.value == "RUNNING"
+        assert reap_dead_runs(b, by="node B") == [mine.run_id]
+        assert stop_orphaned_step_workers(b) == {}
+        assert b.get_run_by_id(live.run_id).status == dg.DagsterRunStatus.STARTED
+        claimed = b.event_log_storage.get_concurrency_info(INFERENCE_POOL).claimed_slots
+        assert [s.run_id for s in claimed] == [live.run_id]
+        with pytest.raises(ValueError, match="not STARTED"):
+            mark_run_failed(b, mine.run_id)
+        # the operator's way out once node A is known to be lost (README): mark it failed by hand
+        assert "marked failed" in mark_run_failed(b, live.run_id)
+        assert b.get_run_by_id(live.run_id).status == dg.DagsterRunStatus.FAILURE
+        assert b.event_log_storage.get_concurrency_info(INFERENCE_POOL).claimed_slots == []
+
+
+def test_a_home_machine_id_never_proves_a_reboot(tmp_path, monkeypatch):
+    """Without /etc/machine-id the id lives in DAGSTER_HOME, which machines may share: a different boot
+    id with that id may be another machine, so it proves nothing; separate homes give separate ids."""
+    from dflash_assets import machine
+
+    monkeypatch.setattr(machine, "MACHINE_ID_FILE", str(tmp_path / "no-machine-id"))
+    (tmp_path / "h1").mkdir()
+    (tmp_path / "h2").mkdir()
+    one, two = machine.machine_id(tmp_path / "h1"), machine.machine_id(tmp_path / "h2")
+    assert one.startswith("home:") and one != two and machine.machine_id(tmp_path / "h1") == one
+    here = machine.Identity(one, "boot-1", "pid:[1]")
+    assert machine.same_machine(machine.Identity(one, "boot-0", "pid:[1]"), here) is None
+    assert machine.same_machine(machine.Identity(one, "boot-1", "pid:[1]"), here) == "same"
+    etc = machine.Identity("etc:" + "e" * 32, "boot-1", "pid:[1]")
+    assert machine.same_machine(etc._replace(boot="boot-0"), etc) == "rebooted"
+    assert machine.same_machine(etc._replace(pid_ns="pid:[2]"), etc) is None
+    assert machine.same_machine(etc._replace(machine=None), etc) is None
 
 
 def test_ui_launched_run_worker_killed_then_same_launch_starts(home):

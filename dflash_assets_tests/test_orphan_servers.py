@@ -240,3 +240,59 @@ def test_inference_resource_reaps_before_serving(tmp_path, monkeypatch):
         assert _group(pid) == [] and list(registry.glob("*.json")) == []
     finally:
         _kill_group(pid)
+
+
+# ---------------------------------------------------------------- the drafter's torchrun (issue 27)
+
+TREE = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a worker, as torchrun's
+print(f"agent {os.getpid()} up, worker {child.pid}", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGINT to this process", "the line handler fails"])
+def test_an_interrupted_torchrun_launch_stops_its_whole_process_group(how):
+    """The drafter's torchrun was started without its own process group and not stopped when the step was
+    interrupted: it trained on beside the next run. run_streaming (what _run_torchrun uses) stops the
+    launched process and its children whatever ends the wait."""
+    from dflash_assets.generation.processes import run_streaming, session_members
+
+    seen: list[str] = []
+
+    def on_line(line: str) -> None:
+        seen.append(line)
+        if how == "the line handler fails":
+            raise RuntimeError("step failed")
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C / Dagster's interrupt
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt if how.startswith("SIGINT") else RuntimeError):
+        run_streaming([sys.executable, "-c", TREE], on_line, grace_s=5.0)
+    agent, worker = int(seen[0].split()[1]), int(seen[0].rsplit(" ", 1)[1])
+    assert proc_gone(agent) and proc_gone(worker), f"agent {agent} or worker {worker} still runs"
+    assert session_members(agent) == []  # nothing left in the launched session
+    print(f"{how}: the launched tree was stopped {time.monotonic() - started:.2f} s after start")
+
+
+def proc_gone(pid: int, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_run_streaming_returns_the_exit_code_and_every_line():
+    from dflash_assets.generation.processes import run_streaming
+
+    lines: list[str] = []
+    code = run_streaming([sys.executable, "-c", "import sys; print('a'); print('b', file=sys.stderr); sys.exit(3)"],
+                         lines.append)
+    assert code == 3 and sorted(lines) == ["a", "b"]

@@ -12,6 +12,7 @@ import sys
 import httpx
 import pytest
 
+from dflash_assets.generation.processes import free_port
 from dflash_assets.generation.servers import ServerPool
 from dflash_assets.generation.sglang_servers import LaunchCommand, build_router_command, build_sglang_commands
 from dflash_assets.generation.transformers_server import (
@@ -141,9 +142,9 @@ def test_sglang_commands_one_per_gpu(monkeypatch):
     ]
     for c in cmds:
         assert SECRET not in " ".join(c.argv) and SECRET not in c.redacted() and SECRET not in repr(c)
-        assert "--api-key $MY_KEY" in c.redacted()
-        launched = c.launch_argv()
-        assert launched[-2:] == ["--api-key", SECRET] and launched[:-2] == list(c.argv)
+        assert "api-key: $MY_KEY" in c.redacted() and "--api-key" not in c.redacted()
+        launched = c.launch_argv("/private/key.yaml")  # the key goes in the file, never on the command line
+        assert launched[-2:] == ["--config", "/private/key.yaml"] and launched[:-2] == list(c.argv)
 
 
 def test_sglang_commands_tensor_parallel_groups_and_defaults():
@@ -160,11 +161,15 @@ def test_sglang_commands_tensor_parallel_groups_and_defaults():
         build_sglang_commands("/m", num_servers=2, gpu_ids=[1, 1])
 
 
-def test_missing_api_key_variable_is_an_error(monkeypatch):
+def test_missing_api_key_variable_is_an_error(monkeypatch, tmp_path):
+    from dflash_assets.generation.sglang_servers import SGLangServers
+
     monkeypatch.delenv("ABSENT_KEY", raising=False)
-    (cmd,) = build_sglang_commands("/m", api_key_env="ABSENT_KEY")
-    with pytest.raises(KeyError, match="ABSENT_KEY"):
+    (cmd,) = build_sglang_commands("/m", api_key_env="ABSENT_KEY", port_base=free_port())
+    with pytest.raises(ValueError, match="ABSENT_KEY"):
         cmd.launch_argv()
+    with pytest.raises(KeyError, match="ABSENT_KEY"), SGLangServers([cmd], tmp_path / "logs"):
+        pass
 
 
 def test_router_command():

@@ -58,6 +58,7 @@ from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
+from dflash_assets.runs import partition_busy_message, runs_holding_partitions
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.status import INFERENCE_POOL
 from dagster._core.definitions.data_version import (  # the tags Dagster itself writes for a data version
@@ -157,9 +158,14 @@ def completions(
     if not keys:  # `--partition-range LAST...FIRST` resolves to no key and would succeed doing nothing
         raise dg.Failure("the run selects no completions partition: is the partition range reversed? "
                          "give it as FIRST...LAST in key order (`python -m dflash_assets status` lists the keys)")
+    # one run per partition: another run writing the same journal would overwrite its segments
+    if holding := runs_holding_partitions(context.instance, "completions", keys, context.run.run_id,
+                                          lambda: context.instance.get_dynamic_partitions(prompt_ranges.name)):
+        raise dg.Failure(partition_busy_message(context.instance, "completions", holding))
     store = storage.open()
     settings = generation.settings()
     run = _RangeRun(context, store, settings, keys)
+    run.exposure = inference.exposure_warnings()
     parts = []
     try:
         for pk, prompts in load_range_prompts(store, keys).items():
@@ -218,6 +224,7 @@ class _RangeRun:
         self.failure: Exception | None = None
         self.client = None
         self.capacity = 0
+        self.exposure: list[str] = []  # inference.exposure_warnings(): logged by serve(), kept in metadata
         self.continuing = 0  # rows this run continues rather than regenerates
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
         self.failed_since_materialized: set[str] = set()  # never "kept": their status must go back to done
@@ -534,6 +541,8 @@ class _RangeRun:
                       or f["at_s"] >= part.first_sent - self.client_started()]
             if faults:
                 metadata["server_faults"] = [f"{f['server']}: {f['fault']} -> {f['action']}" for f in faults]
+        if self.exposure:
+            metadata["security_warnings"] = self.exposure
         self.committed.append(pk)
         self.context.log.info(f"{pk}: committed {frame.height} rows (data version {data_version})")
         self.release(part)

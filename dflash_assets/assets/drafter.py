@@ -3,7 +3,6 @@
 import hashlib
 import json
 import os
-import subprocess
 import time
 
 from typing import Literal
@@ -20,6 +19,7 @@ from dflash_assets.dflash.train import TrainConfig, train
 from dflash_assets.dflash.target_layers import default_target_layer_ids, num_target_layers, resolve_target_layer_ids, text_config
 from dflash_assets.feature_sources import decide_mode, hidden_states_config, tokenized_inputs
 from dflash_assets.figures import figure_png_bytes, new_figure
+from dflash_assets.generation.processes import run_streaming
 from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
@@ -461,11 +461,14 @@ def _run_torchrun(context, cfg: TrainConfig, config: DrafterConfig, export_dir: 
         context.log.info(f"waiting for {config.nnodes - 1} more node(s) at {config.rdzv_endpoint}: on each, run {script} "
                          "(same paths on a shared filesystem)")
     context.log.info("launching " + " ".join(argv[:9]) + " ...")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tail = []
-    for line in proc.stdout:
-        tail = (tail + [line.rstrip()])[-40:]
+    tail: list[str] = []
+
+    def on_line(line: str) -> None:
+        tail[:] = (tail + [line])[-40:]
         if "step" in line or "error" in line.lower():
-            context.log.info(line.rstrip())
-    if proc.wait() != 0:
-        raise dg.Failure(f"torchrun exited with {proc.returncode}", metadata={"log_tail": "\n".join(tail)})
+            context.log.info(line)
+
+    # its own process group, stopped whole when the step is interrupted or fails (workers included)
+    code = run_streaming(argv, on_line)
+    if code != 0:
+        raise dg.Failure(f"torchrun exited with {code}", metadata={"log_tail": "\n".join(tail)})

@@ -27,7 +27,7 @@ from dflash_assets.dflash.evaluation import (
     teacher_forced_chain,
     untrained_drafter_like,
 )
-from dflash_assets.dflash.export import config_from_hf_dict, load_exported
+from dflash_assets.dflash.export import config_from_hf_dict, load_exported, resolve_export
 from dflash_assets.dflash.model import load_target_head
 from dflash_assets.dflash.online import OnlineTargetFeatures
 from dflash_assets.feature_sources import heldout_set as heldout_set_for
@@ -165,7 +165,8 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
     if drafter_event is None:
         raise dg.Failure("dflash_drafter has not been materialized")
     train_meta = {k: getattr(v, "value", v) for k, v in drafter_event.asset_materialization.metadata.items()}
-    export_dir = storage.ensure_local_dir(*EXPORT_DIR)  # S3: downloaded to scratch
+    # S3: downloaded to scratch. Resolved once: a new export switched in meanwhile cannot mix into this one
+    export_dir = str(resolve_export(storage.ensure_local_dir(*EXPORT_DIR)))
     export_sha = file_sha256(os.path.join(export_dir, "model.safetensors"))
     plan = plan_engine(config, inference, target_model, export_dir, context.log)  # refuses before anything starts
     fingerprint = evaluation_fingerprint(config, export_sha, train_meta, engine_fingerprint(plan))

@@ -11,14 +11,16 @@ from pydantic import Field
 
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.assets.tokenized import tokenized_file
-from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, file_sha256, read_shard
+from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, read_shard
 from dflash_assets.dflash.target_features import bytes_per_token
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
 from dflash_assets.resources.storage import StorageResource
+from dflash_assets.storage import IntegrityError, UnsafeNameError, check_name
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.runs import partition_busy_message, runs_holding_partitions
 from dflash_assets.status import GPU_POOL, latest_metadata_by_partition
 
 CHECK_IDS = "stored_input_ids_match_tokenized"
@@ -95,38 +97,52 @@ class ShardIntegrityError(RuntimeError):
 
 def fetch_shards(storage: StorageResource, pk: str, index: dict, *, on_bad: str = "raise") -> tuple[list[str], list[str]]:
     """Local paths of the shards ``index`` lists, downloading (S3) each one missing locally or of
-    another size than the index records; a download is verified by size and, when the index has it,
-    SHA-256. Local storage: the paths, nothing copied.
+    another size than the index records; a download goes to a temporary name and is put in place only
+    once its size and, when the index has it, SHA-256 match. Local storage: the paths, nothing copied.
+    Every shard name is checked first: one plain file name (:func:`~dflash_assets.storage.check_name`),
+    so a hostile or corrupt index.json cannot point outside the partition's directory.
 
     Args:
-        on_bad: ``"raise"``: a copy that fails verification raises :class:`ShardIntegrityError` (the
-            drafter cannot recompute it); ``"drop"``: it is deleted and left out (hidden_states then
-            recomputes that shard).
+        on_bad: ``"raise"``: a shard that is missing, unsafely named or fails verification raises
+            :class:`ShardIntegrityError` (the drafter cannot recompute it); ``"drop"``: it is left out
+            (hidden_states then recomputes that shard).
 
     Returns:
         ``(paths, names downloaded now)``.
     """
-    paths, fetched = [], []
+    listed = []  # every name is checked before anything is downloaded: a bad index fails as a whole
     for shard in index.get("shards", []):
-        path = storage.local_scratch("hidden_states", pk, shard["name"])
+        try:
+            where = f"hidden_states/{pk}/{INDEX_NAME}"
+            name = check_name(shard.get("name") if isinstance(shard, dict) else None, f"{where} shard")
+            expected = shard.get("bytes")
+            if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool) or expected < 0):
+                raise UnsafeNameError(f"{where}: shard {name!r} has bytes {expected!r}, not a size")
+        except UnsafeNameError as exc:
+            if on_bad == "drop":
+                continue
+            raise ShardIntegrityError(f"{exc}; re-materialize hidden_states[{pk}]") from None
+        listed.append((name, expected, shard.get("sha256") or None))
+    paths, fetched = [], []
+    for name, expected, sha256 in listed:
+        path = storage.local_scratch("hidden_states", pk, name)
         if storage.is_remote:
             have = os.path.getsize(path) if os.path.exists(path) else None
-            if have is None or (shard.get("bytes") is not None and have != shard["bytes"]):
+            if have is None or (expected is not None and have != expected):
                 try:
-                    storage.open().download(path, "hidden_states", pk, shard["name"])
+                    storage.open().download(path, "hidden_states", pk, name, size=expected, sha256=sha256)
                 except FileNotFoundError:
                     if on_bad == "drop":
                         continue
-                    raise ShardIntegrityError(f"hidden_states/{pk}/{shard['name']} is listed in index.json but missing from storage; "
-                                              f"re-materialize hidden_states[{pk}]") from None
-                fetched.append(shard["name"])
-                size_ok = shard.get("bytes") is None or os.path.getsize(path) == shard["bytes"]
-                if not size_ok or (shard.get("sha256") and file_sha256(path) != shard["sha256"]):
-                    os.unlink(path)
+                    raise ShardIntegrityError(f"hidden_states/{pk}/{name} is listed in index.json but missing from "
+                                              f"storage; re-materialize hidden_states[{pk}]") from None
+                except IntegrityError as exc:
+                    if os.path.exists(path):
+                        os.unlink(path)  # the local copy is of another size: not the indexed shard either
                     if on_bad == "drop":
                         continue
-                    raise ShardIntegrityError(f"hidden_states/{pk}/{shard['name']}: downloaded copy differs from index.json "
-                                              f"({'size' if not size_ok else 'sha256'}); re-materialize hidden_states[{pk}]")
+                    raise ShardIntegrityError(f"{exc} (index.json); re-materialize hidden_states[{pk}]") from None
+                fetched.append(name)
         paths.append(path)
     return paths, fetched
 
@@ -159,6 +175,10 @@ def partition_dir(storage: StorageResource, pk: str) -> str:
 )
 def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig, storage: StorageResource, target_model: TargetModelResource):
     pk = context.partition_key
+    # one run per partition: another one's shard writes and clean-up of temporary files would collide
+    if holding := runs_holding_partitions(context.instance, "hidden_states", [pk], context.run.run_id,
+                                          lambda: context.instance.get_dynamic_partitions(prompt_ranges.name)):
+        raise dg.Failure(partition_busy_message(context.instance, "hidden_states", holding))
     store = storage.open()
     tokenized = store.read_parquet(*tokenized_file(pk))
     rows = [{"index": r["index"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in tokenized.iter_rows(named=True)]

@@ -17,8 +17,13 @@ Layout (matches z-lab's released DFlash drafters and SGLang's ``models/dflash.py
   ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``; never the embedding or LM head (the target's
   are used at inference).
 
-The directory is written to a temporary sibling and renamed into place, so a reader never sees a
-half-written export.
+Replacing an export is atomic from a reader's view: each export is written to a temporary directory
+under ``<out>.versions/``, renamed to its version name there, and ``<out>`` is a symlink switched to it by
+one ``rename(2)`` of a new link over the old one. ``<out>`` stays a directory path SGLang and
+``from_pretrained`` load as before; a reader that resolves it once (:func:`resolve_export`) reads one
+version whole even while the next one is switched in. The version the link pointed to before is kept
+(a reader may still be on it), older ones are removed. An export that is a plain directory (written
+before this layout) is moved under ``<out>.versions/`` first, the one moment ``<out>`` is absent.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import json
 import os
 import shutil
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -116,7 +123,8 @@ def config_from_hf_dict(d: dict) -> DFlashConfig:
 def export_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (tensors cast to ``dtype``) into ``out_dir``.
 
-    Replaces an existing ``out_dir`` atomically (write to a temp sibling, rename).
+    Replaces an existing ``out_dir`` atomically for readers (a new version directory, then one rename of
+    the ``out_dir`` symlink; see the module docstring).
 
     Returns:
         ``out_dir`` as a Path.
@@ -131,20 +139,47 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: t
     bad = [k for k in tensors if any(m in k for m in FORBIDDEN_TENSOR_MARKERS)]
     if bad:
         raise ValueError(f"refusing to export target tensors {bad}")
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    versions = out.with_name(f"{out.name}.versions")
+    versions.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=versions, prefix=".tmp-"))
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(module.config, dtype), indent=2) + "\n")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old.{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        version = versions / f"{time.time_ns()}-{os.getpid()}"
+        os.replace(tmp, version)
+        previous = _switch_link(out, version)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    for old in versions.iterdir():  # keep this version and the one readers may still be on
+        if not old.name.startswith(".tmp-") and old.name not in (version.name, previous):
+            shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def _switch_link(out: Path, version: Path) -> str | None:
+    """Point symlink ``out`` at ``version`` with one rename; returns the version name it pointed to before.
+    A plain directory at ``out`` (the layout before versions) is first moved into the versions directory."""
+    previous = None
+    if out.is_symlink():
+        previous = Path(os.readlink(out)).name
+    elif out.exists():
+        legacy = version.with_name(f"{time.time_ns() - 1}-legacy")
+        os.replace(out, legacy)
+        previous = legacy.name
+    link = out.with_name(f".{out.name}.link-{uuid.uuid4().hex[:8]}")
+    os.symlink(os.path.join(version.parent.name, version.name), link)  # relative: the tree can move
+    try:
+        os.replace(link, out)
+    except BaseException:
+        link.unlink(missing_ok=True)
+        raise
+    return previous
+
+
+def resolve_export(model_dir: str | os.PathLike) -> Path:
+    """The version directory an export path points at now: read every file of one export from it, so a
+    switch to the next export in between cannot mix the two."""
+    return Path(os.path.realpath(model_dir))
 
 
 def load_exported(
@@ -161,7 +196,7 @@ def load_exported(
     Raises:
         FileNotFoundError: no config.json / model.safetensors. RuntimeError: tensor names/shapes differ.
     """
-    d = Path(model_dir)
+    d = resolve_export(model_dir)
     config = config_from_hf_dict(json.loads((d / "config.json").read_text()))
     model = DFlashDraftModel(config)
     state = {}
@@ -175,4 +210,4 @@ def load_exported(
     return model
 
 
-__all__ = ["config_from_hf_dict", "export_drafter", "hf_config_dict", "load_exported"]
+__all__ = ["config_from_hf_dict", "export_drafter", "hf_config_dict", "load_exported", "resolve_export"]

@@ -11,6 +11,11 @@ checkpoint (model, optimizer, scheduler, RNG states, step) is written atomically
 ``os.replace``) every ``checkpoint_every`` steps; resuming restores it, drops log lines written after
 it, and continues, giving the same losses as an uninterrupted run with the same seed.
 
+Checkpoints live on a filesystem the training nodes share, so resuming trusts nothing in them: the
+file ``checkpoints/latest.json`` names must be a checkpoint file inside ``checkpoints/``
+(:func:`latest_checkpoint`), and it is read with ``torch.load(weights_only=True)``
+(:func:`load_checkpoint`): tensors, numbers, strings and containers only, no pickled code.
+
 Distributed: launched by ``torchrun`` the same code runs one process per rank (NCCL on GPU, gloo on
 CPU); each optimizer step consumes ``world_size * batch_size`` rows, rank ``r`` taking its slice.
 
@@ -26,8 +31,10 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import queue
 import random
+import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,6 +61,7 @@ LOG_FILE = "train_log.jsonl"
 SUMMARY_FILE = "summary.json"
 CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest.json"
+CHECKPOINT_NAME = re.compile(r"step_\d{8,}\.pt")  # what _save_checkpoint writes
 
 
 @dataclass
@@ -190,7 +198,14 @@ def _param_checksum(model: torch.nn.Module) -> str:
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """RNG states as tensors, numbers and strings only (a weights-only load takes them back)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -198,7 +213,11 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)  # a tuple holding an ndarray: checkpoints written before issue 27
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -406,13 +425,71 @@ def _ckpt_dir(out_dir: str | Path) -> Path:
     return Path(out_dir) / CHECKPOINT_DIR
 
 
+class CheckpointError(ValueError):
+    """A checkpoint or ``latest.json`` that resuming refuses (outside the run directory, or holding more
+    than tensors and plain data); the message names the file and the fix."""
+
+
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """Path of the newest complete checkpoint under ``out_dir/checkpoints`` (None if none)."""
-    pointer = _ckpt_dir(out_dir) / LATEST_FILE
+    """Path of the newest complete checkpoint under ``out_dir/checkpoints`` (None if none).
+
+    ``latest.json`` is data from a shared filesystem: the file it names must be a checkpoint name
+    (``step_NNNNNNNN.pt``, one path component) and, symlinks resolved, lie in ``checkpoints/`` itself.
+
+    Raises:
+        CheckpointError: ``latest.json`` is unreadable or names anything else (naming it and the value).
+    """
+    directory = _ckpt_dir(out_dir)
+    pointer = directory / LATEST_FILE
     if not pointer.is_file():
         return None
-    path = _ckpt_dir(out_dir) / json.loads(pointer.read_text())["file"]
-    return path if path.is_file() else None
+    fix = f"delete {pointer} to resume from nothing (training starts over), or restore it"
+    try:
+        name = json.loads(pointer.read_text())["file"]
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise CheckpointError(f"{pointer}: unreadable ({type(exc).__name__}); {fix}") from None
+    if not isinstance(name, str) or not CHECKPOINT_NAME.fullmatch(name):
+        raise CheckpointError(f"{pointer}: file {name!r} is not a checkpoint name (step_NNNNNNNN.pt in "
+                              f"{directory}); it is not loaded; {fix}")
+    path = directory / name
+    if not path.is_file():
+        return None
+    if path.resolve().parent != directory.resolve():
+        raise CheckpointError(f"{pointer}: {name} resolves to {path.resolve()}, outside {directory}; it is not "
+                              f"loaded; {fix}")
+    return path
+
+
+def _numpy_rng_globals() -> list:
+    """What an ndarray pickle refers to: the ``np.random.get_state()`` arrays of older checkpoints."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """A checkpoint's state dict, read with ``torch.load(weights_only=True)``: tensors, numbers, strings
+    and containers (plus the numpy arrays older checkpoints hold their RNG state in), never code.
+
+    Raises:
+        CheckpointError: the file holds anything else (e.g. a pickle that would run code when loaded):
+            naming the file, what it holds, and the fix; nothing of it was executed.
+    """
+    try:
+        with torch.serialization.safe_globals(_numpy_rng_globals()):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL (\S+)", str(exc))
+        what = f"it refers to {found.group(1)}" if found else "it holds objects other than tensors and plain data"
+        raise CheckpointError(f"{path}: not loaded, {what}: not a checkpoint this trainer writes (a weights-only "
+                              "load refuses it, so nothing in it ran); delete it and checkpoints/latest.json to train "
+                              "from scratch, or restore the file") from None
+    if not isinstance(state, dict) or "model" not in state or "step" not in state:
+        raise CheckpointError(f"{path}: not a checkpoint this trainer writes (no model / step); delete it and "
+                              "checkpoints/latest.json to train from scratch")
+    return state
 
 
 def _save_checkpoint(cfg: TrainConfig, dc: DFlashConfig, model, opt, sched, step: int, tokens: int, plan: StepPlan, world: int) -> Path:
@@ -448,9 +525,9 @@ def load_init_weights(model: DFlashDraftModel, export_dir: str | Path) -> None:
     """
     from safetensors.torch import load_file
 
-    from dflash_assets.dflash.export import config_from_hf_dict
+    from dflash_assets.dflash.export import config_from_hf_dict, resolve_export
 
-    d = Path(export_dir)
+    d = resolve_export(export_dir)  # one version's config and weights, whatever is switched in meanwhile
     theirs = config_from_hf_dict(json.loads((d / "config.json").read_text())).to_dict()
     ours = model.config.to_dict()
     differ = sorted(k for k in ours if k in theirs and theirs[k] != ours[k] and k != "max_position_embeddings")
@@ -585,7 +662,7 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback, online_
     start_step, tokens_seen = 0, 0
     ckpt = latest_checkpoint(out) if cfg.resume else None
     if ckpt is not None:
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state = load_checkpoint(ckpt)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])

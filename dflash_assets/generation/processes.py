@@ -1,5 +1,11 @@
 """Server processes: start in their own session, stop by process group, inspect through ``/proc``.
 
+A server we start is trusted only once the socket listening on its port is provably its own: a port
+is checked free before launch (:func:`check_port_free`) and, while the server loads (SGLang binds only
+after loading the model, minutes later), every health probe first checks that the listener belongs to a
+process of the server's session (:func:`listener_is_ours`: ``/proc/net/tcp`` socket inode ->
+``/proc/<pid>/fd``), so nothing (no request, no API key) goes to whatever took the port first.
+
 Servers outlive a killed launcher unless something stops them. Each server started here gets
 :data:`PARENT_DEATH_SIGNAL` when the thread that started it dies (``PR_SET_PDEATHSIG``, prctl(2); see
 :func:`spawn_in_new_session`); the pidfile registry (:mod:`dflash_assets.generation.server_registry`)
@@ -11,16 +17,188 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import ipaddress
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
+
+
+class PortTakenError(RuntimeError):
+    """A server's port is held by a process that is not the server started for it."""
+
+
+class Listener(NamedTuple):
+    """A TCP socket in state LISTEN (``/proc/net/tcp``, ``/proc/net/tcp6``): local ``address`` (text;
+    IPv4-mapped IPv6 as IPv4), ``port`` and socket ``inode``."""
+
+    address: str
+    port: int
+    inode: int
+
+
+_WILDCARDS = {"0.0.0.0", "::", ""}
+_TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
+
+
+def _proc_net_address(hex_address: str) -> str:
+    """Text form of a ``/proc/net/tcp*`` address: 32-bit words in host byte order (proc(5))."""
+    raw = b"".join(struct.pack("=I", int(hex_address[i:i + 8], 16)) for i in range(0, len(hex_address), 8))
+    ip = ipaddress.ip_address(raw)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
+
+
+def tcp_listeners(port: int) -> list[Listener] | None:
+    """Sockets listening on TCP ``port`` in this network namespace; None where ``/proc/net/tcp`` is missing
+    (not Linux: nothing can be checked)."""
+    found, seen = [], False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        seen = True
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != _TCP_LISTEN:
+                continue
+            address, _, hex_port = fields[1].partition(":")
+            if int(hex_port, 16) == port:
+                found.append(Listener(_proc_net_address(address), port, int(fields[9])))
+    return found if seen else None
+
+
+def _host_addresses(host: str) -> set[str] | None:
+    """Addresses a client of ``http://host:port`` may connect to; None for a wildcard host (any local one)."""
+    if host in _WILDCARDS:
+        return None
+    try:
+        return {str(ipaddress.ip_address(info[4][0].split("%")[0])) for info in socket.getaddrinfo(host, None)}
+    except (OSError, ValueError):
+        return {host}
+
+
+def _relevant(listener: Listener, addresses: set[str] | None) -> bool:
+    return addresses is None or listener.address in _WILDCARDS or listener.address in addresses
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """Inodes of the sockets process ``pid`` holds (``/proc/<pid>/fd`` links ``socket:[N]``; empty for a
+    process of another user, whose fds cannot be read)."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{int(pid)}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{int(pid)}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def session_members(sid: int) -> list[int]:
+    """Processes of session ``sid`` not yet exited (a server started by :func:`spawn_in_new_session` leads
+    its own session; SGLang's workers may change process group but stay in it)."""
+    members = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = proc_stat(int(name))
+            if stat and stat.session == sid and not exited(int(name)):
+                members.append(int(name))
+    return members
+
+
+def _describe_holder(inode: int) -> str:
+    """``pid N (command)`` of the process holding socket ``inode``, when this user can see it."""
+    for name in os.listdir("/proc"):
+        if name.isdigit() and inode in socket_inodes(int(name)):
+            try:
+                cmd = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmd = "?"
+            cmd = cmd.strip()
+            return f"pid {name} ({cmd[:120]})"
+    return "a process this user cannot inspect (another user's)"
+
+
+def _port_message(host: str, port: int, holder: str, what: str) -> str:
+    return (f"port {port} on {host} is held by {holder}, not {what}; nothing was sent to it (no request, no API "
+            f"key). Stop that process or choose another port (inference.port_base in sglang mode)")
+
+
+def check_port_free(host: str, port: int, what: str = "a server started here", wait_s: float = 0.0) -> None:
+    """Raise :class:`PortTakenError` unless nothing listens on ``host:port`` (any socket that would take
+    connections for ``host``: its address or a wildcard one). ``wait_s``: keep looking that long for it to
+    be freed (a server just stopped). Without ``/proc/net/tcp`` a trial bind decides.
+
+    Raises:
+        PortTakenError: the message names the port, the holder (pid and command when visible) and the fix.
+    """
+    deadline = time.monotonic() + wait_s
+    addresses = _host_addresses(host)
+    while True:
+        listeners = tcp_listeners(port)
+        if listeners is None:
+            try:
+                with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT is no holder
+                    s.bind((host, port))
+                return
+            except OSError:
+                taken = "another process"
+        else:
+            held = [listener for listener in listeners if _relevant(listener, addresses)]
+            if not held:
+                return
+            taken = _describe_holder(held[0].inode)
+        if time.monotonic() >= deadline:
+            raise PortTakenError(_port_message(host, port, taken, what))
+        time.sleep(0.2)
+
+
+def listener_is_ours(host: str, port: int, leader_pid: int, what: str = "the server started here") -> bool:
+    """Whether the socket listening on ``host:port`` belongs to the session led by ``leader_pid`` (the
+    server we started): False while nothing listens yet (still loading), True once every listener that
+    takes connections for ``host`` is held by one of the session's processes. Without ``/proc/net/tcp``
+    (not Linux) nothing can be checked and True is returned once anything listens.
+
+    Raises:
+        PortTakenError: a listener for ``host:port`` belongs to another process (message as
+            :func:`check_port_free`).
+    """
+    listeners = tcp_listeners(port)
+    if listeners is None:
+        try:
+            with socket.create_connection((host if host not in _WILDCARDS else "127.0.0.1", port), timeout=2):
+                return True
+        except OSError:
+            return False
+    held = [listener for listener in listeners if _relevant(listener, _host_addresses(host))]
+    if not held:
+        return False
+    ours: set[int] = set()
+    for pid in session_members(leader_pid):
+        ours |= socket_inodes(pid)
+    for listener in held:
+        if listener.inode not in ours:
+            holder = _describe_holder(listener.inode)
+            raise PortTakenError(_port_message(host, port, holder, f"{what} (pid {leader_pid})"))
+    return True
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port the OS reports free on ``host`` now (another process may still take it later)."""
@@ -243,6 +421,37 @@ def spawn_in_new_session(
         copier.start()
         proc.log_copier = copier  # type: ignore[attr-defined]
     return proc
+
+
+def run_streaming(argv: Sequence[str], on_line: Callable[[str], None], *, env: Mapping[str, str] | None = None,
+                  grace_s: float = 30.0, parent_death_signal: bool = True) -> int:
+    """Run ``argv`` in a new session (its own process group), passing each line of its stdout+stderr to
+    ``on_line``; returns its exit code. Whatever interrupts the wait (Ctrl-C, Dagster's step interrupt,
+    an exception from ``on_line``) stops the whole process group (SIGTERM, SIGKILL after ``grace_s``:
+    :func:`stop_process_group`) before it propagates, so no child (``torchrun`` and its workers) is left
+    running. With ``parent_death_signal`` (Linux) the leader also gets :data:`PARENT_DEATH_SIGNAL` when
+    this process dies."""
+    preexec = _parent_death_preexec() if parent_death_signal else None
+
+    def spawn() -> subprocess.Popen:
+        return subprocess.Popen(
+            list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+            errors="replace", env=None if env is None else dict(env), start_new_session=True,
+            preexec_fn=preexec,  # noqa: PLW1509 - only the pre-resolved prctl (see spawn_in_new_session)
+        )
+
+    proc = _on_long_lived_thread(spawn) if preexec is not None else spawn()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            on_line(line.rstrip("\n"))
+        return proc.wait()
+    except BaseException:
+        stop_process_group(proc, grace_s=grace_s)
+        raise
+    finally:
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def _copy_redacted(source, log_path: Path, secrets: Sequence[bytes]) -> None:

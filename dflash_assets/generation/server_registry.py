@@ -3,7 +3,8 @@
 Each server started through :func:`start_process` writes a pidfile into :func:`server_registry_dir`;
 :func:`reap_orphaned_servers` (called by ``run`` and by the inference resource before starting
 servers) stops the servers whose launching process is gone. A pid names a process only with its start
-time and boot (proc(5)), so both are recorded.
+time, in one boot and pid namespace of one machine (proc(5); :mod:`dflash_assets.machine`), so all of
+them are recorded, and a pidfile of another machine or namespace is never acted on, whatever its host name.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_assets.atomic import atomic_write_bytes
-from dflash_assets.generation.processes import boot_id, group_members, is_running, proc_stat, spawn_in_new_session
+from dflash_assets.generation.processes import group_members, is_running, proc_stat, spawn_in_new_session
+from dflash_assets.machine import Identity, identity, same_machine
 from dflash_assets.settings import dagster_home
 
 logger = logging.getLogger(__name__)
@@ -43,16 +45,19 @@ def register_server(
     """Write the pidfile of a server started in its own session; returns its path (None if it failed).
 
     JSON fields: ``pid`` (= ``pgid``, the session leader), ``start_time`` (``/proc/<pid>/stat`` field 22,
-    clock ticks after boot: a recycled pid never matches), ``boot_id``, ``host``, ``argv0``, ``label``,
+    clock ticks after boot: a recycled pid never matches), ``machine_id``, ``boot_id``, ``pid_ns``
+    (:func:`~dflash_assets.machine.identity`), ``host`` (for messages), ``argv0``, ``label``,
     ``port``, ``owner_pid``/``owner_start_time`` (this process) and ``created_at`` (Unix seconds).
     Written atomically (temporary file + rename). A failure is logged, not raised: the server runs
     unprotected rather than not at all.
     """
     stat = proc_stat(proc.pid)
     owner = proc_stat(os.getpid())
+    here = identity()
     entry = {
         "pid": proc.pid, "pgid": proc.pid, "start_time": stat.start_time if stat else None,
-        "boot_id": boot_id(), "host": socket.gethostname(), "argv0": str(argv[0]) if argv else "",
+        "machine_id": here.machine, "boot_id": here.boot, "pid_ns": here.pid_ns, "host": socket.gethostname(),
+        "argv0": str(argv[0]) if argv else "",
         "label": label, "port": port, "owner_pid": os.getpid(),
         "owner_start_time": owner.start_time if owner else None, "created_at": time.time(),
     }
@@ -67,13 +72,14 @@ def register_server(
 
 
 def reap_orphaned_servers(registry_dir: Path | str | None = None, grace_s: float = 10.0) -> list[dict[str, Any]]:
-    """Stop every registered server on this host whose launching process is gone, and drop stale pidfiles.
+    """Stop every registered server of this machine whose launching process is gone, and drop stale pidfiles.
 
     A server is stopped when its owner (``owner_pid`` with ``owner_start_time``) is no longer running and
     its process group still holds live processes started no earlier than the recorded leader (a leader
     pid now held by a process with another start time is left alone): ``SIGTERM`` to the group, up to
-    ``grace_s`` seconds to exit, then ``SIGKILL``. Pidfiles of dead servers, or from an earlier boot, are
-    removed; those of servers whose owner runs, or of other hosts (shared DAGSTER_HOME), are kept.
+    ``grace_s`` seconds to exit, then ``SIGKILL``. Pidfiles of dead servers, or from an earlier boot of
+    this machine, are removed; those of servers whose owner runs, or of another machine or pid namespace
+    (a shared DAGSTER_HOME; :func:`~dflash_assets.machine.same_machine`), are kept.
 
     Args:
         registry_dir: pidfile directory; None = :func:`server_registry_dir`.
@@ -86,7 +92,7 @@ def reap_orphaned_servers(registry_dir: Path | str | None = None, grace_s: float
     directory = Path(registry_dir) if registry_dir else server_registry_dir()
     if not directory.is_dir():
         return []
-    host, boot = socket.gethostname(), boot_id()
+    here = identity()
     stopped = []
     for path in sorted(directory.glob("*.json")):
         try:
@@ -96,11 +102,12 @@ def reap_orphaned_servers(registry_dir: Path | str | None = None, grace_s: float
         except (OSError, ValueError) as exc:
             logger.warning("unreadable server pidfile %s: %s", path, exc)
             continue
-        if entry.get("host") != host:
-            continue
-        if entry.get("boot_id") != boot:
+        where = same_machine(Identity(entry.get("machine_id"), entry.get("boot_id"), entry.get("pid_ns")), here)
+        if where == "rebooted":
             path.unlink(missing_ok=True)
             continue
+        if where != "same":
+            continue  # another machine or pid namespace: its pids mean nothing here
         if is_running(int(entry.get("owner_pid") or 0), entry.get("owner_start_time")):
             continue
         pgid, start_time = int(entry["pgid"]), entry.get("start_time")

@@ -7,6 +7,17 @@
   generator), restarts one on request and stops them all on exit.
 
 Flag names follow SGLang's ``ServerArgs``.
+
+The API key never goes on a command line (any local user reads those in ``ps``): each server gets
+``--config FILE``, a YAML file holding ``api-key: <key>``, readable by this user only (0600, in a 0700
+directory) and deleted once the server is up. SGLang's ``prepare_server_args`` merges such a file into
+its flags (``server_args_config_parser.ConfigArgumentMerger``: each ``key: value`` becomes ``--key value``;
+the file must end in ``.yaml``). ``sglang_router.launch_server`` parses its flags with no ``--config``, so
+router mode takes no key (:func:`build_router_command` refuses one).
+
+A server is trusted only once it is provably the process started for it: its port must be free before
+launch, and no request (and no key) goes to the port before the socket listening there belongs to the
+server's own session (:func:`~dflash_assets.generation.processes.listener_is_ours`).
 """
 
 from __future__ import annotations
@@ -14,18 +25,25 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from dflash_assets.generation.processes import drain_log, log_tail, stop_process_group
+import yaml
+
+from dflash_assets.generation.processes import (
+    check_port_free, drain_log, listener_is_ours, log_tail, stop_process_group,
+)
 from dflash_assets.generation.server_registry import start_process
 from dflash_assets.generation.urls import origin, redact
 
@@ -38,8 +56,9 @@ class LaunchCommand:
         argv: the command line without any secret.
         env: variables set on top of the parent's environment (``CUDA_VISIBLE_DEVICES``).
         host, port: where the server (or router) listens.
-        api_key_env: name of the environment variable whose value :meth:`launch_argv` appends as
-            ``--api-key`` at launch time; None for no key.
+        api_key_env: name of the environment variable holding the key the server is started with (it
+            reaches the server through the file :meth:`launch_argv` names, see :func:`write_key_config`);
+            None for no key.
     """
 
     argv: tuple[str, ...]
@@ -53,27 +72,44 @@ class LaunchCommand:
         """``http://HOST:PORT/v1``."""
         return f"http://{self.host}:{self.port}/v1"
 
-    def launch_argv(self, environ: Mapping[str, str] | None = None) -> list[str]:
-        """argv to execute: :attr:`argv` plus ``--api-key <value of api_key_env>`` when a key is named.
+    def launch_argv(self, key_config: str | os.PathLike | None = None) -> list[str]:
+        """argv to execute: :attr:`argv` plus ``--config <key_config>`` when a key is named (the key is in
+        the file, never on the command line).
 
         Raises:
-            KeyError: ``api_key_env`` is set but not present (or empty) in ``environ`` (default os.environ).
+            ValueError: ``api_key_env`` is set but no ``key_config`` file is given.
         """
-        argv = list(self.argv)
-        if self.api_key_env:
-            value = (os.environ if environ is None else environ).get(self.api_key_env)
-            if not value:
-                raise KeyError(f"environment variable {self.api_key_env} (the server API key) is not set")
-            argv += ["--api-key", value]
-        return argv
+        if not self.api_key_env:
+            return list(self.argv)
+        if not key_config:
+            raise ValueError(f"{self.api_key_env}: a server started with an API key needs its key file (--config)")
+        return [*self.argv, "--config", str(key_config)]
 
     def redacted(self) -> str:
-        """A shell-quoted line for logs: env overrides, argv, and ``--api-key $NAME`` in place of the key."""
+        """A shell-quoted line for logs: env overrides, argv, and the key file as ``--config <api-key: $NAME>``."""
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         cmd = shlex.join(self.argv)
         if self.api_key_env:
-            cmd += f" --api-key ${self.api_key_env}"
+            cmd += f" --config '<0600 file: api-key: ${self.api_key_env}>'"
         return f"{env} {cmd}".strip()
+
+
+def write_key_config(directory: str | os.PathLike, api_key: str) -> Path:
+    """Write ``api-key: <api_key>`` to a new YAML file in ``directory`` readable and writable by this user
+    only (created with mode 0600, never existing before); returns its path (``.yaml``, as SGLang's
+    ``--config`` requires)."""
+    path = Path(directory) / f"server-{uuid.uuid4().hex[:12]}.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump({"api-key": api_key}, f)
+    return path
+
+
+def _refuse_own_config(extra_args: Sequence[str], api_key_env: str | None) -> None:
+    if api_key_env and "--config" in extra_args:
+        raise ValueError("inference.extra_args holds --config: with an API key the launcher gives SGLang its own "
+                         "--config file (the key, kept off the command line) and SGLang takes one; put those "
+                         "settings into extra_args as flags")
 
 
 def _sglang_flags(
@@ -136,12 +172,14 @@ def build_sglang_commands(
 
     Server ``i`` sees only its GPUs through ``CUDA_VISIBLE_DEVICES`` and listens on ``port_base + i``.
     Flags left None are not passed (SGLang's defaults apply). ``api_key_env`` names the environment
-    variable that holds the key; the value is added only by :meth:`LaunchCommand.launch_argv`.
+    variable that holds the key; the value goes only into the key file of :meth:`LaunchCommand.launch_argv`.
 
     Raises:
-        ValueError: ``gpu_ids`` does not hold exactly ``num_servers * tp_size`` distinct ids.
+        ValueError: ``gpu_ids`` does not hold exactly ``num_servers * tp_size`` distinct ids, or
+            ``extra_args`` holds ``--config`` while a key is named.
     """
     groups = _gpu_groups(num_servers, tp_size, gpu_ids)
+    _refuse_own_config(extra_args, api_key_env)
     flags = _sglang_flags(model_path, max_running_requests, max_mamba_cache_size, mem_fraction_static,
                           context_length, tp_size, reasoning_parser)
     commands = []
@@ -174,12 +212,18 @@ def build_router_command(
 
     The router listens on ``host:port``; workers take ports from ``--router-dp-worker-base-port``
     and GPUs ``base_gpu_id = rank * tp_size`` within ``CUDA_VISIBLE_DEVICES`` (all of ``gpu_ids``).
-    The same ``--api-key`` reaches the workers (ServerArgs); the router's own key flag differs
-    between releases, so add it through ``extra_args`` if needed.
 
     Raises:
-        ValueError: ``gpu_ids`` does not hold exactly ``num_servers * tp_size`` distinct ids.
+        ValueError: ``gpu_ids`` does not hold exactly ``num_servers * tp_size`` distinct ids; or a key is
+            named (``api_key_env``): the router's launcher reads flags from its command line only (no
+            ``--config``), where every local user would see the key.
     """
+    if api_key_env:
+        raise ValueError(
+            f"inference.use_router with an API key ({api_key_env}): sglang_router.launch_server takes the key only on "
+            "its command line, where any local user reads it (ps); use servers without the router (use_router: false, "
+            "the client spreads requests over them) or run the router yourself and use mode: external"
+        )
     groups = _gpu_groups(num_servers, tp_size, gpu_ids)
     flags = _sglang_flags(model_path, max_running_requests, max_mamba_cache_size, mem_fraction_static,
                           context_length, tp_size, reasoning_parser)
@@ -202,11 +246,15 @@ class SGLangServers:
     ``/health_generate`` runs a one-token generation, so a hung scheduler does not pass. Logs go to
     ``log_dir/sglang_<i>.log``; the launch line written at the top of each log is the redacted one.
 
+    Each port is checked free before its server starts, and no request (no key) goes to it before the
+    socket listening there belongs to the server's session (see the module docstring): a process that
+    takes the port first is refused with a :class:`~dflash_assets.generation.processes.PortTakenError`.
+
     Args:
         commands: from :func:`build_sglang_commands` or ``[build_router_command(...)]``.
         log_dir: directory for the logs.
-        api_key: the key value; used for ``--api-key`` (via the command's ``api_key_env``) and for the
-            health probes. None reads the variable from ``os.environ``.
+        api_key: the key value; written to each server's key file (``--config``) and sent with the health
+            probes. None reads the command's ``api_key_env`` from ``os.environ``.
         startup_timeout_s: seconds to wait for every server (loading a 27B model plus CUDA-graph capture
             takes minutes).
         parent_death_signal: kill each server (launcher process) when this process dies (Linux).
@@ -214,6 +262,8 @@ class SGLangServers:
     Attributes (inside ``with``): ``base_urls`` (``http://host:port/v1``, in command order).
 
     Raises (on enter):
+        KeyError: a command names a key variable that is neither given nor set.
+        PortTakenError: a port is held by another process (before launch, or taken while loading).
         RuntimeError: a server exited before it was healthy (message holds its log tail).
         TimeoutError: not all healthy within ``startup_timeout_s``.
     """
@@ -238,20 +288,22 @@ class SGLangServers:
         self.startup_timeout_s = startup_timeout_s
         self.health_path = health_path
         self._procs: list[subprocess.Popen] = []
+        self._key_dir: Path | None = None  # 0700 directory of the key files (removed on stop)
+        self._key_files: dict[int, Path] = {}
 
     @property
     def base_urls(self) -> list[str]:
         return [c.base_url for c in self.commands]
 
-    def _environ(self, command: LaunchCommand) -> dict[str, str]:
-        environ = dict(os.environ)
-        if command.api_key_env and self.api_key:
-            environ[command.api_key_env] = self.api_key
-        return environ
+    def log_path(self, i: int) -> Path:
+        """Log file of server ``i``."""
+        return self.log_dir / f"sglang_{i}.log"
 
     def __enter__(self) -> SGLangServers:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
+            for command in self.commands:  # all ports first: refuse before anything starts
+                check_port_free(command.host, command.port, "the SGLang server to start there")
             for i in range(len(self.commands)):
                 self._procs.append(self._launch(i))
             self._wait_healthy(range(len(self.commands)))
@@ -265,18 +317,35 @@ class SGLangServers:
 
     def _launch(self, i: int) -> subprocess.Popen:
         command = self.commands[i]
-        log_path = self.log_dir / f"sglang_{i}.log"
-        with open(log_path, "a") as log:
+        with open(self.log_path(i), "a") as log:
             log.write(f"# launch: {command.redacted()}\n")
         key = self._launch_key(command)
+        key_config = None
+        if command.api_key_env:
+            if not key:
+                raise KeyError(f"environment variable {command.api_key_env} (the server API key) is not set")
+            if self._key_dir is None:
+                self._key_dir = Path(tempfile.mkdtemp(prefix="dflash-sglang-keys-"))  # mode 0700
+            self._drop_key_file(i)
+            key_config = self._key_files[i] = write_key_config(self._key_dir, key)
+        env = {**os.environ, **command.env}
+        if command.api_key_env:
+            env.pop(command.api_key_env, None)  # the server reads its key from the file only
         return start_process(
-            command.launch_argv(self._environ(command)), {**os.environ, **command.env}, log_path, port=command.port,
+            command.launch_argv(key_config), env, self.log_path(i), port=command.port,
             label=_sglang_label(command, i), parent_death_signal=self.parent_death_signal, secrets=[key] if key else [],
         )
 
+    def _drop_key_file(self, i: int) -> None:
+        path = self._key_files.pop(i, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
     def _launch_key(self, command: LaunchCommand) -> str | None:
         """The key ``command`` is launched with (``api_key``, else its variable in os.environ), or None."""
-        return self._environ(command).get(command.api_key_env) if command.api_key_env else None
+        if not command.api_key_env:
+            return None
+        return self.api_key or os.environ.get(command.api_key_env) or None
 
     def exit_code(self, i: int) -> int | None:
         """Exit code of server ``i`` when its process has exited (killed, crashed), else None."""
@@ -286,18 +355,21 @@ class SGLangServers:
     def restart(self, i: int) -> float:
         """Stop server ``i`` (its whole process group), start it again with the same command and wait
         until it generates. Returns the seconds it took. Safe from any thread (one restart per server
-        at a time). Raises as :meth:`__enter__` (RuntimeError, TimeoutError)."""
+        at a time). Raises as :meth:`__enter__` (PortTakenError, RuntimeError, TimeoutError)."""
         started = time.monotonic()
         with self._lock:
             if self._closed:
                 raise RuntimeError("servers are stopping: not restarted")
             stop_process_group(self._procs[i], grace_s=5.0)
+            command = self.commands[i]
+            check_port_free(command.host, command.port, "the SGLang server to start there", wait_s=10.0)
             self._procs[i] = self._launch(i)
         self._wait_healthy([i])
         return time.monotonic() - started
 
     def stop(self) -> None:
-        """Terminate every server's process group (SIGTERM, then SIGKILL after 30 s). Idempotent."""
+        """Terminate every server's process group (SIGTERM, then SIGKILL after 30 s) and remove the key
+        files. Idempotent."""
         with self._lock:
             self._closed = True
             procs, self._procs = self._procs, []
@@ -306,6 +378,9 @@ class SGLangServers:
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc in procs:
             stop_process_group(proc, grace_s=30.0)
+        if self._key_dir is not None:
+            shutil.rmtree(self._key_dir, ignore_errors=True)
+            self._key_dir, self._key_files = None, {}
 
     def _wait_healthy(self, indices) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -319,15 +394,20 @@ class SGLangServers:
                 proc = procs[i]
                 if proc.poll() is not None:
                     drain_log(proc)
-                    log_path = self.log_dir / f"sglang_{i}.log"
-                    raise RuntimeError(
-                        f"SGLang server {i} ({command.base_url}) exited with code {proc.returncode}; "
-                        f"log {log_path}:\n{redact(log_tail(log_path), self._launch_key(command))}"
-                    )
+                    tail = redact(log_tail(self.log_path(i)), self._launch_key(command))
+                    hint = ("; this SGLang takes no --config file, which carries the API key (kept off the command "
+                            "line): upgrade SGLang, or run without a key" if "--config" in tail and
+                            command.api_key_env and "unrecognized arguments" in tail else "")
+                    raise RuntimeError(f"SGLang server {i} ({command.base_url}) exited with code {proc.returncode}"
+                                       f"{hint}; log {self.log_path(i)}:\n{tail}")
+                # nothing is sent before the listener is provably this server's (raises when another holds it)
+                if not listener_is_ours(command.host, command.port, proc.pid, f"SGLang server {i}"):
+                    continue
                 try:
                     r = httpx.get(origin(command.base_url) + self.health_path, headers=headers, timeout=30)
                     if r.status_code == 200:
                         del pending[i]
+                        self._drop_key_file(i)  # read at start-up; a restart writes a new one
                 except httpx.TransportError:
                     pass
             if pending and time.monotonic() > deadline:

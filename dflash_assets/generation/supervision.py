@@ -6,7 +6,9 @@ bring the server back:
 
 - :class:`ProcessSupervisor`, servers this run started (``sglang`` mode): a server is dead when its
   process exited; it is stopped (whole process group) and started again with the same command, and
-  rejoins once it generates (``/health_generate``).
+  rejoins once it generates (``/health_generate``); at most ``max_restarts`` times an hour per server,
+  so a server that crashes at every start (bad flag, broken GPU) is left out, its log named, instead of
+  being restarted forever.
 - :class:`ProbeSupervisor`, servers someone else runs (``external`` mode): nothing to restart; the
   server is left out (with a warning) and re-probed with a tiny generation every ``retry_every_s``
   seconds, rejoining when it answers: a run lasting days outlives a server's reboot.
@@ -16,6 +18,7 @@ No Dagster here.
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from dflash_assets.generation.probe import probe_chat
@@ -36,20 +39,34 @@ class Supervisor(Protocol):
 
 
 class ProcessSupervisor:
-    """Restarts servers of an entered :class:`SGLangServers` (one URL per server, router mode excluded)."""
+    """Restarts servers of an entered :class:`SGLangServers` (one URL per server, router mode excluded),
+    each at most ``max_restarts`` times in any ``window_s`` seconds."""
 
     can_restart = True
 
-    def __init__(self, servers: SGLangServers, retry_every_s: float = 30.0) -> None:
+    def __init__(self, servers: SGLangServers, retry_every_s: float = 30.0, max_restarts: int = 5,
+                 window_s: float = 3600.0) -> None:
         self.servers = servers
         self.retry_every_s = retry_every_s
+        self.max_restarts, self.window_s = max_restarts, window_s
         self.restarts = 0
+        self._started: dict[int, list[float]] = {}  # server -> monotonic times of its restarts in the window
 
     def exit_reason(self, i: int) -> str | None:
         code = self.servers.exit_code(i)
         return None if code is None else f"process exited with code {code}"
 
     def recover(self, i: int) -> bool:
+        """Restart server ``i``. Raises RuntimeError, naming the server's log, when it was already restarted
+        ``max_restarts`` times in the last ``window_s`` seconds (it is then left out; the other servers go on)."""
+        now = time.monotonic()
+        recent = [t for t in self._started.get(i, []) if now - t < self.window_s]
+        if len(recent) >= self.max_restarts:
+            raise RuntimeError(
+                f"not restarted: see its log {self.servers.log_path(i)}; server {i} was restarted {len(recent)} times "
+                f"in {self.window_s / 60:.0f} min (inference.max_server_restarts {self.max_restarts}) and keeps failing"
+            )
+        self._started[i] = [*recent, now]
         self.servers.restart(i)
         self.restarts += 1
         return True

@@ -46,7 +46,9 @@ from typing import Any
 import httpx
 
 from dflash_assets.generation.probe import probe_chat
-from dflash_assets.generation.processes import free_port, log_tail, stop_process_group
+from dflash_assets.generation.processes import (
+    check_port_free, free_port, listener_is_ours, log_tail, stop_process_group,
+)
 from dflash_assets.generation.server_registry import start_process
 from dflash_assets.generation.servers import TRANSFORMERS_SERVE_REJECTED_FIELDS, ServerPool
 from dflash_assets.settings import GenerationSettings
@@ -117,6 +119,8 @@ class LocalTransformersServer:
         startup_s: seconds from process start to the first successful generation.
 
     Raises (on enter):
+        PortTakenError: the port is held by another process, before launch or while the server loads
+            (nothing is sent to it: see :func:`~dflash_assets.generation.processes.listener_is_ours`).
         RuntimeError: ``fastapi`` is missing, the server exited, or it answered the probe with an error;
             the message holds the tail of the server log.
         TimeoutError: no successful generation within ``startup_timeout_s``; message holds the log tail.
@@ -189,6 +193,8 @@ class LocalTransformersServer:
         # One intra-op thread by default: on a 2-core machine shared with the pipeline process, the
         # default (all cores) made generation ~7x slower from oversubscription (measured, bench_completions).
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", **self.env}
+        # the port must be free now, and the probe (prompts, sampling) goes only to the socket of our own child
+        check_port_free(self.host, self.port, "the transformers serve to start there")
         started = time.monotonic()
         self._proc = start_process(self.argv(), env, self.log_path, port=self.port, label="transformers serve",
                                     parent_death_signal=self.parent_death_signal)
@@ -226,6 +232,9 @@ class LocalTransformersServer:
                     f"transformers serve at {self.base_url} did not finish a generation within "
                     f"{self.startup_timeout_s:.0f} s; log {self.log_path}:\n{log_tail(self.log_path)}"
                 )
+            if not listener_is_ours(self.host, self.port, self._proc.pid, "transformers serve"):
+                time.sleep(0.5)  # still loading (it binds once the model is loaded)
+                continue
             try:
                 # The first request also builds the continuous batcher (~10 s on 2 cores).
                 probe_chat(self.base_url, self.model_name, timeout_s=remaining, extra_body=extra)

@@ -4,13 +4,16 @@ servers someone else runs)."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlparse
 
 import dagster as dg
 from pydantic import Field
 
+from dflash_assets.config import SECRET_ENV
 from dflash_assets.dflash.target_layers import text_config
 from dflash_assets.generation.probe import probe_external
 from dflash_assets.generation.replies import MAX_REPLY_BYTES
@@ -44,9 +47,10 @@ class InferenceServerResource(dg.ConfigurableResource):
             its server), or one ``sglang_router`` URL with ``max_running_requests`` set to the total slots
             behind it.
 
-    ``api_key`` is meant to come from the environment: ``api_key=dg.EnvVar("DFLASH_SERVER_API_KEY")``;
-    it is sent as a bearer token and, in ``sglang`` mode, given to the servers as ``--api-key`` at launch
-    (never written to the logged command lines).
+    ``api_key`` comes from the environment only: ``api_key=dg.EnvVar("DFLASH_SERVER_API_KEY")`` (a value in
+    the config file is refused); it is sent as a bearer token and, in ``sglang`` mode, given to the servers
+    in a ``--config`` file only this user can read (never on a command line, where ``ps`` shows it to
+    every local user; see :mod:`~dflash_assets.generation.sglang_servers`).
 
     ``max_running_requests`` is both the SGLang server flag and the client's concurrency per server;
     None means 16 in local mode (measured best for 2 cores) and 40 otherwise.
@@ -54,7 +58,8 @@ class InferenceServerResource(dg.ConfigurableResource):
 
     mode: Literal["local", "sglang", "external"] = Field(default="local")
     # numbers and switches are strict: YAML `true` would otherwise become 1 slot, 1 server or a 1-token chunk
-    api_key: str | None = Field(default=None, description="Server API key; set with EnvVar('DFLASH_SERVER_API_KEY').")
+    api_key: str | None = Field(default=None, description="Server API key; set with EnvVar('DFLASH_SERVER_API_KEY').",
+                                json_schema_extra={SECRET_ENV: API_KEY_ENV})  # a value in the config file is refused
     max_running_requests: int | None = Field(
         strict=True, default=None, ge=1, description="Requests in flight per server; None: 16 local, 40 otherwise."
     )
@@ -106,6 +111,11 @@ class InferenceServerResource(dg.ConfigurableResource):
         "(cap / per-request tok/s: 8192 / 87 = ~94 s on the user's GPUs). None: no hang detection.",
     )
     server_retry_s: float = Field(strict=True, default=30.0, gt=0, description="external: seconds between probes of a server left out.")
+    max_server_restarts: int = Field(
+        strict=True, default=5, ge=0,
+        description="sglang: restarts of one server within an hour before it is left out (its log named) instead of "
+        "restarted again: a server that crashes at every start is not restarted forever. 0: never restarted.",
+    )
     continue_truncated: bool = Field(
         strict=True, default=True,
         description="After a cap raise, continue each row the old cap cut from the tokens it has (SGLang "
@@ -128,6 +138,32 @@ class InferenceServerResource(dg.ConfigurableResource):
     def backend(self) -> str:
         """What answers requests in this mode: ``transformers`` (local), ``sglang``, or ``external_backend``."""
         return {"local": "transformers", "sglang": "sglang"}.get(self.mode, self.external_backend)
+
+    def exposure_warnings(self) -> list[str]:
+        """What these settings expose, one line each (never the key's value); empty when nothing:
+
+        - ``sglang`` mode, ``host`` not loopback (``0.0.0.0``, a LAN address) and no API key: anyone who
+          reaches the port can send requests (and read or spend the GPUs);
+        - an API key sent over ``http://`` to a host that is not loopback (``external`` mode): it travels in
+          clear text, readable by anyone on the path.
+
+        ``serve`` logs them as warnings; ``completions`` keeps them in its metadata (``security_warnings``).
+        """
+        warnings = []
+        if self.mode == "sglang" and not self.api_key and not _is_loopback(self.host):
+            warnings.append(
+                f"inference.host {self.host!r} with no API key: the servers take requests from anyone who can reach "
+                f"port {self.port_base}; set {API_KEY_ENV}, or host: 127.0.0.1"
+            )
+        if self.mode == "external" and self.api_key:
+            for url in self.base_urls:
+                parsed = urlparse(url)
+                if parsed.scheme == "http" and not _is_loopback(parsed.hostname or ""):
+                    warnings.append(
+                        f"the API key is sent in clear text over http:// to {parsed.hostname}: use https:// "
+                        "(a TLS proxy in front of the server) or an SSH tunnel to a loopback port"
+                    )
+        return warnings
 
     def effective_max_running_requests(self) -> int:
         """Requests in flight per server: the configured value, else 16 (local) or 40."""
@@ -169,6 +205,8 @@ class InferenceServerResource(dg.ConfigurableResource):
         """
         for entry in reap_orphaned_servers():  # left by a killed run (UI, daemon or `run`) on this host
             dg.get_dagster_logger().warning(orphan_message(entry))
+        for line in self.exposure_warnings():
+            dg.get_dagster_logger().warning(line)
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         mrr = self.effective_max_running_requests()
@@ -194,7 +232,7 @@ class InferenceServerResource(dg.ConfigurableResource):
                 # Behind a router one URL fronts num_servers servers: scale its concurrency to match.
                 per_url = mrr * self.num_servers if self.use_router else mrr
                 yield ServerPool(servers.base_urls, self.model_path, self.api_key, per_url, "sglang",
-                                 supervisor=ProcessSupervisor(servers, self.server_retry_s))
+                                 supervisor=ProcessSupervisor(servers, self.server_retry_s, self.max_server_restarts))
 
     def client(self, pool: ServerPool):
         """A :class:`CompletionClient` for ``pool``: concurrency = servers x max_running_requests."""
@@ -239,3 +277,13 @@ class InferenceServerResource(dg.ConfigurableResource):
         if not self.external_tokenizer_path:
             raise ValueError("mode 'external' needs external_tokenizer_path (the served model's directory)")
         return Path(self.external_tokenizer_path)
+
+
+def _is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1); a wildcard or any other name is not."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

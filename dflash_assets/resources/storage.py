@@ -9,8 +9,9 @@ from urllib.parse import urlparse
 import dagster as dg
 from pydantic import Field
 
+from dflash_assets.config import SECRET_ENV
 from dflash_assets.settings import cache_dir, default_storage_root
-from dflash_assets.storage import RetryPolicy, Storage, StorageError
+from dflash_assets.storage import RetryPolicy, Storage, StorageError, check_name
 
 ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
 SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
@@ -48,9 +49,16 @@ class StorageResource(dg.ConfigurableResource):
     scratch_dir: str = Field(default="", description="Local scratch for S3 storage; empty = <cache>/scratch.")
     endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto...); None = AWS.")
     region: str | None = Field(default=None, description="S3 region; None = from the environment / us-east-1.")
-    aws_access_key_id: str | None = Field(default=None, description="Set with EnvVar('AWS_ACCESS_KEY_ID'), never literally.")
-    aws_secret_access_key: str | None = Field(default=None, description="Set with EnvVar('AWS_SECRET_ACCESS_KEY'), never literally.")
-    aws_session_token: str | None = Field(default=None, description="Set with EnvVar('AWS_SESSION_TOKEN'), never literally.")
+    # secrets: from the environment only (a value in the config file is refused, see dflash_assets.config.secret_env)
+    aws_access_key_id: str | None = Field(
+        default=None, description="Set with EnvVar('AWS_ACCESS_KEY_ID'), never literally.",
+        json_schema_extra={SECRET_ENV: ACCESS_KEY_ENV})
+    aws_secret_access_key: str | None = Field(
+        default=None, description="Set with EnvVar('AWS_SECRET_ACCESS_KEY'), never literally.",
+        json_schema_extra={SECRET_ENV: SECRET_KEY_ENV})
+    aws_session_token: str | None = Field(
+        default=None, description="Set with EnvVar('AWS_SESSION_TOKEN'), never literally.",
+        json_schema_extra={SECRET_ENV: SESSION_TOKEN_ENV})
     journal_sync_rows: int = Field(default=100, ge=1, description="S3: sync the completions row journal every N rows...")
     journal_sync_s: float = Field(default=30.0, gt=0, description="...or every this many seconds while rows are pending.")
     retry_attempts: int = Field(default=6, ge=1, description="S3: tries per call for transient errors.")
@@ -136,7 +144,14 @@ class StorageResource(dg.ConfigurableResource):
             raise StorageError(f"storage root {self.root}: bucket {bucket!r} is not usable: {type(exc).__name__}: {exc}") from exc
 
     def local_scratch(self, *parts: str) -> str:
-        """A local path for in-flight files; its parent directory exists."""
+        """A local path for in-flight files; its parent directory exists.
+
+        Raises:
+            UnsafeNameError: a part is not one plain path component (``..``, a separator, an absolute
+                path): names from storage (index files, listings) never reach outside the scratch tree.
+        """
+        for part in parts:
+            check_name(part, "local path part")
         if not self.is_remote:
             base = self.root.removeprefix("file://")
         else:
@@ -148,15 +163,15 @@ class StorageResource(dg.ConfigurableResource):
 
     def ensure_local(self, *parts: str, size: int | None = None, refresh: bool = False) -> str:
         """Local path of ``parts``; for S3, downloaded to scratch when missing locally, when its size
-        differs from ``size`` (bytes), or always with ``refresh``. A missing object leaves the path
-        absent (check ``os.path.exists``)."""
+        differs from ``size`` (bytes; the download must then have that size to be put in place), or always
+        with ``refresh``. A missing object leaves the path absent (check ``os.path.exists``)."""
         path = self.local_scratch(*parts)
         if not self.is_remote:
             return path
         have = os.path.getsize(path) if os.path.exists(path) else None
         if refresh or have is None or (size is not None and have != size):
             try:
-                self.open().download(path, *parts)
+                self.open().download(path, *parts, size=size)
             except FileNotFoundError:
                 if refresh and os.path.exists(path):
                     os.unlink(path)  # the local copy is stale: storage no longer has it
@@ -164,10 +179,15 @@ class StorageResource(dg.ConfigurableResource):
 
     def ensure_local_dir(self, *parts: str) -> str:
         """Local directory of folder ``parts``; for S3, every object directly under it is downloaded
-        to scratch first (always: small folders such as the drafter export, which a rerun replaces)."""
+        to scratch first (always: small folders such as the drafter export, which a rerun replaces).
+
+        Raises:
+            UnsafeNameError: a listed name is not one plain path component.
+        """
         directory = os.path.dirname(self.local_scratch(*parts, "x"))
         if self.is_remote:
             for name in self.open().listdir(*parts):
+                check_name(name, f"{self.open().uri(*parts)} listing")
                 self.ensure_local(*parts, name, refresh=True)
         return directory
 

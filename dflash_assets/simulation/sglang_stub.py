@@ -2,7 +2,9 @@
 
 Run it exactly where SGLang would run (``inference.launch_module: dflash_assets.simulation.sglang_stub``):
 it takes SGLang's flags (``--model-path --host --port --max-running-requests --api-key``; others are
-accepted and ignored) plus its own ``--sim-*`` flags (pass them through ``inference.extra_args``).
+accepted and ignored) plus its own ``--sim-*`` flags (pass them through ``inference.extra_args``), and
+SGLang's ``--config FILE.yaml`` (:func:`merge_config_file`: each ``key: value`` becomes ``--key value``
+ahead of the command line, which wins), the way the launcher hands over the API key.
 
 What it simulates, all in *simulated seconds* divided by ``--sim-speed`` to get real seconds:
 
@@ -53,7 +55,7 @@ Admission (the request gets its slot; the cache is looked up then) appends ``{"e
 "max_tokens", "continued_from", "prefill_tokens" (uncached, charged), "cached_tokens", "t"}``; ``done``
 also carries ``stalled_s``, the simulated seconds its decode waited for other requests' prefills.
 
-Stdlib only (asyncio streams, HTTP/1.1 keep-alive with Content-Length bodies).
+Stdlib (asyncio streams, HTTP/1.1 keep-alive with Content-Length bodies) plus PyYAML for ``--config``.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ import time
 from collections import OrderedDict
 from statistics import NormalDist
 from typing import Any
+
+import yaml
 
 from dflash_assets.simulation.http11 import read_request
 from dflash_assets.simulation.sglang_dflash import DFlashSim, add_arguments as add_dflash_arguments
@@ -387,7 +391,44 @@ class Simulator:
             writer.close()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``argv`` with SGLang's ``--config FILE`` replaced by the file's flags, put first so the command line
+    wins, as SGLang's ``ConfigArgumentMerger`` does: the file must end in ``.yaml`` / ``.yml`` and hold a
+    mapping; ``key: value`` becomes ``--key value``, ``key: true`` of a switch ``--key`` (``false``: left
+    out), a list ``--key v1 v2``. One ``--config`` at most (parser errors otherwise)."""
+    if "--config" not in argv:
+        return argv
+    if argv.count("--config") > 1:
+        parser.error("Multiple config files specified! Only one allowed.")
+    at = argv.index("--config")
+    if at == len(argv) - 1:
+        parser.error("No config file specified after --config flag!")
+    path = argv[at + 1]
+    if not path.lower().endswith((".yaml", ".yml")):
+        parser.error(f"Config file must be YAML format, got: {os.path.splitext(path)[1]}")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"Failed to read config file {path}: {type(exc).__name__}")
+    if not isinstance(data, dict):
+        parser.error("Config file must contain a dictionary at root level")
+    switches = {o for a in parser._actions if isinstance(a, argparse._StoreTrueAction) for o in a.option_strings}
+    flags: list[str] = []
+    for key, value in data.items():
+        flag = f"--{key}"
+        if isinstance(value, bool) and flag in switches:
+            flags += [flag] if value else []
+        elif isinstance(value, bool):
+            flags += [flag, str(value).lower()]
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)] if value else []
+        else:
+            flags += [flag, str(value)]
+    return flags + argv[:at] + argv[at + 2:]
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default="simulated-model")
     p.add_argument("--host", default="127.0.0.1")
@@ -412,6 +453,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sim-ignore-continue", action="store_true",
                    help="ignore continue_final_message (as SGLang < 0.4.4): answer afresh")
     add_dflash_arguments(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _parser()
+    argv = merge_config_file(sys.argv[1:] if argv is None else list(argv), p)
     args, _unknown = p.parse_known_args(argv)  # SGLang flags we do not model (--tp-size, --reasoning-parser ...)
     if args.sim_speed <= 0 or args.sim_decode_tok_per_s <= 0 or args.max_running_requests < 1:
         p.error("--sim-speed, --sim-decode-tok-per-s and --max-running-requests must be positive")
@@ -441,7 +488,7 @@ async def serve(args: argparse.Namespace, dflash: DFlashSim | None = None) -> No
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = merge_config_file(sys.argv[1:] if argv is None else list(argv), _parser())
     args = parse_args(argv)
     dflash = DFlashSim.from_args(args, argv)  # refuses an export SGLang would refuse, before the port opens
     try:
