@@ -46,13 +46,16 @@ def temp_path(path: str | os.PathLike[str]) -> str:
 def atomic_write_bytes(
     path: str | os.PathLike[str],
     data: bytes | bytearray | memoryview | Callable[[IO[bytes]], object],
+    mode: int | None = None,
 ) -> None:
     """Replace ``path`` atomically with ``data``, or with what ``data(f)`` writes to a binary file ``f``.
 
     Steps: create the parent directories; write a temp file in the same directory (see
     :func:`temp_path`); flush and ``os.fsync`` it; ``os.replace`` it over ``path``; :func:`fsync_dir`
     the directory. The writer form streams large outputs (a multi-GB shard, ``torch.save``) without
-    building them in memory; its return value is ignored.
+    building them in memory; its return value is ignored. ``mode``: the file's permissions from its
+    creation on (e.g. ``0o600``: never readable by others, not even as the temp file); None: the default
+    (``0o666`` less the umask).
 
     Raises:
         OSError: creating, writing, fsyncing or renaming failed (e.g. disk full); ``path`` is unchanged
@@ -64,7 +67,8 @@ def atomic_write_bytes(
     os.makedirs(directory, exist_ok=True)
     tmp = temp_path(path)
     try:
-        with open(tmp, "xb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
+        with open(fd, "wb") as f:
             if callable(data):
                 data(f)
             else:

@@ -7,8 +7,9 @@ Shapes (one record per JSONL line, JSON-array element or Parquet row):
 - plain ``prompt`` string
 
 A conversation becomes one prompt: its messages up to and including the last user message; a reply
-after it is dropped (it gets regenerated). Bad records never raise: they are returned as rejected rows
-with file, line and reason.
+after it is dropped (it gets regenerated). Bad records never raise, whatever they hold (bad UTF-8, a lone
+surrogate, nesting too deep, a value Arrow cannot convert, any exception a record raises): they are
+returned as rejected rows with file, line and reason, and the good rows of the same file are kept.
 
 Content: a string, or a list of parts (OpenAI style ``[{"type": "text", "text": ...}]``, or plain
 strings) whose text parts are joined with newlines; a part of any other type (image, audio, file) rejects
@@ -17,25 +18,27 @@ trailing ``tool_calls`` / ``tool`` exchange is fine; a ``tool`` (or ``function``
 turn carrying ``tool_calls`` / ``function_call``, BEFORE the last user message rejects the row
 ("tool message: ..."): the corpus keeps plain role/content turns and has no rendering for tool calls.
 
-Files: JSONL is split on ``\n`` only (U+2028, U+2029 and U+0085 are legal inside JSON strings), a
-``\r`` before it dropped; a UTF-8 byte-order mark is stripped from JSONL and JSON files.
+Files are read as streams in bounded memory by :mod:`dflash_assets.prompt_reader` (which also splits JSONL
+on ``\n`` only and drops a UTF-8 byte-order mark); a file that cannot be read, or is over a
+:class:`~dflash_assets.prompt_reader.ReadLimits` bound, fails naming the file, the bound and the fix.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gzip
 import hashlib
-import io
 import json
 import posixpath
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import fsspec
 import polars as pl
-import pyarrow.parquet as pq
+
+from dflash_assets.prompt_reader import FileError, PromptFile, ReadLimits, json_error_text, preview
+
+__all__ = ["CorpusError", "CorpusResult", "ReadLimits", "RowError", "build_corpus", "content_hash", "expand_source",
+           "json_error_text", "normalize_record", "source_name"]
 
 ROLE_ALIASES = {
     "user": "user", "human": "user",
@@ -184,85 +187,6 @@ def _turns(raw: Any, field_name: str, role_key: str, content_key: str) -> list[d
     return turns
 
 
-def _has_surrogates(value: Any) -> bool:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-            return False
-        except UnicodeEncodeError:
-            return True
-    if isinstance(value, dict):
-        return any(_has_surrogates(k) or _has_surrogates(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_surrogates(v) for v in value)
-    return False
-
-
-def _raw_preview(raw: Any, limit: int = 300) -> str:
-    text = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=True, default=str)
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")[:limit]
-
-
-def iter_records(path: str, data: bytes) -> Iterator[tuple[int, Any, str | None]]:
-    """Yield ``(line, record, error)`` for each record of one file's bytes (gzip already undone).
-
-    ``line`` is 1-based: the JSONL line, the JSON-array element number or the Parquet row number.
-    ``error`` is a rejection reason when the record could not be decoded (then ``record`` is the raw text).
-
-    Raises:
-        CorpusError: the file as a whole cannot be parsed (not JSON/JSONL/Parquet).
-    """
-    name = path[:-3] if path.endswith(".gz") else path
-    if name.endswith(".parquet"):
-        try:
-            table = pq.read_table(io.BytesIO(data))
-        except Exception as exc:  # pyarrow raises several types for corrupt files
-            raise CorpusError(f"{path}: not a readable Parquet file ({exc})") from exc
-        if table.num_rows == 0:
-            raise CorpusError(f"{path}: the file is empty (a Parquet table with 0 rows; columns {table.column_names}); no prompt to read")
-        for i, rec in enumerate(table.to_pylist(), start=1):
-            yield i, rec, None
-        return
-    text = data.decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")  # a UTF-8 BOM is no content
-    if not text.strip():
-        raise CorpusError(f"{path}: the file is empty ({len(data)} bytes{', only whitespace' if data else ''}); no prompt to read")
-    stripped = text.lstrip()
-    if name.endswith(".json") and stripped.startswith("["):
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise CorpusError(f"{path}: not a valid JSON array ({exc}); use JSONL to keep good lines of a damaged file") from exc
-        if not records:
-            raise CorpusError(f"{path}: the file is empty (an empty JSON array); no prompt to read")
-        for i, rec in enumerate(records, start=1):
-            if _has_surrogates(rec):
-                yield i, _raw_preview(rec), "invalid UTF-8: the record holds bytes that are not UTF-8"
-            else:
-                yield i, rec, None
-        return
-    if not name.endswith((".jsonl", ".json")):
-        raise CorpusError(f"{path}: unknown file type; expected .jsonl, .json or .parquet (optionally .gz)")
-    # split on \n only: str.splitlines() also splits on U+2028/U+2029/U+0085, legal inside JSON strings
-    for i, line in enumerate(text.split("\n"), start=1):
-        line = line.removesuffix("\r")
-        if not line.strip():
-            continue
-        if _has_surrogates(line):
-            yield i, _raw_preview(line), "invalid UTF-8: the line holds bytes that are not UTF-8"
-            continue
-        try:
-            yield i, json.loads(line), None
-        except json.JSONDecodeError as exc:
-            yield i, line[:300], f"invalid JSON: {json_error_text(exc)}"
-
-
-def json_error_text(exc: json.JSONDecodeError) -> str:
-    """``"<message> at column N"``: json's messages such as "Unterminated string starting at" already end
-    with "at", which is not repeated ("Unterminated string starting at column 7", "Expecting value at column 1")."""
-    msg = exc.msg.removesuffix(" at")
-    return f"{msg} at column {exc.colno}"
-
-
 def expand_source(spec: str, storage_options: dict | None = None) -> list[str]:
     """Paths (or URIs) matched by one source spec: a file, a glob, or a directory of data files.
 
@@ -286,20 +210,6 @@ def expand_source(spec: str, storage_options: dict | None = None) -> list[str]:
         return [prefix + m for m in matches]
     # keep the caller's spelling for a plain local file so stored paths stay portable
     return [spec] if matches == [path] else matches
-
-
-def read_file_bytes(path: str, storage_options: dict | None = None) -> bytes:
-    """Whole file content, gunzipped when the name ends with ``.gz``.
-
-    Raises:
-        CorpusError: the file cannot be opened or decompressed.
-    """
-    try:
-        with fsspec.open(path, "rb", **(storage_options or {})) as f:
-            data = f.read()
-        return gzip.decompress(data) if path.endswith(".gz") else data
-    except (OSError, EOFError) as exc:
-        raise CorpusError(f"{path}: cannot read the file ({exc})") from exc
 
 
 def content_hash(messages: list[dict[str, str]]) -> str:
@@ -328,24 +238,56 @@ def _found_fields(records: list[Any], limit: int = 12) -> str:
     return text + (f"; non-object records: {dict(kinds)}" if kinds else "")
 
 
-def build_corpus(sources: list[str], storage_options: StorageOptions = None) -> CorpusResult:
+def record_problem(exc: BaseException) -> str:
+    """The rejection reason for an exception one record raised while being made a prompt (never raised on)."""
+    if isinstance(exc, RowError):
+        reason = str(exc)
+    elif isinstance(exc, UnicodeEncodeError):
+        bad = exc.object[exc.start: exc.start + 1] if isinstance(exc.object, str) else ""
+        reason = (f"invalid Unicode: the text holds a lone surrogate ({bad.encode('unicode_escape').decode()}), "
+                  "which no UTF-8 file can store")
+    elif isinstance(exc, RecursionError):
+        reason = "too deeply nested: the record nests more levels than can be read"
+    else:
+        reason = f"unreadable record: {type(exc).__name__}: {exc}"
+    return reason.encode("utf-8", "backslashreplace").decode("utf-8")[:500]
+
+
+def _prompt(record: Any, src: str) -> tuple[list[dict[str, str]], str, str]:
+    """``(messages, content_hash, prompt_id)`` of one decoded record; raises for a bad record (any exception)."""
+    messages = normalize_record(record)
+    chash = content_hash(messages)  # UnicodeEncodeError on a lone surrogate (JSON "\ud800")
+    raw_id = next((record[f] for f in ID_FIELDS if record.get(f) not in (None, "")), None)
+    if raw_id is not None and not isinstance(raw_id, (str, int)):
+        raise RowError(f"bad id: {type(raw_id).__name__} is not a string or integer")
+    prompt_id = f"{src}:{raw_id}" if raw_id is not None else chash
+    prompt_id.encode("utf-8")  # an id is stored too
+    return messages, chash, prompt_id
+
+
+def build_corpus(sources: list[str], storage_options: StorageOptions = None,
+                 limits: ReadLimits | None = None) -> CorpusResult:
     """Read every source into one deduplicated corpus with a global ``index`` in a stable order.
 
     Order: sources in the given order, files sorted within a source, records in file order. Each
     prompt's ``prompt_id`` is ``<source>:<id>`` when the record has an id field, else its content hash.
     Exact duplicates (same normalized messages) are kept once (the first) and counted; a second record
-    with an id already used by different messages is rejected as a conflicting duplicate id.
+    with an id already used by different messages is rejected as a conflicting duplicate id. Files are
+    streamed (:class:`~dflash_assets.prompt_reader.PromptFile`): memory holds the corpus built so far and
+    one record, never a whole file.
 
     Args:
         storage_options: fsspec options for the sources, or a callable ``spec -> options`` (the prompt
             asset passes the storage resource's S3 endpoint and credentials for ``s3://`` sources).
+        limits: bounds on each file (default :class:`~dflash_assets.prompt_reader.ReadLimits`).
 
     Raises:
-        CorpusError: a source matches no file, a file cannot be read or is empty, or a file has no usable
-            row. For the last, every file is read first and ``.rejected`` holds all rejected rows (so the
-            caller can write them); the message names each such file, the keys or columns found and the
-            shapes accepted.
+        CorpusError: a source matches no file, a file cannot be read, is empty or over a bound, or a file
+            has no usable row. For the last, every file is read first and ``.rejected`` holds all rejected
+            rows (so the caller can write them); the message names each such file, the keys or columns
+            found and the shapes accepted.
     """
+    limits = limits or ReadLimits()
     kept: list[dict[str, Any]] = []
     rejected: list[dict[str, Any]] = []
     seen_hash: dict[str, str] = {}
@@ -362,40 +304,38 @@ def build_corpus(sources: list[str], storage_options: StorageOptions = None) -> 
             src = source_name(path)
             good_before, bad_before, dup_before = rows_per_source[src], len(rejected), dups_per_source[src]
             sample: list[Any] = []
-            columns: list[str] | None = None
-            data = read_file_bytes(path, options)
-            if (path[:-3] if path.endswith(".gz") else path).endswith(".parquet"):
-                with contextlib.suppress(Exception):
-                    columns = pq.read_schema(io.BytesIO(data)).names
-            for line, record, error in iter_records(path, data):
-                if len(sample) < 50 and not error:
-                    sample.append(record)
-                try:
-                    if error:
-                        raise RowError(error)
-                    messages = normalize_record(record)
-                    chash = content_hash(messages)
-                    raw_id = next((record[f] for f in ID_FIELDS if record.get(f) not in (None, "")), None)
-                    if raw_id is not None and not isinstance(raw_id, (str, int)):
-                        raise RowError(f"bad id: {type(raw_id).__name__} is not a string or integer")
-                    prompt_id = f"{src}:{raw_id}" if raw_id is not None else chash
-                    if prompt_id in seen_id and seen_id[prompt_id][0] != chash:
-                        raise RowError(f"conflicting duplicate id: {prompt_id!r} was first used at {seen_id[prompt_id][1]} for other messages")
-                except RowError as exc:
-                    rejected.append({"source": src, "file": path, "line": line, "reason": str(exc), "raw": _raw_preview(record)})
-                    continue
-                if chash in seen_hash:
-                    dups_per_source[src] += 1
-                    continue
-                seen_hash[chash] = prompt_id
-                seen_id.setdefault(prompt_id, (chash, f"{path}:{line}"))
-                rows_per_source[src] += 1
-                kept.append({"prompt_id": prompt_id, "source": src, "messages": messages, "content_hash": chash, "file": path, "line": line})
+            try:
+                reader = PromptFile(path, options, limits)
+                for record in reader:
+                    if len(sample) < 50 and not record.error:
+                        sample.append(record.value)
+                    try:
+                        if record.error:
+                            raise RowError(record.error)
+                        messages, chash, prompt_id = _prompt(record.value, src)
+                        if prompt_id in seen_id and seen_id[prompt_id][0] != chash:
+                            raise RowError(f"conflicting duplicate id: {prompt_id!r} was first used at "
+                                           f"{seen_id[prompt_id][1]} for other messages")
+                    except Exception as exc:  # noqa: BLE001 - any exception a record raises costs that row only
+                        raw = record.preview if record.preview is not None else _value_preview(record.value)
+                        rejected.append({"source": src, "file": path, "line": record.line,
+                                         "reason": record_problem(exc), "raw": raw})
+                        continue
+                    if chash in seen_hash:
+                        dups_per_source[src] += 1
+                        continue
+                    seen_hash[chash] = prompt_id
+                    seen_id.setdefault(prompt_id, (chash, f"{path}:{record.line}"))
+                    rows_per_source[src] += 1
+                    kept.append({"prompt_id": prompt_id, "source": src, "messages": messages, "content_hash": chash,
+                                 "file": path, "line": record.line})
+            except FileError as exc:
+                raise CorpusError(str(exc)) from None
             if rows_per_source[src] == good_before and dups_per_source[src] == dup_before:
                 n_bad = len(rejected) - bad_before
                 reasons = Counter(r["reason"].split(":")[0] for r in rejected[bad_before:])
                 first = rejected[bad_before]["reason"] if n_bad else "-"
-                found = f"columns found: {columns}" if columns is not None else _found_fields(sample)
+                found = f"columns found: {reader.columns}" if reader.columns is not None else _found_fields(sample)
                 unusable.append(f"{path}: no usable prompt ({n_bad} rows rejected: {dict(reasons)}; first: line "
                                 f"{rejected[bad_before]['line'] if n_bad else '-'}: {first}); {found}")
     rejected_df = pl.DataFrame(rejected, schema=REJECTED_SCHEMA) if rejected else pl.DataFrame(schema=REJECTED_SCHEMA)
@@ -406,3 +346,11 @@ def build_corpus(sources: list[str], storage_options: StorageOptions = None) -> 
         row["index"] = i
     corpus = pl.DataFrame(kept, schema=CORPUS_SCHEMA) if kept else pl.DataFrame(schema=CORPUS_SCHEMA)
     return CorpusResult(corpus, rejected_df, dict(rows_per_source), dict(dups_per_source), all_files)
+
+
+def _value_preview(value: Any) -> str:
+    """A rejected Parquet row's preview: its JSON text (escaped), or its type when even that fails."""
+    try:
+        return preview(json.dumps(value, ensure_ascii=True, default=str))
+    except Exception:  # noqa: BLE001 - too deep, or a value that cannot be shown
+        return f"<{type(value).__name__} that cannot be shown>"

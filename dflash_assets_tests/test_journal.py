@@ -165,3 +165,87 @@ def test_kill_9_mid_append_loop_leaves_every_acknowledged_row(tmp_path):
 
     journal.append({"index": 10**6, "text": "after restart"})  # a resumed run appends cleanly
     assert journal.load()[10**6]["text"] == "after restart"
+
+
+class FullDisk:
+    """A journal module's ``os`` whose ``write`` number ``fail_at`` (1-based) lands half its bytes, then raises
+    ENOSPC; ``ftruncate`` raises too when ``truncate_fails``."""
+
+    def __init__(self, fail_at: int, truncate_fails: bool = False) -> None:
+        self.fail_at, self.truncate_fails, self.writes = fail_at, truncate_fails, 0
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def write(self, fd, data):
+        self.writes += 1
+        if self.writes == self.fail_at:
+            os.write(fd, bytes(data[: len(data) // 2]))
+            raise OSError(28, "No space left on device")
+        return os.write(fd, data)
+
+    def ftruncate(self, fd, size):
+        if self.truncate_fails:
+            raise OSError(5, "Input/output error")
+        return os.ftruncate(fd, size)
+
+
+def test_a_failed_append_cuts_its_partial_line_and_stops_the_journal(tmp_path, monkeypatch):
+    """Issue 27: after a partial write and a full disk, later appends returned while their rows were glued to
+    the partial line and lost."""
+    import dflash_assets.generation.journal as journal_module
+    from dflash_assets.generation.journal import JournalError
+
+    path = tmp_path / "j.jsonl"
+    journal = RowJournal(path)
+    journal.append_many([row(0), row(1)])
+    before = path.read_bytes()
+    monkeypatch.setattr(journal_module, "os", FullDisk(fail_at=1))
+    with pytest.raises(JournalError, match=rf"appending to journal {path} failed \(\[Errno 28\] No space left"):
+        journal.append_many([row(2), row(3)])
+    assert path.read_bytes() == before  # the partial line was cut off
+    monkeypatch.setattr(journal_module, "os", os)  # the disk has room again: still no append
+    with pytest.raises(JournalError, match="takes no more rows: an earlier append failed"):
+        journal.append(row(4))
+    assert path.read_bytes() == before and sorted(RowJournal(path).load()) == [0, 1]
+
+
+def test_a_partial_line_that_cannot_be_cut_off_is_never_read_as_a_row(tmp_path, monkeypatch):
+    import dflash_assets.generation.journal as journal_module
+    from dflash_assets.generation.journal import JournalError
+
+    path = tmp_path / "j.jsonl"
+    journal = RowJournal(path)
+    journal.append(row(0))
+    monkeypatch.setattr(journal_module, "os", FullDisk(fail_at=1, truncate_fails=True))
+    with pytest.raises(JournalError, match="failed"):
+        journal.append(row(1, content="x" * 100))
+    monkeypatch.setattr(journal_module, "os", os)
+    with pytest.raises(JournalError, match=r"the partial line could not be cut off \(\[Errno 5\]"):
+        journal.append(row(2))
+    journal.close()
+    rerun = RowJournal(path)  # the next run: the torn line ends, its rows start clean
+    rerun.append(row(3))
+    assert sorted(rerun.load()) == [0, 3] and rerun.skipped_lines == 1
+
+
+def test_the_journal_is_owner_only_also_when_rebuilt_from_storage(tmp_path):
+    """Issue 27: the journal (prompts and generated text) was created world-readable (0644)."""
+    from dflash_assets.generation.journal_sync import SyncedRowJournal
+    from dflash_assets.storage import Storage
+
+    old = tmp_path / "old.jsonl"
+    old.write_bytes(json.dumps(row(0)).encode() + b"\n")
+    old.chmod(0o644)  # made by an earlier version
+    journal = RowJournal(old)
+    journal.append(row(1))
+    fresh = RowJournal(tmp_path / "new.jsonl")
+    fresh.append(row(0))
+    remote = Storage(str(tmp_path / "remote"))
+    synced = SyncedRowJournal(tmp_path / "scratch" / "a.jsonl", remote, ("completions", "a.jsonl"))
+    synced.append_many([row(0), row(1)])
+    synced.close()
+    rebuilt = SyncedRowJournal(tmp_path / "empty_disk" / "a.jsonl", remote, ("completions", "a.jsonl"))
+    assert sorted(rebuilt.load()) == [0, 1]  # rebuilt from the segments (atomic write of a temp file)
+    for path in (old, fresh.path, synced.path, rebuilt.path):
+        assert oct(path.stat().st_mode & 0o777) == "0o600", path

@@ -38,6 +38,7 @@ from dflash_assets.assets.completions_tables import (
 from dflash_assets.assets.completions_continuing import ContinuationPlanner, load_target_builder
 from dflash_assets.generation.cap_cut import cut_rows
 from dflash_assets.generation.client import TooManyFailuresError
+from dflash_assets.generation.journal import JournalError
 from dflash_assets.generation.continuation import (
     NOT_CONTINUED,
     continuable,
@@ -49,6 +50,8 @@ from dflash_assets.generation.records import (
     invalid_reason,
     no_good_row_message,
     row_from_result,
+    row_problem,
+    set_aside_row,
 )
 from dflash_assets.generation.tail_chunks import TailChunker
 from dflash_assets.partitions import prompt_ranges
@@ -94,7 +97,8 @@ def plan_requests(prompts: pl.DataFrame, existing: dict[int, dict], settings: Ge
     todo, reasons = [], Counter()
     for prompt in prompts.iter_rows(named=True):
         row = existing.get(prompt["index"])
-        reason = "missing" if row is None else invalid_reason(row, settings)
+        # a row that cannot be stored as it is (a journal line with a count past its type, say) is redone
+        reason = "missing" if row is None else ("unstorable row" if row_problem(row) else invalid_reason(row, settings))
         if reason is not None:
             todo.append(prompt)
             reasons[reason] += 1
@@ -238,6 +242,7 @@ class _RangeRun:
                 reasons = Counter({k: v for k, v in reasons.items() if v})
         # the text of a cut row is read only when it may be continued; every other stored row stays on disk
         to_continue = [p["index"] for p in todo if p["index"] not in existing
+                       and not row_problem(view.get(p["index"]) or {})
                        and continuable(view.get(p["index"]), self.settings, check_text=False)]
         existing.update(table_rows(self.store, pk, to_continue))
         kept = set(prompts["index"].to_list()) - {p["index"] for p in todo}  # a journal may hold stray rows
@@ -258,7 +263,8 @@ class _RangeRun:
         they are not journaled: a run that fails before the commit leaves the table as it was, and the
         next run cuts them again at no cost. Returns the prompts still to request and how many rows were
         cut. Rows that cannot be cut (no tokenizer, tokens that do not match the text) stay to be requested."""
-        lowered = [p for p in todo if (row := view.get(p["index"])) is not None and invalid_reason(row, self.settings) == "cap lowered"]
+        lowered = [p for p in todo if (row := view.get(p["index"])) is not None and not row_problem(row)
+                   and invalid_reason(row, self.settings) == "cap lowered"]
         builder = self.target_builder(inference) if lowered else None
         if builder is None:
             return todo, 0
@@ -395,6 +401,8 @@ class _RangeRun:
                         if row is None:
                             row = (merge_continuation(prior, result, prompt, settings) if prior is not None
                                    else row_from_result(result, prompt, settings))
+                        if (problem := row_problem(row)) is not None:  # the client checks replies; this is the floor
+                            row = set_aside_row(prompt, problem)
                         if prior is not None or row.get("tail_chunks"):  # servers that answer continuations afresh waste every one
                             afresh_in_a_row = afresh_in_a_row + 1 if row.get("error") == NOT_CONTINUED else 0
                         by_part.setdefault(part.pk, []).append(row)
@@ -417,7 +425,8 @@ class _RangeRun:
                 commits.put(("done", None))
             except BaseException as exc:  # noqa: BLE001 - a journal that cannot be written stops the run
                 client.abort()
-                commits.put(("error", exc))
+                # the message names the journal, the cause and the fix: it is the run's failure, not a traceback's cause
+                commits.put(("error", dg.Failure(str(exc)) if isinstance(exc, JournalError) else exc))
 
         worker = threading.Thread(target=work, name="dflash-completions-client", daemon=True)
         writer = threading.Thread(target=write, name="dflash-completions-journal", daemon=True)
@@ -467,7 +476,10 @@ class _RangeRun:
         a one-partition run. A partition none of whose rows succeeded yields nothing: it is noted in
         ``no_good_row`` and the run fails at its end, the journal kept."""
         prompts, pk = part.prompts, part.pk
-        frame = partition_frame(self.store, pk, prompts, part.existing)
+        frame, set_aside = partition_frame(self.store, pk, prompts, part.existing)
+        for index, reason in list(set_aside.items())[:20]:
+            self.context.log.warning(f"{pk}: row {index} set aside at commit (stored as an error row, requested again "
+                                     f"by the next run): {reason}")
         if (message := no_good_row_message(frame.select("index", "error").to_dicts(), pk)) is not None:
             self.context.log.error(message)
             self.no_good_row[pk] = message
@@ -499,6 +511,8 @@ class _RangeRun:
             # this run's and earlier runs' (one killed mid-raise, say): the table's own count
             "continued_in_table": int((frame["continued_from_tokens"] > 0).sum()),
             "cut_to_lowered_cap": part.cut,
+            # rows the table could not take as they were (a count past its type, a lone surrogate): error rows now
+            "rows_set_aside": len(set_aside),
             # rows of the run's end generated in chunks (inference.tail_chunk_tokens), and their requests
             "tail_chunked": sum(1 for r in rows if r.get("tail_chunks")),
             "tail_chunk_requests": sum(r.get("tail_chunks") or 0 for r in rows),

@@ -10,7 +10,13 @@ import dagster as dg
 import polars as pl
 
 from dflash_assets.assets.prompts import CORPUS_FILE
-from dflash_assets.generation.records import VALIDITY_COLUMNS, align_to_schema, rows_to_frame
+from dflash_assets.generation.records import (
+    VALIDITY_COLUMNS,
+    align_to_schema,
+    row_problem,
+    rows_to_frame,
+    set_aside_row,
+)
 from dflash_assets.partitions import key_range
 from dflash_assets.truncation import row_counts, token_summary
 
@@ -74,20 +80,35 @@ def table_rows(storage, pk: str, indexes: list[int]) -> dict[int, dict]:
     return {row["index"]: row for row in frame.iter_rows(named=True)}
 
 
-def partition_frame(storage, pk: str, prompts: pl.DataFrame, rows: dict[int, dict]) -> pl.DataFrame:
-    """The table to commit for ``pk``: ``rows`` (journal and this run's, whole) over the last table's
-    rows, one per prompt of the partition, sorted by index. Equal, value for value and so byte for
-    byte once written, to :func:`rows_to_frame` of every row as dicts; only one partition's text is
-    in memory at a time."""
+def partition_frame(storage, pk: str, prompts: pl.DataFrame,
+                    rows: dict[int, dict]) -> tuple[pl.DataFrame, dict[int, str]]:
+    """The table to commit for ``pk`` and the rows set aside: ``rows`` (journal and this run's, whole) over
+    the last table's rows, one per prompt of the partition, sorted by index. Equal, value for value and so
+    byte for byte once written, to :func:`rows_to_frame` of every row as dicts; only one partition's text
+    is in memory at a time.
+
+    A row the table cannot take as it is (:func:`~dflash_assets.generation.records.row_problem`: a count
+    past its type, a lone surrogate, a value of the wrong type) never blocks the commit: it is stored as
+    :func:`~dflash_assets.generation.records.set_aside_row` (the reason as its error; the next run requests
+    it again) and returned in the second value, ``{index: reason}``."""
     indexes = prompts["index"].to_list()
-    new = rows_to_frame([rows[i] for i in indexes if i in rows])
+    chosen, set_aside = [], {}
+    for position, i in enumerate(indexes):
+        if i not in rows:
+            continue
+        row = rows[i]
+        if (problem := row_problem(row)) is not None:
+            set_aside[i] = problem
+            row = set_aside_row(prompts.row(position, named=True), problem)
+        chosen.append(row)
+    new = rows_to_frame(chosen)
     if not storage.exists(*partition_file(pk)):
-        return new
+        return new, set_aside
     old = storage.read_parquet(*partition_file(pk)).filter(
         pl.col("index").is_in(indexes) & ~pl.col("index").is_in(list(rows)))
     if old.is_empty():
-        return new
-    return pl.concat([align_to_schema(old), new]).sort("index").rechunk()
+        return new, set_aside
+    return pl.concat([align_to_schema(old), new]).sort("index").rechunk(), set_aside
 
 
 def completion_stats(frame: pl.DataFrame) -> dict:

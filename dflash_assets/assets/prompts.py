@@ -10,6 +10,7 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.corpus import CorpusError, build_corpus, expand_source
+from dflash_assets.prompt_reader import GiB, MiB, ReadLimits
 from dflash_assets.metadata import table_preview
 from dflash_assets.partitions import partition_keys, prompt_ranges
 from dflash_assets.resources.storage import StorageResource
@@ -35,13 +36,29 @@ class PromptCorpusConfig(dg.Config):
     )
     partition_size: int = Field(default=1000, ge=1, description="Prompts per index-range partition.")
     max_prompts: int | None = Field(default=None, ge=1, description="Keep only the first N prompts (demo runs).")
+    max_record_mb: float = Field(
+        default=ReadLimits.max_record_bytes / MiB, gt=0,
+        description="Longest JSONL line / JSON-array element accepted, MiB: a longer one fails its file (a damaged "
+        "file or a decompression bomb, never a prompt).")
+    max_file_gb: float = Field(
+        default=ReadLimits.max_file_bytes / GiB, gt=0,
+        description="Most content one prompt file may hold after gunzip, GiB (Parquet: the uncompressed size its "
+        "footer declares); split larger corpora into several files.")
+
+    def read_limits(self) -> ReadLimits:
+        """The bounds each prompt file is read under."""
+        return ReadLimits(max_record_bytes=int(self.max_record_mb * MiB), max_file_bytes=int(self.max_file_gb * GiB))
+
+
+#: Bounds on reading: they refuse a file or not, never change what a corpus that builds holds.
+_NOT_FINGERPRINTED = {"max_record_mb", "max_file_gb"}
 
 
 def corpus_fingerprint(config: PromptCorpusConfig, storage: StorageResource | None = None) -> str:
     """Hash of the corpus config and each source file's size and modification time (S3: size and ETag):
     equal -> the corpus is unchanged. ``storage`` supplies the S3 endpoint and credentials for s3:// sources."""
     options = storage.source_storage_options if storage is not None else None
-    parts = [config.model_dump_json()]
+    parts = [config.model_dump_json(exclude=_NOT_FINGERPRINTED)]
     for spec in config.sources:
         opts = options(spec) if options else {}
         for path in expand_source(spec, opts):
@@ -71,7 +88,7 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig,
     started = time.monotonic()
     store = storage.open()
     try:
-        result = build_corpus(config.sources, storage.source_storage_options)
+        result = build_corpus(config.sources, storage.source_storage_options, config.read_limits())
     except CorpusError as exc:
         if exc.rejected is None:
             raise dg.Failure(str(exc)) from None

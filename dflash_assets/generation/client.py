@@ -2,10 +2,16 @@
 
 Design choices, each answering a failure seen in hand-run generation:
 
-- One long read timeout (default 3600 s, sized for long reasoning) instead of the usual 600 s: a
+- One long timeout (default 3600 s, sized for long reasoning) instead of the usual 600 s: a
   request the server is still working on is not abandoned and silently re-sent (that doubles load).
-  If the timeout does fire, it is a failure like any other transient one: retried at most
-  ``max_attempts`` times in total, and every retry is logged.
+  ``read_timeout_s`` bounds each wait for bytes, ``request_timeout_s`` the whole attempt (a server
+  trickling its reply a byte at a time must not hold a slot forever). If a timeout does fire, it is a
+  failure like any other transient one: retried at most ``max_attempts`` times in total, and every
+  retry is logged.
+- A reply is checked before it becomes a result (:mod:`dflash_assets.generation.replies`): a body over
+  ``max_reply_bytes``, one that does not decode (deep nesting included), text that is not valid Unicode,
+  token counts or ids out of range fail that row's request with the reason (not retried: the server did
+  the work and would answer the same), never the run; every error text is valid UTF-8.
 - Only transient failures are retried (connection errors/resets, timeouts, HTTP 408/429/5xx), with
   exponential backoff and jitter (tenacity). Any other 4xx fails at once with the server's message.
 - Each attempt goes to the server with the fewest requests in flight; a server that just failed with
@@ -38,6 +44,7 @@ import logging
 import signal
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +53,14 @@ import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from dflash_assets.generation.follow_ups import FollowUpLanes
-from dflash_assets.generation.replies import parse_chat_completion, server_error_message
+from dflash_assets.generation.replies import (
+    MAX_REPLY_BYTES,
+    ReplyError,
+    decode_reply,
+    parse_chat_completion,
+    printable,
+    server_error_message,
+)
 from dflash_assets.generation.urls import chat_completions_url, redact, strip_credentials
 
 __all__ = [
@@ -206,14 +220,82 @@ class _Server:
         self.recent_faults = 0
 
 
-async def _exchange(http: httpx.AsyncHTTPTransport, request: httpx.Request) -> httpx.Response:
-    """Send ``request`` and read the whole reply (a task of its own, so a server taken out can cancel it)."""
-    response = await http.handle_async_request(request)
-    try:
-        await response.aread()
-    finally:
-        await response.aclose()
-    return response
+class _ReplyTooLarge(Exception):
+    def __init__(self, size: int, declared: bool) -> None:
+        super().__init__(size, declared)
+        self.size, self.declared = size, declared
+
+
+class _ReplyUnreadable(Exception):
+    """A body that cannot be decoded as its Content-Encoding says (the message says why)."""
+
+
+def _body_reader(encoding: str, max_bytes: int) -> Callable[[bytes], list[bytes]]:
+    """``feed(raw chunk) -> decoded pieces`` for a Content-Encoding, never holding more than ``max_bytes + 1``
+    decoded bytes at once: a gzip bomb is refused after ``max_bytes``, not inflated whole (httpx's own
+    decoders inflate each raw chunk whole: ~66 MB from one 64 KB chunk of a gzip of zeros).
+
+    Raises (from ``feed``): _ReplyTooLarge past ``max_bytes`` decoded; _ReplyUnreadable for an encoding the
+    client did not ask for (it asks for none) or bytes that do not decode."""
+    size = 0
+
+    def count(piece: bytes) -> bytes:
+        nonlocal size
+        size += len(piece)
+        if size > max_bytes:
+            raise _ReplyTooLarge(size, declared=False)
+        return piece
+
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return lambda chunk: [count(chunk)]
+    if encoding not in ("gzip", "x-gzip", "deflate"):
+        raise _ReplyUnreadable(f"the reply's Content-Encoding is {encoding[:40]!r}; the client asks for none and "
+                               "decodes only gzip and deflate")
+    inflate = zlib.decompressobj(zlib.MAX_WBITS | 32)  # a gzip or zlib header, whichever the body has
+
+    def feed(chunk: bytes) -> list[bytes]:
+        pieces = []
+        try:
+            while chunk:
+                pieces.append(count(inflate.decompress(chunk, max_bytes - size + 1)))
+                chunk = inflate.unconsumed_tail
+        except zlib.error as exc:
+            raise _ReplyUnreadable(f"the body does not decode as {encoding} ({exc})") from None
+        return pieces
+
+    return feed
+
+
+async def _exchange(http: httpx.AsyncHTTPTransport, request: httpx.Request, max_bytes: int,
+                    deadline_s: float | None) -> tuple[httpx.Response, bytes]:
+    """Send ``request`` and read the whole reply, at most ``max_bytes`` of it (decoded), within ``deadline_s``
+    (a task of its own, so a server taken out can cancel it).
+
+    Raises:
+        _ReplyTooLarge: the body (as declared by Content-Length, or as read and decoded) is over ``max_bytes``.
+        _ReplyUnreadable: a Content-Encoding the client cannot decode, or a body that does not decode.
+        TimeoutError: ``deadline_s`` passed before the whole reply was read.
+        httpx.HTTPError: as the transport raises.
+    """
+    async def read() -> tuple[httpx.Response, bytes]:
+        response = await http.handle_async_request(request)
+        try:
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > max_bytes:
+                raise _ReplyTooLarge(int(declared), declared=True)
+            feed = _body_reader(response.headers.get("content-encoding", ""), max_bytes)
+            chunks: list[bytes] = []
+            async for chunk in response.aiter_raw():
+                chunks.extend(feed(chunk))
+        finally:
+            await response.aclose()
+        return response, b"".join(chunks)
+
+    if deadline_s is None:
+        return await read()
+    async with asyncio.timeout(deadline_s):
+        return await read()
 
 
 class CompletionClient:
@@ -225,8 +307,15 @@ class CompletionClient:
         api_key: sent as ``Authorization: Bearer <key>``; never logged nor put in errors or results.
         concurrency: requests in flight at once, over all servers together.
         connect_timeout_s: seconds to open a TCP connection (also used for sending the request body).
-        read_timeout_s: seconds to wait for the reply (non-streaming, so the whole generation fits in
-            it). Default 3600 s: long reasoning at the cap must not be cut and re-sent.
+        read_timeout_s: seconds to wait for each part of the reply (non-streaming, so the whole generation
+            fits in it). Default 3600 s: long reasoning at the cap must not be cut and re-sent.
+        request_timeout_s: seconds one attempt may take in all, connecting to the last byte of the reply
+            (None: no bound beyond ``read_timeout_s`` per read). Treated as a read timeout (retried when
+            ``retry_read_timeouts``).
+        max_reply_bytes: largest reply body read (bytes, after any content decoding); a longer one fails
+            the request, not retried. Default :data:`MAX_REPLY_BYTES`.
+        vocab_size: the served model's vocabulary size: a reply's token ids must be below it (None: below
+            2**31, what the Int32 id column holds).
         max_attempts: HTTP attempts per row, first one included (1 = never retry).
         backoff_base_s, backoff_max_s: retry ``k`` (k = 1, 2, ...) waits
             ``min(backoff_max_s, backoff_base_s * 2**(k-1) + U(0, backoff_base_s))`` seconds.
@@ -266,6 +355,9 @@ class CompletionClient:
         stall_timeout_s: float | None = None,
         down_after_faults: int = 3,
         monitor_interval_s: float = 1.0,
+        request_timeout_s: float | None = None,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
+        vocab_size: int | None = None,
     ) -> None:
         if isinstance(base_urls, str):
             base_urls = [base_urls]
@@ -275,6 +367,7 @@ class CompletionClient:
             ("concurrency", concurrency),
             ("max_attempts", max_attempts),
             ("max_consecutive_failures", max_consecutive_failures),
+            ("max_reply_bytes", max_reply_bytes),
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -288,6 +381,9 @@ class CompletionClient:
         self.concurrency = concurrency
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.max_reply_bytes = max_reply_bytes
+        self.vocab_size = vocab_size
         self.max_attempts = max_attempts
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
@@ -413,10 +509,10 @@ class CompletionClient:
                     content=payload,
                     extensions={"timeout": self._timeouts},
                 )
-                exchange = asyncio.ensure_future(_exchange(http, request))
+                exchange = asyncio.ensure_future(_exchange(http, request, self.max_reply_bytes, self.request_timeout_s))
                 server.tasks.add(exchange)
                 try:
-                    response = await exchange
+                    response, reply = await exchange
                 except asyncio.CancelledError:
                     current = asyncio.current_task()
                     if exchange.cancelled() and server.down_reason is not None and not (current and current.cancelling()):
@@ -435,6 +531,23 @@ class CompletionClient:
                     transient=self.retry_read_timeouts,
                     server=server.label,
                 ) from None
+            except TimeoutError:  # the whole-request deadline (asyncio.timeout in _exchange)
+                raise _AttemptError(
+                    f"request timeout after {self.request_timeout_s:g} s from {server.label}: no whole reply in "
+                    "that time (the server may still be generating, or sends its reply too slowly)",
+                    transient=self.retry_read_timeouts,
+                    server=server.label,
+                ) from None
+            except _ReplyTooLarge as exc:
+                said = "its Content-Length says" if exc.declared else "read so far:"
+                raise _AttemptError(
+                    f"reply from {server.label} is over the {self.max_reply_bytes:,}-byte cap ({said} "
+                    f"{exc.size:,} bytes); no chat completion of this run is that large", transient=False,
+                    server=server.label,
+                ) from None
+            except _ReplyUnreadable as exc:
+                raise _AttemptError(f"malformed reply from {server.label}: {exc}", transient=False,
+                                    server=server.label) from None
             except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
                 detail = str(exc) or "no detail"
                 raise _AttemptError(
@@ -447,21 +560,28 @@ class CompletionClient:
                 raise _AttemptError(
                     f"{type(exc).__name__} talking to {server.label}: {exc}", transient=False, server=server.label
                 ) from None
+            except _AttemptError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - whatever an exchange raises costs its row, never the run
+                raise _AttemptError(
+                    f"{type(exc).__name__} talking to {server.label}: {exc}", transient=False, server=server.label
+                ) from None
             status = response.status_code
             if status != 200:
                 transient = status in _TRANSIENT_STATUSES or status >= 500
                 raise _AttemptError(
-                    f"HTTP {status} from {server.label}: {server_error_message(response)}",
+                    f"HTTP {status} from {server.label}: {server_error_message(reply)}",
                     transient=transient,
                     server=server.label,
                     server_fault=status >= 500,
                 )
             try:
-                fields = parse_chat_completion(response.json())
-            except ValueError as exc:
+                fields = parse_chat_completion(decode_reply(reply), self.vocab_size)
+            except Exception as exc:  # noqa: BLE001 - whatever a reply holds costs this row, never the run
                 # The server finished (and paid for) the generation: re-sending would redo it.
+                detail = str(exc) if isinstance(exc, ReplyError) else f"{type(exc).__name__}: {exc}"
                 raise _AttemptError(
-                    f"malformed reply from {server.label}: {exc}", transient=False, server=server.label
+                    f"malformed reply from {server.label}: {detail}", transient=False, server=server.label
                 ) from None
             server.recent_faults = 0
             server.avoid_until = 0.0
@@ -530,7 +650,7 @@ class CompletionClient:
                         last_error = exc
                         raise
         except _AttemptError as exc:
-            message = self._redact(exc.message)
+            message = printable(self._redact(exc.message))  # stored in the journal: valid UTF-8 only
             if exc.transient and attempts >= self.max_attempts:
                 message += f" (gave up after {attempts} attempts)"
             self._log.error("row %d failed: %s", index, message)

@@ -7,6 +7,12 @@ counts). Resuming is by index, never by counting lines (rows finish out of order
 text (duplicate prompts are distinct rows): later lines win for the same index, so a row redone
 after a cap change simply supersedes the old one.
 
+An append that fails (disk full, I/O error) stops the journal: the partial line is cut off again
+(``ftruncate`` to the size before the append) and every later append raises :class:`JournalError`, so a
+full disk can never leave later rows glued to a partial line and lost while their appends returned. A
+partial line that could not be cut off is never read as a row (a strict prefix of a JSON object is not
+JSON). The file is created ``0600``: it holds generated text and prompts.
+
 The file stays local (``path``); a wrapper can sync it to S3 between appends.
 """
 
@@ -21,7 +27,14 @@ from typing import Any
 
 from dflash_assets.atomic import fsync_dir
 
-__all__ = ["RowJournal"]
+__all__ = ["JournalError", "RowJournal"]
+
+FILE_MODE = 0o600  # owner only: in-flight rows are the run's data, not every local user's
+
+
+class JournalError(OSError):
+    """An append failed, or the journal stopped after an earlier one failed; the message names the file,
+    the cause and the fix. Rows whose append returned before are durable; the failed batch is not."""
 
 
 class RowJournal:
@@ -44,6 +57,7 @@ class RowJournal:
         self.skipped_lines = 0
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._failed: str | None = None  # why appends stopped (set by a failed append)
 
     def __repr__(self) -> str:
         return f"RowJournal({str(self.path)!r})"
@@ -56,8 +70,9 @@ class RowJournal:
             return self._fd
         self.path.parent.mkdir(parents=True, exist_ok=True)
         existed = self.path.exists()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
         try:
+            os.fchmod(fd, FILE_MODE)  # a journal an older version created world-readable
             size = os.fstat(fd).st_size
             if size:
                 with open(self.path, "rb") as fh:
@@ -88,7 +103,9 @@ class RowJournal:
         Raises:
             ValueError: ``row`` has no integer ``"index"``.
             TypeError: ``row`` holds a value JSON cannot encode.
-            OSError: the write or fsync failed (e.g. disk full); the row is then not durable.
+            UnicodeEncodeError: ``row`` holds a lone surrogate (nothing is written; the journal goes on).
+            JournalError: the write or fsync failed (e.g. disk full): the row is not durable and the journal
+                takes no more rows; or it had stopped already after such a failure.
         """
         self.append_many([row])
 
@@ -105,13 +122,33 @@ class RowJournal:
         if not data:
             return 0
         with self._lock:
+            if self._failed is not None:
+                raise JournalError(f"journal {self.path} takes no more rows: an earlier append failed "
+                                   f"({self._failed}); fix that and rerun (rows appended before it are kept)")
             fd = self._open()
-            view = memoryview(data)
-            while view:  # os.write may write less than asked (signals, huge buffers)
-                written = os.write(fd, view)
-                view = view[written:]
-            os.fsync(fd)
+            start = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:  # os.write may write less than asked (signals, huge buffers)
+                    written = os.write(fd, view)
+                    view = view[written:]
+                os.fsync(fd)
+            except OSError as exc:
+                self._failed = f"{type(exc).__name__}: {exc}"
+                self._cut_back(fd, start)
+                raise JournalError(exc.errno, f"appending to journal {self.path} failed ({exc}); it takes no "
+                                   "more rows. Free space on (or fix) the disk it is on and rerun: rows appended "
+                                   "before this batch are durable, this batch is not") from exc
         return data.count(b"\n")
+
+    def _cut_back(self, fd: int, size: int) -> None:
+        """After a failed append, remove what it wrote (a partial line must not be glued to a later row).
+        Best effort: if even this fails, the torn line stays and :meth:`load` skips it (never a row)."""
+        try:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        except OSError as exc:
+            self._failed += f"; the partial line could not be cut off ({exc})"
 
     def close(self) -> None:
         """Close the file handle (appending again reopens it)."""
@@ -151,7 +188,7 @@ class RowJournal:
                 continue
             try:
                 row = json.loads(line)
-            except ValueError:  # JSONDecodeError and UnicodeDecodeError
+            except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, a line nested too deep
                 skipped += 1
                 continue
             index = row.get("index") if isinstance(row, dict) else None

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from dflash_assets.atomic import atomic_write_bytes
-from dflash_assets.generation.journal import RowJournal
+from dflash_assets.generation.journal import FILE_MODE, RowJournal
 from dflash_assets.storage import Storage, StorageError
 
 __all__ = ["SyncedRowJournal", "segment_dir"]
@@ -57,7 +57,7 @@ def _rows_from_bytes(data: bytes) -> dict[int, dict[str, Any]]:
     for line in data.split(b"\n"):
         try:
             row = json.loads(line) if line.strip() else None
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         index = row.get("index") if isinstance(row, dict) else None
         if isinstance(index, int) and not isinstance(index, bool):
@@ -140,7 +140,7 @@ class SyncedRowJournal(RowJournal):
         remote = self.remote_bytes()
         local = self.path.read_bytes() if self.path.exists() else None
         if local is None:
-            atomic_write_bytes(self.path, remote)
+            atomic_write_bytes(self.path, remote, mode=FILE_MODE)
             self.synced_bytes = len(remote)
             if len(segments) > COMPACT_ABOVE:
                 self._compact(segments, remote)
@@ -149,7 +149,7 @@ class SyncedRowJournal(RowJournal):
             self.synced_bytes = len(remote)  # the usual case: this machine's own earlier run
             return
         if remote.startswith(local):  # another machine carried on from this one's rows
-            atomic_write_bytes(self.path, remote)
+            atomic_write_bytes(self.path, remote, mode=FILE_MODE)
             self.synced_bytes = len(remote)
             return
         # Local and remote diverged (another machine ran the partition meanwhile): keep the union,

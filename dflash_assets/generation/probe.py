@@ -42,7 +42,7 @@ def probe_chat(
         raise RuntimeError(f"probe POST {shown} got HTTP {r.status_code}: {text[:500]}; {_probe_advice(r.status_code, base_url, model)}")
     try:
         reply = r.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # a body nested past the JSON reader's depth is not a reply either
         raise RuntimeError(
             f"probe POST {shown} got a reply that is not JSON: {text[:200]!r}; is {strip_credentials(origin(base_url))} "
             "an OpenAI-compatible server (SGLang, vLLM, transformers serve)? base_urls take http://HOST:PORT or http://HOST:PORT/v1"

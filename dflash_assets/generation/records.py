@@ -8,6 +8,7 @@ therefore invalidates only ``length`` rows; lowering it only rows longer than th
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import polars as pl
@@ -44,6 +45,66 @@ COMPLETIONS_SCHEMA = {
 }
 #: Counts that rows made before the column existed read as 0.
 _ZERO_IF_MISSING = ("continued_from_tokens", "cut_from_tokens", "tail_chunks")
+#: Token counts and ids: below 2**31 (the Int32 id column; no context is that long), never negative.
+_TOKEN_LIMIT = 2**31
+_TOKEN_COUNTS = frozenset({"prompt_tokens", "completion_tokens", "continued_from_tokens", "cut_from_tokens"})
+
+
+def row_problem(row: dict[str, Any]) -> str | None:
+    """Why ``row`` cannot be stored as a completions row as it is, or None when it can.
+
+    Each column present must have its COMPLETIONS_SCHEMA type exactly (polars would otherwise coerce in
+    silence: ``1.5`` -> 1, ``"7"`` -> 7, an id ``2**31`` in the Int32 list -> null, or refuse the whole table:
+    ``2**63`` in an Int64); text must be valid Unicode (no lone surrogate); integers non-negative, token counts
+    and ids below 2**31. A missing column or None is allowed (null). The reason names the column.
+    """
+    for name, dtype in COMPLETIONS_SCHEMA.items():
+        value = row.get(name)
+        if value is None:
+            continue
+        if dtype == pl.String:
+            if not isinstance(value, str):
+                return f"{name} is a {type(value).__name__}, not text"
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return f"{name} holds a lone surrogate at character {exc.start:,} (not valid Unicode)"
+        elif dtype == pl.Int64:
+            if type(value) is not int:
+                return f"{name} is a {type(value).__name__}, not an integer"
+            limit, said = (_TOKEN_LIMIT, "2**31") if name in _TOKEN_COUNTS else (2**63, "2**63")
+            if not 0 <= value < limit:
+                return f"{name} is {value if abs(value) < 10**30 else 'huge'}, outside [0, {said})"
+        elif dtype == pl.Boolean:
+            if not isinstance(value, bool):
+                return f"{name} is a {type(value).__name__}, not a boolean"
+        elif dtype == pl.Float64:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                return f"{name} is a {type(value).__name__}, not a number"
+        else:  # a list of token ids: checked in C (array), ~50x faster than a Python loop over 4K ids
+            try:
+                ids = array("q", value) if isinstance(value, list) else None
+            except OverflowError:
+                return f"{name} holds an id outside [0, 2**31)"
+            except TypeError:
+                ids = None
+            if ids is None:
+                return f"{name} is not a list of integers"
+            if ids and not (0 <= min(ids) and max(ids) < _TOKEN_LIMIT):
+                bad = next(t for t in ids if not 0 <= t < _TOKEN_LIMIT)
+                return f"{name} holds {bad}, outside [0, 2**31)"
+    return None
+
+
+def set_aside_row(prompt: dict[str, Any], reason: str) -> dict[str, Any]:
+    """The row stored in place of one that cannot be stored (:func:`row_problem`): the prompt's identity and
+    the reason as its ``error`` (so the next run requests it again), no data from the row."""
+    row: dict[str, Any] = dict.fromkeys(COMPLETIONS_SCHEMA)
+    row.update(index=int(prompt["index"]), prompt_id=prompt["prompt_id"], source=prompt["source"],
+               truncated_in_reasoning=False, empty_answer=False, attempts=0,
+               error=f"set aside: the row could not be stored ({reason}); the next run requests it again",
+               continued_from_tokens=0, cut_from_tokens=0, tail_chunks=0)
+    return row
 
 
 def split_reasoning(content: str | None, reasoning_content: str | None) -> tuple[str | None, str, bool]:

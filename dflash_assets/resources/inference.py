@@ -14,7 +14,9 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.config import SECRET_ENV
+from dflash_assets.dflash.target_layers import text_config
 from dflash_assets.generation.probe import probe_external
+from dflash_assets.generation.replies import MAX_REPLY_BYTES
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.generation.servers import API_KEY_ENV, ServerPool
 from dflash_assets.generation.sglang_servers import (
@@ -91,7 +93,14 @@ class InferenceServerResource(dg.ConfigurableResource):
     )
 
     # client (all modes)
-    request_timeout_s: float = Field(strict=True, default=3600.0, gt=0, description="Seconds one request may run (long reasoning).")
+    request_timeout_s: float = Field(
+        strict=True, default=3600.0, gt=0,
+        description="Seconds one request may run, connecting to the last byte of its reply (long reasoning); "
+        "a server that trickles its reply is cut off at this bound too.")
+    max_reply_mb: float = Field(
+        strict=True, default=MAX_REPLY_BYTES / (1 << 20), gt=0, allow_inf_nan=False,
+        description="Largest reply body read, MiB; a larger reply fails its row (a 32K-token reply with its token "
+        "ids is under 1 MB).")
     max_attempts: int = Field(strict=True, default=5, ge=1, description="HTTP attempts per row for transient failures.")
     backoff_base_s: float = Field(strict=True, default=1.0, ge=0, description="Retry k waits base * 2**(k-1) + jitter seconds.")
     max_consecutive_failures: int = Field(strict=True, default=20, ge=1, description="Rows failing in a row before the partition stops.")
@@ -231,10 +240,22 @@ class InferenceServerResource(dg.ConfigurableResource):
 
         return CompletionClient(
             pool.base_urls, api_key=pool.api_key, concurrency=pool.max_running_requests * len(pool.base_urls),
-            read_timeout_s=self.request_timeout_s, max_attempts=self.max_attempts,
-            backoff_base_s=self.backoff_base_s, max_consecutive_failures=self.max_consecutive_failures,
-            supervisor=pool.supervisor, stall_timeout_s=self.stall_timeout_s,
+            read_timeout_s=self.request_timeout_s, request_timeout_s=self.request_timeout_s,
+            max_attempts=self.max_attempts, backoff_base_s=self.backoff_base_s,
+            max_consecutive_failures=self.max_consecutive_failures, supervisor=pool.supervisor,
+            stall_timeout_s=self.stall_timeout_s, max_reply_bytes=int(self.max_reply_mb * (1 << 20)),
+            vocab_size=self.vocab_size(),
         )
+
+    def vocab_size(self) -> int | None:
+        """The served model's vocabulary size (``vocab_size`` of its config.json, of ``text_config`` for a
+        multimodal wrapper): reply token ids must be below it. None when the model directory is not configured
+        or has no readable config.json (external mode without ``external_tokenizer_path``)."""
+        try:
+            value = text_config(self.tokenizer_path()).get("vocab_size")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
     def tokenizer_path(self) -> Path:
         """Target model directory for the tokenizer stage, matching what the servers run.

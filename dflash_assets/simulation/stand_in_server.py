@@ -1,16 +1,17 @@
 """A stand-in OpenAI-compatible ``/v1/chat/completions`` server on a real 127.0.0.1 socket, for fault tests.
 
 It stands in only for faults a real server cannot be made to show on demand (503 bursts, hangs,
-connections dropped mid-reply, malformed replies, sudden death) and for a client throughput bench
-(instant replies).
+connections dropped mid-reply, malformed or hostile replies, replies trickled a byte at a time, sudden
+death) and for a client throughput bench (instant replies).
 Behaviour is scripted per request: ``script(n, body) -> Behaviour`` where ``n`` is the 0-based arrival
 number of the request and ``body`` its decoded JSON.
 
 Minimal HTTP/1.1 over asyncio streams (:mod:`~dflash_assets.simulation.http11`), run on its own event
 loop in a background thread so the client under test can use the main thread's loop. Stdlib only.
 
-Run as a script for the bench: ``python -m dflash_assets.simulation.stand_in_server [--port P]`` prints ``PORT <n>`` and serves
-instant replies until killed.
+Run as a script (a server in its own process): ``python -m dflash_assets.simulation.stand_in_server [--port P]
+[--script instant|hostile]`` prints ``PORT <n>`` and serves until killed: instant replies (the bench), or
+:func:`~dflash_assets.simulation.hostile_replies.hostile_script` (the reply a prompt names, for tests).
 """
 
 from __future__ import annotations
@@ -97,13 +98,27 @@ class Drop:
 
 @dataclass(frozen=True)
 class Raw:
-    """A reply with this exact status and body (e.g. a 200 whose body is not JSON)."""
+    """A reply with this exact status and body (e.g. a 200 whose body is not JSON). ``headers``: extra
+    header lines (e.g. ``("Content-Encoding", "gzip")``); ``declare_length`` False: no Content-Length, the
+    body ends when the connection closes."""
 
     status: int = 200
     payload: bytes = b"not json"
+    headers: tuple[tuple[str, str], ...] = ()
+    declare_length: bool = True
 
 
-Behaviour = Union[Reply, Error, Hang, Drop, Raw]
+@dataclass(frozen=True)
+class Trickle:
+    """A 200 reply whose body is sent ``chunk_bytes`` at a time, one chunk every ``every_s`` seconds (a
+    server, or a proxy, that holds a connection alive without ever finishing its reply)."""
+
+    every_s: float = 0.2
+    chunk_bytes: int = 1
+    payload: bytes = b""
+
+
+Behaviour = Union[Reply, Error, Hang, Drop, Raw, Trickle]
 Script = Callable[[int, dict[str, Any]], Behaviour]
 
 
@@ -119,11 +134,10 @@ _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found"
             503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
-def _response(status: int, payload: bytes) -> bytes:
-    head = (
-        f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-    )
+def _response(status: int, payload: bytes, headers: tuple[tuple[str, str], ...] = (), length: bool = True) -> bytes:
+    extra = "".join(f"{name}: {value}\r\n" for name, value in headers)
+    size = f"Content-Length: {len(payload)}\r\n" if length else "Connection: close\r\n"
+    head = f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\nContent-Type: application/json\r\n{size}{extra}\r\n"
     return head.encode() + payload
 
 
@@ -262,7 +276,17 @@ class FakeServer:
             await writer.drain()
             return True
         if isinstance(behaviour, Raw):
-            writer.write(_response(behaviour.status, behaviour.payload))
+            writer.write(_response(behaviour.status, behaviour.payload, behaviour.headers, behaviour.declare_length))
+            await writer.drain()
+            return behaviour.declare_length  # without a length the body ends with the connection
+        if isinstance(behaviour, Trickle):
+            payload = behaviour.payload or json.dumps(Reply().payload()).encode()
+            head = _response(200, payload)[: -len(payload)]
+            writer.write(head)
+            for at in range(0, len(payload), behaviour.chunk_bytes):
+                await writer.drain()
+                await asyncio.sleep(behaviour.every_s)
+                writer.write(payload[at: at + behaviour.chunk_bytes])
             await writer.drain()
             return True
         if isinstance(behaviour, Drop):
@@ -275,12 +299,22 @@ class FakeServer:
 
 
 def main() -> None:
-    """Serve instant replies until killed; prints ``PORT <n>`` once listening (for the bench)."""
+    """Serve until killed; prints ``PORT <n>`` once listening. ``--script instant`` (default, the bench):
+    instant replies; ``hostile``: :func:`~dflash_assets.simulation.hostile_replies.hostile_script`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--script", choices=("instant", "hostile"), default="instant")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # an inherited SIG_IGN must not make it unkillable by TERM
-    server = FakeServer(Reply(), record_bodies=False).start(args.port)
+    # the package's module, not __main__: the hostile script's behaviours are its classes
+    from dflash_assets.simulation import stand_in_server as this
+
+    script: Script | Behaviour = this.Reply()
+    if args.script == "hostile":
+        from dflash_assets.simulation.hostile_replies import hostile_script
+
+        script = hostile_script()
+    server = this.FakeServer(script, record_bodies=False).start(args.port)
     print(f"PORT {server.port}", flush=True)
     threading.Event().wait()
 
