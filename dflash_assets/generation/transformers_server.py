@@ -216,7 +216,8 @@ class LocalTransformersServer:
         extra = {}
         if not self.continuous_batching and self.settings is not None:
             extra = {"generation_config": json.dumps(transformers_generation_config(self.model_dir, self.settings))}
-        return ServerPool([self.base_url], self.model_name, None, max_running_requests, "transformers", extra_body=extra)
+        return ServerPool([self.base_url], self.model_name, None, max_running_requests, "transformers",
+                          extra_body=extra)
 
     def __enter__(self) -> LocalTransformersServer:
         if importlib.util.find_spec("fastapi") is None:

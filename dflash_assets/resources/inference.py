@@ -175,7 +175,8 @@ class InferenceServerResource(dg.ConfigurableResource):
             from dflash_assets.generation.local_model import local_model_dir
 
             with LocalTransformersServer(
-                local_model_dir(self.local_model), log_path=log_dir / "transformers_serve.log", extra_args=self.extra_args,
+                local_model_dir(self.local_model), log_path=log_dir / "transformers_serve.log",
+                extra_args=self.extra_args,
                 settings=settings, startup_timeout_s=self.startup_timeout_s,
             ) as server:
                 yield server.pool(mrr)
@@ -209,7 +210,8 @@ class InferenceServerResource(dg.ConfigurableResource):
     def tokenizer_path(self) -> Path:
         """Target model directory for the tokenizer stage, matching what the servers run.
 
-        local: ``local_model``'s directory (:func:`~dflash_assets.generation.local_model.local_model_dir`); sglang: ``model_path``;
+        local: ``local_model``'s directory (:func:`~dflash_assets.generation.local_model.local_model_dir`);
+        sglang: ``model_path``;
         external: ``external_tokenizer_path``.
 
         Raises:
