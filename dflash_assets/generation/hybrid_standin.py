@@ -26,23 +26,24 @@ embedding and the LM head (only those two tensors) are set by a stated construct
 layer and norm keeps its random initialisation:
 
 * A reply is made of the tokenizer's ``" word"`` tokens (a space then letters, each re-tokenizing to itself)
-  and, first after ``<think>\n`` and after ``\n\n``, of ``"Word"`` openers (no space: Qwen's layout, and
+  and, first after ``<think>\\n`` and after ``\\n\\n``, of ``"Word"`` openers (no space: Qwen's layout, and
   ``transformers serve``'s reasoning parser strips whitespace there). So the reply's text re-tokenizes to the
   ids the model emitted. The words are split at random into *thinking* and *answer* words.
-* Each word's likelier successor walks its half in one long random cycle; a second, 0.6 times as likely at
-  temperature 0.6, is any other word of the half. Prompt tokens lead to the thinking openers. After
-  :data:`FINAL_FRACTION` of the words (closing words) a thinking word may be followed by ``".\n"``, then
-  ``</think>``, then ``"\n\n"`` and an answer opener; an answer closing word by ``<|im_end|>``. So the reply
-  reads ``<think>\n{thinking}.\n</think>\n\n{answer}<|im_end|>``, Qwen3's layout. Measured with the model's
+* By construction each word's likelier successor walks its half in one long random cycle; a second, 0.6
+  times as likely at temperature 0.6, is any other word of the half (the random layers and the directions'
+  overlap move the actual choice, see below). Prompt tokens lead to the thinking openers. After
+  :data:`FINAL_FRACTION` of the words (closing words) a thinking word may be followed by ``".\\n"``, then
+  ``</think>``, then ``"\\n\\n"`` and an answer opener; an answer closing word by ``<|im_end|>``. So the reply
+  reads ``<think>\\n{thinking}.\\n</think>\\n\\n{answer}<|im_end|>``, Qwen3's layout. Measured with the model's
   sampling (temperature 0.6, top_p 0.95, top_k 20) on 24 HumanEval prompts, cap 192: 23 ended ``stop``,
-  about 48 thinking and 14 answer tokens on average; greedy decoding closed 9 of 12 within 64 tokens. Served by
-  ``transformers serve``, 40 of 40 replies ended ``stop`` and re-tokenized to the server's token count.
-* How: an embedding row is ``EMBED_SCALE * [constant 1, phase, prompt flag (-1 for "\n\n"), closing flag,
-  DIRECTION_WEIGHT * random direction]`` (each flag a block of channels; phase -1 thinking, +1 answer, 0 else); an LM-head row
-  sums its predecessors' directions (a bigram through the residual stream) plus gains on the blocks (a bias,
-  a same-phase bonus, the closing gate). The random layers add a context-dependent part to the final hidden
-  state (about 40% of its energy: cosine 0.76 with the token's own row, measured over 8 prompts), so which
-  successor wins depends on the context: greedy continuations differ between prompts (5 distinct of 12),
+  about 48 thinking and 14 answer tokens on average; greedy decoding closed 9 of 12 within 64 tokens.
+  Served by ``transformers serve``, 40 of 40 replies ended ``stop`` and re-tokenized to the server's token count.
+* How: an embedding row is ``EMBED_SCALE * [constant 1, phase, prompt flag (-1 for "\\n\\n"), closing flag,
+  DIRECTION_WEIGHT * random direction]`` (each flag a block of channels; phase -1 thinking, +1 answer, 0
+  else); an LM-head row sums its predecessors' directions (a bigram through the residual stream) plus gains
+  on the blocks (a bias, a same-phase bonus, the closing gate). The random layers add a context-dependent
+  part to the final hidden state (about 40% of its energy: cosine 0.76 with the token's own row, measured
+  over 8 prompts), so which successor wins depends on the context: greedy continuations differ between prompts (5 distinct of 12),
   and the drafter must learn from the target's hidden states, not a lookup table. Ids that are not words
   (specials, ``<think>``, padding) get a bias of -30.
 
@@ -232,8 +233,9 @@ def reply_words(tokenizer) -> tuple[list[int], list[int]]:
         if re.fullmatch("\u0120[A-Za-z]+", token):
             if tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i]:
                 words.append(i)
-        elif re.fullmatch("[A-Z][a-z]+", token) and tokenizer.encode("\n" + token, add_special_tokens=False) == [*newline, i]:
-            openers.append(i)
+        elif re.fullmatch("[A-Z][a-z]+", token):
+            if tokenizer.encode("\n" + token, add_special_tokens=False) == [*newline, i]:
+                openers.append(i)
     return sorted(words), sorted(openers)
 
 
