@@ -44,8 +44,8 @@ layer and norm keeps its random initialisation:
   on the blocks (a bias, a same-phase bonus, the closing gate). The random layers add a context-dependent
   part to the final hidden state (about 40% of its energy: cosine 0.76 with the token's own row, measured
   over 8 prompts), so which successor wins depends on the context: greedy continuations differ between
-  prompts (5 distinct of 12), and the drafter must learn from the target's hidden states, not a lookup table. Ids that are not words
-  (specials, ``<think>``, padding) get a bias of -30.
+  prompts (5 distinct of 12), and the drafter must learn from the target's hidden states, not a lookup
+  table. Ids that are not words (specials, ``<think>``, padding) get a bias of -30.
 
 Nothing is hidden from the pipeline: ``config.json`` (``layer_types``, ``text_config``, the wrapper's
 architecture), ``generation_config.json`` (``do_sample`` with Qwen's thinking-mode sampling, eos
