@@ -127,6 +127,25 @@ def secret_env(cls: type, field: str) -> str | None:
     return extra.get(SECRET_ENV) if isinstance(extra, dict) else None
 
 
+def check_local_model(built: Mapping[str, Any]) -> None:
+    """The local server and the target model must be the same local model (the tokenizer, hidden states and
+    evaluation would otherwise read another model than the one that wrote the completions).
+
+    Raises:
+        ConfigError: ``inference.mode`` is local, ``target_model.model_path`` is empty and the two
+            ``local_model`` fields differ; the message names both keys and the file.
+    """
+    inference, target = built.get("inference"), built.get("target_model")
+    if inference is None or target is None or inference.mode != "local" or target.model_path:
+        return
+    if inference.local_model != target.local_model:
+        raise ConfigError(
+            f"{config_path()}: resources.inference.local_model is {inference.local_model!r} but "
+            f"resources.target_model.local_model is {target.local_model!r}: the local server and the target model "
+            "must be the same model; set both to one name"
+        )
+
+
 def validate_ops(assets_defs: Iterable[Any]) -> None:
     """Check the ``ops`` section against the project's assets and their config schemas.
 

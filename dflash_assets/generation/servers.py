@@ -41,6 +41,9 @@ class ServerPool:
     backend: Backend = "openai"
     #: what may be done about a faulty server (:mod:`dflash_assets.generation.supervision`); None: nothing
     supervisor: Any = field(default=None, compare=False, repr=False)
+    #: fields added to every request body (a ``transformers serve`` without continuous batching gets the
+    #: sampling as a per-request ``generation_config``); never secrets
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
 
     def headers(self) -> dict[str, str]:
         """HTTP headers for every request (the bearer token when an API key is set)."""
@@ -50,11 +53,13 @@ class ServerPool:
         """Return ``body`` as this backend takes it.
 
         For ``transformers serve``: minus :data:`TRANSFORMERS_SERVE_REJECTED_FIELDS` (HTTP 422 otherwise);
-        its sampling was fixed at startup by the probe (see :mod:`~dflash_assets.generation.transformers_server`).
+        with continuous batching its sampling was fixed at startup by the probe, without it each request carries
+        it in :attr:`extra_body` (see :mod:`~dflash_assets.generation.transformers_server`).
         For SGLang: plus ``return_token_ids`` (``choices[0].token_ids``: the model's own tokens, which
         tokenization trains on and a lowered cap cuts exactly; an SGLang without the field ignores it).
-        Others: unchanged copy.
+        Others: unchanged copy. Every backend: plus :attr:`extra_body`.
         """
+        body = {**body, **self.extra_body}
         if self.backend == "transformers":
             return {k: v for k, v in body.items() if k not in TRANSFORMERS_SERVE_REJECTED_FIELDS}
         if self.backend == "sglang":
@@ -65,7 +70,8 @@ class ServerPool:
         key = "None" if self.api_key is None else "'***'"
         return (
             f"ServerPool(base_urls={self.base_urls!r}, model={self.model!r}, api_key={key}, "
-            f"max_running_requests={self.max_running_requests}, backend={self.backend!r})"
+            f"max_running_requests={self.max_running_requests}, backend={self.backend!r}"
+            + (f", extra_body={dict(self.extra_body)!r})" if self.extra_body else ")")
         )
 
 

