@@ -33,6 +33,11 @@ def partition_keys(num_rows: int, partition_size: int) -> list[str]:
     ]
 
 
+def range_key(first: int, last: int) -> str:
+    """The key of the inclusive index range ``first..last`` (``range_key(0, 999) == '0000000-0000999'``)."""
+    return f"{first:0{KEY_DIGITS}d}-{last:0{KEY_DIGITS}d}"
+
+
 def key_range(partition_key: str) -> tuple[int, int]:
     """``(first, last)`` prompt index of a key, both inclusive.
 

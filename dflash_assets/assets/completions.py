@@ -49,12 +49,15 @@ from dflash_assets.generation.continuation import (
 from dflash_assets.generation.records import (
     invalid_reason,
     no_good_row_message,
+    prompt_mismatch,
     row_from_result,
     row_problem,
     set_aside_row,
 )
 from dflash_assets.generation.tail_chunks import TailChunker
+from dflash_assets import freshness
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.prompt_index import prompt_version
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
@@ -93,12 +96,15 @@ def failed_since_materialized(instance: dg.DagsterInstance, asset_key: dg.AssetK
 
 
 def plan_requests(prompts: pl.DataFrame, existing: dict[int, dict], settings: GenerationSettings) -> tuple[list[dict], Counter]:
-    """Prompts (corpus rows) that need a request, and why, counted by reason."""
+    """Prompts (corpus rows) that need a request, and why, counted by reason. A row made for another
+    prompt than the corpus's at its index (:func:`prompt_mismatch`) is never used: requested again as
+    ``prompt changed`` (or ``prompt unknown``, a row from before rows named their prompt)."""
     todo, reasons = [], Counter()
     for prompt in prompts.iter_rows(named=True):
         row = existing.get(prompt["index"])
         # a row that cannot be stored as it is (a journal line with a count past its type, say) is redone
-        reason = "missing" if row is None else ("unstorable row" if row_problem(row) else invalid_reason(row, settings))
+        reason = ("missing" if row is None else prompt_mismatch(row, prompt)
+                  or ("unstorable row" if row_problem(row) else invalid_reason(row, settings)))
         if reason is not None:
             todo.append(prompt)
             reasons[reason] += 1
@@ -229,11 +235,20 @@ class _RangeRun:
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
         self.failed_since_materialized: set[str] = set()  # never "kept": their status must go back to done
         self._builder = None  # the target tokenizer's SequenceBuilder (False: it did not load)
+        self.corpus_versions: dict | None | bool = False  # the corpus's partition versions, read once (False: not yet)
 
     def plan(self, pk: str, prompts: pl.DataFrame, journal, inference: InferenceServerResource) -> _Partition:
         view, existing = load_plan_rows(self.store, pk, journal)
-        journaled = set(existing)
+        # rows of other prompts are dropped here, so no cut, continuation or commit ever sees them
+        hashes = dict(zip(prompts["index"].to_list(), prompts["content_hash"].to_list()))
+        ids = dict(zip(prompts["index"].to_list(), prompts["prompt_id"].to_list()))
+        other = {i for i, row in view.items()
+                 if prompt_mismatch(row, {"content_hash": hashes.get(i), "prompt_id": ids.get(i)}) is not None}
         todo, reasons = plan_requests(prompts, view, self.settings)
+        for i in other:
+            view.pop(i, None)
+            existing.pop(i, None)
+        journaled = set(existing)
         cut_here = 0
         if reasons.get("cap lowered"):
             todo, cut_here = self.cut_locally(pk, todo, view, existing, inference)
@@ -298,14 +313,19 @@ class _RangeRun:
 
     def commit_or_keep(self, part: _Partition):
         """A partition with nothing to request: in a range run, an unchanged table whose latest
-        materialization has this data version is kept as is (no new materialization, so downstream
-        stays fresh); otherwise it is committed."""
+        materialization has this data version and is up to date by :mod:`dflash_assets.freshness` (made
+        for the corpus's prompts of the range, under these settings) is kept as is (no new materialization,
+        so downstream stays fresh); otherwise it is committed."""
         if (len(self.keys) > 1 and not part.cut and part.pk not in self.failed_since_materialized
                 and self.store.exists(*partition_file(part.pk)) and not part.journal.load()):
             version = hashlib.sha256(self.store.read_bytes(*partition_file(part.pk))).hexdigest()[:20]
             record = self.context.instance.get_latest_data_version_record(self.context.asset_key, partition_key=part.pk)
             current = extract_data_version_from_entry(record.event_log_entry) if record is not None else None
-            if current is not None and current.value == version:
+            if self.corpus_versions is False:
+                self.corpus_versions = freshness.corpus_versions(self.context.instance)
+            fresh = record is not None and freshness.completions_reason(
+                freshness.plain(record), self.settings, (self.corpus_versions or {}).get(part.pk)) is None
+            if fresh and current is not None and current.value == version:
                 self.context.log.info(f"{part.pk}: complete and unchanged (data version {version}): kept")
                 self.release(part)
                 return
@@ -498,6 +518,8 @@ class _RangeRun:
         wall = now - (part.first_sent or now)
         metadata = {
             **stats,
+            # the corpus's version of this partition's prompts (prompt_index.partition_versions) the table answers
+            "prompts_version": prompt_version(list(zip(prompts["index"].to_list(), prompts["content_hash"].to_list()))),
             "requested": len(part.todo),
             "request_reasons": dict(part.reasons),
             "carried_over": prompts.height - len(part.todo),
