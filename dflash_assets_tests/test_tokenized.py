@@ -129,7 +129,8 @@ def completion_row(index: int, content: str | None, finish_reason: str = "stop",
                    completion_tokens: int = 10) -> dict:
     settings = GenerationSettings(max_output_tokens=64, enable_thinking=enable_thinking)
     return {
-        "index": index, "prompt_id": f"t:{index}", "source": "t", "reasoning_content": reasoning, "content": content,
+        "index": index, "prompt_id": f"t:{index}", "prompt_hash": f"h{index}", "source": "t",
+        "reasoning_content": reasoning, "content": content,
         "finish_reason": finish_reason, "prompt_tokens": 10, "completion_tokens": completion_tokens,
         "output_token_ids": None, "truncated_in_reasoning": truncated_in_reasoning,
         "empty_answer": not (content or "").strip(), "max_output_tokens": 64,
@@ -142,6 +143,7 @@ def corpus_frame(questions: dict[int, str]) -> pl.DataFrame:
     return pl.DataFrame({
         "index": list(questions), "prompt_id": [f"t:{i}" for i in questions], "source": ["t"] * len(questions),
         "messages": [[{"role": "user", "content": q}] for q in questions.values()],
+        "content_hash": [f"h{i}" for i in questions],  # completion_row's prompt_hash: the rows answer these prompts
     })
 
 
