@@ -428,7 +428,8 @@ def test_commit_overlays_new_rows_on_the_stored_table_and_writes_what_whole_rows
     assert set(view[101]) == set(PLAN_COLUMNS) and view[104]["reasoning_content"] == "from the journal"
 
     new = {**journal_rows, 103: row(103, "continued", 128, continued_from_tokens=64), 109: row(109, None, 0, error="boom")}
-    prompts = pl.DataFrame({"index": list(range(100, 110))})
+    # corpus rows: the commit reads their content_hash (an old row whose prompt_id is that hash names its prompt)
+    prompts = pl.DataFrame({"index": list(range(100, 110)), "content_hash": [f"h{i}" for i in range(100, 110)]})
     frame, set_aside = partition_frame(store, "0000100-0000109", prompts, new)
     assert set_aside == {}
     whole = {r["index"]: r for r in stored} | new
@@ -451,8 +452,8 @@ def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
     settings = GenerationSettings(max_output_tokens=64)
 
     def row(i: int) -> dict:
-        return {"index": i, "prompt_id": f"p{i}", "source": "s", "reasoning_content": None, "content": "ok",
-                "finish_reason": "stop", "prompt_tokens": 5, "completion_tokens": 3, "output_token_ids": None,
+        return {"index": i, "prompt_id": f"p{i}", "prompt_hash": f"h{i}", "source": "s", "reasoning_content": None,
+                "content": "ok", "finish_reason": "stop", "prompt_tokens": 5, "completion_tokens": 3, "output_token_ids": None,
                 "truncated_in_reasoning": False, "empty_answer": False, "max_output_tokens": 64,
                 "settings_fingerprint": settings.sampling_fingerprint(), "settings": settings.settings_json,
                 "latency_s": 0.1, "server": "s0", "attempts": 1, "error": None}
@@ -460,7 +461,8 @@ def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
     journal = RowJournal(tmp_path / "j.jsonl")
     journal.append_many([row(i) for i in (2, 3, 100, 101, 102)])  # 2 of the partition's, 3 strays
     prompts = pl.DataFrame({"index": list(range(10)), "prompt_id": [f"p{i}" for i in range(10)],
-                            "source": ["s"] * 10, "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(10)]})
+                            "source": ["s"] * 10, "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(10)],
+                            "content_hash": [f"h{i}" for i in range(10)]})  # the journal rows answer these prompts
     context = SimpleNamespace(log=logging.getLogger("test"))
     run = _RangeRun(context, Storage(str(tmp_path)), settings, ["0000000-0000009"])
     part = run.plan("0000000-0000009", prompts, journal, InferenceServerResource(mode="external", base_urls=["http://127.0.0.1:9/v1"]))

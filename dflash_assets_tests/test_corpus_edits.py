@@ -43,6 +43,7 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.status import collect_status
 
 SIZE = 2  # prompts per partition: several partitions from a few prompts
 EVAL_FRACTION = 0.5  # a large held-out share, so the split has members on both sides
@@ -117,6 +118,8 @@ def run_main_job_stages(world, sources: list[str]) -> dict[str, str]:
                           run_config={"ops": {"prompt_corpus": {"config": config}}}).success
     keys = instance.get_dynamic_partitions(prompt_ranges.name)
     settings = res["generation"].settings()
+    # what status says the run will cost, before it runs
+    world["status"] = collect_status(instance, settings=settings, store=res["storage"].open())
     reasons = {pk: r for pk, r in freshness.completions_reasons(instance, keys, settings).items() if r}
     if reasons:
         stale = [pk for pk in keys if pk in reasons]
@@ -187,6 +190,7 @@ def step(world, sources: list[str], expected_requests: set[str]) -> dict[str, st
     reasons = run_main_job_stages(world, sources)
     sent = requests_so_far(world)[before:]
     assert sorted(sent) == sorted(expected_requests), reasons
+    assert world["status"]["corpus_edit"]["to_request"] == len(sent), world["status"]["corpus_edit"]
     corpus = check_stored_rows(world)
     hashes = dict(zip(corpus["index"].to_list(), corpus["content_hash"].to_list()))
     if world["history"]:
@@ -231,6 +235,9 @@ def test_an_edited_prompt_costs_one_request_and_its_old_row_is_dropped(world):
     reasons = step(world, [world["before"], world["a"], world["between"], world["b"], world["after"]], {"p-a1 edited"})
     # the edit's old index (1) is a gap now: its partition's table is rewritten without that row, no request
     assert reasons["0000000-0000001"] == freshness.PROMPTS_CHANGED
+    edit = world["status"]["corpus_edit"]
+    assert (edit["new"], edit["changed"], edit["removed"]) == (1, 0, 1)  # a plain prompt's id is its content hash
+    assert world["status"]["completions"]["regenerate"]["removed"] == 1
 
 
 def test_reordered_sources_cost_nothing(world):
@@ -270,4 +277,5 @@ def test_a_row_from_before_rows_named_their_prompt_is_requested_again(world):
     corpus = pl.read_parquet(root.joinpath(*CORPUS_FILE))
     first = corpus.filter(pl.col("index") == table["index"][0])["messages"][0][-1]["content"]
     assert requests_so_far(world)[before:] == [first]
+    assert world["status"]["completions"]["regenerate"]["by_reason"] == {"prompt unknown": 1}
     check_stored_rows(world)
