@@ -43,7 +43,17 @@ def run_failure_reason(result: dg.ExecuteInProcessResult) -> str | None:
             text = text.strip().splitlines()[0] if text.strip() else ""
             if text and text not in errors:
                 errors.append(text)
-    return "; ".join(errors)[:1000] or None
+    return "; ".join(errors) or None
+
+
+def partition_reason_in(error: str, pk: str, failed: list[str], limit: int = 600) -> str:
+    """The part of a range run's ``error`` about partition ``pk`` (from ``"<pk>:"`` to the next failed
+    partition's key), or the whole error when it names no partition; at most ``limit`` characters."""
+    start = error.find(f"{pk}:")
+    if start < 0:
+        return error[:limit]
+    ends = [e for other in failed if other != pk and (e := error.find(f"{other}:", start + 1)) > start]
+    return error[start: min(ends, default=len(error))].rstrip("; ")[:limit]
 
 
 # Console level of the runs' Dagster logger: INFO shows the assets' own progress lines and warnings; Dagster's
@@ -141,14 +151,18 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         span = (generate[0], generate[-1])
         why = dict(Counter(reasons[pk] for pk in generate))
         print(f"completions: {len(generate)} partitions in one run ({span[0]}...{span[1]}): {why}")
+        before = {pk: getattr(_latest_record(instance, "completions", pk), "storage_id", None) for pk in generate}
         result = _materialize(["completions"], op_config("completions"), partition_range=span)
-        # a partition the run left not up to date gets no later stages now; say why for each
+        # a partition the run did not commit and left not up to date gets no later stages now; say why for
+        # each (one committed with error rows goes on: the next run retries those rows)
         error = run_failure_reason(result)
         after = freshness.completions_reasons(instance, generate, settings)
-        for pk in generate:
-            if after[pk]:
-                failed[pk] = error or (f"the run made no new materialization because the partition is still "
-                                       f"'{after[pk]}' (see the run log above)")
+        left = [pk for pk in generate if after[pk]
+                and getattr(_latest_record(instance, "completions", pk), "storage_id", None) == before[pk]]
+        for pk in left:
+            failed[pk] = (partition_reason_in(error, pk, left) if error else
+                          f"the run made no new materialization of it, and it is still not up to date: "
+                          f"{after[pk]} (see the run log above)")
         did_work += [f"completions[{pk}]" for pk in generate if pk not in failed]
     for pk in keys:
         if pk in failed:
@@ -166,7 +180,7 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         result = _materialize(todo, op_config(*todo), partition_key=pk)
         did_work += [f"{s}[{pk}]" for s in todo]
         if not result.success:
-            failed[pk] = run_failure_reason(result) or f"run {result.run_id} failed (see the run log above)"
+            failed[pk] = (run_failure_reason(result) or f"run {result.run_id} failed (see the run log above)")[:600]
     if failed:
         print(f"partitions failed: {list(failed)}")
         for pk, why in failed.items():

@@ -279,3 +279,22 @@ def test_a_row_from_before_rows_named_their_prompt_is_requested_again(world):
     assert requests_so_far(world)[before:] == [first]
     assert world["status"]["completions"]["regenerate"]["by_reason"] == {"prompt unknown": 1}
     check_stored_rows(world)
+
+
+def test_status_previews_an_edit_of_the_prompt_files_before_the_corpus_is_built(world, monkeypatch):
+    """`status` after the user edits the prompt files, before any run: it builds the next corpus in memory (writing
+    nothing) and says what it will cost; the run then sends exactly that."""
+    from dflash_assets.status import corpus_preview
+
+    sources = [world["a"], world["dup"], world["before"], world["between"], world["after"],
+               write(world, "late.jsonl", ["p-late0", "p-b1"])]  # one new prompt, one that comes back
+    config = world["tmp"] / "config.yaml"
+    config.write_text(json.dumps({"ops": {"prompt_corpus": {"config": {"sources": sources, "partition_size": SIZE}}}}))
+    monkeypatch.setenv("DFLASH_CONFIG", str(config))
+    monkeypatch.setenv("DFLASH_STORAGE_ROOT", str(world["root"]))
+    index_before = (world["root"] / "prompt_corpus" / "prompt_index.parquet").read_bytes()
+    line = corpus_preview(world["instance"], resources(world)["storage"].open())
+    assert line is not None and "2 new, 0 changed, 0 removed prompts" in line and "request 2 completions" in line, line
+    assert (world["root"] / "prompt_corpus" / "prompt_index.parquet").read_bytes() == index_before  # nothing written
+    # p-b1 comes back at its old index 3, whose row its partition dropped when b.jsonl was removed: requested again
+    step(world, sources, {"p-late0", "p-b1"})
