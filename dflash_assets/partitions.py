@@ -2,7 +2,9 @@
 
 Keys are fixed-width, zero-padded, inclusive ranges (``0000000-0000999``) so they sort correctly as
 strings in the Dagster UI. They are dynamic: ``prompt_corpus`` registers them in the instance when it
-materializes, sized by its ``partition_size``.
+materializes. Prompt indices are stable across corpus builds (:mod:`dflash_assets.prompt_index`), so a
+range may have gaps and ranges cut before keep their bounds; new indices get new ranges of
+``partition_size``.
 """
 
 from __future__ import annotations

@@ -221,6 +221,10 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
     Returns a dict:
 
     - ``partitions``: number of registered ``prompt_index_ranges`` keys; ``prompts``: prompts they cover.
+    - ``corpus_edit``: what the corpus's last build changed, ``new`` / ``changed`` / ``removed`` prompts, and
+      ``to_request``: completions still to request for prompts new or changed and for partitions not done
+      (empty for a corpus built before stable indices); ``completions.regenerate.removed``: stored rows of
+      removed prompts the run drops (no request).
     - ``stages``: ``{asset_name: stage_counts(...)}`` for each partitioned stage.
     - ``pools``: :func:`pool_usage` of the inference and GPU pools.
     - ``completions``: ``rows_total`` (prompts), ``rows_done`` (rows of *done* partitions valid under

@@ -12,7 +12,8 @@ with its result as before.
 
 Row-level checkpoints: each finished row is appended (fsync) to ``completions/<pk>.journal.jsonl``
 as it arrives; a rerun reads the journal and the last partition table and requests only rows that
-are missing or no longer valid under the current generation settings.
+are missing, no longer valid under the current generation settings, or made for another prompt than the
+corpus's at their index (each row carries ``prompt_hash``; see :func:`plan_requests`).
 """
 
 import hashlib
