@@ -318,6 +318,8 @@ def test_corpus_completions_tokenized_on_s3(s3_target, s3_env, local_inference, 
     keys = s3_target.keys()
     assert keys == sorted([
         "prompt_corpus/corpus.parquet", "prompt_corpus/rejected.parquet", f"completions/{pk}.parquet",
+        # the stable-index table and the partition ranges, beside the corpus (issue 26)
+        "prompt_corpus/prompt_index.parquet", "prompt_corpus/partition_ranges.json",
         f"tokenized_sequences/{pk}.parquet", f"tokenized_sequences/{pk}.set_aside.parquet",
     ])  # no journal segments left, nothing else
     store = resolved(storage).open()
