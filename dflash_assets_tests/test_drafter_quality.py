@@ -32,10 +32,10 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 
-NUM_PROMPTS = 32
+NUM_PROMPTS = 16
 TEST_STEPS = 200
-EVAL_PROMPTS = 5
-EVAL_NEW_TOKENS = 40
+EVAL_PROMPTS = 3
+EVAL_NEW_TOKENS = 32
 
 
 def _demo() -> dict:
