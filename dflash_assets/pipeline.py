@@ -58,19 +58,27 @@ def console_logger_config(level: str | None = None) -> dict:
     return {"console": {"config": {"log_level": level or CONSOLE_LOG_LEVEL["level"]}}}
 
 
-def _materialize(keys: list[str], run_config: dict, partition_key: str | None = None,
-                 partition_range: tuple[str, str] | None = None) -> dg.ExecuteInProcessResult:
+def _materialize(
+    keys: list[str], run_config: dict, partition_key: str | None = None, partition_range: tuple[str, str] | None = None
+) -> dg.ExecuteInProcessResult:
     """One in-process run (of one partition, or of a key range as one run: single-run backfill). Raises
     KeyboardInterrupt when Ctrl-C / SIGTERM interrupted it: Dagster turns the signal into a failed run,
     and ``raise_on_error=False`` would otherwise let the loop go on."""
     # the full process record (machine, boot, pid namespace, start time): the reaper acts only on what it proves dead
     tags = {"dflash/trigger": "cli-run", **process_tags()}
     if partition_range is not None:
-        tags.update({ASSET_PARTITION_RANGE_START_TAG: partition_range[0], ASSET_PARTITION_RANGE_END_TAG: partition_range[1]})
+        tags.update(
+            {ASSET_PARTITION_RANGE_START_TAG: partition_range[0], ASSET_PARTITION_RANGE_END_TAG: partition_range[1]}
+        )
     result = dg.materialize(
-        list(defs.assets), selection=keys, instance=dg.DagsterInstance.get(), resources=defs.resources,
-        run_config={"loggers": console_logger_config(), **run_config}, partition_key=partition_key,
-        raise_on_error=False, tags=tags,
+        list(defs.assets),
+        selection=keys,
+        instance=dg.DagsterInstance.get(),
+        resources=defs.resources,
+        run_config={"loggers": console_logger_config(), **run_config},
+        partition_key=partition_key,
+        raise_on_error=False,
+        tags=tags,
     )
     if was_interrupted(result):
         raise KeyboardInterrupt(f"run {result.run_id} was interrupted")
@@ -94,8 +102,13 @@ def _feature_mode(instance, settings) -> str:
     Online: hidden_states is skipped and the drafter follows tokenized_sequences."""
     from dflash_assets.feature_sources import configured_mode, decide_mode
 
-    mode, reason = decide_mode(instance, defs.resources["storage"], defs.resources["target_model"], configured_mode(),
-                               fallback_tokens_per_row=settings.max_output_tokens)
+    mode, reason = decide_mode(
+        instance,
+        defs.resources["storage"],
+        defs.resources["target_model"],
+        configured_mode(),
+        fallback_tokens_per_row=settings.max_output_tokens,
+    )
     print(reason + ("; hidden_states is skipped" if mode == "online" else ""))
     return mode
 
@@ -120,10 +133,16 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     did_work = []
 
     corpus_cfg = op_config("prompt_corpus")
-    fingerprint = corpus_fingerprint(PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})),
-                                     defs.resources["storage"])
+    fingerprint = corpus_fingerprint(
+        PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})),
+        defs.resources["storage"],
+    )
     record = _latest_record(instance, "prompt_corpus")
-    if record is None or record.asset_materialization.metadata.get("config_fingerprint", dg.TextMetadataValue("")).value != fingerprint:
+    if (
+        record is None
+        or record.asset_materialization.metadata.get("config_fingerprint", dg.TextMetadataValue("")).value
+        != fingerprint
+    ):
         result = _materialize(["prompt_corpus"], corpus_cfg)
         if not result.success:
             print("prompt_corpus failed; see the run log above")
@@ -138,15 +157,22 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     # completions of every partition that needs it in ONE run: the servers start once, requests stream
     # across partitions, each partition is committed as it completes (up-to-date ones in between are kept)
     corpus_record = _latest_record(instance, "prompt_corpus")
-    generate = [pk for pk in keys if "completions" in asset_names
-                and not stage_up_to_date(instance, "completions", pk, [corpus_record], settings)]
+    generate = [
+        pk
+        for pk in keys
+        if "completions" in asset_names and not stage_up_to_date(instance, "completions", pk, [corpus_record], settings)
+    ]
     if generate:
         span = (generate[0], generate[-1])
         print(f"completions: {len(generate)} partitions in one run ({span[0]}...{span[1]})")
         before = {pk: getattr(_latest_record(instance, "completions", pk), "storage_id", None) for pk in generate}
         result = _materialize(["completions"], op_config("completions"), partition_range=span)
         # a partition the run did not commit (it failed before its last row) gets no later stages now
-        failed = [pk for pk in generate if getattr(_latest_record(instance, "completions", pk), "storage_id", None) == before[pk]]
+        failed = [
+            pk
+            for pk in generate
+            if getattr(_latest_record(instance, "completions", pk), "storage_id", None) == before[pk]
+        ]
         did_work += [f"completions[{pk}]" for pk in generate if pk not in failed]
     for pk in keys:
         if pk in failed:
@@ -175,11 +201,20 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     for stage in FINAL_STAGES:
         if stage not in asset_names:
             continue
-        upstream_key = {"truncation_report": "completions", "dflash_drafter": stages[-1], "drafter_evaluation": "dflash_drafter"}[stage]
-        upstream = [_latest_record(instance, upstream_key, pk) for pk in keys] if upstream_key != "dflash_drafter" else [_latest_record(instance, upstream_key)]
+        upstream_key = {
+            "truncation_report": "completions",
+            "dflash_drafter": stages[-1],
+            "drafter_evaluation": "dflash_drafter",
+        }[stage]
+        upstream = (
+            [_latest_record(instance, upstream_key, pk) for pk in keys]
+            if upstream_key != "dflash_drafter"
+            else [_latest_record(instance, upstream_key)]
+        )
         settings_cls = {"dflash_drafter": DrafterConfig, "drafter_evaluation": EvaluationConfig}.get(stage)
         changed = settings_cls is not None and config_changed_since_last(
-            instance, stage, settings_cls(**((op_config(stage)["ops"].get(stage) or {}).get("config") or {})))
+            instance, stage, settings_cls(**((op_config(stage)["ops"].get(stage) or {}).get("config") or {}))
+        )
         if stage_up_to_date(instance, stage, None, upstream) and not changed:
             continue
         print(f"materializing {stage}")

@@ -40,8 +40,9 @@ class StageProgressBar:
     def __init__(self, description: str, total: int | None, unit: str = "row", *, enabled: bool | None = None):
         self._bar = None
         if bars_enabled() if enabled is None else enabled:
-            self._bar = tqdm(total=total, desc=description, unit=unit, dynamic_ncols=True, smoothing=0.1,
-                             file=sys.stderr, leave=True)
+            self._bar = tqdm(
+                total=total, desc=description, unit=unit, dynamic_ncols=True, smoothing=0.1, file=sys.stderr, leave=True
+            )
 
     @property
     def active(self) -> bool:
@@ -58,10 +59,11 @@ class StageProgressBar:
                 self._bar.total = total
             self._bar.n = done
             if figures:
-                self._bar.set_postfix({k.replace("_s", "/s") if k.endswith("_s") else k: v for k, v in figures.items()},
-                                      refresh=False)
+                self._bar.set_postfix(
+                    {k.replace("_s", "/s") if k.endswith("_s") else k: v for k, v in figures.items()}, refresh=False
+                )
             self._bar.refresh()
-        except Exception:  # noqa: BLE001 - a broken terminal must not fail the stage
+        except Exception:
             self._bar = None
 
     def close(self) -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-import functools
 from pathlib import Path
 from typing import Any
 

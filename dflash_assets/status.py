@@ -134,7 +134,9 @@ def continuation_tokens(report: dict | None, continued: Counter, new_cap: int) -
     if not fit or not continued or set(continued) != {report.get("cap")}:
         return None
     cap, n = report["cap"], sum(continued.values())
-    return predict_cap(fit_from_dict(fit), cap, float(report.get("truncation_rate") or 0.0), n, new_cap)["extra_output_tokens"]
+    return predict_cap(fit_from_dict(fit), cap, float(report.get("truncation_rate") or 0.0), n, new_cap)[
+        "extra_output_tokens"
+    ]
 
 
 def generation_time(records: dict[str, dg.EventLogRecord], meta: dict[str, dict]) -> tuple[float, float, int]:
@@ -155,7 +157,9 @@ def generation_time(records: dict[str, dg.EventLogRecord], meta: dict[str, dict]
         span = spans.setdefault(record.run_id or pk, [record.timestamp - wall, record.timestamp])
         span[0], span[1] = min(span[0], record.timestamp - wall), max(span[1], record.timestamp)
         rate = m.get("output_tok_per_s")
-        if m.get("output_tokens_generated") is not None:  # a run that cut or continued rows made fewer than its table holds
+        if (
+            m.get("output_tokens_generated") is not None
+        ):  # a run that cut or continued rows made fewer than its table holds
             tokens += float(m["output_tokens_generated"])
         else:
             tokens += float(rate) * wall if rate else float(m.get("completion_tokens_total", 0) or 0)
@@ -169,24 +173,45 @@ def runs_in_progress(instance: dg.DagsterInstance, records: dict[str, dg.EventLo
     flight / capacity, ETA): ``[{"run_id", "range", "as_of", ...}]``, ``as_of`` the commit's Unix time."""
     from dflash_assets.automation import plain_metadata
 
-    started = {r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))}
+    started = {
+        r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
+    }
     newest: dict[str, dg.EventLogRecord] = {}
     for record in records.values():
-        if record.run_id in started and (record.run_id not in newest or record.storage_id > newest[record.run_id].storage_id):
+        if record.run_id in started and (
+            record.run_id not in newest or record.storage_id > newest[record.run_id].storage_id
+        ):
             newest[record.run_id] = record
     out = []
     for run_id, record in sorted(newest.items()):
         m = plain_metadata(record)
         if "run_rows_total" not in m:
             continue
-        out.append({"run_id": run_id, "range": m.get("run_partition_range"), "as_of": record.timestamp,
-                    **{k: m.get(f"run_{k}") for k in ("rows_done", "rows_total", "req_per_s", "output_tok_per_s",
-                                                        "slots_in_flight", "slots_capacity", "eta_s")}})
+        out.append(
+            {
+                "run_id": run_id,
+                "range": m.get("run_partition_range"),
+                "as_of": record.timestamp,
+                **{
+                    k: m.get(f"run_{k}")
+                    for k in (
+                        "rows_done",
+                        "rows_total",
+                        "req_per_s",
+                        "output_tok_per_s",
+                        "slots_in_flight",
+                        "slots_capacity",
+                        "eta_s",
+                    )
+                },
+            }
+        )
     return out
 
 
-def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES, settings=None, store=None,
-                   continues: bool = False) -> dict:
+def collect_status(
+    instance: dg.DagsterInstance, stages: Sequence[str] = STAGES, settings=None, store=None, continues: bool = False
+) -> dict:
     """Everything the status command prints, as plain values.
 
     Args:
@@ -237,7 +262,12 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
             if pk not in meta or affected_reason(meta[pk], settings) is None:
                 continue
             if store is None:
-                reasons, tokens, continued, cut = Counter({affected_reason(meta[pk], settings): rows_of[pk]}), 0, Counter(), 0
+                reasons, tokens, continued, cut = (
+                    Counter({affected_reason(meta[pk], settings): rows_of[pk]}),
+                    0,
+                    Counter(),
+                    0,
+                )
             else:
                 reasons, tokens, continued, cut = invalid_rows(store, pk, settings, continues)
             if reasons:
@@ -254,7 +284,7 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
         try:
             if store.exists(REPORT_DIR, "report.json"):
                 report = store.read_json(REPORT_DIR, "report.json")
-        except Exception:  # noqa: BLE001 - an estimate only
+        except Exception:
             report = None
         estimate = continuation_tokens(report, to_continue, settings.max_output_tokens)
         # without a fit: each continued row at its current length (what a whole regeneration would cost at least)
@@ -286,8 +316,13 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
             "tokens_per_s": tokens_per_s,
             "requests_per_s": requests_per_s,
             "rows_remaining": rows_remaining,
-            "regenerate": {"rows": regen_rows, "partitions": regen_parts, "by_reason": dict(sorted(regen.items())),
-                           "continued": sum(to_continue.values()), "cut_locally": to_cut},
+            "regenerate": {
+                "rows": regen_rows,
+                "partitions": regen_parts,
+                "by_reason": dict(sorted(regen.items())),
+                "continued": sum(to_continue.values()),
+                "cut_locally": to_cut,
+            },
             "cap": settings.max_output_tokens if settings is not None else None,
             "tokens_remaining_est": tokens_remaining,
             "eta_s": eta_s,
@@ -329,10 +364,16 @@ def format_status(status: dict) -> str:
     regen = comp.get("regenerate") or {}
     if regen.get("rows"):
         reasons = ", ".join(f"{k}: {v}" for k, v in regen["by_reason"].items())
-        lines.append(f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} partitions ({reasons})"
-                     + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else "")
-                     + (f"; up to {regen['cut_locally']} of them cut to the lower cap from their own tokens, no request "
-                        "(those whose tokens match their text; the estimate counts them at 0 tokens)" if regen.get("cut_locally") else ""))
+        lines.append(
+            f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} partitions ({reasons})"
+            + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else "")
+            + (
+                f"; up to {regen['cut_locally']} of them cut to the lower cap from their own tokens, no request "
+                "(those whose tokens match their text; the estimate counts them at 0 tokens)"
+                if regen.get("cut_locally")
+                else ""
+            )
+        )
     for run in status.get("runs_in_progress", []):
         eta = run["eta_s"] if run["eta_s"] is not None and run["eta_s"] >= 0 else None
         lines.append(
@@ -342,9 +383,9 @@ def format_status(status: dict) -> str:
         )
     remaining = comp["tokens_remaining_est"]
     lines.append(
-        f"completions remaining: {comp['rows_remaining']} prompts, "
-        f"~{remaining:.0f} tokens" if remaining is not None else
-        f"completions remaining: {comp['rows_remaining']} prompts, tokens unknown (no partition done yet)"
+        f"completions remaining: {comp['rows_remaining']} prompts, ~{remaining:.0f} tokens"
+        if remaining is not None
+        else f"completions remaining: {comp['rows_remaining']} prompts, tokens unknown (no partition done yet)"
     )
     lines[-1] += f", ETA {_duration(comp['eta_s'])}"
     return "\n".join(lines)
@@ -360,7 +401,7 @@ def current_settings_and_store():
         settings = GenerationResource(**resource_fields("generation")).settings()
         store = StorageResource(**resource_fields("storage"), **s3_credentials_from_env()).open()
         return settings, store, None
-    except Exception as exc:  # noqa: BLE001 - status still prints what the instance knows
+    except Exception as exc:
         return None, None, f"{type(exc).__name__}: {exc}"
 
 
@@ -373,7 +414,7 @@ def config_continues_cut_rows() -> bool:
 
         inference = InferenceServerResource(**resource_fields("inference"))
         return inference.continue_truncated and inference.backend() == "sglang"
-    except Exception:  # noqa: BLE001 - an estimate only
+    except Exception:
         return False
 
 
@@ -382,8 +423,18 @@ def print_status(instance: dg.DagsterInstance | None = None) -> int:
     config's generation settings; returns exit code 0."""
     settings, store, error = current_settings_and_store()
     if error:
-        print(f"note: could not load the config's generation settings and storage ({error}); rows the settings "
-              "would regenerate are not counted")
-    print(format_status(collect_status(instance or dg.DagsterInstance.get(), settings=settings, store=store,
-                                       continues=settings is not None and config_continues_cut_rows())))
+        print(
+            f"note: could not load the config's generation settings and storage ({error}); rows the settings "
+            "would regenerate are not counted"
+        )
+    print(
+        format_status(
+            collect_status(
+                instance or dg.DagsterInstance.get(),
+                settings=settings,
+                store=store,
+                continues=settings is not None and config_continues_cut_rows(),
+            )
+        )
+    )
     return 0

@@ -38,6 +38,10 @@ def local_inference(local_server):
     from dflash_assets.resources.inference import InferenceServerResource
 
     return InferenceServerResource(
-        mode="external", base_urls=[local_server.base_url], served_model_name=local_server.model_name,
-        external_backend="transformers", external_tokenizer_path=str(ensure_local_model()), max_running_requests=8,
+        mode="external",
+        base_urls=[local_server.base_url],
+        served_model_name=local_server.model_name,
+        external_backend="transformers",
+        external_tokenizer_path=str(ensure_local_model()),
+        max_running_requests=8,
     )

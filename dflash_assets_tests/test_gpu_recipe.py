@@ -23,13 +23,23 @@ def qwen36_27b_target(path):
     path.mkdir()
     layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 16
     text = {
-        "model_type": "qwen3_5_text", "num_hidden_layers": 64, "hidden_size": 5120, "intermediate_size": 17408,
-        "vocab_size": 248320, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
-        "layer_types": layer_types, "rope_theta": 10_000_000, "max_position_embeddings": 262144,
-        "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "model_type": "qwen3_5_text",
+        "num_hidden_layers": 64,
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "vocab_size": 248320,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "layer_types": layer_types,
+        "rope_theta": 10_000_000,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
     }
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text}))
+    (path / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text})
+    )
     return path
 
 
@@ -47,17 +57,25 @@ def test_gpu_config_drafter_is_the_published_recipe(tmp_path, monkeypatch):
     target_dir = qwen36_27b_target(tmp_path / "Qwen3.6-27B")
     layer_ids, overrides = resolved_settings(config, TargetModelResource(model_path=str(target_dir), device="cpu"))
     assert layer_ids == [1, 16, 31, 46, 61]
-    draft = DFlashConfig.from_target_config(text_config(target_dir), mask_token_id=config.mask_token_id,
-                                            num_hidden_layers=config.num_hidden_layers, target_layer_ids=layer_ids,
-                                            block_size=config.block_size, **overrides)
+    draft = DFlashConfig.from_target_config(
+        text_config(target_dir),
+        mask_token_id=config.mask_token_id,
+        num_hidden_layers=config.num_hidden_layers,
+        target_layer_ids=layer_ids,
+        block_size=config.block_size,
+        **overrides,
+    )
     exported = hf_config_dict(draft)
     assert (exported["num_attention_heads"], exported["num_key_value_heads"], exported["head_dim"]) == (32, 8, 128)
     assert (exported["hidden_size"], exported["intermediate_size"], exported["vocab_size"]) == (5120, 17408, 248320)
     assert exported["num_hidden_layers"] == 5 and exported["num_target_layers"] == 64
     assert exported["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
     assert exported["sliding_window"] == 2048
-    assert exported["dflash_config"] == {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61],
-                                         "block_size": 16}
+    assert exported["dflash_config"] == {
+        "mask_token_id": 248070,
+        "target_layer_ids": [1, 16, 31, 46, 61],
+        "block_size": 16,
+    }
     # SGLang's loader rules on this config.json and the target (the weights file is not written: ~3 GB)
     export_dir = tmp_path / "export"
     export_dir.mkdir()

@@ -16,7 +16,9 @@ class GenerationResource(dg.ConfigurableResource):
     """
 
     # strict: YAML `true` or "20" would otherwise become a cap of 1 or 20 (a lowered cap cuts rows for good)
-    max_output_tokens: int = Field(default=_DEFAULTS.max_output_tokens, ge=1, strict=True, description="Generation cap, tokens.")
+    max_output_tokens: int = Field(
+        default=_DEFAULTS.max_output_tokens, ge=1, strict=True, description="Generation cap, tokens."
+    )
     temperature: float = Field(default=_DEFAULTS.temperature, strict=True)
     top_p: float = Field(default=_DEFAULTS.top_p, strict=True)
     top_k: int = Field(default=_DEFAULTS.top_k, strict=True)

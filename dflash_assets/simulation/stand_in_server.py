@@ -129,9 +129,18 @@ def fail_first(k: int, failure: Behaviour | None = None, then: Behaviour | None 
     return lambda n, body: failure if n < k else then
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 408: "Request Timeout",
-            429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway",
-            503: "Service Unavailable", 504: "Gateway Timeout"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    408: "Request Timeout",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
 
 
 def _response(status: int, payload: bytes, headers: tuple[tuple[str, str], ...] = (), length: bool = True) -> bytes:
@@ -252,8 +261,9 @@ class FakeServer:
             if not keep_open or request.wants_close:
                 return
 
-    async def _respond(self, writer: asyncio.StreamWriter, behaviour: Behaviour, body: dict[str, Any],
-                       headers: dict[str, str]) -> bool:
+    async def _respond(
+        self, writer: asyncio.StreamWriter, behaviour: Behaviour, body: dict[str, Any], headers: dict[str, str]
+    ) -> bool:
         """Act out one behaviour; False when the connection must end."""
         if isinstance(behaviour, Hang):
             await asyncio.sleep(behaviour.seconds)
@@ -286,7 +296,7 @@ class FakeServer:
             for at in range(0, len(payload), behaviour.chunk_bytes):
                 await writer.drain()
                 await asyncio.sleep(behaviour.every_s)
-                writer.write(payload[at: at + behaviour.chunk_bytes])
+                writer.write(payload[at : at + behaviour.chunk_bytes])
             await writer.drain()
             return True
         if isinstance(behaviour, Drop):
