@@ -25,8 +25,8 @@ from dflash_assets.automation import request_partitions  # noqa: E402
 from dflash_assets.generation.local_model import ensure_local_model  # noqa: E402
 from dflash_assets.generation.transformers_server import LocalTransformersServer  # noqa: E402
 from dflash_assets.resources.inference import InferenceServerResource  # noqa: E402
-from dflash_assets.simulation.counting_proxy import CountingProxy  # noqa: E402
 from dflash_assets.simulation.cap_change_scenario import PROMPTS, run_scenario  # noqa: E402
+from dflash_assets.simulation.counting_proxy import CountingProxy  # noqa: E402
 
 
 def main() -> None:
@@ -43,8 +43,12 @@ def main() -> None:
             print(f"server_startup_s: {time.monotonic() - started:.1f}")
             with CountingProxy(server.base_url) as proxy:
                 inference = InferenceServerResource(
-                    mode="external", base_urls=[proxy.base_url], served_model_name=server.model_name,
-                    external_backend="transformers", external_tokenizer_path=str(model_dir), max_running_requests=8,
+                    mode="external",
+                    base_urls=[proxy.base_url],
+                    served_model_name=server.model_name,
+                    external_backend="transformers",
+                    external_tokenizer_path=str(model_dir),
+                    max_running_requests=8,
                     max_attempts=1,
                 )
                 scenario = run_scenario(Path(tmp), proxy, inference, [args.small, args.raised, args.lowered])
@@ -70,15 +74,27 @@ def main() -> None:
         print(f"{label}_partitions_rerun: {len(partitions)} of {len(scenario.keys)}")
         print(f"{label}_touched_rows: {n_touched}")
         print(f"{label}_requests_sent: {sent}")
-        print(f"{label}_requests_per_touched_row: {sent / n_touched:.2f}" if n_touched else f"{label}_requests_per_touched_row: n/a")
+        print(
+            f"{label}_requests_per_touched_row: {sent / n_touched:.2f}"
+            if n_touched
+            else f"{label}_requests_per_touched_row: n/a"
+        )
         # a lowered cap cuts the longer rows to it locally (no request) when their tokens match their text
-        cut = sum(1 for rows in change.after.rows.values() for r in rows if r.get("cut_from_tokens")) if label == "lower" else 0
+        cut = (
+            sum(1 for rows in change.after.rows.values() for r in rows if r.get("cut_from_tokens"))
+            if label == "lower"
+            else 0
+        )
         if label == "lower":
             print(f"lower_rows_cut_locally: {cut} of {n_touched} touched (no request)")
         need = n_touched - cut
         what = "touched rows not cut locally" if label == "lower" else "touched rows"
-        print(f"{label}: requests sent {sent} / {what} {need} (goal: equal: {'met' if sent == need else 'NOT met'}); "
-              f"a full re-run would send {len(PROMPTS) / n_touched:.2f} per touched row" if n_touched else f"{label}: no touched row")
+        print(
+            f"{label}: requests sent {sent} / {what} {need} (goal: equal: {'met' if sent == need else 'NOT met'}); "
+            f"a full re-run would send {len(PROMPTS) / n_touched:.2f} per touched row"
+            if n_touched
+            else f"{label}: no touched row"
+        )
         print(f"{label}_full_rerun_would_send: {len(PROMPTS)} ({len(PROMPTS) / n_touched:.2f} per touched row)")
         print(f"{label}_partition_rerun_would_send: {rows_in_partitions}")
         print(f"{label}_wall_s: {change.wall_s:.1f}")

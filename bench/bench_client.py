@@ -80,7 +80,9 @@ def _run_openai(url: str, n: int, concurrency: int) -> float:
 
             async def worker() -> None:
                 for _ in pending:
-                    await api.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=16)
+                    await api.chat.completions.create(
+                        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=16
+                    )
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
 
@@ -158,11 +160,17 @@ def main() -> None:
             ratios.append(_run_openai(url, args.requests, args.concurrency) / walls[-1])
             floors.append(_run_floor(url, args.requests, args.concurrency) / walls[-1])
         median = statistics.median(ratios)
-        print(f"client / openai.AsyncOpenAI requests/s ratio (asyncio, median of {args.rounds} alternating rounds): "
-              f"{median:.3f} (range {min(ratios):.3f}-{max(ratios):.3f}; goal >= 0.9: {'met' if median >= 0.9 else 'NOT met'})")
-        print(f"client / raw per-worker httpx transport floor ratio (strictly less work, no goal): median {statistics.median(floors):.3f}")
+        print(
+            f"client / openai.AsyncOpenAI requests/s ratio (asyncio, median of {args.rounds} alternating rounds): "
+            f"{median:.3f} (range {min(ratios):.3f}-{max(ratios):.3f}; goal >= 0.9: {'met' if median >= 0.9 else 'NOT met'})"
+        )
+        print(
+            f"client / raw per-worker httpx transport floor ratio (strictly less work, no goal): median {statistics.median(floors):.3f}"
+        )
         rate = args.requests / statistics.median(walls)
-        print(f"client requests/s (asyncio, median round) {rate:.0f} (goal >= {args.target:.0f} req/s: {'met' if rate >= args.target else 'NOT met'})")
+        print(
+            f"client requests/s (asyncio, median round) {rate:.0f} (goal >= {args.target:.0f} req/s: {'met' if rate >= args.target else 'NOT met'})"
+        )
     finally:
         proc.terminate()
         try:

@@ -12,7 +12,11 @@ import hashlib
 from collections.abc import Iterable, Sequence
 
 import dagster as dg
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG, PARTITION_NAME_TAG
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    PARTITION_NAME_TAG,
+)
 
 from dflash_assets import freshness
 from dflash_assets.freshness import settings_reason
@@ -32,7 +36,9 @@ def partition_job_selection(available: Iterable[str]) -> list[str]:
 
 def latest_record(instance: dg.DagsterInstance, asset_key: dg.AssetKey, pk: str) -> dg.EventLogRecord | None:
     """The latest materialization record of one partition, or None."""
-    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[pk]), limit=1).records
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[pk]), limit=1
+    ).records
     return records[0] if records else None
 
 
@@ -51,7 +57,9 @@ def affected_reason(meta: dict, settings: GenerationSettings) -> str | None:
     return settings_reason(meta, settings)
 
 
-def latest_records(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str] | None = None) -> dict[str, dg.EventLogRecord]:
+def latest_records(
+    instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str] | None = None
+) -> dict[str, dg.EventLogRecord]:
     """``{partition_key: record}`` of the latest materialization of each partition (of ``keys``, or all),
     in two queries (:func:`dflash_assets.freshness.latest_records`)."""
     return freshness.latest_records(instance, asset_key.to_user_string(), keys)
@@ -62,8 +70,9 @@ def plain_metadata(record: dg.EventLogRecord) -> dict:
     return freshness.plain(record)
 
 
-def affected_partitions(instance: dg.DagsterInstance, settings: GenerationSettings,
-                        records: dict[str, dg.EventLogRecord] | None = None) -> dict[str, str]:
+def affected_partitions(
+    instance: dg.DagsterInstance, settings: GenerationSettings, records: dict[str, dg.EventLogRecord] | None = None
+) -> dict[str, str]:
     """``{partition_key: reason}`` for materialized completions partitions that are not up to date
     (:func:`dflash_assets.freshness.completions_reasons`: the settings touch them, or the corpus's prompts
     of their range changed), in key order."""
@@ -73,13 +82,17 @@ def affected_partitions(instance: dg.DagsterInstance, settings: GenerationSettin
     return {pk: reason for pk, reason in reasons.items() if reason}
 
 
-def partition_statuses(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str]) -> dict[str, dg.AssetPartitionStatus | None]:
+def partition_statuses(
+    instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str]
+) -> dict[str, dg.AssetPartitionStatus | None]:
     """Dagster's status of each partition (None: never attempted), from its partition status cache."""
     status = instance.get_status_by_partition(asset_key, list(keys), prompt_ranges) or {}
     return {pk: status.get(pk) for pk in keys}
 
 
-def unfinished_partitions(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+def unfinished_partitions(
+    instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str] | None = None
+) -> tuple[list[str], list[str]]:
     """``(to_request, in_progress)``: partitions missing or failed, and those running now (skipped)."""
     keys = instance.get_dynamic_partitions(prompt_ranges.name) if keys is None else keys
     status = partition_statuses(instance, asset_key, keys)
@@ -95,12 +108,13 @@ def run_partitions(run: dg.DagsterRun, position: dict[str, int], keys: Sequence[
         return [tags[PARTITION_NAME_TAG]]
     start, end = tags.get(ASSET_PARTITION_RANGE_START_TAG), tags.get(ASSET_PARTITION_RANGE_END_TAG)
     if start in position and end in position:
-        return list(keys[position[start]: position[end] + 1])
+        return list(keys[position[start] : position[end] + 1])
     return []
 
 
-def failed_attempts_by_partition(instance: dg.DagsterInstance, keys: Sequence[str],
-                                 records: dict[str, dg.EventLogRecord]) -> dict[str, int]:
+def failed_attempts_by_partition(
+    instance: dg.DagsterInstance, keys: Sequence[str], records: dict[str, dg.EventLogRecord]
+) -> dict[str, int]:
     """Failed runs covering each partition since its latest materialization (``records``; all, if never).
 
     One run query (every failed run carrying a partition or partition-range tag); a failed range run
@@ -123,8 +137,14 @@ def failed_attempts(instance: dg.DagsterInstance, asset_key: dg.AssetKey, pk: st
     return failed_attempts_by_partition(instance, keys, latest_records(instance, asset_key, [pk]))[pk]
 
 
-def contiguous_ranges(keys: Sequence[str], wanted: set[str], barriers: set[str], max_partitions: int | None = None,
-                      fill: set[str] | None = None, max_gap: int | None = None) -> list[list[str]]:
+def contiguous_ranges(
+    keys: Sequence[str],
+    wanted: set[str],
+    barriers: set[str],
+    max_partitions: int | None = None,
+    fill: set[str] | None = None,
+    max_gap: int | None = None,
+) -> list[list[str]]:
     """Ranges (lists of consecutive ``keys``) holding every key of ``wanted`` and none of ``barriers``.
 
     A range starts and ends at a wanted key. Between two wanted keys it may hold other keys (``fill``;
@@ -142,7 +162,9 @@ def contiguous_ranges(keys: Sequence[str], wanted: set[str], barriers: set[str],
             current += gap if current else []
             current.append(pk)
             gap = []
-        elif current and pk not in barriers and (fill is None or pk in fill) and (max_gap is None or len(gap) < max_gap):
+        elif (
+            current and pk not in barriers and (fill is None or pk in fill) and (max_gap is None or len(gap) < max_gap)
+        ):
             gap.append(pk)
         else:
             if current:
@@ -159,20 +181,31 @@ def request_partitions(request: dg.RunRequest, keys: Sequence[str]) -> list[str]
         return [request.partition_key]
     position = {pk: i for i, pk in enumerate(keys)}
     start, end = request.tags.get(ASSET_PARTITION_RANGE_START_TAG), request.tags.get(ASSET_PARTITION_RANGE_END_TAG)
-    return list(keys[position[start]: position[end] + 1]) if start in position and end in position else []
+    return list(keys[position[start] : position[end] + 1]) if start in position and end in position else []
 
 
 def range_request(pks: Sequence[str], run_key: str, tags: dict[str, str]) -> dg.RunRequest:
     """One run of the completions asset over partitions ``pks[0]...pks[-1]`` (single-run backfill)."""
     return dg.RunRequest(
-        run_key=run_key, asset_selection=[COMPLETIONS],
-        tags={**tags, ASSET_PARTITION_RANGE_START_TAG: pks[0], ASSET_PARTITION_RANGE_END_TAG: pks[-1],
-              "dflash/partitions": str(len(pks))},
+        run_key=run_key,
+        asset_selection=[COMPLETIONS],
+        tags={
+            **tags,
+            ASSET_PARTITION_RANGE_START_TAG: pks[0],
+            ASSET_PARTITION_RANGE_END_TAG: pks[-1],
+            "dflash/partitions": str(len(pks)),
+        },
     )
 
 
-def downstream_requests(instance: dg.DagsterInstance, keys: Sequence[str], available: Iterable[str],
-                        completions_status: dict, completions_records: dict, limit: int) -> tuple[list[dg.RunRequest], int]:
+def downstream_requests(
+    instance: dg.DagsterInstance,
+    keys: Sequence[str],
+    available: Iterable[str],
+    completions_status: dict,
+    completions_records: dict,
+    limit: int,
+) -> tuple[list[dg.RunRequest], int]:
     """Per-partition runs of the stages after completions (tokenized_sequences, hidden_states) where
     completions is materialized and a later stage is missing or older than its upstream (not failed or
     in progress: a failed stage waits for a human). Two queries per stage. Returns (requests, candidates)."""
@@ -182,7 +215,9 @@ def downstream_requests(instance: dg.DagsterInstance, keys: Sequence[str], avail
     for stage in stages:
         key = dg.AssetKey(stage)
         status = partition_statuses(instance, key, keys)
-        ids = instance.event_log_storage.get_latest_storage_id_by_partition(key, dg.DagsterEventType.ASSET_MATERIALIZATION)
+        ids = instance.event_log_storage.get_latest_storage_id_by_partition(
+            key, dg.DagsterEventType.ASSET_MATERIALIZATION
+        )
         for pk in keys:
             if pk in todo or completions_status[pk] != dg.AssetPartitionStatus.MATERIALIZED or pk not in upstream_ids:
                 continue
@@ -192,15 +227,26 @@ def downstream_requests(instance: dg.DagsterInstance, keys: Sequence[str], avail
                 todo[pk] = stage
         upstream_ids = {pk: ids[pk] for pk in ids if pk not in todo}
     requests = [
-        dg.RunRequest(partition_key=pk, run_key=f"{pk}:{'+'.join(stages[stages.index(first):])}:{completions_records[pk].storage_id}",
-                      asset_selection=[dg.AssetKey(s) for s in stages[stages.index(first):]], tags={"dflash/trigger": "backfill"})
+        dg.RunRequest(
+            partition_key=pk,
+            run_key=f"{pk}:{'+'.join(stages[stages.index(first) :])}:{completions_records[pk].storage_id}",
+            asset_selection=[dg.AssetKey(s) for s in stages[stages.index(first) :]],
+            tags={"dflash/trigger": "backfill"},
+        )
         for pk, first in sorted(todo.items())
     ][:limit]
     return requests, len(todo)
 
 
-def build_backfill_schedule(job, cron: str = "*/10 * * * *", max_runs_per_tick: int = 1, max_partitions_per_run: int | None = None,
-                            max_failed_attempts: int = 3, max_downstream_per_tick: int = 4, max_finished_gap: int = 16):
+def build_backfill_schedule(
+    job,
+    cron: str = "*/10 * * * *",
+    max_runs_per_tick: int = 1,
+    max_partitions_per_run: int | None = None,
+    max_failed_attempts: int = 3,
+    max_downstream_per_tick: int = 4,
+    max_finished_gap: int = 16,
+):
     """Every tick: request the missing or failed completions partitions as ranges, one run each (servers
     started once per range), and the later per-partition stages of partitions whose completions are done.
 
@@ -215,10 +261,17 @@ def build_backfill_schedule(job, cron: str = "*/10 * * * *", max_runs_per_tick: 
     Runs wait for the ``dflash_inference`` pool (dagster.yaml) like any other.
     """
 
-    @dg.schedule(job=job, cron_schedule=cron, name="backfill_unfinished_partitions", default_status=dg.DefaultScheduleStatus.STOPPED,
-                 description=(f"Requests the missing or failed partitions of completions as ranges, one run each (at most "
-                              f"{max_runs_per_tick} per tick), and the later stages of finished partitions; skips in-progress "
-                              f"ones and those that failed {max_failed_attempts} times since their last success."))
+    @dg.schedule(
+        job=job,
+        cron_schedule=cron,
+        name="backfill_unfinished_partitions",
+        default_status=dg.DefaultScheduleStatus.STOPPED,
+        description=(
+            f"Requests the missing or failed partitions of completions as ranges, one run each (at most "
+            f"{max_runs_per_tick} per tick), and the later stages of finished partitions; skips in-progress "
+            f"ones and those that failed {max_failed_attempts} times since their last success."
+        ),
+    )
     def backfill_unfinished_partitions(context: dg.ScheduleEvaluationContext):
         instance = context.instance
         keys = instance.get_dynamic_partitions(prompt_ranges.name)
@@ -234,12 +287,20 @@ def build_backfill_schedule(job, cron: str = "*/10 * * * *", max_runs_per_tick: 
                 f"{given_up[:10]}; read their run logs, fix the cause and launch them by hand"
             )
         wanted = set(to_request) - set(given_up)
-        ranges = contiguous_ranges(keys, wanted, running | set(given_up), max_partitions_per_run, max_gap=max_finished_gap)[:max_runs_per_tick]
+        ranges = contiguous_ranges(
+            keys, wanted, running | set(given_up), max_partitions_per_run, max_gap=max_finished_gap
+        )[:max_runs_per_tick]
         requests = []
         for pks in ranges:
             newest = max((records[pk].storage_id for pk in pks if pk in records), default=0)
-            requests.append(range_request(pks, f"completions:{pks[0]}...{pks[-1]}:{newest}", {"dflash/trigger": "backfill"}))
-        names = {k.to_user_string() for k in job.selection.resolve(context.repository_def.asset_graph)} if context.repository_def else set(PER_PARTITION_STAGES)
+            requests.append(
+                range_request(pks, f"completions:{pks[0]}...{pks[-1]}:{newest}", {"dflash/trigger": "backfill"})
+            )
+        names = (
+            {k.to_user_string() for k in job.selection.resolve(context.repository_def.asset_graph)}
+            if context.repository_def
+            else set(PER_PARTITION_STAGES)
+        )
         downstream, waiting = downstream_requests(instance, keys, names, status, records, max_downstream_per_tick)
         requests += downstream
         if not requests:
@@ -270,8 +331,13 @@ def build_cap_change_sensor(job, max_runs_per_tick: int = 10, max_partitions_per
     schedule retries failed partitions.
     """
 
-    @dg.sensor(job=job, name="generation_settings_changed", minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED,
-               description="Launches only the completions partitions (as ranges, one run each) that the current cap or sampling settings touch.")
+    @dg.sensor(
+        job=job,
+        name="generation_settings_changed",
+        minimum_interval_seconds=60,
+        default_status=dg.DefaultSensorStatus.STOPPED,
+        description="Launches only the completions partitions (as ranges, one run each) that the current cap or sampling settings touch.",
+    )
     def generation_settings_changed(context: dg.SensorEvaluationContext, generation: GenerationResource):
         settings = generation.settings()
         instance = context.instance
@@ -280,20 +346,35 @@ def build_cap_change_sensor(job, max_runs_per_tick: int = 10, max_partitions_per
         affected = affected_partitions(instance, settings, records)
         status = partition_statuses(instance, COMPLETIONS, keys) if affected else {}
         running = {pk for pk in keys if status.get(pk) == dg.AssetPartitionStatus.IN_PROGRESS}
-        unmaterialized = {pk for pk in keys if pk not in records and status.get(pk) != dg.AssetPartitionStatus.IN_PROGRESS}
-        ranges = contiguous_ranges(keys, set(affected) - running, running, max_partitions_per_run, fill=unmaterialized)[:max_runs_per_tick]
+        unmaterialized = {
+            pk for pk in keys if pk not in records and status.get(pk) != dg.AssetPartitionStatus.IN_PROGRESS
+        }
+        ranges = contiguous_ranges(keys, set(affected) - running, running, max_partitions_per_run, fill=unmaterialized)[
+            :max_runs_per_tick
+        ]
         requests = []
         for pks in ranges:
             touched = [pk for pk in pks if pk in affected]
-            digest = hashlib.sha256(",".join(f"{pk}={records[pk].storage_id}" for pk in touched).encode()).hexdigest()[:16]
+            digest = hashlib.sha256(",".join(f"{pk}={records[pk].storage_id}" for pk in touched).encode()).hexdigest()[
+                :16
+            ]
             reasons = sorted({affected[pk] for pk in touched})
-            requests.append(range_request(
-                pks, f"{pks[0]}...{pks[-1]}:{settings.max_output_tokens}:{settings.sampling_fingerprint()}:{digest}",
-                {"dflash/trigger": "settings-change", "dflash/reason": ", ".join(reasons), "dflash/touched_partitions": str(len(touched))},
-            ))
+            requests.append(
+                range_request(
+                    pks,
+                    f"{pks[0]}...{pks[-1]}:{settings.max_output_tokens}:{settings.sampling_fingerprint()}:{digest}",
+                    {
+                        "dflash/trigger": "settings-change",
+                        "dflash/reason": ", ".join(reasons),
+                        "dflash/touched_partitions": str(len(touched)),
+                    },
+                )
+            )
         if not requests:
-            return dg.SkipReason(f"no partition is touched by max_output_tokens={settings.max_output_tokens}"
-                                 + (f" ({len(running)} in progress)" if running else ""))
+            return dg.SkipReason(
+                f"no partition is touched by max_output_tokens={settings.max_output_tokens}"
+                + (f" ({len(running)} in progress)" if running else "")
+            )
         return requests
 
     return generation_settings_changed

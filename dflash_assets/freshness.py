@@ -58,15 +58,20 @@ def latest_record(instance: dg.DagsterInstance, asset: str, pk: str | None = Non
     return records[0] if records else None
 
 
-def latest_records(instance: dg.DagsterInstance, asset: str, keys: Sequence[str] | None = None) -> dict[str, dg.EventLogRecord]:
+def latest_records(
+    instance: dg.DagsterInstance, asset: str, keys: Sequence[str] | None = None
+) -> dict[str, dg.EventLogRecord]:
     """``{partition_key: record}`` of the latest materialization of each partition (of ``keys``, or all):
     two queries whatever the partition count (the latest storage id per partition, then those records)."""
     key = dg.AssetKey(asset)
     ids = instance.event_log_storage.get_latest_storage_id_by_partition(
-        key, dg.DagsterEventType.ASSET_MATERIALIZATION, partitions=set(keys) if keys is not None else None)
+        key, dg.DagsterEventType.ASSET_MATERIALIZATION, partitions=set(keys) if keys is not None else None
+    )
     if not ids:
         return {}
-    result = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, storage_ids=sorted(ids.values())), limit=len(ids))
+    result = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=key, storage_ids=sorted(ids.values())), limit=len(ids)
+    )
     return {r.asset_materialization.partition: r for r in result.records if r.asset_materialization is not None}
 
 
@@ -117,7 +122,9 @@ def prompts_reason(meta: dict, corpus_version: str | None) -> str | None:
     return PROMPTS_CHANGED if made_for else PROMPTS_UNVERSIONED
 
 
-def completions_reason(meta: dict | None, settings: GenerationSettings | None, corpus_version: str | None) -> str | None:
+def completions_reason(
+    meta: dict | None, settings: GenerationSettings | None, corpus_version: str | None
+) -> str | None:
     """Why ``completions[pk]`` (its latest metadata, None when never materialized) is not up to date."""
     if meta is None:
         return NOT_MATERIALIZED
@@ -128,8 +135,11 @@ def _storage_id(record: dg.EventLogRecord | int) -> int:
     return record if isinstance(record, int) else record.storage_id
 
 
-def after_upstream_reason(record: dg.EventLogRecord | int | None, upstream: Sequence[dg.EventLogRecord | int | None],
-                          upstream_name: str = "upstream") -> str | None:
+def after_upstream_reason(
+    record: dg.EventLogRecord | int | None,
+    upstream: Sequence[dg.EventLogRecord | int | None],
+    upstream_name: str = "upstream",
+) -> str | None:
     """Why a stage built from ``upstream`` is not up to date: never materialized, or an upstream materialization
     is newer. Records or their storage ids."""
     if record is None:
@@ -148,9 +158,13 @@ def corpus_versions(instance: dg.DagsterInstance) -> dict[str, str] | None:
     return (meta or {}).get("partition_versions")
 
 
-def completions_reasons(instance: dg.DagsterInstance, keys: Sequence[str], settings: GenerationSettings | None,
-                        records: dict[str, dg.EventLogRecord] | None = None,
-                        versions: dict[str, str] | None | bool = False) -> dict[str, str | None]:
+def completions_reasons(
+    instance: dg.DagsterInstance,
+    keys: Sequence[str],
+    settings: GenerationSettings | None,
+    records: dict[str, dg.EventLogRecord] | None = None,
+    versions: dict[str, str] | bool | None = False,
+) -> dict[str, str | None]:
     """``{pk: reason or None}`` for every key (three instance queries whatever the count).
 
     ``records``/``versions``: already-fetched latest completions records and corpus versions (``False``:
@@ -159,15 +173,27 @@ def completions_reasons(instance: dg.DagsterInstance, keys: Sequence[str], setti
         records = latest_records(instance, "completions", keys)
     if versions is False:
         versions = corpus_versions(instance)
-    return {pk: completions_reason(plain(records.get(pk)), settings, (versions or {}).get(pk) if versions else None)
-            for pk in keys}
+    return {
+        pk: completions_reason(plain(records.get(pk)), settings, (versions or {}).get(pk) if versions else None)
+        for pk in keys
+    }
 
 
-def partition_reason(instance: dg.DagsterInstance, stage: str, pk: str, settings: GenerationSettings | None = None,
-                     upstream: str | None = None) -> str | None:
+def partition_reason(
+    instance: dg.DagsterInstance,
+    stage: str,
+    pk: str,
+    settings: GenerationSettings | None = None,
+    upstream: str | None = None,
+) -> str | None:
     """Why ``stage[pk]`` is not up to date (``upstream``: the stage it is built from, for the later stages)."""
     if stage == "completions":
         versions = corpus_versions(instance)
-        return completions_reason(plain(latest_record(instance, stage, pk)), settings, (versions or {}).get(pk) if versions else None)
-    return after_upstream_reason(latest_record(instance, stage, pk),
-                                 [latest_record(instance, upstream, pk)] if upstream else [], upstream or "upstream")
+        return completions_reason(
+            plain(latest_record(instance, stage, pk)), settings, (versions or {}).get(pk) if versions else None
+        )
+    return after_upstream_reason(
+        latest_record(instance, stage, pk),
+        [latest_record(instance, upstream, pk)] if upstream else [],
+        upstream or "upstream",
+    )

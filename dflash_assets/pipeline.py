@@ -14,10 +14,10 @@ from collections import Counter
 import dagster as dg
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
+from dflash_assets import freshness
 from dflash_assets.assets.drafter import DrafterConfig, config_changed_since_last
 from dflash_assets.assets.evaluation import EvaluationConfig
 from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
-from dflash_assets import freshness
 from dflash_assets.config import config_path, op_config
 from dflash_assets.definitions import defs
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
@@ -53,7 +53,7 @@ def partition_reason_in(error: str, pk: str, failed: list[str], limit: int = 600
     if start < 0:
         return error[:limit]
     ends = [e for other in failed if other != pk and (e := error.find(f"{other}:", start + 1)) > start]
-    return error[start: min(ends, default=len(error))].rstrip("; ")[:limit]
+    return error[start : min(ends, default=len(error))].rstrip("; ")[:limit]
 
 
 # Console level of the runs' Dagster logger: INFO shows the assets' own progress lines and warnings; Dagster's
@@ -66,19 +66,27 @@ def console_logger_config(level: str | None = None) -> dict:
     return {"console": {"config": {"log_level": level or CONSOLE_LOG_LEVEL["level"]}}}
 
 
-def _materialize(keys: list[str], run_config: dict, partition_key: str | None = None,
-                 partition_range: tuple[str, str] | None = None) -> dg.ExecuteInProcessResult:
+def _materialize(
+    keys: list[str], run_config: dict, partition_key: str | None = None, partition_range: tuple[str, str] | None = None
+) -> dg.ExecuteInProcessResult:
     """One in-process run (of one partition, or of a key range as one run: single-run backfill). Raises
     KeyboardInterrupt when Ctrl-C / SIGTERM interrupted it: Dagster turns the signal into a failed run,
     and ``raise_on_error=False`` would otherwise let the loop go on."""
     # the full process record (machine, boot, pid namespace, start time): the reaper acts only on what it proves dead
     tags = {"dflash/trigger": "cli-run", **process_tags()}
     if partition_range is not None:
-        tags.update({ASSET_PARTITION_RANGE_START_TAG: partition_range[0], ASSET_PARTITION_RANGE_END_TAG: partition_range[1]})
+        tags.update(
+            {ASSET_PARTITION_RANGE_START_TAG: partition_range[0], ASSET_PARTITION_RANGE_END_TAG: partition_range[1]}
+        )
     result = dg.materialize(
-        list(defs.assets), selection=keys, instance=dg.DagsterInstance.get(), resources=defs.resources,
-        run_config={"loggers": console_logger_config(), **run_config}, partition_key=partition_key,
-        raise_on_error=False, tags=tags,
+        list(defs.assets),
+        selection=keys,
+        instance=dg.DagsterInstance.get(),
+        resources=defs.resources,
+        run_config={"loggers": console_logger_config(), **run_config},
+        partition_key=partition_key,
+        raise_on_error=False,
+        tags=tags,
     )
     if was_interrupted(result):
         raise KeyboardInterrupt(f"run {result.run_id} was interrupted")
@@ -102,8 +110,13 @@ def _feature_mode(instance, settings) -> str:
     Online: hidden_states is skipped and the drafter follows tokenized_sequences."""
     from dflash_assets.feature_sources import configured_mode, decide_mode
 
-    mode, reason = decide_mode(instance, defs.resources["storage"], defs.resources["target_model"], configured_mode(),
-                               fallback_tokens_per_row=settings.max_output_tokens)
+    mode, reason = decide_mode(
+        instance,
+        defs.resources["storage"],
+        defs.resources["target_model"],
+        configured_mode(),
+        fallback_tokens_per_row=settings.max_output_tokens,
+    )
     print(reason + ("; hidden_states is skipped" if mode == "online" else ""))
     return mode
 
@@ -128,8 +141,10 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     did_work = []
 
     corpus_cfg = op_config("prompt_corpus")
-    fingerprint = corpus_fingerprint(PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})),
-                                     defs.resources["storage"])
+    fingerprint = corpus_fingerprint(
+        PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})),
+        defs.resources["storage"],
+    )
     if why := freshness.corpus_reason(freshness.plain(_latest_record(instance, "prompt_corpus")), fingerprint):
         print(f"prompt_corpus: {why}: building it")
         result = _materialize(["prompt_corpus"], corpus_cfg)
@@ -145,7 +160,7 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     failed: dict[str, str] = {}  # partition -> why it failed
     # completions of every partition that needs it in ONE run: the servers start once, requests stream
     # across partitions, each partition is committed as it completes (up-to-date ones in between are kept)
-    reasons = (freshness.completions_reasons(instance, keys, settings) if "completions" in asset_names else {})
+    reasons = freshness.completions_reasons(instance, keys, settings) if "completions" in asset_names else {}
     generate = [pk for pk in keys if reasons.get(pk)]
     if generate:
         span = (generate[0], generate[-1])
@@ -157,12 +172,18 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         # each (one committed with error rows goes on: the next run retries those rows)
         error = run_failure_reason(result)
         after = freshness.completions_reasons(instance, generate, settings)
-        left = [pk for pk in generate if after[pk]
-                and getattr(_latest_record(instance, "completions", pk), "storage_id", None) == before[pk]]
+        left = [
+            pk
+            for pk in generate
+            if after[pk] and getattr(_latest_record(instance, "completions", pk), "storage_id", None) == before[pk]
+        ]
         for pk in left:
-            failed[pk] = (partition_reason_in(error, pk, left) if error else
-                          f"the run made no new materialization of it, and it is still not up to date: "
-                          f"{after[pk]} (see the run log above)")
+            failed[pk] = (
+                partition_reason_in(error, pk, left)
+                if error
+                else f"the run made no new materialization of it, and it is still not up to date: "
+                f"{after[pk]} (see the run log above)"
+            )
         did_work += [f"completions[{pk}]" for pk in generate if pk not in failed]
     for pk in keys:
         if pk in failed:
@@ -191,11 +212,20 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     for stage in FINAL_STAGES:
         if stage not in asset_names:
             continue
-        upstream_key = {"truncation_report": "completions", "dflash_drafter": stages[-1], "drafter_evaluation": "dflash_drafter"}[stage]
-        upstream = [_latest_record(instance, upstream_key, pk) for pk in keys] if upstream_key != "dflash_drafter" else [_latest_record(instance, upstream_key)]
+        upstream_key = {
+            "truncation_report": "completions",
+            "dflash_drafter": stages[-1],
+            "drafter_evaluation": "dflash_drafter",
+        }[stage]
+        upstream = (
+            [_latest_record(instance, upstream_key, pk) for pk in keys]
+            if upstream_key != "dflash_drafter"
+            else [_latest_record(instance, upstream_key)]
+        )
         settings_cls = {"dflash_drafter": DrafterConfig, "drafter_evaluation": EvaluationConfig}.get(stage)
         changed = settings_cls is not None and config_changed_since_last(
-            instance, stage, settings_cls(**((op_config(stage)["ops"].get(stage) or {}).get("config") or {})))
+            instance, stage, settings_cls(**((op_config(stage)["ops"].get(stage) or {}).get("config") or {}))
+        )
         if freshness.after_upstream_reason(_latest_record(instance, stage), upstream) is None and not changed:
             continue
         print(f"materializing {stage}")

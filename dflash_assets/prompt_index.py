@@ -96,9 +96,13 @@ def load_index(store, previous_corpus: pl.DataFrame | None = None) -> IndexTable
     else:
         frame = None
     if frame is not None:
-        if source is not None and (frame["content_hash"].n_unique() != frame.height or frame["index"].n_unique() != frame.height):
-            raise ValueError(f"{source}: a content hash or an index appears twice; the file is damaged. Restore it, or "
-                             "delete it to number the current corpus afresh (stored rows are then requested again)")
+        if source is not None and (
+            frame["content_hash"].n_unique() != frame.height or frame["index"].n_unique() != frame.height
+        ):
+            raise ValueError(
+                f"{source}: a content hash or an index appears twice; the file is damaged. Restore it, or "
+                "delete it to number the current corpus afresh (stored rows are then requested again)"
+            )
         table.by_hash = dict(zip(frame["content_hash"].to_list(), frame["index"].to_list()))
         table.prompt_ids = dict(zip(frame["content_hash"].to_list(), frame["prompt_id"].to_list()))
     if store.exists(*RANGES_FILE):
@@ -228,8 +232,9 @@ class StableCorpus:
     sizes: dict[str, int]
 
 
-def stable_corpus(store, built: pl.DataFrame, partition_size: int, max_prompts: int | None,
-                  previous: pl.DataFrame | None) -> StableCorpus:
+def stable_corpus(
+    store, built: pl.DataFrame, partition_size: int, max_prompts: int | None, previous: pl.DataFrame | None
+) -> StableCorpus:
     """Number a freshly built corpus (``build_corpus``'s, in corpus order) with stable indices.
 
     ``max_prompts``: keep the first N prompts in corpus order (sources in the given order, files sorted
@@ -246,5 +251,11 @@ def stable_corpus(store, built: pl.DataFrame, partition_size: int, max_prompts: 
     corpus = numbered.select(columns)
     keys = partition_keys_of(table, corpus["index"].to_list())
     groups = partition_prompts(corpus, keys)
-    return StableCorpus(corpus, table, keys, {pk: prompt_version(rows) for pk, rows in groups.items()},
-                        edit_counts(previous, corpus), {pk: len(rows) for pk, rows in groups.items()})
+    return StableCorpus(
+        corpus,
+        table,
+        keys,
+        {pk: prompt_version(rows) for pk, rows in groups.items()},
+        edit_counts(previous, corpus),
+        {pk: len(rows) for pk, rows in groups.items()},
+    )

@@ -158,8 +158,9 @@ def _stop(pids: list[int], grace_s: float) -> list[int]:
     return [p for p in left if starts[p] and is_running(p, starts[p].start_time)]
 
 
-def reap_dead_runs(instance: dg.DagsterInstance, by: str, exclude: tuple[str, ...] = (),
-                   log: Callable[[str], None] | None = None) -> list[str]:
+def reap_dead_runs(
+    instance: dg.DagsterInstance, by: str, exclude: tuple[str, ...] = (), log: Callable[[str], None] | None = None
+) -> list[str]:
     """Mark STARTED runs whose orchestrating process is gone as failed and free their pool slots.
 
     One run-storage query (STARTED runs); for each of them with a dead orchestrator, one event query
@@ -222,22 +223,27 @@ def mark_run_failed(instance: dg.DagsterInstance, run_id: str, by: str = "an ope
         raise ValueError(f"run {run_id} is {run.status.value}, not STARTED: nothing to do")
     where = f"pid {run.tags.get(PID_TAG)} on {run.tags.get(HOST_TAG)}" if run.tags.get(PID_TAG) else "unknown process"
     if run_process_alive(run, instance) is True:
-        raise ValueError(f"run {run_id} is alive on this machine ({where}): stop it instead (Ctrl-C, or Terminate "
-                         "in the UI)")
+        raise ValueError(
+            f"run {run_id} is alive on this machine ({where}): stop it instead (Ctrl-C, or Terminate in the UI)"
+        )
     if not _fail(instance, run, f"marked failed by {by} (its process, {where}, was lost); its pool slots were freed"):
         raise ValueError(f"run {run_id} ended meanwhile")
     return f"run {run_id} ({where}) marked failed; its pool slots were freed"
 
 
-def stop_orphaned_step_workers(instance: dg.DagsterInstance, exclude: tuple[str, ...] = (),
-                               log: Callable[[str], None] | None = None, within_s: float = 86400.0) -> dict[str, list[int]]:
+def stop_orphaned_step_workers(
+    instance: dg.DagsterInstance,
+    exclude: tuple[str, ...] = (),
+    log: Callable[[str], None] | None = None,
+    within_s: float = 86400.0,
+) -> dict[str, list[int]]:
     """Stop step processes still running for runs that already ended (failed or canceled in the last
     ``within_s`` seconds). Dagster marks a run failed when its run worker is killed (the code server sees
     the worker die) and frees its pool slots ``free_slots_after_run_end_seconds`` later, but the worker's
     step subprocess lives on: it would generate beside the run that takes the slot next. A run that ends
     by itself waits for its step processes, so a live one here is an orphan. One run query, plus one event
     query per recently ended run of this machine. Returns ``{run_id: pids stopped}``."""
-    since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=within_s)
+    since = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=within_s)
     stopped = {}
     ended = [dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
     for record in instance.get_run_records(dg.RunsFilter(statuses=ended, updated_after=since), limit=100):
@@ -248,8 +254,10 @@ def stop_orphaned_step_workers(instance: dg.DagsterInstance, exclude: tuple[str,
             left = _stop(workers, STOP_GRACE_S)
             stopped[run.run_id] = [p for p in workers if p not in left]
             if log:
-                log(f"run {run.run_id} ended but its step processes {workers} were still running: stopped"
-                    + (f" (still running: {left})" if left else ""))
+                log(
+                    f"run {run.run_id} ended but its step processes {workers} were still running: stopped"
+                    + (f" (still running: {left})" if left else "")
+                )
     return stopped
 
 
@@ -261,7 +269,9 @@ def _run_partitions(run: dg.DagsterRun, ordered: Callable[[], list[str]]) -> set
     """Partition keys ``run`` targets: its ``dagster/partition`` tag, or every key of its partition range
     (single-run backfill tags) in the order ``ordered()`` gives."""
     from dagster._core.storage.tags import (
-        ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG, PARTITION_NAME_TAG,
+        ASSET_PARTITION_RANGE_END_TAG,
+        ASSET_PARTITION_RANGE_START_TAG,
+        PARTITION_NAME_TAG,
     )
 
     if key := run.tags.get(PARTITION_NAME_TAG):
@@ -272,11 +282,16 @@ def _run_partitions(run: dg.DagsterRun, ordered: Callable[[], list[str]]) -> set
     keys = ordered()
     if start not in keys or end not in keys:
         return {start, end}
-    return set(keys[keys.index(start): keys.index(end) + 1])
+    return set(keys[keys.index(start) : keys.index(end) + 1])
 
 
-def runs_holding_partitions(instance: dg.DagsterInstance, asset: str, partition_keys: list[str], this_run_id: str,
-                            ordered: Callable[[], list[str]] | None = None) -> dict[str, list[str]]:
+def runs_holding_partitions(
+    instance: dg.DagsterInstance,
+    asset: str,
+    partition_keys: list[str],
+    this_run_id: str,
+    ordered: Callable[[], list[str]] | None = None,
+) -> dict[str, list[str]]:
     """Other runs (STARTED or CANCELING, of any machine, not provably dead: :func:`run_process_alive`)
     that materialize ``asset`` for any of ``partition_keys``: ``{run_id: [overlapping keys]}``. One
     run-storage query.
@@ -318,9 +333,11 @@ def partition_busy_message(instance: dg.DagsterInstance, asset: str, holding: di
         where = f"pid {run.tags.get(PID_TAG)} on {run.tags.get(HOST_TAG)}" if run and run.tags.get(PID_TAG) else "?"
         shown = ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
         parts.append(f"run {run_id} ({where}) is materializing {asset}[{shown}]")
-    return ("; ".join(parts) + ": two runs of one partition would overwrite each other's files, so this one does "
-            "nothing. Let that run finish (or stop it); if its machine is lost, mark it failed: "
-            "`python -m dflash_assets mark-failed RUN_ID`")
+    return (
+        "; ".join(parts) + ": two runs of one partition would overwrite each other's files, so this one does "
+        "nothing. Let that run finish (or stop it); if its machine is lost, mark it failed: "
+        "`python -m dflash_assets mark-failed RUN_ID`"
+    )
 
 
 class ReapingExecutor(Executor):
@@ -343,7 +360,7 @@ class ReapingExecutor(Executor):
         instance.add_run_tags(run.run_id, process_tags())
         try:
             reap_dead_runs(instance, by=f"run {run.run_id}", exclude=(run.run_id,), log=plan_context.log.warning)
-        except Exception as exc:  # noqa: BLE001 - reaping is best effort; the run itself goes on
+        except Exception as exc:
             plan_context.log.warning(f"could not check for killed runs: {type(exc).__name__}: {exc}")
         yield from self._inner.execute(plan_context, execution_plan)
 

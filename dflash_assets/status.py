@@ -99,8 +99,7 @@ def latest_metadata_by_partition(instance: dg.DagsterInstance, asset_name: str, 
     return {pk: plain_metadata(r) for pk, r in latest_records(instance, dg.AssetKey(asset_name), list(keys)).items()}
 
 
-def invalid_rows(store, pk: str, settings, continues: bool = False,
-                 prompts=None) -> tuple[Counter, int, Counter, int]:
+def invalid_rows(store, pk: str, settings, continues: bool = False, prompts=None) -> tuple[Counter, int, Counter, int]:
     """``(reasons, tokens, continued, cut)``: rows of completions partition ``pk`` that ``settings``
     regenerate, counted by :func:`~dflash_assets.generation.records.invalid_reason`; the current
     completion tokens of those regenerated whole; when ``continues`` (the servers continue cut rows, see
@@ -153,7 +152,9 @@ def continuation_tokens(report: dict | None, continued: Counter, new_cap: int) -
     if not fit or not continued or set(continued) != {report.get("cap")}:
         return None
     cap, n = report["cap"], sum(continued.values())
-    return predict_cap(fit_from_dict(fit), cap, float(report.get("truncation_rate") or 0.0), n, new_cap)["extra_output_tokens"]
+    return predict_cap(fit_from_dict(fit), cap, float(report.get("truncation_rate") or 0.0), n, new_cap)[
+        "extra_output_tokens"
+    ]
 
 
 def generation_time(records: dict[str, dg.EventLogRecord], meta: dict[str, dict]) -> tuple[float, float, int]:
@@ -174,7 +175,9 @@ def generation_time(records: dict[str, dg.EventLogRecord], meta: dict[str, dict]
         span = spans.setdefault(record.run_id or pk, [record.timestamp - wall, record.timestamp])
         span[0], span[1] = min(span[0], record.timestamp - wall), max(span[1], record.timestamp)
         rate = m.get("output_tok_per_s")
-        if m.get("output_tokens_generated") is not None:  # a run that cut or continued rows made fewer than its table holds
+        if (
+            m.get("output_tokens_generated") is not None
+        ):  # a run that cut or continued rows made fewer than its table holds
             tokens += float(m["output_tokens_generated"])
         else:
             tokens += float(rate) * wall if rate else float(m.get("completion_tokens_total", 0) or 0)
@@ -188,24 +191,45 @@ def runs_in_progress(instance: dg.DagsterInstance, records: dict[str, dg.EventLo
     flight / capacity, ETA): ``[{"run_id", "range", "as_of", ...}]``, ``as_of`` the commit's Unix time."""
     from dflash_assets.automation import plain_metadata
 
-    started = {r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))}
+    started = {
+        r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
+    }
     newest: dict[str, dg.EventLogRecord] = {}
     for record in records.values():
-        if record.run_id in started and (record.run_id not in newest or record.storage_id > newest[record.run_id].storage_id):
+        if record.run_id in started and (
+            record.run_id not in newest or record.storage_id > newest[record.run_id].storage_id
+        ):
             newest[record.run_id] = record
     out = []
     for run_id, record in sorted(newest.items()):
         m = plain_metadata(record)
         if "run_rows_total" not in m:
             continue
-        out.append({"run_id": run_id, "range": m.get("run_partition_range"), "as_of": record.timestamp,
-                    **{k: m.get(f"run_{k}") for k in ("rows_done", "rows_total", "req_per_s", "output_tok_per_s",
-                                                        "slots_in_flight", "slots_capacity", "eta_s")}})
+        out.append(
+            {
+                "run_id": run_id,
+                "range": m.get("run_partition_range"),
+                "as_of": record.timestamp,
+                **{
+                    k: m.get(f"run_{k}")
+                    for k in (
+                        "rows_done",
+                        "rows_total",
+                        "req_per_s",
+                        "output_tok_per_s",
+                        "slots_in_flight",
+                        "slots_capacity",
+                        "eta_s",
+                    )
+                },
+            }
+        )
     return out
 
 
-def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES, settings=None, store=None,
-                   continues: bool = False) -> dict:
+def collect_status(
+    instance: dg.DagsterInstance, stages: Sequence[str] = STAGES, settings=None, store=None, continues: bool = False
+) -> dict:
     """Everything the status command prints, as plain values.
 
     Args:
@@ -278,8 +302,9 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
                 if freshness.prompts_reason(meta[pk], (versions or {}).get(pk) if versions else None):
                     from dflash_assets.assets.prompts import CORPUS_FILE
 
-                    prompts = store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash", "prompt_id"],
-                                                 index_ranges=[key_range(pk)])
+                    prompts = store.read_parquet(
+                        *CORPUS_FILE, columns=["index", "content_hash", "prompt_id"], index_ranges=[key_range(pk)]
+                    )
                 reasons, tokens, continued, cut = invalid_rows(store, pk, settings, continues, prompts)
                 removed += reasons.pop("removed", 0)
             if reasons:
@@ -296,7 +321,7 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
         try:
             if store.exists(REPORT_DIR, "report.json"):
                 report = store.read_json(REPORT_DIR, "report.json")
-        except Exception:  # noqa: BLE001 - an estimate only
+        except Exception:
             report = None
         estimate = continuation_tokens(report, to_continue, settings.max_output_tokens)
         # without a fit: each continued row at its current length (what a whole regeneration would cost at least)
@@ -315,7 +340,9 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
     edit = {k: int(corpus_meta[f"prompts_{k}"]) for k in ("new", "changed", "removed") if f"prompts_{k}" in corpus_meta}
     if edit:  # what the corpus's last build changed, and what it costs: prompts still without a valid row for them
         new_rows = sum(partition_prompt_count(pk) for pk in not_done)
-        edit["to_request"] = new_rows + sum(v for k, v in regen.items() if k in ("missing", "prompt changed", "prompt unknown"))
+        edit["to_request"] = new_rows + sum(
+            v for k, v in regen.items() if k in ("missing", "prompt changed", "prompt unknown")
+        )
     return {
         "partitions": len(keys),
         "prompts": rows_total,
@@ -333,8 +360,14 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
             "tokens_per_s": tokens_per_s,
             "requests_per_s": requests_per_s,
             "rows_remaining": rows_remaining,
-            "regenerate": {"rows": regen_rows, "partitions": regen_parts, "by_reason": dict(sorted(regen.items())),
-                           "continued": sum(to_continue.values()), "cut_locally": to_cut, "removed": removed},
+            "regenerate": {
+                "rows": regen_rows,
+                "partitions": regen_parts,
+                "by_reason": dict(sorted(regen.items())),
+                "continued": sum(to_continue.values()),
+                "cut_locally": to_cut,
+                "removed": removed,
+            },
             "cap": settings.max_output_tokens if settings is not None else None,
             "tokens_remaining_est": tokens_remaining,
             "eta_s": eta_s,
@@ -375,18 +408,30 @@ def format_status(status: dict) -> str:
     )
     regen = comp.get("regenerate") or {}
     if edit := status.get("corpus_edit"):
-        lines.append(f"corpus, last build: {edit['new']} new, {edit['changed']} changed, {edit['removed']} removed prompts "
-                     f"(stable indices: unchanged prompts keep their rows); completions still to request for new or "
-                     f"changed prompts and partitions not done: {edit['to_request']}"
-                     + (f"; {regen['removed']} stored rows of removed prompts are dropped, no request" if regen.get("removed") else ""))
+        lines.append(
+            f"corpus, last build: {edit['new']} new, {edit['changed']} changed, {edit['removed']} removed prompts "
+            f"(stable indices: unchanged prompts keep their rows); completions still to request for new or "
+            f"changed prompts and partitions not done: {edit['to_request']}"
+            + (
+                f"; {regen['removed']} stored rows of removed prompts are dropped, no request"
+                if regen.get("removed")
+                else ""
+            )
+        )
     if preview := status.get("corpus_preview"):
         lines.append(preview)
     if regen.get("rows"):
         reasons = ", ".join(f"{k}: {v}" for k, v in regen["by_reason"].items())
-        lines.append(f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} partitions ({reasons})"
-                     + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else "")
-                     + (f"; up to {regen['cut_locally']} of them cut to the lower cap from their own tokens, no request "
-                        "(those whose tokens match their text; the estimate counts them at 0 tokens)" if regen.get("cut_locally") else ""))
+        lines.append(
+            f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} partitions ({reasons})"
+            + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else "")
+            + (
+                f"; up to {regen['cut_locally']} of them cut to the lower cap from their own tokens, no request "
+                "(those whose tokens match their text; the estimate counts them at 0 tokens)"
+                if regen.get("cut_locally")
+                else ""
+            )
+        )
     for run in status.get("runs_in_progress", []):
         eta = run["eta_s"] if run["eta_s"] is not None and run["eta_s"] >= 0 else None
         lines.append(
@@ -396,9 +441,9 @@ def format_status(status: dict) -> str:
         )
     remaining = comp["tokens_remaining_est"]
     lines.append(
-        f"completions remaining: {comp['rows_remaining']} prompts, "
-        f"~{remaining:.0f} tokens" if remaining is not None else
-        f"completions remaining: {comp['rows_remaining']} prompts, tokens unknown (no partition done yet)"
+        f"completions remaining: {comp['rows_remaining']} prompts, ~{remaining:.0f} tokens"
+        if remaining is not None
+        else f"completions remaining: {comp['rows_remaining']} prompts, tokens unknown (no partition done yet)"
     )
     lines[-1] += f", ETA {_duration(comp['eta_s'])}"
     return "\n".join(lines)
@@ -414,7 +459,7 @@ def current_settings_and_store():
         settings = GenerationResource(**resource_fields("generation")).settings()
         store = StorageResource(**resource_fields("storage"), **s3_credentials_from_env()).open()
         return settings, store, None
-    except Exception as exc:  # noqa: BLE001 - status still prints what the instance knows
+    except Exception as exc:
         return None, None, f"{type(exc).__name__}: {exc}"
 
 
@@ -427,7 +472,7 @@ def config_continues_cut_rows() -> bool:
 
         inference = InferenceServerResource(**resource_fields("inference"))
         return inference.continue_truncated and inference.backend() == "sglang"
-    except Exception:  # noqa: BLE001 - an estimate only
+    except Exception:
         return False
 
 
@@ -457,9 +502,11 @@ def corpus_preview(instance: dg.DagsterInstance, store) -> str | None:
     had = set(previous["index"].to_list())
     to_request = sum(1 for i in built.corpus["index"].to_list() if i not in had)
     e = built.edits
-    return (f"{reason}: the next run builds the corpus again: {e.new} new, {e.changed} changed, {e.removed} removed "
-            f"prompts, {e.kept} unchanged (they keep their index and rows); it will request {to_request} completions "
-            f"for them, in {len(built.keys)} partitions")
+    return (
+        f"{reason}: the next run builds the corpus again: {e.new} new, {e.changed} changed, {e.removed} removed "
+        f"prompts, {e.kept} unchanged (they keep their index and rows); it will request {to_request} completions "
+        f"for them, in {len(built.keys)} partitions"
+    )
 
 
 def print_status(instance: dg.DagsterInstance | None = None) -> int:
@@ -467,14 +514,19 @@ def print_status(instance: dg.DagsterInstance | None = None) -> int:
     config's generation settings; returns exit code 0."""
     settings, store, error = current_settings_and_store()
     if error:
-        print(f"note: could not load the config's generation settings and storage ({error}); rows the settings "
-              "would regenerate are not counted")
+        print(
+            f"note: could not load the config's generation settings and storage ({error}); rows the settings "
+            "would regenerate are not counted"
+        )
     instance = instance or dg.DagsterInstance.get()
-    status = collect_status(instance, settings=settings, store=store,
-                            continues=settings is not None and config_continues_cut_rows())
+    status = collect_status(
+        instance, settings=settings, store=store, continues=settings is not None and config_continues_cut_rows()
+    )
     try:
         status["corpus_preview"] = corpus_preview(instance, store)
-    except Exception as exc:  # noqa: BLE001 - the rest of status still prints
-        status["corpus_preview"] = f"note: could not preview the next corpus build ({type(exc).__name__}: {str(exc)[:300]})"
+    except Exception as exc:
+        status["corpus_preview"] = (
+            f"note: could not preview the next corpus build ({type(exc).__name__}: {str(exc)[:300]})"
+        )
     print(format_status(status))
     return 0

@@ -14,7 +14,12 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.status import INFERENCE_POOL
 
 
-@dg.asset(name="completions", partitions_def=prompt_ranges, pool=INFERENCE_POOL, backfill_policy=dg.BackfillPolicy.single_run())
+@dg.asset(
+    name="completions",
+    partitions_def=prompt_ranges,
+    pool=INFERENCE_POOL,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+)
 def completions(context: dg.AssetExecutionContext):
     raise dg.Failure("stand-in: never executed by these tests")
 

@@ -55,8 +55,11 @@ def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("corpus_edits")
     log = tmp / "requests.jsonl"
     log.touch()
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_assets.simulation.stand_in_server", "--script", "echo",
-                             "--log", str(log)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_assets.simulation.stand_in_server", "--script", "echo", "--log", str(log)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("PORT "), line
@@ -64,8 +67,15 @@ def world(tmp_path_factory):
         target = tiny_target(tmp / "target")
         (tmp / "home").mkdir()
         with dg.instance_for_test(temp_dir=str(tmp / "home")) as instance:
-            yield {"tmp": tmp, "log": log, "url": url, "target": target, "instance": instance, "root": tmp / "data",
-                   "history": []}
+            yield {
+                "tmp": tmp,
+                "log": log,
+                "url": url,
+                "target": target,
+                "instance": instance,
+                "root": tmp / "data",
+                "history": [],
+            }
     finally:
         proc.terminate()
         proc.wait(10)
@@ -81,8 +91,17 @@ def tiny_target(path: Path) -> str:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(src / name, path / name)
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)).save_pretrained(path)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=49152,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=512,
+        )
+    ).save_pretrained(path)
     return str(path)
 
 
@@ -101,9 +120,16 @@ def requests_so_far(world) -> list[str]:
 def resources(world) -> dict:
     return {
         "storage": StorageResource(root=str(world["root"])),
-        "inference": InferenceServerResource(mode="external", base_urls=[world["url"]], served_model_name="fake",
-                                             external_backend="openai", max_running_requests=4, max_attempts=1,
-                                             request_timeout_s=10.0, startup_timeout_s=10.0),
+        "inference": InferenceServerResource(
+            mode="external",
+            base_urls=[world["url"]],
+            served_model_name="fake",
+            external_backend="openai",
+            max_running_requests=4,
+            max_attempts=1,
+            request_timeout_s=10.0,
+            startup_timeout_s=10.0,
+        ),
         "generation": GenerationResource(max_output_tokens=16, temperature=0.0),
         "target_model": TargetModelResource(model_path=world["target"], dtype="float32", device="cpu"),
     }
@@ -114,8 +140,9 @@ def run_main_job_stages(world, sources: list[str]) -> dict[str, str]:
     as the main job does. Returns ``{partition: completions reason}`` seen before the run."""
     instance, res = world["instance"], resources(world)
     config = {"sources": sources, "partition_size": SIZE}
-    assert dg.materialize([prompt_corpus], instance=instance, resources=res,
-                          run_config={"ops": {"prompt_corpus": {"config": config}}}).success
+    assert dg.materialize(
+        [prompt_corpus], instance=instance, resources=res, run_config={"ops": {"prompt_corpus": {"config": config}}}
+    ).success
     keys = instance.get_dynamic_partitions(prompt_ranges.name)
     settings = res["generation"].settings()
     # what status says the run will cost, before it runs
@@ -123,8 +150,13 @@ def run_main_job_stages(world, sources: list[str]) -> dict[str, str]:
     reasons = {pk: r for pk, r in freshness.completions_reasons(instance, keys, settings).items() if r}
     if reasons:
         stale = [pk for pk in keys if pk in reasons]
-        result = dg.materialize([completions], instance=instance, resources=res, raise_on_error=False, tags={
-            ASSET_PARTITION_RANGE_START_TAG: stale[0], ASSET_PARTITION_RANGE_END_TAG: stale[-1]})
+        result = dg.materialize(
+            [completions],
+            instance=instance,
+            resources=res,
+            raise_on_error=False,
+            tags={ASSET_PARTITION_RANGE_START_TAG: stale[0], ASSET_PARTITION_RANGE_END_TAG: stale[-1]},
+        )
         assert result.success
         assert not {pk for pk, r in freshness.completions_reasons(instance, keys, settings).items() if r}
     for pk in keys:
@@ -135,11 +167,20 @@ def run_main_job_stages(world, sources: list[str]) -> dict[str, str]:
             upstream = stage
         if todo:
             assets = {"tokenized_sequences": tokenized_sequences, "hidden_states": hidden_states}
-            result = dg.materialize([assets[s] for s in todo], instance=instance, resources=res, partition_key=pk,
-                                    raise_on_error=False, run_config={"ops": {
-                                        # every echo answer is ~8 tokens: that is not the empty-answer signature here
-                                        "tokenized_sequences": {"config": {"degenerate_small_tokens": 1}},
-                                        "hidden_states": {"config": {"target_layer_ids": [0, 1], "rows_per_shard": 4}}}})
+            result = dg.materialize(
+                [assets[s] for s in todo],
+                instance=instance,
+                resources=res,
+                partition_key=pk,
+                raise_on_error=False,
+                run_config={
+                    "ops": {
+                        # every echo answer is ~8 tokens: that is not the empty-answer signature here
+                        "tokenized_sequences": {"config": {"degenerate_small_tokens": 1}},
+                        "hidden_states": {"config": {"target_layer_ids": [0, 1], "rows_per_shard": 4}},
+                    }
+                },
+            )
             assert result.success, pk
     return reasons
 
@@ -169,10 +210,13 @@ def check_stored_rows(world) -> pl.DataFrame:
         for row in tok.iter_rows(named=True):
             i = row["index"]
             assert row["prompt_hash"] == chash[i]
-            prompt_part, answer_part = decode(tokenizer, row["input_ids"][: row["prompt_len"]]), decode(tokenizer, row["input_ids"][row["prompt_len"]:])
+            prompt_part, answer_part = (
+                decode(tokenizer, row["input_ids"][: row["prompt_len"]]),
+                decode(tokenizer, row["input_ids"][row["prompt_len"] :]),
+            )
             assert prompt_part.rstrip().endswith(text[i]) or f"{text[i]}\n" in prompt_part, (i, prompt_part[-80:])
             assert answer_part.strip() == f"Answer to: {text[i]}", (i, answer_part)
-            assert row["loss_mask"][row["prompt_len"]:] == [1] * (len(row["input_ids"]) - row["prompt_len"])
+            assert row["loss_mask"][row["prompt_len"] :] == [1] * (len(row["input_ids"]) - row["prompt_len"])
         index = json.loads((root / "hidden_states" / pk / "index.json").read_text())
         assert {int(i): h for i, h in index["prompt_hashes"].items()} == {i: chash[i] for i in tok["index"].to_list()}
         seen.update(comp["index"].to_list())
@@ -247,7 +291,9 @@ def test_reordered_sources_cost_nothing(world):
 
 def test_the_same_prompt_in_two_files_is_one_prompt_with_one_row(world):
     world["dup"] = write(world, "dup.jsonl", ["p-b0", "p-dup-new", "p-after1"])
-    step(world, [world["a"], world["dup"], world["b"], world["before"], world["between"], world["after"]], {"p-dup-new"})
+    step(
+        world, [world["a"], world["dup"], world["b"], world["before"], world["between"], world["after"]], {"p-dup-new"}
+    )
 
 
 def test_a_removed_file_costs_nothing_and_its_rows_leave_every_table(world):
@@ -268,9 +314,15 @@ def test_a_row_from_before_rows_named_their_prompt_is_requested_again(world):
     table = pl.read_parquet(path)
     # an old table: no prompt_hash column; row 0 has an id-like prompt_id (unverifiable), the rest their hash
     old = table.drop("prompt_hash").with_columns(
-        pl.when(pl.col("index") == table["index"][0]).then(pl.lit("a:0")).otherwise(pl.col("prompt_id")).alias("prompt_id"))
+        pl.when(pl.col("index") == table["index"][0])
+        .then(pl.lit("a:0"))
+        .otherwise(pl.col("prompt_id"))
+        .alias("prompt_id")
+    )
     old.write_parquet(path)
-    instance.report_runless_asset_event(dg.AssetMaterialization("completions", partition=pk, metadata={"rows": old.height}))
+    instance.report_runless_asset_event(
+        dg.AssetMaterialization("completions", partition=pk, metadata={"rows": old.height})
+    )
     before = len(requests_so_far(world))
     reasons = run_main_job_stages(world, [world["a"], world["dup"], world["before"], world["between"], world["after"]])
     assert reasons == {pk: freshness.PROMPTS_UNVERSIONED}
@@ -286,8 +338,14 @@ def test_status_previews_an_edit_of_the_prompt_files_before_the_corpus_is_built(
     nothing) and says what it will cost; the run then sends exactly that."""
     from dflash_assets.status import corpus_preview
 
-    sources = [world["a"], world["dup"], world["before"], world["between"], world["after"],
-               write(world, "late.jsonl", ["p-late0", "p-b1"])]  # one new prompt, one that comes back
+    sources = [
+        world["a"],
+        world["dup"],
+        world["before"],
+        world["between"],
+        world["after"],
+        write(world, "late.jsonl", ["p-late0", "p-b1"]),
+    ]  # one new prompt, one that comes back
     config = world["tmp"] / "config.yaml"
     config.write_text(json.dumps({"ops": {"prompt_corpus": {"config": {"sources": sources, "partition_size": SIZE}}}}))
     monkeypatch.setenv("DFLASH_CONFIG", str(config))

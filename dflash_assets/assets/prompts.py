@@ -1,6 +1,5 @@
 """Stage 1: ``prompt_corpus``: prompt files -> one deduplicated, indexed table; registers partitions."""
 
-
 import hashlib
 import os
 import time
@@ -10,10 +9,10 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.corpus import CorpusError, build_corpus, expand_source
-from dflash_assets.prompt_reader import GiB, MiB, ReadLimits
 from dflash_assets.metadata import table_preview
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.prompt_index import save_index, stable_corpus
+from dflash_assets.prompt_reader import GiB, MiB, ReadLimits
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.status import ensure_pool_limits
 
@@ -37,16 +36,22 @@ class PromptCorpusConfig(dg.Config):
     )
     partition_size: int = Field(default=1000, ge=1, description="Prompts per index-range partition.")
     max_prompts: int | None = Field(
-        default=None, ge=1,
-        description="Keep only the first N prompts in sources order (demo runs); each keeps its stable index.")
+        default=None,
+        ge=1,
+        description="Keep only the first N prompts in sources order (demo runs); each keeps its stable index.",
+    )
     max_record_mb: float = Field(
-        default=ReadLimits.max_record_bytes / MiB, gt=0,
+        default=ReadLimits.max_record_bytes / MiB,
+        gt=0,
         description="Longest JSONL line / JSON-array element accepted, MiB: a longer one fails its file (a damaged "
-        "file or a decompression bomb, never a prompt).")
+        "file or a decompression bomb, never a prompt).",
+    )
     max_file_gb: float = Field(
-        default=ReadLimits.max_file_bytes / GiB, gt=0,
+        default=ReadLimits.max_file_bytes / GiB,
+        gt=0,
         description="Most content one prompt file may hold after gunzip, GiB (Parquet: the uncompressed size its "
-        "footer declares); split larger corpora into several files.")
+        "footer declares); split larger corpora into several files.",
+    )
 
     def read_limits(self) -> ReadLimits:
         """The bounds each prompt file is read under."""
@@ -88,7 +93,9 @@ def corpus_fingerprint(config: PromptCorpusConfig, storage: StorageResource | No
         "table prompt_index.parquet; registers the index-range partitions that hold prompts."
     ),
 )
-def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig, storage: StorageResource) -> dg.MaterializeResult:
+def prompt_corpus(
+    context: dg.AssetExecutionContext, config: PromptCorpusConfig, storage: StorageResource
+) -> dg.MaterializeResult:
     started = time.monotonic()
     store = storage.open()
     try:
@@ -96,10 +103,17 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig,
     except CorpusError as exc:
         if exc.rejected is None:
             raise dg.Failure(str(exc)) from None
-        uri = store.write_parquet(exc.rejected, *REJECTED_FILE)  # the rows set aside, with reasons, for the user to read
-        raise dg.Failure(f"{exc} Rejected rows with reasons: {uri}", metadata={"rejected": exc.rejected.height}) from None
-    previous = (store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash", "prompt_id"])
-                if store.exists(*CORPUS_FILE) else None)
+        uri = store.write_parquet(
+            exc.rejected, *REJECTED_FILE
+        )  # the rows set aside, with reasons, for the user to read
+        raise dg.Failure(
+            f"{exc} Rejected rows with reasons: {uri}", metadata={"rejected": exc.rejected.height}
+        ) from None
+    previous = (
+        store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash", "prompt_id"])
+        if store.exists(*CORPUS_FILE)
+        else None
+    )
     try:
         built = stable_corpus(store, result.corpus, config.partition_size, config.max_prompts, previous)
     except ValueError as exc:
@@ -129,7 +143,10 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig,
         context.log.warning(f"rejected {row['file']}:{row['line']}: {row['reason']}")
 
     preview = corpus.head(10).select(
-        "index", "prompt_id", "source", first_user=corpus.head(10)["messages"].list.last().struct.field("content").str.slice(0, 120)
+        "index",
+        "prompt_id",
+        "source",
+        first_user=corpus.head(10)["messages"].list.last().struct.field("content").str.slice(0, 120),
     )
     rows_per_source = corpus.group_by("source").len().sort("source")
     return dg.MaterializeResult(
@@ -158,4 +175,3 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig,
             "config_fingerprint": corpus_fingerprint(config, storage),
         }
     )
-

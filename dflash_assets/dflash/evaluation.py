@@ -25,7 +25,7 @@ in one long accepted run.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -42,9 +42,9 @@ __all__ = [
     "acceptance_per_position",
     "evaluate_drafter",
     "evaluate_drafters",
+    "tau_statistics",
     "teacher_forced_acceptance",
     "teacher_forced_chain",
-    "tau_statistics",
     "untrained_drafter_like",
 ]
 
@@ -105,7 +105,8 @@ def tau_statistics(per_prompt_lengths: Sequence[Sequence[int]], block_size: int)
     sums = tau_from_sums([(sum(v), len(v)) for v in per_prompt_lengths if len(v)])
     everything = [v for lengths in per_prompt_lengths for v in lengths]
     return {
-        **sums, "per_prompt_tau": per_prompt,
+        **sums,
+        "per_prompt_tau": per_prompt,
         "histogram": acceptance_histogram(everything, block_size),
         "acceptance_per_position": acceptance_per_position(everything, block_size),
     }
@@ -137,8 +138,12 @@ def acceptance_histogram_png(
         total = max(1, sum(counts))
         offset = (i - (n - 1) / 2) * width
         tau = acceptance_length(lengths)
-        ax.bar([x + offset for x in xs], [c / total for c in counts], width=width,
-               label=f"{label} (tau={tau:.2f}, {sum(counts)} steps)")
+        ax.bar(
+            [x + offset for x in xs],
+            [c / total for c in counts],
+            width=width,
+            label=f"{label} (tau={tau:.2f}, {sum(counts)} steps)",
+        )
     ax.set_xlabel("tokens accepted per target forward (incl. bonus)")
     ax.set_ylabel("fraction of verification steps")
     ax.set_xticks(xs)
@@ -185,9 +190,16 @@ def evaluate_drafter(
     One drafter's case of :func:`evaluate_drafters` (see there for the timing and the returned fields).
     """
     return evaluate_drafters(
-        target, {"drafter": drafter}, prompts_ids, max_new_tokens, eos_token_ids=eos_token_ids,
-        target_layer_ids=target_layer_ids, block_size=block_size, mask_token_id=mask_token_id,
-        plain_results=plain_results, warmup=warmup,
+        target,
+        {"drafter": drafter},
+        prompts_ids,
+        max_new_tokens,
+        eos_token_ids=eos_token_ids,
+        target_layer_ids=target_layer_ids,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        plain_results=plain_results,
+        warmup=warmup,
         progress=None if progress is None else (lambda name, done, total, r: progress(done, total, r)),
         use_context_cache=use_context_cache,
     )["drafter"]
@@ -251,8 +263,13 @@ def evaluate_drafters(
 
     def kw(name: str) -> dict:
         cfg = getattr(drafters[name], "config", None)
-        return dict(target_layer_ids=target_layer_ids, block_size=int(block_size if block_size is not None else cfg.block_size),
-                    mask_token_id=mask_token_id, eos_token_ids=eos_token_ids, use_context_cache=use_context_cache)
+        return dict(
+            target_layer_ids=target_layer_ids,
+            block_size=int(block_size if block_size is not None else cfg.block_size),
+            mask_token_id=mask_token_id,
+            eos_token_ids=eos_token_ids,
+            use_context_cache=use_context_cache,
+        )
 
     if warmup:
         for name in names:
@@ -299,7 +316,9 @@ def evaluate_drafters(
             "wall_s_plain": wall_plain,
             "wall_s_spec": wall_spec,
             "speedup": wall_plain / wall_spec if wall_spec > 0 else math.nan,
-            "timing": "reused plain results" if plain_results is not None else "warm, interleaved per prompt (order rotating)",
+            "timing": "reused plain results"
+            if plain_results is not None
+            else "warm, interleaved per prompt (order rotating)",
             "lossless": not mismatched,
             "mismatched_prompts": mismatched,
         }
@@ -369,13 +388,19 @@ def teacher_forced_acceptance(
             continue
         batch = collate_training_batch([sample], [anchors], bs, mask_id).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            hidden = drafter(batch.block_input_ids, target_hidden=batch.context_hidden,
-                             position_ids=batch.position_ids, attention_mask=batch.attention_mask)
+            hidden = drafter(
+                batch.block_input_ids,
+                target_hidden=batch.context_hidden,
+                position_ids=batch.position_ids,
+                attention_mask=batch.attention_mask,
+            )
         hidden = hidden[0, : m * bs]
-        preds = torch.cat([
-            torch.nn.functional.linear(hidden[i : i + logits_chunk].float(), head.float()).argmax(-1)
-            for i in range(0, hidden.shape[0], logits_chunk)
-        ])
+        preds = torch.cat(
+            [
+                torch.nn.functional.linear(hidden[i : i + logits_chunk].float(), head.float()).argmax(-1)
+                for i in range(0, hidden.shape[0], logits_chunk)
+            ]
+        )
         hit = ((preds == batch.labels[0, : m * bs]) & batch.label_mask[0, : m * bs]).view(m, bs).cpu()
         valid = batch.label_mask[0, : m * bs].view(m, bs).cpu()
         correct += hit.float().sum(0)
@@ -462,15 +487,23 @@ def teacher_forced_chain(
         for lo in range(0, positions.numel(), anchors_per_forward):
             anchors = positions[lo : lo + anchors_per_forward]
             pad = max(0, int(anchors.max()) + bs - t)  # blocks near the end run past the row: pad with masked labels
-            s = sample if not pad else {
-                "input_ids": torch.cat([ids, torch.full((pad,), mask_id, dtype=ids.dtype)]),
-                "loss_mask": torch.cat([sample["loss_mask"], torch.zeros(pad, dtype=sample["loss_mask"].dtype)]),
-                "hidden_states": torch.cat([sample["hidden_states"], sample["hidden_states"][-1:].expand(pad, -1)]),
-            }
+            s = (
+                sample
+                if not pad
+                else {
+                    "input_ids": torch.cat([ids, torch.full((pad,), mask_id, dtype=ids.dtype)]),
+                    "loss_mask": torch.cat([sample["loss_mask"], torch.zeros(pad, dtype=sample["loss_mask"].dtype)]),
+                    "hidden_states": torch.cat([sample["hidden_states"], sample["hidden_states"][-1:].expand(pad, -1)]),
+                }
+            )
             batch = collate_training_batch([s], [anchors], bs, mask_id).to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                hidden = drafter(batch.block_input_ids, target_hidden=batch.context_hidden,
-                                 position_ids=batch.position_ids, attention_mask=batch.attention_mask)
+                hidden = drafter(
+                    batch.block_input_ids,
+                    target_hidden=batch.context_hidden,
+                    position_ids=batch.position_ids,
+                    attention_mask=batch.attention_mask,
+                )
             m = anchors.numel()
             pred = torch.nn.functional.linear(hidden[0, : m * bs].float(), head.float()).argmax(-1).view(m, bs).cpu()
             label_pos = anchors[:, None] + torch.arange(bs)[None, :]
@@ -485,5 +518,9 @@ def teacher_forced_chain(
             a += n
         per_row.append(lengths)
     drafter.train(was_training)
-    return {**tau_statistics(per_row, bs), "accepted_lengths": per_row, "num_rows": n_rows,
-            "num_blocks": sum(len(v) for v in per_row)}
+    return {
+        **tau_statistics(per_row, bs),
+        "accepted_lengths": per_row,
+        "num_rows": n_rows,
+        "num_blocks": sum(len(v) for v in per_row),
+    }

@@ -27,8 +27,9 @@ output at block position ``k >= 1`` predicts the token at ``start + k`` (no extr
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ def default_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
     if "<|MASK|>" in vocab:
         return int(vocab["<|MASK|>"])
     if len(tokenizer) < vocab_size:
-        return int(len(tokenizer))
+        return len(tokenizer)
     for token in _NEVER_GENERATED_SPECIAL_TOKENS[1:]:
         if token in vocab:
             return int(vocab[token])
@@ -114,7 +115,9 @@ class DFlashConfig:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         self.layer_types = [str(t) for t in self.layer_types]
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} draft layers: give one per layer")
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} draft layers: give one per layer"
+            )
         bad_types = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad_types:
             raise ValueError(f"layer_types {bad_types} unknown: use {list(LAYER_TYPES)}")
@@ -123,8 +126,10 @@ class DFlashConfig:
         if self.sliding_window is not None:
             self.sliding_window = int(self.sliding_window)
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} must be a multiple of num_key_value_heads "
-                             f"{self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} must be a multiple of num_key_value_heads "
+                f"{self.num_key_value_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates half of each head)")
         if self.block_size < 2:
@@ -135,9 +140,11 @@ class DFlashConfig:
         if bad:
             raise ValueError(f"target_layer_ids {bad} out of range for {self.num_target_layers} layers")
         if not 0 <= int(self.mask_token_id) < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target's vocabulary (vocab_size "
-                             f"{self.vocab_size}): set mask_token_id to an id in 0..{self.vocab_size - 1} the target never "
-                             "generates")
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the target's vocabulary (vocab_size "
+                f"{self.vocab_size}): set mask_token_id to an id in 0..{self.vocab_size - 1} the target never "
+                "generates"
+            )
         self.mask_token_id = int(self.mask_token_id)
         if self.hidden_act != "silu":
             raise ValueError("only hidden_act='silu' is supported (SGLang's DFlash loader has the same limit)")
@@ -162,7 +169,7 @@ class DFlashConfig:
         target_layer_ids: Sequence[int] | None = None,
         block_size: int = 16,
         **overrides: Any,
-    ) -> "DFlashConfig":
+    ) -> DFlashConfig:
         """Build a drafter config from the target's HF config (object or dict).
 
         Hidden size, heads, head_dim, intermediate size, norm eps, RoPE base, vocab and max positions
@@ -203,8 +210,14 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Fields of DFlashConfig a run config may set (the rest follow the target): the drafter's attention shape,
 # MLP width and per-layer attention kind. The drafter asset's settings of these names become overrides.
-DRAFT_SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "layer_types",
-                      "sliding_window")
+DRAFT_SHAPE_FIELDS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "layer_types",
+    "sliding_window",
+)
 
 
 def sliding_window_mask(position_ids: torch.Tensor, num_queries: int, window: int) -> torch.Tensor:
@@ -263,7 +276,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """Default (neox-style) RoPE tables for ``position_ids`` [B, L] -> cos, sin [B, L, head_dim]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    )
     freqs = position_ids.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -380,7 +395,7 @@ class DFlashDraftModel(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def attach_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> "DFlashDraftModel":
+    def attach_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> DFlashDraftModel:
         """Attach the target's frozen embedding and LM head (``[vocab_size, hidden_size]`` each).
 
         ``lm_head_weight`` defaults to ``embed_weight`` (tied embeddings). Tensors are detached and

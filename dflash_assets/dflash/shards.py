@@ -91,11 +91,18 @@ def shard_name(k: int) -> str:
     return SHARD_PATTERN.format(k)
 
 
-def rows_sha256(row_index: torch.Tensor, cu_seqlens: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str:
+def rows_sha256(
+    row_index: torch.Tensor, cu_seqlens: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> str:
     """Hex SHA-256 over the little-endian bytes of row_index (int64), cu_seqlens (int64), input_ids
     (int32) and loss_mask (int8): the identity of a shard's token content."""
     digest = hashlib.sha256()
-    for tensor, dtype in ((row_index, torch.int64), (cu_seqlens, torch.int64), (input_ids, torch.int32), (loss_mask, torch.int8)):
+    for tensor, dtype in (
+        (row_index, torch.int64),
+        (cu_seqlens, torch.int64),
+        (input_ids, torch.int32),
+        (loss_mask, torch.int8),
+    ):
         digest.update(_tensor_bytes(tensor.to(dtype)))
     return digest.hexdigest()
 
@@ -107,7 +114,13 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _shard_metadata(
-    target_layer_ids: Sequence[int], hidden_size: int, model_name: str, dtype: torch.dtype, num_rows: int, num_tokens: int, sha: str
+    target_layer_ids: Sequence[int],
+    hidden_size: int,
+    model_name: str,
+    dtype: torch.dtype,
+    num_rows: int,
+    num_tokens: int,
+    sha: str,
 ) -> dict[str, str]:
     return {
         "format": FORMAT,
@@ -127,7 +140,11 @@ def _encode_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -
     for name in _TENSOR_ORDER:
         tensor = tensors[name]
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _DTYPE_CODES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
     raw += b" " * (-len(raw) % 8)  # pad so the data section starts 8-byte aligned, as safetensors does
@@ -216,11 +233,21 @@ def write_shard(
     if problems:
         raise ValueError(f"invalid shard {path}: " + "; ".join(problems))
     sha = rows_sha256(row_index, cu_seqlens, input_ids, loss_mask)
-    metadata = _shard_metadata(target_layer_ids, hidden_size, model_name, hidden_states.dtype, num_rows, num_tokens, sha)
-    tensors = {"cu_seqlens": cu_seqlens, "row_index": row_index, "input_ids": input_ids, "hidden_states": hidden_states, "loss_mask": loss_mask}
+    metadata = _shard_metadata(
+        target_layer_ids, hidden_size, model_name, hidden_states.dtype, num_rows, num_tokens, sha
+    )
+    tensors = {
+        "cu_seqlens": cu_seqlens,
+        "row_index": row_index,
+        "input_ids": input_ids,
+        "hidden_states": hidden_states,
+        "loss_mask": loss_mask,
+    }
     header = _encode_header(tensors, metadata)
     digest = hashlib.sha256() if digest_out is not None else None
-    atomic_write_bytes(path, lambda f: _write_payload(f if digest is None else _HashingWriter(f, digest), header, tensors))  # streamed
+    atomic_write_bytes(
+        path, lambda f: _write_payload(f if digest is None else _HashingWriter(f, digest), header, tensors)
+    )  # streamed
     if digest_out is not None:
         digest_out["sha256"] = digest.hexdigest()
     return os.path.getsize(path)
@@ -413,7 +440,17 @@ def plan_shards(rows: Sequence[dict[str, Any]], rows_per_shard: int) -> list[_Pl
         row_index = torch.tensor([int(r["index"]) for r in chunk], dtype=torch.int64)
         cu = lengths.cumsum(0)
         input_ids, loss_mask = torch.cat(ids), torch.cat(masks)
-        plans.append(_PlannedShard(shard_name(k), list(chunk), row_index, cu, input_ids, loss_mask, rows_sha256(row_index, cu, input_ids, loss_mask)))
+        plans.append(
+            _PlannedShard(
+                shard_name(k),
+                list(chunk),
+                row_index,
+                cu,
+                input_ids,
+                loss_mask,
+                rows_sha256(row_index, cu, input_ids, loss_mask),
+            )
+        )
     return plans
 
 
@@ -491,12 +528,17 @@ def extract_partition(
     extractor = TargetFeatureExtractor(model, target_layer_ids)
     hidden_size, n_layers = extractor.hidden_size, len(extractor.target_layer_ids)
     plans = plan_shards(rows, rows_per_shard)
-    expected_meta = {p.name: _shard_metadata(target_layer_ids, hidden_size, model_name, dtype, len(p.rows), p.num_tokens, p.sha) for p in plans}
+    expected_meta = {
+        p.name: _shard_metadata(target_layer_ids, hidden_size, model_name, dtype, len(p.rows), p.num_tokens, p.sha)
+        for p in plans
+    }
 
     planned_names = {p.name for p in plans}
     for entry in out.iterdir():
         stale_tmp = entry.name.startswith(".shard-") and entry.name.endswith(".tmp")
-        extra_shard = entry.name.startswith("shard-") and entry.name.endswith(".safetensors") and entry.name not in planned_names
+        extra_shard = (
+            entry.name.startswith("shard-") and entry.name.endswith(".safetensors") and entry.name not in planned_names
+        )
         if entry.is_file() and (stale_tmp or extra_shard or entry.name.startswith(f".{INDEX_NAME}.")):
             entry.unlink(missing_ok=True)
 
@@ -532,10 +574,16 @@ def extract_partition(
             ],
         }
 
-    valid = {p.name for p in plans if validate_shard(out / p.name, len(p.rows), p.row_index.tolist(), expected_metadata=expected_meta[p.name])}
+    valid = {
+        p.name
+        for p in plans
+        if validate_shard(out / p.name, len(p.rows), p.row_index.tolist(), expected_metadata=expected_meta[p.name])
+    }
     todo = [p for p in plans if p.name not in valid]
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-    needed = estimate_bytes(sum(p.num_tokens for p in todo), n_layers, hidden_size, dtype_bytes, sum(len(p.rows) for p in todo), len(todo))
+    needed = estimate_bytes(
+        sum(p.num_tokens for p in todo), n_layers, hidden_size, dtype_bytes, sum(len(p.rows) for p in todo), len(todo)
+    )
     if todo:
         check_free_space(out, needed, free_space_margin)
     write_index(out, index_for({}, complete=False))
@@ -550,7 +598,11 @@ def extract_partition(
         if plan.name in valid:
             sizes[plan.name] = path.stat().st_size
             old = previous.get(plan.name) or {}
-            known = old.get("sha256") if old.get("rows_sha256") == plan.sha and old.get("bytes") == sizes[plan.name] else None
+            known = (
+                old.get("sha256")
+                if old.get("rows_sha256") == plan.sha and old.get("bytes") == sizes[plan.name]
+                else None
+            )
             hashes[plan.name] = known or file_sha256(path)
             skipped.append(plan.name)
         else:
@@ -571,23 +623,33 @@ def extract_partition(
                     hidden[start:end] = features[b, : end - start]
                 del features
             sizes[plan.name] = write_shard(
-                path, hidden, plan.input_ids, plan.loss_mask, plan.cu_seqlens, plan.row_index,
-                target_layer_ids=target_layer_ids, hidden_size=hidden_size, model_name=model_name, digest_out=digest,
+                path,
+                hidden,
+                plan.input_ids,
+                plan.loss_mask,
+                plan.cu_seqlens,
+                plan.row_index,
+                target_layer_ids=target_layer_ids,
+                hidden_size=hidden_size,
+                model_name=model_name,
+                digest_out=digest,
             )
             hashes[plan.name] = digest["sha256"]
             written.append(plan.name)
             del hidden
         if progress_cb is not None:
-            progress_cb({
-                "shard": plan.name,
-                "shard_number": number,
-                "num_shards": len(plans),
-                "rows": len(plan.rows),
-                "tokens": plan.num_tokens,
-                "bytes": sizes[plan.name],
-                "skipped": plan.name in valid,
-                "seconds": time.perf_counter() - shard_started,
-            })
+            progress_cb(
+                {
+                    "shard": plan.name,
+                    "shard_number": number,
+                    "num_shards": len(plans),
+                    "rows": len(plan.rows),
+                    "tokens": plan.num_tokens,
+                    "bytes": sizes[plan.name],
+                    "skipped": plan.name in valid,
+                    "seconds": time.perf_counter() - shard_started,
+                }
+            )
     index = index_for(sizes, complete=True)
     write_index(out, index)
     return PartitionExtraction(index, written, skipped, time.perf_counter() - started)

@@ -94,5 +94,7 @@ def resolve_target_layer_ids(target: Any, configured: Sequence[int] | None = Non
     ids = [int(i) for i in configured] if configured else default_target_layer_ids(layers, n)
     bad = [i for i in ids if not 0 <= i < layers]
     if bad:
-        raise ValueError(f"target_layer_ids {bad} are outside 0..{layers - 1} for this target ({layers} decoder layers)")
+        raise ValueError(
+            f"target_layer_ids {bad} are outside 0..{layers - 1} for this target ({layers} decoder layers)"
+        )
     return ids

@@ -37,9 +37,9 @@ import random
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -202,8 +202,13 @@ def _rng_state() -> dict:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -215,8 +220,13 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     numpy_state = state["numpy"]
     if isinstance(numpy_state, dict):
-        numpy_state = (numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
-                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+        numpy_state = (
+            numpy_state["kind"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
     np.random.set_state(numpy_state)  # a tuple holding an ndarray: checkpoints written before issue 27
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -259,7 +269,13 @@ class StepPlan:
 
 
 def build_batch(
-    dataset: HiddenStateShards, rows: list[int], epoch: int, seed: int, block_size: int, max_anchors: int, mask_token_id: int
+    dataset: HiddenStateShards,
+    rows: list[int],
+    epoch: int,
+    seed: int,
+    block_size: int,
+    max_anchors: int,
+    mask_token_id: int,
 ) -> TrainingBatch:
     """Read ``rows``, sample anchors with generators seeded by ``(seed, epoch, row)``, collate."""
     samples, anchors = [], []
@@ -387,7 +403,9 @@ def evaluate(
     count = torch.zeros(bs, device=device)
     loss_sum = weight_sum = 0.0
     for lo in range(0, n, batch_size):
-        batch = build_batch(dataset, list(range(lo, min(n, lo + batch_size))), 0, seed, bs, max_anchors, model.config.mask_token_id)
+        batch = build_batch(
+            dataset, list(range(lo, min(n, lo + batch_size))), 0, seed, bs, max_anchors, model.config.mask_token_id
+        )
         batch = batch.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = _loss(model, model, batch, gamma)
@@ -449,14 +467,17 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     except (ValueError, KeyError, TypeError, OSError) as exc:
         raise CheckpointError(f"{pointer}: unreadable ({type(exc).__name__}); {fix}") from None
     if not isinstance(name, str) or not CHECKPOINT_NAME.fullmatch(name):
-        raise CheckpointError(f"{pointer}: file {name!r} is not a checkpoint name (step_NNNNNNNN.pt in "
-                              f"{directory}); it is not loaded; {fix}")
+        raise CheckpointError(
+            f"{pointer}: file {name!r} is not a checkpoint name (step_NNNNNNNN.pt in "
+            f"{directory}); it is not loaded; {fix}"
+        )
     path = directory / name
     if not path.is_file():
         return None
     if path.resolve().parent != directory.resolve():
-        raise CheckpointError(f"{pointer}: {name} resolves to {path.resolve()}, outside {directory}; it is not "
-                              f"loaded; {fix}")
+        raise CheckpointError(
+            f"{pointer}: {name} resolves to {path.resolve()}, outside {directory}; it is not loaded; {fix}"
+        )
     return path
 
 
@@ -483,16 +504,22 @@ def load_checkpoint(path: str | Path) -> dict:
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL (\S+)", str(exc))
         what = f"it refers to {found.group(1)}" if found else "it holds objects other than tensors and plain data"
-        raise CheckpointError(f"{path}: not loaded, {what}: not a checkpoint this trainer writes (a weights-only "
-                              "load refuses it, so nothing in it ran); delete it and checkpoints/latest.json to train "
-                              "from scratch, or restore the file") from None
+        raise CheckpointError(
+            f"{path}: not loaded, {what}: not a checkpoint this trainer writes (a weights-only "
+            "load refuses it, so nothing in it ran); delete it and checkpoints/latest.json to train "
+            "from scratch, or restore the file"
+        ) from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
-        raise CheckpointError(f"{path}: not a checkpoint this trainer writes (no model / step); delete it and "
-                              "checkpoints/latest.json to train from scratch")
+        raise CheckpointError(
+            f"{path}: not a checkpoint this trainer writes (no model / step); delete it and "
+            "checkpoints/latest.json to train from scratch"
+        )
     return state
 
 
-def _save_checkpoint(cfg: TrainConfig, dc: DFlashConfig, model, opt, sched, step: int, tokens: int, plan: StepPlan, world: int) -> Path:
+def _save_checkpoint(
+    cfg: TrainConfig, dc: DFlashConfig, model, opt, sched, step: int, tokens: int, plan: StepPlan, world: int
+) -> Path:
     d = _ckpt_dir(cfg.out_dir)
     name = f"step_{step:08d}.pt"
     epoch, in_epoch = divmod(step, plan.steps_per_epoch)
@@ -532,8 +559,10 @@ def load_init_weights(model: DFlashDraftModel, export_dir: str | Path) -> None:
     ours = model.config.to_dict()
     differ = sorted(k for k in ours if k in theirs and theirs[k] != ours[k] and k != "max_position_embeddings")
     if differ:
-        raise ValueError(f"cannot warm-start from {d}: its {differ} differ from the drafter being trained "
-                         f"({[(theirs[k], ours[k]) for k in differ]}); set warm_start: false to train from scratch")
+        raise ValueError(
+            f"cannot warm-start from {d}: its {differ} differ from the drafter being trained "
+            f"({[(theirs[k], ours[k]) for k in differ]}); set warm_start: false to train from scratch"
+        )
     state = load_file(str(d / "model.safetensors"))
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
 
@@ -669,8 +698,11 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback, online_
         _set_rng_state(state["rng"])
         start_step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
         if state.get("world_size") != dd.world:
-            print(f"[dflash.train] warning: checkpoint from world size {state.get('world_size')}, now {dd.world}: "
-                  "data order differs from an uninterrupted run", flush=True)
+            print(
+                f"[dflash.train] warning: checkpoint from world size {state.get('world_size')}, now {dd.world}: "
+                "data order differs from an uninterrupted run",
+                flush=True,
+            )
     log_path = out / LOG_FILE
     records: list[dict] = []
     if dd.rank == 0:
@@ -713,7 +745,9 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback, online_
             if dd.enabled:
                 # DDP averages gradients over ranks; scale so the result is the gradient of the global
                 # weighted mean (what one process with the whole global batch computes)
-                totals = dd.all_reduce_sum(torch.stack([step_loss * res["weight_sum"].float(), res["weight_sum"].float().detach()]))
+                totals = dd.all_reduce_sum(
+                    torch.stack([step_loss * res["weight_sum"].float(), res["weight_sum"].float().detach()])
+                )
                 global_w = totals[1].clamp(min=1e-12)
                 loss = loss * (res["weight_sum"].float().detach() * dd.world / global_w)
                 step_loss = totals[0] / global_w / dd.world  # summed over ranks at log time
@@ -751,11 +785,27 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback, online_
                     "tokens_per_s": float(stats[-2]) / max(now - window_start, 1e-9),
                     "elapsed_s": now - loop_start,
                 }
-                if eval_set is not None and len(eval_set) and cfg.eval_every and (done % cfg.eval_every == 0 or done == total_steps):
-                    ev = evaluate(model, eval_set, max_anchors=cfg.max_anchors, seed=cfg.seed, gamma=cfg.loss_gamma,
-                                  max_rows=cfg.eval_max_rows)
-                    rec.update({"eval_loss": ev["loss"], "eval_acc_per_position": ev["acc_per_position"],
-                                "eval_tau_estimate": ev["tau_estimate"]})
+                if (
+                    eval_set is not None
+                    and len(eval_set)
+                    and cfg.eval_every
+                    and (done % cfg.eval_every == 0 or done == total_steps)
+                ):
+                    ev = evaluate(
+                        model,
+                        eval_set,
+                        max_anchors=cfg.max_anchors,
+                        seed=cfg.seed,
+                        gamma=cfg.loss_gamma,
+                        max_rows=cfg.eval_max_rows,
+                    )
+                    rec.update(
+                        {
+                            "eval_loss": ev["loss"],
+                            "eval_acc_per_position": ev["acc_per_position"],
+                            "eval_tau_estimate": ev["tau_estimate"],
+                        }
+                    )
                 for t in (loss_sum, acc_correct, acc_count, tok_sum):
                     t.zero_()
                 window_start = time.perf_counter()  # eval/log time stays out of the next window
@@ -803,8 +853,14 @@ def _train(cfg, dd: _Dist, draft_config, target_head, progress_callback, online_
         "draft_config": dc.to_dict(),
     }
     if eval_set is not None and len(eval_set):
-        summary["eval"] = evaluate(model, eval_set, max_anchors=cfg.max_anchors, seed=cfg.seed, gamma=cfg.loss_gamma,
-                                   max_rows=cfg.eval_max_rows)
+        summary["eval"] = evaluate(
+            model,
+            eval_set,
+            max_anchors=cfg.max_anchors,
+            seed=cfg.seed,
+            gamma=cfg.loss_gamma,
+            max_rows=cfg.eval_max_rows,
+        )
     if dd.rank == 0:
         atomic_write_bytes(out / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
     dd.barrier()
@@ -819,16 +875,32 @@ def _parse(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
     p = argparse.ArgumentParser(description="Train a DFlash drafter on hidden-state shards (torchrun-ready).")
     p.add_argument("--shards", nargs="*", default=[], help="safetensors hidden-state shards (offline features)")
     p.add_argument("--tokenized", nargs="*", default=[], help="tokenized_sequences parquet files (online features)")
-    p.add_argument("--features", choices=["offline", "online"], default=None, help="default: online when --tokenized is given")
+    p.add_argument(
+        "--features", choices=["offline", "online"], default=None, help="default: online when --tokenized is given"
+    )
     p.add_argument("--out", required=True, help="output dir (log, checkpoints, summary)")
     p.add_argument("--target-model", help="HF dir of the target (config, tokenizer, embedding, LM head)")
     p.add_argument("--export", help="export the trained drafter to this HF dir (rank 0)")
     p.add_argument("--config-json", help="JSON file of TrainConfig fields (CLI flags override it)")
     flags = {
-        "num_hidden_layers": int, "block_size": int, "max_anchors": int, "max_length": int, "batch_size": int,
-        "lr": float, "epochs": int, "max_steps": int, "checkpoint_every": int, "seed": int, "log_every": int,
-        "eval_fraction": float, "eval_every": int, "mask_token_id": int, "warmup_ratio": float, "grad_clip": float,
-        "device": str, "target_dtype": str,
+        "num_hidden_layers": int,
+        "block_size": int,
+        "max_anchors": int,
+        "max_length": int,
+        "batch_size": int,
+        "lr": float,
+        "epochs": int,
+        "max_steps": int,
+        "checkpoint_every": int,
+        "seed": int,
+        "log_every": int,
+        "eval_fraction": float,
+        "eval_every": int,
+        "mask_token_id": int,
+        "warmup_ratio": float,
+        "grad_clip": float,
+        "device": str,
+        "target_dtype": str,
     }
     for name, typ in flags.items():
         p.add_argument("--" + name.replace("_", "-"), type=typ, default=None)

@@ -65,8 +65,8 @@ from dflash_assets.generation.urls import chat_completions_url, redact, strip_cr
 
 __all__ = [
     "CompletionClient",
-    "FollowUpLanes",
     "CompletionResult",
+    "FollowUpLanes",
     "GenerationProgress",
     "TooManyFailuresError",
     "parse_chat_completion",
@@ -188,8 +188,9 @@ class GenerationProgress:
 class _AttemptError(Exception):
     """One failed HTTP attempt; ``transient`` decides whether another attempt may be made."""
 
-    def __init__(self, message: str, transient: bool, server: str, *, server_fault: bool = False,
-                 rerouted: bool = False) -> None:
+    def __init__(
+        self, message: str, transient: bool, server: str, *, server_fault: bool = False, rerouted: bool = False
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.transient = transient
@@ -202,8 +203,20 @@ class _AttemptError(Exception):
 class _Server:
     """Routing state of one base URL."""
 
-    __slots__ = ("label", "endpoint", "url", "in_flight", "avoid_until", "recent_faults", "index", "down_reason",
-                 "recovering", "retry_at", "last_progress", "tasks")
+    __slots__ = (
+        "avoid_until",
+        "down_reason",
+        "endpoint",
+        "in_flight",
+        "index",
+        "label",
+        "last_progress",
+        "recent_faults",
+        "recovering",
+        "retry_at",
+        "tasks",
+        "url",
+    )
 
     def __init__(self, base_url: str, index: int = 0) -> None:
         self.index = index
@@ -250,8 +263,10 @@ def _body_reader(encoding: str, max_bytes: int) -> Callable[[bytes], list[bytes]
     if encoding in ("", "identity"):
         return lambda chunk: [count(chunk)]
     if encoding not in ("gzip", "x-gzip", "deflate"):
-        raise _ReplyUnreadable(f"the reply's Content-Encoding is {encoding[:40]!r}; the client asks for none and "
-                               "decodes only gzip and deflate")
+        raise _ReplyUnreadable(
+            f"the reply's Content-Encoding is {encoding[:40]!r}; the client asks for none and "
+            "decodes only gzip and deflate"
+        )
     inflate = zlib.decompressobj(zlib.MAX_WBITS | 32)  # a gzip or zlib header, whichever the body has
 
     def feed(chunk: bytes) -> list[bytes]:
@@ -267,8 +282,9 @@ def _body_reader(encoding: str, max_bytes: int) -> Callable[[bytes], list[bytes]
     return feed
 
 
-async def _exchange(http: httpx.AsyncHTTPTransport, request: httpx.Request, max_bytes: int,
-                    deadline_s: float | None) -> tuple[httpx.Response, bytes]:
+async def _exchange(
+    http: httpx.AsyncHTTPTransport, request: httpx.Request, max_bytes: int, deadline_s: float | None
+) -> tuple[httpx.Response, bytes]:
     """Send ``request`` and read the whole reply, at most ``max_bytes`` of it (decoded), within ``deadline_s``
     (a task of its own, so a server taken out can cancel it).
 
@@ -278,6 +294,7 @@ async def _exchange(http: httpx.AsyncHTTPTransport, request: httpx.Request, max_
         TimeoutError: ``deadline_s`` passed before the whole reply was read.
         httpx.HTTPError: as the transport raises.
     """
+
     async def read() -> tuple[httpx.Response, bytes]:
         response = await http.handle_async_request(request)
         try:
@@ -471,7 +488,9 @@ class CompletionClient:
         candidates = [s for s in up if s.avoid_until <= now]
         if prefer is not None:
             share = max(1, self.concurrency // len(self._servers))
-            chosen = next((s for s in candidates if s.label == prefer and s.down_reason is None and s.in_flight < share), None)
+            chosen = next(
+                (s for s in candidates if s.label == prefer and s.down_reason is None and s.in_flight < share), None
+            )
             if chosen is not None:
                 return chosen
         if not candidates:  # every server recently failed: take the one that comes back first
@@ -487,12 +506,18 @@ class CompletionClient:
         pause = min(self.backoff_max_s, self.backoff_base_s * 2 ** (server.recent_faults - 1))
         server.avoid_until = time.monotonic() + pause
 
-    async def _attempt(self, http: httpx.AsyncHTTPTransport, payload: bytes,
-                       prefer: str | None = None) -> tuple[dict[str, Any], _Server]:
+    async def _attempt(
+        self, http: httpx.AsyncHTTPTransport, payload: bytes, prefer: str | None = None
+    ) -> tuple[dict[str, Any], _Server]:
         """One HTTP attempt on the least-loaded server (or ``prefer``, see :meth:`_pick_server`); raises
         :class:`_AttemptError` on any failure."""
-        while (self.supervisor is not None and getattr(self.supervisor, "can_restart", False) and not self._stopping
-               and all(s.down_reason is not None for s in self._servers) and any(s.recovering for s in self._servers)):
+        while (
+            self.supervisor is not None
+            and getattr(self.supervisor, "can_restart", False)
+            and not self._stopping
+            and all(s.down_reason is not None for s in self._servers)
+            and any(s.recovering for s in self._servers)
+        ):
             await asyncio.sleep(0.1)  # every server is being restarted: wait for one rather than fail rows
         server = self._pick_server(prefer)
         if server.in_flight == 0:
@@ -515,11 +540,18 @@ class CompletionClient:
                     response, reply = await exchange
                 except asyncio.CancelledError:
                     current = asyncio.current_task()
-                    if exchange.cancelled() and server.down_reason is not None and not (current and current.cancelling()):
+                    if (
+                        exchange.cancelled()
+                        and server.down_reason is not None
+                        and not (current and current.cancelling())
+                    ):
                         self._rerouted += 1
                         raise _AttemptError(
                             f"{server.label} was taken out ({server.down_reason}) with this request in flight; "
-                            "re-sent to another server", transient=True, server=server.label, rerouted=True,
+                            "re-sent to another server",
+                            transient=True,
+                            server=server.label,
+                            rerouted=True,
                         ) from None
                     raise
                 finally:
@@ -542,12 +574,14 @@ class CompletionClient:
                 said = "its Content-Length says" if exc.declared else "read so far:"
                 raise _AttemptError(
                     f"reply from {server.label} is over the {self.max_reply_bytes:,}-byte cap ({said} "
-                    f"{exc.size:,} bytes); no chat completion of this run is that large", transient=False,
+                    f"{exc.size:,} bytes); no chat completion of this run is that large",
+                    transient=False,
                     server=server.label,
                 ) from None
             except _ReplyUnreadable as exc:
-                raise _AttemptError(f"malformed reply from {server.label}: {exc}", transient=False,
-                                    server=server.label) from None
+                raise _AttemptError(
+                    f"malformed reply from {server.label}: {exc}", transient=False, server=server.label
+                ) from None
             except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
                 detail = str(exc) or "no detail"
                 raise _AttemptError(
@@ -562,7 +596,7 @@ class CompletionClient:
                 ) from None
             except _AttemptError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - whatever an exchange raises costs its row, never the run
+            except Exception as exc:
                 raise _AttemptError(
                     f"{type(exc).__name__} talking to {server.label}: {exc}", transient=False, server=server.label
                 ) from None
@@ -577,7 +611,7 @@ class CompletionClient:
                 )
             try:
                 fields = parse_chat_completion(decode_reply(reply), self.vocab_size)
-            except Exception as exc:  # noqa: BLE001 - whatever a reply holds costs this row, never the run
+            except Exception as exc:
                 # The server finished (and paid for) the generation: re-sending would redo it.
                 detail = str(exc) if isinstance(exc, ReplyError) else f"{type(exc).__name__}: {exc}"
                 raise _AttemptError(
@@ -594,8 +628,9 @@ class CompletionClient:
         finally:
             server.in_flight -= 1
 
-    async def _request(self, http: httpx.AsyncHTTPTransport, index: int, body: dict[str, Any],
-                       prefer: str | None = None) -> CompletionResult:
+    async def _request(
+        self, http: httpx.AsyncHTTPTransport, index: int, body: dict[str, Any], prefer: str | None = None
+    ) -> CompletionResult:
         """All attempts for one row; never raises for request failures (they become ``error``). The first
         attempt goes to ``prefer`` when it can take it (:meth:`_pick_server`), retries to any server."""
         start = time.monotonic()
@@ -717,19 +752,30 @@ class CompletionClient:
             if reason:
                 return reason
         if self.stall_timeout_s and server.in_flight > 0 and now - server.last_progress > self.stall_timeout_s:
-            return (f"hung: no request finished for {now - server.last_progress:.0f} s with {server.in_flight} "
-                    f"in flight (stall_timeout_s {self.stall_timeout_s:g})")
+            return (
+                f"hung: no request finished for {now - server.last_progress:.0f} s with {server.in_flight} "
+                f"in flight (stall_timeout_s {self.stall_timeout_s:g})"
+            )
         if self.supervisor is not None and server.recent_faults >= self.down_after_faults:
             return f"unreachable: {server.recent_faults} connection errors / 5xx in a row"
         return None
 
     def _take_out(self, server: _Server, reason: str) -> None:
         server.down_reason = reason
-        fault = {"server": server.label, "fault": reason, "at_s": round(time.monotonic() - self._start, 2),
-                 "in_flight": server.in_flight, "action": "taken out"}
+        fault = {
+            "server": server.label,
+            "fault": reason,
+            "at_s": round(time.monotonic() - self._start, 2),
+            "in_flight": server.in_flight,
+            "action": "taken out",
+        }
         self.faults.append(fault)
-        self._log.warning("server %s taken out: %s; its %d requests in flight go to the other servers",
-                          server.label, reason, server.in_flight)
+        self._log.warning(
+            "server %s taken out: %s; its %d requests in flight go to the other servers",
+            server.label,
+            reason,
+            server.in_flight,
+        )
         for task in list(server.tasks):
             task.cancel()
         if self.supervisor is not None:
@@ -758,7 +804,7 @@ class CompletionClient:
         def run() -> None:
             try:
                 ok, error = bool(self.supervisor.recover(server.index)), None
-            except Exception as exc:  # noqa: BLE001 - reported, the run goes on without it
+            except Exception as exc:
                 ok, error = False, self._redact(f"{type(exc).__name__}: {exc}")[:300]
             with contextlib.suppress(RuntimeError):  # loop closed: the run is over
                 loop.call_soon_threadsafe(done, ok, error)

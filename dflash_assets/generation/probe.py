@@ -39,7 +39,9 @@ def probe_chat(
     r = httpx.post(url, json=body, headers=headers, timeout=timeout_s)
     text = redact(r.text, api_key)
     if r.status_code != 200:
-        raise RuntimeError(f"probe POST {shown} got HTTP {r.status_code}: {text[:500]}; {_probe_advice(r.status_code, base_url, model)}")
+        raise RuntimeError(
+            f"probe POST {shown} got HTTP {r.status_code}: {text[:500]}; {_probe_advice(r.status_code, base_url, model)}"
+        )
     try:
         reply = r.json()
     except (ValueError, RecursionError):  # a body nested past the JSON reader's depth is not a reply either
@@ -48,8 +50,10 @@ def probe_chat(
             "an OpenAI-compatible server (SGLang, vLLM, transformers serve)? base_urls take http://HOST:PORT or http://HOST:PORT/v1"
         ) from None
     if not isinstance(reply, dict) or not reply.get("choices"):
-        raise RuntimeError(f"probe POST {shown} got a reply without choices: {redact(str(reply), api_key)[:500]}; "
-                           "is it an OpenAI-compatible chat completions endpoint?")
+        raise RuntimeError(
+            f"probe POST {shown} got a reply without choices: {redact(str(reply), api_key)[:500]}; "
+            "is it an OpenAI-compatible chat completions endpoint?"
+        )
     return reply
 
 
@@ -76,4 +80,3 @@ def probe_external(base_url: str, model: str, api_key: str | None = None, timeou
             f"running and reachable from this host? try `curl {strip_credentials(api_root(base_url))}/models`; base_urls take "
             "http://HOST:PORT or http://HOST:PORT/v1"
         ) from None
-

@@ -51,7 +51,7 @@ _TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
 
 def _proc_net_address(hex_address: str) -> str:
     """Text form of a ``/proc/net/tcp*`` address: 32-bit words in host byte order (proc(5))."""
-    raw = b"".join(struct.pack("=I", int(hex_address[i:i + 8], 16)) for i in range(0, len(hex_address), 8))
+    raw = b"".join(struct.pack("=I", int(hex_address[i : i + 8], 16)) for i in range(0, len(hex_address), 8))
     ip = ipaddress.ip_address(raw)
     mapped = getattr(ip, "ipv4_mapped", None)
     return str(mapped or ip)
@@ -136,8 +136,10 @@ def _describe_holder(inode: int) -> str:
 
 
 def _port_message(host: str, port: int, holder: str, what: str) -> str:
-    return (f"port {port} on {host} is held by {holder}, not {what}; nothing was sent to it (no request, no API "
-            f"key). Stop that process or choose another port (inference.port_base in sglang mode)")
+    return (
+        f"port {port} on {host} is held by {holder}, not {what}; nothing was sent to it (no request, no API "
+        f"key). Stop that process or choose another port (inference.port_base in sglang mode)"
+    )
 
 
 def check_port_free(host: str, port: int, what: str = "a server started here", wait_s: float = 0.0) -> None:
@@ -387,7 +389,11 @@ def _on_long_lived_thread(fn: Callable[[], subprocess.Popen]) -> subprocess.Pope
 
 
 def spawn_in_new_session(
-    argv: Sequence[str], env: Mapping[str, str], log_path: Path, *, parent_death_signal: bool = True,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    log_path: Path,
+    *,
+    parent_death_signal: bool = True,
     secrets: Sequence[str] = (),
 ) -> subprocess.Popen:
     """Start ``argv`` in a new session (own process group) with stdout+stderr appended to ``log_path``.
@@ -408,23 +414,35 @@ def spawn_in_new_session(
     def spawn() -> subprocess.Popen:
         with open(log_path, "ab") as log:
             return subprocess.Popen(
-                list(argv), stdout=subprocess.PIPE if hidden else log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                list(argv),
+                stdout=subprocess.PIPE if hidden else log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 # preexec only calls the pre-resolved prctl and getppid: nothing that takes a lock another
                 # thread could hold at fork time (the reason preexec_fn is flagged unsafe with threads)
-                env=dict(env), start_new_session=True, preexec_fn=preexec,  # noqa: PLW1509
+                env=dict(env),
+                start_new_session=True,
+                preexec_fn=preexec,
             )
 
     proc = _on_long_lived_thread(spawn) if preexec is not None else spawn()
     if hidden:
-        copier = threading.Thread(target=_copy_redacted, args=(proc.stdout, log_path, hidden),
-                                  name=f"log-redactor-{proc.pid}", daemon=True)
+        copier = threading.Thread(
+            target=_copy_redacted, args=(proc.stdout, log_path, hidden), name=f"log-redactor-{proc.pid}", daemon=True
+        )
         copier.start()
         proc.log_copier = copier  # type: ignore[attr-defined]
     return proc
 
 
-def run_streaming(argv: Sequence[str], on_line: Callable[[str], None], *, env: Mapping[str, str] | None = None,
-                  grace_s: float = 30.0, parent_death_signal: bool = True) -> int:
+def run_streaming(
+    argv: Sequence[str],
+    on_line: Callable[[str], None],
+    *,
+    env: Mapping[str, str] | None = None,
+    grace_s: float = 30.0,
+    parent_death_signal: bool = True,
+) -> int:
     """Run ``argv`` in a new session (its own process group), passing each line of its stdout+stderr to
     ``on_line``; returns its exit code. Whatever interrupts the wait (Ctrl-C, Dagster's step interrupt,
     an exception from ``on_line``) stops the whole process group (SIGTERM, SIGKILL after ``grace_s``:
@@ -435,9 +453,15 @@ def run_streaming(argv: Sequence[str], on_line: Callable[[str], None], *, env: M
 
     def spawn() -> subprocess.Popen:
         return subprocess.Popen(
-            list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-            errors="replace", env=None if env is None else dict(env), start_new_session=True,
-            preexec_fn=preexec,  # noqa: PLW1509 - only the pre-resolved prctl (see spawn_in_new_session)
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            env=None if env is None else dict(env),
+            start_new_session=True,
+            preexec_fn=preexec,
         )
 
     proc = _on_long_lived_thread(spawn) if preexec is not None else spawn()

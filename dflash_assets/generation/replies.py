@@ -51,8 +51,10 @@ def _text(value: Any, field: str) -> str | None:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         bad = value[exc.start].encode("unicode_escape").decode()
-        raise ReplyError(f"{field} holds a lone surrogate ({bad} at character {exc.start:,}), which is not "
-                         "valid Unicode and cannot be stored") from None
+        raise ReplyError(
+            f"{field} holds a lone surrogate ({bad} at character {exc.start:,}), which is not "
+            "valid Unicode and cannot be stored"
+        ) from None
     return value
 
 

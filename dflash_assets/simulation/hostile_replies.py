@@ -85,8 +85,9 @@ HOSTILE: dict[str, Any] = {
 
 def normal_reply(prompt: str) -> Reply:
     """The reply a non-hostile prompt gets."""
-    return Reply(content=f"Answer to: {prompt}", reasoning=None, prompt_tokens=9, completion_tokens=5,
-                 token_ids=[1, 2, 3, 4, 5])
+    return Reply(
+        content=f"Answer to: {prompt}", reasoning=None, prompt_tokens=9, completion_tokens=5, token_ids=[1, 2, 3, 4, 5]
+    )
 
 
 def hostile_script() -> Any:
@@ -96,7 +97,7 @@ def hostile_script() -> Any:
 
     def script(n: int, body: dict[str, Any]) -> Behaviour:
         prompt = last_user_message(body) or ""
-        kind = prompt[len(PREFIX):] if prompt.startswith(PREFIX) else None
+        kind = prompt[len(PREFIX) :] if prompt.startswith(PREFIX) else None
         with lock:
             arrivals[prompt] += 1
             first = arrivals[prompt] == 1

@@ -76,7 +76,8 @@ from typing import Any
 import yaml
 
 from dflash_assets.simulation.http11 import read_request
-from dflash_assets.simulation.sglang_dflash import DFlashSim, add_arguments as add_dflash_arguments
+from dflash_assets.simulation.sglang_dflash import DFlashSim
+from dflash_assets.simulation.sglang_dflash import add_arguments as add_dflash_arguments
 
 REASONING_SHARE = 0.9  # tokens of thinking before the answer starts
 _NORMAL = NormalDist()
@@ -118,7 +119,11 @@ def reply_fields(length: int, max_tokens: int, done: int = 0, raw: bool = False)
     fields = {"finish_reason": "length" if length - done > max_tokens else "stop", "completion_tokens": n}
     if raw:
         opened = "<think>\n" if start == 0 else ""
-        closed = "</think>\n\n" if start <= think < end or (start < think and end == think and fields["finish_reason"] == "stop") else ""
+        closed = (
+            "</think>\n\n"
+            if start <= think < end or (start < think and end == think and fields["finish_reason"] == "stop")
+            else ""
+        )
         return {**fields, "reasoning_content": None, "content": opened + "t " * thinking + closed + "a " * answering}
     return {**fields, "reasoning_content": "t " * thinking, "content": "a " * answering if answering else None}
 
@@ -263,25 +268,39 @@ class Simulator:
             prefix, messages = str(messages[-1].get("content") or ""), messages[:-1]
             done = sum(word in ("t", "a") for word in prefix.split())  # the prefix's tokens
         length = drawn_length(messages, self.args.sim_median_tokens, self.args.sim_sigma, self.args.sim_seed)
-        key = next((m.get("content") for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "user"), "")
-        self.log_request(ev="recv", key=key, max_tokens=max_tokens, continued_from=done,
-                         prefix_head=None if prefix is None else prefix[:12])
+        key = next(
+            (m.get("content") for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "user"), ""
+        )
+        self.log_request(
+            ev="recv",
+            key=key,
+            max_tokens=max_tokens,
+            continued_from=done,
+            prefix_head=None if prefix is None else prefix[:12],
+        )
         fields = reply_fields(length, int(max_tokens), done, raw=body.get("separate_reasoning") is False)
         prompt_tokens = prompt_tokens_of(messages)
         conversation = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
         stalled = await self.occupy(key, max_tokens, (conversation, prompt_tokens, done, fields["completion_tokens"]))
-        self.log_request(ev="done", key=key, max_tokens=max_tokens, tokens=fields["completion_tokens"],
-                         stalled_s=round(stalled, 6))
+        self.log_request(
+            ev="done", key=key, max_tokens=max_tokens, tokens=fields["completion_tokens"], stalled_s=round(stalled, 6)
+        )
         return {
             "id": f"sim-{self.finished}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.args.model_path,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": fields["content"], "reasoning_content": fields["reasoning_content"]},
-                "finish_reason": fields["finish_reason"],
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": fields["content"],
+                        "reasoning_content": fields["reasoning_content"],
+                    },
+                    "finish_reason": fields["finish_reason"],
+                }
+            ],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": fields["completion_tokens"],
@@ -303,27 +322,51 @@ class Simulator:
         spec = self.dflash.spec_fields(ids, n) if self.dflash is not None else {}
         stalled = await self.occupy(key, max_new, (key, len(ids), 0, n), decode_tokens=spec.get("spec_verify_ct", n))
         stops = list(params.get("stop_token_ids") or [])
-        finish = {"type": "length", "length": max_new} if length > max_new else {"type": "stop", "matched": stops[0] if stops else 0}
+        finish = (
+            {"type": "length", "length": max_new}
+            if length > max_new
+            else {"type": "stop", "matched": stops[0] if stops else 0}
+        )
         self.log_request(ev="done", key=key, max_tokens=max_new, tokens=n, stalled_s=round(stalled, 6), **spec)
-        meta = {"id": f"sim-{self.finished}", "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": n,
-                "cached_tokens": 0, **spec}
+        meta = {
+            "id": f"sim-{self.finished}",
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            **spec,
+        }
         return 200, {"text": "a " * n, "output_ids": [0] * n, "meta_info": meta}
 
     def server_info(self) -> dict[str, Any]:
         """``/server_info``: the fields a client reads, and ``simulated: true``."""
-        return {"version": "sglang_stub (simulated)", "simulated": True, "model_path": self.args.model_path,
-                "tp_size": self.args.tp_size, "max_running_requests": self.args.max_running_requests,
-                "speculative_algorithm": None, **(self.dflash.server_info() if self.dflash is not None else {})}
+        return {
+            "version": "sglang_stub (simulated)",
+            "simulated": True,
+            "model_path": self.args.model_path,
+            "tp_size": self.args.tp_size,
+            "max_running_requests": self.args.max_running_requests,
+            "speculative_algorithm": None,
+            **(self.dflash.server_info() if self.dflash is not None else {}),
+        }
 
-    async def occupy(self, key: str, max_tokens: int, sequence: tuple[str, int, int, int], decode_tokens: int | None = None) -> float:
+    async def occupy(
+        self, key: str, max_tokens: int, sequence: tuple[str, int, int, int], decode_tokens: int | None = None
+    ) -> float:
         """Hold a slot for one request: admission, prefill, then ``decode_tokens`` (default the completion)
         steps of decode at the per-slot rate; returns the simulated seconds the decode was stalled."""
         async with self.slots:
             if self.hung.is_set():
                 await asyncio.Event().wait()
             cached, prefill_tokens, held = self.cache.admit(*sequence)
-            self.log_request(ev="prefill", key=key, max_tokens=max_tokens, continued_from=sequence[2],
-                             prefill_tokens=prefill_tokens, cached_tokens=cached)
+            self.log_request(
+                ev="prefill",
+                key=key,
+                max_tokens=max_tokens,
+                continued_from=sequence[2],
+                prefill_tokens=prefill_tokens,
+                cached_tokens=cached,
+            )
             # the slot is held for the prefill, then completion_tokens / per-slot rate of unstalled decode
             decode_s = (sequence[3] if decode_tokens is None else decode_tokens) / self.args.sim_decode_tok_per_s
             work = asyncio.ensure_future(self.run_request(prefill_tokens, decode_s))
@@ -342,7 +385,11 @@ class Simulator:
 
     async def route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any]:
         path = path.split("?", 1)[0]
-        if self.args.api_key and headers.get("authorization") != f"Bearer {self.args.api_key}" and not path.startswith("/health"):
+        if (
+            self.args.api_key
+            and headers.get("authorization") != f"Bearer {self.args.api_key}"
+            and not path.startswith("/health")
+        ):
             return 401, {"error": {"message": "Invalid API key"}}
         if path == "/health":
             return 200, {}
@@ -380,7 +427,8 @@ class Simulator:
                 data = json.dumps(payload).encode()
                 writer.write(
                     f"HTTP/1.1 {status} {'OK' if status == 200 else 'Error'}\r\nContent-Type: application/json\r\n"
-                    f"Content-Length: {len(data)}\r\n\r\n".encode() + data
+                    f"Content-Length: {len(data)}\r\n\r\n".encode()
+                    + data
                 )
                 await writer.drain()
                 if request.wants_close:
@@ -425,7 +473,7 @@ def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[
             flags += [flag, *map(str, value)] if value else []
         else:
             flags += [flag, str(value)]
-    return flags + argv[:at] + argv[at + 2:]
+    return flags + argv[:at] + argv[at + 2 :]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -437,12 +485,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--sim-startup-s", type=float, default=180.0, help="simulated seconds until the port opens")
     p.add_argument("--sim-decode-tok-per-s", type=float, default=87.5, help="decode rate of one slot, simulated tok/s")
-    p.add_argument("--sim-prefill-tok-per-s", type=float, default=9000.0,
-                   help="prefill rate of the server, simulated tok/s (default 9000: a ~27B dense model, 2 x 27e9 FLOP "
-                        "per token, at ~50%% of an H200's ~990 bf16 TFLOPS); decodes stall while it runs; 0: free")
-    p.add_argument("--sim-kv-cache-tokens", type=int, default=270000,
-                   help="KV pool of the radix cache, tokens (default 270000: ~70 GB at ~256 KB per token, a Qwen3-32B-class "
-                        "model: 64 layers x 8 KV heads x 128 x K and V x bf16)")
+    p.add_argument(
+        "--sim-prefill-tok-per-s",
+        type=float,
+        default=9000.0,
+        help="prefill rate of the server, simulated tok/s (default 9000: a ~27B dense model, 2 x 27e9 FLOP "
+        "per token, at ~50%% of an H200's ~990 bf16 TFLOPS); decodes stall while it runs; 0: free",
+    )
+    p.add_argument(
+        "--sim-kv-cache-tokens",
+        type=int,
+        default=270000,
+        help="KV pool of the radix cache, tokens (default 270000: ~70 GB at ~256 KB per token, a Qwen3-32B-class "
+        "model: 64 layers x 8 KV heads x 128 x K and V x bf16)",
+    )
     p.add_argument("--sim-speed", type=float, default=1.0, help="simulated seconds per real second")
     p.add_argument("--sim-median-tokens", type=float, default=1970.0)
     p.add_argument("--sim-sigma", type=float, default=0.8)
@@ -450,8 +506,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-starts-file", default=None, help="append one line per start")
     p.add_argument("--sim-request-log", default=None, help="append one JSON line per request arrival and finish")
     p.add_argument("--sim-hang-after", type=int, default=0, help="hang after this many finished requests (0: never)")
-    p.add_argument("--sim-ignore-continue", action="store_true",
-                   help="ignore continue_final_message (as SGLang < 0.4.4): answer afresh")
+    p.add_argument(
+        "--sim-ignore-continue",
+        action="store_true",
+        help="ignore continue_final_message (as SGLang < 0.4.4): answer afresh",
+    )
     add_dflash_arguments(p)
     return p
 
@@ -477,8 +536,11 @@ async def serve(args: argparse.Namespace, dflash: DFlashSim | None = None) -> No
             f.write(f"{born:.3f} pid={os.getpid()} port={args.port}\n")
     # SGLang logs its whole ServerArgs, API key included, at start-up; so does the stand-in
     print(f"server_args={args!r}", flush=True)
-    print(f"sglang_stub {args.port}: starting (pid {os.getpid()}, {args.sim_startup_s:g} simulated s start-up, "
-          f"speed x{args.sim_speed:g}, {args.max_running_requests} slots)", flush=True)
+    print(
+        f"sglang_stub {args.port}: starting (pid {os.getpid()}, {args.sim_startup_s:g} simulated s start-up, "
+        f"speed x{args.sim_speed:g}, {args.max_running_requests} slots)",
+        flush=True,
+    )
     await asyncio.sleep(max(0.0, born + sim.real(args.sim_startup_s) - time.time()))
     server = await asyncio.start_server(sim.handle, args.host, args.port, reuse_address=True, backlog=4096)
     sim.ready = True

@@ -130,9 +130,18 @@ def fail_first(k: int, failure: Behaviour | None = None, then: Behaviour | None 
     return lambda n, body: failure if n < k else then
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 408: "Request Timeout",
-            429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway",
-            503: "Service Unavailable", 504: "Gateway Timeout"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    408: "Request Timeout",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
 
 
 def _response(status: int, payload: bytes, headers: tuple[tuple[str, str], ...] = (), length: bool = True) -> bytes:
@@ -253,8 +262,9 @@ class FakeServer:
             if not keep_open or request.wants_close:
                 return
 
-    async def _respond(self, writer: asyncio.StreamWriter, behaviour: Behaviour, body: dict[str, Any],
-                       headers: dict[str, str]) -> bool:
+    async def _respond(
+        self, writer: asyncio.StreamWriter, behaviour: Behaviour, body: dict[str, Any], headers: dict[str, str]
+    ) -> bool:
         """Act out one behaviour; False when the connection must end."""
         if isinstance(behaviour, Hang):
             await asyncio.sleep(behaviour.seconds)
@@ -287,7 +297,7 @@ class FakeServer:
             for at in range(0, len(payload), behaviour.chunk_bytes):
                 await writer.drain()
                 await asyncio.sleep(behaviour.every_s)
-                writer.write(payload[at: at + behaviour.chunk_bytes])
+                writer.write(payload[at : at + behaviour.chunk_bytes])
             await writer.drain()
             return True
         if isinstance(behaviour, Drop):
@@ -329,8 +339,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--script", choices=("instant", "hostile", "echo"), default="instant")
-    parser.add_argument("--log", default=None, help="append each request's last user message to this file "
-                        "(one JSON string a line, flushed): requests counted at the server, by prompt")
+    parser.add_argument(
+        "--log",
+        default=None,
+        help="append each request's last user message to this file "
+        "(one JSON string a line, flushed): requests counted at the server, by prompt",
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # an inherited SIG_IGN must not make it unkillable by TERM
     # the package's module, not __main__: the hostile script's behaviours are its classes
