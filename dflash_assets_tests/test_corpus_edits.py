@@ -43,7 +43,7 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.status import collect_status
+from dflash_assets.status import collect_status, format_status
 
 SIZE = 2  # prompts per partition: several partitions from a few prompts
 EVAL_FRACTION = 0.5  # a large held-out share, so the split has members on both sides
@@ -235,6 +235,11 @@ def step(world, sources: list[str], expected_requests: set[str]) -> dict[str, st
     sent = requests_so_far(world)[before:]
     assert sorted(sent) == sorted(expected_requests), reasons
     assert world["status"]["corpus_edit"]["to_request"] == len(sent), world["status"]["corpus_edit"]
+    edit = world["status"]["corpus_edit"]
+    assert (
+        f"corpus, last build: {edit['new']} new, {edit['changed']} changed, {edit['removed']} removed prompts"
+        in format_status(world["status"])
+    )
     corpus = check_stored_rows(world)
     hashes = dict(zip(corpus["index"].to_list(), corpus["content_hash"].to_list()))
     if world["history"]:
