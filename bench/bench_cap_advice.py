@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_assets.cap_backtest import (  # noqa: E402
+from dflash_assets.cap_backtest import (
     USER_CAP,
     USER_NEW_CAP,
     advised,

@@ -21,12 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_assets.automation import request_partitions  # noqa: E402
-from dflash_assets.generation.local_model import ensure_local_model  # noqa: E402
-from dflash_assets.generation.transformers_server import LocalTransformersServer  # noqa: E402
-from dflash_assets.resources.inference import InferenceServerResource  # noqa: E402
-from dflash_assets.simulation.cap_change_scenario import PROMPTS, run_scenario  # noqa: E402
-from dflash_assets.simulation.counting_proxy import CountingProxy  # noqa: E402
+from dflash_assets.automation import request_partitions
+from dflash_assets.generation.local_model import ensure_local_model
+from dflash_assets.generation.transformers_server import LocalTransformersServer
+from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.simulation.cap_change_scenario import PROMPTS, run_scenario
+from dflash_assets.simulation.counting_proxy import CountingProxy
 
 
 def main() -> None:

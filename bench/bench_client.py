@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_assets.generation.client import CompletionClient, CompletionResult  # noqa: E402
+from dflash_assets.generation.client import CompletionClient, CompletionResult
 
 
 def _start_server() -> tuple[subprocess.Popen, str]:
@@ -143,7 +143,7 @@ def main() -> None:
         for loop in loops:
             _run(url, min(500, args.requests), args.concurrency, loop == "uvloop")  # warm-up
             server_cpu = _server_cpu_s(proc.pid)
-            wall, cpu, ok, failed = _run(url, args.requests, args.concurrency, loop == "uvloop")
+            wall, cpu, _ok, failed = _run(url, args.requests, args.concurrency, loop == "uvloop")
             server_cpu = _server_cpu_s(proc.pid) - server_cpu
             rate = args.requests / wall
             print(f"[{loop}] failed: {failed}")

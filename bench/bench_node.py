@@ -60,11 +60,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import heapq  # noqa: E402
+import heapq
 
-from dflash_assets.generation.processes import free_port_block  # noqa: E402
-from dflash_assets.simulation.sglang_stub import drawn_length  # noqa: E402
-from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer  # noqa: E402
+from dflash_assets.generation.processes import free_port_block
+from dflash_assets.simulation.sglang_stub import drawn_length
+from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 
 DAGSTER = str(Path(sys.executable).with_name("dagster"))
 EFFICIENCY_GOAL = 0.90
@@ -489,15 +489,15 @@ def scenario_kill(base: Path, args) -> None:
     node = Node(base, "kill", args, cap=4096)
     keys = node.make_corpus()
     t0 = time.time()
-    log = open(node.dir / "killed_cli.log", "w")
-    proc = subprocess.Popen(
-        [DAGSTER, *node.range_cli(keys)],
-        env=node.env,
-        cwd=node.dir,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with open(node.dir / "killed_cli.log", "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [DAGSTER, *node.range_cli(keys)],
+            env=node.env,
+            cwd=node.dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     target = args.prompts // 2
     while proc.poll() is None and len([e for e in node.events() if e["ev"] == "done"]) < target:
         time.sleep(0.2)
@@ -528,15 +528,15 @@ def scenario_kill(base: Path, args) -> None:
     print(f"kill_servers_left_running_after_kill: {len(left)}")
     starts_before = len(node.starts())
     t1 = time.time()
-    log2 = open(node.dir / "resume_cli.log", "w")
-    resume = subprocess.Popen(
-        [DAGSTER, *node.range_cli(keys)],
-        env=node.env,
-        cwd=node.dir,
-        stdout=log2,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with open(node.dir / "resume_cli.log", "w") as log:
+        resume = subprocess.Popen(
+            [DAGSTER, *node.range_cli(keys)],
+            env=node.env,
+            cwd=node.dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     first_start = None
     deadline = t1 + args.resume_wait_s
     while resume.poll() is None:
@@ -582,14 +582,15 @@ def scenario_server_kill(base: Path, args) -> None:
     node = Node(base, "server_kill", args, cap=4096)
     keys = node.make_corpus()
     t0 = time.time()
-    proc = subprocess.Popen(
-        [DAGSTER, *node.range_cli(keys)],
-        env=node.env,
-        cwd=node.dir,
-        stdout=open(node.dir / "cli.log", "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with open(node.dir / "cli.log", "w") as log:
+        proc = subprocess.Popen(
+            [DAGSTER, *node.range_cli(keys)],
+            env=node.env,
+            cwd=node.dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     while proc.poll() is None and len([e for e in node.events() if e["ev"] == "done"]) < args.prompts // 3:
         time.sleep(0.2)
     victim = _stub_pids(node)[0]

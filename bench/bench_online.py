@@ -64,7 +64,6 @@ def make_rows(n: int, seq_len: int, prompt_len: int, vocab: int, seed: int = 0) 
 
 def bare(target, drafter, batches, layer_ids, device) -> tuple[float, int, int]:
     """Seconds, block tokens and context tokens of plain target forward + drafter forward/backward."""
-    use_cuda = device.type == "cuda"
     base = target.model
     all_layers = base.layers
     base.layers = all_layers[: max(layer_ids) + 1]  # the same layers the extractor runs, as a competent engineer would

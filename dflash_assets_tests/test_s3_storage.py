@@ -485,7 +485,10 @@ def test_endpoint_outage_mid_run(s3_target, s3_env, tmp_path, outage, caplog):
     outage_ends = [0.0]
     # short: requests that arrive during the outage are answered just after it, so rows are still
     # coming when the endpoint is back (the run must recover); rows in flight finish during it.
-    script = lambda i, body: Reply(delay_s=max(0.08, outage_ends[0] - time.monotonic() + 0.1))
+
+    def script(i: int, body: dict) -> Reply:
+        return Reply(delay_s=max(0.08, outage_ends[0] - time.monotonic() + 0.1))
+
     with FakeServer(script) as server, dg.instance_for_test() as instance:
         write_corpus_direct(instance, storage, tmp_path / "prompts.jsonl", partition_size=n)
         synced_before: set[int] = set()
