@@ -125,20 +125,23 @@ def main() -> None:
             sens, sens_s, sens_q = counter.measure(functools.partial(sensor.evaluate_tick, ctx))
         rows.append((n, sched_q, sched_s, len(sched.run_requests), sens_q, sens_s, len(sens.run_requests)))
         print(
-            f"partitions {n}: first schedule tick (status cache filled) {first_q} SQL statements, {first_s * 1000:.0f} ms"
+            f"partitions {n}: first schedule tick (status cache filled) {first_q} SQL statements, {first_s * 1000:.0f} "
+            "ms"
         )
         print(
-            f"partitions {n}: schedule tick {sched_q} SQL statements, {sched_s * 1000:.0f} ms, {len(sched.run_requests)} run requests "
-            f"(error: {sched.skip_message or 'none'}); sensor tick {sens_q} SQL statements, {sens_s * 1000:.0f} ms, "
-            f"{len(sens.run_requests)} run requests"
+            f"partitions {n}: schedule tick {sched_q} SQL statements, {sched_s * 1000:.0f} ms, "
+            f"{len(sched.run_requests)} run requests (error: {sched.skip_message or 'none'}); sensor tick {sens_q} SQL "
+            f"statements, {sens_s * 1000:.0f} ms, {len(sens.run_requests)} run requests"
         )
     if len(rows) >= 2:
         (n0, sq0, _, _, eq0, _, _), (n1, sq1, _, _, eq1, _, _) = rows[0], rows[-1]
         print(
-            f"schedule statements {n0} -> {n1} partitions: {sq0} -> {sq1} (ratio {sq1 / max(sq0, 1):.2f}; goal <= 1.1, bounded, not {n1 / n0:.0f}: {'met' if sq1 <= 1.1 * sq0 else 'NOT met'})"
+            f"schedule statements {n0} -> {n1} partitions: {sq0} -> {sq1} (ratio {sq1 / max(sq0, 1):.2f}; goal <= 1.1, "
+            f"bounded, not {n1 / n0:.0f}: {'met' if sq1 <= 1.1 * sq0 else 'NOT met'})"
         )
         print(
-            f"sensor statements {n0} -> {n1} partitions: {eq0} -> {eq1} (ratio {eq1 / max(eq0, 1):.2f}; goal <= 1.1, bounded, not {n1 / n0:.0f}: {'met' if eq1 <= 1.1 * eq0 else 'NOT met'})"
+            f"sensor statements {n0} -> {n1} partitions: {eq0} -> {eq1} (ratio {eq1 / max(eq0, 1):.2f}; goal <= 1.1, "
+            f"bounded, not {n1 / n0:.0f}: {'met' if eq1 <= 1.1 * eq0 else 'NOT met'})"
         )
 
 

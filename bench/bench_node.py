@@ -339,15 +339,17 @@ def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int 
     if tail_chunk_tokens:
         follow_ups = [e for e in recv if e.get("continued_from")]
         print(
-            f"{label}_chunk_follow_ups: {len(follow_ups)}  prefix_tokens_re_sent: {sum(e['continued_from'] for e in follow_ups)} "
+            f"{label}_chunk_follow_ups: {len(follow_ups)}  prefix_tokens_re_sent: "
+            f"{sum(e['continued_from'] for e in follow_ups)} "
             f"({sum(e['continued_from'] for e in follow_ups) / max(1, r['tokens']):.2f} per generated token)"
         )
         prefills = [e for e in r["events"] if e["ev"] == "prefill" and e.get("continued_from")]
         charged = sum(e["prefill_tokens"] for e in prefills)
         print(
             f"{label}_follow_up_prefill_tokens: charged {charged}, from the prefix cache "
-            f"{sum(e['cached_tokens'] for e in prefills)}  (charged = {charged / (args.servers * args.prefill_tok_per_s):.1f} "
-            f"simulated s of every server's decode, at {args.prefill_tok_per_s:g} tok/s)"
+            f"{sum(e['cached_tokens'] for e in prefills)}  (charged = "
+            f"{charged / (args.servers * args.prefill_tok_per_s):.1f} simulated s of every server's decode, at "
+            f"{args.prefill_tok_per_s:g} tok/s)"
         )
         rows = node.rows()
         wanted = wanted_lengths(args.prompts, 4096)
@@ -359,7 +361,8 @@ def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int 
         print(f"{label}_rows_as_one_request_at_4096_makes: {same}/{args.prompts} (completion_tokens and finish_reason)")
     print(f"{label}_generated_tokens: {r['tokens']}")
     print(
-        f"{label}_wall_real_s: {r['wall']:.1f}  dagster_and_client_overhead_real_s: {r['wall'] - r['servers_up_real']:.1f}"
+        f"{label}_wall_real_s: {r['wall']:.1f}  dagster_and_client_overhead_real_s: "
+        f"{r['wall'] - r['servers_up_real']:.1f}"
     )
     print(f"{label}_wall_simulated_s: {wall_s:.1f}")
     eff = r["tokens"] / (capacity * args.tok_per_s * (wall_s - args.startup_s))
@@ -571,7 +574,8 @@ def scenario_kill(base: Path, args) -> None:
     print(f"kill_rows: {len(rows)}/{args.prompts}  each_prompt_once: {sorted(rows) == list(range(args.prompts))}")
     print(f"kill_finished_rows_resent: {len(resent_finished)} (goal 0)")
     print(
-        f"kill_requests_resent: {len(resent)}  <= in_flight_at_kill {sent_not_durable}: {len(resent) <= sent_not_durable}"
+        f"kill_requests_resent: {len(resent)}  <= in_flight_at_kill {sent_not_durable}: "
+        f"{len(resent) <= sent_not_durable}"
     )
     print(f"kill_resume_duplicate_requests: {sum(v - 1 for v in recv_after.values() if v > 1)}")
     time.sleep(1.0)

@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--draft-overrides",
         type=json.loads,
         default={},
-        help='drafter shape unlike the target\'s, e.g. {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}',
+        help="drafter shape unlike the target's, e.g. "
+        '{"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}',
     )
     p.add_argument("--tiny", action="store_true", help="same as --size tiny --steps 3 --seq-len 96 (a smoke run)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -208,8 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
         online_runs.append(o_run)
         ratios.append(o_run["tokens_per_s"] / (b_run[1] / b_run[0]))
         print(
-            f"round {r + 1}/{a.rounds}: bare {b_run[1] / b_run[0]:.1f}, online {o_run['tokens_per_s']:.1f} block tok/s, "
-            f"ratio {ratios[-1]:.3f}",
+            f"round {r + 1}/{a.rounds}: bare {b_run[1] / b_run[0]:.1f}, online {o_run['tokens_per_s']:.1f} block "
+            f"tok/s, ratio {ratios[-1]:.3f}",
             flush=True,
         )
     median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{res['online_context_tokens_per_s']:.1f} context tok/s"
     )
     print(
-        f"ratio online / bare = {res['ratio_online_over_bare']:.3f} (median of {a.rounds} alternating rounds)   (goal >= 0.9)"
+        f"ratio online / bare = {res['ratio_online_over_bare']:.3f} (median of {a.rounds} alternating rounds)   (goal "
+        ">= 0.9)"
     )
     if "offline_block_tokens_per_s" in res:
         print(

@@ -255,7 +255,8 @@ def main() -> None:
             f"requests planned: {todo} (baseline {base_todo})"
         )
         print(
-            f"planning_s ({len(keys)} partitions - 1): {all_s - one_s:.1f}  planning / baseline: {(all_s - one_s) / base_s:.2f} (no goal)"
+            f"planning_s ({len(keys)} partitions - 1): {all_s - one_s:.1f}  planning / baseline: "
+            f"{(all_s - one_s) / base_s:.2f} (no goal)"
         )
         print(
             f"planning extrapolated to 903 partitions: {(all_s - one_s) / (len(keys) - 1) * 902:.0f} s "

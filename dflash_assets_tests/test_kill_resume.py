@@ -329,7 +329,8 @@ def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
             second = _wait(lambda: [p for p in _started(work) if p != step_pid], 120, "the second run's step to start")
             start_s = time.monotonic() - queued
             print(
-                f"after kill -9 of the run worker: launched (queued) in {queued - killed:.1f} s, its step started {start_s:.1f} s later"
+                f"after kill -9 of the run worker: launched (queued) in {queued - killed:.1f} s, its step started "
+                f"{start_s:.1f} s later"
             )
             orphan_gone_first = proc_stat(step_pid) is None or proc_stat(step_pid).state == "Z"
             (work / "hang").unlink()

@@ -393,10 +393,11 @@ instance = dg.DagsterInstance.ephemeral()
 instance.add_dynamic_partitions(prompt_ranges.name, [cfg["pk"]])
 storage = StorageResource(aws_access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID"),
                           aws_secret_access_key=dg.EnvVar("AWS_SECRET_ACCESS_KEY"), **cfg["storage"])
-inference = InferenceServerResource(mode="external", base_urls=[cfg["url"]], served_model_name="fake", max_running_requests=2)
+inference = InferenceServerResource(mode="external", base_urls=[cfg["url"]], served_model_name="fake",
+                                    max_running_requests=2)
 print("CHILD STARTED", flush=True)
-dg.materialize([completions], partition_key=cfg["pk"], instance=instance,
-               resources={"storage": storage, "inference": inference, "generation": GenerationResource(max_output_tokens=16)})
+resources = {"storage": storage, "inference": inference, "generation": GenerationResource(max_output_tokens=16)}
+dg.materialize([completions], partition_key=cfg["pk"], instance=instance, resources=resources)
 """
 
 

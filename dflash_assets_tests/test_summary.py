@@ -463,8 +463,8 @@ def test_failed_checks_of_any_severity_appear_in_the_summary_with_counts_and_par
     text = format_summary(s)
     numbers = text.split("== where the outputs are ==")[0]
     assert (
-        f"tokenized_sequences.retokenized_length_matches_server (WARN): 2 of 4 partitions failed: {keys[0]}, {keys[3]}; "
-        "lengths differ"
+        f"tokenized_sequences.retokenized_length_matches_server (WARN): 2 of 4 partitions failed: {keys[0]}, "
+        f"{keys[3]}; lengths differ"
     ) in numbers
     assert f"tokenized_sequences.no_empty_loss_mask (ERROR): 1 of 4 partitions failed: {keys[3]}" in numbers
 
