@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_assets.cap_backtest import (  # noqa: E402
+from dflash_assets.cap_backtest import (
     USER_CAP,
     USER_NEW_CAP,
     advised,
@@ -93,11 +93,13 @@ def main() -> None:
         widths = [t.hi - t.lo for t in tests if t.hi == t.hi]
         errors = [abs(t.predicted - t.actual) for t in tests if t.predicted == t.predicted]
         print(
-            f"{name}: back-tests {len(tests)} (+{declined} with too few finished rows: no advice), coverage of the 90% interval {coverage(tests):.3f} (goal >= {GOAL:.2f}); "
-            f"mean width {np.mean(widths):.3f}, mean |predicted - actual| {np.mean(errors):.3f} (shares)"
+            f"{name}: back-tests {len(tests)} (+{declined} with too few finished rows: no advice), coverage of the 90% "
+            f"interval {coverage(tests):.3f} (goal >= {GOAL:.2f}); mean width {np.mean(widths):.3f}, mean |predicted - "
+            f"actual| {np.mean(errors):.3f} (shares)"
         )
     print(
-        f"coverage_ratio (all {len(advised(everything))} advised back-tests): {coverage(everything):.3f}   goal >= {GOAL:.2f}"
+        f"coverage_ratio (all {len(advised(everything))} advised back-tests): {coverage(everything):.3f}   goal >= "
+        f"{GOAL:.2f}"
     )
     print(f"seconds: {time.monotonic() - started:.0f}")
 

@@ -1,11 +1,12 @@
 """Requests a cap change sends, per truncated row, against a full re-run.
 
-Runs the scenario of ``dflash_assets/simulation/cap_change_scenario.py`` (also tested by ``dflash_assets_tests/test_cap_change.py``) on the real CPU server (SmolLM2,
-greedy) behind a counting proxy: 3 partitions of 2 prompts at a small cap, then the cap is raised and
-lowered, each time launching only what the ``generation_settings_changed`` sensor asks for. Prints one
-``name: value`` line per figure. Goal: a raise sends one request per truncated row; a lowering cuts the
-rows longer than the new cap to it from their own tokens (:mod:`dflash_assets.generation.cap_cut`) and
-sends a request only for a row whose tokens do not match its text.
+Runs the scenario of ``dflash_assets/simulation/cap_change_scenario.py`` (also tested by
+``dflash_assets_tests/test_cap_change.py``) on the real CPU server (SmolLM2, greedy) behind a counting proxy:
+3 partitions of 2 prompts at a small cap, then the cap is raised and lowered, each time launching only what
+the ``generation_settings_changed`` sensor asks for. Prints one ``name: value`` line per figure. Goal: a raise
+sends one request per truncated row; a lowering cuts the rows longer than the new cap to it from their own
+tokens (:mod:`dflash_assets.generation.cap_cut`) and sends a request only for a row whose tokens do not match
+its text.
 
     python bench/bench_cap_change.py [--small 10] [--raised 14] [--lowered 11]
 """
@@ -21,12 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_assets.automation import request_partitions  # noqa: E402
-from dflash_assets.generation.local_model import ensure_local_model  # noqa: E402
-from dflash_assets.generation.transformers_server import LocalTransformersServer  # noqa: E402
-from dflash_assets.resources.inference import InferenceServerResource  # noqa: E402
-from dflash_assets.simulation.cap_change_scenario import PROMPTS, run_scenario  # noqa: E402
-from dflash_assets.simulation.counting_proxy import CountingProxy  # noqa: E402
+from dflash_assets.automation import request_partitions
+from dflash_assets.generation.local_model import ensure_local_model
+from dflash_assets.generation.transformers_server import LocalTransformersServer
+from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.simulation.cap_change_scenario import PROMPTS, run_scenario
+from dflash_assets.simulation.counting_proxy import CountingProxy
 
 
 def main() -> None:

@@ -10,11 +10,11 @@
     ratio = pipeline output tok/s / bare output tok/s, over all rounds (goal >= 0.97, issue 15). Rounds run in
     ABBA order so a drift of the server's speed (other load on the machine) cancels out.
 (b) Instant stand-in server (``dflash_assets/simulation/stand_in_server.py`` in its own process, as in
-    bench/bench_client.py): requests/s the generation client sustains, and rows/s of the whole asset
-    (probe, journal, table and metadata included) over a partition of ``--fake-prompts`` prompts beside
-    the bare generation client (CompletionClient alone) on as many rows at the same concurrency, alternating for ``--fake-rounds`` rounds: the
-    asset / bare ratio (goal >= 0.95). Against the real CPU server the server is the bottleneck, so (a)
-    reads ~1.0 for any client; (b) shows what the asset itself costs.
+    bench/bench_client.py): requests/s the generation client sustains, and rows/s of the whole asset (probe,
+    journal, table and metadata included) over a partition of ``--fake-prompts`` prompts beside the bare
+    generation client (CompletionClient alone) on as many rows at the same concurrency, alternating for
+    ``--fake-rounds`` rounds: the asset / bare ratio (goal >= 0.95). Against the real CPU server the server is
+    the bottleneck, so (a) reads ~1.0 for any client; (b) shows what the asset itself costs.
 
     python bench/bench_completions.py [--prompts 24] [--cap 48] [--concurrency 8] [--rounds 2]
 
@@ -161,10 +161,12 @@ def bench_real_server(args, work: Path) -> None:
         f"(goal >= 0.97: {'met' if pipe_rate / bare_rate >= 0.97 else 'NOT met'})"
     )
     print(
-        f"pipeline_generation_phase_over_bare_ratio: {pipe_tok / pipe_client_s / bare_rate:.3f} (client progress, no probe/table write)"
+        f"pipeline_generation_phase_over_bare_ratio: {pipe_tok / pipe_client_s / bare_rate:.3f} (client progress, no "
+        "probe/table write)"
     )
     print(
-        f"pipeline_incl_dagster_run_over_bare_ratio: {pipe_tok / pipe_mat_s / bare_rate:.3f} (whole dg.materialize call)"
+        f"pipeline_incl_dagster_run_over_bare_ratio: {pipe_tok / pipe_mat_s / bare_rate:.3f} (whole dg.materialize "
+        "call)"
     )
 
 
@@ -210,14 +212,17 @@ def bench_instant_server(args, work: Path) -> None:
             f"({args.fake_prompts} rows, fsync'd journal, client progress)"
         )
         print(
-            f"pipeline_rows_per_s_incl_table_write: {args.fake_prompts / meta['wall_s']:.0f} (asset wall_s {meta['wall_s']:.2f} s)"
+            f"pipeline_rows_per_s_incl_table_write: {args.fake_prompts / meta['wall_s']:.0f} (asset wall_s "
+            f"{meta['wall_s']:.2f} s)"
         )
         ratios.sort()
         median = ratios[len(ratios) // 2]
         print(
-            f"asset_over_bare_client_ratio_vs_instant_server: median {median:.3f} over {len(ratios)} rounds "
-            f"(asset {sorted(asset_rates)[len(asset_rates) // 2]:.0f} rows/s, bare client {sorted(bare_rates)[len(bare_rates) // 2]:.0f} rows/s; "
-            f"goal >= 0.95: {'yes' if median >= 0.95 else 'no'}); with the real CPU server the server is the bottleneck and any client scores ~1.0"
+            f"asset_over_bare_client_ratio_vs_instant_server: median {median:.3f} over {len(ratios)} rounds (asset "
+            f"{sorted(asset_rates)[len(asset_rates) // 2]:.0f} rows/s, bare client "
+            f"{sorted(bare_rates)[len(bare_rates) // 2]:.0f} rows/s; goal >= 0.95: "
+            f"{'yes' if median >= 0.95 else 'no'}); with the real CPU server the server is the bottleneck and any "
+            "client scores ~1.0"
         )
     finally:
         proc.terminate()

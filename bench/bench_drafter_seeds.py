@@ -42,7 +42,8 @@ def main() -> int:
     data_root = Path(args.dagster_home) / "dflash_data"
     if not (data_root / "hidden_states").is_dir():
         raise SystemExit(
-            f"{data_root}/hidden_states not found: run `python -m dflash_assets run` with DAGSTER_HOME={args.dagster_home} first"
+            f"{data_root}/hidden_states not found: run `python -m dflash_assets run` with "
+            f"DAGSTER_HOME={args.dagster_home} first"
         )
     project = yaml.safe_load(config_path().read_text())
     ops, resources_cfg = project.get("ops", {}), project.get("resources", {})
@@ -86,8 +87,9 @@ def main() -> int:
                 )
             )
             print(
-                f"seed {seed}: tau {meta['tau']:.4f} +- {meta['tau_stderr']:.4f} (untrained {meta['tau_untrained']:.4f}), "
-                f"lossless {meta['lossless']}, {meta['num_prompts']} held-out prompts, {rows[-1][-1]:.0f} s",
+                f"seed {seed}: tau {meta['tau']:.4f} +- {meta['tau_stderr']:.4f} (untrained "
+                f"{meta['tau_untrained']:.4f}), lossless {meta['lossless']}, {meta['num_prompts']} held-out prompts, "
+                f"{rows[-1][-1]:.0f} s",
                 flush=True,
             )
     taus = [r[1] for r in rows]

@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_assets.generation.follow_ups import FollowUpLanes  # noqa: E402
-from dflash_assets.simulation.sglang_stub import drawn_length  # noqa: E402
+from dflash_assets.generation.follow_ups import FollowUpLanes
+from dflash_assets.simulation.sglang_stub import drawn_length
 
 
 def makespan(lengths: list[int], slots: int, tok_per_s: float, window: int = 0, chunk: int = 0) -> tuple[float, int]:

@@ -258,11 +258,12 @@ def main(argv=None) -> int:
 
     fwd = best["forward"]
     print(
-        f"model: {args.model_dir}  device: {args.device}  threads: {fwd['threads']}  layer_ids: {best['extract']['layer_ids']}"
+        f"model: {args.model_dir}  device: {args.device}  threads: {fwd['threads']}  layer_ids: "
+        f"{best['extract']['layer_ids']}"
     )
     print(
-        f"sequences: {args.num_seqs} ({fwd['tokens']} tokens, {fwd['padded_tokens']} padded) in {fwd['batches']} batches "
-        f"of <= {args.max_tokens_per_batch} padded tokens"
+        f"sequences: {args.num_seqs} ({fwd['tokens']} tokens, {fwd['padded_tokens']} padded) in {fwd['batches']} "
+        f"batches of <= {args.max_tokens_per_batch} padded tokens"
     )
     print(
         f"{'method':<10} {'tokens/s':>10} {'ratio':>7} {'peak RSS MiB':>13} {'over start':>11} {'ru_maxrss':>10}"
@@ -286,7 +287,8 @@ def main(argv=None) -> int:
         f"goal: features alone, ~1.00 plus a few bytes of ids and mask per token)"
     )
     print(
-        f"extraction / same-work plain forward throughput ratio: {ratio:.3f} (goal >= 0.9: {'PASS' if ratio >= 0.9 else 'FAIL'})"
+        f"extraction / same-work plain forward throughput ratio: {ratio:.3f} (goal >= 0.9: "
+        f"{'PASS' if ratio >= 0.9 else 'FAIL'})"
     )
     if args.json:
         print(json.dumps(best))

@@ -60,11 +60,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import heapq  # noqa: E402
+import heapq
 
-from dflash_assets.generation.processes import free_port_block  # noqa: E402
-from dflash_assets.simulation.sglang_stub import drawn_length  # noqa: E402
-from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer  # noqa: E402
+from dflash_assets.generation.processes import free_port_block
+from dflash_assets.simulation.sglang_stub import drawn_length
+from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 
 DAGSTER = str(Path(sys.executable).with_name("dagster"))
 EFFICIENCY_GOAL = 0.90
@@ -339,15 +339,17 @@ def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int 
     if tail_chunk_tokens:
         follow_ups = [e for e in recv if e.get("continued_from")]
         print(
-            f"{label}_chunk_follow_ups: {len(follow_ups)}  prefix_tokens_re_sent: {sum(e['continued_from'] for e in follow_ups)} "
+            f"{label}_chunk_follow_ups: {len(follow_ups)}  prefix_tokens_re_sent: "
+            f"{sum(e['continued_from'] for e in follow_ups)} "
             f"({sum(e['continued_from'] for e in follow_ups) / max(1, r['tokens']):.2f} per generated token)"
         )
         prefills = [e for e in r["events"] if e["ev"] == "prefill" and e.get("continued_from")]
         charged = sum(e["prefill_tokens"] for e in prefills)
         print(
             f"{label}_follow_up_prefill_tokens: charged {charged}, from the prefix cache "
-            f"{sum(e['cached_tokens'] for e in prefills)}  (charged = {charged / (args.servers * args.prefill_tok_per_s):.1f} "
-            f"simulated s of every server's decode, at {args.prefill_tok_per_s:g} tok/s)"
+            f"{sum(e['cached_tokens'] for e in prefills)}  (charged = "
+            f"{charged / (args.servers * args.prefill_tok_per_s):.1f} simulated s of every server's decode, at "
+            f"{args.prefill_tok_per_s:g} tok/s)"
         )
         rows = node.rows()
         wanted = wanted_lengths(args.prompts, 4096)
@@ -359,7 +361,8 @@ def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int 
         print(f"{label}_rows_as_one_request_at_4096_makes: {same}/{args.prompts} (completion_tokens and finish_reason)")
     print(f"{label}_generated_tokens: {r['tokens']}")
     print(
-        f"{label}_wall_real_s: {r['wall']:.1f}  dagster_and_client_overhead_real_s: {r['wall'] - r['servers_up_real']:.1f}"
+        f"{label}_wall_real_s: {r['wall']:.1f}  dagster_and_client_overhead_real_s: "
+        f"{r['wall'] - r['servers_up_real']:.1f}"
     )
     print(f"{label}_wall_simulated_s: {wall_s:.1f}")
     eff = r["tokens"] / (capacity * args.tok_per_s * (wall_s - args.startup_s))
@@ -489,15 +492,15 @@ def scenario_kill(base: Path, args) -> None:
     node = Node(base, "kill", args, cap=4096)
     keys = node.make_corpus()
     t0 = time.time()
-    log = open(node.dir / "killed_cli.log", "w")
-    proc = subprocess.Popen(
-        [DAGSTER, *node.range_cli(keys)],
-        env=node.env,
-        cwd=node.dir,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with open(node.dir / "killed_cli.log", "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [DAGSTER, *node.range_cli(keys)],
+            env=node.env,
+            cwd=node.dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     target = args.prompts // 2
     while proc.poll() is None and len([e for e in node.events() if e["ev"] == "done"]) < target:
         time.sleep(0.2)
@@ -528,15 +531,15 @@ def scenario_kill(base: Path, args) -> None:
     print(f"kill_servers_left_running_after_kill: {len(left)}")
     starts_before = len(node.starts())
     t1 = time.time()
-    log2 = open(node.dir / "resume_cli.log", "w")
-    resume = subprocess.Popen(
-        [DAGSTER, *node.range_cli(keys)],
-        env=node.env,
-        cwd=node.dir,
-        stdout=log2,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with open(node.dir / "resume_cli.log", "w") as log:
+        resume = subprocess.Popen(
+            [DAGSTER, *node.range_cli(keys)],
+            env=node.env,
+            cwd=node.dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     first_start = None
     deadline = t1 + args.resume_wait_s
     while resume.poll() is None:
@@ -571,7 +574,8 @@ def scenario_kill(base: Path, args) -> None:
     print(f"kill_rows: {len(rows)}/{args.prompts}  each_prompt_once: {sorted(rows) == list(range(args.prompts))}")
     print(f"kill_finished_rows_resent: {len(resent_finished)} (goal 0)")
     print(
-        f"kill_requests_resent: {len(resent)}  <= in_flight_at_kill {sent_not_durable}: {len(resent) <= sent_not_durable}"
+        f"kill_requests_resent: {len(resent)}  <= in_flight_at_kill {sent_not_durable}: "
+        f"{len(resent) <= sent_not_durable}"
     )
     print(f"kill_resume_duplicate_requests: {sum(v - 1 for v in recv_after.values() if v > 1)}")
     time.sleep(1.0)
@@ -582,14 +586,15 @@ def scenario_server_kill(base: Path, args) -> None:
     node = Node(base, "server_kill", args, cap=4096)
     keys = node.make_corpus()
     t0 = time.time()
-    proc = subprocess.Popen(
-        [DAGSTER, *node.range_cli(keys)],
-        env=node.env,
-        cwd=node.dir,
-        stdout=open(node.dir / "cli.log", "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with open(node.dir / "cli.log", "w") as log:
+        proc = subprocess.Popen(
+            [DAGSTER, *node.range_cli(keys)],
+            env=node.env,
+            cwd=node.dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     while proc.poll() is None and len([e for e in node.events() if e["ev"] == "done"]) < args.prompts // 3:
         time.sleep(0.2)
     victim = _stub_pids(node)[0]

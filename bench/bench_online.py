@@ -64,7 +64,6 @@ def make_rows(n: int, seq_len: int, prompt_len: int, vocab: int, seed: int = 0) 
 
 def bare(target, drafter, batches, layer_ids, device) -> tuple[float, int, int]:
     """Seconds, block tokens and context tokens of plain target forward + drafter forward/backward."""
-    use_cuda = device.type == "cuda"
     base = target.model
     all_layers = base.layers
     base.layers = all_layers[: max(layer_ids) + 1]  # the same layers the extractor runs, as a competent engineer would
@@ -111,7 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--draft-overrides",
         type=json.loads,
         default={},
-        help='drafter shape unlike the target\'s, e.g. {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}',
+        help="drafter shape unlike the target's, e.g. "
+        '{"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}',
     )
     p.add_argument("--tiny", action="store_true", help="same as --size tiny --steps 3 --seq-len 96 (a smoke run)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
         online_runs.append(o_run)
         ratios.append(o_run["tokens_per_s"] / (b_run[1] / b_run[0]))
         print(
-            f"round {r + 1}/{a.rounds}: bare {b_run[1] / b_run[0]:.1f}, online {o_run['tokens_per_s']:.1f} block tok/s, "
-            f"ratio {ratios[-1]:.3f}",
+            f"round {r + 1}/{a.rounds}: bare {b_run[1] / b_run[0]:.1f}, online {o_run['tokens_per_s']:.1f} block "
+            f"tok/s, ratio {ratios[-1]:.3f}",
             flush=True,
         )
     median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{res['online_context_tokens_per_s']:.1f} context tok/s"
     )
     print(
-        f"ratio online / bare = {res['ratio_online_over_bare']:.3f} (median of {a.rounds} alternating rounds)   (goal >= 0.9)"
+        f"ratio online / bare = {res['ratio_online_over_bare']:.3f} (median of {a.rounds} alternating rounds)   (goal "
+        ">= 0.9)"
     )
     if "offline_block_tokens_per_s" in res:
         print(

@@ -37,15 +37,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import numpy as np  # noqa: E402
-import polars as pl  # noqa: E402
-from bench_node import Node  # noqa: E402
+import numpy as np
+import polars as pl
+from bench_node import Node
 
-from dflash_assets.corpus import CORPUS_SCHEMA  # noqa: E402
-from dflash_assets.generation.records import rows_to_frame  # noqa: E402
-from dflash_assets.partitions import partition_keys  # noqa: E402
-from dflash_assets.resources.generation import GenerationResource  # noqa: E402
-from dflash_assets.storage import Storage  # noqa: E402
+from dflash_assets.corpus import CORPUS_SCHEMA
+from dflash_assets.generation.records import rows_to_frame
+from dflash_assets.partitions import partition_keys
+from dflash_assets.resources.generation import GenerationResource
+from dflash_assets.storage import Storage
 
 OLD_CAP, NEW_CAP = 4096, 8192
 
@@ -171,30 +171,30 @@ def time_to_first_request(node: Node, keys: list[str], code: Path, timeout: floa
     RSS (KiB) up to then, and how many requests the run was asked to send (from its run log)."""
     seen = len(node.events())
     env = {**node.env, "PYTHONPATH": str(code) + os.pathsep + node.env.get("PYTHONPATH", "")}
-    log = open(node.dir / f"plan_{len(keys)}.log", "w")
+    log_path = node.dir / f"plan_{len(keys)}.log"
     started = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dagster", *node.range_cli(keys)],
-        env=env,
-        cwd=code,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dagster", *node.range_cli(keys)],
+            env=env,
+            cwd=code,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     peak = 0
     try:
         while time.monotonic() - started < timeout:
             peak = max(peak, peak_rss_kb(proc.pid))
             if len(node.events()) > seen:
-                return time.monotonic() - started, peak, requested(node.dir / f"plan_{len(keys)}.log")
+                return time.monotonic() - started, peak, requested(log_path)
             if proc.poll() is not None:
-                raise RuntimeError(f"the run ended (rc {proc.returncode}) before a request: see {log.name}")
+                raise RuntimeError(f"the run ended (rc {proc.returncode}) before a request: see {log_path}")
             time.sleep(0.05)
-        raise RuntimeError(f"no request within {timeout} s: see {log.name}")
+        raise RuntimeError(f"no request within {timeout} s: see {log_path}")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        log.close()
 
 
 def requested(log_path: Path) -> int:
@@ -255,7 +255,8 @@ def main() -> None:
             f"requests planned: {todo} (baseline {base_todo})"
         )
         print(
-            f"planning_s ({len(keys)} partitions - 1): {all_s - one_s:.1f}  planning / baseline: {(all_s - one_s) / base_s:.2f} (no goal)"
+            f"planning_s ({len(keys)} partitions - 1): {all_s - one_s:.1f}  planning / baseline: "
+            f"{(all_s - one_s) / base_s:.2f} (no goal)"
         )
         print(
             f"planning extrapolated to 903 partitions: {(all_s - one_s) / (len(keys) - 1) * 902:.0f} s "

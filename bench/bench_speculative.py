@@ -284,9 +284,9 @@ def work_line(name: str, ev: dict, mixer_share: float | None = None) -> str:
     """Target work of one evaluation: plain vs speculative forwards and tokens, and what the rollbacks added."""
     share = f" (each reads {mixer_share:.1%} of the target's weights)" if mixer_share is not None else ""
     return (
-        f"{name}: tau {ev['tau']:.3f}, lossless {ev['lossless']}; target work: plain {ev['target_forwards_plain']} forwards "
-        f"over {ev['target_tokens_plain']} tokens, speculative {ev['target_forwards_spec']} verify forwards over "
-        f"{ev['target_tokens_spec']} tokens + rollback ({ev['rollback']}) {ev['rollback_forwards']} passes over "
+        f"{name}: tau {ev['tau']:.3f}, lossless {ev['lossless']}; target work: plain {ev['target_forwards_plain']} "
+        f"forwards over {ev['target_tokens_plain']} tokens, speculative {ev['target_forwards_spec']} verify forwards "
+        f"over {ev['target_tokens_spec']} tokens + rollback ({ev['rollback']}) {ev['rollback_forwards']} passes over "
         f"{ev['rollback_tokens']} tokens{share}"
     )
 

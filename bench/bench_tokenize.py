@@ -247,7 +247,8 @@ def main() -> None:
         )
     med, best = ratio("stage", "rust")
     print(
-        f"whole stage / Rust encode_batch_fast floor (no goal: strictly less work) ratio: median {med:.2f}, best-of {best:.2f}"
+        f"whole stage / Rust encode_batch_fast floor (no goal: strictly less work) ratio: median {med:.2f}, best-of "
+        f"{best:.2f}"
     )
     med, best = ratio("tokenize", "bare")
     print(f"tokenize_partition alone / bare ratio: median {med:.2f}, best-of {best:.2f}")

@@ -164,7 +164,8 @@ def main() -> None:
                 bare_tps = bare_tokens_per_s(dc, embed, head, batches, device, a.block_size)
             rounds.append((train_tps, bare_tps, train_tps / bare_tps))
             print(
-                f"round {r + 1}: train {train_tps:.1f} tok/s, bare {bare_tps:.1f} tok/s, ratio {train_tps / bare_tps:.3f}",
+                f"round {r + 1}: train {train_tps:.1f} tok/s, bare {bare_tps:.1f} tok/s, ratio "
+                f"{train_tps / bare_tps:.3f}",
                 flush=True,
             )
     ratios = sorted(x[2] for x in rounds)

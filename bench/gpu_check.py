@@ -236,25 +236,26 @@ def check(shape: str, a, device, dtype) -> dict:
 
 def report(r: dict, dtype, device) -> None:
     print(
-        f"  {r['shape']}: {r['target']} target, {r['target_layers']} layers ({r['target_parameters'] / 1e9:.2f}B params, "
-        f"{str(dtype).removeprefix('torch.')} on {device.type}); {r['linear_attention_kernels']}"
+        f"  {r['shape']}: {r['target']} target, {r['target_layers']} layers ({r['target_parameters'] / 1e9:.2f}B "
+        f"params, {str(dtype).removeprefix('torch.')} on {device.type}); {r['linear_attention_kernels']}"
     )
     print(
-        f"    bare forward {r['bare_forward_tokens_per_s']:.0f} tok/s; feature extraction {r['extraction_tokens_per_s']:.0f} tok/s "
-        f"(ratio {r['ratio_extraction_over_bare_forward']:.2f}); extract_partition with shard writes "
-        f"{r['extract_partition_tokens_per_s']:.0f} tok/s"
+        f"    bare forward {r['bare_forward_tokens_per_s']:.0f} tok/s; feature extraction "
+        f"{r['extraction_tokens_per_s']:.0f} tok/s (ratio {r['ratio_extraction_over_bare_forward']:.2f}); "
+        f"extract_partition with shard writes {r['extract_partition_tokens_per_s']:.0f} tok/s"
     )
     print(
         f"    online training {r['online_online_block_tokens_per_s']:.0f} block tok/s, "
-        f"{r['online_online_context_tokens_per_s']:.0f} context tok/s, online/bare {r['online_ratio_online_over_bare']:.3f}, "
-        f"drafter {r['online_draft_parameters'] / 1e9:.2f}B params"
+        f"{r['online_online_context_tokens_per_s']:.0f} context tok/s, online/bare "
+        f"{r['online_ratio_online_over_bare']:.3f}, drafter {r['online_draft_parameters'] / 1e9:.2f}B params"
         + (f", peak memory {r['online_peak_memory_gib']} GiB" if "online_peak_memory_gib" in r else "")
     )
     if "spec_lossless" in r:
         print(
-            f"    speculative decoding ({r['spec_target']}): lossless {r['spec_lossless']}; {r['spec_verify_steps']} verify "
-            f"steps over {r['spec_target_tokens']} target tokens, rollback ({r['spec_rollback']}) {r['spec_rollback_passes']} "
-            f"passes over {r['spec_rollback_tokens']} tokens; accepted lengths seen {r['spec_accepted_lengths_seen']}"
+            f"    speculative decoding ({r['spec_target']}): lossless {r['spec_lossless']}; {r['spec_verify_steps']} "
+            f"verify steps over {r['spec_target_tokens']} target tokens, rollback ({r['spec_rollback']}) "
+            f"{r['spec_rollback_passes']} passes over {r['spec_rollback_tokens']} tokens; accepted lengths seen "
+            f"{r['spec_accepted_lengths_seen']}"
         )
 
 

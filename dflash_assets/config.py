@@ -163,6 +163,7 @@ def validate_ops(assets_defs: Iterable[Any]) -> None:
             config Dagster's config type for that asset rejects (unknown key, wrong type); the
             message names the file and ``ops.<asset>.config``.
     """
+    # checks one op's config against its config field, as a run would; dagster exports only whole-job validation
     from dagster._config import validate_config
 
     path = config_path()

@@ -29,10 +29,9 @@ import time
 from collections.abc import Callable, Iterator
 
 import dagster as dg
-from dagster._core.events import DagsterEventType
-from dagster._core.executor.base import Executor
+
+# the return type of RunLauncher.check_run_worker_health, which dagster does not export
 from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
-from dagster._core.launcher.default_run_launcher import DefaultRunLauncher
 
 from dflash_assets.generation.processes import is_running, proc_stat
 from dflash_assets.machine import Identity, identity, same_machine
@@ -123,7 +122,7 @@ def live_step_workers(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[
     if same_machine(recorded_identity(run.tags)) != "same":
         return []  # step workers run beside the orchestrator: a pid of another machine, boot or namespace means nothing
     alive = []
-    for entry in instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_WORKER_STARTED):
+    for entry in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_WORKER_STARTED):
         meta = entry.dagster_event.event_specific_data.metadata if entry.dagster_event else {}
         try:
             pid = int(getattr(meta.get("pid"), "value", meta.get("pid")) or 0)
@@ -268,6 +267,7 @@ RUNNING_STATUSES = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 def _run_partitions(run: dg.DagsterRun, ordered: Callable[[], list[str]]) -> set[str]:
     """Partition keys ``run`` targets: its ``dagster/partition`` tag, or every key of its partition range
     (single-run backfill tags) in the order ``ordered()`` gives."""
+    # the tag names Dagster writes on partitioned and single-run backfill runs; dagster does not export them
     from dagster._core.storage.tags import (
         ASSET_PARTITION_RANGE_END_TAG,
         ASSET_PARTITION_RANGE_START_TAG,
@@ -340,11 +340,11 @@ def partition_busy_message(instance: dg.DagsterInstance, asset: str, holding: di
     )
 
 
-class ReapingExecutor(Executor):
+class ReapingExecutor(dg.Executor):
     """Wraps an executor: tags the run with its process (:func:`process_tags`) and reaps dead runs
     (:func:`reap_dead_runs`) before the wrapped executor starts the steps (and their slot claims)."""
 
-    def __init__(self, inner: Executor):
+    def __init__(self, inner: dg.Executor):
         self._inner = inner
 
     @property
@@ -379,7 +379,7 @@ def _reaping(inner: dg.ExecutorDefinition) -> dg.ExecutorDefinition:
 reaping_executor = _reaping(dg.multi_or_in_process_executor)
 
 
-class MonitoredRunLauncher(DefaultRunLauncher):
+class MonitoredRunLauncher(dg.DefaultRunLauncher):
     """Dagster's DefaultRunLauncher plus a run worker health check from :func:`run_process_alive`, so the
     daemon's run monitoring (dagster.yaml ``run_monitoring``) fails a run whose worker was killed, and its
     ``free_slots_after_run_end_seconds`` frees the slots. A worker of another machine, or one not yet

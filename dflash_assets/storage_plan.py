@@ -118,10 +118,10 @@ class StoragePlan:
         """The error text when the plan does not fit: figures and both ways out."""
         fit = f" (about {self.rows_that_fit:,} rows fit)" if self.rows_that_fit is not None else ""
         return (
-            f"hidden-state storage plan does not fit: {self.describe()}. Nothing was written. Ways out: "
-            f"(1) train online, storing nothing: set ops.dflash_drafter.config.features: online (the main job then skips "
+            f"hidden-state storage plan does not fit: {self.describe()}. Nothing was written. Ways out: (1) train "
+            "online, storing nothing: set ops.dflash_drafter.config.features: online (the main job then skips "
             f"hidden_states); (2) store a subset: set ops.hidden_states.config.max_rows: N{fit} or fraction: F (0..1); "
-            f"or free space / raise ops.hidden_states.config.storage_budget_gb."
+            "or free space / raise ops.hidden_states.config.storage_budget_gb."
         )
 
 

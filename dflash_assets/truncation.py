@@ -165,7 +165,8 @@ def fit_censored_weibull(
     for _ in range(5):
         locs = np.linspace(loc_lo, loc_hi, 41)[:, None]
         shapes = np.exp(np.linspace(ls_lo, ls_hi, 41))[None, :]
-        # sum_i w_i e^{z_i} = e^{-k (loc - mean)} * sum_i w_i e^{k (y_i - mean)}: O(shapes x rows), not O(locs x shapes x rows)
+        # sum_i w_i e^{z_i} = e^{-k (loc - mean)} * sum_i w_i e^{k (y_i - mean)}:
+        # O(shapes x rows), not O(locs x shapes x rows)
         with np.errstate(over="ignore", invalid="ignore"):  # far grid corners overflow to -inf: never the argmax
             moments = (wu[None, :] * np.exp(np.minimum(shapes[0, :, None] * (logs[None, :] - mean), 700))).sum(-1)[
                 None, :
@@ -266,9 +267,9 @@ def cap_advice(
         max_cap: largest cap offered by doubling (tokens; e.g. the model's context length).
 
     Returns:
-        ``current_cap``, ``observed_truncation_rate``, ``truncated_rows``, ``method``, ``fit`` ({family,
-        mu, sigma} or {family, scale, shape}, or None), ``candidates`` (dicts of :func:`predict_cap` plus ``truncation_rate_90ci``), and ``note``
-        when there is nothing to advise or ``max_cap`` still leaves more than ``target_rate`` truncated.
+        ``current_cap``, ``observed_truncation_rate``, ``truncated_rows``, ``method``, ``fit`` ({family, mu, sigma} or
+        {family, scale, shape}, or None), ``candidates`` (dicts of :func:`predict_cap` plus ``truncation_rate_90ci``),
+        and ``note`` when there is nothing to advise or ``max_cap`` still leaves more than ``target_rate`` truncated.
     """
     tokens = frame["completion_tokens"].to_numpy().astype(float)
     censored = (frame["finish_reason"] == "length").to_numpy()

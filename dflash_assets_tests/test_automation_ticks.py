@@ -48,7 +48,7 @@ def expected_ranges(
     key between them is allowed (no barrier, in ``fill`` if given) and there are at most ``max_gap``."""
     order = sorted(KEYS.index(pk) for pk in wanted)
     out = []
-    for a, b in zip([None] + order, order):
+    for a, b in zip([None, *order], order):
         between = KEYS[a + 1 : b] if a is not None else None
         joined = (
             between is not None

@@ -1,13 +1,13 @@
 """A cap change re-runs only what it affects, on the real CPU server (greedy), decided by the
 ``generation_settings_changed`` sensor.
 
-Scenario (``dflash_assets/simulation/cap_change_scenario.py``, also run by ``bench/bench_cap_change.py``): 3 partitions of 2 prompts at a small cap, so that
-one partition holds only quick answers (no truncated row) and the others hold long ones. Raising the
-cap must re-materialize exactly the partitions with ``length`` rows, send exactly one request per
-truncated row (counted by a proxy in front of the server), leave every other row byte-identical and
-not re-run ``tokenized_sequences`` of untouched partitions; lowering it must request exactly the rows
-longer than the new cap. The runs materialize completions -> tokenized_sequences for each RunRequest's
-partition (the sensor's job also holds hidden_states, left out here to stay fast).
+Scenario (``dflash_assets/simulation/cap_change_scenario.py``, also run by ``bench/bench_cap_change.py``): 3
+partitions of 2 prompts at a small cap, so that one partition holds only quick answers (no truncated row) and
+the others hold long ones. Raising the cap must re-materialize exactly the partitions with ``length`` rows,
+send exactly one request per truncated row (counted by a proxy in front of the server), leave every other row
+byte-identical and not re-run ``tokenized_sequences`` of untouched partitions; lowering it must request
+exactly the rows longer than the new cap. The runs materialize completions -> tokenized_sequences for each
+RunRequest's partition (the sensor's job also holds hidden_states, left out here to stay fast).
 
 Without a server: the sensor's partition-level rule (materialization metadata) agrees with the asset's
 row-level rule (``invalid_reason``) on random partitions; a cap that comes back (10 -> 14 -> 10 -> 14)

@@ -50,7 +50,7 @@ def made_row(
         "finish_reason": finish,
         "prompt_tokens": 20,
         "completion_tokens": len(tokens) + (finish == "stop"),
-        "output_token_ids": (tokens + [builder.end_token_id] if finish == "stop" else tokens) if ids else None,
+        "output_token_ids": ([*tokens, builder.end_token_id] if finish == "stop" else tokens) if ids else None,
         "truncated_in_reasoning": False,
         "empty_answer": False,
         "max_output_tokens": cap,

@@ -1,7 +1,7 @@
 """Fault tests of the async generation client against a scriptable fake OpenAI-compatible server.
 
-The stand-in server (dflash_assets/simulation/stand_in_server.py) stands in only for faults a real server cannot be made to show on
-demand: 503 bursts, hangs, connections dropped mid-reply, a server dying mid-run.
+The stand-in server (dflash_assets/simulation/stand_in_server.py) stands in only for faults a real server
+cannot be made to show on demand: 503 bursts, hangs, connections dropped mid-reply, a server dying mid-run.
 """
 
 from __future__ import annotations

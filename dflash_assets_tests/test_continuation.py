@@ -321,9 +321,10 @@ def test_servers_that_answer_continuations_afresh_stop_the_run_and_the_cut_rows_
         assert range_materialize(
             instance, root, keys, sglang_sim(tmp_path, 2, 4, model_path=str(model)), cap=OLD_CAP
         ).success
-        tables = lambda: pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys]).sort(
-            "index"
-        )  # noqa: E731
+
+        def tables() -> pl.DataFrame:
+            return pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys]).sort("index")
+
         before = tables()
         cut = before.filter(pl.col("finish_reason") == "length")
         assert cut.height >= 4

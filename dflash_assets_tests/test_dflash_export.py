@@ -102,8 +102,9 @@ def test_export_config_fields(tmp_path):
 def test_export_tensors_names_shapes_no_target_weights(tmp_path):
     out = export_drafter(make_model(), tmp_path / "drafter")
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
-        dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+        names = f.keys()  # safe_open is not a dict: keys() is its only listing
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in names}
+        dtypes = {f.get_tensor(k).dtype for k in names}
     assert shapes == expected_tensor_shapes()
     assert not any("embed" in k or "lm_head" in k for k in shapes)
     assert dtypes == {torch.bfloat16}

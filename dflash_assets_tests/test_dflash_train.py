@@ -459,7 +459,7 @@ def test_shard_metadata_target_layer_ids_are_used_and_checked(tmp_path):
         train(_tiny_cfg(target, tagged, tmp_path / "bad", max_steps=1, target_layer_ids=[1, 3, 5]))
     other = str(write_shard(tmp_path / "other.safetensors", rows, [2, 3], {"target_layer_ids": "[1, 3, 5]"}))
     with pytest.raises(ValueError, match="target_layer_ids"):
-        HiddenStateShards(tagged + [other], split="all", block_size=4)
+        HiddenStateShards([*tagged, other], split="all", block_size=4)
 
 
 def test_lr_schedule_warmup_and_cosine():

@@ -1,4 +1,5 @@
-"""Issue 17 item 4: evaluation datasets = held-out corpus prompts + prompt files (corpus shapes), minus trained prompts."""
+"""Issue 17 item 4: evaluation datasets = held-out corpus prompts + prompt files (corpus shapes), minus
+trained prompts."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import pytest
 import torch
@@ -135,8 +136,10 @@ def test_local_server_and_target_model_must_name_the_same_model(tmp_path, monkey
     inference = InferenceServerResource(mode="local", local_model="qwen3.6-hybrid-standin")
     with pytest.raises(
         ConfigError,
-        match="resources.inference.local_model is 'qwen3.6-hybrid-standin' but "
-        "resources.target_model.local_model is 'smollm2-135m-instruct'",
+        match=re.escape(
+            "resources.inference.local_model is 'qwen3.6-hybrid-standin' but "
+            "resources.target_model.local_model is 'smollm2-135m-instruct'"
+        ),
     ):
         check_local_model({"inference": inference, "target_model": TargetModelResource()})
     same = TargetModelResource(local_model="qwen3.6-hybrid-standin")

@@ -106,12 +106,16 @@ def test_probe_reply_that_is_not_json_names_the_url():
 
 
 def test_probe_http_errors_say_what_to_try():
-    with FakeServer(Error(404, "Not Found")) as server:
-        with pytest.raises(RuntimeError, match=r"got HTTP 404: .*check base_urls"):
-            probe_chat(server.url, "fake")
-    with FakeServer(Error(400, "model 'x' not found")) as server:
-        with pytest.raises(RuntimeError, match=r"got HTTP 400: .*check served_model_name 'x'"):
-            probe_chat(server.url, "x")
+    with (
+        FakeServer(Error(404, "Not Found")) as server,
+        pytest.raises(RuntimeError, match=r"got HTTP 404: .*check base_urls"),
+    ):
+        probe_chat(server.url, "fake")
+    with (
+        FakeServer(Error(400, "model 'x' not found")) as server,
+        pytest.raises(RuntimeError, match=r"got HTTP 400: .*check served_model_name 'x'"),
+    ):
+        probe_chat(server.url, "x")
     with FakeServer(Error(401, "invalid token", echo_auth=True)) as server, pytest.raises(RuntimeError) as err:
         probe_chat(server.url, "fake", api_key=KEY)
     assert KEY not in str(err.value) and "***" in str(err.value) and "DFLASH_SERVER_API_KEY" in str(err.value)
@@ -131,11 +135,11 @@ def test_sglang_log_that_prints_the_key_is_redacted_in_the_file_and_the_error(tm
         "['api-key']; print('server_args=', args, 'api_key=', repr(key), flush=True); sys.exit(3)"
     )
     command = LaunchCommand((sys.executable, "-c", script), {}, "127.0.0.1", free_port(), api_key_env="H16_TEST_KEY")
-    with pytest.raises(RuntimeError) as err:
-        with SGLangServers(
-            [command], tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0, parent_death_signal=False
-        ):
-            pass
+    with (
+        pytest.raises(RuntimeError) as err,
+        SGLangServers([command], tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0, parent_death_signal=False),
+    ):
+        pass
     message = str(err.value)
     assert "exited with code 3" in message and KEY not in message and "api_key= '***'" in message
     log = (tmp_path / "logs" / "sglang_0.log").read_text()

@@ -89,10 +89,10 @@ def test_same_command_after_kill_9_starts_at_once(home, kill):
     tmp, env = home
     work = tmp / "work"
     (work / "hang").touch()
-    log1 = open(tmp / "run1.log", "w")
-    first = subprocess.Popen(
-        _materialize_cmd("p0"), env=env, stdout=log1, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    with open(tmp / "run1.log", "w") as log:  # the child keeps its own copy of the descriptor
+        first = subprocess.Popen(
+            _materialize_cmd("p0"), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         [step_pid] = _wait(lambda: _started(work), 120, "the first run's step to start")
         with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:
@@ -113,10 +113,10 @@ def test_same_command_after_kill_9_starts_at_once(home, kill):
 
         # the same command, no clean-up; the hang marker stays until the new step has started
         started = time.monotonic()
-        log2 = open(tmp / "run2.log", "w")
-        second = subprocess.Popen(
-            _materialize_cmd("p0"), env=env, stdout=log2, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        with open(tmp / "run2.log", "w") as log:
+            second = subprocess.Popen(
+                _materialize_cmd("p0"), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         try:
             _wait(
                 lambda: len(_started(work)) == 2, 60, "the second run's step to start (blocked by the dead run's slot?)"
@@ -307,14 +307,14 @@ def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
         instance.get_runs()  # daemon and the first launch do not both create them ("table ... already exists")
         instance.event_log_storage.get_concurrency_keys()
         instance.all_instigator_state()
-    daemon_log = open(tmp / "daemon.log", "w")
-    daemon = subprocess.Popen(
-        [str(Path(DAGSTER).parent / "dagster-daemon"), "run", "-m", "dflash_assets_tests.kill_defs"],
-        env=env,
-        stdout=daemon_log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with open(tmp / "daemon.log", "w") as log:  # the child keeps its own copy of the descriptor
+        daemon = subprocess.Popen(
+            [str(Path(DAGSTER).parent / "dagster-daemon"), "run", "-m", "dflash_assets_tests.kill_defs"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         submit()
         [step_pid] = _wait(lambda: _started(work), 180, "the queued run's step to start")
@@ -329,7 +329,8 @@ def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
             second = _wait(lambda: [p for p in _started(work) if p != step_pid], 120, "the second run's step to start")
             start_s = time.monotonic() - queued
             print(
-                f"after kill -9 of the run worker: launched (queued) in {queued - killed:.1f} s, its step started {start_s:.1f} s later"
+                f"after kill -9 of the run worker: launched (queued) in {queued - killed:.1f} s, its step started "
+                f"{start_s:.1f} s later"
             )
             orphan_gone_first = proc_stat(step_pid) is None or proc_stat(step_pid).state == "Z"
             (work / "hang").unlink()

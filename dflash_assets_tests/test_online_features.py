@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
+from tiny_target import HIDDEN, LAYER_IDS, VOCAB, make_rows, make_target
 
 from dflash_assets.dflash.online import OnlineTargetFeatures, TokenizedRows, read_tokenized_rows
 from dflash_assets.dflash.shards import extract_partition, read_index
 from dflash_assets.dflash.train import TrainConfig, train
 
 torch.set_num_threads(2)
-
-from tiny_target import HIDDEN, LAYER_IDS, VOCAB, make_rows, make_target
 
 
 def write_tokenized(path: Path, rows: list[dict]) -> str:
@@ -224,11 +224,14 @@ def test_drafter_settings_are_checked_against_the_target_before_any_work(tmp_pat
     assert ids == [1, 2, 2, 2, 3] and overrides == {"num_attention_heads": 8, "head_dim": 4}  # 6 layers, default rule
     with pytest.raises(
         ValueError,
-        match=rf"ops.dflash_drafter.config: mask_token_id {VOCAB} is outside the target's vocabulary \(vocab_size {VOCAB}\)",
+        match=re.escape(
+            f"ops.dflash_drafter.config: mask_token_id {VOCAB} is outside the target's vocabulary (vocab_size {VOCAB})"
+        ),
     ):
         resolved_settings(DrafterConfig(mask_token_id=VOCAB), resource)
     with pytest.raises(
-        ValueError, match="ops.dflash_drafter.config: num_attention_heads 6 must be a multiple of num_key_value_heads 4"
+        ValueError,
+        match=re.escape("ops.dflash_drafter.config: num_attention_heads 6 must be a multiple of num_key_value_heads 4"),
     ):
         resolved_settings(DrafterConfig(num_attention_heads=6, num_key_value_heads=4), resource)
     (tmp_path / "project.yaml").write_text("ops:\n  hidden_states:\n    config:\n      target_layer_ids: [1, 6]\n")

@@ -98,7 +98,8 @@ def test_tool_calls_before_the_last_user_turn_reject_the_row_naming_tool_message
 
 
 def test_jsonl_is_split_on_newline_only(tmp_path):
-    """Was: U+2028 / U+2029 / U+0085 inside a JSON string split the line (valid row rejected, later lines misnumbered)."""
+    """Was: U+2028 / U+2029 / U+0085 inside a JSON string split the line (valid row rejected, later lines
+    misnumbered)."""
     path = tmp_path / "sep.jsonl"
     rows = ['{"prompt": "one\u2028two\u2029three\u0085four"}', "{not json", '{"prompt": "last"}']
     path.write_text("\r\n".join(rows) + "\n", encoding="utf-8")

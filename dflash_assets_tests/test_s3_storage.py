@@ -398,10 +398,11 @@ instance = dg.DagsterInstance.ephemeral()
 instance.add_dynamic_partitions(prompt_ranges.name, [cfg["pk"]])
 storage = StorageResource(aws_access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID"),
                           aws_secret_access_key=dg.EnvVar("AWS_SECRET_ACCESS_KEY"), **cfg["storage"])
-inference = InferenceServerResource(mode="external", base_urls=[cfg["url"]], served_model_name="fake", max_running_requests=2)
+inference = InferenceServerResource(mode="external", base_urls=[cfg["url"]], served_model_name="fake",
+                                    max_running_requests=2)
 print("CHILD STARTED", flush=True)
-dg.materialize([completions], partition_key=cfg["pk"], instance=instance,
-               resources={"storage": storage, "inference": inference, "generation": GenerationResource(max_output_tokens=16)})
+resources = {"storage": storage, "inference": inference, "generation": GenerationResource(max_output_tokens=16)}
+dg.materialize([completions], partition_key=cfg["pk"], instance=instance, resources=resources)
 """
 
 
@@ -490,7 +491,10 @@ def test_endpoint_outage_mid_run(s3_target, s3_env, tmp_path, outage, caplog):
     outage_ends = [0.0]
     # short: requests that arrive during the outage are answered just after it, so rows are still
     # coming when the endpoint is back (the run must recover); rows in flight finish during it.
-    script = lambda i, body: Reply(delay_s=max(0.08, outage_ends[0] - time.monotonic() + 0.1))
+
+    def script(i: int, body: dict) -> Reply:
+        return Reply(delay_s=max(0.08, outage_ends[0] - time.monotonic() + 0.1))
+
     with FakeServer(script) as server, dg.instance_for_test() as instance:
         write_corpus_direct(instance, storage, tmp_path / "prompts.jsonl", partition_size=n)
         synced_before: set[int] = set()

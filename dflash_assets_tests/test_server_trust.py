@@ -139,9 +139,11 @@ def test_a_squatter_on_the_port_before_launch_is_refused_and_sent_nothing(tmp_pa
     try:
         commands = build_sglang_commands("sim", port_base=port, module=STUB, extra_args=FAST, api_key_env=API_KEY_ENV)
         started = time.monotonic()
-        with pytest.raises(PortTakenError) as err:
-            with SGLangServers(commands, tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0):
-                pass
+        with (
+            pytest.raises(PortTakenError) as err,
+            SGLangServers(commands, tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0),
+        ):
+            pass
         elapsed = time.monotonic() - started
         message = str(err.value)
         assert f"port {port} on 127.0.0.1 is held by pid {squatter.pid}" in message
@@ -173,9 +175,11 @@ def test_a_squatter_that_takes_the_port_while_the_server_loads_is_refused_and_se
     slow = ["--sim-startup-s", "3", "--sim-speed", "1"]
     commands = build_sglang_commands("sim", port_base=port, module=STUB, extra_args=slow, api_key_env=API_KEY_ENV)
     try:
-        with pytest.raises(PortTakenError) as err:
-            with SGLangServers(commands, tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0):
-                pass
+        with (
+            pytest.raises(PortTakenError) as err,
+            SGLangServers(commands, tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0),
+        ):
+            pass
         message = str(err.value)
         assert f"held by pid {squatters[0].pid}" in message and f"not SGLang server 0 (pid {children[0]})" in message
         assert (tmp_path / "received").read_bytes() == b""  # no health probe, no key, no prompt
@@ -193,9 +197,11 @@ def test_local_server_refuses_a_taken_port_before_loading_anything(tmp_path):
     port = free_port()
     squatter = start_squatter(port, tmp_path / "received")
     try:
-        with pytest.raises(PortTakenError, match=f"port {port} on 127.0.0.1 is held by pid {squatter.pid}"):
-            with LocalTransformersServer(ensure_local_model(), port=port, log_path=tmp_path / "serve.log"):
-                pass
+        with (
+            pytest.raises(PortTakenError, match=f"port {port} on 127.0.0.1 is held by pid {squatter.pid}"),
+            LocalTransformersServer(ensure_local_model(), port=port, log_path=tmp_path / "serve.log"),
+        ):
+            pass
         assert (tmp_path / "received").read_bytes() == b"" and not (tmp_path / "serve.log").exists()
     finally:
         squatter.kill()

@@ -253,11 +253,13 @@ def test_resource_external_mode_probe_fails_on_dead_url(tmp_path):
         mode="external", base_urls=[f"http://127.0.0.1:{port}/v1"], served_model_name="m", startup_timeout_s=5
     )
     # issue 16: the error names the URL and what to try (was a bare httpx "Connection refused")
-    with pytest.raises(
-        RuntimeError, match=rf"probe POST http://127.0.0.1:{port}/v1/chat/completions failed: ConnectError.*curl"
+    with (
+        pytest.raises(
+            RuntimeError, match=rf"probe POST http://127.0.0.1:{port}/v1/chat/completions failed: ConnectError.*curl"
+        ),
+        r.serve(tmp_path),
     ):
-        with r.serve(tmp_path):
-            pass
+        pass
 
 
 def test_resource_defaults():

@@ -11,6 +11,8 @@ wrapper equals HF's hidden states.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from tiny_target import VOCAB, make_hybrid_target, make_target
@@ -100,6 +102,11 @@ def test_plain_crop_fails_on_a_hybrid_cache(hybrid):
         cache.crop(-1)
 
 
+def replay_verify(hybrid, ids: torch.Tensor, cache, start: int, n: int) -> None:
+    """Run the first ``n`` of the verify tokens ``ids`` (1, k) again at positions ``start ..``, into ``cache``."""
+    hybrid(input_ids=ids[:, :n], position_ids=torch.arange(start, start + n)[None], cache=cache, use_cache=True)
+
+
 @pytest.mark.parametrize("mode", ["mixers", "forward"])
 def test_rollback_leaves_exactly_the_state_of_the_accepted_tokens(hybrid, mode):
     prompt, verify = PROMPTS[0], [11, 23, 35, 47]
@@ -109,10 +116,7 @@ def test_rollback_leaves_exactly_the_state_of_the_accepted_tokens(hybrid, mode):
         restore = VerifyRollback(hybrid, cache, mode)
         assert restore.mode == mode and restore.linear_ids == [0, 1, 2, 4, 5, 6]
         ids = torch.tensor([verify])
-
-        def replay(n: int) -> None:
-            hybrid(input_ids=ids[:, :n], position_ids=torch.arange(start, start + n)[None], cache=cache, use_cache=True)
-
+        replay = functools.partial(replay_verify, hybrid, ids, cache, start)
         with torch.no_grad(), restore:
             restore.before_verify(len(verify))
             hybrid(

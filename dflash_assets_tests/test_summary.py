@@ -122,9 +122,10 @@ CAP_ADVICE_MD = (
     "Method: log-normal MLE on right-censored lengths.\n\n"
     "| cap | predicted truncation | 90% interval | requests | tokens to generate | extra tokens |\n"
     "|---|---|---|---|---|---|\n"
-    "| 160 | 33.10% | 28.00%–38.00% | 3 | 520 | 136 |\n"
-    "| 256 | 9.50% | 7.00%–12.00% | 3 | 610 | 226 |\n"
-    "| 512 | 0.80% | 0.40%–1.50% | 3 | 640 | 256 |"
+    # the en dash is the one the cap-advice table writes between an interval's ends
+    "| 160 | 33.10% | 28.00%–38.00% | 3 | 520 | 136 |\n"  # noqa: RUF001
+    "| 256 | 9.50% | 7.00%–12.00% | 3 | 610 | 226 |\n"  # noqa: RUF001
+    "| 512 | 0.80% | 0.40%–1.50% | 3 | 640 | 256 |"  # noqa: RUF001
 )
 TRUNCATION = {
     "cap": 128,
@@ -462,8 +463,8 @@ def test_failed_checks_of_any_severity_appear_in_the_summary_with_counts_and_par
     text = format_summary(s)
     numbers = text.split("== where the outputs are ==")[0]
     assert (
-        f"tokenized_sequences.retokenized_length_matches_server (WARN): 2 of 4 partitions failed: {keys[0]}, {keys[3]}; "
-        "lengths differ"
+        f"tokenized_sequences.retokenized_length_matches_server (WARN): 2 of 4 partitions failed: {keys[0]}, "
+        f"{keys[3]}; lengths differ"
     ) in numbers
     assert f"tokenized_sequences.no_empty_loss_mask (ERROR): 1 of 4 partitions failed: {keys[3]}" in numbers
 

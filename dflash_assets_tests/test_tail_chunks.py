@@ -251,7 +251,7 @@ def test_a_range_run_with_tail_chunking_makes_the_same_tables_and_sends_follow_u
     for e in events:
         sent.setdefault(int(e["key"].split()[1]), []).append(e)
     assert {corpus_index(corpus, k): len(v) for k, v in sent.items()} == want_chunks
-    for k, chain in sent.items():
+    for chain in sent.values():
         assert [e["continued_from"] for e in chain] == [chunk * j for j in range(len(chain))]
     fresh = [e for e in events if e["continued_from"] == 0]
     follow_ups = [e for e in events if e["continued_from"] > 0]

@@ -319,7 +319,7 @@ def test_validate_shard_rejects_bad_files(tiny, tmp_path):
     # Same indices, new tokens (e.g. regenerated completions): the stale shard is recomputed.
     before = path.read_bytes()
     changed = [dict(rows[0]), rows[1]]
-    changed[0]["input_ids"] = changed[0]["input_ids"][:-1] + [7]
+    changed[0]["input_ids"] = [*changed[0]["input_ids"][:-1], 7]
     result = extract_partition(tiny, changed, tmp_path, TINY_LAYER_IDS, rows_per_shard=2, model_name="tiny")
     assert result.written_shards == ["shard-00000.safetensors"] and path.read_bytes() != before
     assert read_shard(path).input_ids[7].item() == 7

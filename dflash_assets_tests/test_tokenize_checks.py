@@ -85,7 +85,7 @@ def test_roundtrip_and_length_checks_flag_the_right_rows(tmp_path, tok):
     )
     config = TokenizeConfig(max_length=60, over_max_length="cut")
     store = Storage(str(tmp_path))
-    tokenized, aside, counts, uri, version, checks = tokenize_stage(
+    tokenized, _aside, counts, _uri, version, checks = tokenize_stage(
         store, PK, completions, prompts, SequenceBuilder(tok), config, 64
     )
     assert counts["kept"] == 6 and counts["cut"] == 1 and tokenized.filter(pl.col("cut"))["index"].to_list() == [3]
@@ -136,7 +136,7 @@ def test_table_decode_equals_the_rust_decoder(tok):
         (int(e) - len(run), int(e), "stop" if k == len(runs) - 1 else "length")
         for k, (run, e) in enumerate(zip(runs, ends))
     ]
-    expected = tok.backend_tokenizer.decode_batch(runs[:-1] + [runs[0]], skip_special_tokens=False)
+    expected = tok.backend_tokenizer.decode_batch([*runs[:-1], runs[0]], skip_special_tokens=False)
     assert builder.decode_spans(flat, spans) == expected
     assert builder.decode_spans(flat, spans)[0] == texts[0]
 

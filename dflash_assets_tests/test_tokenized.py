@@ -433,7 +433,7 @@ def test_server_token_ids_are_used_as_returned(smol_tokenizer):
     assert counts["kept"] == 4
     expected_tail = {
         0: [*odd, end_id],
-        1: tok.encode("Hello", add_special_tokens=False) + [end_id],
+        1: [*tok.encode("Hello", add_special_tokens=False), end_id],
         2: [*odd, end_id],
         3: odd,
     }

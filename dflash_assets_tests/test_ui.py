@@ -7,6 +7,7 @@ Screenshots go to ``test-artifacts/ui/`` at the repo root.
 """
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -112,16 +113,16 @@ def dagster_dev(home: Path, port: int, log_path: Path, stage_seconds: float = 1.
         "DAGSTER_DISABLE_TELEMETRY": "1",
     }
     dagster = str(Path(sys.executable).with_name("dagster"))
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        [dagster, "dev", "-h", "127.0.0.1", "-p", str(port), "-w", str(home / "workspace.yaml")],
-        cwd=str(home),
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=_default_interrupts,
-    )
+    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [dagster, "dev", "-h", "127.0.0.1", "-p", str(port), "-w", str(home / "workspace.yaml")],
+            cwd=str(home),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_default_interrupts,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -150,7 +151,6 @@ def dagster_dev(home: Path, port: int, log_path: Path, stage_seconds: float = 1.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        log.close()
 
 
 def _default_interrupts() -> None:
@@ -401,13 +401,13 @@ def test_ui_launches_partitions_one_at_a_time_under_the_inference_pool(tmp_path)
     )
     (ARTIFACTS / "timeline.txt").write_text(f"{timeline}\n{timings}\n")
     print(f"\n{timeline}\n{timings}")
-    for prev, nxt in zip(by_start, by_start[1:]):
+    for prev, nxt in itertools.pairwise(by_start):
         # the inference work never overlaps (the pool's slot), and the queue held each run until the
         # previous one had released it: it started after the previous run ended
         assert steps[nxt["run_id"]][0] >= steps[prev["run_id"]][1], f"completions steps overlap: {prev} {nxt}"
         assert nxt["start"] >= prev["end"], f"runs overlap: {prev} and {nxt}"
     # the limit, not luck, kept them apart: some run was queued before the previous one ended
-    assert saw_queue and any(nxt["created"] < prev["end"] for prev, nxt in zip(by_start, by_start[1:])), by_start
+    assert saw_queue and any(nxt["created"] < prev["end"] for prev, nxt in itertools.pairwise(by_start)), by_start
 
     # the status command agrees with the UI
     import dagster as dg

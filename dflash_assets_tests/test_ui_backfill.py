@@ -69,7 +69,9 @@ query Backfill($id: String!) {
 }
 """
 PARTITION_STATS = """
-query { assetNodes(assetKeys: [{path: ["completions"]}]) { partitionStats { numMaterialized numPartitions numFailed } } }
+query {
+  assetNodes(assetKeys: [{path: ["completions"]}]) { partitionStats { numMaterialized numPartitions numFailed } }
+}
 """
 BACKFILL_DONE = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
 

@@ -53,7 +53,7 @@ def torchrun_argv(
             f"--rdzv-endpoint={rdzv_endpoint}",
             f"--rdzv-id={rdzv_id}",
         ]
-    return argv + ["-m", "dflash_assets.dflash.train", *train_args]
+    return [*argv, "-m", "dflash_assets.dflash.train", *train_args]
 
 
 def write_node_script(path: str | os.PathLike, argv: Sequence[str], env: dict[str, str] | None = None) -> str:

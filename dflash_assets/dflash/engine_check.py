@@ -191,20 +191,23 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
     for key in ("num_key_value_heads", "head_dim"):
         if config.get(key) is not None and (_int(config[key]) is None or int(config[key]) < 1):
             refuse(
-                f"config.json {key} = {config[key]!r}: must be a positive integer; fix: export the drafter's DFlashConfig again"
+                f"config.json {key} = {config[key]!r}: must be a positive integer; fix: export the drafter's "
+                "DFlashConfig again"
             )
             sizes_ok = False
     act = config.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         refuse(
-            f"config.json hidden_act = {act!r}: SGLang's DFlashMLP supports {list(ACTIVATIONS)} only; fix: train with silu"
+            f"config.json hidden_act = {act!r}: SGLang's DFlashMLP supports {list(ACTIVATIONS)} only; fix: train with "
+            "silu"
         )
     layers = _int(config.get("num_hidden_layers")) or 0
     types = config.get("layer_types")
     if types is not None:
         if isinstance(types, str) or not isinstance(types, list):
             refuse(
-                f"config.json layer_types = {types!r}: SGLang wants a list of attention type strings; fix: one per draft layer"
+                f"config.json layer_types = {types!r}: SGLang wants a list of attention type strings; fix: one per "
+                "draft layer"
             )
         else:
             if len(types) < layers:
@@ -215,20 +218,21 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
             bad = sorted({str(t) for t in types} - set(LAYER_TYPES))
             if bad:
                 refuse(
-                    f"config.json layer_types {bad}: SGLang's DFlash draft supports {list(LAYER_TYPES)} only; fix: train "
-                    "with those layer types"
+                    f"config.json layer_types {bad}: SGLang's DFlash draft supports {list(LAYER_TYPES)} only; fix: "
+                    "train with those layer types"
                 )
             if "sliding_attention" in types:
                 window = config.get("sliding_window")
                 if window is None:
                     refuse(
-                        "config.json sliding_window is missing while layer_types has sliding_attention layers: SGLang raises "
-                        "'DFLASH sliding_attention layers require config.sliding_window'; fix: export sliding_window "
-                        "(tokens a query sees, itself included)"
+                        "config.json sliding_window is missing while layer_types has sliding_attention layers: SGLang "
+                        "raises 'DFLASH sliding_attention layers require config.sliding_window'; fix: export "
+                        "sliding_window (tokens a query sees, itself included)"
                     )
                 elif _int(window) is None or int(window) < 1:
                     refuse(
-                        f"config.json sliding_window = {window!r}: must be a positive integer; fix: tokens a query sees, itself included"
+                        f"config.json sliding_window = {window!r}: must be a positive integer; fix: tokens a query "
+                        "sees, itself included"
                     )
     heads, kv = _int(config.get("num_attention_heads")), _int(config.get("num_key_value_heads"))
     if sizes_ok and heads and kv and heads % kv:
@@ -249,8 +253,8 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
         )
     elif not isinstance(ids, list) or not ids or any(_int(i) is None or int(i) < 0 for i in ids):
         refuse(
-            f"config.json dflash_config.target_layer_ids = {ids!r}: SGLang wants a non-empty list of non-negative ints; "
-            "fix: export the layers the drafter trained on"
+            f"config.json dflash_config.target_layer_ids = {ids!r}: SGLang wants a non-empty list of non-negative "
+            "ints; fix: export the layers the drafter trained on"
         )
         sizes_ok = False
     mask = dfc.get("mask_token_id", config.get("mask_token_id"))
@@ -293,7 +297,8 @@ def _check_tensors(config: dict, tensors: dict[str, list[int]], dtypes: dict[str
         bare = name[len("model.") :] if name.startswith("model.") else name
         if bare.startswith(DOMINO_PREFIXES):
             refuse(
-                f"tensor {name}: SGLang refuses Domino projector weights without projector_type: domino; fix: do not export it"
+                f"tensor {name}: SGLang refuses Domino projector weights without projector_type: domino; fix: do not "
+                "export it"
             )
             continue
         if bare in expected:
@@ -310,14 +315,15 @@ def _check_tensors(config: dict, tensors: dict[str, list[int]], dtypes: dict[str
             skipped.append(name)
         if dtypes.get(name) not in ("F32", "BF16", "F16"):
             refuse(
-                f"tensor {name} has dtype {dtypes.get(name)}: a DFlash drafter is stored in bf16/fp16/fp32; fix: export "
-                "in bfloat16"
+                f"tensor {name} has dtype {dtypes.get(name)}: a DFlash drafter is stored in bf16/fp16/fp32; fix: "
+                "export in bfloat16"
             )
     if skipped:
         shown = ", ".join(skipped[:8]) + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
         refuse(
-            f"tensors SGLang would skip silently (no DFlashDraftModel parameter of that name): {shown}; fix: export only "
-            "layers.*, fc.weight, hidden_norm.weight and norm.weight under SGLang's names (embedding and LM head are the target's)"
+            f"tensors SGLang would skip silently (no DFlashDraftModel parameter of that name): {shown}; fix: export "
+            "only layers.*, fc.weight, hidden_norm.weight and norm.weight under SGLang's names (embedding and LM head "
+            "are the target's)"
         )
     missing = sorted(set(expected) - covered)
     if missing:
@@ -366,7 +372,8 @@ def _check_target(config: dict, target: dict, tokenizer_vocab: dict[str, int] | 
     trained = _int(dfc.get("num_target_layers", config.get("num_target_layers")))
     if layers is not None and trained is not None and trained != layers:
         warn(
-            f"num_target_layers {trained} differs from the target's num_hidden_layers {layers} (SGLang warns and goes on)"
+            f"num_target_layers {trained} differs from the target's num_hidden_layers {layers} (SGLang warns and goes "
+            "on)"
         )
     hidden, th = _int(config.get("hidden_size")), _int(tc.get("hidden_size"))
     if hidden is not None and th is not None and hidden != th:
@@ -387,8 +394,8 @@ def _check_flags(
     )
     if heads and heads % tp_size:
         refuse(
-            f"num_attention_heads {heads} is not divisible by --tp-size {tp_size} (SGLang's DFlashAttention asserts it); "
-            "fix: a --tp-size that divides the heads"
+            f"num_attention_heads {heads} is not divisible by --tp-size {tp_size} (SGLang's DFlashAttention asserts "
+            "it); fix: a --tp-size that divides the heads"
         )
     if kv and (kv % tp_size if kv >= tp_size else tp_size % kv):
         refuse(
@@ -402,8 +409,8 @@ def _check_flags(
             refuse(f"--speculative-num-draft-tokens {num_draft_tokens} must be positive; fix: the drafter's block size")
         elif block is not None and num_draft_tokens != block:
             warn(
-                f"--speculative-num-draft-tokens {num_draft_tokens} differs from the drafter's block_size {block}: SGLang "
-                "warns and verifies blocks of the flag's size, not the ones the drafter trained on"
+                f"--speculative-num-draft-tokens {num_draft_tokens} differs from the drafter's block_size {block}: "
+                "SGLang warns and verifies blocks of the flag's size, not the ones the drafter trained on"
             )
     tokens = num_draft_tokens if num_draft_tokens is not None else (block or 16)
     if draft_window_size is not None and draft_window_size < tokens:

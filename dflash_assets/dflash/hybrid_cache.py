@@ -89,8 +89,9 @@ class VerifyRollback:
         tokens: tokens those rollbacks re-ran.
 
     Raises:
-        ValueError: an unknown mode, ``mixers`` without mixers, ``none`` with linear-attention layers, or a cache layer that is both linear
-            attention and attention (not used by any target here; refused rather than handled wrongly).
+        ValueError: an unknown mode, ``mixers`` without mixers, ``none`` with linear-attention layers, or a
+            cache layer that is both linear attention and attention (not used by any target here; refused
+            rather than handled wrongly).
     """
 
     def __init__(self, target: nn.Module, cache, mode: str = "auto") -> None:

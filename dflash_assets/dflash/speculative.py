@@ -426,7 +426,7 @@ def dflash_generate(
                 j, bonus = 0, int(_choose(logits[-1], temperature, generator))
             else:
                 j, bonus = _accept_greedy(drafts, logits)
-            new, stopped = _eos_cut(drafts[:j].tolist() + [bonus], eos)
+            new, stopped = _eos_cut([*drafts[:j].tolist(), bonus], eos)
             generated.extend(new)
             accepted_lengths.append(len(new))
             # accepted positions start .. start+len(new)-1 hold [last, d_1..d_j]: the next block's context

@@ -38,7 +38,7 @@ def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
     if num_target_layers < 4:
         raise ValueError(f"need num_target_layers >= 4, got {num_target_layers}")
     span = num_target_layers - 4  # from layer 1 to layer L-3
-    return [int(round(1 + i * span / (n - 1))) for i in range(n)]
+    return [round(1 + i * span / (n - 1)) for i in range(n)]
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:

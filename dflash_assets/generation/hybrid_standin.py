@@ -277,7 +277,7 @@ def reply_words(tokenizer) -> tuple[list[int], list[int]]:
         if re.fullmatch("\u0120[A-Za-z]+", token):
             if tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i]:
                 words.append(i)
-        elif re.fullmatch("[A-Z][a-z]+", token):
+        elif re.fullmatch("[A-Z][a-z]+", token):  # noqa: SIM102 - the same shape as the branch above
             if tokenizer.encode("\n" + token, add_special_tokens=False) == [*newline, i]:
                 openers.append(i)
     return sorted(words), sorted(openers)

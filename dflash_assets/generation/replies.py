@@ -84,7 +84,8 @@ def _short(value: int) -> str:
 
 
 def parse_chat_completion(payload: Any, vocab_size: int | None = None) -> dict[str, Any]:
-    """Fields of a non-streaming chat-completion reply, as :class:`~dflash_assets.generation.client.CompletionResult` names them.
+    """Fields of a non-streaming chat-completion reply, named as in
+    :class:`~dflash_assets.generation.client.CompletionResult`.
 
     Args:
         payload: the decoded JSON reply of ``POST /v1/chat/completions`` (:func:`decode_reply`).

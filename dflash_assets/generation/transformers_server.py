@@ -154,8 +154,9 @@ class LocalTransformersServer:
         startup_timeout_s: seconds to wait for the first successful generation.
         env: extra environment variables for the server (the hub is always switched off;
             ``OMP_NUM_THREADS`` defaults to 1, override it here).
-        parent_death_signal: kill the server when this process dies (Linux; see :func:`~dflash_assets.generation.processes.spawn_in_new_session`).
-            Off only to let a server outlive its launcher (tests of :func:`reap_orphaned_servers`).
+        parent_death_signal: kill the server when this process dies (Linux; see
+            :func:`~dflash_assets.generation.processes.spawn_in_new_session`). Off only to let a server outlive its
+            launcher (tests of :func:`reap_orphaned_servers`).
         continuous_batching: pass ``--continuous-batching`` (and the ``--cb-*`` sizing); None: unless
             :func:`continuous_batching_refusal` names a reason (hybrid linear-attention models).
 

@@ -75,7 +75,8 @@ class DFlashSim:
             if any(a == flag or a.startswith(flag + "=") for a in argv):
                 _die(
                     f"sglang serve: error: unrecognized arguments: {flag} (removed in SGLang 0.5.20; "
-                    f"{'--mamba-radix-cache-strategy' if 'mamba' in flag else '--speculative-draft-window-size'} replaces it)"
+                    f"{'--mamba-radix-cache-strategy' if 'mamba' in flag else '--speculative-draft-window-size'} "
+                    "replaces it)"
                 )
         if args.speculative_algorithm is None:
             return None

@@ -24,7 +24,7 @@ import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from dflash_assets.simulation.http11 import ServerThread, read_request
 
@@ -119,7 +119,7 @@ class Trickle:
     payload: bytes = b""
 
 
-Behaviour = Union[Reply, Error, Hang, Drop, Raw, Trickle]
+Behaviour = Reply | Error | Hang | Drop | Raw | Trickle
 Script = Callable[[int, dict[str, Any]], Behaviour]
 
 
