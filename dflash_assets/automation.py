@@ -18,6 +18,8 @@ from dagster._core.storage.tags import (
     PARTITION_NAME_TAG,
 )
 
+from dflash_assets import freshness
+from dflash_assets.freshness import settings_reason
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.settings import GenerationSettings
@@ -50,63 +52,34 @@ def latest_metadata(instance: dg.DagsterInstance, asset_key: dg.AssetKey, pk: st
 
 
 def affected_reason(meta: dict, settings: GenerationSettings) -> str | None:
-    """Why a completions partition (described by its latest metadata) must be re-materialized under ``settings``.
-
-    Mirrors :func:`dflash_assets.generation.records.invalid_reason` at partition level: raising the cap
-    touches partitions with ``length`` rows cut at another cap, lowering it partitions holding a row
-    longer than the new cap; error rows and changed sampling touch their partition too.
-    """
-    cap = settings.max_output_tokens
-    if meta.get("errors", 0):
-        return "error rows"
-    if meta.get("completion_tokens_missing", 0):
-        return "no completion_tokens"
-    if set(meta.get("finish_reasons", {})) - {"stop", "length"}:  # abort etc.: invalid_reason redoes them
-        return "unfinished rows"
-    if any(fp != settings.sampling_fingerprint() for fp in meta.get("settings_fingerprints", [])):
-        return "sampling changed"
-    if meta.get("completion_tokens_max", 0) > cap:
-        return "cap lowered"
-    if any(c != cap for c in meta.get("length_row_caps", [])):
-        return "cap raised"
-    return None
+    """Why the generation ``settings`` touch a completions partition (its latest metadata): the settings
+    part of the freshness rule, :func:`dflash_assets.freshness.settings_reason`."""
+    return settings_reason(meta, settings)
 
 
 def latest_records(
     instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str] | None = None
 ) -> dict[str, dg.EventLogRecord]:
-    """``{partition_key: record}`` of the latest materialization of each partition (of ``keys``, or all).
-
-    Two queries whatever the partition count: the latest storage id per partition (an index read), then
-    the records of those storage ids.
-    """
-    ids = instance.event_log_storage.get_latest_storage_id_by_partition(
-        asset_key, dg.DagsterEventType.ASSET_MATERIALIZATION, partitions=set(keys) if keys is not None else None
-    )
-    if not ids:
-        return {}
-    result = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=asset_key, storage_ids=sorted(ids.values())), limit=len(ids)
-    )
-    return {r.asset_materialization.partition: r for r in result.records if r.asset_materialization is not None}
+    """``{partition_key: record}`` of the latest materialization of each partition (of ``keys``, or all),
+    in two queries (:func:`dflash_assets.freshness.latest_records`)."""
+    return freshness.latest_records(instance, asset_key.to_user_string(), keys)
 
 
 def plain_metadata(record: dg.EventLogRecord) -> dict:
     """Metadata of a materialization record as plain values."""
-    return {k: getattr(v, "value", v) for k, v in record.asset_materialization.metadata.items()}
+    return freshness.plain(record)
 
 
 def affected_partitions(
     instance: dg.DagsterInstance, settings: GenerationSettings, records: dict[str, dg.EventLogRecord] | None = None
 ) -> dict[str, str]:
-    """``{partition_key: reason}`` for materialized completions partitions the settings touch (in key order)."""
+    """``{partition_key: reason}`` for materialized completions partitions that are not up to date
+    (:func:`dflash_assets.freshness.completions_reasons`: the settings touch them, or the corpus's prompts
+    of their range changed), in key order."""
     if records is None:
         records = latest_records(instance, COMPLETIONS, instance.get_dynamic_partitions(prompt_ranges.name))
-    out = {}
-    for pk in sorted(records):
-        if reason := affected_reason(plain_metadata(records[pk]), settings):
-            out[pk] = reason
-    return out
+    reasons = freshness.completions_reasons(instance, sorted(records), settings, records)
+    return {pk: reason for pk, reason in reasons.items() if reason}
 
 
 def partition_statuses(
@@ -250,7 +223,7 @@ def downstream_requests(
                 continue
             if status[pk] in (dg.AssetPartitionStatus.FAILED, dg.AssetPartitionStatus.IN_PROGRESS):
                 continue
-            if pk not in ids or ids[pk] < upstream_ids[pk]:
+            if freshness.after_upstream_reason(ids.get(pk), [upstream_ids[pk]]) is not None:
                 todo[pk] = stage
         upstream_ids = {pk: ids[pk] for pk in ids if pk not in todo}
     requests = [

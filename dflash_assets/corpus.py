@@ -302,7 +302,8 @@ def _prompt(record: Any, src: str) -> tuple[list[dict[str, str]], str, str]:
 def build_corpus(
     sources: list[str], storage_options: StorageOptions = None, limits: ReadLimits | None = None
 ) -> CorpusResult:
-    """Read every source into one deduplicated corpus with a global ``index`` in a stable order.
+    """Read every source into one deduplicated corpus with a positional ``index`` in a stable order
+    (``prompt_corpus`` then gives each prompt its stable index: :func:`dflash_assets.prompt_index.stable_corpus`).
 
     Order: sources in the given order, files sorted within a source, records in file order. Each
     prompt's ``prompt_id`` is ``<source>:<id>`` when the record has an id field, else its content hash.

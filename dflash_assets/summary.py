@@ -103,6 +103,8 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
         "prompts": corpus.get("num_prompts"),
         "duplicates": corpus.get("duplicates"),
         "rejected": corpus.get("rejected"),
+        # what the corpus's last build changed (stable indices: unchanged prompts kept their rows)
+        "prompts_edit": {k: corpus[f"prompts_{k}"] for k in ("new", "changed", "removed") if f"prompts_{k}" in corpus},
         "partitions": len(keys),
         "partition_keys": list(keys),
         "completions": comp_rows,
@@ -445,6 +447,12 @@ def format_summary(s: dict) -> str:
         (
             f"prompts            {fmt(s['prompts'])} ({fmt(s['duplicates'])} duplicates, {fmt(s['rejected'])} rejected) "
             f"in {n_parts} partition{'' if n_parts == 1 else 's'}"
+            + (
+                f"; last build: {edit.get('new', 0)} new, {edit.get('changed', 0)} changed, "
+                f"{edit.get('removed', 0)} removed"
+                if (edit := s.get("prompts_edit"))
+                else ""
+            )
         ),
         f"completions        {s['completions']} rows (errors: {s['completion_errors']}); finish_reason: {reasons}",
         f"truncation         {'-' if rate is None else f'{rate:.2%}'} of completions hit the cap of {fmt(s['cap'])} tokens",

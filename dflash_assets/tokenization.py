@@ -29,6 +29,7 @@ BATCH_ROWS = 128  # rows per batched tokenizer call
 TOKENIZED_SCHEMA = {
     "index": pl.Int64,
     "prompt_id": pl.String,
+    "prompt_hash": pl.String,  # the corpus's content_hash of the prompt these tokens start with
     "input_ids": pl.List(pl.Int32),
     "loss_mask": pl.List(pl.Int8),
     "prompt_len": pl.Int64,
@@ -334,19 +335,36 @@ def tokenize_partition(
 
     Args:
         completions: rows with the completions schema.
-        prompts: corpus rows (``index``, ``messages``) for the same indexes.
+        prompts: corpus rows (``index``, ``messages``, ``content_hash``) for the same indexes. A row whose
+            ``prompt_hash`` is not the corpus's ``content_hash`` at its index is set aside (counted as
+            ``other_prompt``), never paired with the corpus's messages.
 
     Returns:
         ``(tokenized, set_aside, counts)``: TOKENIZED_SCHEMA rows sorted by ``index``; rows not kept with
         ``index`` and ``reason``; counts by outcome (kept, dropped_truncated, dropped_over_max_length, cut,
-        error_rows, tokenization_errors).
+        error_rows, tokenization_errors, other_prompt).
     """
     messages_by_index = dict(zip(prompts["index"].to_list(), prompts["messages"].to_list()))
+    hash_by_index = dict(zip(prompts["index"].to_list(), prompts["content_hash"].to_list()))
     aside, counts = [], Counter()
     todo: list[dict[str, Any]] = []
     for row in completions.sort("index").iter_rows(named=True):
         idx = row["index"]
-        if row.get("error"):
+        # joined by index AND prompt: a row made for another prompt (or for a removed one) is never tokenized
+        if idx not in hash_by_index or row.get("prompt_hash") != hash_by_index[idx]:
+            counts["other_prompt"] += 1
+            aside.append(
+                {
+                    "index": idx,
+                    "reason": (
+                        "prompt removed: the corpus has no prompt at this index"
+                        if idx not in hash_by_index
+                        else f"prompt changed: the row answers prompt {row.get('prompt_hash')}, the corpus has "
+                        f"{hash_by_index[idx]} at this index; rerun completions for this partition"
+                    ),
+                }
+            )
+        elif row.get("error"):
             counts["error_rows"] += 1
             aside.append({"index": idx, "reason": f"error row: {row['error'][:200]}"})
         elif row["finish_reason"] != "stop" and policy.truncated == "drop":
@@ -399,6 +417,7 @@ def _tokenized_frame(
         {
             "index": pl.Series([r["index"] for r in rows], dtype=pl.Int64),
             "prompt_id": pl.Series([r["prompt_id"] for r in rows], dtype=pl.String),
+            "prompt_hash": pl.Series([r["prompt_hash"] for r in rows], dtype=pl.String),
             "input_ids": pl.from_arrow(pa.LargeListArray.from_arrays(pa_offsets, pa.array(flat_ids))),
             "loss_mask": pl.from_arrow(pa.LargeListArray.from_arrays(pa_offsets, pa.array(flat_mask))),
             "prompt_len": pl.Series(prompt_lens, dtype=pl.Int64),

@@ -483,7 +483,8 @@ def test_commit_overlays_new_rows_on_the_stored_table_and_writes_what_whole_rows
         103: row(103, "continued", 128, continued_from_tokens=64),
         109: row(109, None, 0, error="boom"),
     }
-    prompts = pl.DataFrame({"index": list(range(100, 110))})
+    # corpus rows: the commit reads their content_hash (an old row whose prompt_id is that hash names its prompt)
+    prompts = pl.DataFrame({"index": list(range(100, 110)), "content_hash": [f"h{i}" for i in range(100, 110)]})
     frame, set_aside = partition_frame(store, "0000100-0000109", prompts, new)
     assert set_aside == {}
     whole = {r["index"]: r for r in stored} | new
@@ -515,6 +516,7 @@ def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
         return {
             "index": i,
             "prompt_id": f"p{i}",
+            "prompt_hash": f"h{i}",
             "source": "s",
             "reasoning_content": None,
             "content": "ok",
@@ -541,8 +543,9 @@ def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
             "prompt_id": [f"p{i}" for i in range(10)],
             "source": ["s"] * 10,
             "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(10)],
+            "content_hash": [f"h{i}" for i in range(10)],
         }
-    )
+    )  # the journal rows answer these prompts
     context = SimpleNamespace(log=logging.getLogger("test"))
     run = _RangeRun(context, Storage(str(tmp_path)), settings, ["0000000-0000009"])
     part = run.plan(

@@ -67,8 +67,11 @@ def test_fresh_machine_downloads_shards_instead_of_recomputing(s3_target, tmp_pa
     counter.install(monkeypatch)
     a = machine(s3_target, tmp_path / "machine-a")
     store = a.process_config_and_initialize().open()
-    rows = make_rows(12, first_index=0)
-    store.write_parquet(pl.DataFrame({"index": list(range(12))}), *CORPUS_FILE)
+    # rows name their prompt (prompt_hash), and the corpus has those prompts at their indexes: all are extracted
+    rows = [{**r, "prompt_hash": f"h{r['index']}"} for r in make_rows(12, first_index=0)]
+    store.write_parquet(
+        pl.DataFrame({"index": list(range(12)), "content_hash": [f"h{i}" for i in range(12)]}), *CORPUS_FILE
+    )
     store.write_parquet(pl.DataFrame(rows), *tokenized_file(PK))
     hs_config = {"ops": {"hidden_states": {"config": {"target_layer_ids": LAYER_IDS, "rows_per_shard": 5}}}}
     with dg.instance_for_test() as instance:  # stands for the shared (Postgres) instance

@@ -249,8 +249,10 @@ def test_a_partitions_prompts_are_read_from_its_row_group_alone(s3_target, tmp_p
     )
     only = store.read_parquet(*CORPUS_FILE, columns=["line"], index_ranges=[(10, 12), (3999, 5000)])
     assert only["line"].to_list() == [10, 11, 12, 3999]
-    with pytest.raises(dg.Failure, match="partition 0003900-0004099: the corpus holds 100 of its 200 prompts"):
-        load_range_prompts(store, ["0003900-0004099"])
+    # stable indices leave gaps: a range partly past the corpus is its prompts; one with none is an error
+    assert load_range_prompts(store, ["0003900-0004099"])["0003900-0004099"].equals(corpus.slice(3900, 100))
+    with pytest.raises(dg.Failure, match="partition 0004000-0004199: the corpus holds no prompt in this index range"):
+        load_range_prompts(store, ["0004000-0004199"])
 
 
 def test_check_reports_missing_bucket(s3_target, tmp_path):
@@ -361,6 +363,9 @@ def test_corpus_completions_tokenized_on_s3(s3_target, s3_env, local_inference, 
             "prompt_corpus/corpus.parquet",
             "prompt_corpus/rejected.parquet",
             f"completions/{pk}.parquet",
+            # the stable-index table and the partition ranges, beside the corpus (issue 26)
+            "prompt_corpus/prompt_index.parquet",
+            "prompt_corpus/partition_ranges.json",
             f"tokenized_sequences/{pk}.parquet",
             f"tokenized_sequences/{pk}.set_aside.parquet",
         ]

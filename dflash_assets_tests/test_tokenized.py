@@ -165,6 +165,7 @@ def completion_row(
     return {
         "index": index,
         "prompt_id": f"t:{index}",
+        "prompt_hash": f"h{index}",
         "source": "t",
         "reasoning_content": reasoning,
         "content": content,
@@ -191,6 +192,7 @@ def corpus_frame(questions: dict[int, str]) -> pl.DataFrame:
             "prompt_id": [f"t:{i}" for i in questions],
             "source": ["t"] * len(questions),
             "messages": [[{"role": "user", "content": q}] for q in questions.values()],
+            "content_hash": [f"h{i}" for i in questions],  # completion_row's prompt_hash: the rows answer these prompts
         }
     )
 

@@ -12,7 +12,8 @@ with its result as before.
 
 Row-level checkpoints: each finished row is appended (fsync) to ``completions/<pk>.journal.jsonl``
 as it arrives; a rerun reads the journal and the last partition table and requests only rows that
-are missing or no longer valid under the current generation settings.
+are missing, no longer valid under the current generation settings, or made for another prompt than the
+corpus's at their index (each row carries ``prompt_hash``; see :func:`plan_requests`).
 """
 
 import hashlib
@@ -33,6 +34,7 @@ from dagster._core.definitions.data_version import (  # the tags Dagster itself 
     extract_data_version_from_entry,
 )
 
+from dflash_assets import freshness
 from dflash_assets.assets.completions_continuing import ContinuationPlanner, load_target_builder
 from dflash_assets.assets.completions_tables import (
     completion_stats,
@@ -55,12 +57,14 @@ from dflash_assets.generation.journal import JournalError
 from dflash_assets.generation.records import (
     invalid_reason,
     no_good_row_message,
+    prompt_mismatch,
     row_from_result,
     row_problem,
     set_aside_row,
 )
 from dflash_assets.generation.tail_chunks import TailChunker
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.prompt_index import prompt_version
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
@@ -103,12 +107,19 @@ def failed_since_materialized(
 def plan_requests(
     prompts: pl.DataFrame, existing: dict[int, dict], settings: GenerationSettings
 ) -> tuple[list[dict], Counter]:
-    """Prompts (corpus rows) that need a request, and why, counted by reason."""
+    """Prompts (corpus rows) that need a request, and why, counted by reason. A row made for another
+    prompt than the corpus's at its index (:func:`prompt_mismatch`) is never used: requested again as
+    ``prompt changed`` (or ``prompt unknown``, a row from before rows named their prompt)."""
     todo, reasons = [], Counter()
     for prompt in prompts.iter_rows(named=True):
         row = existing.get(prompt["index"])
         # a row that cannot be stored as it is (a journal line with a count past its type, say) is redone
-        reason = "missing" if row is None else ("unstorable row" if row_problem(row) else invalid_reason(row, settings))
+        reason = (
+            "missing"
+            if row is None
+            else prompt_mismatch(row, prompt)
+            or ("unstorable row" if row_problem(row) else invalid_reason(row, settings))
+        )
         if reason is not None:
             todo.append(prompt)
             reasons[reason] += 1
@@ -251,11 +262,23 @@ class _RangeRun:
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
         self.failed_since_materialized: set[str] = set()  # never "kept": their status must go back to done
         self._builder = None  # the target tokenizer's SequenceBuilder (False: it did not load)
+        self.corpus_versions: dict | bool | None = False  # the corpus's partition versions, read once (False: not yet)
 
     def plan(self, pk: str, prompts: pl.DataFrame, journal, inference: InferenceServerResource) -> _Partition:
         view, existing = load_plan_rows(self.store, pk, journal)
-        journaled = set(existing)
+        # rows of other prompts are dropped here, so no cut, continuation or commit ever sees them
+        hashes = dict(zip(prompts["index"].to_list(), prompts["content_hash"].to_list()))
+        ids = dict(zip(prompts["index"].to_list(), prompts["prompt_id"].to_list()))
+        other = {
+            i
+            for i, row in view.items()
+            if prompt_mismatch(row, {"content_hash": hashes.get(i), "prompt_id": ids.get(i)}) is not None
+        }
         todo, reasons = plan_requests(prompts, view, self.settings)
+        for i in other:
+            view.pop(i, None)
+            existing.pop(i, None)
+        journaled = set(existing)
         cut_here = 0
         if reasons.get("cap lowered"):
             todo, cut_here = self.cut_locally(pk, todo, view, existing, inference)
@@ -345,8 +368,9 @@ class _RangeRun:
 
     def commit_or_keep(self, part: _Partition):
         """A partition with nothing to request: in a range run, an unchanged table whose latest
-        materialization has this data version is kept as is (no new materialization, so downstream
-        stays fresh); otherwise it is committed."""
+        materialization has this data version and is up to date by :mod:`dflash_assets.freshness` (made
+        for the corpus's prompts of the range, under these settings) is kept as is (no new materialization,
+        so downstream stays fresh); otherwise it is committed."""
         if (
             len(self.keys) > 1
             and not part.cut
@@ -357,7 +381,16 @@ class _RangeRun:
             version = hashlib.sha256(self.store.read_bytes(*partition_file(part.pk))).hexdigest()[:20]
             record = self.context.instance.get_latest_data_version_record(self.context.asset_key, partition_key=part.pk)
             current = extract_data_version_from_entry(record.event_log_entry) if record is not None else None
-            if current is not None and current.value == version:
+            if self.corpus_versions is False:
+                self.corpus_versions = freshness.corpus_versions(self.context.instance)
+            fresh = (
+                record is not None
+                and freshness.completions_reason(
+                    freshness.plain(record), self.settings, (self.corpus_versions or {}).get(part.pk)
+                )
+                is None
+            )
+            if fresh and current is not None and current.value == version:
                 self.context.log.info(f"{part.pk}: complete and unchanged (data version {version}): kept")
                 self.release(part)
                 return
@@ -592,6 +625,8 @@ class _RangeRun:
         wall = now - (part.first_sent or now)
         metadata = {
             **stats,
+            # the corpus's version of this partition's prompts (prompt_index.partition_versions) the table answers
+            "prompts_version": prompt_version(list(zip(prompts["index"].to_list(), prompts["content_hash"].to_list()))),
             "requested": len(part.todo),
             "request_reasons": dict(part.reasons),
             "carried_over": prompts.height - len(part.todo),

@@ -35,17 +35,19 @@ def load_range_prompts(storage, keys: list[str]) -> dict[str, pl.DataFrame]:
     """Corpus rows of each partition in ``keys``, from one read of the row groups that hold them.
 
     A run over the whole corpus reads it once; a corpus written with a row group per partition
-    (``prompt_corpus`` does) lets a one-partition run read ~1/900 of it. Raises dagster.Failure naming
-    the partition when the corpus lacks part of its range."""
+    (``prompt_corpus`` does) lets a one-partition run read ~1/900 of it. A range may have gaps (indices
+    of removed prompts, :mod:`dflash_assets.prompt_index`). Raises dagster.Failure naming the partition
+    when the corpus holds no prompt of its range."""
     ranges = {pk: key_range(pk) for pk in keys}
     corpus = storage.read_parquet(*CORPUS_FILE, index_ranges=list(ranges.values()))
     out = {}
     for pk, (first, last) in ranges.items():
         prompts = corpus.filter(pl.col("index").is_between(first, last))
-        if prompts.height != last - first + 1:
+        # stable indices leave gaps (removed prompts); a range with no prompt at all is not a partition any more
+        if prompts.is_empty():
             raise dg.Failure(
-                f"partition {pk}: the corpus holds {prompts.height} of its {last - first + 1} prompts; "
-                "re-materialize prompt_corpus with the same partition_size, or drop stale partition keys"
+                f"partition {pk}: the corpus holds no prompt in this index range (its prompts were removed, or "
+                "partition_size changed); re-materialize prompt_corpus and run the partitions it registers"
             )
         out[pk] = prompts
     return out
@@ -109,7 +111,20 @@ def partition_frame(
     )
     if old.is_empty():
         return new, set_aside
-    return pl.concat([align_to_schema(old), new]).sort("index").rechunk(), set_aside
+    # an old row kept by the one proof prompt_mismatch accepts (prompt_id == content hash) now names its prompt
+    hashes = prompts.select("index", pl.col("content_hash").alias("_hash"))
+    old = (
+        align_to_schema(old)
+        .join(hashes, on="index", how="left")
+        .with_columns(
+            pl.when(pl.col("prompt_hash").is_null() & (pl.col("prompt_id") == pl.col("_hash")))
+            .then(pl.col("_hash"))
+            .otherwise(pl.col("prompt_hash"))
+            .alias("prompt_hash")
+        )
+        .drop("_hash")
+    )
+    return pl.concat([old, new]).sort("index").rechunk(), set_aside
 
 
 def completion_stats(frame: pl.DataFrame) -> dict:

@@ -11,11 +11,11 @@ from pydantic import Field
 
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.assets.tokenized import tokenized_file
-from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, read_shard
+from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, read_shard, write_index
 from dflash_assets.dflash.target_features import bytes_per_token
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
-from dflash_assets.partitions import prompt_ranges
+from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.runs import partition_busy_message, runs_holding_partitions
@@ -50,6 +50,12 @@ class HiddenStatesConfig(dg.Config):
         gt=0.0,
         description="Bytes (GB, 1e9) all hidden states may take; needed to enforce the plan on S3, optional locally (free disk space is always checked).",
     )
+
+
+def prompt_hashes(store, pk: str) -> dict[int, str]:
+    """``{index: content_hash}`` of the corpus's prompts in partition ``pk``'s range (two columns read)."""
+    frame = store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash"], index_ranges=[key_range(pk)])
+    return dict(zip(frame["index"].to_list(), frame["content_hash"].to_list()))
 
 
 def corpus_indexes(store) -> list[int]:
@@ -221,10 +227,24 @@ def hidden_states(
         raise dg.Failure(partition_busy_message(context.instance, "hidden_states", holding))
     store = storage.open()
     tokenized = store.read_parquet(*tokenized_file(pk))
+    # only rows whose prompt is the corpus's at their index (a table from before an edit is re-made upstream)
+    hashes = prompt_hashes(store, pk)
     rows = [
-        {"index": r["index"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
+        {
+            "index": r["index"],
+            "input_ids": r["input_ids"],
+            "loss_mask": r["loss_mask"],
+            "prompt_hash": r.get("prompt_hash"),
+        }
         for r in tokenized.iter_rows(named=True)
     ]
+    other = [r["index"] for r in rows if r["prompt_hash"] is None or hashes.get(r["index"]) != r["prompt_hash"]]
+    if other:
+        context.log.warning(
+            f"{pk}: {len(other)} tokenized rows answer another prompt than the corpus's at their index "
+            f"(first {other[:5]}): not extracted; re-materialize completions and tokenized_sequences[{pk}]"
+        )
+        rows = [r for r in rows if r["index"] not in set(other)]
     if not rows:
         raise dg.Failure(f"{pk}: tokenized_sequences has no row; nothing to extract (see its set-aside rows)")
     # the plan comes first: over budget, fail before loading the model or writing a byte
@@ -287,6 +307,9 @@ def hidden_states(
         )
     wall = time.monotonic() - started
     index = result.index
+    # each row's prompt by content (row_index -> content_hash): the drafter's data fingerprint covers it
+    index["prompt_hashes"] = {str(r["index"]): r["prompt_hash"] for r in rows}
+    write_index(out_dir, index)
     if not store.is_local:
         for shard in index["shards"]:  # streamed, not read into memory (shards can be GBs)
             if shard["name"] in downloaded or (
@@ -305,6 +328,7 @@ def hidden_states(
     yield dg.MaterializeResult(
         metadata={
             "rows": index["num_rows"],
+            "rows_of_other_prompts": len(other),  # tokenized rows not extracted: their prompt is not the corpus's
             "tokens": index["num_tokens"],
             "bytes": index["total_bytes"],
             "bytes_per_token": round(index["total_bytes"] / max(index["num_tokens"], 1), 1),

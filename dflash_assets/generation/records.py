@@ -20,6 +20,9 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 COMPLETIONS_SCHEMA = {
     "index": pl.Int64,
     "prompt_id": pl.String,
+    # the corpus's content_hash of the messages this row answers: a row is used only where the corpus has
+    # that prompt at its index (null: a row made before the column existed, see prompt_mismatch)
+    "prompt_hash": pl.String,
     "source": pl.String,
     "reasoning_content": pl.String,
     "content": pl.String,
@@ -103,6 +106,7 @@ def set_aside_row(prompt: dict[str, Any], reason: str) -> dict[str, Any]:
     row.update(
         index=int(prompt["index"]),
         prompt_id=prompt["prompt_id"],
+        prompt_hash=prompt.get("content_hash"),
         source=prompt["source"],
         truncated_in_reasoning=False,
         empty_answer=False,
@@ -170,6 +174,7 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
     return {
         "index": int(prompt["index"]),
         "prompt_id": prompt["prompt_id"],
+        "prompt_hash": prompt.get("content_hash"),
         "source": prompt["source"],
         "reasoning_content": reasoning,
         "content": answer,
@@ -194,8 +199,35 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
     }
 
 
-#: The columns :func:`invalid_reason` reads: deciding a stored row's validity never needs its text.
-VALIDITY_COLUMNS = ("error", "settings_fingerprint", "completion_tokens", "finish_reason", "max_output_tokens")
+#: The columns :func:`invalid_reason` and :func:`prompt_mismatch` read: deciding a stored row's validity never
+#: needs its text.
+VALIDITY_COLUMNS = (
+    "error",
+    "settings_fingerprint",
+    "completion_tokens",
+    "finish_reason",
+    "max_output_tokens",
+    "prompt_hash",
+    "prompt_id",
+)
+
+PROMPT_CHANGED = "prompt changed"
+PROMPT_UNKNOWN = "prompt unknown"
+
+
+def prompt_mismatch(row: dict[str, Any], prompt: dict[str, Any]) -> str | None:
+    """Why ``row`` does not answer ``prompt`` (the corpus row at its index), or None when it does.
+
+    :data:`PROMPT_CHANGED`: the row names another prompt (``prompt_hash`` differs from the corpus's
+    ``content_hash``). :data:`PROMPT_UNKNOWN`: the row was made before rows named their prompt (no
+    ``prompt_hash``), and nothing proves which prompt it answers: requested again (the safe choice: the
+    corpus used to renumber on every build). The one proof accepted: a prompt without an id field has its
+    content hash as ``prompt_id``, so an old row with that ``prompt_id`` answers exactly this content.
+    """
+    stored, chash = row.get("prompt_hash"), prompt.get("content_hash")
+    if stored is not None:
+        return None if stored == chash else PROMPT_CHANGED
+    return None if chash is not None and row.get("prompt_id") == chash else PROMPT_UNKNOWN
 
 
 def invalid_reason(row: dict[str, Any], settings: GenerationSettings) -> str | None:

@@ -10,8 +10,9 @@ Minimal HTTP/1.1 over asyncio streams (:mod:`~dflash_assets.simulation.http11`),
 loop in a background thread so the client under test can use the main thread's loop. Stdlib only.
 
 Run as a script (a server in its own process): ``python -m dflash_assets.simulation.stand_in_server [--port P]
-[--script instant|hostile]`` prints ``PORT <n>`` and serves until killed: instant replies (the bench), or
-:func:`~dflash_assets.simulation.hostile_replies.hostile_script` (the reply a prompt names, for tests).
+[--script instant|hostile|echo] [--log FILE]`` prints ``PORT <n>`` and serves until killed: instant replies
+(the bench), :func:`~dflash_assets.simulation.hostile_replies.hostile_script` (the reply a prompt names, for
+tests) or :func:`echo_script` (a reply naming its prompt); ``--log`` records every request's prompt.
 """
 
 from __future__ import annotations
@@ -308,12 +309,42 @@ class FakeServer:
         raise TypeError(f"unknown behaviour {behaviour!r}")
 
 
+def echo_script(n: int, body: dict[str, Any]) -> Behaviour:
+    """A reply that names its prompt (the last user message): the answer ``Answer to: <prompt>``, no
+    reasoning, so a test can tell from a stored row which prompt it answers."""
+    from dflash_assets.simulation.counting_proxy import last_user_message
+
+    prompt = last_user_message(body) or ""
+    return Reply(content=f"Answer to: {prompt}", reasoning=None, completion_tokens=8)
+
+
+def logged(script: Script | Behaviour, path: str) -> Script:
+    """``script`` that first appends the request's last user message to ``path`` (JSON line, flushed)."""
+    from dflash_assets.simulation.counting_proxy import last_user_message
+
+    lock = threading.Lock()
+
+    def run(n: int, body: dict[str, Any]) -> Behaviour:
+        with lock, open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(last_user_message(body)) + "\n")
+            f.flush()
+        return script(n, body) if callable(script) else script
+
+    return run
+
+
 def main() -> None:
     """Serve until killed; prints ``PORT <n>`` once listening. ``--script instant`` (default, the bench):
     instant replies; ``hostile``: :func:`~dflash_assets.simulation.hostile_replies.hostile_script`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--script", choices=("instant", "hostile"), default="instant")
+    parser.add_argument("--script", choices=("instant", "hostile", "echo"), default="instant")
+    parser.add_argument(
+        "--log",
+        default=None,
+        help="append each request's last user message to this file "
+        "(one JSON string a line, flushed): requests counted at the server, by prompt",
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # an inherited SIG_IGN must not make it unkillable by TERM
     # the package's module, not __main__: the hostile script's behaviours are its classes
@@ -324,6 +355,10 @@ def main() -> None:
         from dflash_assets.simulation.hostile_replies import hostile_script
 
         script = hostile_script()
+    elif args.script == "echo":
+        script = this.echo_script
+    if args.log:
+        script = this.logged(script, args.log)
     server = this.FakeServer(script, record_bodies=False).start(args.port)
     print(f"PORT {server.port}", flush=True)
     threading.Event().wait()
