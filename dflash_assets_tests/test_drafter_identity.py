@@ -17,7 +17,7 @@ import dagster as dg
 import pytest
 import torch
 
-from dflash_assets.assets.drafter import STATE_FILE, dflash_drafter, file_sha256
+from dflash_assets.assets.drafter import dflash_drafter
 from dflash_assets.dflash.data import HiddenStateShards
 from dflash_assets.dflash.export import export_drafter, load_exported
 from dflash_assets.dflash.model import load_target_head
@@ -26,6 +26,7 @@ from dflash_assets.dflash.train import StepPlan, _loss, build_batch, train
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.training.identity import STATE_FILE, file_sha256
 from dflash_assets_tests.test_dflash_train import HIDDEN, N_FEATS, VOCAB, _tiny_cfg, make_tiny_target, write_shard
 
 torch.set_num_threads(1)

@@ -16,10 +16,11 @@ from dflash_assets.dflash.target_features import bytes_per_token
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.pools import GPU_POOL
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.runs import partition_busy_message, runs_holding_partitions
-from dflash_assets.status import GPU_POOL, latest_metadata_by_partition
+from dflash_assets.status import latest_metadata_by_partition
 from dflash_assets.storage import IntegrityError, UnsafeNameError, check_name
 from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
 

@@ -1,0 +1,2 @@
+"""The drafter evaluation around :mod:`dflash_assets.dflash.evaluation`: its prompt sets, the in-process
+decoding report and the serving-engine mode; the ``drafter_evaluation`` asset calls them."""
