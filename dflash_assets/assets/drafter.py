@@ -3,7 +3,6 @@
 The run's steps (identity, data, launcher, loss plot) are in :mod:`dflash_assets.training`."""
 
 import hashlib
-import os
 import time
 from typing import Literal
 
@@ -18,7 +17,7 @@ from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.shard_access import ShardIntegrityError
 from dflash_assets.training.identity import config_fingerprint
 from dflash_assets.training.launcher import TrainingRunError, check_process_layout
-from dflash_assets.training.loss_plot import loss_curve_png, read_log
+from dflash_assets.training.loss_plot import loss_curve_of_run
 from dflash_assets.training.report import drafter_metadata, outcome_of
 from dflash_assets.training.run import (
     DRAFTER_DIR,
@@ -135,14 +134,11 @@ def dflash_drafter(
     target_model: TargetModelResource,
 ) -> dg.MaterializeResult:
     keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
-    try:
+    try:  # settings checked before any work; a bad process layout is an error even when the run would be reused
         if config.nproc > 1 or config.nnodes > 1:
-            check_process_layout(config)  # a bad process layout is a config error even when the run would be reused
-    except TrainingRunError as exc:
-        raise dg.Failure(str(exc)) from exc
-    try:  # settings checked against the target before any work
+            check_process_layout(config)
         layer_ids, _ = resolved_settings(config, target_model)
-    except ValueError as exc:
+    except (TrainingRunError, ValueError) as exc:
         raise dg.Failure(str(exc)) from exc
     mode, mode_reason = decide_mode(context.instance, storage, target_model, config.features)
     try:
@@ -172,27 +168,15 @@ def dflash_drafter(
     outcome = outcome_of(summary, plan.reused)
     context.log.info(f"drafter {outcome[1]} (run {plan.run_id})")
     wall = time.monotonic() - started
-    records = read_log(os.path.join(plan.run_dir, "train_log.jsonl"))
-    png = loss_curve_png(records) if records else b""
+    png = loss_curve_of_run(plan.run_dir)
     store = storage.open()
     weights = publish_export(store, plan.export_dir, png)
-    offline_subset = _offline_subset(context.instance, data.used) if data.mode == "offline" else {}
-    metadata = drafter_metadata(
-        summary,
-        plan,
-        data,
-        config,
-        outcome=outcome,
-        weights=weights,
-        png=png,
-        wall_s=wall,
-        offline_subset=offline_subset,
-    )
+    subset = _offline_subset(context.instance, data.used) if data.mode == "offline" else {}
+    metadata = drafter_metadata(summary, plan, data, config, outcome, weights, png, wall, subset)
+    # same weights, same version: the evaluation reuses its report
     return dg.MaterializeResult(
         metadata={**metadata, "export_path": dg.MetadataValue.path(store.uri(*EXPORT_DIR))},
-        data_version=dg.DataVersion(
-            hashlib.sha256(weights).hexdigest()[:20]
-        ),  # same weights, same version: evaluation reuses
+        data_version=dg.DataVersion(hashlib.sha256(weights).hexdigest()[:20]),
     )
 
 

@@ -2,7 +2,6 @@
 
 The prompt sets, the in-process decoding and the engine mode are in :mod:`dflash_assets.evaluation`."""
 
-import hashlib
 import json
 import os
 import time
@@ -12,9 +11,10 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.dflash.export import config_from_hf_dict, resolve_export
-from dflash_assets.evaluation.datasets import HELDOUT, evaluation_fingerprint, evaluation_prompts
-from dflash_assets.evaluation.engine import engine_fingerprint, engine_metadata, plan_engine, run_engine
-from dflash_assets.evaluation.in_process import REPORT_DIR, in_process_evaluation
+from dflash_assets.evaluation.datasets import evaluation_fingerprint, evaluation_prompts
+from dflash_assets.evaluation.engine import engine_fingerprint, plan_engine
+from dflash_assets.evaluation.in_process import REPORT_DIR
+from dflash_assets.evaluation.run import evaluated_metadata, run_evaluation
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.pools import GPU_POOL
 from dflash_assets.resources.inference import InferenceServerResource
@@ -130,64 +130,35 @@ def drafter_evaluation(
         storage, store, keys, train_meta, block_size, config, target_model, context.log
     )
     started = time.monotonic()
-    report: dict = {
-        "heldout_prompt_indexes": held[: config.num_prompts],
-        "drafter_export": store.uri(*EXPORT_DIR),
-        "drafter_sha256": export_sha,
-        "max_new_tokens": config.max_new_tokens,
-    }
-    metadata: dict = {}
-    engine_section = None
-    if plan is not None:  # first: the servers need the GPUs the in-process target would hold
-        engine_section = run_engine(
-            plan,
-            inference,
-            prompts,
-            config.max_new_tokens,
-            eos,
-            storage.local_scratch("server_logs", "drafter_evaluation"),
-            config,
-            context.log,
-        )
-        report["engine"] = engine_section
-    if config.in_process:
-        parts = in_process_evaluation(
-            context.log,
-            config,
-            store,
-            target_model,
-            export_dir,
-            train_meta,
-            prompts,
-            eos,
-            rows_only,
-            online=train_meta.get("features", "offline") == "online",
-        )
-        report.update(parts["report"])
-        metadata.update(parts["metadata"])
-    if engine_section is not None:
-        metadata.update(engine_metadata(engine_section, metadata.get("tau_by_dataset")))
-        head = engine_section["datasets"][HELDOUT]
-        context.log.info(
-            f"engine ({engine_section['label']}): heldout tau {head['tau']:.3f} over {head['requests_measured']} requests"
-        )
-    store.write_json(report, REPORT_DIR, "report.json")
-    what = ([f"in process on {len(prompts)} dataset(s)"] if config.in_process else []) + (
-        [f"on the {'SIMULATED ' if engine_section['simulated'] else ''}engine ({plan.kind})"] if engine_section else []
+    report, metadata, engine_section = run_evaluation(
+        context.log,
+        config,
+        plan,
+        inference,
+        storage,
+        store,
+        target_model,
+        export_dir,
+        train_meta,
+        rows_only,
+        prompts,
+        eos,
+        held,
+        export_sha,
     )
+    store.write_json(report, REPORT_DIR, "report.json")
     return dg.MaterializeResult(
-        metadata={
-            "outcome": "evaluated",
-            "outcome_text": f"evaluated the drafter (export sha256 {export_sha[:12]}) " + " and ".join(what),
-            **metadata,
-            "block_size": block_size,
-            "drafter_sha256": export_sha,
-            "evaluation_fingerprint": fingerprint,
-            "config_fingerprint": hashlib.sha256(
-                json.dumps(config.model_dump(), sort_keys=True, default=str).encode()
-            ).hexdigest()[:16],
-            "wall_s": round(time.monotonic() - started, 1),
-        }
+        metadata=evaluated_metadata(
+            config,
+            plan,
+            engine_section,
+            prompts,
+            export_sha,
+            metadata,
+            block_size,
+            fingerprint,
+            wall_s=time.monotonic() - started,
+        )
     )
 
 

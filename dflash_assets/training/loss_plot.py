@@ -31,3 +31,9 @@ def read_log(path: str) -> list[dict]:
                 except json.JSONDecodeError:
                     pass
     return records
+
+
+def loss_curve_of_run(run_dir: str) -> bytes:
+    """The loss-curve PNG of the run in ``run_dir`` (its ``train_log.jsonl``); empty bytes without records."""
+    records = read_log(os.path.join(run_dir, "train_log.jsonl"))
+    return loss_curve_png(records) if records else b""

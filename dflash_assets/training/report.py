@@ -25,7 +25,6 @@ def drafter_metadata(
     plan,
     data,
     config,
-    *,
     outcome: tuple[str, str],
     weights: bytes,
     png: bytes,
