@@ -17,7 +17,9 @@ OVER_MODULE_LIMIT = {
     "assets/completions.py",  # the range run moves to generation/ (issue 28 item 2)
 }
 OVER_ASSET_BODY_LIMIT = {
-    "assets/hidden_states.py",  # hidden_states: 89 lines
+    "assets/completions.py",  # completions: 65 lines
+    "assets/hidden_states.py",  # hidden_states: 118 lines
+    "assets/prompts.py",  # prompt_corpus: 62 lines
 }
 
 
