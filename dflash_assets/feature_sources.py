@@ -100,8 +100,8 @@ def heldout_set(
             block_size=block_size,
             features=features,
         )
-    from dflash_assets.assets.drafter import complete_shards
     from dflash_assets.dflash.data import HiddenStateShards
+    from dflash_assets.shard_access import complete_shards
 
     shards, _, _ = complete_shards(storage, keys)
     return HiddenStateShards(

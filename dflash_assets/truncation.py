@@ -417,3 +417,22 @@ def length_histogram_png(tokens: np.ndarray, cap: int, title: str) -> bytes:
     ax.legend()
     fig.tight_layout()
     return figure_png_bytes(fig)
+
+
+def cap_advice_markdown(advice: dict) -> str:
+    """The cap advice (:func:`cap_advice`) as a markdown table for the UI: per candidate cap, the predicted
+    truncation rate and its 90% interval, requests, tokens to generate and extra tokens; the note when
+    there is no candidate."""
+    if not advice["candidates"]:
+        return advice.get("note", "")
+    rows = "\n".join(
+        f"| {c['cap']} | {c['truncation_rate']:.2%} | "
+        f"{'%.2f%%–%.2f%%' % tuple(100 * x for x in c['truncation_rate_90ci']) if 'truncation_rate_90ci' in c else '-'} | "
+        f"{c['requests']} | {c['tokens_to_generate']:.0f} | {c['extra_output_tokens']:.0f} |"
+        for c in advice["candidates"]
+    )
+    return (
+        f"Method: {advice['method']}.\n\n| cap | predicted truncation | 90% interval | requests | tokens to generate, "
+        "whole | extra tokens (to generate, continued) |\n"
+        "|---|---|---|---|---|---|\n" + rows
+    )

@@ -10,8 +10,8 @@ import dagster as dg
 
 from dflash_assets.automation import build_backfill_schedule, build_cap_change_sensor
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.pools import INFERENCE_POOL
 from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.status import INFERENCE_POOL
 
 
 @dg.asset(

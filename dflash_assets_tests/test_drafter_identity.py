@@ -17,15 +17,17 @@ import dagster as dg
 import pytest
 import torch
 
-from dflash_assets.assets.drafter import STATE_FILE, dflash_drafter, file_sha256
+from dflash_assets.assets.drafter import dflash_drafter
 from dflash_assets.dflash.data import HiddenStateShards
 from dflash_assets.dflash.export import export_drafter, load_exported
 from dflash_assets.dflash.model import load_target_head
 from dflash_assets.dflash.shards import INDEX_NAME
-from dflash_assets.dflash.train import StepPlan, _loss, build_batch, train
+from dflash_assets.dflash.train import StepPlan, build_batch, train
+from dflash_assets.dflash.train_eval import batch_loss
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.training.identity import STATE_FILE, file_sha256
 from dflash_assets_tests.test_dflash_train import HIDDEN, N_FEATS, VOCAB, _tiny_cfg, make_tiny_target, write_shard
 
 torch.set_num_threads(1)
@@ -182,7 +184,7 @@ def test_warm_start_first_step_loss_equals_the_first_exports_loss_on_that_batch(
     epoch, rows = StepPlan(len(dataset), 1, cfg.batch_size, cfg.seed).rows(0, 0)
     batch = build_batch(dataset, rows, epoch, cfg.seed, cfg.block_size, cfg.max_anchors, cfg.mask_token_id)
     with torch.no_grad():
-        expected = float(_loss(reloaded, reloaded, batch, cfg.loss_gamma)["loss"])
+        expected = float(batch_loss(reloaded, reloaded, batch, cfg.loss_gamma)["loss"])
     assert abs(first_loss - expected) < 1e-4 * max(1.0, abs(expected)), (first_loss, expected)
     # and not what a random init gives on the same batch
     scratch = train(_tiny_cfg(target, new_shards, tmp_path / "run_c", max_steps=1))

@@ -9,8 +9,8 @@ import json
 import dagster as dg
 import pytest
 
-from dflash_assets.assets.evaluation import HELDOUT, HUMANEVAL, evaluation_datasets
 from dflash_assets.corpus import build_corpus
+from dflash_assets.evaluation.datasets import HELDOUT, HUMANEVAL, evaluation_datasets
 
 
 def _jsonl(path, rows):

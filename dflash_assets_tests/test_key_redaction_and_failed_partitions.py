@@ -66,9 +66,13 @@ def test_probe_and_client_share_one_url_rule():
     for base in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"):
         assert chat_completions_url(base) == "http://h:1/v1/chat/completions"
         assert api_root(base) == "http://h:1/v1"
-    from dflash_assets.generation.client import _Server
+    from dflash_assets.generation.client_servers import ServerState
 
-    assert _Server("http://h:1").endpoint == _Server("http://h:1/v1").endpoint == chat_completions_url("http://h:1")
+    assert (
+        ServerState("http://h:1").endpoint
+        == ServerState("http://h:1/v1").endpoint
+        == chat_completions_url("http://h:1")
+    )
 
 
 def test_probe_of_a_base_url_without_v1_reaches_the_clients_endpoint():

@@ -21,6 +21,7 @@ import yaml
 from dagster._core.test_utils import create_run_for_test
 
 from dflash_assets.generation.processes import proc_stat
+from dflash_assets.pools import INFERENCE_POOL
 from dflash_assets.runs import (
     BOOT_TAG,
     HOST_TAG,
@@ -35,7 +36,6 @@ from dflash_assets.runs import (
     run_process_alive,
     stop_orphaned_step_workers,
 )
-from dflash_assets.status import INFERENCE_POOL
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = yaml.safe_load((ROOT / "dagster.yaml").read_text())["concurrency"]

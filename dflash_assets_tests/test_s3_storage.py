@@ -545,7 +545,8 @@ def test_endpoint_outage_mid_run(s3_target, s3_env, tmp_path, outage, caplog):
 def test_drafter_inputs_download_to_empty_scratch(s3_target, tmp_path):
     """complete_shards / ensure_local_dir fetch what a fresh machine lacks: complete partitions' shards
     (by the sizes their index records), the drafter export; incomplete or absent partitions are skipped."""
-    from dflash_assets.assets.drafter import EXPORT_DIR, complete_shards
+    from dflash_assets.shard_access import complete_shards
+    from dflash_assets.training.run import EXPORT_DIR
 
     resource = resolved(storage_resource(s3_target, tmp_path / "scratch"))
     store = resource.open()

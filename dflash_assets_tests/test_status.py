@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from dflash_assets.partitions import partition_keys, prompt_ranges
-from dflash_assets.status import INFERENCE_POOL, collect_status, ensure_pool_limits, format_status, print_status
+from dflash_assets.pools import INFERENCE_POOL, ensure_pool_limits
+from dflash_assets.status import collect_status, format_status, print_status
 
 PROJECT_CONCURRENCY = yaml.safe_load((Path(__file__).resolve().parent.parent / "dagster.yaml").read_text())[
     "concurrency"

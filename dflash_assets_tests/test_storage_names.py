@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.assets.hidden_states import ShardIntegrityError, fetch_shards
 from dflash_assets.resources.storage import StorageResource
+from dflash_assets.shard_access import ShardIntegrityError, fetch_shards
 from dflash_assets.storage import IntegrityError, UnsafeNameError, check_name
 
 try:

@@ -331,18 +331,18 @@ CHILD = textwrap.dedent(
     import torch
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
-    from dflash_assets.dflash import shards
+    from dflash_assets.dflash import shard_format, shards
 
     model_dir, rows_path, out_dir, stall_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rows = json.loads(open(rows_path).read())
-    real_write, writes = shards._write_payload, [0]
+    real_write, writes = shard_format._write_payload, [0]
 
     def write_then_stall(f, header, tensors):
         # On the chosen shard write only part of the file, then wait to be killed mid-write.
         if writes[0] == stall_at:
             f.write(header)
-            f.write(bytes(shards._tensor_bytes(tensors["hidden_states"]))[:1000])
+            f.write(bytes(shard_format._tensor_bytes(tensors["hidden_states"]))[:1000])
             f.flush()
             os.fsync(f.fileno())
             print("PARTIAL", flush=True)
@@ -350,7 +350,7 @@ CHILD = textwrap.dedent(
         writes[0] += 1
         real_write(f, header, tensors)
 
-    shards._write_payload = write_then_stall
+    shard_format._write_payload = write_then_stall  # what write_shard calls
     shards.extract_partition(
         model, rows, out_dir, [1, 3, 5], rows_per_shard=3, max_tokens_per_batch=64,
         progress_cb=lambda e: print(json.dumps(e), flush=True), model_name="tiny",

@@ -82,8 +82,8 @@ def materialize_corpus(home: Path, partition_size: int) -> list[str]:
 
     from dflash_assets.assets.prompts import prompt_corpus
     from dflash_assets.partitions import prompt_ranges
+    from dflash_assets.pools import ensure_pool_limits
     from dflash_assets.resources.storage import StorageResource
-    from dflash_assets.status import ensure_pool_limits
 
     with dg.DagsterInstance.from_config(str(home)) as instance:
         result = dg.materialize(
@@ -264,12 +264,12 @@ def step_intervals(home: Path, run_ids: list[str], step_key: str = "completions"
 
 def test_prompt_corpus_registers_the_pools(tmp_path):
     """Materializing the real prompt_corpus registers the pools at dagster.yaml's default limit, so runs
-    queued together for a pool's first use are held by the queue (see status.ensure_pool_limits)."""
+    queued together for a pool's first use are held by the queue (see pools.ensure_pool_limits)."""
     import dagster as dg
 
     from dflash_assets.assets.prompts import prompt_corpus
+    from dflash_assets.pools import POOLS, pool_usage
     from dflash_assets.resources.storage import StorageResource
-    from dflash_assets.status import POOLS, pool_usage
 
     project_concurrency = yaml.safe_load((REPO / "dagster.yaml").read_text())["concurrency"]
     with dg.instance_for_test(temp_dir=str(tmp_path), overrides={"concurrency": project_concurrency}) as instance:
@@ -282,7 +282,7 @@ def test_prompt_corpus_registers_the_pools(tmp_path):
         )
         assert result.success
         assert set(POOLS) <= instance.event_log_storage.get_concurrency_keys(), (
-            "prompt_corpus must call dflash_assets.status.ensure_pool_limits(context.instance)"
+            "prompt_corpus must call dflash_assets.pools.ensure_pool_limits(context.instance)"
         )
         assert {pool: u["limit"] for pool, u in pool_usage(instance).items()} == {pool: 1 for pool in POOLS}
 

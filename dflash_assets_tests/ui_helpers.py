@@ -15,8 +15,8 @@ import polars as pl
 
 from dflash_assets.assets.prompts import CORPUS_FILE, prompt_corpus
 from dflash_assets.partitions import key_range, prompt_ranges
+from dflash_assets.pools import GPU_POOL, INFERENCE_POOL
 from dflash_assets.resources.storage import StorageResource
-from dflash_assets.status import GPU_POOL, INFERENCE_POOL
 
 TOKENS_PER_ROW = 100  # fake completion_tokens per prompt
 

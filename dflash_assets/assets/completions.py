@@ -64,13 +64,13 @@ from dflash_assets.generation.records import (
 )
 from dflash_assets.generation.tail_chunks import TailChunker
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.pools import INFERENCE_POOL
 from dflash_assets.prompt_index import prompt_version
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.runs import partition_busy_message, runs_holding_partitions
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.status import INFERENCE_POOL
 
 PROGRESS_EVERY_S = 5.0
 

@@ -16,11 +16,12 @@ from dflash_assets.dflash.target_features import bytes_per_token
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
 from dflash_assets.partitions import key_range, prompt_ranges
+from dflash_assets.pools import GPU_POOL
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.runs import partition_busy_message, runs_holding_partitions
-from dflash_assets.status import GPU_POOL, latest_metadata_by_partition
-from dflash_assets.storage import IntegrityError, UnsafeNameError, check_name
+from dflash_assets.shard_access import fetch_shards
+from dflash_assets.status import latest_metadata_by_partition
 from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
 
 CHECK_IDS = "stored_input_ids_match_tokenized"
@@ -114,66 +115,6 @@ def resolve_layer_ids(config_ids: list[int], target) -> list[int]:
         return resolve_target_layer_ids(target, config_ids or None, 5)
     except ValueError as exc:
         raise dg.Failure(f"ops.hidden_states.config.target_layer_ids: {exc}") from exc
-
-
-class ShardIntegrityError(RuntimeError):
-    """A downloaded shard's size or SHA-256 differs from its partition's index.json."""
-
-
-def fetch_shards(
-    storage: StorageResource, pk: str, index: dict, *, on_bad: str = "raise"
-) -> tuple[list[str], list[str]]:
-    """Local paths of the shards ``index`` lists, downloading (S3) each one missing locally or of
-    another size than the index records; a download goes to a temporary name and is put in place only
-    once its size and, when the index has it, SHA-256 match. Local storage: the paths, nothing copied.
-    Every shard name is checked first: one plain file name (:func:`~dflash_assets.storage.check_name`),
-    so a hostile or corrupt index.json cannot point outside the partition's directory.
-
-    Args:
-        on_bad: ``"raise"``: a shard that is missing, unsafely named or fails verification raises
-            :class:`ShardIntegrityError` (the drafter cannot recompute it); ``"drop"``: it is left out
-            (hidden_states then recomputes that shard).
-
-    Returns:
-        ``(paths, names downloaded now)``.
-    """
-    listed = []  # every name is checked before anything is downloaded: a bad index fails as a whole
-    for shard in index.get("shards", []):
-        try:
-            where = f"hidden_states/{pk}/{INDEX_NAME}"
-            name = check_name(shard.get("name") if isinstance(shard, dict) else None, f"{where} shard")
-            expected = shard.get("bytes")
-            if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool) or expected < 0):
-                raise UnsafeNameError(f"{where}: shard {name!r} has bytes {expected!r}, not a size")
-        except UnsafeNameError as exc:
-            if on_bad == "drop":
-                continue
-            raise ShardIntegrityError(f"{exc}; re-materialize hidden_states[{pk}]") from None
-        listed.append((name, expected, shard.get("sha256") or None))
-    paths, fetched = [], []
-    for name, expected, sha256 in listed:
-        path = storage.local_scratch("hidden_states", pk, name)
-        if storage.is_remote:
-            have = os.path.getsize(path) if os.path.exists(path) else None
-            if have is None or (expected is not None and have != expected):
-                try:
-                    storage.open().download(path, "hidden_states", pk, name, size=expected, sha256=sha256)
-                except FileNotFoundError:
-                    if on_bad == "drop":
-                        continue
-                    raise ShardIntegrityError(
-                        f"hidden_states/{pk}/{name} is listed in index.json but missing from "
-                        f"storage; re-materialize hidden_states[{pk}]"
-                    ) from None
-                except IntegrityError as exc:
-                    if os.path.exists(path):
-                        os.unlink(path)  # the local copy is of another size: not the indexed shard either
-                    if on_bad == "drop":
-                        continue
-                    raise ShardIntegrityError(f"{exc} (index.json); re-materialize hidden_states[{pk}]") from None
-                fetched.append(name)
-        paths.append(path)
-    return paths, fetched
 
 
 def partition_dir(storage: StorageResource, pk: str) -> str:

@@ -12,6 +12,7 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.truncation import (
     cap_advice,
+    cap_advice_markdown,
     fit_from_dict,
     length_histogram_png,
     predict_cap,
@@ -103,12 +104,6 @@ def truncation_report(
         context.log.warning(
             f"{stats['truncation_rate']:.1%} of completions hit the {cap}-token cap; see the cap advice"
         )
-    advice_md = "\n".join(
-        f"| {c['cap']} | {c['truncation_rate']:.2%} | "
-        f"{'%.2f%%–%.2f%%' % tuple(100 * x for x in c['truncation_rate_90ci']) if 'truncation_rate_90ci' in c else '-'} | "
-        f"{c['requests']} | {c['tokens_to_generate']:.0f} | {c['extra_output_tokens']:.0f} |"
-        for c in advice["candidates"]
-    )
     return dg.MaterializeResult(
         metadata={
             "cap": cap,
@@ -124,11 +119,6 @@ def truncation_report(
             "prediction_vs_actual": check or {},
             "histogram": png_markdown(png, "completion lengths"),
             "histogram_path": dg.MetadataValue.path(png_uri),
-            "cap_advice": dg.MetadataValue.md(
-                f"Method: {advice['method']}.\n\n| cap | predicted truncation | 90% interval | requests | tokens to generate, whole | extra tokens (to generate, continued) |\n"
-                "|---|---|---|---|---|---|\n" + advice_md
-                if advice["candidates"]
-                else advice.get("note", "")
-            ),
+            "cap_advice": dg.MetadataValue.md(cap_advice_markdown(advice)),
         }
     )

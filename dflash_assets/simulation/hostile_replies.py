@@ -18,8 +18,8 @@ import threading
 from collections import Counter
 from typing import Any
 
+from dflash_assets.simulation.behaviours import Behaviour, Raw, Reply, Trickle
 from dflash_assets.simulation.counting_proxy import last_user_message
-from dflash_assets.simulation.stand_in_server import Behaviour, Raw, Reply, Trickle
 
 PREFIX = "hostile:"
 DEEP = 100_000  # levels: far past the JSON reader's ~1,000

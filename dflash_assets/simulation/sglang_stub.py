@@ -64,23 +64,19 @@ import argparse
 import asyncio
 import hashlib
 import json
-import math
 import os
 import signal
 import sys
 import time
-from collections import OrderedDict
-from statistics import NormalDist
 from typing import Any
 
 import yaml
 
 from dflash_assets.simulation.http11 import read_request
+from dflash_assets.simulation.radix_cache import RadixCache
 from dflash_assets.simulation.sglang_dflash import DFlashSim
 from dflash_assets.simulation.sglang_dflash import add_arguments as add_dflash_arguments
-
-REASONING_SHARE = 0.9  # tokens of thinking before the answer starts
-_NORMAL = NormalDist()
+from dflash_assets.simulation.simulated_replies import drawn_length, prompt_tokens_of, reply_fields
 
 
 def process_start_time() -> float:
@@ -94,92 +90,6 @@ def process_start_time() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, StopIteration):
         return time.time()
-
-
-def drawn_length(messages: Any, median: float, sigma: float, seed: str = "") -> int:
-    """Output tokens the simulated model wants for ``messages``: a lognormal draw keyed by their hash.
-
-    ``exp(ln(median) + sigma * z)`` with ``z`` the standard-normal quantile of a uniform taken from
-    sha256(seed + messages JSON); at least 1 token.
-    """
-    digest = hashlib.sha256((seed + json.dumps(messages, sort_keys=True)).encode()).digest()
-    u = (int.from_bytes(digest[:8], "big") + 0.5) / 2**64
-    return max(1, round(math.exp(math.log(median) + sigma * _NORMAL.inv_cdf(u))))
-
-
-def reply_fields(length: int, max_tokens: int, done: int = 0, raw: bool = False) -> dict[str, Any]:
-    """finish_reason, completion_tokens, reasoning_content and content of a request wanting ``length``
-    tokens in all, ``done`` of them already written (a continued prefix), under cap ``max_tokens`` on the
-    new ones. Text is two bytes per token: ``"t "`` while thinking, ``"a "`` after. ``raw``: no reasoning
-    parser: the text as generated, ``<think>`` / ``</think>`` included, in ``content``."""
-    n = max(0, min(length - done, max_tokens))
-    think = max(1, round(length * REASONING_SHARE))
-    start, end = done, done + n
-    thinking, answering = max(0, min(end, think) - start), max(0, end - max(start, think))
-    fields = {"finish_reason": "length" if length - done > max_tokens else "stop", "completion_tokens": n}
-    if raw:
-        opened = "<think>\n" if start == 0 else ""
-        closed = (
-            "</think>\n\n"
-            if start <= think < end or (start < think and end == think and fields["finish_reason"] == "stop")
-            else ""
-        )
-        return {**fields, "reasoning_content": None, "content": opened + "t " * thinking + closed + "a " * answering}
-    return {**fields, "reasoning_content": "t " * thinking, "content": "a " * answering if answering else None}
-
-
-def prompt_tokens_of(messages: Any) -> int:
-    """``usage.prompt_tokens`` of ``messages``: their contents' words + 5 (the chat template's tokens)."""
-    return sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict)) + 5
-
-
-class RadixCache:
-    """The KV pool of one server as the simulator sees it: finished sequences kept whole, keyed by their
-    conversation (without the continued prefix), evicted least-recently-used when the cached tokens plus
-    the running requests' reserved tokens exceed ``capacity`` tokens.
-
-    No partial matches across conversations (a shared system prompt is not shared): conservative.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.running = 0  # tokens reserved by admitted requests (prompt + prefix + completion_tokens)
-        self._cached = 0
-        self._generated: OrderedDict[str, int] = OrderedDict()  # key -> generated tokens held, oldest first
-        self._prompt: dict[str, int] = {}  # key -> prompt tokens of that sequence
-
-    def admit(self, key: str, prompt_tokens: int, done: int, completion_tokens: int) -> tuple[int, int, int]:
-        """A request of ``prompt_tokens`` + ``done`` prefix tokens, generating ``completion_tokens``, gets
-        its slot: reserves its whole sequence, evicts, and returns ``(cached_tokens, prefill_tokens,
-        held)``: a hit gets ``prompt_tokens + min(done, held)`` cached, ``held`` being the generated tokens
-        of the cached sequence, which it takes out while it runs (SGLang locks it; pass ``held`` back to
-        :meth:`finish`)."""
-        held = self._generated.pop(key, None)
-        if held is None:
-            held, cached = 0, 0
-        else:
-            self._cached -= self._prompt.pop(key) + held
-            cached = prompt_tokens + min(done, held)
-        self.running += prompt_tokens + done + completion_tokens
-        self._evict()
-        return cached, prompt_tokens + done - cached, held
-
-    def finish(self, key: str, prompt_tokens: int, done: int, completion_tokens: int, held: int = 0) -> None:
-        """The admitted request finished: its sequence (or the longer one it took out, ``held``
-        generated tokens) is cached, most recent, and its reservation released."""
-        self.running -= prompt_tokens + done + completion_tokens
-        old = self._generated.pop(key, None)
-        if old is not None:  # the same conversation finished twice at once: keep one
-            self._cached -= self._prompt.pop(key) + old
-        generated = max(done + completion_tokens, held, old or 0)
-        self._generated[key], self._prompt[key] = generated, prompt_tokens
-        self._cached += prompt_tokens + generated
-        self._evict()
-
-    def _evict(self) -> None:
-        while self._generated and self._cached + self.running > self.capacity:
-            key, generated = self._generated.popitem(last=False)
-            self._cached -= self._prompt.pop(key) + generated
 
 
 class Simulator:
