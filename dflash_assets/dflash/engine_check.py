@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
 from typing import Any
+
+from dflash_assets.dflash.export_files import safetensors_header, tokenizer_vocabulary
 
 SGLANG_SOURCE = "SGLang 0.5.23 (PyPI wheel)"
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
@@ -80,26 +81,6 @@ class ExportCheck:
         if self.refusals:
             lines = "\n".join(f"  - {r}" for r in self.refusals)
             raise ExportRefused(f"{where}: SGLang would not load this DFlash drafter ({SGLANG_SOURCE}):\n{lines}")
-
-
-def safetensors_header(path: str | os.PathLike) -> dict[str, Any]:
-    """The JSON header of a ``.safetensors`` file (8-byte little-endian length, then JSON), without the weights.
-
-    Raises:
-        ValueError: not a safetensors file (too short, or a header that is not a JSON object).
-    """
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100_000_000:
-            raise ValueError(f"header length {n} is implausible")
-        data = f.read(n)
-    header = json.loads(data)
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    return header
 
 
 def text_config(config: dict) -> dict:
@@ -475,24 +456,6 @@ def check_dflash_export(
             _check_target(config, target, tokenizer_vocabulary(target_dir), check)
     _check_flags(config, check, tp_size=tp_size, num_draft_tokens=num_draft_tokens, draft_window_size=draft_window_size)
     return check
-
-
-def tokenizer_vocabulary(model_dir: str | os.PathLike) -> dict[str, int] | None:
-    """Token -> id of ``model_dir/tokenizer.json`` (model vocabulary plus added tokens), or None without one."""
-    path = Path(model_dir) / "tokenizer.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    vocab = (
-        dict((data.get("model") or {}).get("vocab") or {})
-        if isinstance((data.get("model") or {}).get("vocab"), dict)
-        else {}
-    )
-    for token in data.get("added_tokens") or []:
-        if isinstance(token, dict) and "content" in token and "id" in token:
-            vocab[token["content"]] = token["id"]
-    return vocab
 
 
 __all__ = [
