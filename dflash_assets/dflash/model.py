@@ -379,7 +379,7 @@ def load_target_head(model_dir: str, dtype: torch.dtype | None = None) -> tuple[
     embed = head = None
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict; keys() is its listing
                 if key.endswith("embed_tokens.weight") and "mtp" not in key and embed is None:
                     embed = f.get_tensor(key)
                 elif key.endswith("lm_head.weight") and "mtp" not in key and head is None:

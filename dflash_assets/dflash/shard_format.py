@@ -349,9 +349,7 @@ def validate_shard(
             return False
         if rows_sha256(small["row_index"], cu, small["input_ids"], small["loss_mask"]) != meta.get("rows_sha256"):
             return False
-        if expected_row_index is not None and small["row_index"].tolist() != [int(i) for i in expected_row_index]:
-            return False
-        return True
+        return expected_row_index is None or small["row_index"].tolist() == [int(i) for i in expected_row_index]
     except Exception:
         return False
 

@@ -57,7 +57,8 @@ def train(
     progress_callback: Callable[[dict], None] | None = None,
     online_target: torch.nn.Module | None = None,
 ) -> TrainResult:
-    """Train (or resume) a drafter on ``cfg.shards`` (or, online, on ``cfg.tokenized``); write log, checkpoints and summary under ``cfg.out_dir``.
+    """Train (or resume) a drafter on ``cfg.shards`` (or, online, on ``cfg.tokenized``); write log, checkpoints
+    and summary under ``cfg.out_dir``.
 
     Args:
         draft_config: drafter config; default derived from ``cfg.target_model_path``.
@@ -130,7 +131,7 @@ def _parse(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
     base["features"] = a.features or ("online" if a.tokenized and not a.shards else base.get("features", "offline"))
     if a.target_model:
         base["target_model_path"] = a.target_model
-    for name in list(flags) + ["target_layer_ids", "draft_overrides"]:
+    for name in [*flags, "target_layer_ids", "draft_overrides"]:
         v = getattr(a, name)
         if v is not None:
             base[name] = v

@@ -91,7 +91,8 @@ def evaluation_prompts(storage, store, keys: list[str], train_meta: dict, block_
     held = heldout_indexes(rows_only)
     if not held:
         raise dg.Failure(
-            f"the drafter's training held out no row (eval_fraction {eval_fraction}): raise dflash_drafter's eval_fraction"
+            f"the drafter's training held out no row (eval_fraction {eval_fraction}): raise dflash_drafter's "
+            "eval_fraction"
         )
     corpus = store.read_parquet(*CORPUS_FILE)
     datasets = evaluation_datasets(corpus, held, config.prompt_files, config.num_prompts)

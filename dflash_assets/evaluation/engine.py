@@ -214,7 +214,8 @@ def run_engine(
         "export_check_warnings": plan.check.warnings if plan.check else [],
         "datasets": engine_tau_by_dataset(records),
         "requests": records,
-        "tau_definition": "per dataset: mean over requests of the engine's meta_info.spec_accept_length (completion_tokens / "
+        "tau_definition": "per dataset: mean over requests of the engine's meta_info.spec_accept_length "
+        "(completion_tokens / "
         "spec_verify_ct, the prefill's token included; z-lab's benchmark) and pooled (all completion_tokens / "
         "all spec_verify_ct); tau_without_prefill_token leaves each request's prefill token out, as the "
         "in-process figure does",
@@ -250,7 +251,8 @@ def engine_metadata(section: dict[str, Any], in_process: dict[str, dict] | None)
         )
     else:
         table = (
-            "| dataset | requests | SGLang tau (spec_accept_length) | SGLang pooled | in-process tau |\n|---|---|---|---|---|\n"
+            "| dataset | requests | SGLang tau (spec_accept_length) | SGLang pooled | in-process tau "
+            "|\n|---|---|---|---|---|\n"
             + "".join(
                 f"| {n} | {d['requests']} | {d['tau']} +- {d['tau_stderr']} | {d['tau_pooled']} | "
                 f"{(in_process or {}).get(n, {}).get('tau', '-')} |\n"

@@ -58,8 +58,10 @@ def in_process_evaluation(
         def progress(name: str, done: int, total: int, result) -> None:
             elapsed = time.monotonic() - started
             log.info(
-                f"{label} / {name} drafter: prompt {done}/{total}, {result.num_new_tokens} tokens in {result.wall_s:.1f} s "
-                f"({result.num_new_tokens / max(result.wall_s, 1e-9):.1f} tokens/s), tau {acceptance_length(result.accepted_lengths):.2f}; "
+                f"{label} / {name} drafter: prompt {done}/{total}, {result.num_new_tokens} tokens in "
+                f"{result.wall_s:.1f} s "
+                f"({result.num_new_tokens / max(result.wall_s, 1e-9):.1f} tokens/s), tau "
+                f"{acceptance_length(result.accepted_lengths):.2f}; "
                 f"{elapsed:.0f} s into evaluation"
             )
 
@@ -69,7 +71,8 @@ def in_process_evaluation(
     with torch.no_grad():
         for name, prompts_ids in prompts.items():
             log.info(
-                f"dataset {name}: {len(prompts_ids)} prompts, {config.max_new_tokens} new tokens each, plain / trained / untrained interleaved"
+                f"dataset {name}: {len(prompts_ids)} prompts, {config.max_new_tokens} new tokens each, plain / "
+                "trained / untrained interleaved"
             )
             results[name] = evaluate_drafters(
                 target,
@@ -86,7 +89,11 @@ def in_process_evaluation(
     head, base = results[HELDOUT]["trained"], results[HELDOUT]["untrained"]
 
     png = acceptance_histogram_png(
-        {"trained": sum(head["accepted_lengths"], []), "untrained": sum(base["accepted_lengths"], [])}, block_size
+        {
+            "trained": [n for lengths in head["accepted_lengths"] for n in lengths],
+            "untrained": [n for lengths in base["accepted_lengths"] for n in lengths],
+        },
+        block_size,
     )
     png_uri = store.write_bytes(png, REPORT_DIR, "acceptance.png")
     report = {
@@ -94,7 +101,8 @@ def in_process_evaluation(
             name: {"num_prompts": r["trained"]["num_prompts"], "trained": r["trained"], "untrained": r["untrained"]}
             for name, r in results.items()
         },
-        "tau_definition": "tau = mean over prompts of each prompt's mean accepted length per verification step (bonus token "
+        "tau_definition": "tau = mean over prompts of each prompt's mean accepted length per verification step "
+        "(bonus token "
         "counted; z-lab's benchmark); tau_pooled = all tokens / all verification steps; standard errors "
         "across prompts (pooled: ratio estimator clustered by prompt)",
         "teacher_forced_chain": {"trained": chain, "untrained": chain_base},
@@ -103,7 +111,8 @@ def in_process_evaluation(
     for name, r in results.items():
         if not r["trained"]["lossless"]:
             log.error(
-                f"{name}: speculative output differs from the target's greedy output on prompts {r['trained']['mismatched_prompts']}"
+                f"{name}: speculative output differs from the target's greedy output on prompts "
+                f"{r['trained']['mismatched_prompts']}"
             )
     se, se_base = head["tau_stderr"], base["tau_stderr"]
     by_dataset = {
@@ -121,7 +130,8 @@ def in_process_evaluation(
     table = (
         "| dataset | prompts | tau (per-prompt mean) | tau pooled | untrained | speedup |\n|---|---|---|---|---|---|\n"
         + "".join(
-            f"| {n} | {d['prompts']} | {d['tau']} +- {d['tau_stderr']} | {d['tau_pooled']} +- {d['tau_pooled_stderr']} | {d['tau_untrained']} | {d['speedup_wall']} |\n"
+            f"| {n} | {d['prompts']} | {d['tau']} +- {d['tau_stderr']} | {d['tau_pooled']} +- "
+            f"{d['tau_pooled_stderr']} | {d['tau_untrained']} | {d['speedup_wall']} |\n"
             for n, d in by_dataset.items()
         )
     )

@@ -68,7 +68,8 @@ def run_evaluation(
         metadata.update(engine_metadata(engine_section, metadata.get("tau_by_dataset")))
         head = engine_section["datasets"][HELDOUT]
         log.info(
-            f"engine ({engine_section['label']}): heldout tau {head['tau']:.3f} over {head['requests_measured']} requests"
+            f"engine ({engine_section['label']}): heldout tau {head['tau']:.3f} over "
+            f"{head['requests_measured']} requests"
         )
     return report, metadata, engine_section
 

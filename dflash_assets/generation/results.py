@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 
 class TooManyFailuresError(RuntimeError):
-    """Raised by :meth:`~dflash_assets.generation.client.CompletionClient.generate` after ``max_consecutive_failures`` rows failed in a row.
+    """Raised by :meth:`~dflash_assets.generation.client.CompletionClient.generate` after
+    ``max_consecutive_failures`` rows failed in a row.
 
     Attributes:
         consecutive_failures: the number of final failures in a row that triggered the stop.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class Trickle:
     payload: bytes = b""
 
 
-Behaviour = Union[Reply, Error, Hang, Drop, Raw, Trickle]
+Behaviour = Reply | Error | Hang | Drop | Raw | Trickle
 Script = Callable[[int, dict[str, Any]], Behaviour]
 
 

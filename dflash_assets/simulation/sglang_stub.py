@@ -44,13 +44,15 @@ What it simulates, all in *simulated seconds* divided by ``--sim-speed`` to get 
 - DFLASH speculative decoding (:mod:`~dflash_assets.simulation.sglang_dflash`): SGLang's flags, its
   refusals of an export at start-up, and per-request ``spec_*`` fields whose acceptance is simulated.
 
-Faults on demand: ``--sim-ignore-continue`` answers continuations afresh (an SGLang before 0.4.4); SIGUSR1 makes it hang (``/health`` keeps answering 200, no request finishes, and
+Faults on demand: ``--sim-ignore-continue`` answers continuations afresh (an SGLang before 0.4.4);
+SIGUSR1 makes it hang (``/health`` keeps answering 200, no request finishes, and
 ``/health_generate`` never answers, as with a stuck scheduler); ``--sim-hang-after N`` does the same after
 N finished requests; kill -9 is a dead server.
 
 Bookkeeping for benches: every start appends one line to ``--sim-starts-file``; every request arrival
 and finish appends one JSON line to ``--sim-request-log`` (``{"ev": "recv"|"done", "key", "max_tokens",
-"tokens", "t"}``, plus ``continued_from`` (prefix tokens) and ``prefix_head`` (its first characters) on ``recv``; ``key`` = the last user message, which the benches make the prompt's id).
+"tokens", "t"}``, plus ``continued_from`` (prefix tokens) and ``prefix_head`` (its first characters) on
+``recv``; ``key`` = the last user message, which the benches make the prompt's id).
 Admission (the request gets its slot; the cache is looked up then) appends ``{"ev": "prefill", "key",
 "max_tokens", "continued_from", "prefill_tokens" (uncached, charged), "cached_tokens", "t"}``; ``done``
 also carries ``stalled_s``, the simulated seconds its decode waited for other requests' prefills.
@@ -111,7 +113,10 @@ class Simulator:
         self._prefill_s = 0.0  # simulated seconds the running prefill takes
         self._no_prefill = asyncio.Event()
         self._no_prefill.set()
-        self._request_log = open(args.sim_request_log, "a", buffering=1) if args.sim_request_log else None
+        # open for the server's whole life (closed at exit), line-buffered so each event lands whole
+        self._request_log = (
+            open(args.sim_request_log, "a", buffering=1) if args.sim_request_log else None  # noqa: SIM115
+        )
 
     def real(self, sim_seconds: float) -> float:
         return sim_seconds / self.speed

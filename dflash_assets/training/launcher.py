@@ -99,7 +99,7 @@ def run_torchrun(log, cfg: TrainConfig, config, export_dir: str) -> None:
     tail: list[str] = []
 
     def on_line(line: str) -> None:
-        tail[:] = (tail + [line])[-40:]
+        tail[:] = [*tail, line][-40:]
         if "step" in line or "error" in line.lower():
             log.info(line)
 

@@ -4,6 +4,7 @@ or with torchrun) and publishing the export. The ``dflash_drafter`` asset calls 
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.dflash.export import export_drafter
@@ -108,7 +109,7 @@ def plan_run(storage, indexes: dict[str, dict], config_fp: str, warm_start: bool
     export_dir = os.path.dirname(storage.local_scratch(*EXPORT_DIR, "x"))
     export_weights = os.path.join(export_dir, "model.safetensors")
     state_path = storage.local_scratch(DRAFTER_DIR, STATE_FILE)
-    state = json.load(open(state_path)) if os.path.exists(state_path) else None
+    state = json.loads(Path(state_path).read_text()) if os.path.exists(state_path) else None
     data_fp = data_fingerprint(indexes)
     export_sha = file_sha256(export_weights)
     run = choose_run(state, data_fp, config_fp, warm_start, export_sha)
@@ -137,7 +138,7 @@ def train_run(plan: RunPlan, cfg: TrainConfig, config, data: TrainingData, log) 
     what = data.describe()
     if plan.reused:
         log.info(f"run {plan.run_id} is complete and its export is in place: reused, no training step")
-        summary = json.load(open(os.path.join(plan.run_dir, "summary.json")))
+        summary = json.loads(Path(plan.run_dir, "summary.json").read_text())
     elif config.nproc == 1 and config.nnodes == 1:
         start_note = f"warm start from the export {plan.run['parent'][:12]}" if plan.run["parent"] else "from scratch"
         log.info(f"training on {what} from {len(data.used)} partitions ({start_note}); run dir {plan.run_dir}")
@@ -146,7 +147,8 @@ def train_run(plan: RunPlan, cfg: TrainConfig, config, data: TrainingData, log) 
             if rec["step"] % 20 == 0 or rec["step"] == rec["total_steps"]:
                 eta = (rec["total_steps"] - rec["step"]) * rec["elapsed_s"] / max(rec["step"], 1)
                 log.info(
-                    f"step {rec['step']}/{rec['total_steps']} loss {rec['loss']:.3f} {rec['tokens_per_s']:.0f} tok/s ETA {eta:.0f}s"
+                    f"step {rec['step']}/{rec['total_steps']} loss {rec['loss']:.3f} {rec['tokens_per_s']:.0f} "
+                    f"tok/s ETA {eta:.0f}s"
                 )
 
         result = train(cfg, progress_callback=progress)
@@ -158,7 +160,7 @@ def train_run(plan: RunPlan, cfg: TrainConfig, config, data: TrainingData, log) 
             f"{config.nnodes} node(s); run dir {plan.run_dir}"
         )
         run_torchrun(log, cfg, config, plan.export_dir)
-        summary = json.load(open(os.path.join(plan.run_dir, "summary.json")))
+        summary = json.loads(Path(plan.run_dir, "summary.json").read_text())
     if not plan.reused and not summary.get("stopped_early"):
         atomic_write_bytes(
             plan.state_path,

@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # annotations only: the asset module imports this one
 
 
 def draft_overrides(config: DrafterConfig) -> dict:
-    """The drafter-shape settings given (:data:`~dflash_assets.dflash.model.DRAFT_SHAPE_FIELDS`, None = the target's)."""
+    """The drafter-shape settings given (:data:`~dflash_assets.dflash.model.DRAFT_SHAPE_FIELDS`; None = the
+    target's)."""
     values = {k: getattr(config, k) for k in DRAFT_SHAPE_FIELDS if getattr(config, k) is not None}
     if "layer_types" in values:
         values["layer_types"] = list(values["layer_types"])
