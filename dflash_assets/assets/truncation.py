@@ -105,8 +105,13 @@ def truncation_report(
         )
     advice_md = "\n".join(
         f"| {c['cap']} | {c['truncation_rate']:.2%} | "
-        f"{'%.2f%%–%.2f%%' % tuple(100 * x for x in c['truncation_rate_90ci']) if 'truncation_rate_90ci' in c else '-'} | "
-        f"{c['requests']} | {c['tokens_to_generate']:.0f} | {c['extra_output_tokens']:.0f} |"
+        + (
+            # the en dash (U+2013) is intended: it separates the interval bounds in the report
+            "{:.2f}%–{:.2f}%".format(*(100 * x for x in c["truncation_rate_90ci"]))  # noqa: RUF001
+            if "truncation_rate_90ci" in c
+            else "-"
+        )
+        + f" | {c['requests']} | {c['tokens_to_generate']:.0f} | {c['extra_output_tokens']:.0f} |"
         for c in advice["candidates"]
     )
     return dg.MaterializeResult(
@@ -125,7 +130,8 @@ def truncation_report(
             "histogram": png_markdown(png, "completion lengths"),
             "histogram_path": dg.MetadataValue.path(png_uri),
             "cap_advice": dg.MetadataValue.md(
-                f"Method: {advice['method']}.\n\n| cap | predicted truncation | 90% interval | requests | tokens to generate, whole | extra tokens (to generate, continued) |\n"
+                f"Method: {advice['method']}.\n\n| cap | predicted truncation | 90% interval | requests | "
+                "tokens to generate, whole | extra tokens (to generate, continued) |\n"
                 "|---|---|---|---|---|---|\n" + advice_md
                 if advice["candidates"]
                 else advice.get("note", "")
