@@ -12,6 +12,8 @@ import hashlib
 from collections.abc import Iterable, Sequence
 
 import dagster as dg
+
+# private module: dagster 1.13 exports no public name for these run tags
 from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_END_TAG,
     ASSET_PARTITION_RANGE_START_TAG,
@@ -283,7 +285,8 @@ def build_backfill_schedule(
         given_up = [pk for pk in to_request if attempts[pk] >= max_failed_attempts]
         if given_up:
             context.log.warning(
-                f"not retrying {len(given_up)} partitions that failed {max_failed_attempts} times since their last success: "
+                f"not retrying {len(given_up)} partitions that failed {max_failed_attempts} times "
+                "since their last success: "
                 f"{given_up[:10]}; read their run logs, fix the cause and launch them by hand"
             )
         wanted = set(to_request) - set(given_up)
@@ -307,7 +310,8 @@ def build_backfill_schedule(
             return dg.SkipReason(f"nothing unfinished to retry ({len(running)} in progress, {len(given_up)} given up)")
         context.log.info(
             f"{len(wanted)} unfinished completions partitions: requesting {len(ranges)} range run(s) "
-            f"{[f'{r[0]}...{r[-1]} ({len(r)})' for r in ranges]}; {waiting} partitions wait for later stages, {len(downstream)} requested"
+            f"{[f'{r[0]}...{r[-1]} ({len(r)})' for r in ranges]}; {waiting} partitions wait for later stages, "
+            f"{len(downstream)} requested"
         )
         return requests
 
@@ -336,7 +340,10 @@ def build_cap_change_sensor(job, max_runs_per_tick: int = 10, max_partitions_per
         name="generation_settings_changed",
         minimum_interval_seconds=60,
         default_status=dg.DefaultSensorStatus.STOPPED,
-        description="Launches only the completions partitions (as ranges, one run each) that the current cap or sampling settings touch.",
+        description=(
+            "Launches only the completions partitions (as ranges, one run each) that the current cap or "
+            "sampling settings touch."
+        ),
     )
     def generation_settings_changed(context: dg.SensorEvaluationContext, generation: GenerationResource):
         settings = generation.settings()

@@ -12,6 +12,8 @@ import time
 from collections import Counter
 
 import dagster as dg
+
+# private module: dagster 1.13 exports no public name for these run tags
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from dflash_assets import freshness

@@ -341,7 +341,7 @@ def collect_status(
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "unknown"
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
@@ -386,7 +386,8 @@ def format_status(status: dict) -> str:
     if regen.get("rows"):
         reasons = ", ".join(f"{k}: {v}" for k, v in regen["by_reason"].items())
         lines.append(
-            f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} partitions ({reasons})"
+            f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} "
+            f"partitions ({reasons})"
             + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else "")
             + (
                 f"; up to {regen['cut_locally']} of them cut to the lower cap from their own tokens, no request "
@@ -400,7 +401,8 @@ def format_status(status: dict) -> str:
         lines.append(
             f"run {run['run_id'][:8]} in progress ({run['range']}): {run['rows_done']} / {run['rows_total']} rows, "
             f"{run['req_per_s']} req/s, {run['output_tok_per_s']} output tok/s, slots {run['slots_in_flight']} / "
-            f"{run['slots_capacity']}, ETA {_duration(eta)} (at its last partition commit, {time.time() - run['as_of']:.0f} s ago)"
+            f"{run['slots_capacity']}, ETA {_duration(eta)} "
+            f"(at its last partition commit, {time.time() - run['as_of']:.0f} s ago)"
         )
     remaining = comp["tokens_remaining_est"]
     lines.append(

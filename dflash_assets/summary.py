@@ -66,7 +66,8 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
     Returns:
         A dict of plain values: counts (rows, tokens), ``hidden_state_bytes`` (bytes), ``truncation_rate``
         (share 0..1), ``cap`` (tokens), ``cap_advice`` (Markdown), ``tau`` (tokens per target forward),
-        ``materialized`` (asset name -> bool), ``failed_checks`` (see :func:`failed_checks`), ``outputs`` (see :func:`output_locations`), ``ui_command``.
+        ``materialized`` (asset name -> bool), ``failed_checks`` (see :func:`failed_checks`), ``outputs``
+        (see :func:`output_locations`), ``ui_command``.
     """
     corpus = _unpartitioned(instance, "prompt_corpus")
     finish: Counter = Counter()
@@ -160,6 +161,7 @@ def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None
         "partitions": [pk, ...] (failed ones, in key order; empty for an unpartitioned asset),
         "description": first failure's description or None}]``, sorted by check name.
     """
+    # private module: dagster 1.13 exports no public AssetCheckExecutionRecordStatus
     from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
     if check_keys is None:
@@ -220,7 +222,8 @@ def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None
 
 
 def failed_check_lines(checks: list[dict], max_keys: int = 5) -> list[str]:
-    """``failed checks      <asset.check> (WARN): 3 of 4 partitions failed: pk1, pk2, pk3`` lines (``none`` if empty)."""
+    """``failed checks      <asset.check> (WARN): 3 of 4 partitions failed: pk1, pk2, pk3`` lines
+    (``none`` if empty)."""
     if not checks:
         return ["failed checks      none"]
     lines = []
@@ -357,7 +360,8 @@ def drafter_line(s: dict) -> str:
         text = f"trained on {'-' if s.get('drafter_train_tokens') is None else s['drafter_train_tokens']} tokens"
     if s.get("drafter_ran") is False:
         text = (
-            f"reused because nothing changed ({s.get('drafter_steps')} steps on {s.get('drafter_train_tokens')} tokens, "
+            f"reused because nothing changed ({s.get('drafter_steps')} steps on "
+            f"{s.get('drafter_train_tokens')} tokens, "
             "no training step this run)"
         )
     return f"{params} parameters; {text}"
@@ -370,7 +374,10 @@ def acceptance_line(s: dict) -> str:
     if s.get("tau") is None and s.get("engine_kind") is not None:
         return "acceptance length  tau - (in-process decoding not run: drafter_evaluation.in_process is false)"
     if s.get("tau") is None:
-        return f"acceptance length  tau - (untrained drafter: {'-' if s.get('tau_untrained') is None else s['tau_untrained']})"
+        return (
+            "acceptance length  tau - "
+            f"(untrained drafter: {'-' if s.get('tau_untrained') is None else s['tau_untrained']})"
+        )
 
     def with_se(value, se) -> str:
         return f"{value}" if se is None else f"{value} +- {se}"
@@ -410,18 +417,21 @@ def engine_line(s: dict) -> str | None:
         return None
     if s.get("engine_simulated"):
         return (
-            f"engine (SIMULATED)  plumbing check only, not a measurement: {s.get('engine_requests')} requests answered by the "
+            f"engine (SIMULATED)  plumbing check only, not a measurement: {s.get('engine_requests')} requests "
+            "answered by the "
             f"GPU-node simulator with SGLang's per-request fields (simulated tau {s.get('simulated_engine_tau')}, "
             f"pooled {s.get('simulated_engine_tau_pooled')})"
         )
     return (
-        f"engine tau (SGLang) {s.get('engine_tau')} +- {s.get('engine_tau_stderr')} (mean of per-request spec_accept_length; "
+        f"engine tau (SGLang) {s.get('engine_tau')} +- {s.get('engine_tau_stderr')} "
+        "(mean of per-request spec_accept_length; "
         f"pooled {s.get('engine_tau_pooled')}) on {s.get('engine_requests')} requests, {s.get('engine_kind')} servers"
     )
 
 
 def dataset_lines(s: dict) -> list[str]:
-    """One line per extra evaluation dataset (beyond the held-out prompts): ``name: tau T +- SE (pooled ...) on N prompts``."""
+    """One line per extra evaluation dataset (beyond the held-out prompts):
+    ``name: tau T +- SE (pooled ...) on N prompts``."""
     rows = []
     for name, d in (s.get("tau_by_dataset") or {}).items():
         if name == "heldout":
@@ -445,7 +455,8 @@ def format_summary(s: dict) -> str:
     lines = [
         "== dflash-assets summary ==",
         (
-            f"prompts            {fmt(s['prompts'])} ({fmt(s['duplicates'])} duplicates, {fmt(s['rejected'])} rejected) "
+            f"prompts            {fmt(s['prompts'])} ({fmt(s['duplicates'])} duplicates, "
+            f"{fmt(s['rejected'])} rejected) "
             f"in {n_parts} partition{'' if n_parts == 1 else 's'}"
             + (
                 f"; last build: {edit.get('new', 0)} new, {edit.get('changed', 0)} changed, "
@@ -455,14 +466,16 @@ def format_summary(s: dict) -> str:
             )
         ),
         f"completions        {s['completions']} rows (errors: {s['completion_errors']}); finish_reason: {reasons}",
-        f"truncation         {'-' if rate is None else f'{rate:.2%}'} of completions hit the cap of {fmt(s['cap'])} tokens",
+        f"truncation         {'-' if rate is None else f'{rate:.2%}'} of completions hit the cap of "
+        f"{fmt(s['cap'])} tokens",
     ]
     if isinstance(s.get("cap_advice"), str) and s["cap_advice"].strip():
         table = advice_table(s["cap_advice"])
         lines += [("cap advice         " if i == 0 else " " * 19) + row for i, row in enumerate(table)]
     lines += [
         f"tokenized          {s['tokenized_rows']} rows, {s['loss_tokens']} loss tokens",
-        f"hidden states      {s['hidden_state_bytes']} bytes ({_size(s['hidden_state_bytes'])}) for {s['hidden_state_tokens']} tokens",
+        f"hidden states      {s['hidden_state_bytes']} bytes ({_size(s['hidden_state_bytes'])}) "
+        f"for {s['hidden_state_tokens']} tokens",
         f"drafter            {drafter_line(s)}",
         *feature_lines(s),
         acceptance_line(s),

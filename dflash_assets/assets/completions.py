@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 import polars as pl
-from dagster._core.definitions.data_version import (  # the tags Dagster itself writes for a data version
+
+# the tags Dagster itself writes for a data version; private module: dagster 1.13 exports no public name for them
+from dagster._core.definitions.data_version import (
     CODE_VERSION_TAG,
     DATA_VERSION_IS_USER_PROVIDED_TAG,
     DATA_VERSION_TAG,
@@ -309,7 +311,8 @@ class _RangeRun:
         )
         self.rows_total += len(todo)
         self.context.log.info(
-            f"{pk}: {prompts.height} prompts, {len(todo)} to request {dict(reasons)}, cap {self.settings.max_output_tokens}"
+            f"{pk}: {prompts.height} prompts, {len(todo)} to request {dict(reasons)}, "
+            f"cap {self.settings.max_output_tokens}"
             + (f"; {part.resumed} rows kept from the journal of an interrupted run" if part.resumed else "")
         )
         return part
@@ -414,8 +417,9 @@ class _RangeRun:
     ):
         """Stream every todo prompt of ``parts`` through one client; yield each partition's
         materialization as its last row lands (from this, the step's thread: Dagster records it at once).
-        ``self.continuing_rows``, ``opened``: rows to continue rather than regenerate (:meth:`ContinuationPlanner.continuations`); each
-        prefix is built as its request goes out, not all at once before the run. ``tail``: :meth:`ContinuationPlanner.tail`'s
+        ``self.continuing_rows``, ``opened``: rows to continue rather than regenerate
+        (:meth:`ContinuationPlanner.continuations`); each prefix is built as its request goes out, not all
+        at once before the run. ``tail``: :meth:`ContinuationPlanner.tail`'s
         ``(chunk_tokens, opened)``: the stream's last ``tail_prompts_per_slot`` x slots fresh prompts are
         generated in chunks (:class:`~dflash_assets.generation.tail_chunks.TailChunker`). More than
         ``max_consecutive_failures`` continuations in a row answered afresh (:data:`NOT_CONTINUED`) stop
@@ -527,7 +531,8 @@ class _RangeRun:
                             (
                                 "error",
                                 dg.Failure(
-                                    f"{afresh_in_a_row} continuations in a row were answered afresh instead of continued: "
+                                    f"{afresh_in_a_row} continuations in a row were answered afresh "
+                                    "instead of continued: "
                                     + NOT_CONTINUED
                                     + (" (or inference.tail_chunk_tokens: 0)" if chunker is not None else "")
                                     + "; rows cut by a lower cap keep their text"

@@ -165,7 +165,7 @@ class ContinuationPlanner:
         fresh = [p for part in parts for p in part.todo if p["index"] not in continuing]
         if not fresh:
             return None, None, False
-        why_not, problem, opened = self.gate(inference, fresh[0]["messages"])
+        why_not, _problem, opened = self.gate(inference, fresh[0]["messages"])
         if why_not is not None:
             return None, f"inference.tail_chunk_tokens is not used: {why_not}", True
         return (chunk, opened), None, False

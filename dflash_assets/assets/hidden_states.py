@@ -49,7 +49,10 @@ class HiddenStatesConfig(dg.Config):
     storage_budget_gb: float | None = Field(
         default=None,
         gt=0.0,
-        description="Bytes (GB, 1e9) all hidden states may take; needed to enforce the plan on S3, optional locally (free disk space is always checked).",
+        description=(
+            "Bytes (GB, 1e9) all hidden states may take; needed to enforce the plan on S3, optional locally "
+            "(free disk space is always checked)."
+        ),
     )
 
 
@@ -215,7 +218,8 @@ def hidden_states(
     corpus_rows = len(indexes)
     corpus_estimate = per_token * num_tokens / max(1, len(rows)) * corpus_rows
     context.log.info(
-        f"{pk}: {len(rows)} rows, {num_tokens} tokens, layers {layer_ids}: ~{per_token * num_tokens / 1e6:.1f} MB at {per_token} B/token; "
+        f"{pk}: {len(rows)} rows, {num_tokens} tokens, layers {layer_ids}: "
+        f"~{per_token * num_tokens / 1e6:.1f} MB at {per_token} B/token; "
         f"the whole corpus ({corpus_rows} prompts) at this rate: ~{corpus_estimate / 1e9:.2f} GB"
     )
     started = time.monotonic()

@@ -135,7 +135,8 @@ def prompt_corpus(
     if stale:
         context.log.warning(f"removed {len(stale)} partition keys no longer in the corpus: {stale[:5]}...")
     context.log.info(
-        f"{corpus.height} prompts from {len(result.files)} files; {sum(result.duplicates_per_source.values())} duplicates; "
+        f"{corpus.height} prompts from {len(result.files)} files; "
+        f"{sum(result.duplicates_per_source.values())} duplicates; "
         f"{result.rejected.height} rejected; {len(keys)} partitions of up to {config.partition_size}; against the last "
         f"build: {built.edits.new} new, {built.edits.changed} changed, {built.edits.removed} removed prompts"
     )

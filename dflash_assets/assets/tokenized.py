@@ -80,10 +80,11 @@ class TokenizeConfig(dg.Config):
         ),
     ],
     description=(
-        "Reads `completions/<pk>.parquet` and the prompt corpus; builds input_ids = chat-template prompt ids + generated "
-        "ids (server ids when returned, else the completion re-tokenized as emitted, plus the end-of-turn token for "
-        "stop rows) and loss_mask = 0 on the prompt, 1 on the completion. Writes `tokenized_sequences/<pk>.parquet` "
-        "(index, prompt_id, input_ids int32, loss_mask int8, prompt_len, num_loss_tokens, finish_reason)."
+        "Reads `completions/<pk>.parquet` and the prompt corpus; builds input_ids = chat-template prompt ids + "
+        "generated ids (server ids when returned, else the completion re-tokenized as emitted, plus the end-of-turn "
+        "token for stop rows) and loss_mask = 0 on the prompt, 1 on the completion. Writes "
+        "`tokenized_sequences/<pk>.parquet` (index, prompt_id, input_ids int32, loss_mask int8, prompt_len, "
+        "num_loss_tokens, finish_reason)."
     ),
 )
 def tokenized_sequences(
@@ -227,7 +228,8 @@ def run_checks(
             "length_differs": len(differ),
             "first_indexes": json.dumps(differ[:10]),
         },
-        description=f"{len(differ)} re-tokenized rows differ from the server's token count; serve with token ids (SGLang) to be exact"
+        description=f"{len(differ)} re-tokenized rows differ from the server's token count; "
+        "serve with token ids (SGLang) to be exact"
         if differ
         else None,
     )
