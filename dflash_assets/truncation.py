@@ -425,9 +425,15 @@ def cap_advice_markdown(advice: dict) -> str:
     there is no candidate."""
     if not advice["candidates"]:
         return advice.get("note", "")
+
+    def interval(c: dict) -> str:
+        if "truncation_rate_90ci" not in c:
+            return "-"
+        low, high = (100 * x for x in c["truncation_rate_90ci"])
+        return f"{low:.2f}%\u2013{high:.2f}%"  # an en dash between the bounds, as the report writes them
+
     rows = "\n".join(
-        f"| {c['cap']} | {c['truncation_rate']:.2%} | "
-        f"{'%.2f%%–%.2f%%' % tuple(100 * x for x in c['truncation_rate_90ci']) if 'truncation_rate_90ci' in c else '-'} | "
+        f"| {c['cap']} | {c['truncation_rate']:.2%} | {interval(c)} | "
         f"{c['requests']} | {c['tokens_to_generate']:.0f} | {c['extra_output_tokens']:.0f} |"
         for c in advice["candidates"]
     )
