@@ -22,6 +22,7 @@ from dagster._core.storage.tags import (
 
 from dflash_assets import freshness
 from dflash_assets.freshness import settings_reason
+from dflash_assets.history import latest_records
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.settings import GenerationSettings
@@ -36,40 +37,10 @@ def partition_job_selection(available: Iterable[str]) -> list[str]:
     return [s for s in PER_PARTITION_STAGES if s in names]
 
 
-def latest_record(instance: dg.DagsterInstance, asset_key: dg.AssetKey, pk: str) -> dg.EventLogRecord | None:
-    """The latest materialization record of one partition, or None."""
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[pk]), limit=1
-    ).records
-    return records[0] if records else None
-
-
-def latest_metadata(instance: dg.DagsterInstance, asset_key: dg.AssetKey, pk: str) -> dict | None:
-    """Metadata (plain values) of the latest materialization of one partition, or None."""
-    record = latest_record(instance, asset_key, pk)
-    if record is None:
-        return None
-    meta = record.asset_materialization.metadata
-    return {k: getattr(v, "value", v) for k, v in meta.items()}
-
-
 def affected_reason(meta: dict, settings: GenerationSettings) -> str | None:
     """Why the generation ``settings`` touch a completions partition (its latest metadata): the settings
     part of the freshness rule, :func:`dflash_assets.freshness.settings_reason`."""
     return settings_reason(meta, settings)
-
-
-def latest_records(
-    instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str] | None = None
-) -> dict[str, dg.EventLogRecord]:
-    """``{partition_key: record}`` of the latest materialization of each partition (of ``keys``, or all),
-    in two queries (:func:`dflash_assets.freshness.latest_records`)."""
-    return freshness.latest_records(instance, asset_key.to_user_string(), keys)
-
-
-def plain_metadata(record: dg.EventLogRecord) -> dict:
-    """Metadata of a materialization record as plain values."""
-    return freshness.plain(record)
 
 
 def affected_partitions(
@@ -79,7 +50,9 @@ def affected_partitions(
     (:func:`dflash_assets.freshness.completions_reasons`: the settings touch them, or the corpus's prompts
     of their range changed), in key order."""
     if records is None:
-        records = latest_records(instance, COMPLETIONS, instance.get_dynamic_partitions(prompt_ranges.name))
+        records = latest_records(
+            instance, COMPLETIONS.to_user_string(), instance.get_dynamic_partitions(prompt_ranges.name)
+        )
     reasons = freshness.completions_reasons(instance, sorted(records), settings, records)
     return {pk: reason for pk, reason in reasons.items() if reason}
 
@@ -136,7 +109,7 @@ def failed_attempts_by_partition(
 def failed_attempts(instance: dg.DagsterInstance, asset_key: dg.AssetKey, pk: str) -> int:
     """Failed runs of partition ``pk`` since ``asset_key``'s last materialization of it (all, if never)."""
     keys = instance.get_dynamic_partitions(prompt_ranges.name)
-    return failed_attempts_by_partition(instance, keys, latest_records(instance, asset_key, [pk]))[pk]
+    return failed_attempts_by_partition(instance, keys, latest_records(instance, asset_key.to_user_string(), [pk]))[pk]
 
 
 def contiguous_ranges(
@@ -278,7 +251,7 @@ def build_backfill_schedule(
         instance = context.instance
         keys = instance.get_dynamic_partitions(prompt_ranges.name)
         status = partition_statuses(instance, COMPLETIONS, keys)
-        records = latest_records(instance, COMPLETIONS, keys)
+        records = latest_records(instance, COMPLETIONS.to_user_string(), keys)
         to_request = [pk for pk in keys if status[pk] in (None, dg.AssetPartitionStatus.FAILED)]
         running = {pk for pk in keys if status[pk] == dg.AssetPartitionStatus.IN_PROGRESS}
         attempts = failed_attempts_by_partition(instance, keys, records) if to_request else {}
@@ -349,7 +322,7 @@ def build_cap_change_sensor(job, max_runs_per_tick: int = 10, max_partitions_per
         settings = generation.settings()
         instance = context.instance
         keys = instance.get_dynamic_partitions(prompt_ranges.name)
-        records = latest_records(instance, COMPLETIONS, keys)
+        records = latest_records(instance, COMPLETIONS.to_user_string(), keys)
         affected = affected_partitions(instance, settings, records)
         status = partition_statuses(instance, COMPLETIONS, keys) if affected else {}
         running = {pk for pk in keys if status.get(pk) == dg.AssetPartitionStatus.IN_PROGRESS}

@@ -33,46 +33,15 @@ it stay up to date), and a table's change shows as a newer materialization.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import dagster as dg
 
+from dflash_assets.history import latest_record, latest_records, plain_metadata
 from dflash_assets.settings import GenerationSettings
 
 NOT_MATERIALIZED = "not materialized"
 PROMPTS_CHANGED = "prompts changed"
 PROMPTS_UNVERSIONED = "made before rows named their prompt"
-
-
-def plain(record: dg.EventLogRecord | None) -> dict[str, Any] | None:
-    """Metadata of a materialization record as plain values (None for no record)."""
-    if record is None:
-        return None
-    return {k: getattr(v, "value", v) for k, v in record.asset_materialization.metadata.items()}
-
-
-def latest_record(instance: dg.DagsterInstance, asset: str, pk: str | None = None) -> dg.EventLogRecord | None:
-    """The latest materialization of ``asset`` (partition ``pk``), or None."""
-    flt = dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[pk] if pk else None)
-    records = instance.fetch_materializations(flt, limit=1).records
-    return records[0] if records else None
-
-
-def latest_records(
-    instance: dg.DagsterInstance, asset: str, keys: Sequence[str] | None = None
-) -> dict[str, dg.EventLogRecord]:
-    """``{partition_key: record}`` of the latest materialization of each partition (of ``keys``, or all):
-    two queries whatever the partition count (the latest storage id per partition, then those records)."""
-    key = dg.AssetKey(asset)
-    ids = instance.event_log_storage.get_latest_storage_id_by_partition(
-        key, dg.DagsterEventType.ASSET_MATERIALIZATION, partitions=set(keys) if keys is not None else None
-    )
-    if not ids:
-        return {}
-    result = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=key, storage_ids=sorted(ids.values())), limit=len(ids)
-    )
-    return {r.asset_materialization.partition: r for r in result.records if r.asset_materialization is not None}
 
 
 # ------------------------------------------------------------------------------------------ pure rules
@@ -154,7 +123,7 @@ def after_upstream_reason(
 
 def corpus_versions(instance: dg.DagsterInstance) -> dict[str, str] | None:
     """``{partition key: version}`` of the latest corpus build (None: none, or one built before versions)."""
-    meta = plain(latest_record(instance, "prompt_corpus"))
+    meta = plain_metadata(latest_record(instance, "prompt_corpus"))
     return (meta or {}).get("partition_versions")
 
 
@@ -174,7 +143,9 @@ def completions_reasons(
     if versions is False:
         versions = corpus_versions(instance)
     return {
-        pk: completions_reason(plain(records.get(pk)), settings, (versions or {}).get(pk) if versions else None)
+        pk: completions_reason(
+            plain_metadata(records.get(pk)), settings, (versions or {}).get(pk) if versions else None
+        )
         for pk in keys
     }
 
@@ -190,7 +161,7 @@ def partition_reason(
     if stage == "completions":
         versions = corpus_versions(instance)
         return completions_reason(
-            plain(latest_record(instance, stage, pk)), settings, (versions or {}).get(pk) if versions else None
+            plain_metadata(latest_record(instance, stage, pk)), settings, (versions or {}).get(pk) if versions else None
         )
     return after_upstream_reason(
         latest_record(instance, stage, pk),

@@ -23,6 +23,7 @@ from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
 from dflash_assets.config import config_path, op_config
 from dflash_assets.definitions import defs
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
+from dflash_assets.history import latest_record, plain_metadata
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.runs import process_tags, reap_dead_runs
 
@@ -32,7 +33,7 @@ FINAL_STAGES = ["truncation_report", "dflash_drafter", "drafter_evaluation"]
 
 
 def _latest_record(instance, key: str, pk: str | None = None):
-    return freshness.latest_record(instance, key, pk)
+    return latest_record(instance, key, pk)
 
 
 def run_failure_reason(result: dg.ExecuteInProcessResult) -> str | None:
@@ -147,7 +148,7 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})),
         defs.resources["storage"],
     )
-    if why := freshness.corpus_reason(freshness.plain(_latest_record(instance, "prompt_corpus")), fingerprint):
+    if why := freshness.corpus_reason(plain_metadata(_latest_record(instance, "prompt_corpus")), fingerprint):
         print(f"prompt_corpus: {why}: building it")
         result = _materialize(["prompt_corpus"], corpus_cfg)
         if not result.success:

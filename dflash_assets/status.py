@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import dagster as dg
 
+from dflash_assets.history import latest_metadata, latest_records, plain_metadata
 from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.pools import pool_usage
 
@@ -52,14 +53,6 @@ def stage_counts(instance: dg.DagsterInstance, asset_name: str, keys: Sequence[s
     out: dict = {name: len(pks) for name, pks in groups.items()}
     out.update({f"{name}_keys": pks for name, pks in groups.items()})
     return out
-
-
-def latest_metadata_by_partition(instance: dg.DagsterInstance, asset_name: str, keys: Sequence[str]) -> dict[str, dict]:
-    """``{partition_key: metadata}`` (plain values) of the newest materialization of each of ``keys``
-    (two instance queries, :func:`dflash_assets.automation.latest_records`)."""
-    from dflash_assets.automation import latest_records, plain_metadata
-
-    return {pk: plain_metadata(r) for pk, r in latest_records(instance, dg.AssetKey(asset_name), list(keys)).items()}
 
 
 def invalid_rows(store, pk: str, settings, continues: bool = False, prompts=None) -> tuple[Counter, int, Counter, int]:
@@ -152,7 +145,6 @@ def runs_in_progress(instance: dg.DagsterInstance, records: dict[str, dg.EventLo
     """Progress of each STARTED run that has committed a completions partition, from the ``run_*``
     metadata of its newest commit (rows done / total over its range, req/s, output tok/s, slots in
     flight / capacity, ETA): ``[{"run_id", "range", "as_of", ...}]``, ``as_of`` the commit's Unix time."""
-    from dflash_assets.automation import plain_metadata
 
     started = {
         r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
@@ -228,10 +220,9 @@ def collect_status(
       tokens_remaining_est / tokens_per_s (seconds; None when either is unknown).
     """
     from dflash_assets import freshness
-    from dflash_assets.automation import latest_records, plain_metadata
 
     keys = list(instance.get_dynamic_partitions(prompt_ranges.name))
-    corpus_meta = freshness.plain(freshness.latest_record(instance, "prompt_corpus")) or {}
+    corpus_meta = latest_metadata(instance, "prompt_corpus") or {}
     versions = corpus_meta.get("partition_versions")
     sizes = corpus_meta.get("partition_prompts") or {}
 
@@ -244,7 +235,7 @@ def collect_status(
     counts = {name: stage_counts(instance, name, keys) for name in stages}
     comp = counts.get(COMPLETIONS) or stage_counts(instance, COMPLETIONS, keys)
     done = comp["done_keys"]
-    all_records = latest_records(instance, dg.AssetKey(COMPLETIONS), keys)
+    all_records = latest_records(instance, COMPLETIONS, keys)
     records = {pk: all_records[pk] for pk in done if pk in all_records}
     meta = {pk: plain_metadata(r) for pk, r in records.items()}
     rows_of = {pk: int(meta.get(pk, {}).get("rows", partition_prompt_count(pk)) or 0) for pk in done}
@@ -453,7 +444,7 @@ def corpus_preview(instance: dg.DagsterInstance, store) -> str | None:
     from dflash_assets.prompt_index import stable_corpus
     from dflash_assets.resources.storage import StorageResource, s3_credentials_from_env
 
-    meta = freshness.plain(freshness.latest_record(instance, "prompt_corpus"))
+    meta = latest_metadata(instance, "prompt_corpus")
     if meta is None or store is None or not store.exists(*CORPUS_FILE):
         return None
     config = PromptCorpusConfig(**((op_config("prompt_corpus")["ops"].get("prompt_corpus") or {}).get("config") or {}))

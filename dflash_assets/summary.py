@@ -21,8 +21,8 @@ from dflash_assets.assets import truncation as truncation_asset
 from dflash_assets.assets.completions_tables import partition_file
 from dflash_assets.assets.prompts import CORPUS_FILE, REJECTED_FILE
 from dflash_assets.assets.tokenized import tokenized_file
-from dflash_assets.automation import latest_metadata
 from dflash_assets.dflash.shards import INDEX_NAME, SHARD_PATTERN
+from dflash_assets.history import latest_metadata, plain_metadata
 
 PK = "<pk>"
 # File and folder names the asset modules write without exporting a constant (kept here, once).
@@ -38,14 +38,11 @@ UI_PORT = 3000
 
 
 def _meta(instance: dg.DagsterInstance, key: str, pk: str) -> dict:
-    return latest_metadata(instance, dg.AssetKey(key), pk) or {}
+    return latest_metadata(instance, key, pk) or {}
 
 
 def _unpartitioned(instance: dg.DagsterInstance, key: str) -> dict:
-    event = instance.get_latest_materialization_event(dg.AssetKey(key))
-    if event is None or event.asset_materialization is None:
-        return {}
-    return {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
+    return plain_metadata(instance.get_latest_materialization_event(dg.AssetKey(key))) or {}
 
 
 def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None, ran: list[str] | None = None) -> dict:

@@ -65,6 +65,7 @@ from dflash_assets.generation.records import (
     set_aside_row,
 )
 from dflash_assets.generation.tail_chunks import TailChunker
+from dflash_assets.history import plain_metadata
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.pools import INFERENCE_POOL
 from dflash_assets.prompt_index import prompt_version
@@ -389,7 +390,7 @@ class _RangeRun:
             fresh = (
                 record is not None
                 and freshness.completions_reason(
-                    freshness.plain(record), self.settings, (self.corpus_versions or {}).get(part.pk)
+                    plain_metadata(record), self.settings, (self.corpus_versions or {}).get(part.pk)
                 )
                 is None
             )

@@ -187,12 +187,12 @@ def dflash_drafter(
 
 def _offline_subset(instance: dg.DagsterInstance, used: list[str]) -> dict:
     """Subset setting and rows stored by the hidden_states partitions trained on (their latest metadata)."""
-    from dflash_assets.automation import latest_metadata
+    from dflash_assets.history import latest_metadata
 
     stored = total = 0
     subset: dict = {}
     for pk in used:
-        meta = latest_metadata(instance, dg.AssetKey("hidden_states"), pk) or {}
+        meta = latest_metadata(instance, "hidden_states", pk) or {}
         stored += int(meta.get("rows") or 0)
         total += int(meta.get("rows_in_partition") or meta.get("rows") or 0)
         subset = meta.get("subset") or subset

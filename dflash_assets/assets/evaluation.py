@@ -16,6 +16,7 @@ from dflash_assets.evaluation.datasets import evaluation_fingerprint, evaluation
 from dflash_assets.evaluation.engine import engine_fingerprint, plan_engine
 from dflash_assets.evaluation.in_process import REPORT_DIR
 from dflash_assets.evaluation.run import evaluated_metadata, run_evaluation
+from dflash_assets.history import plain_metadata
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.pools import GPU_POOL
 from dflash_assets.resources.inference import InferenceServerResource
@@ -176,7 +177,7 @@ def _drafter_metadata(instance: dg.DagsterInstance) -> dict:
     drafter_event = instance.get_latest_materialization_event(dg.AssetKey("dflash_drafter"))
     if drafter_event is None:
         raise dg.Failure("dflash_drafter has not been materialized")
-    return {k: getattr(v, "value", v) for k, v in drafter_event.asset_materialization.metadata.items()}
+    return plain_metadata(drafter_event)
 
 
 def _previous_if_same(instance: dg.DagsterInstance, fingerprint: str) -> dict | None:

@@ -15,13 +15,13 @@ from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, read_shar
 from dflash_assets.dflash.target_features import bytes_per_token
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
+from dflash_assets.history import latest_metadata_by_partition
 from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.pools import GPU_POOL
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.runs import partition_busy_message, runs_holding_partitions
 from dflash_assets.shard_access import fetch_shards
-from dflash_assets.status import latest_metadata_by_partition
 from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
 
 CHECK_IDS = "stored_input_ids_match_tokenized"
