@@ -28,6 +28,7 @@ from sqlalchemy import event  # noqa: E402
 from sqlalchemy.engine import Engine  # noqa: E402
 
 from dflash_assets.partitions import partition_keys, prompt_ranges  # noqa: E402
+from headline import headline  # noqa: E402
 from dflash_assets.resources.generation import GenerationResource  # noqa: E402
 from dflash_assets.settings import GenerationSettings  # noqa: E402
 
@@ -108,6 +109,10 @@ def main() -> None:
         (n0, sq0, _, _, eq0, _, _), (n1, sq1, _, _, eq1, _, _) = rows[0], rows[-1]
         print(f"schedule statements {n0} -> {n1} partitions: {sq0} -> {sq1} (ratio {sq1 / max(sq0, 1):.2f}; goal <= 1.1, bounded, not {n1 / n0:.0f}: {'met' if sq1 <= 1.1 * sq0 else 'NOT met'})")
         print(f"sensor statements {n0} -> {n1} partitions: {eq0} -> {eq1} (ratio {eq1 / max(eq0, 1):.2f}; goal <= 1.1, bounded, not {n1 / n0:.0f}: {'met' if eq1 <= 1.1 * eq0 else 'NOT met'})")
+        headline(f"schedule tick SQL statements at {n1} / at {n0} partitions ({sq1} / {sq0})", sq1 / max(sq0, 1),
+                 "<= 1.1 (bounded)", sq1 <= 1.1 * sq0)
+        headline(f"sensor tick SQL statements at {n1} / at {n0} partitions ({eq1} / {eq0})", eq1 / max(eq0, 1),
+                 "<= 1.1 (bounded)", eq1 <= 1.1 * eq0)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_assets.cap_backtest import (USER_CAP, USER_NEW_CAP, advised, coverage, lognormal_lengths, run_backtest,  # noqa: E402
                                         subsample_backtests)
+from headline import headline  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 DEMO = ROOT / "bench" / "data" / "demo_completion_lengths_cap128.json"
@@ -83,6 +84,8 @@ def main() -> None:
         print(f"{name}: back-tests {len(tests)} (+{declined} with too few finished rows: no advice), coverage of the 90% interval {coverage(tests):.3f} (goal >= {GOAL:.2f}); "
               f"mean width {np.mean(widths):.3f}, mean |predicted - actual| {np.mean(errors):.3f} (shares)")
     print(f"coverage_ratio (all {len(advised(everything))} advised back-tests): {coverage(everything):.3f}   goal >= {GOAL:.2f}")
+    headline(f"share of {len(advised(everything))} cap-advice back-tests whose 90% interval covers the actual "
+             f"truncation rate", coverage(everything), f">= {GOAL:.2f}", coverage(everything) >= GOAL)
     print(f"seconds: {time.monotonic() - started:.0f}")
 
 

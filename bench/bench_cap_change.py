@@ -27,6 +27,7 @@ from dflash_assets.generation.transformers_server import LocalTransformersServer
 from dflash_assets.resources.inference import InferenceServerResource  # noqa: E402
 from dflash_assets.simulation.counting_proxy import CountingProxy  # noqa: E402
 from dflash_assets.simulation.cap_change_scenario import PROMPTS, run_scenario  # noqa: E402
+from headline import headline  # noqa: E402
 
 
 def main() -> None:
@@ -79,6 +80,9 @@ def main() -> None:
         what = "touched rows not cut locally" if label == "lower" else "touched rows"
         print(f"{label}: requests sent {sent} / {what} {need} (goal: equal: {'met' if sent == need else 'NOT met'}); "
               f"a full re-run would send {len(PROMPTS) / n_touched:.2f} per touched row" if n_touched else f"{label}: no touched row")
+        if n_touched:
+            headline(f"cap {label} to {change.new_cap}: requests sent / {what} (a full re-run sends {len(PROMPTS)})",
+                     f"{sent} / {need}", "equal", sent == need)
         print(f"{label}_full_rerun_would_send: {len(PROMPTS)} ({len(PROMPTS) / n_touched:.2f} per touched row)")
         print(f"{label}_partition_rerun_would_send: {rows_in_partitions}")
         print(f"{label}_wall_s: {change.wall_s:.1f}")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import dagster as dg
 import yaml
+from headline import headline
 
 from dflash_assets.assets.drafter import dflash_drafter
 from dflash_assets.assets.evaluation import drafter_evaluation
@@ -74,6 +75,9 @@ def main() -> int:
     print(f"tau across seeds: mean {statistics.mean(taus):.4f}, std {sd:.4f}, spread (max - min) {spread:.4f}")
     print(f"margin (lowest trained tau - highest untrained tau) {margin:.4f}; margin / spread "
           f"{margin / spread if spread else float('inf'):.1f} (goal > 1: {'met' if margin > spread else 'NOT met'})")
+    headline(f"tau of {len(taus)} seeds " + ", ".join(f"{t:.2f}" for t in taus)
+             + f" (untrained {max(untrained):.2f}): margin (lowest trained - highest untrained) / spread across seeds",
+             margin / spread if spread else float("inf"), "> 1", margin > spread)
     return 0 if margin > spread else 1
 
 

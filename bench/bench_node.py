@@ -65,6 +65,7 @@ import heapq  # noqa: E402
 from dflash_assets.generation.processes import free_port_block  # noqa: E402
 from dflash_assets.simulation.sglang_stub import drawn_length  # noqa: E402
 from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer  # noqa: E402
+from headline import headline  # noqa: E402
 
 DAGSTER = str(Path(sys.executable).with_name("dagster"))
 EFFICIENCY_GOAL = 0.90
@@ -269,6 +270,12 @@ def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int 
     print(f"{label}_wall_simulated_s: {wall_s:.1f}")
     eff = r["tokens"] / (capacity * args.tok_per_s * (wall_s - args.startup_s))
     print(f"{label}_efficiency: {eff:.3f} (goal >= {EFFICIENCY_GOAL})")
+    what = f"simulated node, {args.servers} x {args.slots} slots, {args.prompts} prompts, time x{args.speed:g}"
+    headline(f"{what}: server starts of one range run ({label})", r["starts"], f"= {args.servers}",
+             r["starts"] == args.servers)
+    headline(f"{what}: efficiency, fresh range" + (f", last prompts in {tail_chunk_tokens}-token chunks"
+                                                   if tail_chunk_tokens else ""),
+             eff, f">= {EFFICIENCY_GOAL}", eff >= EFFICIENCY_GOAL)
     print(f"{label}_efficiency_generation_window: {r['tokens'] / (capacity * args.tok_per_s * gen_window):.3f} "
           f"(servers ready -> last row, simulated)")
     if not tail_chunk_tokens:
@@ -277,6 +284,8 @@ def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int 
         print(f"ideal_fifo_efficiency: {bound:.3f} (same lengths, perfect first-come scheduler without chunks, zero "
               "overhead: the bound without knowing lengths in advance)")
         print(f"{label} efficiency / first-come bound ratio: {eff / bound:.3f}")
+        headline(f"{what}: perfect first-come scheduler's efficiency on the same lengths", bound,
+                 "none (context: the bound without chunks)")
     mats = node.materializations(keys)
     run_ids = {m[2] for m in mats.values()}
     print(f"{label}_runs: {len(run_ids)}  partitions_materialized: {len(mats)}/{len(keys)}")
@@ -339,6 +348,8 @@ def scenario_cap_bump(node: Node, args) -> None:
     print("== cap_bump: cap 4096 -> 8192, same range, cut rows continued from their 4,096 tokens ==")
     cont = bump(node, args, "cap_bump")
     print(f"cap_bump_wall_over_ideal: {cont['wall'] / cont['ideal']:.3f} (goal <= 1.2)")
+    headline(f"simulated node, time x{args.speed:g}: cap 4,096 -> 8,192 with cut rows continued, wall / ideal",
+             cont["wall"] / cont["ideal"], "<= 1.2", cont["wall"] / cont["ideal"] <= 1.2)
     rest = [n - 4096 for n in wanted_lengths(args.prompts, 8192) if n > 4096]
     whole = [n for n in wanted_lengths(args.prompts, 8192) if n > 4096]
     fifo_rest = (fifo_makespan(rest, capacity, args.tok_per_s) + args.startup_s) / cont["ideal"]
@@ -353,6 +364,8 @@ def scenario_cap_bump(node: Node, args) -> None:
           f"(its first-come bound {fifo_whole / regen['ideal']:.3f})")
     print(f"cap_bump continued / whole: wall {cont['wall'] / regen['wall']:.3f}, generated tokens "
           f"{cont['tokens'] / max(1, regen['tokens']):.3f} (one after the other, from copies of the same state)")
+    headline("simulated node: cap raise wall, cut rows continued / regenerated whole", cont["wall"] / regen["wall"],
+             "none (context: what continuing saves)")
 
 
 def _alive(pid: int) -> bool:
@@ -434,6 +447,11 @@ def scenario_kill(base: Path, args) -> None:
           "kill_resume_first_server_start_s: none")
     print(f"kill_rows: {len(rows)}/{args.prompts}  each_prompt_once: {sorted(rows) == list(range(args.prompts))}")
     print(f"kill_finished_rows_resent: {len(resent_finished)} (goal 0)")
+    headline("simulated node: kill -9 mid-range, same command again: seconds to its first server start",
+             round(first_start, 1) if first_start is not None else "none", "< 60",
+             first_start is not None and first_start < 60)
+    headline("simulated node: kill -9 mid-range, same command again: finished rows sent again", len(resent_finished),
+             "0", not resent_finished)
     print(f"kill_requests_resent: {len(resent)}  <= in_flight_at_kill {sent_not_durable}: {len(resent) <= sent_not_durable}")
     print(f"kill_resume_duplicate_requests: {sum(v - 1 for v in recv_after.values() if v > 1)}")
     time.sleep(1.0)
@@ -463,6 +481,9 @@ def scenario_server_kill(base: Path, args) -> None:
     print(f"server_kill_requests_resent: {sum(v - 1 for v in recv.values())}")
     print(f"server_kill_faults_in_metadata: {faults}")
     print(f"server_kill_servers_left_running: {len([p for p in _stub_pids(node) if _alive(p)])}")
+    once = proc.returncode == 0 and sorted(rows) == list(range(args.prompts))
+    headline("simulated node: kill -9 of one server mid-run: run succeeds with every prompt's row once",
+             "yes" if once else "no", "yes", once)
 
 
 def main() -> None:

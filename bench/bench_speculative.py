@@ -54,6 +54,7 @@ from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, l
 from dflash_assets.dflash.shards import extract_partition  # noqa: E402
 from dflash_assets.dflash.speculative import dflash_generate, target_generate  # noqa: E402
 from dflash_assets.dflash.train import TrainConfig, train  # noqa: E402
+from headline import headline  # noqa: E402
 
 TRAIN_QUESTIONS = [
     "What is the capital of France?",
@@ -197,6 +198,13 @@ def main(argv: list[str] | None = None) -> int:
           f"goal: > 1.0 on a GPU, lossless always")
     print(f"tau trained {report['train_prompts']['trained']['tau']:.3f} vs untrained "
           f"{report['train_prompts']['untrained']['tau']:.3f} (goal: trained > untrained)")
+    headline(f"CPU, SmolLM2-135M target: speculative / plain decoding wall-time speedup, side by side on "
+             f"{sbs['prompts']} prompts", sbs["speedup"], "> 1.0 on a GPU (no goal on a CPU)", None)
+    headline("greedy speculative output equals plain decoding token for token", "yes" if sbs["lossless"] else "no",
+             "yes", bool(sbs["lossless"]))
+    tau_t, tau_u = report["train_prompts"]["trained"]["tau"], report["train_prompts"]["untrained"]["tau"]
+    headline(f"tau of the trained drafter on its training prompts (untrained {tau_u:.2f})", tau_t,
+             "> the untrained drafter's", tau_t > tau_u)
     for name in ("trained", "untrained"):
         print(work_line(name, report["train_prompts"][name]))
     return 0

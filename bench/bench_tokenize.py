@@ -38,6 +38,7 @@ import polars as pl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dflash_assets.assets.tokenized import TokenizeConfig, tokenize_stage  # noqa: E402
 from dflash_assets.storage import Storage  # noqa: E402
+from headline import headline  # noqa: E402
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.records import rows_to_frame
 from dflash_assets.settings import GenerationSettings
@@ -152,6 +153,7 @@ def main() -> None:
         med, best = ratio("stage", base)
         print(f"whole stage / {label} ratio: median {med:.3f}, best-of {best:.2f} "
               f"(goal >= 0.90: {'met' if med >= 0.9 else 'NOT met'})")
+        headline(f"whole tokenize stage / {label} tokens/s, median of {args.repeats} rounds", med, ">= 0.90", med >= 0.9)
     med, best = ratio("stage", "rust")
     print(f"whole stage / Rust encode_batch_fast floor (no goal: strictly less work) ratio: median {med:.2f}, best-of {best:.2f}")
     med, best = ratio("tokenize", "bare")

@@ -32,6 +32,7 @@ from dflash_assets.dflash.data import HiddenStateShards  # noqa: E402
 from dflash_assets.dflash.loss import dflash_loss_from_hidden  # noqa: E402
 from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel  # noqa: E402
 from dflash_assets.dflash.train import StepPlan, TrainConfig, build_batch, train  # noqa: E402
+from headline import headline  # noqa: E402
 
 
 def make_shard(path: Path, rows: int, seq_len: int, prompt_len: int, feat_dim: int, vocab: int, seed: int) -> None:
@@ -142,6 +143,8 @@ def main() -> None:
     median = ratios[len(ratios) // 2] if len(ratios) % 2 else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
     print(f"train / bare forward+backward ratio: median {median:.3f} over {len(rounds)} alternating rounds "
           f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}; goal >= 0.85: {'met' if median >= 0.85 else 'NOT met'})")
+    headline(f"drafter train step / bare forward+backward tokens/s, median of {len(rounds)} alternating rounds",
+             median, ">= 0.85", median >= 0.85)
     print(json.dumps({
         "device": a.device, "steps": steps, "seq_len": seq_len, "anchors": anchors, "layers": layers,
         "block_tokens_per_step": tokens // steps, "rounds": len(rounds),
