@@ -69,3 +69,36 @@ def test_every_bench_prints_a_headline():
     """Each bench script calls headline(), so run_all never has to scrape free text."""
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
         assert "headline(" in script.read_text(), script.name
+
+
+def test_stopping_run_all_stops_the_bench_it_runs(tmp_path):
+    """A bench runs in a session of its own (so a server it leaves behind dies with it); SIGTERM to run_all
+    must take that session down too, not leave the bench running on."""
+    import os
+    import signal
+    import time
+
+    benches = tmp_path / "benches"
+    benches.mkdir()
+    pid_file = tmp_path / "bench.pid"
+    fake_bench(benches, "bench_slow", f"""
+        import os, time
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        time.sleep(300)
+    """)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "run_all"), "--benches", str(benches),
+                             "--results", str(tmp_path / "RESULTS.md")])
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    bench_pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    try:
+        os.kill(bench_pid, 0)
+        alive = open(f"/proc/{bench_pid}/stat").read().split(") ")[-1].split()[0] not in ("Z", "X")
+    except (ProcessLookupError, FileNotFoundError):
+        alive = False
+    assert not alive
