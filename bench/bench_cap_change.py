@@ -81,7 +81,8 @@ def main() -> None:
         print(f"{label}: requests sent {sent} / {what} {need} (goal: equal: {'met' if sent == need else 'NOT met'}); "
               f"a full re-run would send {len(PROMPTS) / n_touched:.2f} per touched row" if n_touched else f"{label}: no touched row")
         if n_touched:
-            headline(f"cap {label} to {change.new_cap}: requests sent / {what} (a full re-run sends {len(PROMPTS)})",
+            local = f"; {cut} of {n_touched} touched rows cut locally" if label == "lower" else ""
+            headline(f"cap {label} to {change.new_cap}: requests sent / {what} (a full re-run sends {len(PROMPTS)}{local})",
                      f"{sent} / {need}", "equal", sent == need)
         print(f"{label}_full_rerun_would_send: {len(PROMPTS)} ({len(PROMPTS) / n_touched:.2f} per touched row)")
         print(f"{label}_partition_rerun_would_send: {rows_in_partitions}")
