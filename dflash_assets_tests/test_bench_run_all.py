@@ -40,6 +40,11 @@ def test_rows_from_headline_lines_and_only_keeps_the_rest(tmp_path):
         sys.exit(3)
     """)
     fake_bench(benches, "bench_c", "print('nothing machine-readable')\n")
+    fake_bench(benches, "bench_d", """
+        import sys
+        print('HEADLINE {"figure": "d / baseline", "value": 0.8, "goal": ">= 0.9", "met": false}')
+        sys.exit(1)  # the goal missed: said by the row itself, no extra exit row
+    """)
     proc = run_all(benches, results)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # bench_b failed
     rows = table(results)
@@ -49,6 +54,7 @@ def test_rows_from_headline_lines_and_only_keeps_the_rest(tmp_path):
         ["bench_b", "exit 3: see bench/results/bench_b.log", "-", "exit 0", "**no**"],
         ["bench_b", "b / baseline", "0.5", ">= 0.9", "**no**"],
         ["bench_c", "no HEADLINE printed: see bench/results/bench_c.log", "-", "-", "-"],
+        ["bench_d", "d / baseline", "0.8", ">= 0.9", "**no**"],
     ]
     text = results.read_text()
     machine = rows[0][7].strip("`")
