@@ -175,6 +175,13 @@ def baseline(corpus: Path, tables: list[Path], fingerprint: str) -> tuple[float,
     return float(out[0]), int(out[1]), int(out[2]), int(out[3])
 
 
+def plan_node_args(partitions: int) -> argparse.Namespace:
+    """bench_node's arguments for a Node that only plans (one server, no start-up): every field its config
+    writer reads, which follows bench_node's own command line."""
+    return argparse.Namespace(servers=1, slots=40, startup_s=0.0, tok_per_s=87.5, speed=1.0, prefill_tok_per_s=9000.0,
+                              tail_prompts_per_slot=4.0, prompts=0, partitions=partitions)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--partitions", type=int, default=100)
@@ -185,8 +192,7 @@ def main() -> None:
                         help="checkout whose pipeline runs (default: this one); repeat to run several on the same state")
     parser.add_argument("--keep", action="store_true", help="keep the bench directory")
     args = parser.parse_args()
-    node_args = argparse.Namespace(servers=1, slots=40, startup_s=0.0, tok_per_s=87.5, speed=1.0,
-                                   prompts=0, partitions=args.partitions)
+    node_args = plan_node_args(args.partitions)
     base = Path(tempfile.mkdtemp(prefix="bench_range_plan_"))
     node = Node(base, "plan", node_args, NEW_CAP)
     t0 = time.monotonic()

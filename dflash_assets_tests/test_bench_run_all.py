@@ -108,3 +108,17 @@ def test_stopping_run_all_stops_the_bench_it_runs(tmp_path):
     except (ProcessLookupError, FileNotFoundError):
         alive = False
     assert not alive
+
+
+def test_range_plan_bench_builds_its_node(tmp_path):
+    """bench_range_plan builds a bench_node Node from arguments of its own; when bench_node's config writer
+    learned to read prefill_tok_per_s, the range-plan bench crashed at start (AttributeError)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_range_plan
+        from bench_node import Node
+
+        node = Node(tmp_path, "plan", bench_range_plan.plan_node_args(2), 8192)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert "inference" in node.config.read_text()
