@@ -28,10 +28,18 @@ from dflash_assets.assets.drafter import dflash_drafter
 from dflash_assets.assets.evaluation import drafter_evaluation
 from dflash_assets.config import config_path
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench_resources(root: str, resources_cfg: dict) -> dict:
+    """The resources of dflash_drafter and drafter_evaluation: the config file's, storage at ``root``
+    (drafter_evaluation also takes the inference servers' settings, for its engine mode)."""
+    return {"storage": StorageResource(root=root), "target_model": TargetModelResource(**resources_cfg.get("target_model", {})),
+            "inference": InferenceServerResource(**resources_cfg.get("inference", {}))}
 
 
 def main() -> int:
@@ -51,7 +59,7 @@ def main() -> int:
         for name in ("hidden_states", "prompt_corpus"):
             os.symlink(data_root / name, Path(tmp) / name)
         instance.add_dynamic_partitions(prompt_ranges.name, keys)
-        resources = {"storage": StorageResource(root=tmp), "target_model": TargetModelResource(**resources_cfg.get("target_model", {}))}
+        resources = bench_resources(tmp, resources_cfg)
         for seed in args.seeds:
             train_config = dict(ops.get("dflash_drafter", {}).get("config", {}), seed=seed)
             if args.max_steps:

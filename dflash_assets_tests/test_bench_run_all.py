@@ -122,3 +122,19 @@ def test_range_plan_bench_builds_its_node(tmp_path):
     finally:
         sys.path.remove(str(ROOT / "bench"))
     assert "inference" in node.config.read_text()
+
+
+def test_drafter_seeds_bench_gives_the_assets_every_resource(tmp_path):
+    """bench_drafter_seeds crashed at start once drafter_evaluation took the inference resource (engine mode):
+    its resources must cover what both assets require."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_drafter_seeds
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    from dflash_assets.assets.drafter import dflash_drafter
+    from dflash_assets.assets.evaluation import drafter_evaluation
+
+    provided = set(bench_drafter_seeds.bench_resources(str(tmp_path), {}))
+    required = (dflash_drafter.required_resource_keys | drafter_evaluation.required_resource_keys) - {"io_manager"}
+    assert required <= provided  # io_manager: Dagster's default, provided by materialize
