@@ -28,9 +28,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_assets.cap_backtest import (USER_CAP, USER_NEW_CAP, advised, coverage, lognormal_lengths, run_backtest,  # noqa: E402
-                                        subsample_backtests)
-from headline import headline  # noqa: E402
+from headline import headline
+
+from dflash_assets.cap_backtest import (
+    USER_CAP,
+    USER_NEW_CAP,
+    advised,
+    coverage,
+    lognormal_lengths,
+    run_backtest,
+    subsample_backtests,
+)
 
 SHARED = ROOT.parent / "shared" / "data"
 DEMO = ROOT / "bench" / "data" / "demo_completion_lengths_cap128.json"
@@ -69,23 +77,39 @@ def main() -> None:
     groups: dict[str, list] = {}
     groups["demo"] = subsample_backtests("demo", demo_lengths(), [64], rows=60, trials=trials, seed=1)
     rng = np.random.default_rng(7)
-    groups["user"] = [run_backtest("user", lognormal_lengths(n, rng), USER_CAP, USER_NEW_CAP, seed=i)
-                      for n in (64, 500, 2000) for i in range(trials)]
+    groups["user"] = [
+        run_backtest("user", lognormal_lengths(n, rng), USER_CAP, USER_NEW_CAP, seed=i)
+        for n in (64, 500, 2000)
+        for i in range(trials)
+    ]
     if not args.quick:
         for name, lengths in reference_lengths().items():
             caps = [int(np.percentile(lengths, q)) for q in (50, 75, 90)]
-            groups[name] = [t for rows in (64, 512) for t in subsample_backtests(name, lengths, caps, rows, trials, seed=rows)]
+            groups[name] = [
+                t for rows in (64, 512) for t in subsample_backtests(name, lengths, caps, rows, trials, seed=rows)
+            ]
     everything = [t for g in groups.values() for t in g]
     for name, tests in groups.items():
         declined = len(tests) - len(advised(tests))
         tests = advised(tests)
         widths = [t.hi - t.lo for t in tests if t.hi == t.hi]
         errors = [abs(t.predicted - t.actual) for t in tests if t.predicted == t.predicted]
-        print(f"{name}: back-tests {len(tests)} (+{declined} with too few finished rows: no advice), coverage of the 90% interval {coverage(tests):.3f} (goal >= {GOAL:.2f}); "
-              f"mean width {np.mean(widths):.3f}, mean |predicted - actual| {np.mean(errors):.3f} (shares)")
-    print(f"coverage_ratio (all {len(advised(everything))} advised back-tests): {coverage(everything):.3f}   goal >= {GOAL:.2f}")
-    headline(f"share of {len(advised(everything))} cap-advice back-tests whose 90% interval covers the actual "
-             f"truncation rate", coverage(everything), f">= {GOAL:.2f}", coverage(everything) >= GOAL)
+        print(
+            f"{name}: back-tests {len(tests)} (+{declined} with too few finished rows: no advice), coverage of the 90% "
+            f"interval {coverage(tests):.3f} (goal >= {GOAL:.2f}); mean width {np.mean(widths):.3f}, mean |predicted - "
+            f"actual| {np.mean(errors):.3f} (shares)"
+        )
+    print(
+        f"coverage_ratio (all {len(advised(everything))} advised back-tests): {coverage(everything):.3f}   goal >= "
+        f"{GOAL:.2f}"
+    )
+    headline(
+        f"share of {len(advised(everything))} cap-advice back-tests whose 90% interval covers the actual "
+        f"truncation rate",
+        coverage(everything),
+        f">= {GOAL:.2f}",
+        coverage(everything) >= GOAL,
+    )
     print(f"seconds: {time.monotonic() - started:.0f}")
 
 

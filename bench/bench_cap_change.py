@@ -1,11 +1,12 @@
 """Requests a cap change sends, per truncated row, against a full re-run.
 
-Runs the scenario of ``dflash_assets/simulation/cap_change_scenario.py`` (also tested by ``dflash_assets_tests/test_cap_change.py``) on the real CPU server (SmolLM2,
-greedy) behind a counting proxy: 3 partitions of 2 prompts at a small cap, then the cap is raised and
-lowered, each time launching only what the ``generation_settings_changed`` sensor asks for. Prints one
-``name: value`` line per figure. Goal: a raise sends one request per truncated row; a lowering cuts the
-rows longer than the new cap to it from their own tokens (:mod:`dflash_assets.generation.cap_cut`) and
-sends a request only for a row whose tokens do not match its text.
+Runs the scenario of ``dflash_assets/simulation/cap_change_scenario.py`` (also tested by
+``dflash_assets_tests/test_cap_change.py``) on the real CPU server (SmolLM2, greedy) behind a counting proxy:
+3 partitions of 2 prompts at a small cap, then the cap is raised and lowered, each time launching only what
+the ``generation_settings_changed`` sensor asks for. Prints one ``name: value`` line per figure. Goal: a raise
+sends one request per truncated row; a lowering cuts the rows longer than the new cap to it from their own
+tokens (:mod:`dflash_assets.generation.cap_cut`) and sends a request only for a row whose tokens do not match
+its text.
 
     python bench/bench_cap_change.py [--small 10] [--raised 14] [--lowered 11]
 """
@@ -21,13 +22,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_assets.automation import request_partitions  # noqa: E402
-from dflash_assets.generation.local_model import ensure_local_model  # noqa: E402
-from dflash_assets.generation.transformers_server import LocalTransformersServer  # noqa: E402
-from dflash_assets.resources.inference import InferenceServerResource  # noqa: E402
-from dflash_assets.simulation.counting_proxy import CountingProxy  # noqa: E402
-from dflash_assets.simulation.cap_change_scenario import PROMPTS, run_scenario  # noqa: E402
-from headline import headline  # noqa: E402
+from headline import headline
+
+from dflash_assets.automation import request_partitions
+from dflash_assets.generation.local_model import ensure_local_model
+from dflash_assets.generation.transformers_server import LocalTransformersServer
+from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.simulation.cap_change_scenario import PROMPTS, run_scenario
+from dflash_assets.simulation.counting_proxy import CountingProxy
 
 
 def main() -> None:
@@ -44,8 +46,12 @@ def main() -> None:
             print(f"server_startup_s: {time.monotonic() - started:.1f}")
             with CountingProxy(server.base_url) as proxy:
                 inference = InferenceServerResource(
-                    mode="external", base_urls=[proxy.base_url], served_model_name=server.model_name,
-                    external_backend="transformers", external_tokenizer_path=str(model_dir), max_running_requests=8,
+                    mode="external",
+                    base_urls=[proxy.base_url],
+                    served_model_name=server.model_name,
+                    external_backend="transformers",
+                    external_tokenizer_path=str(model_dir),
+                    max_running_requests=8,
                     max_attempts=1,
                 )
                 scenario = run_scenario(Path(tmp), proxy, inference, [args.small, args.raised, args.lowered])
@@ -71,19 +77,35 @@ def main() -> None:
         print(f"{label}_partitions_rerun: {len(partitions)} of {len(scenario.keys)}")
         print(f"{label}_touched_rows: {n_touched}")
         print(f"{label}_requests_sent: {sent}")
-        print(f"{label}_requests_per_touched_row: {sent / n_touched:.2f}" if n_touched else f"{label}_requests_per_touched_row: n/a")
+        print(
+            f"{label}_requests_per_touched_row: {sent / n_touched:.2f}"
+            if n_touched
+            else f"{label}_requests_per_touched_row: n/a"
+        )
         # a lowered cap cuts the longer rows to it locally (no request) when their tokens match their text
-        cut = sum(1 for rows in change.after.rows.values() for r in rows if r.get("cut_from_tokens")) if label == "lower" else 0
+        cut = (
+            sum(1 for rows in change.after.rows.values() for r in rows if r.get("cut_from_tokens"))
+            if label == "lower"
+            else 0
+        )
         if label == "lower":
             print(f"lower_rows_cut_locally: {cut} of {n_touched} touched (no request)")
         need = n_touched - cut
         what = "touched rows not cut locally" if label == "lower" else "touched rows"
-        print(f"{label}: requests sent {sent} / {what} {need} (goal: equal: {'met' if sent == need else 'NOT met'}); "
-              f"a full re-run would send {len(PROMPTS) / n_touched:.2f} per touched row" if n_touched else f"{label}: no touched row")
+        print(
+            f"{label}: requests sent {sent} / {what} {need} (goal: equal: {'met' if sent == need else 'NOT met'}); "
+            f"a full re-run would send {len(PROMPTS) / n_touched:.2f} per touched row"
+            if n_touched
+            else f"{label}: no touched row"
+        )
         if n_touched:
             local = f"; {cut} of {n_touched} touched rows cut locally" if label == "lower" else ""
-            headline(f"cap {label} to {change.new_cap}: requests sent / {what} (a full re-run sends {len(PROMPTS)}{local})",
-                     f"{sent} / {need}", "equal", sent == need)
+            headline(
+                f"cap {label} to {change.new_cap}: requests sent / {what} (a full re-run sends {len(PROMPTS)}{local})",
+                f"{sent} / {need}",
+                "equal",
+                sent == need,
+            )
         print(f"{label}_full_rerun_would_send: {len(PROMPTS)} ({len(PROMPTS) / n_touched:.2f} per touched row)")
         print(f"{label}_partition_rerun_would_send: {rows_in_partitions}")
         print(f"{label}_wall_s: {change.wall_s:.1f}")

@@ -1,11 +1,11 @@
 """Requests per second the generation client sustains against an instant fake server.
 
 The fake server (dflash_assets/simulation/stand_in_server.py) runs in its own process so client and server do
-not share one Python interpreter. The same-work baseline is ``openai.AsyncOpenAI`` driven by the same number of workers (same
-concurrency, same request body, JSON parsed, no retries, journal or accounting); the two are timed in
-alternating rounds and the median ratio is printed beside the goal (>= 0.9), with the absolute rate
-beside its target (--target req/s). A raw per-worker httpx transport (no JSON, prebuilt body) is
-printed as the floor: strictly less work, no goal. Prints one ``name: value`` line per figure.
+not share one Python interpreter. The same-work baseline is ``openai.AsyncOpenAI`` driven by the same number
+of workers (same concurrency, same request body, JSON parsed, no retries, journal or accounting); the two are
+timed in alternating rounds and the median ratio is printed beside the goal (>= 0.9), with the absolute rate
+beside its target (--target req/s). A raw per-worker httpx transport (no JSON, prebuilt body) is printed as
+the floor: strictly less work, no goal. Prints one ``name: value`` line per figure.
 
     python bench/bench_client.py [--requests 5000] [--concurrency 64] [--target 1000]
 """
@@ -25,8 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_assets.generation.client import CompletionClient, CompletionResult  # noqa: E402
-from headline import headline  # noqa: E402
+from headline import headline
+
+from dflash_assets.generation.client import CompletionClient, CompletionResult
 
 
 def _start_server() -> tuple[subprocess.Popen, str]:
@@ -81,7 +82,9 @@ def _run_openai(url: str, n: int, concurrency: int) -> float:
 
             async def worker() -> None:
                 for _ in pending:
-                    await api.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=16)
+                    await api.chat.completions.create(
+                        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=16
+                    )
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
 
@@ -142,7 +145,7 @@ def main() -> None:
         for loop in loops:
             _run(url, min(500, args.requests), args.concurrency, loop == "uvloop")  # warm-up
             server_cpu = _server_cpu_s(proc.pid)
-            wall, cpu, ok, failed = _run(url, args.requests, args.concurrency, loop == "uvloop")
+            wall, cpu, _ok, failed = _run(url, args.requests, args.concurrency, loop == "uvloop")
             server_cpu = _server_cpu_s(proc.pid) - server_cpu
             rate = args.requests / wall
             print(f"[{loop}] failed: {failed}")
@@ -159,17 +162,37 @@ def main() -> None:
             ratios.append(_run_openai(url, args.requests, args.concurrency) / walls[-1])
             floors.append(_run_floor(url, args.requests, args.concurrency) / walls[-1])
         median = statistics.median(ratios)
-        print(f"client / openai.AsyncOpenAI requests/s ratio (asyncio, median of {args.rounds} alternating rounds): "
-              f"{median:.3f} (range {min(ratios):.3f}-{max(ratios):.3f}; goal >= 0.9: {'met' if median >= 0.9 else 'NOT met'})")
-        print(f"client / raw per-worker httpx transport floor ratio (strictly less work, no goal): median {statistics.median(floors):.3f}")
+        print(
+            f"client / openai.AsyncOpenAI requests/s ratio (asyncio, median of {args.rounds} alternating rounds): "
+            f"{median:.3f} (range {min(ratios):.3f}-{max(ratios):.3f}; goal >= 0.9: "
+            f"{'met' if median >= 0.9 else 'NOT met'})"
+        )
+        print(
+            "client / raw per-worker httpx transport floor ratio (strictly less work, no goal): median "
+            f"{statistics.median(floors):.3f}"
+        )
         rate = args.requests / statistics.median(walls)
-        print(f"client requests/s (asyncio, median round) {rate:.0f} (goal >= {args.target:.0f} req/s: {'met' if rate >= args.target else 'NOT met'})")
-        headline(f"client / openai.AsyncOpenAI requests/s, same workers, median of {args.rounds} alternating rounds",
-                 median, ">= 0.9", median >= 0.9)
-        headline("client requests/s against an instant local server (median round)", round(rate),
-                 f">= {args.target:.0f}", rate >= args.target)
-        headline("client / raw per-worker httpx transport requests/s (strictly less work)",
-                 statistics.median(floors), "none (context: what the client costs)")
+        print(
+            f"client requests/s (asyncio, median round) {rate:.0f} (goal >= {args.target:.0f} req/s: "
+            f"{'met' if rate >= args.target else 'NOT met'})"
+        )
+        headline(
+            f"client / openai.AsyncOpenAI requests/s, same workers, median of {args.rounds} alternating rounds",
+            median,
+            ">= 0.9",
+            median >= 0.9,
+        )
+        headline(
+            "client requests/s against an instant local server (median round)",
+            round(rate),
+            f">= {args.target:.0f}",
+            rate >= args.target,
+        )
+        headline(
+            "client / raw per-worker httpx transport requests/s (strictly less work)",
+            statistics.median(floors),
+            "none (context: what the client costs)",
+        )
     finally:
         proc.terminate()
         try:

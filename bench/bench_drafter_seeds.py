@@ -38,8 +38,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def bench_resources(root: str, resources_cfg: dict) -> dict:
     """The resources of dflash_drafter and drafter_evaluation: the config file's, storage at ``root``
     (drafter_evaluation also takes the inference servers' settings, for its engine mode)."""
-    return {"storage": StorageResource(root=root), "target_model": TargetModelResource(**resources_cfg.get("target_model", {})),
-            "inference": InferenceServerResource(**resources_cfg.get("inference", {}))}
+    return {
+        "storage": StorageResource(root=root),
+        "target_model": TargetModelResource(**resources_cfg.get("target_model", {})),
+        "inference": InferenceServerResource(**resources_cfg.get("inference", {})),
+    }
 
 
 def main() -> int:
@@ -50,7 +53,10 @@ def main() -> int:
     args = parser.parse_args()
     data_root = Path(args.dagster_home) / "dflash_data"
     if not (data_root / "hidden_states").is_dir():
-        raise SystemExit(f"{data_root}/hidden_states not found: run `python -m dflash_assets run` with DAGSTER_HOME={args.dagster_home} first")
+        raise SystemExit(
+            f"{data_root}/hidden_states not found: run `python -m dflash_assets run` with "
+            f"DAGSTER_HOME={args.dagster_home} first"
+        )
     project = yaml.safe_load(config_path().read_text())
     ops, resources_cfg = project.get("ops", {}), project.get("resources", {})
     keys = sorted(p.name for p in (data_root / "hidden_states").iterdir() if (p / "index.json").exists())
@@ -64,28 +70,59 @@ def main() -> int:
             train_config = dict(ops.get("dflash_drafter", {}).get("config", {}), seed=seed)
             if args.max_steps:
                 train_config["max_steps"] = args.max_steps
-            run_config = {"ops": {"dflash_drafter": {"config": train_config}, "drafter_evaluation": ops.get("drafter_evaluation", {})}}
+            run_config = {
+                "ops": {
+                    "dflash_drafter": {"config": train_config},
+                    "drafter_evaluation": ops.get("drafter_evaluation", {}),
+                }
+            }
             started = time.monotonic()
-            result = dg.materialize([dflash_drafter, drafter_evaluation], instance=instance, resources=resources, run_config=run_config)
-            meta = {k: getattr(v, "value", v) for k, v in result.asset_materializations_for_node("drafter_evaluation")[-1].metadata.items()}
-            rows.append((seed, meta["tau"], meta["tau_stderr"], meta["tau_untrained"], meta["lossless"], meta["num_prompts"], time.monotonic() - started))
-            print(f"seed {seed}: tau {meta['tau']:.4f} +- {meta['tau_stderr']:.4f} (untrained {meta['tau_untrained']:.4f}), "
-                  f"lossless {meta['lossless']}, {meta['num_prompts']} held-out prompts, {rows[-1][-1]:.0f} s", flush=True)
+            result = dg.materialize(
+                [dflash_drafter, drafter_evaluation], instance=instance, resources=resources, run_config=run_config
+            )
+            meta = {
+                k: getattr(v, "value", v)
+                for k, v in result.asset_materializations_for_node("drafter_evaluation")[-1].metadata.items()
+            }
+            rows.append(
+                (
+                    seed,
+                    meta["tau"],
+                    meta["tau_stderr"],
+                    meta["tau_untrained"],
+                    meta["lossless"],
+                    meta["num_prompts"],
+                    time.monotonic() - started,
+                )
+            )
+            print(
+                f"seed {seed}: tau {meta['tau']:.4f} +- {meta['tau_stderr']:.4f} (untrained "
+                f"{meta['tau_untrained']:.4f}), lossless {meta['lossless']}, {meta['num_prompts']} held-out prompts, "
+                f"{rows[-1][-1]:.0f} s",
+                flush=True,
+            )
     taus = [r[1] for r in rows]
     untrained = [r[3] for r in rows]
     print(f"\n{len(keys)} partitions from {data_root}; config {config_path()}")
     print(f"{'seed':>4} {'tau':>8} {'stderr':>8} {'untrained':>10} {'lossless':>9} {'prompts':>8} {'wall s':>7}")
     for seed, tau, se, tau0, lossless, n, wall in rows:
-        print(f"{seed:>4} {tau:>8.4f} {se:>8.4f} {tau0:>10.4f} {str(lossless):>9} {n:>8} {wall:>7.0f}")
+        print(f"{seed:>4} {tau:>8.4f} {se:>8.4f} {tau0:>10.4f} {lossless!s:>9} {n:>8} {wall:>7.0f}")
     spread = max(taus) - min(taus)
     margin = min(taus) - max(untrained)
     sd = statistics.stdev(taus) if len(taus) > 1 else 0.0
     print(f"tau across seeds: mean {statistics.mean(taus):.4f}, std {sd:.4f}, spread (max - min) {spread:.4f}")
-    print(f"margin (lowest trained tau - highest untrained tau) {margin:.4f}; margin / spread "
-          f"{margin / spread if spread else float('inf'):.1f} (goal > 1: {'met' if margin > spread else 'NOT met'})")
-    headline(f"tau of {len(taus)} seeds " + ", ".join(f"{t:.2f}" for t in taus)
-             + f" (untrained {max(untrained):.2f}): margin (lowest trained - highest untrained) / spread across seeds",
-             margin / spread if spread else float("inf"), "> 1", margin > spread)
+    print(
+        f"margin (lowest trained tau - highest untrained tau) {margin:.4f}; margin / spread "
+        f"{margin / spread if spread else float('inf'):.1f} (goal > 1: {'met' if margin > spread else 'NOT met'})"
+    )
+    headline(
+        f"tau of {len(taus)} seeds "
+        + ", ".join(f"{t:.2f}" for t in taus)
+        + f" (untrained {max(untrained):.2f}): margin (lowest trained - highest untrained) / spread across seeds",
+        margin / spread if spread else float("inf"),
+        "> 1",
+        margin > spread,
+    )
     return 0 if margin > spread else 1
 
 

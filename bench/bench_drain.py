@@ -29,9 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_assets.generation.follow_ups import FollowUpLanes  # noqa: E402
-from dflash_assets.simulation.sglang_stub import drawn_length  # noqa: E402
-from headline import headline  # noqa: E402
+from headline import headline
+
+from dflash_assets.generation.follow_ups import FollowUpLanes
+from dflash_assets.simulation.sglang_stub import drawn_length
 
 
 def makespan(lengths: list[int], slots: int, tok_per_s: float, window: int = 0, chunk: int = 0) -> tuple[float, int]:
@@ -70,8 +71,9 @@ def makespan(lengths: list[int], slots: int, tok_per_s: float, window: int = 0, 
     return end, resent
 
 
-def lanes_makespan(lengths: list[int], servers: int, slots: int, tok_per_s: float, window: int, chunk: int,
-                   prefill_tok_per_s: float) -> tuple[float, int]:
+def lanes_makespan(
+    lengths: list[int], servers: int, slots: int, tok_per_s: float, window: int, chunk: int, prefill_tok_per_s: float
+) -> tuple[float, int]:
     """Seconds until the last token, and prefix tokens prefilled again (moved to another server), with
     the continuations queued in the pipeline's own :class:`~dflash_assets.generation.follow_ups.FollowUpLanes`."""
     n = len(lengths)
@@ -123,8 +125,10 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=7, help="for the per-server queues (slots split evenly)")
     parser.add_argument("--prefill-tok-per-s", type=float, default=9000.0, help="prefill of a moved prefix, per server")
     args = parser.parse_args()
-    lengths = [min(drawn_length([{"role": "user", "content": f"bench prompt {i}"}], 1970, 0.8), args.cap)
-               for i in range(args.prompts)]
+    lengths = [
+        min(drawn_length([{"role": "user", "content": f"bench prompt {i}"}], 1970, 0.8), args.cap)
+        for i in range(args.prompts)
+    ]
     total = sum(lengths)
 
     def efficiency(seconds: float) -> float:
@@ -133,29 +137,43 @@ def main() -> None:
     first_come, _ = makespan(lengths, args.slots, args.tok_per_s)
     longest_first, _ = makespan(sorted(lengths, reverse=True), args.slots, args.tok_per_s)
     print(f"prompts: {args.prompts}  slots: {args.slots}  cap: {args.cap}  tokens: {total}")
-    print(f"first_come_efficiency: {efficiency(first_come):.3f} (no goal; the bound of any order-blind scheduler "
-          f"without chunking; drain {first_come - total / (args.slots * args.tok_per_s):.1f} s)")
-    headline(f"zero-cost model, {args.prompts} prompts on {args.slots} slots: first-come efficiency (the bound of "
-             f"any order-blind scheduler without chunks)", efficiency(first_come),
-             "none (context: it sizes bench_node's 0.90 goal)")
+    print(
+        f"first_come_efficiency: {efficiency(first_come):.3f} (no goal; the bound of any order-blind scheduler "
+        f"without chunking; drain {first_come - total / (args.slots * args.tok_per_s):.1f} s)"
+    )
+    headline(
+        f"zero-cost model, {args.prompts} prompts on {args.slots} slots: first-come efficiency (the bound of "
+        f"any order-blind scheduler without chunks)",
+        efficiency(first_come),
+        "none (context: it sizes bench_node's 0.90 goal)",
+    )
     print(f"longest_first_known_lengths_efficiency: {efficiency(longest_first):.3f} (clairvoyant, not possible)")
     for window in (args.slots, 2 * args.slots, args.prompts // 2, args.prompts):
         for chunk in (512, 1024, 2048):
             seconds, resent = makespan(lengths, args.slots, args.tok_per_s, window, chunk)
-            print(f"chunked last {window} prompts at {chunk} tokens: efficiency {efficiency(seconds):.3f}, "
-                  f"prefix tokens re-sent per generated token {resent / total:.2f}")
+            print(
+                f"chunked last {window} prompts at {chunk} tokens: efficiency {efficiency(seconds):.3f}, "
+                f"prefix tokens re-sent per generated token {resent / total:.2f}"
+            )
     per_server = args.slots // args.servers
     for per_slot in (2, 4, 6):
         for chunk in (256, 512, 1024):
             window = min(args.prompts, per_slot * args.slots)
-            seconds, moved = lanes_makespan(lengths, args.servers, per_server, args.tok_per_s, window, chunk,
-                                            args.prefill_tok_per_s)
-            print(f"pipeline queues (per server, balanced), last {window} prompts ({per_slot} per slot) at {chunk} "
-                  f"tokens: efficiency {efficiency(seconds):.3f}, prefix tokens prefilled again on another server "
-                  f"{moved} ({moved / total:.3f} per generated token)")
+            seconds, moved = lanes_makespan(
+                lengths, args.servers, per_server, args.tok_per_s, window, chunk, args.prefill_tok_per_s
+            )
+            print(
+                f"pipeline queues (per server, balanced), last {window} prompts ({per_slot} per slot) at {chunk} "
+                f"tokens: efficiency {efficiency(seconds):.3f}, prefix tokens prefilled again on another server "
+                f"{moved} ({moved / total:.3f} per generated token)"
+            )
             if (per_slot, chunk) == (4, 512):  # the pipeline's defaults once tail_chunk_tokens is set to 512
-                headline(f"zero-cost model: efficiency with the pipeline's per-server queues, last {window} prompts "
-                         f"in {chunk}-token chunks", efficiency(seconds), "none (context: the best bench_node can do)")
+                headline(
+                    f"zero-cost model: efficiency with the pipeline's per-server queues, last {window} prompts "
+                    f"in {chunk}-token chunks",
+                    efficiency(seconds),
+                    "none (context: the best bench_node can do)",
+                )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from headline import headline  # noqa: E402
+from headline import headline
 
 MIB = 2**20
 
@@ -122,7 +122,9 @@ def measure(args) -> dict:
         base.layers = all_layers[: deepest + 1]  # the same layers the extractor runs; no LM head
         try:
             with torch.inference_mode():
-                out = base(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+                out = base(
+                    input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+                )
                 feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16).cpu()
         finally:
             base.layers = all_layers
@@ -153,14 +155,21 @@ def measure(args) -> dict:
             run_extract(positions)
     else:
         extract_partition(
-            model, rows, tmp.name, layer_ids, rows_per_shard=len(rows),
-            max_tokens_per_batch=args.max_tokens_per_batch, model_name="bench",
+            model,
+            rows,
+            tmp.name,
+            layer_ids,
+            rows_per_shard=len(rows),
+            max_tokens_per_batch=args.max_tokens_per_batch,
+            model_name="bench",
         )
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
 
-    shard_bytes = sum(f.stat().st_size for f in Path(tmp.name).rglob("*") if f.is_file()) if args.measure == "partition" else None
+    shard_bytes = (
+        sum(f.stat().st_size for f in Path(tmp.name).rglob("*") if f.is_file()) if args.measure == "partition" else None
+    )
     status = _rss_status()
     result = {
         "shard_bytes": shard_bytes,
@@ -212,9 +221,22 @@ def main(argv=None) -> int:
 
         args.model_dir = str(ensure_local_model())
     passthrough = [
-        "--model-dir", args.model_dir, "--num-seqs", str(args.num_seqs), "--min-len", str(args.min_len),
-        "--max-len", str(args.max_len), "--max-tokens-per-batch", str(args.max_tokens_per_batch),
-        "--threads", str(args.threads), "--device", args.device, "--seed", str(args.seed),
+        "--model-dir",
+        args.model_dir,
+        "--num-seqs",
+        str(args.num_seqs),
+        "--min-len",
+        str(args.min_len),
+        "--max-len",
+        str(args.max_len),
+        "--max-tokens-per-batch",
+        str(args.max_tokens_per_batch),
+        "--threads",
+        str(args.threads),
+        "--device",
+        args.device,
+        "--seed",
+        str(args.seed),
     ]
     if args.layer_ids:
         passthrough += ["--layer-ids", ",".join(map(str, args.layer_ids))]
@@ -224,7 +246,10 @@ def main(argv=None) -> int:
         for name in ("forward", "extract", "partition"):
             proc = subprocess.run(
                 [sys.executable, __file__, *passthrough, "--measure", name],
-                capture_output=True, text=True, env=env, check=False,
+                capture_output=True,
+                text=True,
+                env=env,
+                check=False,
             )
             if proc.returncode != 0:
                 print(proc.stderr, file=sys.stderr)
@@ -234,15 +259,24 @@ def main(argv=None) -> int:
                 best[name] = res
 
     fwd = best["forward"]
-    print(f"model: {args.model_dir}  device: {args.device}  threads: {fwd['threads']}  layer_ids: {best['extract']['layer_ids']}")
-    print(f"sequences: {args.num_seqs} ({fwd['tokens']} tokens, {fwd['padded_tokens']} padded) in {fwd['batches']} batches "
-          f"of <= {args.max_tokens_per_batch} padded tokens")
-    print(f"{'method':<10} {'tokens/s':>10} {'ratio':>7} {'peak RSS MiB':>13} {'over start':>11} {'ru_maxrss':>10}"
-          + (f" {'cuda peak':>10}" if args.device.startswith("cuda") else ""))
+    print(
+        f"model: {args.model_dir}  device: {args.device}  threads: {fwd['threads']}  layer_ids: "
+        f"{best['extract']['layer_ids']}"
+    )
+    print(
+        f"sequences: {args.num_seqs} ({fwd['tokens']} tokens, {fwd['padded_tokens']} padded) in {fwd['batches']} "
+        f"batches of <= {args.max_tokens_per_batch} padded tokens"
+    )
+    print(
+        f"{'method':<10} {'tokens/s':>10} {'ratio':>7} {'peak RSS MiB':>13} {'over start':>11} {'ru_maxrss':>10}"
+        + (f" {'cuda peak':>10}" if args.device.startswith("cuda") else "")
+    )
     for name in ("forward", "extract", "partition"):
         r = best[name]
-        line = (f"{name:<10} {r['tokens_per_s']:10.1f} {r['tokens_per_s'] / fwd['tokens_per_s']:7.3f} "
-                f"{_fmt_mib(r['peak_rss']):>13} {_fmt_mib(r['peak_over_start']):>11} {_fmt_mib(r['ru_maxrss']):>10}")
+        line = (
+            f"{name:<10} {r['tokens_per_s']:10.1f} {r['tokens_per_s'] / fwd['tokens_per_s']:7.3f} "
+            f"{_fmt_mib(r['peak_rss']):>13} {_fmt_mib(r['peak_over_start']):>11} {_fmt_mib(r['ru_maxrss']):>10}"
+        )
         if "cuda_peak_allocated" in r:
             line += f" {_fmt_mib(r['cuda_peak_allocated']):>10}"
         print(line)
@@ -250,12 +284,21 @@ def main(argv=None) -> int:
     part = best["partition"]
     per_token = part["shard_bytes"] / part["tokens"]
     expected = part["expected_bytes_per_token"]
-    print(f"stored bytes/token: {per_token:.1f} vs layers x hidden x 2 = {expected} (ratio {per_token / expected:.3f}; "
-          f"goal: features alone, ~1.00 plus a few bytes of ids and mask per token)")
-    print(f"extraction / same-work plain forward throughput ratio: {ratio:.3f} (goal >= 0.9: {'PASS' if ratio >= 0.9 else 'FAIL'})")
+    print(
+        f"stored bytes/token: {per_token:.1f} vs layers x hidden x 2 = {expected} (ratio {per_token / expected:.3f}; "
+        f"goal: features alone, ~1.00 plus a few bytes of ids and mask per token)"
+    )
+    print(
+        f"extraction / same-work plain forward throughput ratio: {ratio:.3f} (goal >= 0.9: "
+        f"{'PASS' if ratio >= 0.9 else 'FAIL'})"
+    )
     headline("extraction / same-work plain forward (same layers) tokens/s", ratio, ">= 0.9", ratio >= 0.9)
-    headline(f"stored bytes per token / (layers x hidden x 2 = {expected})", per_token / expected,
-             "~1.00 (features alone plus a few bytes of ids and mask)", None)
+    headline(
+        f"stored bytes per token / (layers x hidden x 2 = {expected})",
+        per_token / expected,
+        "~1.00 (features alone plus a few bytes of ids and mask)",
+        None,
+    )
     if args.json:
         print(json.dumps(best))
     return 0 if ratio >= 0.9 else 1

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from headline import headline  # noqa: E402
+from headline import headline
 
 
 def run_main_job(home: Path, config: str | None) -> tuple[int, float]:
@@ -56,21 +56,32 @@ def main() -> int:
     try:
         code, wall = run_main_job(home, args.config)
         peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        print(f"main job: exit {code}, {wall:.0f} s, peak RSS of its largest process {peak_mb:.0f} MB, "
-              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+        print(
+            f"main job: exit {code}, {wall:.0f} s, peak RSS of its largest process {peak_mb:.0f} MB, "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+        )
         if code != 0:
             headline("main job on a fresh DAGSTER_HOME: exit code", code, "0", False)
             return 1
-        headline(f"main job on a fresh DAGSTER_HOME, minutes (peak RSS {peak_mb / 1024:.1f} GB)", wall / 60,
-                 "none (context: what a user waits)")
+        headline(
+            f"main job on a fresh DAGSTER_HOME, minutes (peak RSS {peak_mb / 1024:.1f} GB)",
+            wall / 60,
+            "none (context: what a user waits)",
+        )
         report = json.loads((home / "dflash_data" / "drafter_evaluation" / "report.json").read_text())
         heldout = report["datasets"]["heldout"]
         trained, untrained = heldout["trained"], heldout["untrained"]
-        headline(f"main job: drafter tau on {heldout['num_prompts']} held-out prompts, mean of per-prompt means "
-                 f"(+- {trained['tau_stderr']:.2f}; untrained {untrained['tau']:.2f})", trained["tau"],
-                 "> the untrained drafter's", trained["tau"] > untrained["tau"])
+        headline(
+            f"main job: drafter tau on {heldout['num_prompts']} held-out prompts, mean of per-prompt means "
+            f"(+- {trained['tau_stderr']:.2f}; untrained {untrained['tau']:.2f})",
+            trained["tau"],
+            "> the untrained drafter's",
+            trained["tau"] > untrained["tau"],
+        )
         lossless = all(d[k]["lossless"] for d in report["datasets"].values() for k in ("trained", "untrained"))
-        headline("main job: greedy speculative output equals the target's", "yes" if lossless else "no", "yes", lossless)
+        headline(
+            "main job: greedy speculative output equals the target's", "yes" if lossless else "no", "yes", lossless
+        )
         code2, wall2 = run_main_job(home, args.config)
         headline("main job run again with nothing changed: seconds (it does no work)", round(wall2), "none (context)")
         return code2

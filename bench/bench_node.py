@@ -60,12 +60,13 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import heapq  # noqa: E402
+import heapq
 
-from dflash_assets.generation.processes import free_port_block  # noqa: E402
-from dflash_assets.simulation.sglang_stub import drawn_length  # noqa: E402
-from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer  # noqa: E402
-from headline import headline  # noqa: E402
+from headline import headline
+
+from dflash_assets.generation.processes import free_port_block
+from dflash_assets.simulation.sglang_stub import drawn_length
+from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 
 DAGSTER = str(Path(sys.executable).with_name("dagster"))
 EFFICIENCY_GOAL = 0.90
@@ -74,8 +75,15 @@ EFFICIENCY_GOAL = 0.90
 class Node:
     """One bench environment: DAGSTER_HOME, storage, config, prompts, simulator logs."""
 
-    def __init__(self, base: Path, name: str, args: argparse.Namespace, cap: int, continue_truncated: bool = True,
-                 tail_chunk_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        base: Path,
+        name: str,
+        args: argparse.Namespace,
+        cap: int,
+        continue_truncated: bool = True,
+        tail_chunk_tokens: int = 0,
+    ) -> None:
         self.args, self.dir, self.continue_truncated = args, base / name, continue_truncated
         self.tail_chunk_tokens = tail_chunk_tokens
         # the simulated target's tokenizer (thinking markers, Qwen3 template): continuing cut rows needs it
@@ -93,8 +101,12 @@ class Node:
         self.starts_file, self.request_log = self.logs / "starts.txt", self.logs / "requests.jsonl"
         self.port_base = free_port_block(args.servers)
         self.set_cap(cap)
-        self.env = {**os.environ, "DAGSTER_HOME": str(self.home), "DFLASH_CONFIG": str(self.config),
-                    "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.env = {
+            **os.environ,
+            "DAGSTER_HOME": str(self.home),
+            "DFLASH_CONFIG": str(self.config),
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        }
 
     @property
     def config(self) -> Path:
@@ -102,21 +114,43 @@ class Node:
 
     def set_cap(self, cap: int) -> None:
         a = self.args
-        sim = ["--sim-startup-s", str(a.startup_s), "--sim-decode-tok-per-s", str(a.tok_per_s), "--sim-speed", str(a.speed),
-               "--sim-prefill-tok-per-s", str(a.prefill_tok_per_s),
-               "--sim-starts-file", str(self.starts_file), "--sim-request-log", str(self.request_log)]
+        sim = [
+            "--sim-startup-s",
+            str(a.startup_s),
+            "--sim-decode-tok-per-s",
+            str(a.tok_per_s),
+            "--sim-speed",
+            str(a.speed),
+            "--sim-prefill-tok-per-s",
+            str(a.prefill_tok_per_s),
+            "--sim-starts-file",
+            str(self.starts_file),
+            "--sim-request-log",
+            str(self.request_log),
+        ]
         config = {
             "resources": {
                 "storage": {"root": str(self.data)},
-                "inference": {"mode": "sglang", "model_path": str(self.model_path), "num_servers": a.servers,
-                              "continue_truncated": self.continue_truncated,
-                              "tail_chunk_tokens": self.tail_chunk_tokens,
-                              "tail_prompts_per_slot": a.tail_prompts_per_slot,
-                              "max_running_requests": a.slots, "port_base": self.port_base,
-                              "launch_module": "dflash_assets.simulation.sglang_stub", "extra_args": sim,
-                              "startup_timeout_s": a.startup_s / a.speed + 120},
-                "generation": {"max_output_tokens": cap, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
-                               "enable_thinking": True},
+                "inference": {
+                    "mode": "sglang",
+                    "model_path": str(self.model_path),
+                    "num_servers": a.servers,
+                    "continue_truncated": self.continue_truncated,
+                    "tail_chunk_tokens": self.tail_chunk_tokens,
+                    "tail_prompts_per_slot": a.tail_prompts_per_slot,
+                    "max_running_requests": a.slots,
+                    "port_base": self.port_base,
+                    "launch_module": "dflash_assets.simulation.sglang_stub",
+                    "extra_args": sim,
+                    "startup_timeout_s": a.startup_s / a.speed + 120,
+                },
+                "generation": {
+                    "max_output_tokens": cap,
+                    "temperature": 0.6,
+                    "top_p": 0.95,
+                    "top_k": 20,
+                    "enable_thinking": True,
+                },
             },
             "ops": {},
         }
@@ -125,16 +159,39 @@ class Node:
 
     def run(self, *cli: str, timeout: float = 1800) -> tuple[int, float]:
         started = time.time()
-        proc = subprocess.run([DAGSTER, *cli], env=self.env, cwd=self.dir, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [DAGSTER, *cli],
+            env=self.env,
+            cwd=self.dir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+        )
         (self.dir / f"cli_{int(started)}.log").write_text(proc.stdout)
         return proc.returncode, time.time() - started
 
     def make_corpus(self) -> list[str]:
-        config = {"ops": {"prompt_corpus": {"config": {"sources": [str(self.prompts_file)],
-                                                       "partition_size": self.args.prompts // self.args.partitions}}}}
-        rc, _ = self.run("asset", "materialize", "-m", "dflash_assets.definitions", "--select", "prompt_corpus",
-                         "--config-json", json.dumps(config))
+        config = {
+            "ops": {
+                "prompt_corpus": {
+                    "config": {
+                        "sources": [str(self.prompts_file)],
+                        "partition_size": self.args.prompts // self.args.partitions,
+                    }
+                }
+            }
+        }
+        rc, _ = self.run(
+            "asset",
+            "materialize",
+            "-m",
+            "dflash_assets.definitions",
+            "--select",
+            "prompt_corpus",
+            "--config-json",
+            json.dumps(config),
+        )
         assert rc == 0, "prompt_corpus failed"
         return self.partition_keys()
 
@@ -143,8 +200,16 @@ class Node:
             return sorted(instance.get_dynamic_partitions("prompt_index_ranges"))
 
     def range_cli(self, keys: list[str]) -> list[str]:
-        return ["asset", "materialize", "-m", "dflash_assets.definitions", "--select", "completions",
-                "--partition-range", f"{keys[0]}...{keys[-1]}"]
+        return [
+            "asset",
+            "materialize",
+            "-m",
+            "dflash_assets.definitions",
+            "--select",
+            "completions",
+            "--partition-range",
+            f"{keys[0]}...{keys[-1]}",
+        ]
 
     def instance(self):
         import dagster as dg
@@ -173,7 +238,9 @@ class Node:
 
         rows = {}
         for path in sorted((self.data / "completions").glob("*.parquet")):
-            for row in pl.read_parquet(path, columns=["index", "finish_reason", "completion_tokens", "server"]).iter_rows(named=True):
+            for row in pl.read_parquet(
+                path, columns=["index", "finish_reason", "completion_tokens", "server"]
+            ).iter_rows(named=True):
                 assert row["index"] not in rows, f"row {row['index']} in two tables"
                 rows[row["index"]] = row
         return rows
@@ -185,7 +252,8 @@ class Node:
         with self.instance() as instance:
             for pk in keys:
                 recs = instance.fetch_materializations(
-                    dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[pk]), limit=1).records
+                    dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[pk]), limit=1
+                ).records
                 if recs:
                     meta = {k: getattr(v, "value", v) for k, v in recs[0].asset_materialization.metadata.items()}
                     out[pk] = (recs[0].timestamp, meta, recs[0].run_id)
@@ -221,7 +289,9 @@ def ideal_fifo(lengths: list[int], slots: int, tok_per_s: float) -> float:
 
 def wanted_lengths(prompts: int, cap: int) -> list[int]:
     """Output tokens of the bench's prompts at ``cap``: the lengths the simulated servers draw."""
-    return [min(drawn_length([{"role": "user", "content": f"bench prompt {i}"}], 1970, 0.8), cap) for i in range(prompts)]
+    return [
+        min(drawn_length([{"role": "user", "content": f"bench prompt {i}"}], 1970, 0.8), cap) for i in range(prompts)
+    ]
 
 
 def timed_run(node: Node, keys: list[str]) -> dict:
@@ -231,8 +301,16 @@ def timed_run(node: Node, keys: list[str]) -> dict:
     starts = node.starts()[before_starts:]
     done = [e for e in events if e["ev"] == "done"]
     up = (max(e["t"] for e in done) - min(starts)) if done and starts else 0.0
-    return {"rc": rc, "wall": wall, "t0": t0, "events": events, "starts": len(starts), "done": done,
-            "servers_up_real": up, "tokens": sum(e["tokens"] for e in done)}
+    return {
+        "rc": rc,
+        "wall": wall,
+        "t0": t0,
+        "events": events,
+        "starts": len(starts),
+        "done": done,
+        "servers_up_real": up,
+        "tokens": sum(e["tokens"] for e in done),
+    }
 
 
 def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int = 0) -> Node:
@@ -244,48 +322,84 @@ def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int 
     wall_s = sim_wall(r["wall"], r["servers_up_real"], args.speed)
     gen_window = r["servers_up_real"] * args.speed - args.startup_s
     recv = [e for e in r["events"] if e["ev"] == "recv"]
-    print(f"== {label}: fresh range, cap 4096" + (f", the last {round(args.tail_prompts_per_slot * capacity)} prompts in "
-                                                   f"chunks of {tail_chunk_tokens} tokens ==" if tail_chunk_tokens else " =="))
+    print(
+        f"== {label}: fresh range, cap 4096"
+        + (
+            f", the last {round(args.tail_prompts_per_slot * capacity)} prompts in "
+            f"chunks of {tail_chunk_tokens} tokens =="
+            if tail_chunk_tokens
+            else " =="
+        )
+    )
     print(f"{label}_exit_code: {r['rc']}")
-    print(f"{label}_partitions: {len(keys)}  prompts: {args.prompts}  servers: {args.servers} x {args.slots} slots  "
-          f"{args.tok_per_s} tok/s/slot  start-up {args.startup_s} s  speed x{args.speed}")
+    print(
+        f"{label}_partitions: {len(keys)}  prompts: {args.prompts}  servers: {args.servers} x {args.slots} slots  "
+        f"{args.tok_per_s} tok/s/slot  start-up {args.startup_s} s  speed x{args.speed}"
+    )
     print(f"{label}_server_starts: {r['starts']} (goal {args.servers})")
     print(f"{label}_requests: {len(recv)}")
     if tail_chunk_tokens:
         follow_ups = [e for e in recv if e.get("continued_from")]
-        print(f"{label}_chunk_follow_ups: {len(follow_ups)}  prefix_tokens_re_sent: {sum(e['continued_from'] for e in follow_ups)} "
-              f"({sum(e['continued_from'] for e in follow_ups) / max(1, r['tokens']):.2f} per generated token)")
+        print(
+            f"{label}_chunk_follow_ups: {len(follow_ups)}  prefix_tokens_re_sent: "
+            f"{sum(e['continued_from'] for e in follow_ups)} "
+            f"({sum(e['continued_from'] for e in follow_ups) / max(1, r['tokens']):.2f} per generated token)"
+        )
         prefills = [e for e in r["events"] if e["ev"] == "prefill" and e.get("continued_from")]
         charged = sum(e["prefill_tokens"] for e in prefills)
-        print(f"{label}_follow_up_prefill_tokens: charged {charged}, from the prefix cache "
-              f"{sum(e['cached_tokens'] for e in prefills)}  (charged = {charged / (args.servers * args.prefill_tok_per_s):.1f} "
-              f"simulated s of every server's decode, at {args.prefill_tok_per_s:g} tok/s)")
+        print(
+            f"{label}_follow_up_prefill_tokens: charged {charged}, from the prefix cache "
+            f"{sum(e['cached_tokens'] for e in prefills)}  (charged = "
+            f"{charged / (args.servers * args.prefill_tok_per_s):.1f} simulated s of every server's decode, at "
+            f"{args.prefill_tok_per_s:g} tok/s)"
+        )
         rows = node.rows()
         wanted = wanted_lengths(args.prompts, 4096)
-        same = sum(rows[i]["completion_tokens"] == wanted[i] and (rows[i]["finish_reason"] == "length") == (wanted[i] == 4096)
-                   for i in range(args.prompts) if i in rows)
+        same = sum(
+            rows[i]["completion_tokens"] == wanted[i] and (rows[i]["finish_reason"] == "length") == (wanted[i] == 4096)
+            for i in range(args.prompts)
+            if i in rows
+        )
         print(f"{label}_rows_as_one_request_at_4096_makes: {same}/{args.prompts} (completion_tokens and finish_reason)")
     print(f"{label}_generated_tokens: {r['tokens']}")
-    print(f"{label}_wall_real_s: {r['wall']:.1f}  dagster_and_client_overhead_real_s: {r['wall'] - r['servers_up_real']:.1f}")
+    print(
+        f"{label}_wall_real_s: {r['wall']:.1f}  dagster_and_client_overhead_real_s: "
+        f"{r['wall'] - r['servers_up_real']:.1f}"
+    )
     print(f"{label}_wall_simulated_s: {wall_s:.1f}")
     eff = r["tokens"] / (capacity * args.tok_per_s * (wall_s - args.startup_s))
     print(f"{label}_efficiency: {eff:.3f} (goal >= {EFFICIENCY_GOAL})")
     what = f"simulated node, {args.servers} x {args.slots} slots, {args.prompts} prompts, time x{args.speed:g}"
-    headline(f"{what}: server starts of one range run ({label})", r["starts"], f"= {args.servers}",
-             r["starts"] == args.servers)
-    headline(f"{what}: efficiency, fresh range" + (f", last prompts in {tail_chunk_tokens}-token chunks"
-                                                   if tail_chunk_tokens else ""),
-             eff, f">= {EFFICIENCY_GOAL}", eff >= EFFICIENCY_GOAL)
-    print(f"{label}_efficiency_generation_window: {r['tokens'] / (capacity * args.tok_per_s * gen_window):.3f} "
-          f"(servers ready -> last row, simulated)")
+    headline(
+        f"{what}: server starts of one range run ({label})",
+        r["starts"],
+        f"= {args.servers}",
+        r["starts"] == args.servers,
+    )
+    headline(
+        f"{what}: efficiency, fresh range"
+        + (f", last prompts in {tail_chunk_tokens}-token chunks" if tail_chunk_tokens else ""),
+        eff,
+        f">= {EFFICIENCY_GOAL}",
+        eff >= EFFICIENCY_GOAL,
+    )
+    print(
+        f"{label}_efficiency_generation_window: {r['tokens'] / (capacity * args.tok_per_s * gen_window):.3f} "
+        f"(servers ready -> last row, simulated)"
+    )
     if not tail_chunk_tokens:
         lengths = wanted_lengths(args.prompts, 4096)
         bound = ideal_fifo(lengths, capacity, args.tok_per_s)
-        print(f"ideal_fifo_efficiency: {bound:.3f} (same lengths, perfect first-come scheduler without chunks, zero "
-              "overhead: the bound without knowing lengths in advance)")
+        print(
+            f"ideal_fifo_efficiency: {bound:.3f} (same lengths, perfect first-come scheduler without chunks, zero "
+            "overhead: the bound without knowing lengths in advance)"
+        )
         print(f"{label} efficiency / first-come bound ratio: {eff / bound:.3f}")
-        headline(f"{what}: perfect first-come scheduler's efficiency on the same lengths", bound,
-                 "none (context: the bound without chunks)")
+        headline(
+            f"{what}: perfect first-come scheduler's efficiency on the same lengths",
+            bound,
+            "none (context: the bound without chunks)",
+        )
     mats = node.materializations(keys)
     run_ids = {m[2] for m in mats.values()}
     print(f"{label}_runs: {len(run_ids)}  partitions_materialized: {len(mats)}/{len(keys)}")
@@ -295,8 +409,10 @@ def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int 
         print(f"{label}_materialization_vs_run_end_real_s: " + ", ".join(f"{pk}:{d:+.1f}" for pk, d in rel))
         print(f"{label}_partitions_committed_before_run_end: {sum(d < -0.5 for _, d in rel)}/{len(rel)}")
     if tail_chunk_tokens:
-        print(f"{label}_rows_chunked: {sum(m[1].get('tail_chunked', 0) for m in mats.values())}  "
-              f"chunk_requests: {sum(m[1].get('tail_chunk_requests', 0) for m in mats.values())} (metadata)")
+        print(
+            f"{label}_rows_chunked: {sum(m[1].get('tail_chunked', 0) for m in mats.values())}  "
+            f"chunk_requests: {sum(m[1].get('tail_chunk_requests', 0) for m in mats.values())} (metadata)"
+        )
     versions = {pk: m[1].get("settings") is not None for pk, m in mats.items()}
     assert all(versions.values())
     return node
@@ -328,17 +444,24 @@ def bump(node: Node, args, label: str) -> dict:
     wall_s = sim_wall(r["wall"], r["servers_up_real"], args.speed)
     after = node.rows()
     wanted = wanted_lengths(args.prompts, 8192)
-    same = sum(after[i]["completion_tokens"] == wanted[i] and (after[i]["finish_reason"] == "length") == (wanted[i] == 8192)
-               for i in range(args.prompts) if i in after)
+    same = sum(
+        after[i]["completion_tokens"] == wanted[i] and (after[i]["finish_reason"] == "length") == (wanted[i] == 8192)
+        for i in range(args.prompts)
+        if i in after
+    )
     print(f"{label}_exit_code: {r['rc']}")
-    print(f"{label}_requests: {requests}  rows_that_had_length: {length_rows}  equal: {requests == length_rows}  "
-          f"continued_from_their_4096_tokens: {continued}")
+    print(
+        f"{label}_requests: {requests}  rows_that_had_length: {length_rows}  equal: {requests == length_rows}  "
+        f"continued_from_their_4096_tokens: {continued}"
+    )
     print(f"{label}_server_starts: {r['starts']} (goal {args.servers})")
     print(f"{label}_generated_tokens: {r['tokens']}")
     print(f"{label}_rows_as_one_request_at_8192_makes: {same}/{args.prompts} (completion_tokens and finish_reason)")
     print(f"{label}_rows_still_length_at_8192: {sum(x['finish_reason'] == 'length' for x in after.values())}")
-    print(f"{label}_wall_simulated_s: {wall_s:.1f}  ideal (max(longest {longest:.1f}, tokens/capacity "
-          f"{r['tokens'] / (capacity * args.tok_per_s):.1f}) + start-up {args.startup_s}): {ideal:.1f}")
+    print(
+        f"{label}_wall_simulated_s: {wall_s:.1f}  ideal (max(longest {longest:.1f}, tokens/capacity "
+        f"{r['tokens'] / (capacity * args.tok_per_s):.1f}) + start-up {args.startup_s}): {ideal:.1f}"
+    )
     return {"wall": wall_s, "ideal": ideal, "tokens": r["tokens"], "requests": requests}
 
 
@@ -348,24 +471,37 @@ def scenario_cap_bump(node: Node, args) -> None:
     print("== cap_bump: cap 4096 -> 8192, same range, cut rows continued from their 4,096 tokens ==")
     cont = bump(node, args, "cap_bump")
     print(f"cap_bump_wall_over_ideal: {cont['wall'] / cont['ideal']:.3f} (goal <= 1.2)")
-    headline(f"simulated node, time x{args.speed:g}: cap 4,096 -> 8,192 with cut rows continued, wall / ideal",
-             cont["wall"] / cont["ideal"], "<= 1.2", cont["wall"] / cont["ideal"] <= 1.2)
+    headline(
+        f"simulated node, time x{args.speed:g}: cap 4,096 -> 8,192 with cut rows continued, wall / ideal",
+        cont["wall"] / cont["ideal"],
+        "<= 1.2",
+        cont["wall"] / cont["ideal"] <= 1.2,
+    )
     rest = [n - 4096 for n in wanted_lengths(args.prompts, 8192) if n > 4096]
     whole = [n for n in wanted_lengths(args.prompts, 8192) if n > 4096]
     fifo_rest = (fifo_makespan(rest, capacity, args.tok_per_s) + args.startup_s) / cont["ideal"]
-    print(f"cap_bump_fifo_bound_over_ideal: {fifo_rest:.3f} (perfect first-come scheduler, zero overhead, "
-          f"{len(rest)} continuations on {capacity} slots)")
+    print(
+        f"cap_bump_fifo_bound_over_ideal: {fifo_rest:.3f} (perfect first-come scheduler, zero overhead, "
+        f"{len(rest)} continuations on {capacity} slots)"
+    )
     if whole_node is None:
         return
     print("== cap_bump_whole: the same raise on a copy of the state before it, continue_truncated: false ==")
     regen = bump(whole_node, args, "cap_bump_whole")
     fifo_whole = fifo_makespan(whole, capacity, args.tok_per_s) + args.startup_s
-    print(f"cap_bump_whole_wall_over_its_ideal: {regen['wall'] / regen['ideal']:.3f}  "
-          f"(its first-come bound {fifo_whole / regen['ideal']:.3f})")
-    print(f"cap_bump continued / whole: wall {cont['wall'] / regen['wall']:.3f}, generated tokens "
-          f"{cont['tokens'] / max(1, regen['tokens']):.3f} (one after the other, from copies of the same state)")
-    headline("simulated node: cap raise wall, cut rows continued / regenerated whole", cont["wall"] / regen["wall"],
-             "none (context: what continuing saves)")
+    print(
+        f"cap_bump_whole_wall_over_its_ideal: {regen['wall'] / regen['ideal']:.3f}  "
+        f"(its first-come bound {fifo_whole / regen['ideal']:.3f})"
+    )
+    print(
+        f"cap_bump continued / whole: wall {cont['wall'] / regen['wall']:.3f}, generated tokens "
+        f"{cont['tokens'] / max(1, regen['tokens']):.3f} (one after the other, from copies of the same state)"
+    )
+    headline(
+        "simulated node: cap raise wall, cut rows continued / regenerated whole",
+        cont["wall"] / regen["wall"],
+        "none (context: what continuing saves)",
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -377,17 +513,26 @@ def _alive(pid: int) -> bool:
 
 
 def _stub_pids(node: Node) -> list[int]:
-    return [int(line.split("pid=")[1].split()[0]) for line in node.starts_file.read_text().splitlines() if "pid=" in line] \
-        if node.starts_file.exists() else []
+    return (
+        [int(line.split("pid=")[1].split()[0]) for line in node.starts_file.read_text().splitlines() if "pid=" in line]
+        if node.starts_file.exists()
+        else []
+    )
 
 
 def scenario_kill(base: Path, args) -> None:
     node = Node(base, "kill", args, cap=4096)
     keys = node.make_corpus()
     t0 = time.time()
-    log = open(node.dir / "killed_cli.log", "w")
-    proc = subprocess.Popen([DAGSTER, *node.range_cli(keys)], env=node.env, cwd=node.dir, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    with open(node.dir / "killed_cli.log", "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [DAGSTER, *node.range_cli(keys)],
+            env=node.env,
+            cwd=node.dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     target = args.prompts // 2
     while proc.poll() is None and len([e for e in node.events() if e["ev"] == "done"]) < target:
         time.sleep(0.2)
@@ -410,15 +555,23 @@ def scenario_kill(base: Path, args) -> None:
                 pass
     print("== kill: kill -9 of the materialize process group mid-range, then the same command ==")
     sent_not_durable = sum(1 for k in recv_before if int(k.rsplit(" ", 1)[1]) not in finished)
-    print(f"kill_rows_durable_at_kill: {len(finished)}  requests_in_flight_at_kill: {sent_not_durable} sent and not "
-          f"durable ({in_flight} still decoding on the servers, {sent_not_durable - in_flight} answered but not yet "
-          "in the journal)")
+    print(
+        f"kill_rows_durable_at_kill: {len(finished)}  requests_in_flight_at_kill: {sent_not_durable} sent and not "
+        f"durable ({in_flight} still decoding on the servers, {sent_not_durable - in_flight} answered but not yet "
+        "in the journal)"
+    )
     print(f"kill_servers_left_running_after_kill: {len(left)}")
     starts_before = len(node.starts())
     t1 = time.time()
-    log2 = open(node.dir / "resume_cli.log", "w")
-    resume = subprocess.Popen([DAGSTER, *node.range_cli(keys)], env=node.env, cwd=node.dir, stdout=log2,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    with open(node.dir / "resume_cli.log", "w") as log:
+        resume = subprocess.Popen(
+            [DAGSTER, *node.range_cli(keys)],
+            env=node.env,
+            cwd=node.dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     first_start = None
     deadline = t1 + args.resume_wait_s
     while resume.poll() is None:
@@ -430,8 +583,10 @@ def scenario_kill(base: Path, args) -> None:
     if resume.poll() is None and first_start is None:
         os.killpg(resume.pid, signal.SIGKILL)
         resume.wait()
-        print(f"kill_resume_started: no server start within {args.resume_wait_s:.0f} s: blocked "
-              f"(see {node.dir / 'resume_cli.log'}; pool slot of the killed run?)")
+        print(
+            f"kill_resume_started: no server start within {args.resume_wait_s:.0f} s: blocked "
+            f"(see {node.dir / 'resume_cli.log'}; pool slot of the killed run?)"
+        )
         return
     resume.wait()
     if first_start is None and len(node.starts()) > starts_before:
@@ -443,16 +598,29 @@ def scenario_kill(base: Path, args) -> None:
     resent = [k for k in recv_after if k in recv_before]
     rows = node.rows()
     print(f"kill_resume_exit_code: {resume.returncode}")
-    print(f"kill_resume_first_server_start_s: {first_start:.1f} (goal < 60)" if first_start is not None else
-          "kill_resume_first_server_start_s: none")
+    print(
+        f"kill_resume_first_server_start_s: {first_start:.1f} (goal < 60)"
+        if first_start is not None
+        else "kill_resume_first_server_start_s: none"
+    )
     print(f"kill_rows: {len(rows)}/{args.prompts}  each_prompt_once: {sorted(rows) == list(range(args.prompts))}")
     print(f"kill_finished_rows_resent: {len(resent_finished)} (goal 0)")
-    headline("simulated node: kill -9 mid-range, same command again: seconds to its first server start",
-             round(first_start, 1) if first_start is not None else "none", "< 60",
-             first_start is not None and first_start < 60)
-    headline("simulated node: kill -9 mid-range, same command again: finished rows sent again", len(resent_finished),
-             "0", not resent_finished)
-    print(f"kill_requests_resent: {len(resent)}  <= in_flight_at_kill {sent_not_durable}: {len(resent) <= sent_not_durable}")
+    headline(
+        "simulated node: kill -9 mid-range, same command again: seconds to its first server start",
+        round(first_start, 1) if first_start is not None else "none",
+        "< 60",
+        first_start is not None and first_start < 60,
+    )
+    headline(
+        "simulated node: kill -9 mid-range, same command again: finished rows sent again",
+        len(resent_finished),
+        "0",
+        not resent_finished,
+    )
+    print(
+        f"kill_requests_resent: {len(resent)}  <= in_flight_at_kill {sent_not_durable}: "
+        f"{len(resent) <= sent_not_durable}"
+    )
     print(f"kill_resume_duplicate_requests: {sum(v - 1 for v in recv_after.values() if v > 1)}")
     time.sleep(1.0)
     print(f"kill_servers_left_running_at_end: {len([p for p in _stub_pids(node) if _alive(p)])}")
@@ -462,8 +630,15 @@ def scenario_server_kill(base: Path, args) -> None:
     node = Node(base, "server_kill", args, cap=4096)
     keys = node.make_corpus()
     t0 = time.time()
-    proc = subprocess.Popen([DAGSTER, *node.range_cli(keys)], env=node.env, cwd=node.dir,
-                            stdout=open(node.dir / "cli.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    with open(node.dir / "cli.log", "w") as log:
+        proc = subprocess.Popen(
+            [DAGSTER, *node.range_cli(keys)],
+            env=node.env,
+            cwd=node.dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     while proc.poll() is None and len([e for e in node.events() if e["ev"] == "done"]) < args.prompts // 3:
         time.sleep(0.2)
     victim = _stub_pids(node)[0]
@@ -476,14 +651,20 @@ def scenario_server_kill(base: Path, args) -> None:
     faults = sorted({f for _, m, _ in mats.values() for f in (m.get("server_faults") or [])})
     print("== server_kill: kill -9 of one server mid-run ==")
     print(f"server_kill_exit_code: {proc.returncode}")
-    print(f"server_kill_rows: {len(rows)}/{args.prompts}  each_prompt_once: {sorted(rows) == list(range(args.prompts))}")
+    print(
+        f"server_kill_rows: {len(rows)}/{args.prompts}  each_prompt_once: {sorted(rows) == list(range(args.prompts))}"
+    )
     print(f"server_kill_server_starts: {len(node.starts())} ({args.servers} + restarts)")
     print(f"server_kill_requests_resent: {sum(v - 1 for v in recv.values())}")
     print(f"server_kill_faults_in_metadata: {faults}")
     print(f"server_kill_servers_left_running: {len([p for p in _stub_pids(node) if _alive(p)])}")
     once = proc.returncode == 0 and sorted(rows) == list(range(args.prompts))
-    headline("simulated node: kill -9 of one server mid-run: run succeeds with every prompt's row once",
-             "yes" if once else "no", "yes", once)
+    headline(
+        "simulated node: kill -9 of one server mid-run: run succeeds with every prompt's row once",
+        "yes" if once else "no",
+        "yes",
+        once,
+    )
 
 
 def main() -> None:
@@ -491,8 +672,12 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=7)
     parser.add_argument("--slots", type=int, default=40)
     parser.add_argument("--tok-per-s", type=float, default=87.5)
-    parser.add_argument("--prefill-tok-per-s", type=float, default=9000.0,
-                        help="prefill rate of one server (uncached prompt tokens; decoding waits meanwhile)")
+    parser.add_argument(
+        "--prefill-tok-per-s",
+        type=float,
+        default=9000.0,
+        help="prefill rate of one server (uncached prompt tokens; decoding waits meanwhile)",
+    )
     parser.add_argument("--startup-s", type=float, default=180.0)
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--partitions", type=int, default=10)
@@ -500,10 +685,16 @@ def main() -> None:
     parser.add_argument("--resume-wait-s", type=float, default=90.0)
     parser.add_argument("--scenarios", default="base,tail,cap_bump,kill,server_kill")
     parser.add_argument("--tail-chunk-tokens", type=int, default=512, help="scenario tail: inference.tail_chunk_tokens")
-    parser.add_argument("--tail-prompts-per-slot", type=float, default=4.0, help="scenario tail: inference.tail_prompts_per_slot")
+    parser.add_argument(
+        "--tail-prompts-per-slot", type=float, default=4.0, help="scenario tail: inference.tail_prompts_per_slot"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the bench directory")
-    parser.add_argument("--no-cap-bump-whole", dest="cap_bump_whole", action="store_false",
-                        help="skip the side-by-side cap raise that regenerates cut rows whole")
+    parser.add_argument(
+        "--no-cap-bump-whole",
+        dest="cap_bump_whole",
+        action="store_false",
+        help="skip the side-by-side cap raise that regenerates cut rows whole",
+    )
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench_node_"))
     print(f"bench dir: {base}  (cpu cores: {os.cpu_count()})")

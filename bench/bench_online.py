@@ -36,14 +36,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from headline import headline  # noqa: E402
-from random_targets import ALL_SIZES, num_parameters, random_target  # noqa: E402
+from headline import headline
+from random_targets import ALL_SIZES, num_parameters, random_target
 
-from dflash_assets.dflash.loss import dflash_loss_from_hidden  # noqa: E402
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel, default_target_layer_ids  # noqa: E402
-from dflash_assets.dflash.online import TokenizedRows  # noqa: E402
-from dflash_assets.dflash.shards import extract_partition, read_index  # noqa: E402
-from dflash_assets.dflash.train import StepPlan, TrainConfig, build_batch, train  # noqa: E402
+from dflash_assets.dflash.loss import dflash_loss_from_hidden
+from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from dflash_assets.dflash.online import TokenizedRows
+from dflash_assets.dflash.shards import extract_partition, read_index
+from dflash_assets.dflash.train import StepPlan, TrainConfig, build_batch, train
 
 
 def sync(device: torch.device) -> None:
@@ -53,13 +53,18 @@ def sync(device: torch.device) -> None:
 
 def make_rows(n: int, seq_len: int, prompt_len: int, vocab: int, seed: int = 0) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
-    return [{"index": i, "input_ids": torch.randint(0, vocab - 1, (seq_len,), generator=g).tolist(),
-             "loss_mask": [0] * prompt_len + [1] * (seq_len - prompt_len)} for i in range(n)]
+    return [
+        {
+            "index": i,
+            "input_ids": torch.randint(0, vocab - 1, (seq_len,), generator=g).tolist(),
+            "loss_mask": [0] * prompt_len + [1] * (seq_len - prompt_len),
+        }
+        for i in range(n)
+    ]
 
 
 def bare(target, drafter, batches, layer_ids, device) -> tuple[float, int, int]:
     """Seconds, block tokens and context tokens of plain target forward + drafter forward/backward."""
-    use_cuda = device.type == "cuda"
     base = target.model
     all_layers = base.layers
     base.layers = all_layers[: max(layer_ids) + 1]  # the same layers the extractor runs, as a competent engineer would
@@ -79,11 +84,17 @@ def _bare_timed(target, drafter, batches, layer_ids, device) -> tuple[float, int
         ids = b.context_input_ids
         att = (torch.arange(ids.shape[1], device=device)[None, :] < b.context_lengths.to(device)[:, None]).long()
         with torch.no_grad():
-            hs = target.model(input_ids=ids, attention_mask=att, output_hidden_states=True, use_cache=False).hidden_states
+            hs = target.model(
+                input_ids=ids, attention_mask=att, output_hidden_states=True, use_cache=False
+            ).hidden_states
             feats = torch.cat([hs[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_cuda):
-            hidden = drafter(b.block_input_ids, target_hidden=feats, position_ids=b.position_ids, attention_mask=b.attention_mask)
-            out = dflash_loss_from_hidden(hidden, drafter.target_lm_head_weight, b.labels, b.label_mask, drafter.config.block_size, None)
+            hidden = drafter(
+                b.block_input_ids, target_hidden=feats, position_ids=b.position_ids, attention_mask=b.attention_mask
+            )
+            out = dflash_loss_from_hidden(
+                hidden, drafter.target_lm_head_weight, b.labels, b.label_mask, drafter.config.block_size, None
+            )
         out["loss"].backward()
         drafter.zero_grad(set_to_none=True)
         block += b.num_block_tokens
@@ -96,8 +107,13 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=ALL_SIZES, default="cpu")
     p.add_argument("--num-layers", type=int, default=None, help="target depth (default: the size's)")
-    p.add_argument("--draft-overrides", type=json.loads, default={},
-                   help='drafter shape unlike the target\'s, e.g. {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}')
+    p.add_argument(
+        "--draft-overrides",
+        type=json.loads,
+        default={},
+        help="drafter shape unlike the target's, e.g. "
+        '{"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}',
+    )
     p.add_argument("--tiny", action="store_true", help="same as --size tiny --steps 3 --seq-len 96 (a smoke run)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=8, help="measured steps (after as many warm-up steps)")
@@ -107,7 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--anchors", type=int, default=32)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating bare / online rounds; the median ratio is reported")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="alternating bare / online rounds; the median ratio is reported"
+    )
     p.add_argument("--skip-offline", action="store_true")
     a = p.parse_args(argv)
     if a.tiny:
@@ -120,9 +138,15 @@ def main(argv: list[str] | None = None) -> dict:
     cfg_dict = target.config.to_dict()
     vocab = target.config.vocab_size
     layer_ids = default_target_layer_ids(target.config.num_hidden_layers, 5)
-    dc = DFlashConfig.from_target_config(cfg_dict, mask_token_id=vocab - 1, num_hidden_layers=a.draft_layers,
-                                         num_context_features=5, target_layer_ids=layer_ids, block_size=a.block_size,
-                                         **a.draft_overrides)
+    dc = DFlashConfig.from_target_config(
+        cfg_dict,
+        mask_token_id=vocab - 1,
+        num_hidden_layers=a.draft_layers,
+        num_context_features=5,
+        target_layer_ids=layer_ids,
+        block_size=a.block_size,
+        **a.draft_overrides,
+    )
     head = (target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach())
     steps = 2 * a.steps  # first half: warm-up window
     rows = make_rows(steps * a.batch_size, a.seq_len, a.seq_len // 4, vocab)
@@ -134,8 +158,10 @@ def main(argv: list[str] | None = None) -> dict:
     # the very batches the training loop will build, for the bare side
     ds = TokenizedRows(rows, split="all", max_length=a.seq_len, block_size=a.block_size)
     plan = StepPlan(len(ds), 1, a.batch_size, seed)
-    batches = [build_batch(ds, plan.rows(s, 0)[1], plan.rows(s, 0)[0], seed, a.block_size, a.anchors, dc.mask_token_id)
-               for s in range(steps)]
+    batches = [
+        build_batch(ds, plan.rows(s, 0)[1], plan.rows(s, 0)[0], seed, a.block_size, a.anchors, dc.mask_token_id)
+        for s in range(steps)
+    ]
     draft_parameters = [0]
 
     def run_bare() -> tuple[float, int, int]:
@@ -147,14 +173,29 @@ def main(argv: list[str] | None = None) -> dict:
         drafter.attach_target(head[0].to(hd), head[1].to(hd))
         drafter.train()
         bare(target, drafter, batches[: a.steps], layer_ids, device)  # warm-up
-        return bare(target, drafter, batches[a.steps:], layer_ids, device)
+        return bare(target, drafter, batches[a.steps :], layer_ids, device)
 
     def run(features: str, tag: str = "", **kw) -> dict:
-        cfg = TrainConfig(shards=kw.pop("shards", []), tokenized=[str(tok)] if features == "online" else [], features=features,
-                          out_dir=str(tmp / f"{features}{tag}"), num_hidden_layers=a.draft_layers, num_context_features=5,
-                          target_layer_ids=layer_ids, block_size=a.block_size, mask_token_id=vocab - 1, max_length=a.seq_len,
-                          max_anchors=a.anchors, batch_size=a.batch_size, max_steps=steps, log_every=a.steps,
-                          checkpoint_every=0, seed=seed, device=a.device, eval_fraction=0.0)
+        cfg = TrainConfig(
+            shards=kw.pop("shards", []),
+            tokenized=[str(tok)] if features == "online" else [],
+            features=features,
+            out_dir=str(tmp / f"{features}{tag}"),
+            num_hidden_layers=a.draft_layers,
+            num_context_features=5,
+            target_layer_ids=layer_ids,
+            block_size=a.block_size,
+            mask_token_id=vocab - 1,
+            max_length=a.seq_len,
+            max_anchors=a.anchors,
+            batch_size=a.batch_size,
+            max_steps=steps,
+            log_every=a.steps,
+            checkpoint_every=0,
+            seed=seed,
+            device=a.device,
+            eval_fraction=0.0,
+        )
         result = train(cfg, draft_config=dc, target_head=head, online_target=target if features == "online" else None)
         return result.records[1]  # the measured window: steps a.steps+1 .. 2*a.steps
 
@@ -168,16 +209,26 @@ def main(argv: list[str] | None = None) -> dict:
         bare_runs.append(b_run)
         online_runs.append(o_run)
         ratios.append(o_run["tokens_per_s"] / (b_run[1] / b_run[0]))
-        print(f"round {r + 1}/{a.rounds}: bare {b_run[1] / b_run[0]:.1f}, online {o_run['tokens_per_s']:.1f} block tok/s, "
-              f"ratio {ratios[-1]:.3f}", flush=True)
+        print(
+            f"round {r + 1}/{a.rounds}: bare {b_run[1] / b_run[0]:.1f}, online {o_run['tokens_per_s']:.1f} block "
+            f"tok/s, ratio {ratios[-1]:.3f}",
+            flush=True,
+        )
     median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
     bare_s, bare_block, bare_ctx = bare_runs[median]
     online = online_runs[median]
     res = {
-        "size": a.size, "target_parameters": num_parameters(target), "device": str(device),
+        "size": a.size,
+        "target_parameters": num_parameters(target),
+        "device": str(device),
         "draft_parameters": draft_parameters[0],
-        "torch_threads": torch.get_num_threads(), "steps_measured": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len,
-        "block_size": a.block_size, "anchors": a.anchors, "draft_layers": a.draft_layers,
+        "torch_threads": torch.get_num_threads(),
+        "steps_measured": a.steps,
+        "batch_size": a.batch_size,
+        "seq_len": a.seq_len,
+        "block_size": a.block_size,
+        "anchors": a.anchors,
+        "draft_layers": a.draft_layers,
         "bare_block_tokens_per_s": round(bare_block / bare_s, 1),
         "bare_context_tokens_per_s": round(bare_ctx / bare_s, 1),
         "online_block_tokens_per_s": round(online["tokens_per_s"], 1),
@@ -190,7 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not a.skip_offline:
         with torch.inference_mode():
             t0 = time.perf_counter()
-            extract_partition(target, rows, tmp / "hs", layer_ids, rows_per_shard=64, max_tokens_per_batch=a.batch_size * a.seq_len)
+            extract_partition(
+                target, rows, tmp / "hs", layer_ids, rows_per_shard=64, max_tokens_per_batch=a.batch_size * a.seq_len
+            )
             sync(device)
             ext_s = time.perf_counter() - t0
         shards = [str(tmp / "hs" / s["name"]) for s in read_index(tmp / "hs")["shards"]]
@@ -198,20 +251,36 @@ def main(argv: list[str] | None = None) -> dict:
         res["extraction_tokens_per_s"] = round(len(rows) * a.seq_len / ext_s, 1)
         res["offline_block_tokens_per_s"] = round(offline["tokens_per_s"], 1)
         res["ratio_online_over_offline"] = round(online["tokens_per_s"] / offline["tokens_per_s"], 3)
-    print(f"bare (target fwd + drafter fwd/bwd): {res['bare_block_tokens_per_s']:.1f} block tok/s, "
-          f"{res['bare_context_tokens_per_s']:.1f} context tok/s")
-    print(f"online training                    : {res['online_block_tokens_per_s']:.1f} block tok/s, "
-          f"{res['online_context_tokens_per_s']:.1f} context tok/s")
-    print(f"ratio online / bare = {res['ratio_online_over_bare']:.3f} (median of {a.rounds} alternating rounds)   (goal >= 0.9)")
+    print(
+        f"bare (target fwd + drafter fwd/bwd): {res['bare_block_tokens_per_s']:.1f} block tok/s, "
+        f"{res['bare_context_tokens_per_s']:.1f} context tok/s"
+    )
+    print(
+        f"online training                    : {res['online_block_tokens_per_s']:.1f} block tok/s, "
+        f"{res['online_context_tokens_per_s']:.1f} context tok/s"
+    )
+    print(
+        f"ratio online / bare = {res['ratio_online_over_bare']:.3f} (median of {a.rounds} alternating rounds)   (goal "
+        ">= 0.9)"
+    )
     if "offline_block_tokens_per_s" in res:
-        print(f"offline training                   : {res['offline_block_tokens_per_s']:.1f} block tok/s "
-              f"(features read from shards; extraction ran at {res['extraction_tokens_per_s']:.1f} tok/s)")
+        print(
+            f"offline training                   : {res['offline_block_tokens_per_s']:.1f} block tok/s "
+            f"(features read from shards; extraction ran at {res['extraction_tokens_per_s']:.1f} tok/s)"
+        )
         print(f"ratio online / offline = {res['ratio_online_over_offline']:.3f}   (the price of not storing features)")
-    headline(f"online training / bare target forward + drafter step, block tok/s, median of {a.rounds} alternating rounds",
-             res["ratio_online_over_bare"], ">= 0.9", res["ratio_online_over_bare"] >= 0.9)
+    headline(
+        f"online training / bare target forward + drafter step, block tok/s, median of {a.rounds} alternating rounds",
+        res["ratio_online_over_bare"],
+        ">= 0.9",
+        res["ratio_online_over_bare"] >= 0.9,
+    )
     if "ratio_online_over_offline" in res:
-        headline("online training / offline training from stored features, block tok/s", res["ratio_online_over_offline"],
-                 "none (context: the cost of not storing features)")
+        headline(
+            "online training / offline training from stored features, block tok/s",
+            res["ratio_online_over_offline"],
+            "none (context: the cost of not storing features)",
+        )
     print(json.dumps(res))
     return res
 

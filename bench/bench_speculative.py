@@ -43,18 +43,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_assets.dflash.evaluation import (  # noqa: E402
+from headline import headline
+
+from dflash_assets.dflash.evaluation import (
     acceptance_histogram_png,
     evaluate_drafter,
     evaluate_drafters,
     teacher_forced_acceptance,
     untrained_drafter_like,
 )
-from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, load_target_head  # noqa: E402
-from dflash_assets.dflash.shards import extract_partition  # noqa: E402
-from dflash_assets.dflash.speculative import dflash_generate, target_generate  # noqa: E402
-from dflash_assets.dflash.train import TrainConfig, train  # noqa: E402
-from headline import headline  # noqa: E402
+from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, load_target_head
+from dflash_assets.dflash.shards import extract_partition
+from dflash_assets.dflash.speculative import dflash_generate, target_generate
+from dflash_assets.dflash.train import TrainConfig, train
 
 TRAIN_QUESTIONS = [
     "What is the capital of France?",
@@ -68,9 +69,29 @@ HELDOUT_QUESTIONS = ["What is the capital of Italy?", "Name three fruits."]
 
 
 def _summary(ev: dict) -> dict:
-    keys = ("tau", "tau_stderr", "tau_pooled", "tau_pooled_stderr", "per_prompt_tau", "histogram", "acceptance_per_position", "new_tokens", "target_forwards_plain", "target_forwards_spec",
-            "target_forwards_saved", "forward_reduction", "target_tokens_plain", "target_tokens_spec", "rollback",
-            "rollback_forwards", "rollback_tokens", "wall_s_plain", "wall_s_spec", "speedup", "lossless")
+    keys = (
+        "tau",
+        "tau_stderr",
+        "tau_pooled",
+        "tau_pooled_stderr",
+        "per_prompt_tau",
+        "histogram",
+        "acceptance_per_position",
+        "new_tokens",
+        "target_forwards_plain",
+        "target_forwards_spec",
+        "target_forwards_saved",
+        "forward_reduction",
+        "target_tokens_plain",
+        "target_tokens_spec",
+        "rollback",
+        "rollback_forwards",
+        "rollback_tokens",
+        "wall_s_plain",
+        "wall_s_spec",
+        "speedup",
+        "lossless",
+    )
     return {k: ev[k] for k in keys}
 
 
@@ -82,7 +103,11 @@ def drafter_step_ms(drafter, context_len: int, steps: int = 30) -> dict:
     with torch.inference_mode():
         t0 = time.perf_counter()
         for s in range(steps):
-            drafter(block, target_hidden=feats[:, : context_len + s], position_ids=torch.arange(context_len + s + block.shape[1])[None])
+            drafter(
+                block,
+                target_hidden=feats[:, : context_len + s],
+                position_ids=torch.arange(context_len + s + block.shape[1])[None],
+            )
         t1 = time.perf_counter()
         cache = drafter.extend_context(drafter.new_context_cache(), feats[:, :context_len])
         t2 = time.perf_counter()
@@ -95,7 +120,9 @@ def drafter_step_ms(drafter, context_len: int, steps: int = 30) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="smollm2", help="smollm2 (the local model) or a hybrid size of bench/random_targets.py")
+    ap.add_argument(
+        "--target", default="smollm2", help="smollm2 (the local model) or a hybrid size of bench/random_targets.py"
+    )
     ap.add_argument("--drafter", help="exported drafter dir (skip training)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--block-size", type=int, default=4)
@@ -123,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
 
     def encode(q: str) -> list[int]:
-        return tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       tokenize=True)["input_ids"]
+        return tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
 
     train_prompts = [encode(q) for q in TRAIN_QUESTIONS]
     heldout_prompts = [encode(q) for q in HELDOUT_QUESTIONS]
@@ -134,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"max_new_tokens": a.max_new_tokens, "device": str(device), "threads": torch.get_num_threads()}
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_spec_"))
-    rows = [{"index": i, "input_ids": p + r.output_ids, "loss_mask": [0] * len(p) + [1] * len(r.output_ids)}
-            for i, (p, r) in enumerate(zip(train_prompts, plain))]
+    rows = [
+        {"index": i, "input_ids": p + r.output_ids, "loss_mask": [0] * len(p) + [1] * len(r.output_ids)}
+        for i, (p, r) in enumerate(zip(train_prompts, plain))
+    ]
     if a.drafter:
         from dflash_assets.dflash.export import load_exported
 
@@ -149,17 +179,35 @@ def main(argv: list[str] | None = None) -> int:
     extract_partition(target, rows, tmp / "shards", layer_ids, rows_per_shard=64)
     shards = sorted(str(p) for p in (tmp / "shards").glob("*.safetensors"))
     if not a.drafter:
-        dc = DFlashConfig.from_target_config(config, mask_token_id=16, num_hidden_layers=a.layers,
-                                             block_size=a.block_size, target_layer_ids=layer_ids)
+        dc = DFlashConfig.from_target_config(
+            config, mask_token_id=16, num_hidden_layers=a.layers, block_size=a.block_size, target_layer_ids=layer_ids
+        )
         t0 = time.perf_counter()
-        cfg = TrainConfig(shards=shards, out_dir=str(tmp / "run"), block_size=a.block_size, max_anchors=128,
-                          batch_size=len(rows), lr=2e-3, max_steps=a.steps, warmup_ratio=0.05, min_lr_ratio=0.1,
-                          checkpoint_every=0, log_every=10, seed=a.seed, device=a.device, prefetch=1)
+        cfg = TrainConfig(
+            shards=shards,
+            out_dir=str(tmp / "run"),
+            block_size=a.block_size,
+            max_anchors=128,
+            batch_size=len(rows),
+            lr=2e-3,
+            max_steps=a.steps,
+            warmup_ratio=0.05,
+            min_lr_ratio=0.1,
+            checkpoint_every=0,
+            log_every=10,
+            seed=a.seed,
+            device=a.device,
+            prefetch=1,
+        )
         result = train(cfg, draft_config=dc, target_head=(embed, head))
         drafter = result.model.eval()
-        report["train"] = {"steps": result.step, "final_loss": result.summary["final_loss"],
-                           "seconds": time.perf_counter() - t0, "rows": len(rows),
-                           "tokens": sum(len(r["input_ids"]) for r in rows)}
+        report["train"] = {
+            "steps": result.step,
+            "final_loss": result.summary["final_loss"],
+            "seconds": time.perf_counter() - t0,
+            "rows": len(rows),
+            "tokens": sum(len(r["input_ids"]) for r in rows),
+        }
 
     fresh = untrained_drafter_like(drafter, seed=a.seed)
     kw = dict(eos_token_ids=[end_id])  # plain decoding interleaved with speculative (not the earlier plain runs)
@@ -172,39 +220,83 @@ def main(argv: list[str] | None = None) -> int:
     }
     timing = {}
     for label, cached in (("before (re-project the context every step)", False), ("after (context cache)", True)):
-        evs = evaluate_drafters(target, {"trained": drafter, "untrained": fresh}, train_prompts, a.max_new_tokens,
-                                eos_token_ids=[end_id], use_context_cache=cached)
-        timing[label] = {name: {"tau": ev["tau"], "wall_s_spec": ev["wall_s_spec"], "wall_s_plain": ev["wall_s_plain"],
-                                "spec_over_plain": ev["wall_s_spec"] / ev["wall_s_plain"], "speedup": ev["speedup"],
-                                "lossless": ev["lossless"]} for name, ev in evs.items()}
-        print(f"{label}: " + "; ".join(f"{n} drafter spec/plain wall {t['spec_over_plain']:.3f} (speedup {t['speedup']:.3f}, "
-                                       f"tau {t['tau']:.2f})" for n, t in timing[label].items()), file=sys.stderr)
+        evs = evaluate_drafters(
+            target,
+            {"trained": drafter, "untrained": fresh},
+            train_prompts,
+            a.max_new_tokens,
+            eos_token_ids=[end_id],
+            use_context_cache=cached,
+        )
+        timing[label] = {
+            name: {
+                "tau": ev["tau"],
+                "wall_s_spec": ev["wall_s_spec"],
+                "wall_s_plain": ev["wall_s_plain"],
+                "spec_over_plain": ev["wall_s_spec"] / ev["wall_s_plain"],
+                "speedup": ev["speedup"],
+                "lossless": ev["lossless"],
+            }
+            for name, ev in evs.items()
+        }
+        print(
+            f"{label}: "
+            + "; ".join(
+                f"{n} drafter spec/plain wall {t['spec_over_plain']:.3f} (speedup {t['speedup']:.3f}, "
+                f"tau {t['tau']:.2f})"
+                for n, t in timing[label].items()
+            ),
+            file=sys.stderr,
+        )
     timing["drafter_step_ms"] = {str(c): drafter_step_ms(drafter, c) for c in (100, 1000)}
     report["context_cache"] = timing
     ev_held = evaluate_drafter(target, drafter, heldout_prompts, a.max_new_tokens, eos_token_ids=[end_id])
     report["heldout_prompts"] = {"trained": _summary(ev_held)}
     if a.png:
-        Path(a.png).write_bytes(acceptance_histogram_png(
-            {"trained": [v for s in ev_trained["accepted_lengths"] for v in s],
-             "untrained": [v for s in ev_untrained["accepted_lengths"] for v in s]},
-            drafter.config.block_size, title="DFlash on SmolLM2-135M (training prompts)"))
+        Path(a.png).write_bytes(
+            acceptance_histogram_png(
+                {
+                    "trained": [v for s in ev_trained["accepted_lengths"] for v in s],
+                    "untrained": [v for s in ev_untrained["accepted_lengths"] for v in s],
+                },
+                drafter.config.block_size,
+                title="DFlash on SmolLM2-135M (training prompts)",
+            )
+        )
         report["png"] = a.png
     report["side_by_side"] = side_by_side(target, drafter, train_prompts + heldout_prompts, a.max_new_tokens, end_id)
     report["total_s"] = time.perf_counter() - t_start
     print(json.dumps(report, indent=1))
     sbs = report["side_by_side"]
-    print(f"speculative / plain wall-time speedup ratio (side by side, {sbs['prompts']} prompts): {sbs['speedup']:.3f} "
-          f"(plain {sbs['wall_s_plain']:.1f} s, speculative {sbs['wall_s_spec']:.1f} s; lossless: {sbs['lossless']}); "
-          f"goal: > 1.0 on a GPU, lossless always")
-    print(f"tau trained {report['train_prompts']['trained']['tau']:.3f} vs untrained "
-          f"{report['train_prompts']['untrained']['tau']:.3f} (goal: trained > untrained)")
-    headline(f"CPU, SmolLM2-135M target: speculative / plain decoding wall-time speedup, side by side on "
-             f"{sbs['prompts']} prompts", sbs["speedup"], "> 1.0 on a GPU (no goal on a CPU)", None)
-    headline("greedy speculative output equals plain decoding token for token", "yes" if sbs["lossless"] else "no",
-             "yes", bool(sbs["lossless"]))
+    print(
+        f"speculative / plain wall-time speedup ratio (side by side, {sbs['prompts']} prompts): {sbs['speedup']:.3f} "
+        f"(plain {sbs['wall_s_plain']:.1f} s, speculative {sbs['wall_s_spec']:.1f} s; lossless: {sbs['lossless']}); "
+        f"goal: > 1.0 on a GPU, lossless always"
+    )
+    print(
+        f"tau trained {report['train_prompts']['trained']['tau']:.3f} vs untrained "
+        f"{report['train_prompts']['untrained']['tau']:.3f} (goal: trained > untrained)"
+    )
+    headline(
+        f"CPU, SmolLM2-135M target: speculative / plain decoding wall-time speedup, side by side on "
+        f"{sbs['prompts']} prompts",
+        sbs["speedup"],
+        "> 1.0 on a GPU (no goal on a CPU)",
+        None,
+    )
+    headline(
+        "greedy speculative output equals plain decoding token for token",
+        "yes" if sbs["lossless"] else "no",
+        "yes",
+        bool(sbs["lossless"]),
+    )
     tau_t, tau_u = report["train_prompts"]["trained"]["tau"], report["train_prompts"]["untrained"]["tau"]
-    headline(f"tau of the trained drafter on its training prompts (untrained {tau_u:.2f})", tau_t,
-             "> the untrained drafter's", tau_t > tau_u)
+    headline(
+        f"tau of the trained drafter on its training prompts (untrained {tau_u:.2f})",
+        tau_t,
+        "> the untrained drafter's",
+        tau_t > tau_u,
+    )
     for name in ("trained", "untrained"):
         print(work_line(name, report["train_prompts"][name]))
     return 0
@@ -213,10 +305,12 @@ def main(argv: list[str] | None = None) -> int:
 def work_line(name: str, ev: dict, mixer_share: float | None = None) -> str:
     """Target work of one evaluation: plain vs speculative forwards and tokens, and what the rollbacks added."""
     share = f" (each reads {mixer_share:.1%} of the target's weights)" if mixer_share is not None else ""
-    return (f"{name}: tau {ev['tau']:.3f}, lossless {ev['lossless']}; target work: plain {ev['target_forwards_plain']} forwards "
-            f"over {ev['target_tokens_plain']} tokens, speculative {ev['target_forwards_spec']} verify forwards over "
-            f"{ev['target_tokens_spec']} tokens + rollback ({ev['rollback']}) {ev['rollback_forwards']} passes over "
-            f"{ev['rollback_tokens']} tokens{share}")
+    return (
+        f"{name}: tau {ev['tau']:.3f}, lossless {ev['lossless']}; target work: plain {ev['target_forwards_plain']} "
+        f"forwards over {ev['target_tokens_plain']} tokens, speculative {ev['target_forwards_spec']} verify forwards "
+        f"over {ev['target_tokens_spec']} tokens + rollback ({ev['rollback']}) {ev['rollback_forwards']} passes over "
+        f"{ev['rollback_tokens']} tokens{share}"
+    )
 
 
 def mixer_weight_share(target) -> float:
@@ -234,14 +328,26 @@ def scripted_run(target, dc, prompts, plain, max_new_tokens: int, seed: int) -> 
     rng = torch.Generator().manual_seed(seed)
     runs = []
     for p, r in zip(prompts, plain):
-        corrupt = [int(k) if k < dc.block_size else None for k in torch.randint(1, dc.block_size + 1, (max_new_tokens,), generator=rng)]
-        runs.append(dflash_generate(target, OracleDrafter(p + r.output_ids + [0] * dc.block_size, dc, corrupt), p, max_new_tokens))
-    return {"tau": sum(map(sum, (x.accepted_lengths for x in runs))) / sum(len(x.accepted_lengths) for x in runs),
-            "lossless": all(x.output_ids == r.output_ids for x, r in zip(runs, plain)),
-            "target_forwards_plain": sum(r.num_target_forwards for r in plain), "target_tokens_plain": sum(r.num_target_tokens for r in plain),
-            "target_forwards_spec": sum(x.num_target_forwards for x in runs), "target_tokens_spec": sum(x.num_target_tokens for x in runs),
-            "rollback": runs[0].rollback, "rollback_forwards": sum(x.rollback_forwards for x in runs),
-            "rollback_tokens": sum(x.rollback_tokens for x in runs)}
+        corrupt = [
+            int(k) if k < dc.block_size else None
+            for k in torch.randint(1, dc.block_size + 1, (max_new_tokens,), generator=rng)
+        ]
+        runs.append(
+            dflash_generate(
+                target, OracleDrafter(p + r.output_ids + [0] * dc.block_size, dc, corrupt), p, max_new_tokens
+            )
+        )
+    return {
+        "tau": sum(map(sum, (x.accepted_lengths for x in runs))) / sum(len(x.accepted_lengths) for x in runs),
+        "lossless": all(x.output_ids == r.output_ids for x, r in zip(runs, plain)),
+        "target_forwards_plain": sum(r.num_target_forwards for r in plain),
+        "target_tokens_plain": sum(r.num_target_tokens for r in plain),
+        "target_forwards_spec": sum(x.num_target_forwards for x in runs),
+        "target_tokens_spec": sum(x.num_target_tokens for x in runs),
+        "rollback": runs[0].rollback,
+        "rollback_forwards": sum(x.rollback_forwards for x in runs),
+        "rollback_tokens": sum(x.rollback_tokens for x in runs),
+    }
 
 
 def hybrid_main(a) -> int:
@@ -259,30 +365,58 @@ def hybrid_main(a) -> int:
     prompts = [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in (12, 20, 28, 36, 44, 52)]
     plain = [target_generate(target, p, a.max_new_tokens) for p in prompts]
     layer_ids = default_target_layer_ids(target.config.num_hidden_layers)
-    rows = [{"index": i, "input_ids": p + r.output_ids, "loss_mask": [0] * len(p) + [1] * len(r.output_ids)}
-            for i, (p, r) in enumerate(zip(prompts, plain))]
+    rows = [
+        {"index": i, "input_ids": p + r.output_ids, "loss_mask": [0] * len(p) + [1] * len(r.output_ids)}
+        for i, (p, r) in enumerate(zip(prompts, plain))
+    ]
     tmp = Path(tempfile.mkdtemp(prefix="bench_spec_hybrid_"))
     extract_partition(target, rows, tmp / "shards", layer_ids, rows_per_shard=64)
     shards = sorted(str(p) for p in (tmp / "shards").glob("*.safetensors"))
-    dc = DFlashConfig.from_target_config(target.config, mask_token_id=vocab - 1, num_hidden_layers=a.layers,
-                                         block_size=a.block_size, target_layer_ids=layer_ids)
+    dc = DFlashConfig.from_target_config(
+        target.config,
+        mask_token_id=vocab - 1,
+        num_hidden_layers=a.layers,
+        block_size=a.block_size,
+        target_layer_ids=layer_ids,
+    )
     head = (target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach())
-    cfg = TrainConfig(shards=shards, out_dir=str(tmp / "run"), block_size=a.block_size, max_anchors=128, batch_size=len(rows),
-                      lr=2e-3, max_steps=a.steps, warmup_ratio=0.05, min_lr_ratio=0.1, checkpoint_every=0, log_every=10,
-                      seed=a.seed, device=a.device, prefetch=1)
+    cfg = TrainConfig(
+        shards=shards,
+        out_dir=str(tmp / "run"),
+        block_size=a.block_size,
+        max_anchors=128,
+        batch_size=len(rows),
+        lr=2e-3,
+        max_steps=a.steps,
+        warmup_ratio=0.05,
+        min_lr_ratio=0.1,
+        checkpoint_every=0,
+        log_every=10,
+        seed=a.seed,
+        device=a.device,
+        prefetch=1,
+    )
     drafter = train(cfg, draft_config=dc, target_head=head).model.eval()
     # held-out prompts: the trained drafter is right only part of the way, so partial acceptances (rollbacks) happen
     heldout = [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in (16, 24, 32, 40)]
     drafters = {"trained": drafter, "untrained": untrained_drafter_like(drafter, seed=a.seed)}
-    evs = {f"{name} ({which} prompts)": ev
-           for which, ps in (("training", prompts), ("held-out", heldout))
-           for name, ev in evaluate_drafters(target, drafters, ps, a.max_new_tokens).items()}
+    evs = {
+        f"{name} ({which} prompts)": ev
+        for which, ps in (("training", prompts), ("held-out", heldout))
+        for name, ev in evaluate_drafters(target, drafters, ps, a.max_new_tokens).items()
+    }
     evs["scripted (training prompts)"] = scripted_run(target, dc, prompts, plain, a.max_new_tokens, a.seed)
     share = mixer_weight_share(target)
-    report = {"target": a.target, "target_parameters": num_parameters(target), "max_new_tokens": a.max_new_tokens,
-              "block_size": a.block_size, "prompts": {"training": len(prompts), "held-out": len(heldout)},
-              "mixer_weight_share": share, **{name: _summary(ev) if "scripted" not in name else ev for name, ev in evs.items()},
-              "total_s": time.perf_counter() - t_start}
+    report = {
+        "target": a.target,
+        "target_parameters": num_parameters(target),
+        "max_new_tokens": a.max_new_tokens,
+        "block_size": a.block_size,
+        "prompts": {"training": len(prompts), "held-out": len(heldout)},
+        "mixer_weight_share": share,
+        **{name: _summary(ev) if "scripted" not in name else ev for name, ev in evs.items()},
+        "total_s": time.perf_counter() - t_start,
+    }
     print(json.dumps(report, indent=1))
     for name, ev in evs.items():
         print(work_line(name, ev, share))
@@ -293,24 +427,36 @@ def side_by_side(target, drafter, prompts, max_new_tokens: int, end_id: int) -> 
     """Plain and speculative decoding of each prompt back to back (order alternating by prompt); summed
     wall seconds of each and their ratio, and whether every speculative output equals the plain one."""
     cfg = drafter.config
-    kw = dict(target_layer_ids=cfg.target_layer_ids, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-              eos_token_ids=[end_id])
+    kw = dict(
+        target_layer_ids=cfg.target_layer_ids,
+        block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id,
+        eos_token_ids=[end_id],
+    )
     wall_plain = wall_spec = 0.0
     lossless = True
     for i, p in enumerate(prompts):
         runs = {}
-        for kind in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):
+        for kind in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
             t0 = time.perf_counter()
-            runs[kind] = (target_generate(target, p, max_new_tokens, [end_id]) if kind == "plain"
-                          else dflash_generate(target, drafter, p, max_new_tokens, **kw))
+            runs[kind] = (
+                target_generate(target, p, max_new_tokens, [end_id])
+                if kind == "plain"
+                else dflash_generate(target, drafter, p, max_new_tokens, **kw)
+            )
             elapsed = time.perf_counter() - t0
             if kind == "plain":
                 wall_plain += elapsed
             else:
                 wall_spec += elapsed
         lossless = lossless and runs["plain"].output_ids == runs["spec"].output_ids
-    return {"prompts": len(prompts), "wall_s_plain": wall_plain, "wall_s_spec": wall_spec,
-            "speedup": wall_plain / wall_spec if wall_spec else float("nan"), "lossless": lossless}
+    return {
+        "prompts": len(prompts),
+        "wall_s_plain": wall_plain,
+        "wall_s_spec": wall_spec,
+        "speedup": wall_plain / wall_spec if wall_spec else float("nan"),
+        "lossless": lossless,
+    }
 
 
 if __name__ == "__main__":

@@ -36,17 +36,80 @@ from pathlib import Path
 import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dflash_assets.assets.tokenized import TokenizeConfig, tokenize_stage  # noqa: E402
-from dflash_assets.storage import Storage  # noqa: E402
-from headline import headline  # noqa: E402
+from headline import headline
+
+from dflash_assets.assets.tokenized import TokenizeConfig, tokenize_stage
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.records import rows_to_frame
 from dflash_assets.settings import GenerationSettings
+from dflash_assets.storage import Storage
 from dflash_assets.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
 
-WORDS = ("the function returns a list of values for each item in the input array sorted by key "
-         "def for while if else return import class self None True False int str dict len range "
-         "print( ) [ ] { } : = == + - * / 0 1 2 10 42 100 x y i j n result value index count total").split()
+WORDS = [
+    "the",
+    "function",
+    "returns",
+    "a",
+    "list",
+    "of",
+    "values",
+    "for",
+    "each",
+    "item",
+    "in",
+    "the",
+    "input",
+    "array",
+    "sorted",
+    "by",
+    "key",
+    "def",
+    "for",
+    "while",
+    "if",
+    "else",
+    "return",
+    "import",
+    "class",
+    "self",
+    "None",
+    "True",
+    "False",
+    "int",
+    "str",
+    "dict",
+    "len",
+    "range",
+    "print(",
+    ")",
+    "[",
+    "]",
+    "{",
+    "}",
+    ":",
+    "=",
+    "==",
+    "+",
+    "-",
+    "*",
+    "/",
+    "0",
+    "1",
+    "2",
+    "10",
+    "42",
+    "100",
+    "x",
+    "y",
+    "i",
+    "j",
+    "n",
+    "result",
+    "value",
+    "index",
+    "count",
+    "total",
+]
 
 
 def synthetic_text(rng: random.Random, n_words: int) -> str:
@@ -67,18 +130,35 @@ def synthetic_partition(rows: int, seed: int = 0) -> tuple[pl.DataFrame, pl.Data
     for i in range(rows):
         messages = [{"role": "user", "content": synthetic_text(rng, rng.randint(20, 120))}]
         if rng.random() < 0.3:
-            messages = [{"role": "system", "content": "You are a careful coding assistant."},
-                        {"role": "user", "content": synthetic_text(rng, 30)},
-                        {"role": "assistant", "content": synthetic_text(rng, 40)}, *messages]
+            messages = [
+                {"role": "system", "content": "You are a careful coding assistant."},
+                {"role": "user", "content": synthetic_text(rng, 30)},
+                {"role": "assistant", "content": synthetic_text(rng, 40)},
+                *messages,
+            ]
         prompts.append({"index": i, "prompt_id": f"bench:{i}", "source": "bench", "messages": messages})
-        completions.append({
-            "index": i, "prompt_id": f"bench:{i}", "source": "bench", "reasoning_content": None,
-            "content": synthetic_text(rng, rng.randint(150, 450)), "finish_reason": "stop", "prompt_tokens": 0,
-            "completion_tokens": 0, "output_token_ids": None, "truncated_in_reasoning": False, "empty_answer": False,
-            "max_output_tokens": settings.max_output_tokens, "settings_fingerprint": settings.sampling_fingerprint(),
-            "settings": json.dumps(settings.model_dump(), sort_keys=True), "latency_s": 0.0, "server": "bench",
-            "attempts": 1, "error": None,
-        })
+        completions.append(
+            {
+                "index": i,
+                "prompt_id": f"bench:{i}",
+                "source": "bench",
+                "reasoning_content": None,
+                "content": synthetic_text(rng, rng.randint(150, 450)),
+                "finish_reason": "stop",
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "output_token_ids": None,
+                "truncated_in_reasoning": False,
+                "empty_answer": False,
+                "max_output_tokens": settings.max_output_tokens,
+                "settings_fingerprint": settings.sampling_fingerprint(),
+                "settings": json.dumps(settings.model_dump(), sort_keys=True),
+                "latency_s": 0.0,
+                "server": "bench",
+                "attempts": 1,
+                "error": None,
+            }
+        )
     return rows_to_frame(completions), pl.DataFrame(prompts)
 
 
@@ -110,7 +190,9 @@ def main() -> None:
         store = Storage(tmp)
         for _ in range(args.repeats):
             started = time.perf_counter()
-            tokenized, _, counts, _, _, checks = tokenize_stage(store, "0000000-0000999", completions, prompts, builder, config, 1 << 20)
+            tokenized, _, counts, _, _, checks = tokenize_stage(
+                store, "0000000-0000999", completions, prompts, builder, config, 1 << 20
+            )
             times["stage"].append(time.perf_counter() - started)
             tokens["stage"] = int(tokenized["input_ids"].list.len().sum())
             started = time.perf_counter()
@@ -118,10 +200,16 @@ def main() -> None:
             times["tokenize"].append(time.perf_counter() - started)
             tokens["tokenize"] = int(tokenized["input_ids"].list.len().sum())
             started = time.perf_counter()
-            rendered = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompt_messages]
-            plain_ids = tokenizer([p + c for p, c in zip(rendered, completion_texts)], add_special_tokens=False)["input_ids"]
-            pl.DataFrame({"index": completions["index"], "input_ids": plain_ids},
-                         schema={"index": pl.Int64, "input_ids": pl.List(pl.Int32)}).write_parquet(Path(tmp) / "plain.parquet")
+            rendered = [
+                tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompt_messages
+            ]
+            plain_ids = tokenizer([p + c for p, c in zip(rendered, completion_texts)], add_special_tokens=False)[
+                "input_ids"
+            ]
+            pl.DataFrame(
+                {"index": completions["index"], "input_ids": plain_ids},
+                schema={"index": pl.Int64, "input_ids": pl.List(pl.Int32)},
+            ).write_parquet(Path(tmp) / "plain.parquet")
             times["plain"].append(time.perf_counter() - started)
             tokens["plain"] = sum(len(x) for x in plain_ids)
             started = time.perf_counter()
@@ -137,8 +225,10 @@ def main() -> None:
     blocking = {"no_empty_loss_mask", "no_degenerate_mask_length_mode", "completion_decodes_to_recorded_text"}
     assert all(c.passed for c in checks if c.check_name in blocking), [c.check_name for c in checks if not c.passed]
 
-    print(f"partition: {args.rows} rows, {tokens['stage']} tokens (mean {tokens['stage'] / args.rows:.0f}/row, "
-          f"completion {int(tokenized['num_loss_tokens'].sum()) / args.rows:.0f}/row); {args.repeats} rounds")
+    print(
+        f"partition: {args.rows} rows, {tokens['stage']} tokens (mean {tokens['stage'] / args.rows:.0f}/row, "
+        f"completion {int(tokenized['num_loss_tokens'].sum()) / args.rows:.0f}/row); {args.repeats} rounds"
+    )
     print(f"{'':10}{'best s':>10}{'tokens':>10}{'tok/s':>12}")
     for name in ("stage", "tokenize", "plain", "bare", "rust"):
         print(f"{name:10}{min(times[name]):>10.3f}{tokens[name]:>10}{tokens[name] / min(times[name]):>12.0f}")
@@ -148,14 +238,23 @@ def main() -> None:
         best = (tokens[name] / min(times[name])) / (tokens[base] / min(times[base]))
         return pairs[len(pairs) // 2], best
 
-    for base, label in (("plain", "same-work plain baseline (template + batched tokenizer + Parquet)"),
-                        ("bare", "bare batched tokenizer (BPE only)")):
+    for base, label in (
+        ("plain", "same-work plain baseline (template + batched tokenizer + Parquet)"),
+        ("bare", "bare batched tokenizer (BPE only)"),
+    ):
         med, best = ratio("stage", base)
-        print(f"whole stage / {label} ratio: median {med:.3f}, best-of {best:.2f} "
-              f"(goal >= 0.90: {'met' if med >= 0.9 else 'NOT met'})")
-        headline(f"whole tokenize stage / {label} tokens/s, median of {args.repeats} rounds", med, ">= 0.90", med >= 0.9)
+        print(
+            f"whole stage / {label} ratio: median {med:.3f}, best-of {best:.2f} "
+            f"(goal >= 0.90: {'met' if med >= 0.9 else 'NOT met'})"
+        )
+        headline(
+            f"whole tokenize stage / {label} tokens/s, median of {args.repeats} rounds", med, ">= 0.90", med >= 0.9
+        )
     med, best = ratio("stage", "rust")
-    print(f"whole stage / Rust encode_batch_fast floor (no goal: strictly less work) ratio: median {med:.2f}, best-of {best:.2f}")
+    print(
+        f"whole stage / Rust encode_batch_fast floor (no goal: strictly less work) ratio: median {med:.2f}, best-of "
+        f"{best:.2f}"
+    )
     med, best = ratio("tokenize", "bare")
     print(f"tokenize_partition alone / bare ratio: median {med:.2f}, best-of {best:.2f}")
 

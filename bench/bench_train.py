@@ -28,11 +28,12 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_assets.dflash.data import HiddenStateShards  # noqa: E402
-from dflash_assets.dflash.loss import dflash_loss_from_hidden  # noqa: E402
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel  # noqa: E402
-from dflash_assets.dflash.train import StepPlan, TrainConfig, build_batch, train  # noqa: E402
-from headline import headline  # noqa: E402
+from headline import headline
+
+from dflash_assets.dflash.data import HiddenStateShards
+from dflash_assets.dflash.loss import dflash_loss_from_hidden
+from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
+from dflash_assets.dflash.train import StepPlan, TrainConfig, build_batch, train
 
 
 def make_shard(path: Path, rows: int, seq_len: int, prompt_len: int, feat_dim: int, vocab: int, seed: int) -> None:
@@ -40,12 +41,15 @@ def make_shard(path: Path, rows: int, seq_len: int, prompt_len: int, feat_dim: i
     n = rows * seq_len
     loss_mask = torch.zeros(rows, seq_len, dtype=torch.int8)
     loss_mask[:, prompt_len:] = 1
-    save_file({
-        "hidden_states": torch.randn(n, feat_dim, generator=g).to(torch.bfloat16),
-        "input_ids": torch.randint(0, vocab - 1, (n,), generator=g).to(torch.int32),
-        "loss_mask": loss_mask.reshape(-1),
-        "cu_seqlens": torch.arange(0, n + 1, seq_len, dtype=torch.int64),
-    }, str(path))
+    save_file(
+        {
+            "hidden_states": torch.randn(n, feat_dim, generator=g).to(torch.bfloat16),
+            "input_ids": torch.randint(0, vocab - 1, (n,), generator=g).to(torch.int32),
+            "loss_mask": loss_mask.reshape(-1),
+            "cu_seqlens": torch.arange(0, n + 1, seq_len, dtype=torch.int64),
+        },
+        str(path),
+    )
 
 
 def bare_tokens_per_s(dc, embed, head, batches, device, block_size) -> float:
@@ -63,9 +67,15 @@ def bare_tokens_per_s(dc, embed, head, batches, device, block_size) -> float:
     tokens = 0
     for b in batches:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            hidden = model(b.block_input_ids, target_hidden=b.context_hidden, position_ids=b.position_ids,
-                           attention_mask=b.attention_mask)
-            loss = dflash_loss_from_hidden(hidden, model.target_lm_head_weight, b.labels, b.label_mask, block_size)["loss"]
+            hidden = model(
+                b.block_input_ids,
+                target_hidden=b.context_hidden,
+                position_ids=b.position_ids,
+                attention_mask=b.attention_mask,
+            )
+            loss = dflash_loss_from_hidden(hidden, model.target_lm_head_weight, b.labels, b.label_mask, block_size)[
+                "loss"
+            ]
         loss.backward()
         model.zero_grad(set_to_none=True)
         tokens += b.num_block_tokens
@@ -99,10 +109,17 @@ def main() -> None:
     torch.set_num_threads(a.threads)
 
     dc = DFlashConfig(
-        hidden_size=a.hidden, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-        head_dim=a.hidden // a.heads, intermediate_size=a.intermediate, vocab_size=a.vocab,
-        mask_token_id=a.vocab - 1, target_layer_ids=[1, 8, 14, 20, 27], num_target_layers=30,
-        num_hidden_layers=layers, block_size=a.block_size,
+        hidden_size=a.hidden,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        head_dim=a.hidden // a.heads,
+        intermediate_size=a.intermediate,
+        vocab_size=a.vocab,
+        mask_token_id=a.vocab - 1,
+        target_layer_ids=[1, 8, 14, 20, 27],
+        num_target_layers=30,
+        num_hidden_layers=layers,
+        block_size=a.block_size,
     )
     g = torch.Generator().manual_seed(0)
     embed = torch.randn(a.vocab, a.hidden, generator=g) * 0.05
@@ -112,9 +129,17 @@ def main() -> None:
         rows = steps * a.batch_size
         make_shard(shard, rows, seq_len, seq_len // 8, 5 * a.hidden, a.vocab, 1)
         cfg = TrainConfig(
-            shards=[str(shard)], out_dir=str(Path(tmp) / "run"), block_size=a.block_size, max_anchors=anchors,
-            max_length=seq_len, batch_size=a.batch_size, max_steps=steps, checkpoint_every=0, log_every=10,
-            seed=0, device=a.device,
+            shards=[str(shard)],
+            out_dir=str(Path(tmp) / "run"),
+            block_size=a.block_size,
+            max_anchors=anchors,
+            max_length=seq_len,
+            batch_size=a.batch_size,
+            max_steps=steps,
+            checkpoint_every=0,
+            log_every=10,
+            seed=0,
+            device=a.device,
         )
         # the same batches as the training run, prebuilt and already on the device
         device = torch.device(a.device)
@@ -123,7 +148,9 @@ def main() -> None:
         batches = []
         for s in range(steps):
             epoch, rws = plan.rows(s, 0)
-            batches.append(build_batch(dataset, rws, epoch, cfg.seed, a.block_size, anchors, dc.mask_token_id).to(device))
+            batches.append(
+                build_batch(dataset, rws, epoch, cfg.seed, a.block_size, anchors, dc.mask_token_id).to(device)
+            )
         tokens = sum(b.num_block_tokens for b in batches)
         # Rounds alternate which side runs first, in one process; each round's ratio compares two
         # neighbouring timings, and the median over rounds is the figure (a single pair under load
@@ -138,20 +165,43 @@ def main() -> None:
                 train_tps = train(cfg_r, draft_config=dc, target_head=(embed, head)).tokens_per_s
                 bare_tps = bare_tokens_per_s(dc, embed, head, batches, device, a.block_size)
             rounds.append((train_tps, bare_tps, train_tps / bare_tps))
-            print(f"round {r + 1}: train {train_tps:.1f} tok/s, bare {bare_tps:.1f} tok/s, ratio {train_tps / bare_tps:.3f}", flush=True)
+            print(
+                f"round {r + 1}: train {train_tps:.1f} tok/s, bare {bare_tps:.1f} tok/s, ratio "
+                f"{train_tps / bare_tps:.3f}",
+                flush=True,
+            )
     ratios = sorted(x[2] for x in rounds)
-    median = ratios[len(ratios) // 2] if len(ratios) % 2 else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
-    print(f"train / bare forward+backward ratio: median {median:.3f} over {len(rounds)} alternating rounds "
-          f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}; goal >= 0.85: {'met' if median >= 0.85 else 'NOT met'})")
-    headline(f"drafter train step / bare forward+backward tokens/s, median of {len(rounds)} alternating rounds",
-             median, ">= 0.85", median >= 0.85)
-    print(json.dumps({
-        "device": a.device, "steps": steps, "seq_len": seq_len, "anchors": anchors, "layers": layers,
-        "block_tokens_per_step": tokens // steps, "rounds": len(rounds),
-        "train_tokens_per_s_median": round(sorted(x[0] for x in rounds)[len(rounds) // 2], 1),
-        "bare_tokens_per_s_median": round(sorted(x[1] for x in rounds)[len(rounds) // 2], 1),
-        "ratio": round(median, 3), "ratios": [round(x, 3) for x in ratios], "goal": 0.85,
-    }))
+    median = (
+        ratios[len(ratios) // 2] if len(ratios) % 2 else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
+    )
+    print(
+        f"train / bare forward+backward ratio: median {median:.3f} over {len(rounds)} alternating rounds "
+        f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}; goal >= 0.85: {'met' if median >= 0.85 else 'NOT met'})"
+    )
+    headline(
+        f"drafter train step / bare forward+backward tokens/s, median of {len(rounds)} alternating rounds",
+        median,
+        ">= 0.85",
+        median >= 0.85,
+    )
+    print(
+        json.dumps(
+            {
+                "device": a.device,
+                "steps": steps,
+                "seq_len": seq_len,
+                "anchors": anchors,
+                "layers": layers,
+                "block_tokens_per_step": tokens // steps,
+                "rounds": len(rounds),
+                "train_tokens_per_s_median": round(sorted(x[0] for x in rounds)[len(rounds) // 2], 1),
+                "bare_tokens_per_s_median": round(sorted(x[1] for x in rounds)[len(rounds) // 2], 1),
+                "ratio": round(median, 3),
+                "ratios": [round(x, 3) for x in ratios],
+                "goal": 0.85,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

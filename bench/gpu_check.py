@@ -43,20 +43,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_online  # noqa: E402
-from headline import headline  # noqa: E402
-from random_targets import layers_that_fit, num_parameters, random_target  # noqa: E402
+import bench_online
+from headline import headline
+from random_targets import layers_that_fit, num_parameters, random_target
 
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel, default_target_layer_ids  # noqa: E402
-from dflash_assets.dflash.shards import extract_partition  # noqa: E402
-from dflash_assets.dflash.speculative import dflash_generate, target_generate  # noqa: E402
-from dflash_assets.dflash.target_features import TargetFeatureExtractor  # noqa: E402
-from dflash_assets.dflash.target_kernels import linear_attention_kernels  # noqa: E402
-from dflash_assets.simulation.oracle_drafter import OracleDrafter  # noqa: E402
+from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from dflash_assets.dflash.shards import extract_partition
+from dflash_assets.dflash.speculative import dflash_generate, target_generate
+from dflash_assets.dflash.target_features import TargetFeatureExtractor
+from dflash_assets.dflash.target_kernels import linear_attention_kernels
+from dflash_assets.simulation.oracle_drafter import OracleDrafter
 
 # the published Qwen3.6-27B drafter's attention shape (TARGET.md); the dense shape's drafter follows its target
 RECIPE_DRAFT = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408}
-TARGET_SHARE = 0.5  # of GPU memory for the hybrid target's weights: the rest for the drafter, its optimizer, activations
+TARGET_SHARE = (
+    0.5  # of GPU memory for the hybrid target's weights: the rest for the drafter, its optimizer, activations
+)
 
 
 def timed(fn, device, repeats: int) -> float:
@@ -80,17 +82,23 @@ def extraction(target, a, device) -> dict:
     with torch.inference_mode():
         t_bare = timed(lambda: target.model(input_ids=ids, attention_mask=att, use_cache=False), device, a.repeats)
         t_ext = timed(lambda: extractor(ids, att, dtype=torch.bfloat16), device, a.repeats)
-        rows = [{"index": i, "input_ids": ids[i % a.batch].tolist(), "loss_mask": [0] * 16 + [1] * (a.seq_len - 16)}
-                for i in range(2 * a.batch)]
+        rows = [
+            {"index": i, "input_ids": ids[i % a.batch].tolist(), "loss_mask": [0] * 16 + [1] * (a.seq_len - 16)}
+            for i in range(2 * a.batch)
+        ]
         out = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-        extract_partition(target, rows[: a.batch], out / "warm", layers, rows_per_shard=a.batch, max_tokens_per_batch=tokens)
+        extract_partition(
+            target, rows[: a.batch], out / "warm", layers, rows_per_shard=a.batch, max_tokens_per_batch=tokens
+        )
         bench_online.sync(device)
         t0 = time.perf_counter()
         extract_partition(target, rows, out / "hs", layers, rows_per_shard=a.batch, max_tokens_per_batch=tokens)
         bench_online.sync(device)
         t_part = time.perf_counter() - t0
     return {
-        "target_layer_ids": layers, "batch": a.batch, "seq_len": a.seq_len,
+        "target_layer_ids": layers,
+        "batch": a.batch,
+        "seq_len": a.seq_len,
         "bare_forward_tokens_per_s": round(tokens / t_bare, 1),
         "extraction_tokens_per_s": round(tokens / t_ext, 1),
         "ratio_extraction_over_bare_forward": round(t_bare / t_ext, 3),
@@ -101,15 +109,35 @@ def extraction(target, a, device) -> dict:
 def online(size: str, a, device, num_layers: int | None, overrides: dict, rounds: int) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    args = ["--size", size, "--device", str(device), "--steps", str(a.train_steps), "--batch-size", "1",
-            "--seq-len", str(min(a.seq_len, 2048)), "--draft-layers", "5" if not a.tiny else "1",
-            "--anchors", "256" if not a.tiny else "8", "--skip-offline", "--rounds", str(rounds)]
+    args = [
+        "--size",
+        size,
+        "--device",
+        str(device),
+        "--steps",
+        str(a.train_steps),
+        "--batch-size",
+        "1",
+        "--seq-len",
+        str(min(a.seq_len, 2048)),
+        "--draft-layers",
+        "5" if not a.tiny else "1",
+        "--anchors",
+        "256" if not a.tiny else "8",
+        "--skip-offline",
+        "--rounds",
+        str(rounds),
+    ]
     if num_layers is not None:
         args += ["--num-layers", str(num_layers)]
     if overrides:
         args += ["--draft-overrides", json.dumps(overrides)]
     res = bench_online.main(args)
-    out = {f"online_{k}": v for k, v in res.items() if k.endswith("per_s") or k.startswith("ratio") or k == "draft_parameters"}
+    out = {
+        f"online_{k}": v
+        for k, v in res.items()
+        if k.endswith("per_s") or k.startswith("ratio") or k == "draft_parameters"
+    }
     if device.type == "cuda":
         out["online_peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return out
@@ -119,15 +147,34 @@ def lossless(size: str, device, tiny: bool) -> dict:
     """Greedy speculative decoding equals plain decoding on the hybrid shape cut to 8 layers, float32."""
     target = random_target(size, device, torch.float32, seed=1, num_layers=8)
     vocab = target.config.vocab_size
-    dc = DFlashConfig.from_target_config(target.config, mask_token_id=vocab - 1, num_hidden_layers=1, block_size=16,
-                                         target_layer_ids=[1, 3, 5, 7], **({} if tiny else RECIPE_DRAFT))
+    dc = DFlashConfig.from_target_config(
+        target.config,
+        mask_token_id=vocab - 1,
+        num_hidden_layers=1,
+        block_size=16,
+        target_layer_ids=[1, 3, 5, 7],
+        **({} if tiny else RECIPE_DRAFT),
+    )
     drafter = DFlashDraftModel(dc)
     drafter.reset_parameters(seed=0)
     drafter.to(device).attach_target(target.get_input_embeddings().weight, target.lm_head.weight).eval()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in (33, 97, 250)]
     new = 48
-    corrupt = [5, 2, None, 9, 1, 12, 3, None, 7, 4, 15, 2]  # rejections at chosen drafts: accepted lengths 5, 2, 16, ...
+    corrupt = [
+        5,
+        2,
+        None,
+        9,
+        1,
+        12,
+        3,
+        None,
+        7,
+        4,
+        15,
+        2,
+    ]  # rejections at chosen drafts: accepted lengths 5, 2, 16, ...
     equal, steps, rollbacks, rollback_tokens, target_tokens, lengths = True, 0, 0, 0, 0, set()
     t0 = time.perf_counter()
     for p in prompts:
@@ -140,28 +187,46 @@ def lossless(size: str, device, tiny: bool) -> dict:
             rollback_tokens += spec.rollback_tokens
             target_tokens += spec.num_target_tokens
             lengths |= set(spec.accepted_lengths)
-    return {"spec_lossless": equal, "spec_rollback": spec.rollback, "spec_verify_steps": steps,
-            "spec_rollback_passes": rollbacks, "spec_rollback_tokens": rollback_tokens, "spec_target_tokens": target_tokens,
-            "spec_accepted_lengths_seen": sorted(lengths), "spec_check_s": round(time.perf_counter() - t0, 1),
-            "spec_target": f"{size} cut to 8 layers, float32"}
+    return {
+        "spec_lossless": equal,
+        "spec_rollback": spec.rollback,
+        "spec_verify_steps": steps,
+        "spec_rollback_passes": rollbacks,
+        "spec_rollback_tokens": rollback_tokens,
+        "spec_target_tokens": target_tokens,
+        "spec_accepted_lengths_seen": sorted(lengths),
+        "spec_check_s": round(time.perf_counter() - t0, 1),
+        "spec_target": f"{size} cut to 8 layers, float32",
+    }
 
 
 def check(shape: str, a, device, dtype) -> dict:
-    size = {"dense": "qwen3-4b", "hybrid": "qwen36-27b"}[shape] if not a.tiny else {"dense": "tiny", "hybrid": "hybrid-tiny"}[shape]
+    size = (
+        {"dense": "qwen3-4b", "hybrid": "qwen36-27b"}[shape]
+        if not a.tiny
+        else {"dense": "tiny", "hybrid": "hybrid-tiny"}[shape]
+    )
     num_layers = None
     if shape == "hybrid" and device.type == "cuda":
         num_layers = layers_that_fit(size, int(TARGET_SHARE * torch.cuda.get_device_properties(device).total_memory))
     started = time.perf_counter()
     target = random_target(size, device, dtype, num_layers=num_layers)
-    result = {"shape": shape, "target": size, "target_layers": target.config.num_hidden_layers,
-              "target_parameters": num_parameters(target), "linear_attention_kernels": linear_attention_kernels(target)["summary"],
-              "build_s": round(time.perf_counter() - started, 1)}
+    result = {
+        "shape": shape,
+        "target": size,
+        "target_layers": target.config.num_hidden_layers,
+        "target_parameters": num_parameters(target),
+        "linear_attention_kernels": linear_attention_kernels(target)["summary"],
+        "build_s": round(time.perf_counter() - started, 1),
+    }
     result.update(extraction(target, a, device))
     del target
     if device.type == "cuda":
         torch.cuda.empty_cache()
     hybrid = shape == "hybrid"
-    result.update(online(size, a, device, num_layers, RECIPE_DRAFT if hybrid and not a.tiny else {}, 1 if hybrid else 3))
+    result.update(
+        online(size, a, device, num_layers, RECIPE_DRAFT if hybrid and not a.tiny else {}, 1 if hybrid else 3)
+    )
     if hybrid:
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -171,19 +236,28 @@ def check(shape: str, a, device, dtype) -> dict:
 
 
 def report(r: dict, dtype, device) -> None:
-    print(f"  {r['shape']}: {r['target']} target, {r['target_layers']} layers ({r['target_parameters'] / 1e9:.2f}B params, "
-          f"{str(dtype).removeprefix('torch.')} on {device.type}); {r['linear_attention_kernels']}")
-    print(f"    bare forward {r['bare_forward_tokens_per_s']:.0f} tok/s; feature extraction {r['extraction_tokens_per_s']:.0f} tok/s "
-          f"(ratio {r['ratio_extraction_over_bare_forward']:.2f}); extract_partition with shard writes "
-          f"{r['extract_partition_tokens_per_s']:.0f} tok/s")
-    print(f"    online training {r['online_online_block_tokens_per_s']:.0f} block tok/s, "
-          f"{r['online_online_context_tokens_per_s']:.0f} context tok/s, online/bare {r['online_ratio_online_over_bare']:.3f}, "
-          f"drafter {r['online_draft_parameters'] / 1e9:.2f}B params"
-          + (f", peak memory {r['online_peak_memory_gib']} GiB" if "online_peak_memory_gib" in r else ""))
+    print(
+        f"  {r['shape']}: {r['target']} target, {r['target_layers']} layers ({r['target_parameters'] / 1e9:.2f}B "
+        f"params, {str(dtype).removeprefix('torch.')} on {device.type}); {r['linear_attention_kernels']}"
+    )
+    print(
+        f"    bare forward {r['bare_forward_tokens_per_s']:.0f} tok/s; feature extraction "
+        f"{r['extraction_tokens_per_s']:.0f} tok/s (ratio {r['ratio_extraction_over_bare_forward']:.2f}); "
+        f"extract_partition with shard writes {r['extract_partition_tokens_per_s']:.0f} tok/s"
+    )
+    print(
+        f"    online training {r['online_online_block_tokens_per_s']:.0f} block tok/s, "
+        f"{r['online_online_context_tokens_per_s']:.0f} context tok/s, online/bare "
+        f"{r['online_ratio_online_over_bare']:.3f}, drafter {r['online_draft_parameters'] / 1e9:.2f}B params"
+        + (f", peak memory {r['online_peak_memory_gib']} GiB" if "online_peak_memory_gib" in r else "")
+    )
     if "spec_lossless" in r:
-        print(f"    speculative decoding ({r['spec_target']}): lossless {r['spec_lossless']}; {r['spec_verify_steps']} verify "
-              f"steps over {r['spec_target_tokens']} target tokens, rollback ({r['spec_rollback']}) {r['spec_rollback_passes']} "
-              f"passes over {r['spec_rollback_tokens']} tokens; accepted lengths seen {r['spec_accepted_lengths_seen']}")
+        print(
+            f"    speculative decoding ({r['spec_target']}): lossless {r['spec_lossless']}; {r['spec_verify_steps']} "
+            f"verify steps over {r['spec_target_tokens']} target tokens, rollback ({r['spec_rollback']}) "
+            f"{r['spec_rollback_passes']} passes over {r['spec_rollback_tokens']} tokens; accepted lengths seen "
+            f"{r['spec_accepted_lengths_seen']}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,8 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = ["dense", "hybrid"] if a.shape == "all" else [a.shape]
     results = [check(s, a, device, dtype) for s in shapes]
-    summary = {"date": datetime.date.today().isoformat(), "gpu": gpu, "tiny": a.tiny, "checks": results,
-               "wall_s": round(time.perf_counter() - started, 1)}
+    summary = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "tiny": a.tiny,
+        "checks": results,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
     print(f"{summary['date']} {gpu}:")
     for r in results:
         report(r, dtype, device)
@@ -220,11 +299,20 @@ def main(argv: list[str] | None = None) -> int:
             ratio = r["ratio_extraction_over_bare_forward"]
             headline(f"{what}: feature extraction / bare forward tokens/s", ratio, ">= 0.9", ratio >= 0.9)
             ratio = r["online_ratio_online_over_bare"]
-            headline(f"{what}: online training / bare target forward + drafter step, block tok/s "
-                     f"({r['online_online_block_tokens_per_s']:.0f} block tok/s)", ratio, ">= 0.9", ratio >= 0.9)
+            headline(
+                f"{what}: online training / bare target forward + drafter step, block tok/s "
+                f"({r['online_online_block_tokens_per_s']:.0f} block tok/s)",
+                ratio,
+                ">= 0.9",
+                ratio >= 0.9,
+            )
             if "spec_lossless" in r:
-                headline(f"{what}: speculative decoding lossless with rollbacks ({r['spec_target']})",
-                         "yes" if r["spec_lossless"] else "no", "yes", bool(r["spec_lossless"]))
+                headline(
+                    f"{what}: speculative decoding lossless with rollbacks ({r['spec_target']})",
+                    "yes" if r["spec_lossless"] else "no",
+                    "yes",
+                    bool(r["spec_lossless"]),
+                )
     print(json.dumps(summary))
     return 0 if all(r.get("spec_lossless", True) for r in results) else 1
 

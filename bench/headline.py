@@ -31,7 +31,7 @@ def parse(line: str) -> dict | None:
     if not line.startswith(PREFIX):
         return None
     try:
-        obj = json.loads(line[len(PREFIX):])
+        obj = json.loads(line[len(PREFIX) :])
     except ValueError:
         return None
     return obj if isinstance(obj, dict) and {"figure", "value", "goal"} <= obj.keys() else None

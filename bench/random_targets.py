@@ -24,24 +24,78 @@ from __future__ import annotations
 import torch
 
 SIZES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=16, vocab_size=512),
-    "cpu": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                head_dim=64, vocab_size=8192),
-    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+    ),
+    "cpu": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=8192,
+    ),
+    "qwen3-4b": dict(
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
 }
 HYBRID_SIZES = {
-    "hybrid-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                        linear_value_head_dim=16, linear_conv_kernel_dim=4, vocab_size=512),
-    "hybrid-cpu": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-                       linear_value_head_dim=64, linear_conv_kernel_dim=4, vocab_size=4096),
-    "qwen36-27b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
-                       num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-                       linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}),
+    "hybrid-tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        vocab_size=512,
+    ),
+    "hybrid-cpu": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        vocab_size=4096,
+    ),
+    "qwen36-27b": dict(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        vocab_size=248320,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    ),
 }
 ALL_SIZES = sorted(SIZES) + sorted(HYBRID_SIZES)
 
@@ -96,8 +150,13 @@ def layers_that_fit(size: str, budget_bytes: int, dtype_bytes: int = 2) -> int:
     return int(min(full, groups * step))
 
 
-def random_target(size: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
-                  num_layers: int | None = None):
+def random_target(
+    size: str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    num_layers: int | None = None,
+):
     """A frozen, random-init causal LM of ``size`` on ``device`` in ``dtype`` (built there directly)."""
     config = target_config(size, num_layers)
     torch.manual_seed(seed)

@@ -12,8 +12,16 @@ import hashlib
 from collections.abc import Iterable, Sequence
 
 import dagster as dg
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG, PARTITION_NAME_TAG
 
+# private module: dagster 1.13 exports no public name for these run tags
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    PARTITION_NAME_TAG,
+)
+
+from dflash_assets import freshness
+from dflash_assets.freshness import settings_reason
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.settings import GenerationSettings
@@ -30,7 +38,9 @@ def partition_job_selection(available: Iterable[str]) -> list[str]:
 
 def latest_record(instance: dg.DagsterInstance, asset_key: dg.AssetKey, pk: str) -> dg.EventLogRecord | None:
     """The latest materialization record of one partition, or None."""
-    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[pk]), limit=1).records
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[pk]), limit=1
+    ).records
     return records[0] if records else None
 
 
@@ -44,66 +54,47 @@ def latest_metadata(instance: dg.DagsterInstance, asset_key: dg.AssetKey, pk: st
 
 
 def affected_reason(meta: dict, settings: GenerationSettings) -> str | None:
-    """Why a completions partition (described by its latest metadata) must be re-materialized under ``settings``.
-
-    Mirrors :func:`dflash_assets.generation.records.invalid_reason` at partition level: raising the cap
-    touches partitions with ``length`` rows cut at another cap, lowering it partitions holding a row
-    longer than the new cap; error rows and changed sampling touch their partition too.
-    """
-    cap = settings.max_output_tokens
-    if meta.get("errors", 0):
-        return "error rows"
-    if meta.get("completion_tokens_missing", 0):
-        return "no completion_tokens"
-    if set(meta.get("finish_reasons", {})) - {"stop", "length"}:  # abort etc.: invalid_reason redoes them
-        return "unfinished rows"
-    if any(fp != settings.sampling_fingerprint() for fp in meta.get("settings_fingerprints", [])):
-        return "sampling changed"
-    if meta.get("completion_tokens_max", 0) > cap:
-        return "cap lowered"
-    if any(c != cap for c in meta.get("length_row_caps", [])):
-        return "cap raised"
-    return None
+    """Why the generation ``settings`` touch a completions partition (its latest metadata): the settings
+    part of the freshness rule, :func:`dflash_assets.freshness.settings_reason`."""
+    return settings_reason(meta, settings)
 
 
-def latest_records(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str] | None = None) -> dict[str, dg.EventLogRecord]:
-    """``{partition_key: record}`` of the latest materialization of each partition (of ``keys``, or all).
-
-    Two queries whatever the partition count: the latest storage id per partition (an index read), then
-    the records of those storage ids.
-    """
-    ids = instance.event_log_storage.get_latest_storage_id_by_partition(
-        asset_key, dg.DagsterEventType.ASSET_MATERIALIZATION, partitions=set(keys) if keys is not None else None)
-    if not ids:
-        return {}
-    result = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=asset_key, storage_ids=sorted(ids.values())), limit=len(ids))
-    return {r.asset_materialization.partition: r for r in result.records if r.asset_materialization is not None}
+def latest_records(
+    instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str] | None = None
+) -> dict[str, dg.EventLogRecord]:
+    """``{partition_key: record}`` of the latest materialization of each partition (of ``keys``, or all),
+    in two queries (:func:`dflash_assets.freshness.latest_records`)."""
+    return freshness.latest_records(instance, asset_key.to_user_string(), keys)
 
 
 def plain_metadata(record: dg.EventLogRecord) -> dict:
     """Metadata of a materialization record as plain values."""
-    return {k: getattr(v, "value", v) for k, v in record.asset_materialization.metadata.items()}
+    return freshness.plain(record)
 
 
-def affected_partitions(instance: dg.DagsterInstance, settings: GenerationSettings,
-                        records: dict[str, dg.EventLogRecord] | None = None) -> dict[str, str]:
-    """``{partition_key: reason}`` for materialized completions partitions the settings touch (in key order)."""
+def affected_partitions(
+    instance: dg.DagsterInstance, settings: GenerationSettings, records: dict[str, dg.EventLogRecord] | None = None
+) -> dict[str, str]:
+    """``{partition_key: reason}`` for materialized completions partitions that are not up to date
+    (:func:`dflash_assets.freshness.completions_reasons`: the settings touch them, or the corpus's prompts
+    of their range changed), in key order."""
     if records is None:
         records = latest_records(instance, COMPLETIONS, instance.get_dynamic_partitions(prompt_ranges.name))
-    out = {}
-    for pk in sorted(records):
-        if reason := affected_reason(plain_metadata(records[pk]), settings):
-            out[pk] = reason
-    return out
+    reasons = freshness.completions_reasons(instance, sorted(records), settings, records)
+    return {pk: reason for pk, reason in reasons.items() if reason}
 
 
-def partition_statuses(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str]) -> dict[str, dg.AssetPartitionStatus | None]:
+def partition_statuses(
+    instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str]
+) -> dict[str, dg.AssetPartitionStatus | None]:
     """Dagster's status of each partition (None: never attempted), from its partition status cache."""
     status = instance.get_status_by_partition(asset_key, list(keys), prompt_ranges) or {}
     return {pk: status.get(pk) for pk in keys}
 
 
-def unfinished_partitions(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+def unfinished_partitions(
+    instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str] | None = None
+) -> tuple[list[str], list[str]]:
     """``(to_request, in_progress)``: partitions missing or failed, and those running now (skipped)."""
     keys = instance.get_dynamic_partitions(prompt_ranges.name) if keys is None else keys
     status = partition_statuses(instance, asset_key, keys)
@@ -119,12 +110,13 @@ def run_partitions(run: dg.DagsterRun, position: dict[str, int], keys: Sequence[
         return [tags[PARTITION_NAME_TAG]]
     start, end = tags.get(ASSET_PARTITION_RANGE_START_TAG), tags.get(ASSET_PARTITION_RANGE_END_TAG)
     if start in position and end in position:
-        return list(keys[position[start]: position[end] + 1])
+        return list(keys[position[start] : position[end] + 1])
     return []
 
 
-def failed_attempts_by_partition(instance: dg.DagsterInstance, keys: Sequence[str],
-                                 records: dict[str, dg.EventLogRecord]) -> dict[str, int]:
+def failed_attempts_by_partition(
+    instance: dg.DagsterInstance, keys: Sequence[str], records: dict[str, dg.EventLogRecord]
+) -> dict[str, int]:
     """Failed runs covering each partition since its latest materialization (``records``; all, if never).
 
     One run query (every failed run carrying a partition or partition-range tag); a failed range run
@@ -147,8 +139,14 @@ def failed_attempts(instance: dg.DagsterInstance, asset_key: dg.AssetKey, pk: st
     return failed_attempts_by_partition(instance, keys, latest_records(instance, asset_key, [pk]))[pk]
 
 
-def contiguous_ranges(keys: Sequence[str], wanted: set[str], barriers: set[str], max_partitions: int | None = None,
-                      fill: set[str] | None = None, max_gap: int | None = None) -> list[list[str]]:
+def contiguous_ranges(
+    keys: Sequence[str],
+    wanted: set[str],
+    barriers: set[str],
+    max_partitions: int | None = None,
+    fill: set[str] | None = None,
+    max_gap: int | None = None,
+) -> list[list[str]]:
     """Ranges (lists of consecutive ``keys``) holding every key of ``wanted`` and none of ``barriers``.
 
     A range starts and ends at a wanted key. Between two wanted keys it may hold other keys (``fill``;
@@ -166,7 +164,9 @@ def contiguous_ranges(keys: Sequence[str], wanted: set[str], barriers: set[str],
             current += gap if current else []
             current.append(pk)
             gap = []
-        elif current and pk not in barriers and (fill is None or pk in fill) and (max_gap is None or len(gap) < max_gap):
+        elif (
+            current and pk not in barriers and (fill is None or pk in fill) and (max_gap is None or len(gap) < max_gap)
+        ):
             gap.append(pk)
         else:
             if current:
@@ -183,20 +183,31 @@ def request_partitions(request: dg.RunRequest, keys: Sequence[str]) -> list[str]
         return [request.partition_key]
     position = {pk: i for i, pk in enumerate(keys)}
     start, end = request.tags.get(ASSET_PARTITION_RANGE_START_TAG), request.tags.get(ASSET_PARTITION_RANGE_END_TAG)
-    return list(keys[position[start]: position[end] + 1]) if start in position and end in position else []
+    return list(keys[position[start] : position[end] + 1]) if start in position and end in position else []
 
 
 def range_request(pks: Sequence[str], run_key: str, tags: dict[str, str]) -> dg.RunRequest:
     """One run of the completions asset over partitions ``pks[0]...pks[-1]`` (single-run backfill)."""
     return dg.RunRequest(
-        run_key=run_key, asset_selection=[COMPLETIONS],
-        tags={**tags, ASSET_PARTITION_RANGE_START_TAG: pks[0], ASSET_PARTITION_RANGE_END_TAG: pks[-1],
-              "dflash/partitions": str(len(pks))},
+        run_key=run_key,
+        asset_selection=[COMPLETIONS],
+        tags={
+            **tags,
+            ASSET_PARTITION_RANGE_START_TAG: pks[0],
+            ASSET_PARTITION_RANGE_END_TAG: pks[-1],
+            "dflash/partitions": str(len(pks)),
+        },
     )
 
 
-def downstream_requests(instance: dg.DagsterInstance, keys: Sequence[str], available: Iterable[str],
-                        completions_status: dict, completions_records: dict, limit: int) -> tuple[list[dg.RunRequest], int]:
+def downstream_requests(
+    instance: dg.DagsterInstance,
+    keys: Sequence[str],
+    available: Iterable[str],
+    completions_status: dict,
+    completions_records: dict,
+    limit: int,
+) -> tuple[list[dg.RunRequest], int]:
     """Per-partition runs of the stages after completions (tokenized_sequences, hidden_states) where
     completions is materialized and a later stage is missing or older than its upstream (not failed or
     in progress: a failed stage waits for a human). Two queries per stage. Returns (requests, candidates)."""
@@ -206,25 +217,38 @@ def downstream_requests(instance: dg.DagsterInstance, keys: Sequence[str], avail
     for stage in stages:
         key = dg.AssetKey(stage)
         status = partition_statuses(instance, key, keys)
-        ids = instance.event_log_storage.get_latest_storage_id_by_partition(key, dg.DagsterEventType.ASSET_MATERIALIZATION)
+        ids = instance.event_log_storage.get_latest_storage_id_by_partition(
+            key, dg.DagsterEventType.ASSET_MATERIALIZATION
+        )
         for pk in keys:
             if pk in todo or completions_status[pk] != dg.AssetPartitionStatus.MATERIALIZED or pk not in upstream_ids:
                 continue
             if status[pk] in (dg.AssetPartitionStatus.FAILED, dg.AssetPartitionStatus.IN_PROGRESS):
                 continue
-            if pk not in ids or ids[pk] < upstream_ids[pk]:
+            if freshness.after_upstream_reason(ids.get(pk), [upstream_ids[pk]]) is not None:
                 todo[pk] = stage
         upstream_ids = {pk: ids[pk] for pk in ids if pk not in todo}
     requests = [
-        dg.RunRequest(partition_key=pk, run_key=f"{pk}:{'+'.join(stages[stages.index(first):])}:{completions_records[pk].storage_id}",
-                      asset_selection=[dg.AssetKey(s) for s in stages[stages.index(first):]], tags={"dflash/trigger": "backfill"})
+        dg.RunRequest(
+            partition_key=pk,
+            run_key=f"{pk}:{'+'.join(stages[stages.index(first) :])}:{completions_records[pk].storage_id}",
+            asset_selection=[dg.AssetKey(s) for s in stages[stages.index(first) :]],
+            tags={"dflash/trigger": "backfill"},
+        )
         for pk, first in sorted(todo.items())
     ][:limit]
     return requests, len(todo)
 
 
-def build_backfill_schedule(job, cron: str = "*/10 * * * *", max_runs_per_tick: int = 1, max_partitions_per_run: int | None = None,
-                            max_failed_attempts: int = 3, max_downstream_per_tick: int = 4, max_finished_gap: int = 16):
+def build_backfill_schedule(
+    job,
+    cron: str = "*/10 * * * *",
+    max_runs_per_tick: int = 1,
+    max_partitions_per_run: int | None = None,
+    max_failed_attempts: int = 3,
+    max_downstream_per_tick: int = 4,
+    max_finished_gap: int = 16,
+):
     """Every tick: request the missing or failed completions partitions as ranges, one run each (servers
     started once per range), and the later per-partition stages of partitions whose completions are done.
 
@@ -239,10 +263,17 @@ def build_backfill_schedule(job, cron: str = "*/10 * * * *", max_runs_per_tick: 
     Runs wait for the ``dflash_inference`` pool (dagster.yaml) like any other.
     """
 
-    @dg.schedule(job=job, cron_schedule=cron, name="backfill_unfinished_partitions", default_status=dg.DefaultScheduleStatus.STOPPED,
-                 description=(f"Requests the missing or failed partitions of completions as ranges, one run each (at most "
-                              f"{max_runs_per_tick} per tick), and the later stages of finished partitions; skips in-progress "
-                              f"ones and those that failed {max_failed_attempts} times since their last success."))
+    @dg.schedule(
+        job=job,
+        cron_schedule=cron,
+        name="backfill_unfinished_partitions",
+        default_status=dg.DefaultScheduleStatus.STOPPED,
+        description=(
+            f"Requests the missing or failed partitions of completions as ranges, one run each (at most "
+            f"{max_runs_per_tick} per tick), and the later stages of finished partitions; skips in-progress "
+            f"ones and those that failed {max_failed_attempts} times since their last success."
+        ),
+    )
     def backfill_unfinished_partitions(context: dg.ScheduleEvaluationContext):
         instance = context.instance
         keys = instance.get_dynamic_partitions(prompt_ranges.name)
@@ -254,23 +285,33 @@ def build_backfill_schedule(job, cron: str = "*/10 * * * *", max_runs_per_tick: 
         given_up = [pk for pk in to_request if attempts[pk] >= max_failed_attempts]
         if given_up:
             context.log.warning(
-                f"not retrying {len(given_up)} partitions that failed {max_failed_attempts} times since their last success: "
+                f"not retrying {len(given_up)} partitions that failed {max_failed_attempts} times "
+                "since their last success: "
                 f"{given_up[:10]}; read their run logs, fix the cause and launch them by hand"
             )
         wanted = set(to_request) - set(given_up)
-        ranges = contiguous_ranges(keys, wanted, running | set(given_up), max_partitions_per_run, max_gap=max_finished_gap)[:max_runs_per_tick]
+        ranges = contiguous_ranges(
+            keys, wanted, running | set(given_up), max_partitions_per_run, max_gap=max_finished_gap
+        )[:max_runs_per_tick]
         requests = []
         for pks in ranges:
             newest = max((records[pk].storage_id for pk in pks if pk in records), default=0)
-            requests.append(range_request(pks, f"completions:{pks[0]}...{pks[-1]}:{newest}", {"dflash/trigger": "backfill"}))
-        names = {k.to_user_string() for k in job.selection.resolve(context.repository_def.asset_graph)} if context.repository_def else set(PER_PARTITION_STAGES)
+            requests.append(
+                range_request(pks, f"completions:{pks[0]}...{pks[-1]}:{newest}", {"dflash/trigger": "backfill"})
+            )
+        names = (
+            {k.to_user_string() for k in job.selection.resolve(context.repository_def.asset_graph)}
+            if context.repository_def
+            else set(PER_PARTITION_STAGES)
+        )
         downstream, waiting = downstream_requests(instance, keys, names, status, records, max_downstream_per_tick)
         requests += downstream
         if not requests:
             return dg.SkipReason(f"nothing unfinished to retry ({len(running)} in progress, {len(given_up)} given up)")
         context.log.info(
             f"{len(wanted)} unfinished completions partitions: requesting {len(ranges)} range run(s) "
-            f"{[f'{r[0]}...{r[-1]} ({len(r)})' for r in ranges]}; {waiting} partitions wait for later stages, {len(downstream)} requested"
+            f"{[f'{r[0]}...{r[-1]} ({len(r)})' for r in ranges]}; {waiting} partitions wait for later stages, "
+            f"{len(downstream)} requested"
         )
         return requests
 
@@ -294,8 +335,16 @@ def build_cap_change_sensor(job, max_runs_per_tick: int = 10, max_partitions_per
     schedule retries failed partitions.
     """
 
-    @dg.sensor(job=job, name="generation_settings_changed", minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED,
-               description="Launches only the completions partitions (as ranges, one run each) that the current cap or sampling settings touch.")
+    @dg.sensor(
+        job=job,
+        name="generation_settings_changed",
+        minimum_interval_seconds=60,
+        default_status=dg.DefaultSensorStatus.STOPPED,
+        description=(
+            "Launches only the completions partitions (as ranges, one run each) that the current cap or "
+            "sampling settings touch."
+        ),
+    )
     def generation_settings_changed(context: dg.SensorEvaluationContext, generation: GenerationResource):
         settings = generation.settings()
         instance = context.instance
@@ -304,20 +353,35 @@ def build_cap_change_sensor(job, max_runs_per_tick: int = 10, max_partitions_per
         affected = affected_partitions(instance, settings, records)
         status = partition_statuses(instance, COMPLETIONS, keys) if affected else {}
         running = {pk for pk in keys if status.get(pk) == dg.AssetPartitionStatus.IN_PROGRESS}
-        unmaterialized = {pk for pk in keys if pk not in records and status.get(pk) != dg.AssetPartitionStatus.IN_PROGRESS}
-        ranges = contiguous_ranges(keys, set(affected) - running, running, max_partitions_per_run, fill=unmaterialized)[:max_runs_per_tick]
+        unmaterialized = {
+            pk for pk in keys if pk not in records and status.get(pk) != dg.AssetPartitionStatus.IN_PROGRESS
+        }
+        ranges = contiguous_ranges(keys, set(affected) - running, running, max_partitions_per_run, fill=unmaterialized)[
+            :max_runs_per_tick
+        ]
         requests = []
         for pks in ranges:
             touched = [pk for pk in pks if pk in affected]
-            digest = hashlib.sha256(",".join(f"{pk}={records[pk].storage_id}" for pk in touched).encode()).hexdigest()[:16]
+            digest = hashlib.sha256(",".join(f"{pk}={records[pk].storage_id}" for pk in touched).encode()).hexdigest()[
+                :16
+            ]
             reasons = sorted({affected[pk] for pk in touched})
-            requests.append(range_request(
-                pks, f"{pks[0]}...{pks[-1]}:{settings.max_output_tokens}:{settings.sampling_fingerprint()}:{digest}",
-                {"dflash/trigger": "settings-change", "dflash/reason": ", ".join(reasons), "dflash/touched_partitions": str(len(touched))},
-            ))
+            requests.append(
+                range_request(
+                    pks,
+                    f"{pks[0]}...{pks[-1]}:{settings.max_output_tokens}:{settings.sampling_fingerprint()}:{digest}",
+                    {
+                        "dflash/trigger": "settings-change",
+                        "dflash/reason": ", ".join(reasons),
+                        "dflash/touched_partitions": str(len(touched)),
+                    },
+                )
+            )
         if not requests:
-            return dg.SkipReason(f"no partition is touched by max_output_tokens={settings.max_output_tokens}"
-                                 + (f" ({len(running)} in progress)" if running else ""))
+            return dg.SkipReason(
+                f"no partition is touched by max_output_tokens={settings.max_output_tokens}"
+                + (f" ({len(running)} in progress)" if running else "")
+            )
         return requests
 
     return generation_settings_changed

@@ -40,15 +40,22 @@ def censored_frame(lengths: np.ndarray, cap: int) -> pl.DataFrame:
     """Rows as a completions table censored at ``cap``: L > cap becomes a ``length`` row of cap tokens.
     ``lengths`` may hold ``inf`` (a row known only to run past every cap tested)."""
     cut = lengths > cap
-    return pl.DataFrame({"completion_tokens": np.where(cut, cap, lengths).astype(np.int64),
-                         "finish_reason": np.where(cut, "length", "stop"),
-                         "max_output_tokens": np.full(len(lengths), cap, dtype=np.int64)})
+    return pl.DataFrame(
+        {
+            "completion_tokens": np.where(cut, cap, lengths).astype(np.int64),
+            "finish_reason": np.where(cut, "length", "stop"),
+            "max_output_tokens": np.full(len(lengths), cap, dtype=np.int64),
+        }
+    )
 
 
-def run_backtest(dataset: str, lengths: np.ndarray, cap: int, new_cap: int, seed: int = 0, bootstrap: int = 100) -> BackTest:
+def run_backtest(
+    dataset: str, lengths: np.ndarray, cap: int, new_cap: int, seed: int = 0, bootstrap: int = 100
+) -> BackTest:
     """Censor ``lengths`` (tokens) at ``cap``, predict the truncation rate at ``new_cap``, compare with the truth."""
-    advice = cap_advice(censored_frame(lengths, cap), cap, multipliers=(new_cap / cap,), bootstrap=bootstrap, seed=seed,
-                        target_rate=1.0)
+    advice = cap_advice(
+        censored_frame(lengths, cap), cap, multipliers=(new_cap / cap,), bootstrap=bootstrap, seed=seed, target_rate=1.0
+    )
     cand = next((c for c in advice["candidates"] if c["cap"] == new_cap), None)
     observed = float(np.mean(lengths > cap))
     actual = float(np.mean(lengths > new_cap))
@@ -58,13 +65,23 @@ def run_backtest(dataset: str, lengths: np.ndarray, cap: int, new_cap: int, seed
     return BackTest(dataset, len(lengths), cap, new_cap, observed, cand["truncation_rate"], lo, hi, actual)
 
 
-def lognormal_lengths(n: int, rng: np.random.Generator, median: float = USER_MEDIAN, sigma: float = USER_SIGMA) -> np.ndarray:
+def lognormal_lengths(
+    n: int, rng: np.random.Generator, median: float = USER_MEDIAN, sigma: float = USER_SIGMA
+) -> np.ndarray:
     """``n`` integer lengths with ln L ~ Normal(ln median, sigma^2)."""
     return np.ceil(np.exp(rng.normal(math.log(median), sigma, n)))
 
 
-def subsample_backtests(dataset: str, lengths: np.ndarray, caps: list[int], rows: int, trials: int, seed: int = 0,
-                        bootstrap: int = 100, factor: int = 2) -> list[BackTest]:
+def subsample_backtests(
+    dataset: str,
+    lengths: np.ndarray,
+    caps: list[int],
+    rows: int,
+    trials: int,
+    seed: int = 0,
+    bootstrap: int = 100,
+    factor: int = 2,
+) -> list[BackTest]:
     """``trials`` back-tests per cap: ``rows`` drawn without replacement from ``lengths``, cap c -> factor*c."""
     rng = np.random.default_rng(seed)
     out = []

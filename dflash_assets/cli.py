@@ -23,11 +23,18 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="materialize the whole pipeline on the configured (default: embedded) setup")
     run.add_argument("--config", help="YAML run config for the assets (see README)")
-    run.add_argument("--verbose", action="store_true", help="also print Dagster's DEBUG events (always kept in the run storage)")
-    status = sub.add_parser("status", help="per-stage partition counts, rows done / remaining under the config's settings, rate and ETA")
-    status.add_argument("--config", help="YAML config whose generation settings and storage to judge rows by (default: $DFLASH_CONFIG)")
-    failed = sub.add_parser("mark-failed",
-                            help="mark a STARTED run whose machine was lost failed and free its pool slots")
+    run.add_argument(
+        "--verbose", action="store_true", help="also print Dagster's DEBUG events (always kept in the run storage)"
+    )
+    status = sub.add_parser(
+        "status", help="per-stage partition counts, rows done / remaining under the config's settings, rate and ETA"
+    )
+    status.add_argument(
+        "--config", help="YAML config whose generation settings and storage to judge rows by (default: $DFLASH_CONFIG)"
+    )
+    failed = sub.add_parser(
+        "mark-failed", help="mark a STARTED run whose machine was lost failed and free its pool slots"
+    )
     failed.add_argument("run_id")
     args = parser.parse_args(argv)
     home = _ensure_dagster_home()
@@ -58,7 +65,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             code = pipeline.run_all(config_path_arg=args.config, dagster_home=home, verbose=args.verbose)
         except KeyboardInterrupt:
-            print("\ninterrupted: stopped. Rows already generated are kept; run the same command again to resume.", flush=True)
+            print(
+                "\ninterrupted: stopped. Rows already generated are kept; run the same command again to resume.",
+                flush=True,
+            )
             code = 130
         sys.exit(code)
     if args.command == "status":

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import yaml
 
@@ -58,13 +59,17 @@ def _load(path: str, mtime: float) -> dict:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the file must be a mapping with keys {' and '.join(TOP_LEVEL_KEYS)}, got {type(data).__name__}")
+        raise ConfigError(
+            f"{path}: the file must be a mapping with keys {' and '.join(TOP_LEVEL_KEYS)}, got {type(data).__name__}"
+        )
     for key in data:
         if key not in TOP_LEVEL_KEYS:
             raise _unknown(path, "top level", "key", str(key), TOP_LEVEL_KEYS)
     for section in TOP_LEVEL_KEYS:
         if not isinstance(data.get(section) or {}, dict):
-            raise ConfigError(f"{path}: {section}: must be a mapping of names to settings, got {type(data[section]).__name__}")
+            raise ConfigError(
+                f"{path}: {section}: must be a mapping of names to settings, got {type(data[section]).__name__}"
+            )
     return data
 
 
@@ -79,11 +84,15 @@ def resource_fields(name: str) -> dict:
     """The config file's fields for resource ``name`` (empty when absent)."""
     fields = project_config()["resources"].get(name) or {}
     if not isinstance(fields, dict):
-        raise ConfigError(f"{config_path()}: resources.{name}: must be a mapping of field: value, got {type(fields).__name__}")
+        raise ConfigError(
+            f"{config_path()}: resources.{name}: must be a mapping of field: value, got {type(fields).__name__}"
+        )
     return dict(fields)
 
 
-def build_resources(classes: Mapping[str, type], extra: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+def build_resources(
+    classes: Mapping[str, type], extra: Mapping[str, Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
     """Instantiate each resource from its config section, after checking every name and field.
 
     Args:
@@ -154,6 +163,7 @@ def validate_ops(assets_defs: Iterable[Any]) -> None:
             config Dagster's config type for that asset rejects (unknown key, wrong type); the
             message names the file and ``ops.<asset>.config``.
     """
+    # checks one op's config against its config field, as a run would; dagster exports only whole-job validation
     from dagster._config import validate_config
 
     path = config_path()

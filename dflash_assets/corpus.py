@@ -29,28 +29,49 @@ import hashlib
 import json
 import posixpath
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import fsspec
 import polars as pl
 
 from dflash_assets.prompt_reader import FileError, PromptFile, ReadLimits, json_error_text, preview
 
-__all__ = ["CorpusError", "CorpusResult", "ReadLimits", "RowError", "build_corpus", "content_hash", "expand_source",
-           "json_error_text", "normalize_record", "source_name"]
+__all__ = [
+    "CorpusError",
+    "CorpusResult",
+    "ReadLimits",
+    "RowError",
+    "build_corpus",
+    "content_hash",
+    "expand_source",
+    "json_error_text",
+    "normalize_record",
+    "source_name",
+]
 
 ROLE_ALIASES = {
-    "user": "user", "human": "user",
-    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
-    "bing": "assistant", "model": "assistant",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
     "system": "system",
 }
 ID_FIELDS = ("id", "prompt_id", "task_id", "uuid")
 MESSAGES_SCHEMA = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
 CORPUS_SCHEMA = {
-    "index": pl.Int64, "prompt_id": pl.String, "source": pl.String, "messages": MESSAGES_SCHEMA,
-    "content_hash": pl.String, "file": pl.String, "line": pl.Int64,
+    "index": pl.Int64,
+    "prompt_id": pl.String,
+    "source": pl.String,
+    "messages": MESSAGES_SCHEMA,
+    "content_hash": pl.String,
+    "file": pl.String,
+    "line": pl.Int64,
 }
 REJECTED_SCHEMA = {"source": pl.String, "file": pl.String, "line": pl.Int64, "reason": pl.String, "raw": pl.String}
 
@@ -69,7 +90,7 @@ class CorpusError(ValueError):
     None when the error came before any row was read.
     """
 
-    def __init__(self, message: str, rejected: "pl.DataFrame | None" = None) -> None:
+    def __init__(self, message: str, rejected: pl.DataFrame | None = None) -> None:
         super().__init__(message)
         self.rejected = rejected
 
@@ -123,7 +144,12 @@ def normalize_record(record: Any) -> list[dict[str, str]]:
         extra = record.get("input")
         if extra is not None and not isinstance(extra, str):
             raise RowError(f"bad field: 'input' must be a string, got {type(extra).__name__}")
-        return [{"role": "user", "content": instruction.strip() + (f"\n\n{extra.strip()}" if extra and extra.strip() else "")}]
+        return [
+            {
+                "role": "user",
+                "content": instruction.strip() + (f"\n\n{extra.strip()}" if extra and extra.strip() else ""),
+            }
+        ]
     if "prompt" in record:
         prompt = record["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():
@@ -142,7 +168,9 @@ def content_text(content: Any, where: str) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise RowError(f"bad content: {where} content is a {type(content).__name__}, expected a string or a list of parts")
+        raise RowError(
+            f"bad content: {where} content is a {type(content).__name__}, expected a string or a list of parts"
+        )
     texts = []
     for j, part in enumerate(content):
         if isinstance(part, str):
@@ -175,11 +203,15 @@ def _turns(raw: Any, field_name: str, role_key: str, content_key: str) -> list[d
     for k in range(last_user + 1):  # later turns are the reply (regenerated): not checked, dropped
         turn, role = raw[k], roles[k]
         if role in TOOL_ROLES:
-            raise RowError(f"tool message: {field_name}[{k}] is a tool result (role {role!r}) before the last user message; "
-                           "tool calls and tool results are not supported in prompts")
+            raise RowError(
+                f"tool message: {field_name}[{k}] is a tool result (role {role!r}) before the last user message; "
+                "tool calls and tool results are not supported in prompts"
+            )
         if turn.get("tool_calls") or turn.get("function_call"):
-            raise RowError(f"tool message: {field_name}[{k}] ({role}) carries tool_calls before the last user message; "
-                           "tool calls and tool results are not supported in prompts")
+            raise RowError(
+                f"tool message: {field_name}[{k}] ({role}) carries tool_calls before the last user message; "
+                "tool calls and tool results are not supported in prompts"
+            )
         content = content_text(turn.get(content_key, turn.get("content")), f"{field_name}[{k}] ({role})")
         if not isinstance(content, str) or not content.strip():
             raise RowError(f"empty content: {field_name}[{k}] ({role}) has no text")
@@ -226,7 +258,7 @@ def _options(storage_options: StorageOptions, spec: str) -> dict:
 
 
 def _found_fields(records: list[Any], limit: int = 12) -> str:
-    """"keys found: [...]" (JSON objects) or "columns found: [...]" (Parquet) from the first records seen."""
+    """ "keys found: [...]" (JSON objects) or "columns found: [...]" (Parquet) from the first records seen."""
     keys: dict[str, None] = {}
     kinds: Counter[str] = Counter()
     for record in records:
@@ -243,9 +275,11 @@ def record_problem(exc: BaseException) -> str:
     if isinstance(exc, RowError):
         reason = str(exc)
     elif isinstance(exc, UnicodeEncodeError):
-        bad = exc.object[exc.start: exc.start + 1] if isinstance(exc.object, str) else ""
-        reason = (f"invalid Unicode: the text holds a lone surrogate ({bad.encode('unicode_escape').decode()}), "
-                  "which no UTF-8 file can store")
+        bad = exc.object[exc.start : exc.start + 1] if isinstance(exc.object, str) else ""
+        reason = (
+            f"invalid Unicode: the text holds a lone surrogate ({bad.encode('unicode_escape').decode()}), "
+            "which no UTF-8 file can store"
+        )
     elif isinstance(exc, RecursionError):
         reason = "too deeply nested: the record nests more levels than can be read"
     else:
@@ -265,9 +299,11 @@ def _prompt(record: Any, src: str) -> tuple[list[dict[str, str]], str, str]:
     return messages, chash, prompt_id
 
 
-def build_corpus(sources: list[str], storage_options: StorageOptions = None,
-                 limits: ReadLimits | None = None) -> CorpusResult:
-    """Read every source into one deduplicated corpus with a global ``index`` in a stable order.
+def build_corpus(
+    sources: list[str], storage_options: StorageOptions = None, limits: ReadLimits | None = None
+) -> CorpusResult:
+    """Read every source into one deduplicated corpus with a positional ``index`` in a stable order
+    (``prompt_corpus`` then gives each prompt its stable index: :func:`dflash_assets.prompt_index.stable_corpus`).
 
     Order: sources in the given order, files sorted within a source, records in file order. Each
     prompt's ``prompt_id`` is ``<source>:<id>`` when the record has an id field, else its content hash.
@@ -314,12 +350,21 @@ def build_corpus(sources: list[str], storage_options: StorageOptions = None,
                             raise RowError(record.error)
                         messages, chash, prompt_id = _prompt(record.value, src)
                         if prompt_id in seen_id and seen_id[prompt_id][0] != chash:
-                            raise RowError(f"conflicting duplicate id: {prompt_id!r} was first used at "
-                                           f"{seen_id[prompt_id][1]} for other messages")
-                    except Exception as exc:  # noqa: BLE001 - any exception a record raises costs that row only
+                            raise RowError(
+                                f"conflicting duplicate id: {prompt_id!r} was first used at "
+                                f"{seen_id[prompt_id][1]} for other messages"
+                            )
+                    except Exception as exc:
                         raw = record.preview if record.preview is not None else _value_preview(record.value)
-                        rejected.append({"source": src, "file": path, "line": record.line,
-                                         "reason": record_problem(exc), "raw": raw})
+                        rejected.append(
+                            {
+                                "source": src,
+                                "file": path,
+                                "line": record.line,
+                                "reason": record_problem(exc),
+                                "raw": raw,
+                            }
+                        )
                         continue
                     if chash in seen_hash:
                         dups_per_source[src] += 1
@@ -327,8 +372,16 @@ def build_corpus(sources: list[str], storage_options: StorageOptions = None,
                     seen_hash[chash] = prompt_id
                     seen_id.setdefault(prompt_id, (chash, f"{path}:{record.line}"))
                     rows_per_source[src] += 1
-                    kept.append({"prompt_id": prompt_id, "source": src, "messages": messages, "content_hash": chash,
-                                 "file": path, "line": record.line})
+                    kept.append(
+                        {
+                            "prompt_id": prompt_id,
+                            "source": src,
+                            "messages": messages,
+                            "content_hash": chash,
+                            "file": path,
+                            "line": record.line,
+                        }
+                    )
             except FileError as exc:
                 raise CorpusError(str(exc)) from None
             if rows_per_source[src] == good_before and dups_per_source[src] == dup_before:
@@ -336,12 +389,17 @@ def build_corpus(sources: list[str], storage_options: StorageOptions = None,
                 reasons = Counter(r["reason"].split(":")[0] for r in rejected[bad_before:])
                 first = rejected[bad_before]["reason"] if n_bad else "-"
                 found = f"columns found: {reader.columns}" if reader.columns is not None else _found_fields(sample)
-                unusable.append(f"{path}: no usable prompt ({n_bad} rows rejected: {dict(reasons)}; first: line "
-                                f"{rejected[bad_before]['line'] if n_bad else '-'}: {first}); {found}")
+                unusable.append(
+                    f"{path}: no usable prompt ({n_bad} rows rejected: {dict(reasons)}; first: line "
+                    f"{rejected[bad_before]['line'] if n_bad else '-'}: {first}); {found}"
+                )
     rejected_df = pl.DataFrame(rejected, schema=REJECTED_SCHEMA) if rejected else pl.DataFrame(schema=REJECTED_SCHEMA)
     if unusable:
-        raise CorpusError("; ".join(unusable) + f". Shapes accepted (one record per JSONL line, JSON-array element or "
-                          f"Parquet row): {SHAPES_ACCEPTED}", rejected_df)
+        raise CorpusError(
+            "; ".join(unusable) + f". Shapes accepted (one record per JSONL line, JSON-array element or "
+            f"Parquet row): {SHAPES_ACCEPTED}",
+            rejected_df,
+        )
     for i, row in enumerate(kept):
         row["index"] = i
     corpus = pl.DataFrame(kept, schema=CORPUS_SCHEMA) if kept else pl.DataFrame(schema=CORPUS_SCHEMA)
@@ -352,5 +410,5 @@ def _value_preview(value: Any) -> str:
     """A rejected Parquet row's preview: its JSON text (escaped), or its type when even that fails."""
     try:
         return preview(json.dumps(value, ensure_ascii=True, default=str))
-    except Exception:  # noqa: BLE001 - too deep, or a value that cannot be shown
+    except Exception:
         return f"<{type(value).__name__} that cannot be shown>"

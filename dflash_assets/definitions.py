@@ -5,8 +5,8 @@ import os
 import dagster as dg
 
 from dflash_assets.assets import completions, drafter, evaluation, hidden_states, prompts, tokenized, truncation
-from dflash_assets.config import build_resources, check_local_model, op_config, validate_ops
 from dflash_assets.automation import build_backfill_schedule, build_cap_change_sensor
+from dflash_assets.config import build_resources, check_local_model, op_config, validate_ops
 from dflash_assets.generation.servers import API_KEY_ENV
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
@@ -22,19 +22,29 @@ partition_stages_job = dg.define_asset_job(
 )
 
 
-
 def api_key_from_env() -> dict:
     """The servers' API key as an EnvVar reference (never a literal), when the variable is set."""
     return {"api_key": dg.EnvVar(API_KEY_ENV)} if os.environ.get(API_KEY_ENV) else {}
 
 
-ASSETS = [prompts.prompt_corpus, completions.completions, truncation.truncation_report, tokenized.tokenized_sequences,
-          hidden_states.hidden_states, drafter.dflash_drafter, evaluation.drafter_evaluation]
+ASSETS = [
+    prompts.prompt_corpus,
+    completions.completions,
+    truncation.truncation_report,
+    tokenized.tokenized_sequences,
+    hidden_states.hidden_states,
+    drafter.dflash_drafter,
+    evaluation.drafter_evaluation,
+]
 validate_ops(ASSETS)  # unknown op names / config keys in the config file are errors, named with the file
 
 RESOURCES = build_resources(
-    {"storage": StorageResource, "inference": InferenceServerResource, "generation": GenerationResource,
-     "target_model": TargetModelResource},
+    {
+        "storage": StorageResource,
+        "inference": InferenceServerResource,
+        "generation": GenerationResource,
+        "target_model": TargetModelResource,
+    },
     extra={"storage": s3_credentials_from_env(), "inference": api_key_from_env()},
 )
 check_local_model(RESOURCES)  # the local server and the target model are one model

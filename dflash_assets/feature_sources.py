@@ -24,10 +24,14 @@ def hidden_states_config():
 
 def configured_mode() -> str:
     """``ops.dflash_drafter.config.features`` of the project config (default ``auto``)."""
-    return ((op_config("dflash_drafter")["ops"].get("dflash_drafter") or {}).get("config") or {}).get("features", "auto")
+    return ((op_config("dflash_drafter")["ops"].get("dflash_drafter") or {}).get("config") or {}).get(
+        "features", "auto"
+    )
 
 
-def decide_mode(instance: dg.DagsterInstance, storage, target_model, mode: str, fallback_tokens_per_row: float = 0.0) -> tuple[str, str]:
+def decide_mode(
+    instance: dg.DagsterInstance, storage, target_model, mode: str, fallback_tokens_per_row: float = 0.0
+) -> tuple[str, str]:
     """``(offline|online, reason)`` for a ``features`` setting; ``auto`` computes the storage plan."""
     if mode in ("offline", "online"):
         return mode, f"features: {mode} (configured)"
@@ -35,8 +39,14 @@ def decide_mode(instance: dg.DagsterInstance, storage, target_model, mode: str, 
     from dflash_assets.storage_plan import resolve_features
 
     try:
-        plan = storage_plan(instance, storage, target_model, hidden_states_config(), fallback_tokens_per_row=fallback_tokens_per_row)
-    except (OSError, KeyError, ValueError) as exc:  # no corpus yet, no target config: hidden_states plans (and fails) itself
+        plan = storage_plan(
+            instance, storage, target_model, hidden_states_config(), fallback_tokens_per_row=fallback_tokens_per_row
+        )
+    except (
+        OSError,
+        KeyError,
+        ValueError,
+    ) as exc:  # no corpus yet, no target config: hidden_states plans (and fails) itself
         return "offline", f"features: auto -> offline (no storage plan yet: {type(exc).__name__}: {exc})"
     chosen = resolve_features(mode, plan)
     why = "fits" if plan.fits else "does not fit"
@@ -52,15 +62,28 @@ def tokenized_inputs(storage, keys: list[str]) -> tuple[list[str], list[str]]:
         parts = tokenized_file(pk)
         if not store.exists(*parts):
             continue
-        path = storage.ensure_local(*parts, size=store.size(*parts)) if storage.is_remote else storage.local_scratch(*parts)
+        path = (
+            storage.ensure_local(*parts, size=store.size(*parts))
+            if storage.is_remote
+            else storage.local_scratch(*parts)
+        )
         if os.path.exists(path):
             paths.append(path)
             used.append(pk)
     return paths, used
 
 
-def heldout_set(storage, keys: list[str], mode: str, *, eval_fraction: float, max_length: int, block_size: int,
-                target=None, target_layer_ids: list[int] | None = None):
+def heldout_set(
+    storage,
+    keys: list[str],
+    mode: str,
+    *,
+    eval_fraction: float,
+    max_length: int,
+    block_size: int,
+    target=None,
+    target_layer_ids: list[int] | None = None,
+):
     """The drafter's held-out rows as a dataset with features: shards (offline) or tokenized rows whose
     features the frozen ``target`` computes per row (online; needs ``target`` and ``target_layer_ids``;
     without ``target``, rows without features, which :meth:`TokenizedRows.attach` can give them later)."""
@@ -69,10 +92,18 @@ def heldout_set(storage, keys: list[str], mode: str, *, eval_fraction: float, ma
 
         paths, _ = tokenized_inputs(storage, keys)
         features = None if target is None else OnlineTargetFeatures(target, target_layer_ids)
-        return TokenizedRows(read_tokenized_rows(paths), split="eval", eval_fraction=eval_fraction, max_length=max_length,
-                             block_size=block_size, features=features)
-    from dflash_assets.assets.drafter import complete_shards
+        return TokenizedRows(
+            read_tokenized_rows(paths),
+            split="eval",
+            eval_fraction=eval_fraction,
+            max_length=max_length,
+            block_size=block_size,
+            features=features,
+        )
     from dflash_assets.dflash.data import HiddenStateShards
+    from dflash_assets.shard_access import complete_shards
 
     shards, _, _ = complete_shards(storage, keys)
-    return HiddenStateShards(shards, split="eval", eval_fraction=eval_fraction, max_length=max_length, block_size=block_size)
+    return HiddenStateShards(
+        shards, split="eval", eval_fraction=eval_fraction, max_length=max_length, block_size=block_size
+    )

@@ -37,8 +37,9 @@ def figure_png_bytes(fig: Figure) -> bytes:
 
     The PNG carries no ``Software`` (matplotlib version) text chunk, and matplotlib writes no date
     into PNGs, so equal figures give equal bytes on every run (the pixels themselves still depend on
-    the matplotlib version and fonts installed). A figure made through pyplot is closed (``plt.close``) so it does not pile up in
-    pyplot's registry; a :func:`new_figure` one needs nothing and is freed with its last reference.
+    the matplotlib version and fonts installed). A figure made through pyplot is closed (``plt.close``) so
+    it does not pile up in pyplot's registry; a :func:`new_figure` one needs nothing and is freed with its
+    last reference.
     """
     buf = io.BytesIO()
     try:

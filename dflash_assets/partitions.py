@@ -2,7 +2,9 @@
 
 Keys are fixed-width, zero-padded, inclusive ranges (``0000000-0000999``) so they sort correctly as
 strings in the Dagster UI. They are dynamic: ``prompt_corpus`` registers them in the instance when it
-materializes, sized by its ``partition_size``.
+materializes. Prompt indices are stable across corpus builds (:mod:`dflash_assets.prompt_index`), so a
+range may have gaps and ranges cut before keep their bounds; new indices get new ranges of
+``partition_size``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ def partition_keys(num_rows: int, partition_size: int) -> list[str]:
         f"{start:0{KEY_DIGITS}d}-{min(start + partition_size, num_rows) - 1:0{KEY_DIGITS}d}"
         for start in range(0, num_rows, partition_size)
     ]
+
+
+def range_key(first: int, last: int) -> str:
+    """The key of the inclusive index range ``first..last`` (``range_key(0, 999) == '0000000-0000999'``)."""
+    return f"{first:0{KEY_DIGITS}d}-{last:0{KEY_DIGITS}d}"
 
 
 def key_range(partition_key: str) -> tuple[int, int]:

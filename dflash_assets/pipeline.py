@@ -1,23 +1,25 @@
 """The main job: materialize every stage into the persistent Dagster instance, skipping what is up to date.
 
 Order: prompt_corpus; for each partition completions -> tokenized_sequences -> hidden_states;
-truncation_report; dflash_drafter; drafter_evaluation. A partition's stage is up to date when its latest
-materialization is newer than its upstream's and, for completions, no row is invalid under the current
-generation settings; the drafter and its evaluation also rerun when their settings changed (the drafter
-itself then decides, by the content of its data, whether to train, resume or reuse). Ends with a summary
-read back from the assets' metadata.
+truncation_report; dflash_drafter; drafter_evaluation. What is up to date is decided by
+:mod:`dflash_assets.freshness` (the one rule ``status``, the schedule and the sensor use too). Every
+partition reported failed carries its reason: the failed step's error, or why the run left it not up to
+date. Ends with a summary read back from the assets' metadata.
 """
 
 import os
 import time
+from collections import Counter
 
 import dagster as dg
+
+# private module: dagster 1.13 exports no public name for these run tags
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
+from dflash_assets import freshness
 from dflash_assets.assets.drafter import DrafterConfig, config_changed_since_last
 from dflash_assets.assets.evaluation import EvaluationConfig
 from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
-from dflash_assets.automation import affected_reason
 from dflash_assets.config import config_path, op_config
 from dflash_assets.definitions import defs
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
@@ -30,22 +32,30 @@ FINAL_STAGES = ["truncation_report", "dflash_drafter", "drafter_evaluation"]
 
 
 def _latest_record(instance, key: str, pk: str | None = None):
-    flt = dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), asset_partitions=[pk] if pk else None)
-    records = instance.fetch_materializations(flt, limit=1).records
-    return records[0] if records else None
+    return freshness.latest_record(instance, key, pk)
 
 
-def stage_up_to_date(instance, key: str, pk: str | None, upstream: list, settings=None) -> bool:
-    """True when ``key`` (partition ``pk``) was materialized after every upstream record given."""
-    record = _latest_record(instance, key, pk)
-    if record is None:
-        return False
-    if any(u is not None and u.storage_id > record.storage_id for u in upstream):
-        return False
-    if key == "completions" and settings is not None:
-        meta = {k: getattr(v, "value", v) for k, v in record.asset_materialization.metadata.items()}
-        return affected_reason(meta, settings) is None
-    return True
+def run_failure_reason(result: dg.ExecuteInProcessResult) -> str | None:
+    """The errors of a run's failed steps (or of the run itself), first line of each, or None when none failed."""
+    errors = []
+    for event in result.all_events:
+        if event.event_type_value in ("STEP_FAILURE", "RUN_FAILURE"):
+            error = getattr(event.event_specific_data, "error", None)
+            text = (error.message if error is not None else event.message) or ""
+            text = text.strip().splitlines()[0] if text.strip() else ""
+            if text and text not in errors:
+                errors.append(text)
+    return "; ".join(errors) or None
+
+
+def partition_reason_in(error: str, pk: str, failed: list[str], limit: int = 600) -> str:
+    """The part of a range run's ``error`` about partition ``pk`` (from ``"<pk>:"`` to the next failed
+    partition's key), or the whole error when it names no partition; at most ``limit`` characters."""
+    start = error.find(f"{pk}:")
+    if start < 0:
+        return error[:limit]
+    ends = [e for other in failed if other != pk and (e := error.find(f"{other}:", start + 1)) > start]
+    return error[start : min(ends, default=len(error))].rstrip("; ")[:limit]
 
 
 # Console level of the runs' Dagster logger: INFO shows the assets' own progress lines and warnings; Dagster's
@@ -58,19 +68,27 @@ def console_logger_config(level: str | None = None) -> dict:
     return {"console": {"config": {"log_level": level or CONSOLE_LOG_LEVEL["level"]}}}
 
 
-def _materialize(keys: list[str], run_config: dict, partition_key: str | None = None,
-                 partition_range: tuple[str, str] | None = None) -> dg.ExecuteInProcessResult:
+def _materialize(
+    keys: list[str], run_config: dict, partition_key: str | None = None, partition_range: tuple[str, str] | None = None
+) -> dg.ExecuteInProcessResult:
     """One in-process run (of one partition, or of a key range as one run: single-run backfill). Raises
     KeyboardInterrupt when Ctrl-C / SIGTERM interrupted it: Dagster turns the signal into a failed run,
     and ``raise_on_error=False`` would otherwise let the loop go on."""
     # the full process record (machine, boot, pid namespace, start time): the reaper acts only on what it proves dead
     tags = {"dflash/trigger": "cli-run", **process_tags()}
     if partition_range is not None:
-        tags.update({ASSET_PARTITION_RANGE_START_TAG: partition_range[0], ASSET_PARTITION_RANGE_END_TAG: partition_range[1]})
+        tags.update(
+            {ASSET_PARTITION_RANGE_START_TAG: partition_range[0], ASSET_PARTITION_RANGE_END_TAG: partition_range[1]}
+        )
     result = dg.materialize(
-        list(defs.assets), selection=keys, instance=dg.DagsterInstance.get(), resources=defs.resources,
-        run_config={"loggers": console_logger_config(), **run_config}, partition_key=partition_key,
-        raise_on_error=False, tags=tags,
+        list(defs.assets),
+        selection=keys,
+        instance=dg.DagsterInstance.get(),
+        resources=defs.resources,
+        run_config={"loggers": console_logger_config(), **run_config},
+        partition_key=partition_key,
+        raise_on_error=False,
+        tags=tags,
     )
     if was_interrupted(result):
         raise KeyboardInterrupt(f"run {result.run_id} was interrupted")
@@ -94,8 +112,13 @@ def _feature_mode(instance, settings) -> str:
     Online: hidden_states is skipped and the drafter follows tokenized_sequences."""
     from dflash_assets.feature_sources import configured_mode, decide_mode
 
-    mode, reason = decide_mode(instance, defs.resources["storage"], defs.resources["target_model"], configured_mode(),
-                               fallback_tokens_per_row=settings.max_output_tokens)
+    mode, reason = decide_mode(
+        instance,
+        defs.resources["storage"],
+        defs.resources["target_model"],
+        configured_mode(),
+        fallback_tokens_per_row=settings.max_output_tokens,
+    )
     print(reason + ("; hidden_states is skipped" if mode == "online" else ""))
     return mode
 
@@ -120,13 +143,15 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     did_work = []
 
     corpus_cfg = op_config("prompt_corpus")
-    fingerprint = corpus_fingerprint(PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})),
-                                     defs.resources["storage"])
-    record = _latest_record(instance, "prompt_corpus")
-    if record is None or record.asset_materialization.metadata.get("config_fingerprint", dg.TextMetadataValue("")).value != fingerprint:
+    fingerprint = corpus_fingerprint(
+        PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})),
+        defs.resources["storage"],
+    )
+    if why := freshness.corpus_reason(freshness.plain(_latest_record(instance, "prompt_corpus")), fingerprint):
+        print(f"prompt_corpus: {why}: building it")
         result = _materialize(["prompt_corpus"], corpus_cfg)
         if not result.success:
-            print("prompt_corpus failed; see the run log above")
+            print(f"prompt_corpus failed: {run_failure_reason(result) or 'see the run log above'}")
             return 1
         did_work.append("prompt_corpus")
     keys = instance.get_dynamic_partitions(prompt_ranges.name)
@@ -134,53 +159,76 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     features = _feature_mode(instance, settings)
     stages = [s for s in PARTITION_STAGES if not (features == "online" and s == "hidden_states")]
 
-    failed = []
+    failed: dict[str, str] = {}  # partition -> why it failed
     # completions of every partition that needs it in ONE run: the servers start once, requests stream
     # across partitions, each partition is committed as it completes (up-to-date ones in between are kept)
-    corpus_record = _latest_record(instance, "prompt_corpus")
-    generate = [pk for pk in keys if "completions" in asset_names
-                and not stage_up_to_date(instance, "completions", pk, [corpus_record], settings)]
+    reasons = freshness.completions_reasons(instance, keys, settings) if "completions" in asset_names else {}
+    generate = [pk for pk in keys if reasons.get(pk)]
     if generate:
         span = (generate[0], generate[-1])
-        print(f"completions: {len(generate)} partitions in one run ({span[0]}...{span[1]})")
+        why = dict(Counter(reasons[pk] for pk in generate))
+        print(f"completions: {len(generate)} partitions in one run ({span[0]}...{span[1]}): {why}")
         before = {pk: getattr(_latest_record(instance, "completions", pk), "storage_id", None) for pk in generate}
         result = _materialize(["completions"], op_config("completions"), partition_range=span)
-        # a partition the run did not commit (it failed before its last row) gets no later stages now
-        failed = [pk for pk in generate if getattr(_latest_record(instance, "completions", pk), "storage_id", None) == before[pk]]
+        # a partition the run did not commit and left not up to date gets no later stages now; say why for
+        # each (one committed with error rows goes on: the next run retries those rows)
+        error = run_failure_reason(result)
+        after = freshness.completions_reasons(instance, generate, settings)
+        left = [
+            pk
+            for pk in generate
+            if after[pk] and getattr(_latest_record(instance, "completions", pk), "storage_id", None) == before[pk]
+        ]
+        for pk in left:
+            failed[pk] = (
+                partition_reason_in(error, pk, left)
+                if error
+                else f"the run made no new materialization of it, and it is still not up to date: "
+                f"{after[pk]} (see the run log above)"
+            )
         did_work += [f"completions[{pk}]" for pk in generate if pk not in failed]
     for pk in keys:
         if pk in failed:
             continue  # its completions run failed: the later stages would read stale rows
-        todo, upstream = [], [_latest_record(instance, "prompt_corpus")]
+        todo, upstream = [], "completions"
         for stage in stages:
-            if stage not in asset_names:
+            if stage not in asset_names or stage == "completions":  # completions: done above, in one run
                 continue
-            if stage == "completions":  # done above, for all partitions in one run
-                upstream = [_latest_record(instance, stage, pk)]
-                continue
-            if todo or not stage_up_to_date(instance, stage, pk, upstream, settings):
+            if todo or freshness.partition_reason(instance, stage, pk, settings, upstream) is not None:
                 todo.append(stage)
-            upstream = [_latest_record(instance, stage, pk)]
+            upstream = stage
         if not todo:
             continue
         print(f"{pk}: materializing {', '.join(todo)}")
         result = _materialize(todo, op_config(*todo), partition_key=pk)
         did_work += [f"{s}[{pk}]" for s in todo]
         if not result.success:
-            failed.append(pk)
+            failed[pk] = (run_failure_reason(result) or f"run {result.run_id} failed (see the run log above)")[:600]
     if failed:
-        print(f"partitions failed: {failed}; rerun the same command to resume them (finished rows are kept)")
+        print(f"partitions failed: {list(failed)}")
+        for pk, why in failed.items():
+            print(f"  {pk}: {why}")
+        print("rerun the same command to resume them (finished rows are kept)")
         return 1
 
     for stage in FINAL_STAGES:
         if stage not in asset_names:
             continue
-        upstream_key = {"truncation_report": "completions", "dflash_drafter": stages[-1], "drafter_evaluation": "dflash_drafter"}[stage]
-        upstream = [_latest_record(instance, upstream_key, pk) for pk in keys] if upstream_key != "dflash_drafter" else [_latest_record(instance, upstream_key)]
+        upstream_key = {
+            "truncation_report": "completions",
+            "dflash_drafter": stages[-1],
+            "drafter_evaluation": "dflash_drafter",
+        }[stage]
+        upstream = (
+            [_latest_record(instance, upstream_key, pk) for pk in keys]
+            if upstream_key != "dflash_drafter"
+            else [_latest_record(instance, upstream_key)]
+        )
         settings_cls = {"dflash_drafter": DrafterConfig, "drafter_evaluation": EvaluationConfig}.get(stage)
         changed = settings_cls is not None and config_changed_since_last(
-            instance, stage, settings_cls(**((op_config(stage)["ops"].get(stage) or {}).get("config") or {})))
-        if stage_up_to_date(instance, stage, None, upstream) and not changed:
+            instance, stage, settings_cls(**((op_config(stage)["ops"].get(stage) or {}).get("config") or {}))
+        )
+        if freshness.after_upstream_reason(_latest_record(instance, stage), upstream) is None and not changed:
             continue
         print(f"materializing {stage}")
         result = _materialize([stage], op_config(stage))

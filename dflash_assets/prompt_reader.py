@@ -147,7 +147,8 @@ class _Stream:
             raise FileError(
                 f"{self.path}: cannot read the file past byte {self.consumed + len(self.buf):,} of its content "
                 f"({_kind(exc)}: {exc}); the file is damaged or cut short: fix or fetch it again, or "
-                "remove it from the sources") from None
+                "remove it from the sources"
+            ) from None
         if not chunk:
             self.eof = True
             return False
@@ -160,7 +161,8 @@ class _Stream:
             raise FileError(
                 f"{self.path}: more than {self.limits.file_bound()} of content; a prompt file this large "
                 "is damaged or a decompression bomb: split it into several files (a directory or glob is "
-                f"one source), or raise {self.limits.setting}.max_file_gb")
+                f"one source), or raise {self.limits.setting}.max_file_gb"
+            )
         return True
 
     def skip_whitespace(self) -> int:
@@ -186,7 +188,8 @@ class _Stream:
         return FileError(
             f"{self.path}: {what} is longer than {self.limits.record_bound()}; no prompt record is this long: "
             "the file is damaged, is not one record per line (JSONL) or per array element, or is a decompression "
-            f"bomb. Fix the file, or raise {self.limits.setting}.max_record_mb if the record is real")
+            f"bomb. Fix the file, or raise {self.limits.setting}.max_record_mb if the record is real"
+        )
 
 
 def _jsonl(stream: _Stream) -> Iterator[RawRecord]:
@@ -208,7 +211,7 @@ def _jsonl(stream: _Stream) -> Iterator[RawRecord]:
             scan += stream.pos
         if end - stream.pos > stream.limits.max_record_bytes:
             raise stream.too_long(f"line {line}")
-        raw = bytes(stream.buf[stream.pos: end]).rstrip(b"\r")
+        raw = bytes(stream.buf[stream.pos : end]).rstrip(b"\r")
         stream.pos = min(end + 1, len(stream.buf))
         value, error = decode_json(raw)
         yield RawRecord(line, value, error, preview(raw))
@@ -250,8 +253,10 @@ def _json_array(stream: _Stream) -> Iterator[RawRecord]:
 
 
 def _bad_array(stream: _Stream, what: str) -> FileError:
-    return FileError(f"{stream.path}: not a valid JSON array ({what}, at byte {stream.offset:,}); "
-                     "use JSONL to keep good lines of a damaged file")
+    return FileError(
+        f"{stream.path}: not a valid JSON array ({what}, at byte {stream.offset:,}); "
+        "use JSONL to keep good lines of a damaged file"
+    )
 
 
 def _element(stream: _Stream, number: int) -> bytes:
@@ -276,7 +281,7 @@ def _element(stream: _Stream, number: int) -> bytes:
             if stream.eof:
                 raise _bad_array(stream, f"element {number} never ends")
             scan = more(len(stream.buf))
-        raw = bytes(stream.buf[stream.pos: m.start()])
+        raw = bytes(stream.buf[stream.pos : m.start()])
         stream.pos = m.start()
         return raw
     depth, scan = 0, stream.pos
@@ -311,7 +316,7 @@ def _element(stream: _Stream, number: int) -> bytes:
             raise stream.too_long(f"element {number} of the JSON array")
     if scan - stream.pos > stream.limits.max_record_bytes:
         raise stream.too_long(f"element {number} of the JSON array")
-    raw = bytes(stream.buf[stream.pos: scan])
+    raw = bytes(stream.buf[stream.pos : scan])
     stream.pos = scan
     return raw
 
@@ -365,8 +370,10 @@ class PromptFile:
             newlines = stream.skip_whitespace()
             if stream.pos >= len(stream.buf):
                 size = stream.consumed + len(stream.buf)
-                raise FileError(f"{self.path}: the file is empty ({size} bytes{', only whitespace' if size else ''}); "
-                                "no prompt to read")
+                raise FileError(
+                    f"{self.path}: the file is empty ({size} bytes{', only whitespace' if size else ''}); "
+                    "no prompt to read"
+                )
             if self.name.endswith(".json") and stream.buf[stream.pos] == ord("["):
                 empty = True
                 for record in _json_array(stream):
@@ -390,35 +397,40 @@ class PromptFile:
                 source.seek(0)
             try:
                 parquet = pq.ParquetFile(source)
-            except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            except Exception as exc:
                 raise FileError(f"{self.path}: not a readable Parquet file ({exc})") from None
             meta = parquet.metadata
             self.columns = parquet.schema_arrow.names
             if meta.num_rows == 0:
-                raise FileError(f"{self.path}: the file is empty (a Parquet table with 0 rows; columns "
-                                f"{self.columns}); no prompt to read")
+                raise FileError(
+                    f"{self.path}: the file is empty (a Parquet table with 0 rows; columns "
+                    f"{self.columns}); no prompt to read"
+                )
             declared = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
             if declared > self.limits.max_file_bytes:
                 raise FileError(
                     f"{self.path}: its footer declares {_size(declared)} of uncompressed data, over "
                     f"{self.limits.file_bound()}: split it into several files, or raise "
-                    f"{self.limits.setting}.max_file_gb")
+                    f"{self.limits.setting}.max_file_gb"
+                )
             row = 0
             try:
                 for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
                     try:
                         rows = [(r, None) for r in batch.to_pylist()]
-                    except Exception:  # noqa: BLE001 - one bad value: find the row it is in
+                    except Exception:
                         rows = [_parquet_row(batch, k) for k in range(batch.num_rows)]
                     for value, error in rows:
                         row += 1
                         yield RawRecord(row, value, error, None)
             except FileError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a damaged page or column chunk
-                raise FileError(f"{self.path}: cannot read the Parquet file past row {row:,} ({type(exc).__name__}: "
-                                f"{exc}); the file is damaged: fix or fetch it again, or remove it from the "
-                                "sources") from None
+            except Exception as exc:
+                raise FileError(
+                    f"{self.path}: cannot read the Parquet file past row {row:,} ({type(exc).__name__}: "
+                    f"{exc}); the file is damaged: fix or fetch it again, or remove it from the "
+                    "sources"
+                ) from None
 
 
 def _parquet_row(batch: Any, k: int) -> tuple[Any, str | None]:
@@ -426,5 +438,5 @@ def _parquet_row(batch: Any, k: int) -> tuple[Any, str | None]:
         return batch.slice(k, 1).to_pylist()[0], None
     except UnicodeDecodeError as exc:
         return None, f"invalid UTF-8: a string value holds bytes that are not UTF-8 ({exc.reason})"
-    except Exception as exc:  # noqa: BLE001 - any value Arrow cannot turn into Python costs this row only
+    except Exception as exc:
         return None, f"unreadable row: {type(exc).__name__}: {exc}"

@@ -29,10 +29,9 @@ import time
 from collections.abc import Callable, Iterator
 
 import dagster as dg
-from dagster._core.events import DagsterEventType
-from dagster._core.executor.base import Executor
+
+# the return type of RunLauncher.check_run_worker_health, which dagster does not export
 from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
-from dagster._core.launcher.default_run_launcher import DefaultRunLauncher
 
 from dflash_assets.generation.processes import is_running, proc_stat
 from dflash_assets.machine import Identity, identity, same_machine
@@ -123,7 +122,7 @@ def live_step_workers(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[
     if same_machine(recorded_identity(run.tags)) != "same":
         return []  # step workers run beside the orchestrator: a pid of another machine, boot or namespace means nothing
     alive = []
-    for entry in instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_WORKER_STARTED):
+    for entry in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_WORKER_STARTED):
         meta = entry.dagster_event.event_specific_data.metadata if entry.dagster_event else {}
         try:
             pid = int(getattr(meta.get("pid"), "value", meta.get("pid")) or 0)
@@ -158,8 +157,9 @@ def _stop(pids: list[int], grace_s: float) -> list[int]:
     return [p for p in left if starts[p] and is_running(p, starts[p].start_time)]
 
 
-def reap_dead_runs(instance: dg.DagsterInstance, by: str, exclude: tuple[str, ...] = (),
-                   log: Callable[[str], None] | None = None) -> list[str]:
+def reap_dead_runs(
+    instance: dg.DagsterInstance, by: str, exclude: tuple[str, ...] = (), log: Callable[[str], None] | None = None
+) -> list[str]:
     """Mark STARTED runs whose orchestrating process is gone as failed and free their pool slots.
 
     One run-storage query (STARTED runs); for each of them with a dead orchestrator, one event query
@@ -222,22 +222,27 @@ def mark_run_failed(instance: dg.DagsterInstance, run_id: str, by: str = "an ope
         raise ValueError(f"run {run_id} is {run.status.value}, not STARTED: nothing to do")
     where = f"pid {run.tags.get(PID_TAG)} on {run.tags.get(HOST_TAG)}" if run.tags.get(PID_TAG) else "unknown process"
     if run_process_alive(run, instance) is True:
-        raise ValueError(f"run {run_id} is alive on this machine ({where}): stop it instead (Ctrl-C, or Terminate "
-                         "in the UI)")
+        raise ValueError(
+            f"run {run_id} is alive on this machine ({where}): stop it instead (Ctrl-C, or Terminate in the UI)"
+        )
     if not _fail(instance, run, f"marked failed by {by} (its process, {where}, was lost); its pool slots were freed"):
         raise ValueError(f"run {run_id} ended meanwhile")
     return f"run {run_id} ({where}) marked failed; its pool slots were freed"
 
 
-def stop_orphaned_step_workers(instance: dg.DagsterInstance, exclude: tuple[str, ...] = (),
-                               log: Callable[[str], None] | None = None, within_s: float = 86400.0) -> dict[str, list[int]]:
+def stop_orphaned_step_workers(
+    instance: dg.DagsterInstance,
+    exclude: tuple[str, ...] = (),
+    log: Callable[[str], None] | None = None,
+    within_s: float = 86400.0,
+) -> dict[str, list[int]]:
     """Stop step processes still running for runs that already ended (failed or canceled in the last
     ``within_s`` seconds). Dagster marks a run failed when its run worker is killed (the code server sees
     the worker die) and frees its pool slots ``free_slots_after_run_end_seconds`` later, but the worker's
     step subprocess lives on: it would generate beside the run that takes the slot next. A run that ends
     by itself waits for its step processes, so a live one here is an orphan. One run query, plus one event
     query per recently ended run of this machine. Returns ``{run_id: pids stopped}``."""
-    since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=within_s)
+    since = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=within_s)
     stopped = {}
     ended = [dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
     for record in instance.get_run_records(dg.RunsFilter(statuses=ended, updated_after=since), limit=100):
@@ -248,8 +253,10 @@ def stop_orphaned_step_workers(instance: dg.DagsterInstance, exclude: tuple[str,
             left = _stop(workers, STOP_GRACE_S)
             stopped[run.run_id] = [p for p in workers if p not in left]
             if log:
-                log(f"run {run.run_id} ended but its step processes {workers} were still running: stopped"
-                    + (f" (still running: {left})" if left else ""))
+                log(
+                    f"run {run.run_id} ended but its step processes {workers} were still running: stopped"
+                    + (f" (still running: {left})" if left else "")
+                )
     return stopped
 
 
@@ -260,8 +267,11 @@ RUNNING_STATUSES = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 def _run_partitions(run: dg.DagsterRun, ordered: Callable[[], list[str]]) -> set[str]:
     """Partition keys ``run`` targets: its ``dagster/partition`` tag, or every key of its partition range
     (single-run backfill tags) in the order ``ordered()`` gives."""
+    # the tag names Dagster writes on partitioned and single-run backfill runs; dagster does not export them
     from dagster._core.storage.tags import (
-        ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG, PARTITION_NAME_TAG,
+        ASSET_PARTITION_RANGE_END_TAG,
+        ASSET_PARTITION_RANGE_START_TAG,
+        PARTITION_NAME_TAG,
     )
 
     if key := run.tags.get(PARTITION_NAME_TAG):
@@ -272,11 +282,16 @@ def _run_partitions(run: dg.DagsterRun, ordered: Callable[[], list[str]]) -> set
     keys = ordered()
     if start not in keys or end not in keys:
         return {start, end}
-    return set(keys[keys.index(start): keys.index(end) + 1])
+    return set(keys[keys.index(start) : keys.index(end) + 1])
 
 
-def runs_holding_partitions(instance: dg.DagsterInstance, asset: str, partition_keys: list[str], this_run_id: str,
-                            ordered: Callable[[], list[str]] | None = None) -> dict[str, list[str]]:
+def runs_holding_partitions(
+    instance: dg.DagsterInstance,
+    asset: str,
+    partition_keys: list[str],
+    this_run_id: str,
+    ordered: Callable[[], list[str]] | None = None,
+) -> dict[str, list[str]]:
     """Other runs (STARTED or CANCELING, of any machine, not provably dead: :func:`run_process_alive`)
     that materialize ``asset`` for any of ``partition_keys``: ``{run_id: [overlapping keys]}``. One
     run-storage query.
@@ -318,16 +333,18 @@ def partition_busy_message(instance: dg.DagsterInstance, asset: str, holding: di
         where = f"pid {run.tags.get(PID_TAG)} on {run.tags.get(HOST_TAG)}" if run and run.tags.get(PID_TAG) else "?"
         shown = ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
         parts.append(f"run {run_id} ({where}) is materializing {asset}[{shown}]")
-    return ("; ".join(parts) + ": two runs of one partition would overwrite each other's files, so this one does "
-            "nothing. Let that run finish (or stop it); if its machine is lost, mark it failed: "
-            "`python -m dflash_assets mark-failed RUN_ID`")
+    return (
+        "; ".join(parts) + ": two runs of one partition would overwrite each other's files, so this one does "
+        "nothing. Let that run finish (or stop it); if its machine is lost, mark it failed: "
+        "`python -m dflash_assets mark-failed RUN_ID`"
+    )
 
 
-class ReapingExecutor(Executor):
+class ReapingExecutor(dg.Executor):
     """Wraps an executor: tags the run with its process (:func:`process_tags`) and reaps dead runs
     (:func:`reap_dead_runs`) before the wrapped executor starts the steps (and their slot claims)."""
 
-    def __init__(self, inner: Executor):
+    def __init__(self, inner: dg.Executor):
         self._inner = inner
 
     @property
@@ -343,7 +360,7 @@ class ReapingExecutor(Executor):
         instance.add_run_tags(run.run_id, process_tags())
         try:
             reap_dead_runs(instance, by=f"run {run.run_id}", exclude=(run.run_id,), log=plan_context.log.warning)
-        except Exception as exc:  # noqa: BLE001 - reaping is best effort; the run itself goes on
+        except Exception as exc:
             plan_context.log.warning(f"could not check for killed runs: {type(exc).__name__}: {exc}")
         yield from self._inner.execute(plan_context, execution_plan)
 
@@ -362,7 +379,7 @@ def _reaping(inner: dg.ExecutorDefinition) -> dg.ExecutorDefinition:
 reaping_executor = _reaping(dg.multi_or_in_process_executor)
 
 
-class MonitoredRunLauncher(DefaultRunLauncher):
+class MonitoredRunLauncher(dg.DefaultRunLauncher):
     """Dagster's DefaultRunLauncher plus a run worker health check from :func:`run_process_alive`, so the
     daemon's run monitoring (dagster.yaml ``run_monitoring``) fails a run whose worker was killed, and its
     ``free_slots_after_run_end_seconds`` frees the slots. A worker of another machine, or one not yet

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash_assets")
 
 
-class GenerationSettings(BaseModel):
+class GenerationFields(BaseModel):
+    """The generation settings' fields, declared once: :class:`GenerationSettings` (the immutable value rows
+    record) and :class:`~dflash_assets.resources.generation.GenerationResource` (the Dagster resource users
+    configure) both inherit them. Strict: YAML ``true`` or ``"20"`` would otherwise become a cap of 1 or 20,
+    and a lowered cap cuts rows for good."""
+
+    max_output_tokens: int = Field(default=4096, ge=1, strict=True, description="Generation cap, in tokens.")
+    temperature: float = Field(default=0.6, ge=0.0, strict=True)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0, strict=True)
+    top_k: int = Field(default=20, ge=-1, strict=True, description="-1 or 0 disables top-k.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, strict=True)
+    presence_penalty: float = Field(default=0.0, strict=True)
+    repetition_penalty: float = Field(default=1.0, strict=True)
+    seed: int | None = Field(default=None, strict=True, description="Per-request seed = seed + prompt index, when set.")
+    enable_thinking: bool = Field(default=True, strict=True, description="chat_template_kwargs.enable_thinking")
+
+
+class GenerationSettings(GenerationFields):
     """Everything that decides what a completion is: the cap, sampling and the chat-template flags.
 
     Every completions row stores these settings (as JSON) so a later cap change can decide which rows
@@ -40,16 +57,6 @@ class GenerationSettings(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # no bool-as-int, no numeric strings
-
-    max_output_tokens: int = Field(default=4096, ge=1, description="Generation cap, in tokens.")
-    temperature: float = Field(default=0.6, ge=0.0)
-    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
-    top_k: int = Field(default=20, ge=-1, description="-1 or 0 disables top-k.")
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = Field(default=None, description="Per-request seed = seed + prompt index, when set.")
-    enable_thinking: bool = Field(default=True, description="chat_template_kwargs.enable_thinking")
 
     def sampling_fingerprint(self) -> str:
         """Hash of every setting except ``max_output_tokens``: rows with another fingerprint are stale."""

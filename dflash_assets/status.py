@@ -2,11 +2,13 @@
 
 Partition statuses come from ``DagsterInstance.get_status_by_partition`` (the same source as the UI's
 partition bars), completions numbers from the metadata of each partition's latest materialization.
-With the current config's generation settings, a materialized partition whose metadata says the
-settings touch it (:func:`dflash_assets.automation.affected_reason`) has the few columns the decision
-needs read from its table, and every row :func:`dflash_assets.generation.records.invalid_reason` would
-regenerate counts as remaining: after a cap change in the config, status shows what the change will
-regenerate before anything runs.
+With the current config's generation settings, a materialized partition that is not up to date by
+:mod:`dflash_assets.freshness` (the settings touch it, or the corpus's prompts of its range changed) has
+the few columns the decision needs read from its table, and every row
+:func:`dflash_assets.generation.records.invalid_reason` or
+:func:`~dflash_assets.generation.records.prompt_mismatch` would request again counts as remaining: after
+a cap change or a corpus edit, status shows what the run will do before anything runs. When the prompt
+files changed since the corpus was built, it previews the next build (new, changed, removed prompts).
 """
 
 from __future__ import annotations
@@ -18,47 +20,10 @@ from collections.abc import Sequence
 import dagster as dg
 
 from dflash_assets.partitions import key_range, prompt_ranges
+from dflash_assets.pools import pool_usage
 
 STAGES = ("completions", "tokenized_sequences", "hidden_states")
 COMPLETIONS = "completions"
-# Dagster pools (dagster.yaml `concurrency: pools:`): steps that use the inference servers / the GPU
-INFERENCE_POOL = "dflash_inference"
-GPU_POOL = "dflash_gpu"
-POOLS = (INFERENCE_POOL, GPU_POOL)
-
-
-def ensure_pool_limits(instance: dg.DagsterInstance, pools: Sequence[str] = POOLS) -> list[str]:
-    """Register each pool in the instance at dagster.yaml's ``default_limit`` unless it already has a limit.
-
-    Why: the run queue reads the set of limited pools before it registers a pool it sees for the
-    first time, so several runs queued together for a new pool are all launched in that first pass
-    (their steps still take turns, but the runs start together). Registering the pools before any
-    partition exists (``prompt_corpus`` calls this) keeps those runs queued. A limit set by hand
-    (``dagster instance concurrency set``) is left as it is. Returns the pools it registered.
-    """
-    storage = instance.event_log_storage
-    if not storage.supports_global_concurrency_limits or instance.global_op_concurrency_default_limit is None:
-        return []  # no default_limit in dagster.yaml: nothing to register
-    known = storage.get_concurrency_keys()
-    added = [pool for pool in pools if pool not in known]
-    for pool in added:
-        storage.initialize_concurrency_limit_to_default(pool)
-    return added
-
-
-def pool_usage(instance: dg.DagsterInstance, pools: Sequence[str] = POOLS) -> dict[str, dict]:
-    """``{pool: {"limit", "in_use", "waiting"}}``: slots, steps holding one, steps queued for one.
-
-    ``limit`` is None for a pool without a limit (neither registered nor covered by ``default_limit``).
-    """
-    storage = instance.event_log_storage
-    if not storage.supports_global_concurrency_limits:
-        return {}
-    out = {}
-    for pool in pools:
-        info = storage.get_concurrency_info(pool)
-        out[pool] = {"limit": info.limit, "in_use": info.active_slot_count, "waiting": info.pending_step_count}
-    return out
 
 
 def partition_rows(partition_key: str) -> int:
@@ -97,21 +62,37 @@ def latest_metadata_by_partition(instance: dg.DagsterInstance, asset_name: str, 
     return {pk: plain_metadata(r) for pk, r in latest_records(instance, dg.AssetKey(asset_name), list(keys)).items()}
 
 
-def invalid_rows(store, pk: str, settings, continues: bool = False) -> tuple[Counter, int, Counter, int]:
+def invalid_rows(store, pk: str, settings, continues: bool = False, prompts=None) -> tuple[Counter, int, Counter, int]:
     """``(reasons, tokens, continued, cut)``: rows of completions partition ``pk`` that ``settings``
     regenerate, counted by :func:`~dflash_assets.generation.records.invalid_reason`; the current
     completion tokens of those regenerated whole; when ``continues`` (the servers continue cut rows, see
     :mod:`~dflash_assets.generation.continuation`), the rows to be continued counted by their cap; and
     the rows longer than a lowered cap, which the run cuts to it locally
-    (:mod:`~dflash_assets.generation.cap_cut`: no request, no token generated)."""
+    (:mod:`~dflash_assets.generation.cap_cut`: no request, no token generated).
+
+    ``prompts``: the corpus's rows of the partition (``index``, ``content_hash``, ``prompt_id``), when its
+    prompts changed since the table was made: a row for another prompt counts as ``prompt changed`` (or
+    ``prompt unknown``), a prompt without a row as ``missing``, a row whose prompt is gone as ``removed``
+    (no request: the run drops it)."""
     from dflash_assets.assets.completions_tables import partition_file
     from dflash_assets.generation.continuation import continuable
-    from dflash_assets.generation.records import VALIDITY_COLUMNS, invalid_reason
+    from dflash_assets.generation.records import VALIDITY_COLUMNS, invalid_reason, prompt_mismatch
     from dflash_assets.truncation import read_report_columns
 
-    frame = read_report_columns(store, *partition_file(pk), columns=VALIDITY_COLUMNS)
+    frame = read_report_columns(store, *partition_file(pk), columns=("index", *VALIDITY_COLUMNS))
     reasons, tokens, continued, cut = Counter(), 0, Counter(), 0
+    by_index = None
+    if prompts is not None:
+        by_index = {p["index"]: p for p in prompts.select("index", "content_hash", "prompt_id").iter_rows(named=True)}
+        reasons["missing"] += len(set(by_index) - set(frame["index"].to_list()))
     for row in frame.iter_rows(named=True):
+        if by_index is not None:
+            if row["index"] not in by_index:
+                reasons["removed"] += 1
+                continue
+            if (reason := prompt_mismatch(row, by_index[row["index"]])) is not None:
+                reasons[reason] += 1
+                continue
         if (reason := invalid_reason(row, settings)) is not None:
             reasons[reason] += 1
             if reason == "cap lowered":
@@ -120,7 +101,7 @@ def invalid_rows(store, pk: str, settings, continues: bool = False) -> tuple[Cou
                 continued[int(row["max_output_tokens"])] += 1
             else:
                 tokens += row.get("completion_tokens") or 0
-    return reasons, tokens, continued, cut
+    return +reasons, tokens, continued, cut
 
 
 def continuation_tokens(report: dict | None, continued: Counter, new_cap: int) -> float | None:
@@ -134,7 +115,9 @@ def continuation_tokens(report: dict | None, continued: Counter, new_cap: int) -
     if not fit or not continued or set(continued) != {report.get("cap")}:
         return None
     cap, n = report["cap"], sum(continued.values())
-    return predict_cap(fit_from_dict(fit), cap, float(report.get("truncation_rate") or 0.0), n, new_cap)["extra_output_tokens"]
+    return predict_cap(fit_from_dict(fit), cap, float(report.get("truncation_rate") or 0.0), n, new_cap)[
+        "extra_output_tokens"
+    ]
 
 
 def generation_time(records: dict[str, dg.EventLogRecord], meta: dict[str, dict]) -> tuple[float, float, int]:
@@ -155,7 +138,9 @@ def generation_time(records: dict[str, dg.EventLogRecord], meta: dict[str, dict]
         span = spans.setdefault(record.run_id or pk, [record.timestamp - wall, record.timestamp])
         span[0], span[1] = min(span[0], record.timestamp - wall), max(span[1], record.timestamp)
         rate = m.get("output_tok_per_s")
-        if m.get("output_tokens_generated") is not None:  # a run that cut or continued rows made fewer than its table holds
+        if (
+            m.get("output_tokens_generated") is not None
+        ):  # a run that cut or continued rows made fewer than its table holds
             tokens += float(m["output_tokens_generated"])
         else:
             tokens += float(rate) * wall if rate else float(m.get("completion_tokens_total", 0) or 0)
@@ -169,24 +154,45 @@ def runs_in_progress(instance: dg.DagsterInstance, records: dict[str, dg.EventLo
     flight / capacity, ETA): ``[{"run_id", "range", "as_of", ...}]``, ``as_of`` the commit's Unix time."""
     from dflash_assets.automation import plain_metadata
 
-    started = {r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))}
+    started = {
+        r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
+    }
     newest: dict[str, dg.EventLogRecord] = {}
     for record in records.values():
-        if record.run_id in started and (record.run_id not in newest or record.storage_id > newest[record.run_id].storage_id):
+        if record.run_id in started and (
+            record.run_id not in newest or record.storage_id > newest[record.run_id].storage_id
+        ):
             newest[record.run_id] = record
     out = []
     for run_id, record in sorted(newest.items()):
         m = plain_metadata(record)
         if "run_rows_total" not in m:
             continue
-        out.append({"run_id": run_id, "range": m.get("run_partition_range"), "as_of": record.timestamp,
-                    **{k: m.get(f"run_{k}") for k in ("rows_done", "rows_total", "req_per_s", "output_tok_per_s",
-                                                        "slots_in_flight", "slots_capacity", "eta_s")}})
+        out.append(
+            {
+                "run_id": run_id,
+                "range": m.get("run_partition_range"),
+                "as_of": record.timestamp,
+                **{
+                    k: m.get(f"run_{k}")
+                    for k in (
+                        "rows_done",
+                        "rows_total",
+                        "req_per_s",
+                        "output_tok_per_s",
+                        "slots_in_flight",
+                        "slots_capacity",
+                        "eta_s",
+                    )
+                },
+            }
+        )
     return out
 
 
-def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES, settings=None, store=None,
-                   continues: bool = False) -> dict:
+def collect_status(
+    instance: dg.DagsterInstance, stages: Sequence[str] = STAGES, settings=None, store=None, continues: bool = False
+) -> dict:
     """Everything the status command prints, as plain values.
 
     Args:
@@ -202,6 +208,10 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
     Returns a dict:
 
     - ``partitions``: number of registered ``prompt_index_ranges`` keys; ``prompts``: prompts they cover.
+    - ``corpus_edit``: what the corpus's last build changed, ``new`` / ``changed`` / ``removed`` prompts, and
+      ``to_request``: completions still to request for prompts new or changed and for partitions not done
+      (empty for a corpus built before stable indices); ``completions.regenerate.removed``: stored rows of
+      removed prompts the run drops (no request).
     - ``stages``: ``{asset_name: stage_counts(...)}`` for each partitioned stage.
     - ``pools``: :func:`pool_usage` of the inference and GPU pools.
     - ``completions``: ``rows_total`` (prompts), ``rows_done`` (rows of *done* partitions valid under
@@ -217,29 +227,49 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
       a lowered cap, no request) and ``eta_s`` =
       tokens_remaining_est / tokens_per_s (seconds; None when either is unknown).
     """
-    from dflash_assets.automation import affected_reason, latest_records, plain_metadata
+    from dflash_assets import freshness
+    from dflash_assets.automation import latest_records, plain_metadata
 
     keys = list(instance.get_dynamic_partitions(prompt_ranges.name))
+    corpus_meta = freshness.plain(freshness.latest_record(instance, "prompt_corpus")) or {}
+    versions = corpus_meta.get("partition_versions")
+    sizes = corpus_meta.get("partition_prompts") or {}
+
+    def partition_prompt_count(pk: str) -> int:  # stable indices leave gaps: the corpus's count, else the range's
+        return int(sizes.get(pk, partition_rows(pk)))
+
+    def reason_of(pk: str) -> str | None:
+        return freshness.completions_reason(meta[pk], settings, (versions or {}).get(pk) if versions else None)
+
     counts = {name: stage_counts(instance, name, keys) for name in stages}
     comp = counts.get(COMPLETIONS) or stage_counts(instance, COMPLETIONS, keys)
     done = comp["done_keys"]
     all_records = latest_records(instance, dg.AssetKey(COMPLETIONS), keys)
     records = {pk: all_records[pk] for pk in done if pk in all_records}
     meta = {pk: plain_metadata(r) for pk, r in records.items()}
-    rows_of = {pk: int(meta.get(pk, {}).get("rows", partition_rows(pk)) or 0) for pk in done}
+    rows_of = {pk: int(meta.get(pk, {}).get("rows", partition_prompt_count(pk)) or 0) for pk in done}
     tokens_done = sum(int(m.get("completion_tokens_total", 0) or 0) for m in meta.values())
     generation_s, tokens_generated, requests = generation_time(records, meta)
     mean_tokens = tokens_done / sum(rows_of.values()) if sum(rows_of.values()) else None
 
     regen, regen_parts, regen_tokens, to_continue, to_cut = Counter(), [], 0.0, Counter(), 0
+    removed = 0
     if settings is not None:
         for pk in done:
-            if pk not in meta or affected_reason(meta[pk], settings) is None:
+            if pk not in meta or (reason := reason_of(pk)) is None:
                 continue
             if store is None:
-                reasons, tokens, continued, cut = Counter({affected_reason(meta[pk], settings): rows_of[pk]}), 0, Counter(), 0
+                reasons, tokens, continued, cut = Counter({reason: rows_of[pk]}), 0, Counter(), 0
             else:
-                reasons, tokens, continued, cut = invalid_rows(store, pk, settings, continues)
+                prompts = None
+                if freshness.prompts_reason(meta[pk], (versions or {}).get(pk) if versions else None):
+                    from dflash_assets.assets.prompts import CORPUS_FILE
+
+                    prompts = store.read_parquet(
+                        *CORPUS_FILE, columns=["index", "content_hash", "prompt_id"], index_ranges=[key_range(pk)]
+                    )
+                reasons, tokens, continued, cut = invalid_rows(store, pk, settings, continues, prompts)
+                removed += reasons.pop("removed", 0)
             if reasons:
                 regen.update(reasons)
                 regen_parts.append(pk)
@@ -254,15 +284,15 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
         try:
             if store.exists(REPORT_DIR, "report.json"):
                 report = store.read_json(REPORT_DIR, "report.json")
-        except Exception:  # noqa: BLE001 - an estimate only
+        except Exception:
             report = None
         estimate = continuation_tokens(report, to_continue, settings.max_output_tokens)
         # without a fit: each continued row at its current length (what a whole regeneration would cost at least)
         regen_tokens += estimate if estimate is not None else sum(cap * n for cap, n in to_continue.items())
-    rows_total = sum(partition_rows(pk) for pk in keys)
+    rows_total = sum(partition_prompt_count(pk) for pk in keys)
     not_done = comp["failed_keys"] + comp["in_progress_keys"] + comp["missing_keys"]
     regen_rows = sum(regen.values())
-    rows_remaining = sum(partition_rows(pk) for pk in not_done) + regen_rows
+    rows_remaining = sum(partition_prompt_count(pk) for pk in not_done) + regen_rows
     tokens_per_s = tokens_generated / generation_s if generation_s > 0 else None
     requests_per_s = requests / generation_s if generation_s > 0 else None
     new_rows = rows_remaining - regen_rows
@@ -270,15 +300,22 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
     eta_s = tokens_remaining / tokens_per_s if tokens_remaining is not None and tokens_per_s else None
     if rows_remaining == 0:
         tokens_remaining, eta_s = 0.0, 0.0
+    edit = {k: int(corpus_meta[f"prompts_{k}"]) for k in ("new", "changed", "removed") if f"prompts_{k}" in corpus_meta}
+    if edit:  # what the corpus's last build changed, and what it costs: prompts still without a valid row for them
+        new_rows = sum(partition_prompt_count(pk) for pk in not_done)
+        edit["to_request"] = new_rows + sum(
+            v for k, v in regen.items() if k in ("missing", "prompt changed", "prompt unknown")
+        )
     return {
         "partitions": len(keys),
         "prompts": rows_total,
+        "corpus_edit": edit,
         "runs_in_progress": runs_in_progress(instance, all_records),
         "stages": counts,
         "pools": pool_usage(instance),
         "completions": {
             "rows_total": rows_total,
-            "rows_done": sum(rows_of.values()) - regen_rows,
+            "rows_done": sum(rows_of.values()) - regen_rows - removed,
             "tokens_done": tokens_done,
             "generation_s": round(generation_s, 3),
             "tokens_generated": round(tokens_generated),
@@ -286,8 +323,14 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
             "tokens_per_s": tokens_per_s,
             "requests_per_s": requests_per_s,
             "rows_remaining": rows_remaining,
-            "regenerate": {"rows": regen_rows, "partitions": regen_parts, "by_reason": dict(sorted(regen.items())),
-                           "continued": sum(to_continue.values()), "cut_locally": to_cut},
+            "regenerate": {
+                "rows": regen_rows,
+                "partitions": regen_parts,
+                "by_reason": dict(sorted(regen.items())),
+                "continued": sum(to_continue.values()),
+                "cut_locally": to_cut,
+                "removed": removed,
+            },
             "cap": settings.max_output_tokens if settings is not None else None,
             "tokens_remaining_est": tokens_remaining,
             "eta_s": eta_s,
@@ -298,7 +341,7 @@ def collect_status(instance: dg.DagsterInstance, stages: Sequence[str] = STAGES,
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "unknown"
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
@@ -327,24 +370,45 @@ def format_status(status: dict) -> str:
         + f"; {comp['tokens_done']} completion tokens; generation {comp['generation_s']:.1f} s ({rate})"
     )
     regen = comp.get("regenerate") or {}
+    if edit := status.get("corpus_edit"):
+        lines.append(
+            f"corpus, last build: {edit['new']} new, {edit['changed']} changed, {edit['removed']} removed prompts "
+            f"(stable indices: unchanged prompts keep their rows); completions still to request for new or "
+            f"changed prompts and partitions not done: {edit['to_request']}"
+            + (
+                f"; {regen['removed']} stored rows of removed prompts are dropped, no request"
+                if regen.get("removed")
+                else ""
+            )
+        )
+    if preview := status.get("corpus_preview"):
+        lines.append(preview)
     if regen.get("rows"):
         reasons = ", ".join(f"{k}: {v}" for k, v in regen["by_reason"].items())
-        lines.append(f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} partitions ({reasons})"
-                     + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else "")
-                     + (f"; up to {regen['cut_locally']} of them cut to the lower cap from their own tokens, no request "
-                        "(those whose tokens match their text; the estimate counts them at 0 tokens)" if regen.get("cut_locally") else ""))
+        lines.append(
+            f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} "
+            f"partitions ({reasons})"
+            + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else "")
+            + (
+                f"; up to {regen['cut_locally']} of them cut to the lower cap from their own tokens, no request "
+                "(those whose tokens match their text; the estimate counts them at 0 tokens)"
+                if regen.get("cut_locally")
+                else ""
+            )
+        )
     for run in status.get("runs_in_progress", []):
         eta = run["eta_s"] if run["eta_s"] is not None and run["eta_s"] >= 0 else None
         lines.append(
             f"run {run['run_id'][:8]} in progress ({run['range']}): {run['rows_done']} / {run['rows_total']} rows, "
             f"{run['req_per_s']} req/s, {run['output_tok_per_s']} output tok/s, slots {run['slots_in_flight']} / "
-            f"{run['slots_capacity']}, ETA {_duration(eta)} (at its last partition commit, {time.time() - run['as_of']:.0f} s ago)"
+            f"{run['slots_capacity']}, ETA {_duration(eta)} "
+            f"(at its last partition commit, {time.time() - run['as_of']:.0f} s ago)"
         )
     remaining = comp["tokens_remaining_est"]
     lines.append(
-        f"completions remaining: {comp['rows_remaining']} prompts, "
-        f"~{remaining:.0f} tokens" if remaining is not None else
-        f"completions remaining: {comp['rows_remaining']} prompts, tokens unknown (no partition done yet)"
+        f"completions remaining: {comp['rows_remaining']} prompts, ~{remaining:.0f} tokens"
+        if remaining is not None
+        else f"completions remaining: {comp['rows_remaining']} prompts, tokens unknown (no partition done yet)"
     )
     lines[-1] += f", ETA {_duration(comp['eta_s'])}"
     return "\n".join(lines)
@@ -360,7 +424,7 @@ def current_settings_and_store():
         settings = GenerationResource(**resource_fields("generation")).settings()
         store = StorageResource(**resource_fields("storage"), **s3_credentials_from_env()).open()
         return settings, store, None
-    except Exception as exc:  # noqa: BLE001 - status still prints what the instance knows
+    except Exception as exc:
         return None, None, f"{type(exc).__name__}: {exc}"
 
 
@@ -373,8 +437,41 @@ def config_continues_cut_rows() -> bool:
 
         inference = InferenceServerResource(**resource_fields("inference"))
         return inference.continue_truncated and inference.backend() == "sglang"
-    except Exception:  # noqa: BLE001 - an estimate only
+    except Exception:
         return False
+
+
+def corpus_preview(instance: dg.DagsterInstance, store) -> str | None:
+    """A line previewing the next corpus build when the prompt files or the corpus config changed since the
+    last one (None when unchanged or never built): new, changed and removed prompts, and the completions
+    the run will request for them (prompts at an index the last corpus did not have; stable indices keep
+    every other prompt's rows). Reads the prompt files (as the build does) without writing anything."""
+    from dflash_assets import freshness
+    from dflash_assets.assets.prompts import CORPUS_FILE, PromptCorpusConfig, corpus_fingerprint
+    from dflash_assets.config import op_config, resource_fields
+    from dflash_assets.corpus import build_corpus
+    from dflash_assets.prompt_index import stable_corpus
+    from dflash_assets.resources.storage import StorageResource, s3_credentials_from_env
+
+    meta = freshness.plain(freshness.latest_record(instance, "prompt_corpus"))
+    if meta is None or store is None or not store.exists(*CORPUS_FILE):
+        return None
+    config = PromptCorpusConfig(**((op_config("prompt_corpus")["ops"].get("prompt_corpus") or {}).get("config") or {}))
+    resource = StorageResource(**resource_fields("storage"), **s3_credentials_from_env())
+    reason = freshness.corpus_reason(meta, corpus_fingerprint(config, resource))
+    if reason is None:
+        return None
+    previous = store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash", "prompt_id"])
+    result = build_corpus(config.sources, resource.source_storage_options, config.read_limits())
+    built = stable_corpus(store, result.corpus, config.partition_size, config.max_prompts, previous)
+    had = set(previous["index"].to_list())
+    to_request = sum(1 for i in built.corpus["index"].to_list() if i not in had)
+    e = built.edits
+    return (
+        f"{reason}: the next run builds the corpus again: {e.new} new, {e.changed} changed, {e.removed} removed "
+        f"prompts, {e.kept} unchanged (they keep their index and rows); it will request {to_request} completions "
+        f"for them, in {len(built.keys)} partitions"
+    )
 
 
 def print_status(instance: dg.DagsterInstance | None = None) -> int:
@@ -382,8 +479,19 @@ def print_status(instance: dg.DagsterInstance | None = None) -> int:
     config's generation settings; returns exit code 0."""
     settings, store, error = current_settings_and_store()
     if error:
-        print(f"note: could not load the config's generation settings and storage ({error}); rows the settings "
-              "would regenerate are not counted")
-    print(format_status(collect_status(instance or dg.DagsterInstance.get(), settings=settings, store=store,
-                                       continues=settings is not None and config_continues_cut_rows())))
+        print(
+            f"note: could not load the config's generation settings and storage ({error}); rows the settings "
+            "would regenerate are not counted"
+        )
+    instance = instance or dg.DagsterInstance.get()
+    status = collect_status(
+        instance, settings=settings, store=store, continues=settings is not None and config_continues_cut_rows()
+    )
+    try:
+        status["corpus_preview"] = corpus_preview(instance, store)
+    except Exception as exc:
+        status["corpus_preview"] = (
+            f"note: could not preview the next corpus build ({type(exc).__name__}: {str(exc)[:300]})"
+        )
+    print(format_status(status))
     return 0

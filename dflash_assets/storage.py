@@ -40,21 +40,51 @@ import tenacity
 
 from dflash_assets.atomic import atomic_write_bytes, temp_path
 
-__all__ = ["IntegrityError", "RetryPolicy", "Storage", "StorageError", "UnsafeNameError", "check_name", "is_transient",
-           "parquet_bytes"]
+__all__ = [
+    "IntegrityError",
+    "RetryPolicy",
+    "Storage",
+    "StorageError",
+    "UnsafeNameError",
+    "check_name",
+    "is_transient",
+    "parquet_bytes",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # S3 error codes worth retrying: throttling and server-side trouble (AWS S3 error-code list).
 _TRANSIENT_CODES = {
-    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
-    "RequestLimitExceeded", "TooManyRequestsException", "RequestTimeout", "RequestTimeoutException",
-    "InternalError", "ServiceUnavailable", "OperationAborted", "500", "502", "503", "504", "429",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "ThrottledException",
+    "RequestThrottled",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "InternalError",
+    "ServiceUnavailable",
+    "OperationAborted",
+    "500",
+    "502",
+    "503",
+    "504",
+    "429",
 }
 # What s3fs turns those codes into (s3fs.errors.ERROR_CODE_TO_EXCEPTION) when no botocore cause is kept.
-_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET,
-                     errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE}
+_TRANSIENT_ERRNOS = {
+    errno.EBUSY,
+    errno.EREMOTEIO,
+    errno.EAGAIN,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.EPIPE,
+}
 
 
 class StorageError(RuntimeError):
@@ -78,10 +108,11 @@ def check_name(name: object, what: str) -> str:
         UnsafeNameError: naming ``what`` and the name (a stored index or key that could write outside the
             directory it belongs to).
     """
-    if (not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0")
-            or os.path.isabs(name)):
-        raise UnsafeNameError(f"{what}: {name!r} is not a plain file name (one path component: no '/', '\\', "
-                              "'..' or absolute path); it is not used. Re-materialize what wrote it")
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0") or os.path.isabs(name):
+        raise UnsafeNameError(
+            f"{what}: {name!r} is not a plain file name (one path component: no '/', '\\', "
+            "'..' or absolute path); it is not used. Re-materialize what wrote it"
+        )
     return name
 
 
@@ -135,12 +166,31 @@ def is_transient(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
-                                NotADirectoryError, bex.NoCredentialsError, bex.PartialCredentialsError,
-                                bex.ParamValidationError)):
+        if isinstance(
+            current,
+            (
+                FileNotFoundError,
+                PermissionError,
+                FileExistsError,
+                IsADirectoryError,
+                NotADirectoryError,
+                bex.NoCredentialsError,
+                bex.PartialCredentialsError,
+                bex.ParamValidationError,
+            ),
+        ):
             return False
-        if isinstance(current, (TimeoutError, ConnectionError, bex.ConnectionError, bex.HTTPClientError,
-                                bex.ReadTimeoutError, bex.ResponseStreamingError)):
+        if isinstance(
+            current,
+            (
+                TimeoutError,
+                ConnectionError,
+                bex.ConnectionError,
+                bex.HTTPClientError,
+                bex.ReadTimeoutError,
+                bex.ResponseStreamingError,
+            ),
+        ):
             return True
         code = _error_code(current)
         if code is not None:
@@ -196,12 +246,21 @@ class Storage:
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            log.warning("storage %s %s: %s; attempt %d/%d in %.1fs", op, uri, _describe(exc),
-                        state.attempt_number + 1, policy.attempts, state.upcoming_sleep)
+            log.warning(
+                "storage %s %s: %s; attempt %d/%d in %.1fs",
+                op,
+                uri,
+                _describe(exc),
+                state.attempt_number + 1,
+                policy.attempts,
+                state.upcoming_sleep,
+            )
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(max(1, policy.attempts)),
-            wait=tenacity.wait_exponential_jitter(multiplier=policy.backoff_s, max=policy.max_wait_s, jitter=policy.backoff_s),
+            wait=tenacity.wait_exponential_jitter(
+                multiplier=policy.backoff_s, max=policy.max_wait_s, jitter=policy.backoff_s
+            ),
             retry=tenacity.retry_if_exception(is_transient),
             before_sleep=before_sleep,
             reraise=True,
@@ -274,8 +333,9 @@ class Storage:
             self.call("put", parts, lambda: self.fs.put_file(str(local_path), p))
         return self.uri(*parts)
 
-    def download(self, local_path: str | os.PathLike[str], *parts: str, size: int | None = None,
-                 sha256: str | None = None) -> str:
+    def download(
+        self, local_path: str | os.PathLike[str], *parts: str, size: int | None = None, sha256: str | None = None
+    ) -> str:
         """Copy ``parts`` to a local file: to a temporary name in its directory, checked against ``size``
         (bytes) and ``sha256`` (hex) when given, then renamed into place, so a crash or a mismatch leaves
         no file at ``local_path`` (an older copy there stays as it was).
@@ -302,8 +362,9 @@ class Storage:
             if size is not None and have != size:
                 raise IntegrityError(f"{self.uri(*parts)}: downloaded {have} bytes, expected {size}; not put in place")
             if sha256 is not None and file_sha256(tmp) != sha256:
-                raise IntegrityError(f"{self.uri(*parts)}: downloaded copy's sha256 differs from the expected one; "
-                                     "not put in place")
+                raise IntegrityError(
+                    f"{self.uri(*parts)}: downloaded copy's sha256 differs from the expected one; not put in place"
+                )
             os.replace(tmp, local_path)
         finally:
             if os.path.exists(tmp):
@@ -318,8 +379,12 @@ class Storage:
         text = json.dumps(finite_json(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
         return self.write_bytes(text.encode(), *parts)
 
-    def read_parquet(self, *parts: str, columns: list[str] | tuple[str, ...] | None = None,
-                     index_ranges: list[tuple[int, int]] | None = None) -> pl.DataFrame:
+    def read_parquet(
+        self,
+        *parts: str,
+        columns: list[str] | tuple[str, ...] | None = None,
+        index_ranges: list[tuple[int, int]] | None = None,
+    ) -> pl.DataFrame:
         """A Parquet file under the root as a DataFrame, whole or in part.
 
         Args:

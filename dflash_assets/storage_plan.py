@@ -42,7 +42,9 @@ def subset_hashes(corpus_indexes) -> np.ndarray:
     return np.fromiter((subset_hash(i) for i in indexes), dtype=np.float64, count=len(indexes))
 
 
-def subset_threshold(corpus_indexes, max_rows: int | None, fraction: float | None, hashes: np.ndarray | None = None) -> float:
+def subset_threshold(
+    corpus_indexes, max_rows: int | None, fraction: float | None, hashes: np.ndarray | None = None
+) -> float:
     """Hash threshold: a row is in the subset when ``subset_hash(index) < threshold`` (1.0 = every row).
 
     ``max_rows`` wins over ``fraction`` when both are set (the stricter of the two is used).
@@ -106,18 +108,20 @@ class StoragePlan:
             against.append(f"budget {gb(self.budget_bytes)}")
         est = f" ({self.tokens_estimated:,} of them estimated)" if self.tokens_estimated else ""
         sub = f", subset {self.subset}" if self.subset else ""
-        return (f"{self.rows_selected:,} of {self.rows_total:,} rows{sub}, {self.tokens:,} tokens{est} x "
-                f"{self.bytes_per_token:,} B/token = {gb(self.bytes_needed)} ({gb(self.bytes_stored)} already stored) vs "
-                f"{' and '.join(against) or 'no free-space figure (S3) and no storage_budget_gb: not enforced'}")
+        return (
+            f"{self.rows_selected:,} of {self.rows_total:,} rows{sub}, {self.tokens:,} tokens{est} x "
+            f"{self.bytes_per_token:,} B/token = {gb(self.bytes_needed)} ({gb(self.bytes_stored)} already stored) vs "
+            f"{' and '.join(against) or 'no free-space figure (S3) and no storage_budget_gb: not enforced'}"
+        )
 
     def failure_message(self) -> str:
         """The error text when the plan does not fit: figures and both ways out."""
         fit = f" (about {self.rows_that_fit:,} rows fit)" if self.rows_that_fit is not None else ""
         return (
-            f"hidden-state storage plan does not fit: {self.describe()}. Nothing was written. Ways out: "
-            f"(1) train online, storing nothing: set ops.dflash_drafter.config.features: online (the main job then skips "
+            f"hidden-state storage plan does not fit: {self.describe()}. Nothing was written. Ways out: (1) train "
+            "online, storing nothing: set ops.dflash_drafter.config.features: online (the main job then skips "
             f"hidden_states); (2) store a subset: set ops.hidden_states.config.max_rows: N{fit} or fraction: F (0..1); "
-            f"or free space / raise ops.hidden_states.config.storage_budget_gb."
+            "or free space / raise ops.hidden_states.config.storage_budget_gb."
         )
 
 
@@ -170,7 +174,11 @@ def compute_plan(
     chosen_mask = hashes < threshold if threshold < 1.0 else np.ones(len(indexes), dtype=bool)
     per_token = bytes_per_token(len(layer_ids), hidden_size, 2)
     tokenized = [m for m in partitions.values() if m.get("rows")]
-    mean = (sum(m.get("total_tokens", 0) for m in tokenized) / max(1, sum(m["rows"] for m in tokenized))) if tokenized else fallback_tokens_per_row
+    mean = (
+        (sum(m.get("total_tokens", 0) for m in tokenized) / max(1, sum(m["rows"] for m in tokenized)))
+        if tokenized
+        else fallback_tokens_per_row
+    )
     exact = exact or {}
     rows_selected = tokens = estimated = 0
     for pk, meta in partitions.items():
@@ -210,10 +218,22 @@ def compute_plan(
     rows_that_fit = int(room / (mean * per_token)) if room is not None and mean > 0 else None
     subset = {k: v for k, v in (("max_rows", max_rows), ("fraction", fraction)) if v is not None}
     return StoragePlan(
-        rows_total=len(indexes), rows_selected=rows_selected, tokens=int(tokens), tokens_estimated=int(estimated),
-        bytes_per_token=per_token, bytes_needed=int(needed), bytes_stored=int(stored), bytes_to_write=int(to_write),
-        free_bytes=free, budget_bytes=budget_bytes, root=local_root or "(object storage)", fits=fits, subset=subset,
-        target_layer_ids=list(layer_ids), hidden_size=hidden_size, rows_that_fit=rows_that_fit,
+        rows_total=len(indexes),
+        rows_selected=rows_selected,
+        tokens=int(tokens),
+        tokens_estimated=int(estimated),
+        bytes_per_token=per_token,
+        bytes_needed=int(needed),
+        bytes_stored=int(stored),
+        bytes_to_write=int(to_write),
+        free_bytes=free,
+        budget_bytes=budget_bytes,
+        root=local_root or "(object storage)",
+        fits=fits,
+        subset=subset,
+        target_layer_ids=list(layer_ids),
+        hidden_size=hidden_size,
+        rows_that_fit=rows_that_fit,
     )
 
 

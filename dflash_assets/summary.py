@@ -66,7 +66,8 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
     Returns:
         A dict of plain values: counts (rows, tokens), ``hidden_state_bytes`` (bytes), ``truncation_rate``
         (share 0..1), ``cap`` (tokens), ``cap_advice`` (Markdown), ``tau`` (tokens per target forward),
-        ``materialized`` (asset name -> bool), ``failed_checks`` (see :func:`failed_checks`), ``outputs`` (see :func:`output_locations`), ``ui_command``.
+        ``materialized`` (asset name -> bool), ``failed_checks`` (see :func:`failed_checks`), ``outputs``
+        (see :func:`output_locations`), ``ui_command``.
     """
     corpus = _unpartitioned(instance, "prompt_corpus")
     finish: Counter = Counter()
@@ -88,31 +89,54 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
     report = _unpartitioned(instance, "truncation_report")
     drafter = _unpartitioned(instance, "dflash_drafter")
     evaluation = _unpartitioned(instance, "drafter_evaluation")
-    materialized = {"prompt_corpus": bool(corpus), **seen, "truncation_report": bool(report),
-                    "dflash_drafter": bool(drafter), "drafter_evaluation": bool(evaluation)}
+    materialized = {
+        "prompt_corpus": bool(corpus),
+        **seen,
+        "truncation_report": bool(report),
+        "dflash_drafter": bool(drafter),
+        "drafter_evaluation": bool(evaluation),
+    }
     if storage is None:
         from dflash_assets.definitions import defs
 
         storage = defs.resources["storage"]
     return {
-        "prompts": corpus.get("num_prompts"), "duplicates": corpus.get("duplicates"), "rejected": corpus.get("rejected"),
-        "partitions": len(keys), "partition_keys": list(keys),
-        "completions": comp_rows, "completion_errors": comp_errors, "finish_reasons": dict(sorted(finish.items())),
-        "truncation_rate": report.get("truncation_rate"), "cap": report.get("cap"), "cap_advice": report.get("cap_advice"),
-        "tokenized_rows": tok_rows, "loss_tokens": loss_tokens,
-        "hidden_state_bytes": hs_bytes, "hidden_state_tokens": hs_tokens,
-        "drafter_parameters": drafter.get("parameters"), "drafter_train_tokens": drafter.get("train_tokens"),
-        "drafter_steps": drafter.get("steps"), "drafter_outcome": drafter.get("outcome"),
+        "prompts": corpus.get("num_prompts"),
+        "duplicates": corpus.get("duplicates"),
+        "rejected": corpus.get("rejected"),
+        # what the corpus's last build changed (stable indices: unchanged prompts kept their rows)
+        "prompts_edit": {k: corpus[f"prompts_{k}"] for k in ("new", "changed", "removed") if f"prompts_{k}" in corpus},
+        "partitions": len(keys),
+        "partition_keys": list(keys),
+        "completions": comp_rows,
+        "completion_errors": comp_errors,
+        "finish_reasons": dict(sorted(finish.items())),
+        "truncation_rate": report.get("truncation_rate"),
+        "cap": report.get("cap"),
+        "cap_advice": report.get("cap_advice"),
+        "tokenized_rows": tok_rows,
+        "loss_tokens": loss_tokens,
+        "hidden_state_bytes": hs_bytes,
+        "hidden_state_tokens": hs_tokens,
+        "drafter_parameters": drafter.get("parameters"),
+        "drafter_train_tokens": drafter.get("train_tokens"),
+        "drafter_steps": drafter.get("steps"),
+        "drafter_outcome": drafter.get("outcome"),
         "drafter_outcome_text": drafter.get("outcome_text"),
         "drafter_ran": None if ran is None or not drafter else "dflash_drafter" in ran,
         **_feature_figures(instance, keys, drafter),
-        "tau": evaluation.get("tau"), "tau_untrained": evaluation.get("tau_untrained"),
-        "tau_stderr": evaluation.get("tau_stderr"), "tau_untrained_stderr": evaluation.get("tau_untrained_stderr"),
-        "tau_pooled": evaluation.get("tau_pooled"), "tau_pooled_stderr": evaluation.get("tau_pooled_stderr"),
-        "tau_by_dataset": evaluation.get("tau_by_dataset"), "speedup": evaluation.get("speedup_wall"),
+        "tau": evaluation.get("tau"),
+        "tau_untrained": evaluation.get("tau_untrained"),
+        "tau_stderr": evaluation.get("tau_stderr"),
+        "tau_untrained_stderr": evaluation.get("tau_untrained_stderr"),
+        "tau_pooled": evaluation.get("tau_pooled"),
+        "tau_pooled_stderr": evaluation.get("tau_pooled_stderr"),
+        "tau_by_dataset": evaluation.get("tau_by_dataset"),
+        "speedup": evaluation.get("speedup_wall"),
         "evaluation_outcome": evaluation.get("outcome"),
         "evaluation_ran": None if ran is None or not evaluation else "drafter_evaluation" in ran,
-        "eval_prompts": evaluation.get("num_prompts"), "lossless": evaluation.get("lossless"),
+        "eval_prompts": evaluation.get("num_prompts"),
+        "lossless": evaluation.get("lossless"),
         **{k: evaluation.get(k) for k in ENGINE_KEYS},
         "materialized": materialized,
         "failed_checks": failed_checks(instance, keys),
@@ -137,6 +161,7 @@ def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None
         "partitions": [pk, ...] (failed ones, in key order; empty for an unpartitioned asset),
         "description": first failure's description or None}]``, sorted by check name.
     """
+    # private module: dagster 1.13 exports no public AssetCheckExecutionRecordStatus
     from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
     if check_keys is None:
@@ -150,7 +175,9 @@ def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None
         if ck.asset_key not in targets:
             targets[ck.asset_key] = {}
             for pk in keys:
-                rec = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=ck.asset_key, asset_partitions=[pk]), limit=1).records
+                rec = instance.fetch_materializations(
+                    dg.AssetRecordsFilter(asset_key=ck.asset_key, asset_partitions=[pk]), limit=1
+                ).records
                 if rec:
                     targets[ck.asset_key][rec[0].storage_id] = pk
         wanted = targets[ck.asset_key]
@@ -159,7 +186,11 @@ def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None
         while True:
             page = instance.event_log_storage.get_asset_check_execution_history(ck, limit=1000, cursor=cursor)
             for record in page:
-                evaluation = record.event.dagster_event.event_specific_data if record.event and record.event.dagster_event else None
+                evaluation = (
+                    record.event.dagster_event.event_specific_data
+                    if record.event and record.event.dagster_event
+                    else None
+                )
                 if record.status not in done or evaluation is None:
                     continue
                 target = getattr(evaluation, "target_materialization_data", None)
@@ -177,25 +208,32 @@ def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None
         order = {pk: i for i, pk in enumerate(keys)}
         failed.sort(key=lambda t: order.get(t[0], -1))
         severities = {getattr(getattr(e, "severity", None), "value", "ERROR") for _, _, e in failed}
-        out.append({
-            "check": f"{ck.asset_key.to_user_string()}.{ck.name}",
-            "severity": "ERROR" if "ERROR" in severities else severities.pop(),
-            "failed": len(failed), "evaluated": len(evaluated),
-            "partitions": [pk for pk, _, _ in failed if pk is not None],
-            "description": next((e.description for _, _, e in failed if getattr(e, "description", None)), None),
-        })
+        out.append(
+            {
+                "check": f"{ck.asset_key.to_user_string()}.{ck.name}",
+                "severity": "ERROR" if "ERROR" in severities else severities.pop(),
+                "failed": len(failed),
+                "evaluated": len(evaluated),
+                "partitions": [pk for pk, _, _ in failed if pk is not None],
+                "description": next((e.description for _, _, e in failed if getattr(e, "description", None)), None),
+            }
+        )
     return out
 
 
 def failed_check_lines(checks: list[dict], max_keys: int = 5) -> list[str]:
-    """``failed checks      <asset.check> (WARN): 3 of 4 partitions failed: pk1, pk2, pk3`` lines (``none`` if empty)."""
+    """``failed checks      <asset.check> (WARN): 3 of 4 partitions failed: pk1, pk2, pk3`` lines
+    (``none`` if empty)."""
     if not checks:
         return ["failed checks      none"]
     lines = []
     for i, c in enumerate(checks):
-        where = (f"{c['failed']} of {c['evaluated']} partitions failed: {', '.join(c['partitions'][:max_keys])}"
-                 + (f" (+{len(c['partitions']) - max_keys} more)" if len(c["partitions"]) > max_keys else "")
-                 if c["partitions"] else "failed")
+        where = (
+            f"{c['failed']} of {c['evaluated']} partitions failed: {', '.join(c['partitions'][:max_keys])}"
+            + (f" (+{len(c['partitions']) - max_keys} more)" if len(c["partitions"]) > max_keys else "")
+            if c["partitions"]
+            else "failed"
+        )
         text = f"{c['check']} ({c['severity']}): {where}" + (f"; {c['description']}" if c.get("description") else "")
         lines.append(("failed checks      " if i == 0 else " " * 19) + text)
     return lines
@@ -208,16 +246,22 @@ def _feature_figures(instance: dg.DagsterInstance, keys: list[str], drafter: dic
         plan = _meta(instance, "hidden_states", pk).get("storage_plan_text")
         if plan:
             break
-    return {"features": drafter.get("features"), "target_forwards": drafter.get("target_forwards"),
-            "offline_subset": drafter.get("offline_subset") or {}, "storage_plan": plan}
+    return {
+        "features": drafter.get("features"),
+        "target_forwards": drafter.get("target_forwards"),
+        "offline_subset": drafter.get("offline_subset") or {},
+        "storage_plan": plan,
+    }
 
 
 def feature_lines(s: dict) -> list[str]:
     """Summary lines on where the drafter's target features came from and the storage plan."""
     lines = []
     if s.get("features") == "online":
-        lines.append(f"features           online: the frozen target computed every batch's features during training "
-                     f"({s.get('target_forwards') or 0} target forwards); no hidden-state shard stored")
+        lines.append(
+            f"features           online: the frozen target computed every batch's features during training "
+            f"({s.get('target_forwards') or 0} target forwards); no hidden-state shard stored"
+        )
     elif s.get("features") == "offline":
         sub = s.get("offline_subset") or {}
         extra = f"; subset {sub}" if sub.get("max_rows") is not None or sub.get("fraction") is not None else ""
@@ -254,9 +298,17 @@ def output_locations(storage, keys: list[str]) -> list[tuple[str, str, str]]:
         ("  length plot", at(*TRUNCATION_PNG), "truncation_report"),
         ("tokenized", at(*tokenized_file(pk)), "tokenized_sequences"),
         ("  rows set aside", at(tokenized_file(pk)[0], f"{pk}.set_aside.parquet"), "tokenized_sequences"),
-        ("hidden states", folder(at(HIDDEN_STATES_DIR, pk)) + f"  ({SHARD_PATTERN.format(0).replace('00000', 'NNNNN')}, {INDEX_NAME})",
-         "hidden_states"),
-        ("drafter export", folder(at(*drafter_asset.EXPORT_DIR)) + "  (config.json + model.safetensors for SGLang)", "dflash_drafter"),
+        (
+            "hidden states",
+            folder(at(HIDDEN_STATES_DIR, pk))
+            + f"  ({SHARD_PATTERN.format(0).replace('00000', 'NNNNN')}, {INDEX_NAME})",
+            "hidden_states",
+        ),
+        (
+            "drafter export",
+            folder(at(*drafter_asset.EXPORT_DIR)) + "  (config.json + model.safetensors for SGLang)",
+            "dflash_drafter",
+        ),
         ("  loss curve", at(*LOSS_CURVE), "dflash_drafter"),
         ("  training runs", folder(os.path.join(scratch, *TRAINING_RUNS)), "dflash_drafter"),
         ("evaluation", at(*EVALUATION_REPORT), "drafter_evaluation"),
@@ -287,7 +339,11 @@ def _size(num_bytes: int) -> str:
 
 def advice_table(markdown: str) -> list[str]:
     """The cap-advice Markdown table (truncation_report metadata) as aligned text rows; other text kept as is."""
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in markdown.splitlines() if line.strip().startswith("|")]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in markdown.splitlines()
+        if line.strip().startswith("|")
+    ]
     rows = [r for r in rows if not all(re.fullmatch(r":?-+:?", c) for c in r)]
     if not rows:
         return [line for line in markdown.splitlines() if line.strip()]
@@ -303,8 +359,11 @@ def drafter_line(s: dict) -> str:
     if text is None:
         text = f"trained on {'-' if s.get('drafter_train_tokens') is None else s['drafter_train_tokens']} tokens"
     if s.get("drafter_ran") is False:
-        text = (f"reused because nothing changed ({s.get('drafter_steps')} steps on {s.get('drafter_train_tokens')} tokens, "
-                "no training step this run)")
+        text = (
+            f"reused because nothing changed ({s.get('drafter_steps')} steps on "
+            f"{s.get('drafter_train_tokens')} tokens, "
+            "no training step this run)"
+        )
     return f"{params} parameters; {text}"
 
 
@@ -315,7 +374,10 @@ def acceptance_line(s: dict) -> str:
     if s.get("tau") is None and s.get("engine_kind") is not None:
         return "acceptance length  tau - (in-process decoding not run: drafter_evaluation.in_process is false)"
     if s.get("tau") is None:
-        return f"acceptance length  tau - (untrained drafter: {'-' if s.get('tau_untrained') is None else s['tau_untrained']})"
+        return (
+            "acceptance length  tau - "
+            f"(untrained drafter: {'-' if s.get('tau_untrained') is None else s['tau_untrained']})"
+        )
 
     def with_se(value, se) -> str:
         return f"{value}" if se is None else f"{value} +- {se}"
@@ -335,8 +397,16 @@ def acceptance_line(s: dict) -> str:
     return text
 
 
-ENGINE_KEYS = ("engine_kind", "engine_simulated", "engine_requests", "engine_tau", "engine_tau_stderr", "engine_tau_pooled",
-               "simulated_engine_tau", "simulated_engine_tau_pooled")
+ENGINE_KEYS = (
+    "engine_kind",
+    "engine_simulated",
+    "engine_requests",
+    "engine_tau",
+    "engine_tau_stderr",
+    "engine_tau_pooled",
+    "simulated_engine_tau",
+    "simulated_engine_tau_pooled",
+)
 
 
 def engine_line(s: dict) -> str | None:
@@ -346,26 +416,36 @@ def engine_line(s: dict) -> str | None:
     if s.get("engine_kind") is None:
         return None
     if s.get("engine_simulated"):
-        return (f"engine (SIMULATED)  plumbing check only, not a measurement: {s.get('engine_requests')} requests answered by the "
-                f"GPU-node simulator with SGLang's per-request fields (simulated tau {s.get('simulated_engine_tau')}, "
-                f"pooled {s.get('simulated_engine_tau_pooled')})")
-    return (f"engine tau (SGLang) {s.get('engine_tau')} +- {s.get('engine_tau_stderr')} (mean of per-request spec_accept_length; "
-            f"pooled {s.get('engine_tau_pooled')}) on {s.get('engine_requests')} requests, {s.get('engine_kind')} servers")
+        return (
+            f"engine (SIMULATED)  plumbing check only, not a measurement: {s.get('engine_requests')} requests "
+            "answered by the "
+            f"GPU-node simulator with SGLang's per-request fields (simulated tau {s.get('simulated_engine_tau')}, "
+            f"pooled {s.get('simulated_engine_tau_pooled')})"
+        )
+    return (
+        f"engine tau (SGLang) {s.get('engine_tau')} +- {s.get('engine_tau_stderr')} "
+        "(mean of per-request spec_accept_length; "
+        f"pooled {s.get('engine_tau_pooled')}) on {s.get('engine_requests')} requests, {s.get('engine_kind')} servers"
+    )
 
 
 def dataset_lines(s: dict) -> list[str]:
-    """One line per extra evaluation dataset (beyond the held-out prompts): ``name: tau T +- SE (pooled ...) on N prompts``."""
+    """One line per extra evaluation dataset (beyond the held-out prompts):
+    ``name: tau T +- SE (pooled ...) on N prompts``."""
     rows = []
     for name, d in (s.get("tau_by_dataset") or {}).items():
         if name == "heldout":
             continue
-        rows.append(f"  {name}: tau {d.get('tau')} +- {d.get('tau_stderr')} (pooled {d.get('tau_pooled')} +- "
-                    f"{d.get('tau_pooled_stderr')}; untrained {d.get('tau_untrained')}) on {d.get('prompts')} prompts")
+        rows.append(
+            f"  {name}: tau {d.get('tau')} +- {d.get('tau_stderr')} (pooled {d.get('tau_pooled')} +- "
+            f"{d.get('tau_pooled_stderr')}; untrained {d.get('tau_untrained')}) on {d.get('prompts')} prompts"
+        )
     return rows
 
 
 def format_summary(s: dict) -> str:
     """The summary from :func:`collect_summary` as aligned text lines: numbers, then where each output is."""
+
     def fmt(v):
         return "-" if v is None else v
 
@@ -374,17 +454,28 @@ def format_summary(s: dict) -> str:
     rate = s["truncation_rate"]
     lines = [
         "== dflash-assets summary ==",
-        (f"prompts            {fmt(s['prompts'])} ({fmt(s['duplicates'])} duplicates, {fmt(s['rejected'])} rejected) "
-         f"in {n_parts} partition{'' if n_parts == 1 else 's'}"),
+        (
+            f"prompts            {fmt(s['prompts'])} ({fmt(s['duplicates'])} duplicates, "
+            f"{fmt(s['rejected'])} rejected) "
+            f"in {n_parts} partition{'' if n_parts == 1 else 's'}"
+            + (
+                f"; last build: {edit.get('new', 0)} new, {edit.get('changed', 0)} changed, "
+                f"{edit.get('removed', 0)} removed"
+                if (edit := s.get("prompts_edit"))
+                else ""
+            )
+        ),
         f"completions        {s['completions']} rows (errors: {s['completion_errors']}); finish_reason: {reasons}",
-        f"truncation         {'-' if rate is None else f'{rate:.2%}'} of completions hit the cap of {fmt(s['cap'])} tokens",
+        f"truncation         {'-' if rate is None else f'{rate:.2%}'} of completions hit the cap of "
+        f"{fmt(s['cap'])} tokens",
     ]
     if isinstance(s.get("cap_advice"), str) and s["cap_advice"].strip():
         table = advice_table(s["cap_advice"])
         lines += [("cap advice         " if i == 0 else " " * 19) + row for i, row in enumerate(table)]
     lines += [
         f"tokenized          {s['tokenized_rows']} rows, {s['loss_tokens']} loss tokens",
-        f"hidden states      {s['hidden_state_bytes']} bytes ({_size(s['hidden_state_bytes'])}) for {s['hidden_state_tokens']} tokens",
+        f"hidden states      {s['hidden_state_bytes']} bytes ({_size(s['hidden_state_bytes'])}) "
+        f"for {s['hidden_state_tokens']} tokens",
         f"drafter            {drafter_line(s)}",
         *feature_lines(s),
         acceptance_line(s),

@@ -10,8 +10,8 @@ assistant turn is never re-rendered through the template: that is where masks go
 
 from __future__ import annotations
 
-import itertools
 import functools
+import itertools
 import json
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -23,11 +23,13 @@ import polars as pl
 import pyarrow as pa
 
 from dflash_assets.generation.records import THINK_CLOSE, THINK_OPEN, completion_layout
+
 BATCH_ROWS = 128  # rows per batched tokenizer call
 
 TOKENIZED_SCHEMA = {
     "index": pl.Int64,
     "prompt_id": pl.String,
+    "prompt_hash": pl.String,  # the corpus's content_hash of the prompt these tokens start with
     "input_ids": pl.List(pl.Int32),
     "loss_mask": pl.List(pl.Int8),
     "prompt_len": pl.Int64,
@@ -82,7 +84,9 @@ def byte_level_token_bytes(tokenizer, sample: int = 2000) -> np.ndarray | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
-    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel" or not hasattr(backend, "get_added_tokens_decoder"):
+    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel" or not hasattr(
+        backend, "get_added_tokens_decoder"
+    ):
         return None  # tokenizers.decoders.ByteLevel alone (a Sequence of decoders may change the text)
     translation = _byte_level_translation()
     added = {token.content: i for i, token in backend.get_added_tokens_decoder().items()}
@@ -141,7 +145,8 @@ class SequenceBuilder:
             where = [k for k, f in enumerate(enable_thinking) if f == flag]
             kwargs = {"enable_thinking": flag} if self.template_knows_thinking else {}
             rendered = self.tokenizer.apply_chat_template(
-                [conversations[k] for k in where], add_generation_prompt=True, tokenize=False, **kwargs)
+                [conversations[k] for k in where], add_generation_prompt=True, tokenize=False, **kwargs
+            )
             for k, text in zip(where, rendered):
                 out[k] = text
         return out
@@ -249,7 +254,11 @@ class SequenceBuilder:
     def _fast_backend(self):
         """The Rust tokenizer when it encodes exactly as ``tokenizer(texts, add_special_tokens=False)``, else None."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None or not hasattr(backend, "encode_batch_fast") or hasattr(self.tokenizer, "_switch_to_input_mode"):
+        if (
+            backend is None
+            or not hasattr(backend, "encode_batch_fast")
+            or hasattr(self.tokenizer, "_switch_to_input_mode")
+        ):
             return None  # no Rust tokenizer, an old one, or one whose __call__ switches source/target modes
         split = bool(getattr(self.tokenizer, "split_special_tokens", False))
         if backend.truncation is not None or backend.padding is not None or backend.encode_special_tokens != split:
@@ -326,19 +335,36 @@ def tokenize_partition(
 
     Args:
         completions: rows with the completions schema.
-        prompts: corpus rows (``index``, ``messages``) for the same indexes.
+        prompts: corpus rows (``index``, ``messages``, ``content_hash``) for the same indexes. A row whose
+            ``prompt_hash`` is not the corpus's ``content_hash`` at its index is set aside (counted as
+            ``other_prompt``), never paired with the corpus's messages.
 
     Returns:
         ``(tokenized, set_aside, counts)``: TOKENIZED_SCHEMA rows sorted by ``index``; rows not kept with
         ``index`` and ``reason``; counts by outcome (kept, dropped_truncated, dropped_over_max_length, cut,
-        error_rows, tokenization_errors).
+        error_rows, tokenization_errors, other_prompt).
     """
     messages_by_index = dict(zip(prompts["index"].to_list(), prompts["messages"].to_list()))
+    hash_by_index = dict(zip(prompts["index"].to_list(), prompts["content_hash"].to_list()))
     aside, counts = [], Counter()
     todo: list[dict[str, Any]] = []
     for row in completions.sort("index").iter_rows(named=True):
         idx = row["index"]
-        if row.get("error"):
+        # joined by index AND prompt: a row made for another prompt (or for a removed one) is never tokenized
+        if idx not in hash_by_index or row.get("prompt_hash") != hash_by_index[idx]:
+            counts["other_prompt"] += 1
+            aside.append(
+                {
+                    "index": idx,
+                    "reason": (
+                        "prompt removed: the corpus has no prompt at this index"
+                        if idx not in hash_by_index
+                        else f"prompt changed: the row answers prompt {row.get('prompt_hash')}, the corpus has "
+                        f"{hash_by_index[idx]} at this index; rerun completions for this partition"
+                    ),
+                }
+            )
+        elif row.get("error"):
             counts["error_rows"] += 1
             aside.append({"index": idx, "reason": f"error row: {row['error'][:200]}"})
         elif row["finish_reason"] != "stop" and policy.truncated == "drop":
@@ -373,7 +399,9 @@ def tokenize_partition(
     return tokenized, aside_df, counts
 
 
-def _tokenized_frame(rows: list[dict], input_ids: list[list[int]], prompt_lens: list[int], cuts: list[bool]) -> pl.DataFrame:
+def _tokenized_frame(
+    rows: list[dict], input_ids: list[list[int]], prompt_lens: list[int], cuts: list[bool]
+) -> pl.DataFrame:
     """TOKENIZED_SCHEMA frame built from flat arrays + offsets (building list columns from Python lists
     of lists costs as much as the tokenization); ``loss_mask`` = 0 before ``prompt_len``, 1 from it."""
     if not rows:
@@ -385,16 +413,19 @@ def _tokenized_frame(rows: list[dict], input_ids: list[list[int]], prompt_lens: 
     starts, prompt = np.repeat(offsets[:-1], lengths), np.repeat(np.asarray(prompt_lens, dtype=np.int64), lengths)
     flat_mask = ((np.arange(offsets[-1], dtype=np.int64) - starts) >= prompt).astype(np.int8)
     pa_offsets = pa.array(offsets, type=pa.int64())
-    return pl.DataFrame({
-        "index": pl.Series([r["index"] for r in rows], dtype=pl.Int64),
-        "prompt_id": pl.Series([r["prompt_id"] for r in rows], dtype=pl.String),
-        "input_ids": pl.from_arrow(pa.LargeListArray.from_arrays(pa_offsets, pa.array(flat_ids))),
-        "loss_mask": pl.from_arrow(pa.LargeListArray.from_arrays(pa_offsets, pa.array(flat_mask))),
-        "prompt_len": pl.Series(prompt_lens, dtype=pl.Int64),
-        "num_loss_tokens": pl.Series(lengths - np.asarray(prompt_lens, dtype=np.int64), dtype=pl.Int64),
-        "finish_reason": pl.Series([r["finish_reason"] for r in rows], dtype=pl.String),
-        "cut": pl.Series(cuts, dtype=pl.Boolean),
-    }).cast(TOKENIZED_SCHEMA)
+    return pl.DataFrame(
+        {
+            "index": pl.Series([r["index"] for r in rows], dtype=pl.Int64),
+            "prompt_id": pl.Series([r["prompt_id"] for r in rows], dtype=pl.String),
+            "prompt_hash": pl.Series([r["prompt_hash"] for r in rows], dtype=pl.String),
+            "input_ids": pl.from_arrow(pa.LargeListArray.from_arrays(pa_offsets, pa.array(flat_ids))),
+            "loss_mask": pl.from_arrow(pa.LargeListArray.from_arrays(pa_offsets, pa.array(flat_mask))),
+            "prompt_len": pl.Series(prompt_lens, dtype=pl.Int64),
+            "num_loss_tokens": pl.Series(lengths - np.asarray(prompt_lens, dtype=np.int64), dtype=pl.Int64),
+            "finish_reason": pl.Series([r["finish_reason"] for r in rows], dtype=pl.String),
+            "cut": pl.Series(cuts, dtype=pl.Boolean),
+        }
+    ).cast(TOKENIZED_SCHEMA)
 
 
 def degenerate_mask_mode(num_loss_tokens: list[int], small: int = 16, share: float = 0.5) -> tuple[int, float] | None:

@@ -37,8 +37,15 @@ MIN_FINISHED_ROWS = 4
 
 #: The completions columns the report and the cap advice read: never the reasoning / answer text or the
 #: token ids, which are nearly all of a partition's bytes (about 6 KB of text per row for the user's model).
-REPORT_COLUMNS = ("source", "finish_reason", "completion_tokens", "max_output_tokens", "error",
-                  "truncated_in_reasoning", "empty_answer")
+REPORT_COLUMNS = (
+    "source",
+    "finish_reason",
+    "completion_tokens",
+    "max_output_tokens",
+    "error",
+    "truncated_in_reasoning",
+    "empty_answer",
+)
 
 
 def read_report_columns(store, *parts: str, columns: tuple[str, ...] = REPORT_COLUMNS) -> pl.DataFrame:
@@ -68,7 +75,9 @@ def _log_survival(z: np.ndarray) -> np.ndarray:
     return np.log(np.maximum(0.5 * erfc(z / SQRT2), 1e-300))
 
 
-def fit_censored_lognormal(tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray, weights: np.ndarray | None = None) -> LogNormalFit | None:
+def fit_censored_lognormal(
+    tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray, weights: np.ndarray | None = None
+) -> LogNormalFit | None:
     """Maximum-likelihood log-normal fit to right-censored lengths, by coarse-to-fine grid search.
 
     Args:
@@ -132,8 +141,9 @@ def _censored_parts(tokens, censored, caps, weights):
     return logs, w[unc], np.array(list(cap_counts.keys())), np.array(list(cap_counts.values()))
 
 
-def fit_censored_weibull(tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray, weights: np.ndarray | None = None
-                         ) -> tuple[WeibullFit, float] | None:
+def fit_censored_weibull(
+    tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray, weights: np.ndarray | None = None
+) -> tuple[WeibullFit, float] | None:
     """Maximum-likelihood Weibull fit to right-censored lengths (grid search on log scale and log shape).
 
     In log length y = ln L the Weibull is a minimum-Gumbel: with z = shape * (y - ln scale), an uncensored
@@ -155,10 +165,17 @@ def fit_censored_weibull(tokens: np.ndarray, censored: np.ndarray, caps: np.ndar
     for _ in range(5):
         locs = np.linspace(loc_lo, loc_hi, 41)[:, None]
         shapes = np.exp(np.linspace(ls_lo, ls_hi, 41))[None, :]
-        # sum_i w_i e^{z_i} = e^{-k (loc - mean)} * sum_i w_i e^{k (y_i - mean)}: O(shapes x rows), not O(locs x shapes x rows)
+        # sum_i w_i e^{z_i} = e^{-k (loc - mean)} * sum_i w_i e^{k (y_i - mean)}:
+        # O(shapes x rows), not O(locs x shapes x rows)
         with np.errstate(over="ignore", invalid="ignore"):  # far grid corners overflow to -inf: never the argmax
-            moments = (wu[None, :] * np.exp(np.minimum(shapes[0, :, None] * (logs[None, :] - mean), 700))).sum(-1)[None, :]
-            ll = n_u * np.log(shapes) + shapes * (s1 - locs * n_u) - np.exp(np.minimum(-shapes * (locs - mean), 700)) * moments
+            moments = (wu[None, :] * np.exp(np.minimum(shapes[0, :, None] * (logs[None, :] - mean), 700))).sum(-1)[
+                None, :
+            ]
+            ll = (
+                n_u * np.log(shapes)
+                + shapes * (s1 - locs * n_u)
+                - np.exp(np.minimum(-shapes * (locs - mean), 700)) * moments
+            )
             for lc, cw in zip(log_caps, cap_w):
                 ll = ll - cw * np.exp(np.minimum(shapes * (lc - locs), 700))
             ll = np.where(np.isnan(ll), -np.inf, ll)
@@ -170,8 +187,9 @@ def fit_censored_weibull(tokens: np.ndarray, censored: np.ndarray, caps: np.ndar
     return WeibullFit(scale=math.exp(best[0]), shape=best[1]), best_ll
 
 
-def censored_loglik(fit: LogNormalFit, tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray,
-                    weights: np.ndarray | None = None) -> float:
+def censored_loglik(
+    fit: LogNormalFit, tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray, weights: np.ndarray | None = None
+) -> float:
     """Log-likelihood of ln L under a log-normal ``fit`` for right-censored rows (normal density of the
     log length for uncensored rows, survival at the cap for censored ones)."""
     logs, wu, log_caps, cap_w = _censored_parts(tokens, censored, caps, weights)
@@ -182,8 +200,9 @@ def censored_loglik(fit: LogNormalFit, tokens: np.ndarray, censored: np.ndarray,
     return ll
 
 
-def fit_families(tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray, weights: np.ndarray | None = None
-                 ) -> list[tuple[LogNormalFit | WeibullFit, float]]:
+def fit_families(
+    tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray, weights: np.ndarray | None = None
+) -> list[tuple[LogNormalFit | WeibullFit, float]]:
     """Log-normal and Weibull fits with their likelihood weights (``exp(loglik)`` normalized; both
     families have 2 parameters, so these are also their Akaike weights). Empty with < 2 uncensored rows."""
     lognormal = fit_censored_lognormal(tokens, censored, caps, weights)
@@ -226,8 +245,15 @@ def predict_cap(fit: LogNormalFit | WeibullFit, cap: int, observed_rate: float, 
     }
 
 
-def cap_advice(frame: pl.DataFrame, cap: int, multipliers=(1.25, 1.5, 2.0), bootstrap: int = 100, seed: int = 0,
-               target_rate: float = 0.05, max_cap: int = 32768) -> dict:
+def cap_advice(
+    frame: pl.DataFrame,
+    cap: int,
+    multipliers=(1.25, 1.5, 2.0),
+    bootstrap: int = 100,
+    seed: int = 0,
+    target_rate: float = 0.05,
+    max_cap: int = 32768,
+) -> dict:
     """Advice for candidate caps: predicted truncation rate (with 90% bootstrap interval) and tokens.
 
     Candidates are ``cap * m`` for each multiplier; while the largest one's predicted truncation rate is
@@ -241,9 +267,9 @@ def cap_advice(frame: pl.DataFrame, cap: int, multipliers=(1.25, 1.5, 2.0), boot
         max_cap: largest cap offered by doubling (tokens; e.g. the model's context length).
 
     Returns:
-        ``current_cap``, ``observed_truncation_rate``, ``truncated_rows``, ``method``, ``fit`` ({family,
-        mu, sigma} or {family, scale, shape}, or None), ``candidates`` (dicts of :func:`predict_cap` plus ``truncation_rate_90ci``), and ``note``
-        when there is nothing to advise or ``max_cap`` still leaves more than ``target_rate`` truncated.
+        ``current_cap``, ``observed_truncation_rate``, ``truncated_rows``, ``method``, ``fit`` ({family, mu, sigma} or
+        {family, scale, shape}, or None), ``candidates`` (dicts of :func:`predict_cap` plus ``truncation_rate_90ci``),
+        and ``note`` when there is nothing to advise or ``max_cap`` still leaves more than ``target_rate`` truncated.
     """
     tokens = frame["completion_tokens"].to_numpy().astype(float)
     censored = (frame["finish_reason"] == "length").to_numpy()
@@ -252,20 +278,31 @@ def cap_advice(frame: pl.DataFrame, cap: int, multipliers=(1.25, 1.5, 2.0), boot
     observed = n_trunc / n if n else 0.0
     families = fit_families(tokens, censored, caps)
     result = {
-        "current_cap": cap, "observed_truncation_rate": observed, "truncated_rows": n_trunc,
-        "method": ("censored MLE of a log-normal and a Weibull, the likelier one predicts, tail anchored at the "
-                   "observed rate; 90% predictive interval: Poisson bootstrap refitting both families, and a "
-                   "binomial draw of the truncated rows"),
-        "fit": None, "candidates": [],
+        "current_cap": cap,
+        "observed_truncation_rate": observed,
+        "truncated_rows": n_trunc,
+        "method": (
+            "censored MLE of a log-normal and a Weibull, the likelier one predicts, tail anchored at the "
+            "observed rate; 90% predictive interval: Poisson bootstrap refitting both families, and a "
+            "binomial draw of the truncated rows"
+        ),
+        "fit": None,
+        "candidates": [],
     }
     if not families or n_trunc == 0 or n - n_trunc < MIN_FINISHED_ROWS:
-        result["note"] = ("no truncated rows: every completion stopped on its own" if n_trunc == 0 else
-                          f"too few finished rows to fit ({n - n_trunc}; at least {MIN_FINISHED_ROWS} needed): "
-                          f"at a larger cap truncation is somewhere in 0-{observed:.0%}")
+        result["note"] = (
+            "no truncated rows: every completion stopped on its own"
+            if n_trunc == 0
+            else f"too few finished rows to fit ({n - n_trunc}; at least {MIN_FINISHED_ROWS} needed): "
+            f"at a larger cap truncation is somewhere in 0-{observed:.0%}"
+        )
         return result
     fit = max(families, key=lambda fw: fw[1])[0]
-    result["fit"] = ({"family": "lognormal", "mu": fit.mu, "sigma": fit.sigma} if isinstance(fit, LogNormalFit)
-                     else {"family": "weibull", "scale": fit.scale, "shape": fit.shape})
+    result["fit"] = (
+        {"family": "lognormal", "mu": fit.mu, "sigma": fit.sigma}
+        if isinstance(fit, LogNormalFit)
+        else {"family": "weibull", "scale": fit.scale, "shape": fit.shape}
+    )
     result["family_weights"] = {"lognormal": families[0][1], "weibull": families[1][1]}
     rng = np.random.default_rng(seed)
     boot_fits = []
@@ -287,8 +324,10 @@ def cap_advice(frame: pl.DataFrame, cap: int, multipliers=(1.25, 1.5, 2.0), boot
             else:
                 rates.append(predict_cap(f, cap, r, n_trunc, new_cap)["truncation_rate"])
         if rates:
-            pred["truncation_rate_90ci"] = [float(np.percentile(rates, INTERVAL_PERCENTILES[0])),
-                                            float(np.percentile(rates, INTERVAL_PERCENTILES[1]))]
+            pred["truncation_rate_90ci"] = [
+                float(np.percentile(rates, INTERVAL_PERCENTILES[0])),
+                float(np.percentile(rates, INTERVAL_PERCENTILES[1])),
+            ]
         return pred
 
     for m in multipliers:
@@ -351,7 +390,10 @@ def truncation_stats(frame: pl.DataFrame) -> dict:
 
     def rates(by: str) -> dict:
         g = ok.group_by(by).agg(rows=pl.len(), truncated=(pl.col("finish_reason") == "length").sum()).sort(by)
-        return {r[by]: {"rows": r["rows"], "truncated": r["truncated"], "rate": r["truncated"] / r["rows"]} for r in g.iter_rows(named=True)}
+        return {
+            r[by]: {"rows": r["rows"], "truncated": r["truncated"], "rate": r["truncated"] / r["rows"]}
+            for r in g.iter_rows(named=True)
+        }
 
     return {
         **counts,
@@ -375,3 +417,28 @@ def length_histogram_png(tokens: np.ndarray, cap: int, title: str) -> bytes:
     ax.legend()
     fig.tight_layout()
     return figure_png_bytes(fig)
+
+
+def cap_advice_markdown(advice: dict) -> str:
+    """The cap advice (:func:`cap_advice`) as a markdown table for the UI: per candidate cap, the predicted
+    truncation rate and its 90% interval, requests, tokens to generate and extra tokens; the note when
+    there is no candidate."""
+    if not advice["candidates"]:
+        return advice.get("note", "")
+
+    def interval(c: dict) -> str:
+        if "truncation_rate_90ci" not in c:
+            return "-"
+        low, high = (100 * x for x in c["truncation_rate_90ci"])
+        return f"{low:.2f}%\u2013{high:.2f}%"  # an en dash between the bounds, as the report writes them
+
+    rows = "\n".join(
+        f"| {c['cap']} | {c['truncation_rate']:.2%} | {interval(c)} | "
+        f"{c['requests']} | {c['tokens_to_generate']:.0f} | {c['extra_output_tokens']:.0f} |"
+        for c in advice["candidates"]
+    )
+    return (
+        f"Method: {advice['method']}.\n\n| cap | predicted truncation | 90% interval | requests | tokens to generate, "
+        "whole | extra tokens (to generate, continued) |\n"
+        "|---|---|---|---|---|---|\n" + rows
+    )

@@ -10,11 +10,16 @@ import dagster as dg
 
 from dflash_assets.automation import build_backfill_schedule, build_cap_change_sensor
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.pools import INFERENCE_POOL
 from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.status import INFERENCE_POOL
 
 
-@dg.asset(name="completions", partitions_def=prompt_ranges, pool=INFERENCE_POOL, backfill_policy=dg.BackfillPolicy.single_run())
+@dg.asset(
+    name="completions",
+    partitions_def=prompt_ranges,
+    pool=INFERENCE_POOL,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+)
 def completions(context: dg.AssetExecutionContext):
     raise dg.Failure("stand-in: never executed by these tests")
 

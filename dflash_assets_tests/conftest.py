@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# One torch thread per process: the tests run a model server and the pipeline in separate processes on a
+# 2-core machine, and two processes each spinning two OpenMP threads were several times slower (40 greedy
+# tokens from SmolLM2 took 28 s with 2 threads against 5 s with 1 while another process was busy). Set
+# before any server is spawned, so its processes inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +38,10 @@ def local_inference(local_server):
     from dflash_assets.resources.inference import InferenceServerResource
 
     return InferenceServerResource(
-        mode="external", base_urls=[local_server.base_url], served_model_name=local_server.model_name,
-        external_backend="transformers", external_tokenizer_path=str(ensure_local_model()), max_running_requests=8,
+        mode="external",
+        base_urls=[local_server.base_url],
+        served_model_name=local_server.model_name,
+        external_backend="transformers",
+        external_tokenizer_path=str(ensure_local_model()),
+        max_running_requests=8,
     )

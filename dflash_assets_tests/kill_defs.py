@@ -8,8 +8,8 @@ from pathlib import Path
 
 import dagster as dg
 
+from dflash_assets.pools import INFERENCE_POOL
 from dflash_assets.runs import reaping_executor
-from dflash_assets.status import INFERENCE_POOL
 
 
 @dg.asset(partitions_def=dg.StaticPartitionsDefinition(["p0", "p1"]), pool=INFERENCE_POOL)

@@ -49,9 +49,10 @@ class MotoServer:
     def __init__(self, log_path: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen([_moto_server_bin(), "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [_moto_server_bin(), "-H", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -72,7 +73,6 @@ class MotoServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
 
 
 class TcpProxy:
@@ -182,7 +182,7 @@ class S3Target:
             if token:
                 kw["ContinuationToken"] = token
             page = self.client.list_objects_v2(**kw)
-            out += [o["Key"][len(self.prefix) + 1:] for o in page.get("Contents", [])]
+            out += [o["Key"][len(self.prefix) + 1 :] for o in page.get("Contents", [])]
             if not page.get("IsTruncated"):
                 return sorted(out)
             token = page["NextContinuationToken"]
@@ -213,8 +213,13 @@ def s3_env(monkeypatch) -> S3Creds:
 def s3_target(moto_server, s3_env):
     import boto3
 
-    client = boto3.client("s3", endpoint_url=moto_server.url, region_name="us-east-1",
-                          aws_access_key_id=s3_env.access_key, aws_secret_access_key=s3_env.secret_key)
+    client = boto3.client(
+        "s3",
+        endpoint_url=moto_server.url,
+        region_name="us-east-1",
+        aws_access_key_id=s3_env.access_key,
+        aws_secret_access_key=s3_env.secret_key,
+    )
     bucket = f"dflash-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
     proxy = TcpProxy(moto_server.port).start()

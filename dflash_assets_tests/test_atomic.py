@@ -120,7 +120,9 @@ def test_kill_9_mid_write_keeps_old_content(tmp_path):
     old = os.urandom(1 << 20)
     path.write_bytes(old)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         line = child.stdout.readline()
         assert line.strip() == "WRITING", line + child.stderr.read()

@@ -13,7 +13,11 @@ import time
 
 import dagster as dg
 import pytest
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG, PARTITION_NAME_TAG
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    PARTITION_NAME_TAG,
+)
 
 from dflash_assets.automation import build_backfill_schedule
 from dflash_assets.partitions import partition_keys, prompt_ranges
@@ -48,7 +52,9 @@ def stand_in_assets(gate: threading.Event, started: threading.Event):
 def evaluate(schedule: dg.ScheduleDefinition, instance: dg.DagsterInstance, asset=None):
     """One tick of ``schedule`` through ``evaluate_tick``: the RunRequests, or a SkipReason."""
     defs = dg.Definitions(assets=[asset], jobs=[schedule.job], schedules=[schedule]) if asset is not None else None
-    data = schedule.evaluate_tick(dg.build_schedule_context(instance=instance, repository_def=defs.get_repository_def() if defs else None))
+    data = schedule.evaluate_tick(
+        dg.build_schedule_context(instance=instance, repository_def=defs.get_repository_def() if defs else None)
+    )
     assert all(r.run_key for r in data.run_requests)
     return data.run_requests if data.run_requests else dg.SkipReason(data.skip_message)
 
@@ -74,7 +80,7 @@ def instance_with_states():
         def blocked_run() -> None:
             try:
                 dg.materialize([asset], instance=instance, partition_key=STARTED)
-            except Exception as exc:  # noqa: BLE001 - surfaced in the main thread below
+            except Exception as exc:
                 errors.append(exc)
 
         thread = threading.Thread(target=blocked_run, daemon=True)
@@ -96,9 +102,13 @@ def test_schedule_requests_missing_and_failed_only_at_most_k_per_tick(instance_w
 
     # the states are what the runs made them (the schedule's input, checked through Dagster's own API)
     status = instance.get_status_by_partition(dg.AssetKey("completions"), KEYS, prompt_ranges)
-    expected = {**{k: None for k in MISSING}, **{k: dg.AssetPartitionStatus.MATERIALIZED for k in MATERIALIZED},
-                **{k: dg.AssetPartitionStatus.FAILED for k in FAILED},
-                STARTED: dg.AssetPartitionStatus.IN_PROGRESS, NOT_STARTED: dg.AssetPartitionStatus.IN_PROGRESS}
+    expected = {
+        **{k: None for k in MISSING},
+        **{k: dg.AssetPartitionStatus.MATERIALIZED for k in MATERIALIZED},
+        **{k: dg.AssetPartitionStatus.FAILED for k in FAILED},
+        STARTED: dg.AssetPartitionStatus.IN_PROGRESS,
+        NOT_STARTED: dg.AssetPartitionStatus.IN_PROGRESS,
+    }
     assert {k: status.get(k) for k in KEYS} == expected
     runs = {r.tags.get(PARTITION_NAME_TAG): r.status for r in instance.get_runs()}
     assert runs[STARTED] == dg.DagsterRunStatus.STARTED and runs[NOT_STARTED] == dg.DagsterRunStatus.NOT_STARTED
@@ -117,7 +127,10 @@ def test_schedule_requests_missing_and_failed_only_at_most_k_per_tick(instance_w
     # once the blocked run finishes, its partition is materialized: still not requested
     gate.set()
     deadline = time.monotonic() + 60
-    while instance.get_status_by_partition(dg.AssetKey("completions"), [STARTED], prompt_ranges)[STARTED] != dg.AssetPartitionStatus.MATERIALIZED:
+    while (
+        instance.get_status_by_partition(dg.AssetKey("completions"), [STARTED], prompt_ranges)[STARTED]
+        != dg.AssetPartitionStatus.MATERIALIZED
+    ):
         assert time.monotonic() < deadline, "the released run did not finish"
         time.sleep(0.2)
     assert ranges(evaluate(wide, instance, asset)) == [(KEYS[1], KEYS[7])]  # no longer cut at KEYS[3]
@@ -159,7 +172,9 @@ def test_schedule_gives_up_on_a_partition_after_max_failed_attempts():
         assert dg.materialize([completions], instance=instance, partition_key=KEYS[0]).success
         for attempt in (1, 2):
             assert ranges(evaluate(schedule, instance, completions)) == [(KEYS[1], KEYS[2])]  # retried: under the limit
-            assert not dg.materialize([completions], instance=instance, partition_key=KEYS[1], raise_on_error=False).success
+            assert not dg.materialize(
+                [completions], instance=instance, partition_key=KEYS[1], raise_on_error=False
+            ).success
             assert failed_attempts(instance, dg.AssetKey("completions"), KEYS[1]) == attempt
         assert ranges(evaluate(schedule, instance, completions)) == [(KEYS[2], KEYS[2])]  # given up after 2 failures
         # a run by hand that succeeds resets the count; a later failure counts from there

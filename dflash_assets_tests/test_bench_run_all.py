@@ -29,22 +29,34 @@ def table(results: Path) -> list[list[str]]:
 def test_rows_from_headline_lines_and_only_keeps_the_rest(tmp_path):
     benches, results = tmp_path / "benches", tmp_path / "RESULTS.md"
     benches.mkdir()
-    fake_bench(benches, "bench_a", """
+    fake_bench(
+        benches,
+        "bench_a",
+        """
         print("free text the table ignores: ratio 0.5 (goal >= 9)")
         print('HEADLINE {"figure": "a / baseline", "value": 0.95, "goal": ">= 0.9", "met": true}')
         print('HEADLINE {"figure": "context", "value": 12, "goal": "none", "met": null}')
-    """)
-    fake_bench(benches, "bench_b", """
+    """,
+    )
+    fake_bench(
+        benches,
+        "bench_b",
+        """
         import sys
         print('HEADLINE {"figure": "b / baseline", "value": 0.5, "goal": ">= 0.9", "met": false}')
         sys.exit(3)
-    """)
+    """,
+    )
     fake_bench(benches, "bench_c", "print('nothing machine-readable')\n")
-    fake_bench(benches, "bench_d", """
+    fake_bench(
+        benches,
+        "bench_d",
+        """
         import sys
         print('HEADLINE {"figure": "d / baseline", "value": 0.8, "goal": ">= 0.9", "met": false}')
         sys.exit(1)  # the goal missed: said by the row itself, no extra exit row
-    """)
+    """,
+    )
     proc = run_all(benches, results)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # bench_b failed
     rows = table(results)
@@ -62,9 +74,13 @@ def test_rows_from_headline_lines_and_only_keeps_the_rest(tmp_path):
     assert all(len(r) == 8 and r[5].count("-") == 2 for r in rows)  # date YYYY-MM-DD
     assert list(tmp_path.glob("**/*.tmp")) == []
 
-    fake_bench(benches, "bench_b", """
+    fake_bench(
+        benches,
+        "bench_b",
+        """
         print('HEADLINE {"figure": "b / baseline", "value": 0.93, "goal": ">= 0.9", "met": true}')
-    """)
+    """,
+    )
     assert run_all(benches, results, "bench_b").returncode == 0
     rows_after = table(results)
     assert [r for r in rows_after if r[0] != "bench_b"] == [r for r in rows if r[0] != "bench_b"]
@@ -87,13 +103,25 @@ def test_stopping_run_all_stops_the_bench_it_runs(tmp_path):
     benches = tmp_path / "benches"
     benches.mkdir()
     pid_file = tmp_path / "bench.pid"
-    fake_bench(benches, "bench_slow", f"""
+    fake_bench(
+        benches,
+        "bench_slow",
+        f"""
         import os, time
         open({str(pid_file)!r}, "w").write(str(os.getpid()))
         time.sleep(300)
-    """)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "run_all"), "--benches", str(benches),
-                             "--results", str(tmp_path / "RESULTS.md")])
+    """,
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "run_all"),
+            "--benches",
+            str(benches),
+            "--results",
+            str(tmp_path / "RESULTS.md"),
+        ]
+    )
     deadline = time.monotonic() + 120
     while not pid_file.exists() or not pid_file.read_text():
         assert time.monotonic() < deadline and proc.poll() is None
@@ -104,7 +132,8 @@ def test_stopping_run_all_stops_the_bench_it_runs(tmp_path):
     time.sleep(0.5)
     try:
         os.kill(bench_pid, 0)
-        alive = open(f"/proc/{bench_pid}/stat").read().split(") ")[-1].split()[0] not in ("Z", "X")
+        with open(f"/proc/{bench_pid}/stat") as stat:
+            alive = stat.read().split(") ")[-1].split()[0] not in ("Z", "X")
     except (ProcessLookupError, FileNotFoundError):
         alive = False
     assert not alive

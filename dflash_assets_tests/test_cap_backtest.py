@@ -8,8 +8,16 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_assets.cap_backtest import (USER_CAP, USER_NEW_CAP, advised, censored_frame, coverage, lognormal_lengths,
-                                        run_backtest, subsample_backtests)
+from dflash_assets.cap_backtest import (
+    USER_CAP,
+    USER_NEW_CAP,
+    advised,
+    censored_frame,
+    coverage,
+    lognormal_lengths,
+    run_backtest,
+    subsample_backtests,
+)
 from dflash_assets.truncation import cap_advice
 
 DEMO = Path(__file__).resolve().parents[1] / "bench" / "data" / "demo_completion_lengths_cap128.json"
@@ -17,8 +25,11 @@ DEMO = Path(__file__).resolve().parents[1] / "bench" / "data" / "demo_completion
 
 def test_user_shape_back_tests_cover_at_least_90_percent():
     rng = np.random.default_rng(3)
-    tests = [run_backtest("user", lognormal_lengths(n, rng), USER_CAP, USER_NEW_CAP, seed=i, bootstrap=60)
-             for n in (64, 500) for i in range(10)]
+    tests = [
+        run_backtest("user", lognormal_lengths(n, rng), USER_CAP, USER_NEW_CAP, seed=i, bootstrap=60)
+        for n in (64, 500)
+        for i in range(10)
+    ]
     assert len(advised(tests)) == 20
     assert coverage(tests) >= 0.9, [(t.lo, t.actual, t.hi) for t in tests if not t.covered]
     large = [t for t in tests if t.rows == 500]
@@ -27,7 +38,9 @@ def test_user_shape_back_tests_cover_at_least_90_percent():
 
 def test_demo_data_back_tests_cover_and_too_few_finished_rows_get_no_false_precision():
     d = json.loads(DEMO.read_text())
-    lengths = np.array([np.inf if r == "length" else t for t, r in zip(d["completion_tokens"], d["finish_reason"])], float)
+    lengths = np.array(
+        [np.inf if r == "length" else t for t, r in zip(d["completion_tokens"], d["finish_reason"])], float
+    )
     tests = subsample_backtests("demo", lengths, [64], rows=60, trials=6, seed=1, bootstrap=60)
     assert advised(tests) and coverage(tests) >= 0.9
     # 2 rows stopped below the cap: no fit, and the note says what is known (0 .. the current rate)

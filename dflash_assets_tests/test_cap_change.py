@@ -1,13 +1,13 @@
 """A cap change re-runs only what it affects, on the real CPU server (greedy), decided by the
 ``generation_settings_changed`` sensor.
 
-Scenario (``dflash_assets/simulation/cap_change_scenario.py``, also run by ``bench/bench_cap_change.py``): 3 partitions of 2 prompts at a small cap, so that
-one partition holds only quick answers (no truncated row) and the others hold long ones. Raising the
-cap must re-materialize exactly the partitions with ``length`` rows, send exactly one request per
-truncated row (counted by a proxy in front of the server), leave every other row byte-identical and
-not re-run ``tokenized_sequences`` of untouched partitions; lowering it must request exactly the rows
-longer than the new cap. The runs materialize completions -> tokenized_sequences for each RunRequest's
-partition (the sensor's job also holds hidden_states, left out here to stay fast).
+Scenario (``dflash_assets/simulation/cap_change_scenario.py``, also run by ``bench/bench_cap_change.py``): 3
+partitions of 2 prompts at a small cap, so that one partition holds only quick answers (no truncated row) and
+the others hold long ones. Raising the cap must re-materialize exactly the partitions with ``length`` rows,
+send exactly one request per truncated row (counted by a proxy in front of the server), leave every other row
+byte-identical and not re-run ``tokenized_sequences`` of untouched partitions; lowering it must request
+exactly the rows longer than the new cap. The runs materialize completions -> tokenized_sequences for each
+RunRequest's partition (the sensor's job also holds hidden_states, left out here to stay fast).
 
 Without a server: the sensor's partition-level rule (materialization metadata) agrees with the asset's
 row-level rule (``invalid_reason``) on random partitions; a cap that comes back (10 -> 14 -> 10 -> 14)
@@ -23,17 +23,18 @@ import pytest
 from dflash_assets.automation import request_partitions
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.simulation.cap_change_scenario import (
+    ASSET_KEYS,
     CAP_LOWERED,
     CAP_RAISED,
     CAP_SMALL,
     PROMPTS,
-    ASSET_KEYS,
-    Snapshot,
     CapChange,
-    run_scenario,
+    Snapshot,
     proxied_inference,
+    run_scenario,
 )
 from dflash_assets.simulation.counting_proxy import CountingProxy
+
 
 # Partition i holds PROMPTS[2i], PROMPTS[2i+1]. Greedy SmolLM2 answers the first three quick questions
 # in ~8 tokens (<|im_end|> included) and runs long on the others.
@@ -41,8 +42,9 @@ from dflash_assets.simulation.counting_proxy import CountingProxy
 def scenario(tmp_path_factory, local_server, local_inference):
     root = tmp_path_factory.mktemp("cap_change")
     with CountingProxy(local_server.base_url) as proxy:
-        result = run_scenario(root, proxy, proxied_inference(local_inference, proxy.base_url),
-                              [CAP_SMALL, CAP_RAISED, CAP_LOWERED])
+        result = run_scenario(
+            root, proxy, proxied_inference(local_inference, proxy.base_url), [CAP_SMALL, CAP_RAISED, CAP_LOWERED]
+        )
         assert proxy.upstream_errors == 0
     return result
 
@@ -55,8 +57,14 @@ def before_prompt(row: dict) -> str:
     return _PROMPT_OF_INDEX[row["index"]]
 
 
-def check_change(before: Snapshot, change: CapChange, touched: dict[str, list[dict]], reason: str,
-                 requested: Counter | None = None, probes: int | None = None) -> None:
+def check_change(
+    before: Snapshot,
+    change: CapChange,
+    touched: dict[str, list[dict]],
+    reason: str,
+    requested: Counter | None = None,
+    probes: int | None = None,
+) -> None:
     """Shared assertions for one cap change; ``touched`` = rows (by partition) that must be regenerated
     (``requested``/``probes``: what reached the server, when not one request per touched row and one
     readiness probe per partition run)."""
@@ -129,15 +137,27 @@ def test_lowering_the_cap_cuts_the_rows_longer_than_it_from_their_own_tokens(sce
     assert len(cut) >= 2, "the scenario must cut rows locally"
     not_cut = Counter(before_prompt(r) for rows in touched.values() for r in rows if r["index"] not in cut)
     # untouched partitions and rows as before; the rows that could not be cut were requested, nothing else
-    check_change(raised, lower, touched, "cap lowered", requested=not_cut,
-                 probes=sum(1 for rows in touched.values() if any(r["index"] not in cut for r in rows)))
+    check_change(
+        raised,
+        lower,
+        touched,
+        "cap lowered",
+        requested=not_cut,
+        probes=sum(1 for rows in touched.values() if any(r["index"] not in cut for r in rows)),
+    )
     settings = GenerationResource(max_output_tokens=CAP_LOWERED, temperature=0.0).settings()
     for i in sorted(cut):
         row, old = after[i], next(r for rows in touched.values() for r in rows if r["index"] == i)
         assert row["cut_from_tokens"] == old["completion_tokens"] and row["finish_reason"] == "length"
-        assert row["completion_tokens"] == row["max_output_tokens"] == CAP_LOWERED and row["latency_s"] == old["latency_s"]
-        body = local_server.pool().adapt_body(settings.request_body(local_server.model_name, [{"role": "user", "content": PROMPTS[i]}]))
-        reply = parse_chat_completion(httpx.post(f"{local_server.base_url}/chat/completions", json=body, timeout=120).json())
+        assert (
+            row["completion_tokens"] == row["max_output_tokens"] == CAP_LOWERED and row["latency_s"] == old["latency_s"]
+        )
+        body = local_server.pool().adapt_body(
+            settings.request_body(local_server.model_name, [{"role": "user", "content": PROMPTS[i]}])
+        )
+        reply = parse_chat_completion(
+            httpx.post(f"{local_server.base_url}/chat/completions", json=body, timeout=120).json()
+        )
         assert (reply["finish_reason"], reply["completion_tokens"]) == ("length", CAP_LOWERED)
         assert row["content"] == reply["content"] and row["reasoning_content"] is None, (row, reply)
 
@@ -150,12 +170,24 @@ def test_sensor_skips_once_everything_matches_the_settings(scenario):
 
 # ---------------------------------------------------------------- sensor decisions without a server
 
+
 def _result(index: int, finish_reason: str | None, completion_tokens: int | None, error: str | None = None):
     from dflash_assets.generation.client import CompletionResult
 
     text = None if error else "some answer"
-    return CompletionResult(index, None, text, None if error else finish_reason, None if error else 12,
-                            None if error else completion_tokens, None, 0.5, "http://s0/v1", 1, error)
+    return CompletionResult(
+        index,
+        None,
+        text,
+        None if error else finish_reason,
+        None if error else 12,
+        None if error else completion_tokens,
+        None,
+        0.5,
+        "http://s0/v1",
+        1,
+        error,
+    )
 
 
 def _random_partition(rng, settings_choices) -> list[dict]:
@@ -201,8 +233,14 @@ def test_partition_decision_matches_row_decision():
             settings = GenerationSettings(max_output_tokens=cap, temperature=0.0)
             row_reasons = [invalid_reason(r, settings) for r in rows]
             if (affected_reason(meta, settings) is not None) != any(row_reasons):
-                mismatches.append((cap, [(r["finish_reason"], r["completion_tokens"], r["max_output_tokens"]) for r in rows],
-                                   affected_reason(meta, settings), row_reasons))
+                mismatches.append(
+                    (
+                        cap,
+                        [(r["finish_reason"], r["completion_tokens"], r["max_output_tokens"]) for r in rows],
+                        affected_reason(meta, settings),
+                        row_reasons,
+                    )
+                )
     assert not mismatches, mismatches[:3]
 
 
@@ -221,11 +259,19 @@ def test_sensor_relaunches_a_partition_when_a_cap_comes_back():
         from dflash_assets.settings import GenerationSettings
 
         fp = GenerationSettings(max_output_tokens=cap, temperature=0.0).sampling_fingerprint()
-        instance.report_runless_asset_event(dg.AssetMaterialization(
-            "completions", partition=pk,
-            metadata={"errors": 0, "finish_reasons": {"stop": 1, "length": 1} if length_rows else {"stop": 2},
-                      "settings_fingerprints": [fp], "completion_tokens_max": cap,
-                      "length_row_caps": [cap] if length_rows else []}))
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(
+                "completions",
+                partition=pk,
+                metadata={
+                    "errors": 0,
+                    "finish_reasons": {"stop": 1, "length": 1} if length_rows else {"stop": 2},
+                    "settings_fingerprints": [fp],
+                    "completion_tokens_max": cap,
+                    "length_row_caps": [cap] if length_rows else [],
+                },
+            )
+        )
 
     def tick(cap: int) -> list[dg.RunRequest]:
         generation = GenerationResource(max_output_tokens=cap, temperature=0.0)
@@ -250,6 +296,8 @@ def test_sensor_relaunches_a_partition_when_a_cap_comes_back():
         @dg.asset(name="completions", partitions_def=prompt_ranges)
         def stand_in() -> None: ...
 
-        job = dg.Definitions(assets=[stand_in], jobs=[dg.define_asset_job("j", selection=[stand_in])]).resolve_job_def("j")
+        job = dg.Definitions(assets=[stand_in], jobs=[dg.define_asset_job("j", selection=[stand_in])]).resolve_job_def(
+            "j"
+        )
         instance.create_run_for_job(job, tags={"dagster/partition": pk})
         assert tick(14) == []

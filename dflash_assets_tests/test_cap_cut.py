@@ -33,19 +33,35 @@ def settings(cap: int, **kw) -> GenerationSettings:
     return GenerationSettings(max_output_tokens=cap, temperature=0.6, top_p=0.95, enable_thinking=True, **kw)
 
 
-def made_row(builder: SequenceBuilder, reasoning: str | None, answer: str, finish: str, cap: int, ids: bool = False) -> dict:
+def made_row(
+    builder: SequenceBuilder, reasoning: str | None, answer: str, finish: str, cap: int, ids: bool = False
+) -> dict:
     """A row as the pipeline stores it, with the token count its text encodes to (+1 end token for stop)."""
     opened = builder.prompt_text(MESSAGES, True).rstrip("\n").endswith("<think>")
     text = completion_layout(reasoning, answer, False, opened)
     tokens = builder.tokenizer(text, add_special_tokens=False)["input_ids"]
     made = settings(cap)
     return {
-        "index": 7, "prompt_id": "p7", "source": "s", "reasoning_content": reasoning, "content": answer,
-        "finish_reason": finish, "prompt_tokens": 20, "completion_tokens": len(tokens) + (finish == "stop"),
-        "output_token_ids": (tokens + [builder.end_token_id] if finish == "stop" else tokens) if ids else None,
-        "truncated_in_reasoning": False, "empty_answer": False, "max_output_tokens": cap,
-        "settings_fingerprint": made.sampling_fingerprint(), "settings": made.settings_json, "latency_s": 3.5,
-        "server": "s0", "attempts": 1, "error": None, "continued_from_tokens": 0, "cut_from_tokens": 0,
+        "index": 7,
+        "prompt_id": "p7",
+        "source": "s",
+        "reasoning_content": reasoning,
+        "content": answer,
+        "finish_reason": finish,
+        "prompt_tokens": 20,
+        "completion_tokens": len(tokens) + (finish == "stop"),
+        "output_token_ids": ([*tokens, builder.end_token_id] if finish == "stop" else tokens) if ids else None,
+        "truncated_in_reasoning": False,
+        "empty_answer": False,
+        "max_output_tokens": cap,
+        "settings_fingerprint": made.sampling_fingerprint(),
+        "settings": made.settings_json,
+        "latency_s": 3.5,
+        "server": "s0",
+        "attempts": 1,
+        "error": None,
+        "continued_from_tokens": 0,
+        "cut_from_tokens": 0,
     }
 
 
@@ -60,14 +76,14 @@ def test_the_cut_row_is_the_first_cap_tokens_wherever_the_cap_falls(builder, ids
     full = layout_ids(builder, row)
     close = full.index(builder.tokenizer.convert_tokens_to_ids("</think>"))
     gap = builder.tokenizer("\n\n", add_special_tokens=False)["input_ids"]
-    assert full[close + 1:close + 3] == builder.tokenizer("\n\nUse", add_special_tokens=False)["input_ids"][:2]
+    assert full[close + 1 : close + 3] == builder.tokenizer("\n\nUse", add_special_tokens=False)["input_ids"][:2]
     for cap in sorted({3, close - 1, close, close + 1, close + 2, close + 3, close + 4, len(full) - 1}):
         cut, why = cut_to_cap(row, MESSAGES, settings(cap), builder)
         assert why is None and cut is not None, (cap, why)
         if close < cap <= close + 3:
             # cut between </think> and the answer's first token: stored, as a server's reply cut there is,
             # as closed thinking and an empty answer, which renders with the template's "\n\n"
-            assert layout_ids(builder, cut) == full[:close + 1] + gap and cut["content"] == "", cap
+            assert layout_ids(builder, cut) == full[: close + 1] + gap and cut["content"] == "", cap
         else:
             assert layout_ids(builder, cut) == full[:cap], cap  # token for token, the original's head
         assert (cut["finish_reason"], cut["completion_tokens"], cut["max_output_tokens"]) == ("length", cap, cap)
@@ -84,8 +100,11 @@ def test_a_row_without_thinking_and_a_length_row_cut_again(builder):
     plain = made_row(builder, None, ANSWER, "stop", 4096)
     plain["settings_fingerprint"] = settings(5).sampling_fingerprint()
     cut, _ = cut_to_cap(plain, MESSAGES, settings(5), builder)
-    assert cut["reasoning_content"] is None and builder.tokenizer(cut["content"], add_special_tokens=False)["input_ids"] == \
-        builder.tokenizer(ANSWER, add_special_tokens=False)["input_ids"][:5]
+    assert (
+        cut["reasoning_content"] is None
+        and builder.tokenizer(cut["content"], add_special_tokens=False)["input_ids"]
+        == builder.tokenizer(ANSWER, add_special_tokens=False)["input_ids"][:5]
+    )
     long = made_row(builder, REASONING, ANSWER, "length", 64)
     again, why = cut_to_cap(long, MESSAGES, settings(20), builder)
     assert why is None and layout_ids(builder, again) == layout_ids(builder, long)[:20]
@@ -94,8 +113,13 @@ def test_a_row_without_thinking_and_a_length_row_cut_again(builder):
 def test_rows_that_cannot_be_cut_say_why(builder):
     row = made_row(builder, REASONING, ANSWER, "stop", 4096)
     off = dict(row, completion_tokens=row["completion_tokens"] + 3)  # the model's tokens were not the text's encoding
-    assert cut_to_cap(off, MESSAGES, settings(10), builder) == (None, "its text encodes to another token count than it was generated with")
-    assert cut_to_cap(row, MESSAGES, settings(10, presence_penalty=0.5), builder)[1] == "made with other sampling settings"
+    assert cut_to_cap(off, MESSAGES, settings(10), builder) == (
+        None,
+        "its text encodes to another token count than it was generated with",
+    )
+    assert (
+        cut_to_cap(row, MESSAGES, settings(10, presence_penalty=0.5), builder)[1] == "made with other sampling settings"
+    )
     assert cut_to_cap(dict(row, error="HTTP 500"), MESSAGES, settings(10), builder)[0] is None
     assert cut_to_cap(row, MESSAGES, settings(row["completion_tokens"]), builder)[0] is None  # not longer than the cap
 
@@ -115,7 +139,9 @@ def _plan_run(tmp_path, builder_path, keys, settings_):
     from dflash_assets.storage import Storage
 
     context = SimpleNamespace(log=logging.getLogger("test"), asset_key="completions", run=SimpleNamespace(run_id="r1"))
-    inference = InferenceServerResource(mode="external", base_urls=["http://127.0.0.1:9/v1"], external_tokenizer_path=str(builder_path))
+    inference = InferenceServerResource(
+        mode="external", base_urls=["http://127.0.0.1:9/v1"], external_tokenizer_path=str(builder_path)
+    )
     return _RangeRun(context, Storage(str(tmp_path)), settings_, keys), inference
 
 
@@ -132,8 +158,9 @@ def test_lowering_a_half_done_partition_cuts_what_it_has_and_journals_nothing(tm
 
     path = write_thinking_tokenizer(tmp_path / "tok", opens_think=False)
     builder = SequenceBuilder(AutoTokenizer.from_pretrained(str(path)))
-    prompts = pl.DataFrame({"index": [0, 1, 2, 3], "prompt_id": ["p0", "p1", "p2", "p3"], "source": ["s"] * 4,
-                            "messages": [MESSAGES] * 4})
+    prompts = pl.DataFrame(
+        {"index": [0, 1, 2, 3], "prompt_id": ["p0", "p1", "p2", "p3"], "source": ["s"] * 4, "messages": [MESSAGES] * 4}
+    )
 
     def rows(indexes):
         return [dict(made_row(builder, REASONING, ANSWER, "stop", 64), index=i, prompt_id=f"p{i}") for i in indexes]

@@ -30,8 +30,9 @@ def run_corpus(tmp_path: Path, level: str) -> tuple[str, str, str]:
     src = tmp_path / "p.jsonl"
     src.write_text("\n".join(json.dumps({"prompt": f"question {i}"}) for i in range(3)) + "\n")
     env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_STORAGE_ROOT": str(tmp_path / f"data-{level}")}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(src), level], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(src), level], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     run_id = next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("RUN_ID"))
@@ -56,5 +57,7 @@ def test_verbose_prints_the_debug_events(tmp_path):
 
 
 def test_cli_has_a_verbose_flag():
-    proc = subprocess.run([sys.executable, "-m", "dflash_assets", "run", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_assets", "run", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert "--verbose" in proc.stdout

@@ -1,7 +1,7 @@
 """Fault tests of the async generation client against a scriptable fake OpenAI-compatible server.
 
-The stand-in server (dflash_assets/simulation/stand_in_server.py) stands in only for faults a real server cannot be made to show on
-demand: 503 bursts, hangs, connections dropped mid-reply, a server dying mid-run.
+The stand-in server (dflash_assets/simulation/stand_in_server.py) stands in only for faults a real server
+cannot be made to show on demand: 503 bursts, hangs, connections dropped mid-reply, a server dying mid-run.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from dflash_assets.generation.client import (
     TooManyFailuresError,
     parse_chat_completion,
 )
-
 from dflash_assets.simulation.stand_in_server import Drop, Error, FakeServer, Hang, Raw, Reply, fail_first
 
 SECRET = "sk-test-SECRET-0123456789"
@@ -54,14 +53,24 @@ def closed_port() -> int:
 
 
 def test_parse_chat_completion_fields_and_token_id_sources():
-    base = {"choices": [{"message": {"content": "A", "reasoning": "R"}, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 9}}
+    base = {
+        "choices": [{"message": {"content": "A", "reasoning": "R"}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 9},
+    }
     f = parse_chat_completion(base)
     assert (f["content"], f["reasoning_content"], f["finish_reason"]) == ("A", "R", "length")
     assert (f["prompt_tokens"], f["completion_tokens"], f["output_token_ids"]) == (3, 9, None)
 
-    sglang = {"choices": [{"message": {"content": "A", "reasoning_content": "R2"}, "finish_reason": "stop",
-                           "token_ids": [5, 6, 7], "prompt_token_ids": [1, 2]}]}
+    sglang = {
+        "choices": [
+            {
+                "message": {"content": "A", "reasoning_content": "R2"},
+                "finish_reason": "stop",
+                "token_ids": [5, 6, 7],
+                "prompt_token_ids": [1, 2],
+            }
+        ]
+    }
     f = parse_chat_completion(sglang)
     assert f["reasoning_content"] == "R2"
     assert f["output_token_ids"] == [5, 6, 7] and f["prompt_token_ids"] == [1, 2]
@@ -70,8 +79,19 @@ def test_parse_chat_completion_fields_and_token_id_sources():
     old = {"choices": [{"message": {"content": "A"}, "output_ids": [9, 8]}]}
     assert parse_chat_completion(old)["output_token_ids"] == [9, 8]
 
-    logprobs = {"choices": [{"message": {"content": "A"}, "logprobs": {"content": [
-        {"token": "a", "logprob": -0.1, "token_id": 11}, {"token": "b", "logprob": -0.2, "token_id": 12}]}}]}
+    logprobs = {
+        "choices": [
+            {
+                "message": {"content": "A"},
+                "logprobs": {
+                    "content": [
+                        {"token": "a", "logprob": -0.1, "token_id": 11},
+                        {"token": "b", "logprob": -0.2, "token_id": 12},
+                    ]
+                },
+            }
+        ]
+    }
     assert parse_chat_completion(logprobs)["output_token_ids"] == [11, 12]
     partial = {"choices": [{"message": {}, "logprobs": {"content": [{"token": "a", "logprob": -0.1}]}}]}
     assert parse_chat_completion(partial)["output_token_ids"] is None
@@ -84,8 +104,14 @@ def test_parse_chat_completion_fields_and_token_id_sources():
 
 
 def test_results_parsed_bodies_sent_verbatim_and_key_in_header():
-    reply = Reply(content="ans", reasoning="think", finish_reason="length", prompt_tokens=20,
-                  completion_tokens=64, token_ids=[4, 5, 6])
+    reply = Reply(
+        content="ans",
+        reasoning="think",
+        finish_reason="length",
+        prompt_tokens=20,
+        completion_tokens=64,
+        token_ids=[4, 5, 6],
+    )
     with FakeServer(reply) as server:
         client = CompletionClient([server.url], api_key=SECRET, concurrency=4, **FAST)
         results, progress = run(client, 10)
@@ -188,8 +214,9 @@ def test_hang_every_time_ends_as_error_after_policy():
 
 def test_read_timeout_not_retried_when_disabled():
     with FakeServer(Hang()) as server:
-        client = CompletionClient([server.url], concurrency=1, read_timeout_s=0.2, max_attempts=5,
-                                  retry_read_timeouts=False, **FAST)
+        client = CompletionClient(
+            [server.url], concurrency=1, read_timeout_s=0.2, max_attempts=5, retry_read_timeouts=False, **FAST
+        )
         results, _ = run(client, 1)
     assert server.requests_received == 1
     assert results[0].attempts == 1 and "read timeout" in results[0].error
@@ -226,8 +253,14 @@ def test_no_more_retries_once_the_run_is_stopping():
         return Error(400, "bad") if row_of(b) == 0 else Error(503, "busy")
 
     with FakeServer(script) as server:
-        client = CompletionClient([server.url], concurrency=4, max_attempts=5, backoff_base_s=0.2,
-                                  backoff_max_s=1.0, max_consecutive_failures=1)
+        client = CompletionClient(
+            [server.url],
+            concurrency=4,
+            max_attempts=5,
+            backoff_base_s=0.2,
+            backoff_max_s=1.0,
+            max_consecutive_failures=1,
+        )
         results: list[CompletionResult] = []
         with pytest.raises(TooManyFailuresError):
             asyncio.run(client.generate(((i, body(i)) for i in range(50)), results.append))
@@ -301,9 +334,8 @@ def test_api_key_never_in_errors_logs_or_results(caplog):
     with FakeServer(Error(400, "bad request", echo_auth=True)) as server:
         client = CompletionClient([server.url], api_key=SECRET, concurrency=1, max_consecutive_failures=2, **FAST)
         results: list[CompletionResult] = []
-        with caplog.at_level(logging.DEBUG):
-            with pytest.raises(TooManyFailuresError) as info:
-                asyncio.run(client.generate(((i, body(i)) for i in range(5)), results.append))
+        with caplog.at_level(logging.DEBUG), pytest.raises(TooManyFailuresError) as info:
+            asyncio.run(client.generate(((i, body(i)) for i in range(5)), results.append))
     assert server.auth_headers[0] == f"Bearer {SECRET}"  # the key was sent, and echoed back
     assert results and all("***" in r.error for r in results)
     assert all(SECRET not in repr(r) for r in results)
@@ -312,8 +344,9 @@ def test_api_key_never_in_errors_logs_or_results(caplog):
     assert SECRET not in repr(client)
 
     # Connection failures too (httpx messages carry the URL, never headers).
-    client = CompletionClient([f"http://127.0.0.1:{closed_port()}"], api_key=SECRET, concurrency=1,
-                              max_attempts=2, **FAST)
+    client = CompletionClient(
+        [f"http://127.0.0.1:{closed_port()}"], api_key=SECRET, concurrency=1, max_attempts=2, **FAST
+    )
     results, _ = run(client, 1)
     assert results[0].error and SECRET not in results[0].error
 
@@ -338,8 +371,16 @@ def test_callback_error_propagates_and_stops():
 
 
 def test_progress_snapshot_rates_and_eta():
-    p = GenerationProgress(rows_done=50, rows_failed=2, requests_sent=55, in_flight=4, output_tokens=5000,
-                           elapsed_s=10.0, requests_per_s=5.0, output_tokens_per_s=500.0)
+    p = GenerationProgress(
+        rows_done=50,
+        rows_failed=2,
+        requests_sent=55,
+        in_flight=4,
+        output_tokens=5000,
+        elapsed_s=10.0,
+        requests_per_s=5.0,
+        output_tokens_per_s=500.0,
+    )
     assert p.eta_s(150) == pytest.approx(20.0)  # 100 rows left at 5 rows/s
     assert p.format(150) == "50/150 rows (2 failed), 5.0 req/s, 500 output tok/s, 4 in flight, ETA 20 s"
     idle = GenerationProgress(0, 0, 0, 0, 0, 1.0, 0.0, 0.0)

@@ -58,8 +58,13 @@ def _default_stop_signals() -> None:
 def _start(tmp_path: Path, install_handler: bool) -> subprocess.Popen:
     script = tmp_path / "generate.py"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), install_handler=install_handler))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=_default_stop_signals)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_default_stop_signals,
+    )
     deadline = time.monotonic() + 60
     line = ""
     while "IN_FLIGHT" not in line:

@@ -73,19 +73,28 @@ def write_corpus(instance, root: Path, prompts: list[str], partition_size: int) 
     source = root.parent / f"{root.name}_prompts.jsonl"
     source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     result = dg.materialize(
-        [prompt_corpus], instance=instance, resources={"storage": StorageResource(root=str(root))},
+        [prompt_corpus],
+        instance=instance,
+        resources={"storage": StorageResource(root=str(root))},
         run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(source)], "partition_size": partition_size}}}},
     )
     assert result.success
     return instance.get_dynamic_partitions(prompt_ranges.name)
 
 
-def materialize(instance, root: Path, pk: str, inference: InferenceServerResource, cap: int = CAP,
-                raise_on_error: bool = True):
+def materialize(
+    instance, root: Path, pk: str, inference: InferenceServerResource, cap: int = CAP, raise_on_error: bool = True
+):
     return dg.materialize(
-        [completions], instance=instance, partition_key=pk, raise_on_error=raise_on_error,
-        resources={"storage": StorageResource(root=str(root)), "inference": inference,
-                   "generation": GenerationResource(max_output_tokens=cap, temperature=0.0)},
+        [completions],
+        instance=instance,
+        partition_key=pk,
+        raise_on_error=raise_on_error,
+        resources={
+            "storage": StorageResource(root=str(root)),
+            "inference": inference,
+            "generation": GenerationResource(max_output_tokens=cap, temperature=0.0),
+        },
     )
 
 
@@ -106,9 +115,18 @@ def failure_message(result) -> str:
 
 def fake_inference(url: str, **client) -> InferenceServerResource:
     """External mode against a FakeServer, tight client budget so faults resolve in seconds."""
-    fields = {"mode": "external", "base_urls": [url + "/v1"], "served_model_name": "fake",
-              "external_backend": "openai", "max_running_requests": 2, "max_attempts": 3, "backoff_base_s": 0.01,
-              "max_consecutive_failures": 3, "request_timeout_s": 5.0, "startup_timeout_s": 10.0}
+    fields = {
+        "mode": "external",
+        "base_urls": [url + "/v1"],
+        "served_model_name": "fake",
+        "external_backend": "openai",
+        "max_running_requests": 2,
+        "max_attempts": 3,
+        "backoff_base_s": 0.01,
+        "max_consecutive_failures": 3,
+        "request_timeout_s": 5.0,
+        "startup_timeout_s": 10.0,
+    }
     return InferenceServerResource(**{**fields, **client})
 
 
@@ -188,7 +206,9 @@ def test_two_real_partitions_stop_and_length_metadata_matches_table(tmp_path, lo
         assert meta["requested"] == 4 and meta["carried_over"] == 0 and meta["request_reasons"] == {"missing": 4}
         assert meta["max_output_tokens"] == CAP
     assert "4" in table(root, keys[0]).filter(pl.col("index") == 0)["content"][0]  # "2 + 2 = 4"
-    assert again["requested"] == 0 and again["carried_over"] == 4 and again["resumed_from_journal"] == 0  # from the table
+    assert (
+        again["requested"] == 0 and again["carried_over"] == 4 and again["resumed_from_journal"] == 0
+    )  # from the table
     assert again["finish_reasons"] == metas[keys[0]]["finish_reasons"]
 
 
@@ -219,12 +239,21 @@ def test_kill_9_mid_partition_then_resume_requests_only_unfinished_rows(tmp_path
     journal_file = Path(StorageResource(root=str(root)).local_scratch("completions", f"{pk}.journal.jsonl"))
 
     with CountingProxy(local_server.base_url) as proxy:
-        fields = {"mode": "external", "base_urls": [proxy.base_url], "served_model_name": local_server.model_name,
-                  "external_backend": "transformers", "max_running_requests": 2,
-                  "external_tokenizer_path": local_inference.external_tokenizer_path}
+        fields = {
+            "mode": "external",
+            "base_urls": [proxy.base_url],
+            "served_model_name": local_server.model_name,
+            "external_backend": "transformers",
+            "max_running_requests": 2,
+            "external_tokenizer_path": local_inference.external_tokenizer_path,
+        }
         args = {"home": str(home), "root": str(root), "pk": pk, "cap": CAP, "inference": fields}
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(args)], cwd=REPO,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, json.dumps(args)],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         try:
             deadline = time.monotonic() + 300
             while len(RowJournal(journal_file).load()) < 2:
@@ -261,7 +290,10 @@ def test_kill_9_mid_partition_then_resume_requests_only_unfinished_rows(tmp_path
     for i, row in at_kill.items():  # carried rows are the journal's, unchanged
         kept = frame.filter(pl.col("index") == i).row(0, named=True)
         assert (kept["content"], kept["completion_tokens"], kept["latency_s"]) == (
-            row["content"], row["completion_tokens"], row["latency_s"])
+            row["content"],
+            row["completion_tokens"],
+            row["latency_s"],
+        )
     assert not journal_file.exists()
 
 
@@ -316,7 +348,9 @@ def test_hung_requests_time_out_retried_or_error_row_per_policy(fault_partition)
     script = PerPromptScript(FAULT_PROMPTS, rule)
     started = time.monotonic()
     with FakeServer(script) as server:
-        meta = metadata(materialize(instance, root, pk, fake_inference(server.url, max_attempts=2, request_timeout_s=1.0)))
+        meta = metadata(
+            materialize(instance, root, pk, fake_inference(server.url, max_attempts=2, request_timeout_s=1.0))
+        )
     assert time.monotonic() - started < 60  # three 1 s timeouts, not a 120 s hang
     frame = table(root, pk)
     assert_rows_match_prompts(frame, range(len(FAULT_PROMPTS)))
@@ -392,8 +426,9 @@ def test_server_dies_mid_run_clean_failure_rows_kept_then_resume_requests_only_m
     assert dict(healthy.attempts) == {i: 1 for i in range(len(FAULT_PROMPTS)) if i not in ok}
     assert meta["requested"] == len(FAULT_PROMPTS) - len(ok) and meta["carried_over"] == len(ok)
     assert meta["resumed_from_journal"] == len(ok)
-    assert meta["request_reasons"] == {k: v for k, v in {"error": len(errored),
-                                       "missing": len(FAULT_PROMPTS) - len(journal)}.items() if v}
+    assert meta["request_reasons"] == {
+        k: v for k, v in {"error": len(errored), "missing": len(FAULT_PROMPTS) - len(journal)}.items() if v
+    }
     frame = table(root, pk)
     assert_rows_match_prompts(frame, range(len(FAULT_PROMPTS)))
     assert frame["error"].null_count() == frame.height
@@ -411,11 +446,27 @@ def test_commit_overlays_new_rows_on_the_stored_table_and_writes_what_whole_rows
     from dflash_assets.storage import Storage, parquet_bytes
 
     def row(i: int, text: str, tokens: int, **extra) -> dict:
-        return {"index": i, "prompt_id": f"p{i}", "source": "s", "reasoning_content": text, "content": "a" * i,
-                "finish_reason": "length" if tokens == 64 else "stop", "prompt_tokens": 9, "completion_tokens": tokens,
-                "output_token_ids": list(range(tokens)), "truncated_in_reasoning": False, "empty_answer": False,
-                "max_output_tokens": 64, "settings_fingerprint": "f", "settings": "{}", "latency_s": 0.5,
-                "server": "s0", "attempts": 1, "error": None, **extra}
+        return {
+            "index": i,
+            "prompt_id": f"p{i}",
+            "source": "s",
+            "reasoning_content": text,
+            "content": "a" * i,
+            "finish_reason": "length" if tokens == 64 else "stop",
+            "prompt_tokens": 9,
+            "completion_tokens": tokens,
+            "output_token_ids": list(range(tokens)),
+            "truncated_in_reasoning": False,
+            "empty_answer": False,
+            "max_output_tokens": 64,
+            "settings_fingerprint": "f",
+            "settings": "{}",
+            "latency_s": 0.5,
+            "server": "s0",
+            "attempts": 1,
+            "error": None,
+            **extra,
+        }
 
     store = Storage(str(tmp_path))
     stored = [row(i, f"thinking {i} " * 40, 64 if i % 3 == 0 else 20 + i) for i in range(100, 110)]
@@ -427,15 +478,26 @@ def test_commit_overlays_new_rows_on_the_stored_table_and_writes_what_whole_rows
     assert set(view) == set(range(100, 110)) and set(journal_rows) == {104}
     assert set(view[101]) == set(PLAN_COLUMNS) and view[104]["reasoning_content"] == "from the journal"
 
-    new = {**journal_rows, 103: row(103, "continued", 128, continued_from_tokens=64), 109: row(109, None, 0, error="boom")}
-    prompts = pl.DataFrame({"index": list(range(100, 110))})
+    new = {
+        **journal_rows,
+        103: row(103, "continued", 128, continued_from_tokens=64),
+        109: row(109, None, 0, error="boom"),
+    }
+    # corpus rows: the commit reads their content_hash (an old row whose prompt_id is that hash names its prompt)
+    prompts = pl.DataFrame({"index": list(range(100, 110)), "content_hash": [f"h{i}" for i in range(100, 110)]})
     frame, set_aside = partition_frame(store, "0000100-0000109", prompts, new)
     assert set_aside == {}
     whole = {r["index"]: r for r in stored} | new
     assert parquet_bytes(frame) == parquet_bytes(rows_to_frame(list(whole.values())))
     assert frame["continued_from_tokens"].to_list() == [0, 0, 0, 64, 0, 0, 0, 0, 0, 0]
     # a prompt dropped from the partition's range is not written back
-    assert partition_frame(store, "0000100-0000109", prompts.head(5), new)[0]["index"].to_list() == [100, 101, 102, 103, 104]
+    assert partition_frame(store, "0000100-0000109", prompts.head(5), new)[0]["index"].to_list() == [
+        100,
+        101,
+        102,
+        103,
+        104,
+    ]
 
 
 def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
@@ -451,19 +513,47 @@ def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
     settings = GenerationSettings(max_output_tokens=64)
 
     def row(i: int) -> dict:
-        return {"index": i, "prompt_id": f"p{i}", "source": "s", "reasoning_content": None, "content": "ok",
-                "finish_reason": "stop", "prompt_tokens": 5, "completion_tokens": 3, "output_token_ids": None,
-                "truncated_in_reasoning": False, "empty_answer": False, "max_output_tokens": 64,
-                "settings_fingerprint": settings.sampling_fingerprint(), "settings": settings.settings_json,
-                "latency_s": 0.1, "server": "s0", "attempts": 1, "error": None}
+        return {
+            "index": i,
+            "prompt_id": f"p{i}",
+            "prompt_hash": f"h{i}",
+            "source": "s",
+            "reasoning_content": None,
+            "content": "ok",
+            "finish_reason": "stop",
+            "prompt_tokens": 5,
+            "completion_tokens": 3,
+            "output_token_ids": None,
+            "truncated_in_reasoning": False,
+            "empty_answer": False,
+            "max_output_tokens": 64,
+            "settings_fingerprint": settings.sampling_fingerprint(),
+            "settings": settings.settings_json,
+            "latency_s": 0.1,
+            "server": "s0",
+            "attempts": 1,
+            "error": None,
+        }
 
     journal = RowJournal(tmp_path / "j.jsonl")
     journal.append_many([row(i) for i in (2, 3, 100, 101, 102)])  # 2 of the partition's, 3 strays
-    prompts = pl.DataFrame({"index": list(range(10)), "prompt_id": [f"p{i}" for i in range(10)],
-                            "source": ["s"] * 10, "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(10)]})
+    prompts = pl.DataFrame(
+        {
+            "index": list(range(10)),
+            "prompt_id": [f"p{i}" for i in range(10)],
+            "source": ["s"] * 10,
+            "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(10)],
+            "content_hash": [f"h{i}" for i in range(10)],
+        }
+    )  # the journal rows answer these prompts
     context = SimpleNamespace(log=logging.getLogger("test"))
     run = _RangeRun(context, Storage(str(tmp_path)), settings, ["0000000-0000009"])
-    part = run.plan("0000000-0000009", prompts, journal, InferenceServerResource(mode="external", base_urls=["http://127.0.0.1:9/v1"]))
+    part = run.plan(
+        "0000000-0000009",
+        prompts,
+        journal,
+        InferenceServerResource(mode="external", base_urls=["http://127.0.0.1:9/v1"]),
+    )
     assert part.resumed == 2 and len(part.todo) == 8
 
 
@@ -480,7 +570,9 @@ def test_a_range_run_commits_again_a_partition_whose_last_run_failed_with_its_ta
         keys = write_corpus(instance, root, prompts, partition_size=2)
         assert range_materialize(instance, root, keys, fake_inference(server.url), cap=CAP).success
         down = fake_inference("http://127.0.0.1:9", startup_timeout_s=1.0)
-        assert not materialize(instance, root, keys[1], down, cap=CAP + 8, raise_on_error=False).success  # a raise, no server
+        assert not materialize(
+            instance, root, keys[1], down, cap=CAP + 8, raise_on_error=False
+        ).success  # a raise, no server
         assert stage_counts(instance, "completions", keys)["failed_keys"] == [keys[1]]
         before = (root / "completions" / f"{keys[1]}.parquet").read_bytes()
         result = range_materialize(instance, root, keys, fake_inference(server.url), cap=CAP)
@@ -497,5 +589,7 @@ def test_a_reversed_partition_range_fails_saying_so(tmp_path):
     root = tmp_path / "store"
     with dg.instance_for_test() as instance:
         keys = write_corpus(instance, root, [f"q{i}" for i in range(4)], partition_size=2)
-        result = range_materialize(instance, root, keys[::-1], fake_inference("http://127.0.0.1:9"), raise_on_error=False)
+        result = range_materialize(
+            instance, root, keys[::-1], fake_inference("http://127.0.0.1:9"), raise_on_error=False
+        )
         assert not result.success and "is the partition range reversed?" in failure_message(result)

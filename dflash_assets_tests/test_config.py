@@ -77,10 +77,15 @@ def test_a_cap_that_only_looks_like_a_number_is_an_error(tmp_path, monkeypatch, 
     assert "max_output_tokens" in msg and "valid integer" in msg
 
 
-@pytest.mark.parametrize("key, value, kind", [("tail_chunk_tokens", "true", "valid integer"),
-                                               ("max_running_requests", "true", "valid integer"),
-                                               ("continue_truncated", '"no"', "valid boolean"),
-                                               ("tail_prompts_per_slot", ".inf", "finite number")])
+@pytest.mark.parametrize(
+    "key, value, kind",
+    [
+        ("tail_chunk_tokens", "true", "valid integer"),
+        ("max_running_requests", "true", "valid integer"),
+        ("continue_truncated", '"no"', "valid boolean"),
+        ("tail_prompts_per_slot", ".inf", "finite number"),
+    ],
+)
 def test_an_inference_number_or_switch_that_only_looks_like_one_is_an_error(tmp_path, monkeypatch, key, value, kind):
     """`tail_chunk_tokens: true` was taken as 1-token chunks (as `max_output_tokens: true` was a cap of 1);
     `tail_prompts_per_slot: .inf` passed and crashed the run after the servers had started."""
@@ -91,10 +96,15 @@ def test_an_inference_number_or_switch_that_only_looks_like_one_is_an_error(tmp_
     assert key in msg and kind in msg, msg
 
 
-@pytest.mark.parametrize("resource, key, env", [("inference", "api_key", "DFLASH_SERVER_API_KEY"),
-                                                 ("storage", "aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-                                                 ("storage", "aws_access_key_id", "AWS_ACCESS_KEY_ID"),
-                                                 ("storage", "aws_session_token", "AWS_SESSION_TOKEN")])
+@pytest.mark.parametrize(
+    "resource, key, env",
+    [
+        ("inference", "api_key", "DFLASH_SERVER_API_KEY"),
+        ("storage", "aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+        ("storage", "aws_access_key_id", "AWS_ACCESS_KEY_ID"),
+        ("storage", "aws_session_token", "AWS_SESSION_TOKEN"),
+    ],
+)
 def test_a_secret_in_the_config_file_is_refused_naming_the_variable_to_use(tmp_path, monkeypatch, resource, key, env):
     """Issue 27: a literal key in the YAML was accepted, and Dagster shows resource values that are not
     EnvVars in the UI and over GraphQL. The value itself is not repeated in the message."""
@@ -122,8 +132,9 @@ def test_yaml_error_names_the_file(tmp_path, monkeypatch):
 
 def test_unknown_top_level_key(tmp_path, monkeypatch):
     path = write(tmp_path, "resource:\n  generation: {}\n", monkeypatch)
-    assert error_of(cfg.project_config) == (f"{path}: top level: unknown key 'resource' (did you mean 'resources'?); "
-                                            "valid keys: ops, resources")
+    assert error_of(cfg.project_config) == (
+        f"{path}: top level: unknown key 'resource' (did you mean 'resources'?); valid keys: ops, resources"
+    )
 
 
 def test_unknown_op_name(tmp_path, monkeypatch):
@@ -148,8 +159,9 @@ def test_bundled_configs_are_valid(monkeypatch):
     for path in sorted(cfg.BUNDLED.glob("*.yaml")):
         monkeypatch.setenv("DFLASH_CONFIG", str(path))
         cfg.validate_ops(project_assets())
-        assert set(cfg.build_resources({"generation": GenerationResource, "storage": StorageResource,
-                                        **_other_classes()}))
+        assert set(
+            cfg.build_resources({"generation": GenerationResource, "storage": StorageResource, **_other_classes()})
+        )
 
 
 def _other_classes():
@@ -163,8 +175,14 @@ def test_cli_run_with_a_typo_stops_before_any_work(tmp_path):
     path = tmp_path / "typo.yaml"
     path.write_text("resources:\n  generation: {max_output_token: 64}\n")
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "DFLASH_STORAGE_ROOT": str(tmp_path / "data")}
-    proc = subprocess.run([sys.executable, "-m", "dflash_assets", "run", "--config", str(path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_assets", "run", "--config", str(path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert f"config error: {path}: resources.generation: unknown key 'max_output_token'" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "data").exists()

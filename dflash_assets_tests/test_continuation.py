@@ -36,10 +36,18 @@ PROMPT = {"index": 7, "prompt_id": "t:7", "source": "t"}
 
 def result_of(fields: dict, **extra) -> SimpleNamespace:
     """A client result (the attributes row_from_result reads) from a simulator reply."""
-    return SimpleNamespace(content=fields["content"], reasoning_content=fields["reasoning_content"],
-                           finish_reason=fields["finish_reason"], prompt_tokens=10,
-                           completion_tokens=fields["completion_tokens"], output_token_ids=extra.get("ids"),
-                           latency_s=0.5, server="http://s", attempts=1, error=extra.get("error"))
+    return SimpleNamespace(
+        content=fields["content"],
+        reasoning_content=fields["reasoning_content"],
+        finish_reason=fields["finish_reason"],
+        prompt_tokens=10,
+        completion_tokens=fields["completion_tokens"],
+        output_token_ids=extra.get("ids"),
+        latency_s=0.5,
+        server="http://s",
+        attempts=1,
+        error=extra.get("error"),
+    )
 
 
 def one_go(length: int, cap: int) -> dict:
@@ -60,16 +68,26 @@ def continued(length: int, raw: bool = True) -> dict:
     return merge_continuation(cut, result_of(reply), PROMPT, settings)
 
 
-FIELDS = ("reasoning_content", "content", "finish_reason", "completion_tokens", "truncated_in_reasoning", "empty_answer")
+FIELDS = (
+    "reasoning_content",
+    "content",
+    "finish_reason",
+    "completion_tokens",
+    "truncated_in_reasoning",
+    "empty_answer",
+)
 
 
-@pytest.mark.parametrize("length", [
-    66,    # thinking (59 tokens) ended before the old cap: cut in the answer, finishes in the continuation
-    100,   # cut inside the thinking; thinking closes at 90 and the answer follows, all within the new cap
-    71,    # thinking closes at token 64 exactly: the seam is the </think>
-    300,   # cut inside the thinking and still inside it at the new cap
-    283,   # thinking closes at 255, one token before the new cap: a one-token answer, still "length"
-])
+@pytest.mark.parametrize(
+    "length",
+    [
+        66,  # thinking (59 tokens) ended before the old cap: cut in the answer, finishes in the continuation
+        100,  # cut inside the thinking; thinking closes at 90 and the answer follows, all within the new cap
+        71,  # thinking closes at token 64 exactly: the seam is the </think>
+        300,  # cut inside the thinking and still inside it at the new cap
+        283,  # thinking closes at 255, one token before the new cap: a one-token answer, still "length"
+    ],
+)
 @pytest.mark.parametrize("raw", [True, False], ids=["raw_text", "server_split_reasoning"])
 def test_continued_row_equals_the_row_one_request_at_the_new_cap_makes(length, raw):
     got, want = continued(length, raw), one_go(length, NEW_CAP)
@@ -104,18 +122,29 @@ def test_continued_rows_keep_no_token_ids_and_a_failed_continuation_keeps_the_cu
     # SGLang re-tokenizes the prefix text: old ids + new ids need not be what the model saw
     done = merge_continuation(cut, result_of(reply, ids=[1] * 36), PROMPT, settings)
     assert done["output_token_ids"] is None and done["completion_tokens"] == 100
-    failed = merge_continuation(cut, result_of({**reply, "content": None, "completion_tokens": None}, error="HTTP 500"),
-                                PROMPT, settings)
+    failed = merge_continuation(
+        cut, result_of({**reply, "content": None, "completion_tokens": None}, error="HTTP 500"), PROMPT, settings
+    )
     assert failed["error"] == "HTTP 500" and failed["continued_from_tokens"] == 0
-    kept = ("reasoning_content", "content", "finish_reason", "completion_tokens", "max_output_tokens", "settings_fingerprint")
+    kept = (
+        "reasoning_content",
+        "content",
+        "finish_reason",
+        "completion_tokens",
+        "max_output_tokens",
+        "settings_fingerprint",
+    )
     assert {k: failed[k] for k in kept} == {k: cut[k] for k in kept}
     assert continuable(failed, settings)  # the next run continues it again rather than starting over
     # a reply without usage, or ended by abort, is no continuation either: the cut text stays
     for odd in ({**reply, "completion_tokens": None}, {**reply, "finish_reason": "abort"}):
         got = merge_continuation(cut, result_of(odd), PROMPT, settings)
         assert got["error"] and {k: got[k] for k in kept} == {k: cut[k] for k in kept} and continuable(got, settings)
-    first_pass_error = row_from_result(result_of({**reply, "content": None, "completion_tokens": None,
-                                                  "finish_reason": None}, error="HTTP 500"), PROMPT, settings)
+    first_pass_error = row_from_result(
+        result_of({**reply, "content": None, "completion_tokens": None, "finish_reason": None}, error="HTTP 500"),
+        PROMPT,
+        settings,
+    )
     assert not continuable(first_pass_error, settings)
 
 
@@ -133,9 +162,11 @@ def test_stored_text_is_normalised_so_the_layout_gives_back_what_the_model_wrote
     """Parsers differ in the newlines they keep around the markers (SGLang's qwen3 parser stopped
     stripping them); the stored form is one, and completion_layout renders the model's text from it."""
     model_text = "<think>\nstep one.\nstep two.\n</think>\n\nThe answer"
-    for reasoning, content in [("\nstep one.\nstep two.\n", "\n\nThe answer"),  # current parser: nothing stripped
-                               ("step one.\nstep two.\n", "The answer"),          # older parser
-                               (None, model_text)]:                                  # no parser: raw text
+    for reasoning, content in [
+        ("\nstep one.\nstep two.\n", "\n\nThe answer"),  # current parser: nothing stripped
+        ("step one.\nstep two.\n", "The answer"),  # older parser
+        (None, model_text),
+    ]:  # no parser: raw text
         r, a, closed = split_reasoning(content, reasoning)
         assert (r, a, closed) == ("step one.\nstep two.", "The answer", True)
         assert completion_layout(r, a, False, opened=False) == model_text
@@ -157,16 +188,19 @@ def test_prefix_layout_and_request_body():
     assert body["separate_reasoning"] is False and body["temperature"] == settings.temperature
 
 
-@pytest.mark.parametrize("change, ok", [
-    ({}, True),
-    ({"presence_penalty": 0.5}, False),    # penalties look at generated tokens: the prefix would become prompt
-    ({"repetition_penalty": 1.1}, False),
-    ({"seed": 3}, False),                  # a seeded row is f(seed, prompt): continuing would break that
-    ({"max_output_tokens": OLD_CAP}, False),  # not raised
-    ({"max_output_tokens": 32}, False),       # lowered: the row is cut back, not continued
-    ({"temperature": 0.7}, False),            # other sampling: regenerated whole
-    ({"cut_below_its_cap": True}, False),     # "length" short of its cap (a context limit): not the cap's cut
-])
+@pytest.mark.parametrize(
+    "change, ok",
+    [
+        ({}, True),
+        ({"presence_penalty": 0.5}, False),  # penalties look at generated tokens: the prefix would become prompt
+        ({"repetition_penalty": 1.1}, False),
+        ({"seed": 3}, False),  # a seeded row is f(seed, prompt): continuing would break that
+        ({"max_output_tokens": OLD_CAP}, False),  # not raised
+        ({"max_output_tokens": 32}, False),  # lowered: the row is cut back, not continued
+        ({"temperature": 0.7}, False),  # other sampling: regenerated whole
+        ({"cut_below_its_cap": True}, False),  # "length" short of its cap (a context limit): not the cap's cut
+    ],
+)
 def test_which_settings_allow_continuing(change, ok):
     base = GenerationSettings(max_output_tokens=OLD_CAP)
     cut = one_go(100, OLD_CAP)
@@ -177,7 +211,9 @@ def test_which_settings_allow_continuing(change, ok):
     if "presence_penalty" in change or "repetition_penalty" in change or "seed" in change:
         cut["settings_fingerprint"] = settings.sampling_fingerprint()  # same sampling as when it was made
     assert continuable(cut, settings) is ok
-    assert not continuable({**cut, "error": "boom", "finish_reason": None}, GenerationSettings(max_output_tokens=NEW_CAP))
+    assert not continuable(
+        {**cut, "error": "boom", "finish_reason": None}, GenerationSettings(max_output_tokens=NEW_CAP)
+    )
     assert not continuable({**cut, "finish_reason": "stop"}, GenerationSettings(max_output_tokens=NEW_CAP))
 
 
@@ -228,8 +264,9 @@ def test_cap_raise_in_sglang_mode_continues_exactly_the_cut_rows(tmp_path, monke
             assert all(e["continued_from"] == OLD_CAP and e["max_tokens"] == raised - OLD_CAP for e in sent)
             # the prefix repeats <think> only when the target's generation prompt does not open it itself
             in_thinking = set(before.filter(pl.col("truncated_in_reasoning"))["index"].to_list())
-            assert in_thinking and {e["prefix_head"].startswith("<think>") for e in sent
-                                    if int(e["key"].split()[1]) in in_thinking} == {not opens_think}
+            assert in_thinking and {
+                e["prefix_head"].startswith("<think>") for e in sent if int(e["key"].split()[1]) in in_thinking
+            } == {not opens_think}
         else:
             assert all(e["continued_from"] == 0 and e["max_tokens"] == raised for e in sent)
         log = [e.user_message for e in instance.all_logs(result.run_id)]
@@ -238,19 +275,29 @@ def test_cap_raise_in_sglang_mode_continues_exactly_the_cut_rows(tmp_path, monke
         if not continues:
             assert ("tokenizer did not load" if not with_tokenizer else "continue_truncated is false") in said[0]
         after = pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys]).sort("index")
-        metas = [{k: getattr(v, "value", v) for k, v in m.metadata.items()}
-                 for m in result.asset_materializations_for_node("completions")]
+        metas = [
+            {k: getattr(v, "value", v) for k, v in m.metadata.items()}
+            for m in result.asset_materializations_for_node("completions")
+        ]
         assert sum(m["continued"] for m in metas) == (len(cut) if continues else 0)
-        in_table = {m.partition: m.metadata["continued_in_table"].value for m in result.asset_materializations_for_node("completions")}
-        assert in_table == {pk: int((pl.read_parquet(root / "completions" / f"{pk}.parquet")["continued_from_tokens"] > 0).sum())
-                            for pk in keys}  # the table's own count, whichever run continued its rows
+        in_table = {
+            m.partition: m.metadata["continued_in_table"].value
+            for m in result.asset_materializations_for_node("completions")
+        }
+        assert in_table == {
+            pk: int((pl.read_parquet(root / "completions" / f"{pk}.parquet")["continued_from_tokens"] > 0).sum())
+            for pk in keys
+        }  # the table's own count, whichever run continued its rows
         assert sum(m["continued_tokens_reused"] for m in metas) == (OLD_CAP * len(cut) if continues else 0)
         assert sum(m["output_tokens_generated"] for m in metas) == sum(
-            min(wanted[i], raised) - (OLD_CAP if continues else 0) for i in cut)
+            min(wanted[i], raised) - (OLD_CAP if continues else 0) for i in cut
+        )
 
         fresh_keys = write_corpus(instance, fresh_root, prompts, partition_size=8)
         assert range_materialize(instance, fresh_root, fresh_keys, sim(tmp_path / "f"), cap=raised).success
-    fresh = pl.concat([pl.read_parquet(fresh_root / "completions" / f"{pk}.parquet") for pk in fresh_keys]).sort("index")
+    fresh = pl.concat([pl.read_parquet(fresh_root / "completions" / f"{pk}.parquet") for pk in fresh_keys]).sort(
+        "index"
+    )
     columns = list(FIELDS)
     assert after.select(columns).to_dicts() == fresh.select(columns).to_dicts()
     still_cut = {i for i, n in wanted.items() if n > raised}
@@ -271,12 +318,19 @@ def test_servers_that_answer_continuations_afresh_stop_the_run_and_the_cut_rows_
     root = tmp_path / "data"
     with dg.instance_for_test() as instance:
         keys = write_corpus(instance, root, [f"prompt {i}" for i in range(16)], partition_size=8)
-        assert range_materialize(instance, root, keys, sglang_sim(tmp_path, 2, 4, model_path=str(model)), cap=OLD_CAP).success
-        tables = lambda: pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys]).sort("index")  # noqa: E731
+        assert range_materialize(
+            instance, root, keys, sglang_sim(tmp_path, 2, 4, model_path=str(model)), cap=OLD_CAP
+        ).success
+
+        def tables() -> pl.DataFrame:
+            return pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys]).sort("index")
+
         before = tables()
         cut = before.filter(pl.col("finish_reason") == "length")
         assert cut.height >= 4
-        ignoring = sglang_sim(tmp_path, 2, 4, "--sim-ignore-continue", model_path=str(model), max_consecutive_failures=3)
+        ignoring = sglang_sim(
+            tmp_path, 2, 4, "--sim-ignore-continue", model_path=str(model), max_consecutive_failures=3
+        )
         result = range_materialize(instance, root, keys, ignoring, cap=128, raise_on_error=False)
         assert not result.success
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
@@ -302,7 +356,9 @@ def test_servers_that_answer_continuations_afresh_stop_the_run_and_the_cut_rows_
         assert range_materialize(instance, root, keys, whole, cap=128).success
     after = tables()
     corpus = {r["index"]: r["messages"] for r in pl.read_parquet(root.joinpath(*CORPUS_FILE)).iter_rows(named=True)}
-    assert after["completion_tokens"].to_list() == [min(drawn_length(corpus[i], 120, 0.5), 128) for i in after["index"].to_list()]
+    assert after["completion_tokens"].to_list() == [
+        min(drawn_length(corpus[i], 120, 0.5), 128) for i in after["index"].to_list()
+    ]
     assert after["error"].null_count() == after.height
 
 
@@ -318,11 +374,24 @@ def test_an_sglang_older_than_continue_final_message_regenerates_whole_and_says_
     from dflash_assets.resources.inference import InferenceServerResource
 
     assert [sglang_predates_continuation(v) for v in ("0.4.3.post2", "0.4.4", "0.5.3rc0", None, "weird")] == [
-        True, False, False, False, False]
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
     settings = GenerationSettings(max_output_tokens=128, temperature=0.6)
-    cut = {"index": 0, "finish_reason": "length", "completion_tokens": 64, "max_output_tokens": 64, "error": None,
-           "settings_fingerprint": settings.sampling_fingerprint(), "reasoning_content": "t t", "content": "",
-           "truncated_in_reasoning": True}
+    cut = {
+        "index": 0,
+        "finish_reason": "length",
+        "completion_tokens": 64,
+        "max_output_tokens": 64,
+        "error": None,
+        "settings_fingerprint": settings.sampling_fingerprint(),
+        "reasoning_content": "t t",
+        "content": "",
+        "truncated_in_reasoning": True,
+    }
     prompt = {"index": 0, "messages": [{"role": "user", "content": "q"}]}
     part = asset._Partition("0000000-0000000", None, None, {0: cut}, [prompt], Counter({"cap raised": 1}))
     inference = InferenceServerResource(mode="sglang", model_path=str(write_thinking_tokenizer(tmp_path / "m", True)))

@@ -9,7 +9,11 @@ import torch
 from safetensors import safe_open
 
 from dflash_assets.dflash.export import (
-    config_from_hf_dict, export_drafter, hf_config_dict, load_exported, resolve_export,
+    config_from_hf_dict,
+    export_drafter,
+    hf_config_dict,
+    load_exported,
+    resolve_export,
 )
 from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
 
@@ -18,9 +22,20 @@ torch.set_num_threads(1)
 
 def make_model() -> DFlashDraftModel:
     cfg = DFlashConfig(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-        vocab_size=64, mask_token_id=63, target_layer_ids=[1, 16, 31, 46, 61], num_target_layers=64,
-        num_hidden_layers=2, block_size=16, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=64,
+        mask_token_id=63,
+        target_layer_ids=[1, 16, 31, 46, 61],
+        num_target_layers=64,
+        num_hidden_layers=2,
+        block_size=16,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
     )
     model = DFlashDraftModel(cfg)
     model.reset_parameters(0.2, seed=1)
@@ -37,14 +52,21 @@ def expected_tensor_shapes(n_layers=2, h=32, heads=4, kv=2, hd=8, inter=48, n_fe
     shapes = {"fc.weight": [h, n_feats * h], "hidden_norm.weight": [h], "norm.weight": [h]}
     for i in range(n_layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
-            p + "self_attn.q_proj.weight": [heads * hd, h], p + "self_attn.k_proj.weight": [kv * hd, h],
-            p + "self_attn.v_proj.weight": [kv * hd, h], p + "self_attn.o_proj.weight": [h, heads * hd],
-            p + "self_attn.q_norm.weight": [hd], p + "self_attn.k_norm.weight": [hd],
-            p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
-            p + "mlp.down_proj.weight": [h, inter],
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": [h],
+                p + "post_attention_layernorm.weight": [h],
+                p + "self_attn.q_proj.weight": [heads * hd, h],
+                p + "self_attn.k_proj.weight": [kv * hd, h],
+                p + "self_attn.v_proj.weight": [kv * hd, h],
+                p + "self_attn.o_proj.weight": [h, heads * hd],
+                p + "self_attn.q_norm.weight": [hd],
+                p + "self_attn.k_norm.weight": [hd],
+                p + "mlp.gate_proj.weight": [inter, h],
+                p + "mlp.up_proj.weight": [inter, h],
+                p + "mlp.down_proj.weight": [h, inter],
+            }
+        )
     return shapes
 
 
@@ -64,7 +86,12 @@ def test_export_config_fields(tmp_path):
     assert cfg["model_type"] == "qwen3"
     assert cfg["block_size"] == 16 and cfg["num_target_layers"] == 64 and cfg["num_hidden_layers"] == 2
     assert cfg["dflash_config"] == {"mask_token_id": 63, "target_layer_ids": [1, 16, 31, 46, 61], "block_size": 16}
-    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (32, 4, 2, 8)
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
+        32,
+        4,
+        2,
+        8,
+    )
     assert cfg["intermediate_size"] == 48 and cfg["vocab_size"] == 64 and cfg["rms_norm_eps"] == 1e-6
     assert cfg["rope_theta"] == 1e6 and cfg["rope_parameters"]["rope_theta"] == 1e6
     assert cfg["max_position_embeddings"] == 4096 and cfg["hidden_act"] == "silu"
@@ -75,8 +102,9 @@ def test_export_config_fields(tmp_path):
 def test_export_tensors_names_shapes_no_target_weights(tmp_path):
     out = export_drafter(make_model(), tmp_path / "drafter")
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
-        dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+        names = f.keys()  # safe_open is not a dict: keys() is its only listing
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in names}
+        dtypes = {f.get_tensor(k).dtype for k in names}
     assert shapes == expected_tensor_shapes()
     assert not any("embed" in k or "lm_head" in k for k in shapes)
     assert dtypes == {torch.bfloat16}
@@ -136,7 +164,7 @@ def test_replacing_an_export_is_one_rename_and_a_reader_keeps_its_version(tmp_pa
             try:
                 load_exported(out)  # strict: config.json and weights of different exports would not load
                 loads[0] += 1
-            except Exception as exc:  # noqa: BLE001 - counted
+            except Exception as exc:
                 errors.append(repr(exc))
 
     reader = threading.Thread(target=read)
@@ -172,8 +200,9 @@ def test_load_rejects_mismatched_tensors(tmp_path):
 def test_layer_types_and_sliding_window_exported_with_sglang_names_and_kept_on_reload(tmp_path):
     """Issue 17 acceptance 5: SGLang's DFlash loader reads ``layer_types`` and ``sliding_window`` (HF names)."""
     model = make_model()
-    cfg = DFlashConfig(**{**model.config.to_dict(), "layer_types": ["sliding_attention", "full_attention"],
-                          "sliding_window": 2048})
+    cfg = DFlashConfig(
+        **{**model.config.to_dict(), "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 2048}
+    )
     windowed = DFlashDraftModel(cfg)
     windowed.load_state_dict(model.state_dict())
     out = export_drafter(windowed, tmp_path / "drafter")

@@ -22,9 +22,18 @@ torch.set_num_threads(1)
 
 def tiny_config(**kw) -> DFlashConfig:
     values = dict(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-        vocab_size=64, mask_token_id=63, target_layer_ids=[1, 3, 5], num_target_layers=8,
-        num_hidden_layers=2, block_size=4, rope_theta=10000.0,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=64,
+        mask_token_id=63,
+        target_layer_ids=[1, 3, 5],
+        num_target_layers=8,
+        num_hidden_layers=2,
+        block_size=4,
+        rope_theta=10000.0,
     )
     values.update(kw)
     return DFlashConfig(**values)
@@ -142,8 +151,13 @@ def test_chunked_loss_from_hidden_equals_full_logits_loss():
 def test_state_dict_has_only_drafter_tensors():
     model = tiny_model()
     keys = set(model.state_dict())
-    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight",
-            "layers.1.mlp.down_proj.weight"} <= keys
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.0.self_attn.q_norm.weight",
+        "layers.1.mlp.down_proj.weight",
+    } <= keys
     assert not any("embed" in k or "lm_head" in k or k.startswith("target_") for k in keys)
     assert model.state_dict()["fc.weight"].shape == (32, 3 * 32)
     # target tensors are buffers: no gradient, not optimised
@@ -165,7 +179,10 @@ OWN_SHAPE = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=6, inter
 @pytest.mark.parametrize("shape", [{}, OWN_SHAPE], ids=["target_shape", "own_attention_shape"])
 def test_packed_training_forward_equals_per_block_inference(shape):
     model = tiny_model(**shape)
-    assert model.layers[0].self_attn.q_proj.weight.shape == (model.config.num_attention_heads * model.config.head_dim, 32)
+    assert model.layers[0].self_attn.q_proj.weight.shape == (
+        model.config.num_attention_heads * model.config.head_dim,
+        32,
+    )
     bs, t = model.config.block_size, 20
     torch.manual_seed(2)
     input_ids = torch.randint(0, 60, (t,))
@@ -175,16 +192,24 @@ def test_packed_training_forward_equals_per_block_inference(shape):
     mask = dflash_training_mask(anchors, bs, t)
     pos = torch.cat([torch.arange(t), blk["block_position_ids"]])[None]
     with torch.no_grad():
-        packed = model(blk["block_input_ids"][None], target_hidden=features[None], position_ids=pos,
-                       attention_mask=mask[None, None])[0]
+        packed = model(
+            blk["block_input_ids"][None],
+            target_hidden=features[None],
+            position_ids=pos,
+            attention_mask=mask[None, None],
+        )[0]
         for b, a in enumerate(anchors.tolist()):
             ref = _single_block_reference(model, input_ids, features, a, bs)
             assert torch.allclose(packed[b * bs : (b + 1) * bs], ref, atol=1e-5), f"block at anchor {a}"
         # the context at and after an anchor must not leak into its block
         poisoned = features.clone()
         poisoned[7:] = 100.0
-        packed2 = model(blk["block_input_ids"][None], target_hidden=poisoned[None], position_ids=pos,
-                        attention_mask=mask[None, None])[0]
+        packed2 = model(
+            blk["block_input_ids"][None],
+            target_hidden=poisoned[None],
+            position_ids=pos,
+            attention_mask=mask[None, None],
+        )[0]
         assert torch.allclose(packed[:bs], packed2[:bs], atol=1e-5)  # anchor 3
         assert torch.allclose(packed[bs : 2 * bs], packed2[bs : 2 * bs], atol=1e-5)  # anchor 7 sees < 7
         assert not torch.allclose(packed[2 * bs :], packed2[2 * bs :], atol=1e-3)  # later anchors see it
@@ -218,8 +243,15 @@ def test_from_target_config_local_model_shape():
 def test_drafter_shape_overrides_and_their_checks():
     from dflash_assets.dflash.model import DRAFT_SHAPE_FIELDS
 
-    target = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
-              "vocab_size": 64, "num_hidden_layers": 8}
+    target = {
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 64,
+        "vocab_size": 64,
+        "num_hidden_layers": 8,
+    }
     dc = DFlashConfig.from_target_config(target, mask_token_id=63, num_hidden_layers=1, **OWN_SHAPE)
     assert {k: getattr(dc, k) for k in OWN_SHAPE} == OWN_SHAPE and dc.hidden_size == 32
     assert set(OWN_SHAPE) <= set(DRAFT_SHAPE_FIELDS) <= set(dc.to_dict())
@@ -270,15 +302,20 @@ def test_sliding_window_layer_ignores_context_beyond_its_window_in_training_and_
     pos = torch.cat([torch.arange(t), blk["block_position_ids"]])[None]
     a = 18  # the third block: queries at 18..21 see context positions > 18 - 6 = 12 .. < 18, i.e. 13..17
     with torch.no_grad():
-        packed = model(blk["block_input_ids"][None], target_hidden=features[None], position_ids=pos,
-                       attention_mask=mask[None, None])[0]
+        packed = model(
+            blk["block_input_ids"][None],
+            target_hidden=features[None],
+            position_ids=pos,
+            attention_mask=mask[None, None],
+        )[0]
         ref = _single_block_reference(model, input_ids, features, a, bs)
         assert torch.allclose(packed[2 * bs :], ref, atol=1e-5)  # training mask == inference
         far = features.clone()
         far[: a - w + 1] = 50.0  # positions 0..12: beyond the window of every query of the block
         assert torch.allclose(_single_block_reference(model, input_ids, far, a, bs), ref, atol=1e-5)
-        packed_far = model(blk["block_input_ids"][None], target_hidden=far[None], position_ids=pos,
-                           attention_mask=mask[None, None])[0]
+        packed_far = model(
+            blk["block_input_ids"][None], target_hidden=far[None], position_ids=pos, attention_mask=mask[None, None]
+        )[0]
         assert torch.allclose(packed_far[2 * bs :], ref, atol=1e-5)
         near = features.clone()
         near[a - w + 1] = 50.0  # position 13: inside the window of the block's first query only
@@ -297,8 +334,11 @@ def test_sliding_window_layer_ignores_context_beyond_its_window_in_training_and_
     # a full-attention layer of the same weights does see the far context
     full = tiny_model(num_hidden_layers=1)
     with torch.no_grad():
-        assert not torch.allclose(_single_block_reference(full, input_ids, far, a, bs),
-                                  _single_block_reference(full, input_ids, features, a, bs), atol=1e-3)
+        assert not torch.allclose(
+            _single_block_reference(full, input_ids, far, a, bs),
+            _single_block_reference(full, input_ids, features, a, bs),
+            atol=1e-3,
+        )
 
 
 def test_layer_types_are_checked():

@@ -17,20 +17,34 @@ from dflash_assets.dflash.data import HiddenStateShards, collate_training_batch
 from dflash_assets.dflash.masks import sample_anchors
 from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, load_target_head
 from dflash_assets.dflash.train import (
-    CheckpointError, TrainConfig, evaluate, latest_checkpoint, load_checkpoint, lr_lambda, train,
+    CheckpointError,
+    TrainConfig,
+    evaluate,
+    latest_checkpoint,
+    load_checkpoint,
+    lr_lambda,
+    train,
 )
 
 torch.set_num_threads(2)
 
 CONVERSATIONS = [
-    ("What is the capital of France?",
-     "The capital of France is Paris. It is known for the Eiffel Tower, the Louvre museum and its cafes."),
-    ("Write a Python function that adds two numbers.",
-     "def add(a, b):\n    return a + b\n\nThis function takes two numbers and returns their sum."),
-    ("Name three primary colors.",
-     "The three primary colors are red, yellow and blue. Mixing them gives other colors."),
-    ("How many days are in a week?",
-     "There are seven days in a week: Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday."),
+    (
+        "What is the capital of France?",
+        "The capital of France is Paris. It is known for the Eiffel Tower, the Louvre museum and its cafes.",
+    ),
+    (
+        "Write a Python function that adds two numbers.",
+        "def add(a, b):\n    return a + b\n\nThis function takes two numbers and returns their sum.",
+    ),
+    (
+        "Name three primary colors.",
+        "The three primary colors are red, yellow and blue. Mixing them gives other colors.",
+    ),
+    (
+        "How many days are in a week?",
+        "There are seven days in a week: Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday.",
+    ),
 ]
 
 
@@ -64,9 +78,12 @@ def build_local_target(out_dir: Path) -> dict:
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
     seqs = []
     for question, answer in CONVERSATIONS:
-        prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
-        full = tok.apply_chat_template([{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
-                                       tokenize=False)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        full = tok.apply_chat_template(
+            [{"role": "user", "content": question}, {"role": "assistant", "content": answer}], tokenize=False
+        )
         prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         ids = tok(full, add_special_tokens=False)["input_ids"]
         assert ids[: len(prompt_ids)] == prompt_ids
@@ -81,12 +98,21 @@ def build_local_target(out_dir: Path) -> dict:
     for b, (ids, loss_mask) in enumerate(seqs):
         feats = torch.cat([out.hidden_states[i + 1][b, : len(ids)] for i in layer_ids], dim=-1)
         rows.append({"input_ids": ids, "loss_mask": loss_mask, "hidden_states": feats})
-    shards = [write_shard(out_dir / "part-0.safetensors", rows[:2], [0, 1]),
-              write_shard(out_dir / "part-1.safetensors", rows[2:], [2, 3])]
+    shards = [
+        write_shard(out_dir / "part-0.safetensors", rows[:2], [0, 1]),
+        write_shard(out_dir / "part-1.safetensors", rows[2:], [2, 3]),
+    ]
     embed, head = load_target_head(str(model_dir))
     config = json.loads((model_dir / "config.json").read_text())
-    return {"shards": [str(s) for s in shards], "rows": rows, "embed": embed, "head": head, "config": config,
-            "layer_ids": layer_ids, "model_dir": str(model_dir)}
+    return {
+        "shards": [str(s) for s in shards],
+        "rows": rows,
+        "embed": embed,
+        "head": head,
+        "config": config,
+        "layer_ids": layer_ids,
+        "model_dir": str(model_dir),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +155,10 @@ def test_collate_pads_and_masks(local_target):
 
 def _tiny_drafter_config(local_target, layers=1, block_size=4, intermediate=512) -> DFlashConfig:
     return DFlashConfig.from_target_config(
-        local_target["config"], mask_token_id=16, num_hidden_layers=layers, block_size=block_size,
+        local_target["config"],
+        mask_token_id=16,
+        num_hidden_layers=layers,
+        block_size=block_size,
         intermediate_size=intermediate,
     )
 
@@ -142,11 +171,25 @@ def test_overfit_real_features_reaches_high_accuracy(local_target, tmp_path):
         return all(a >= 0.97 for a in rec["acc_per_position"][1:4])
 
     cfg = TrainConfig(
-        shards=shards, out_dir=str(tmp_path / "run"), block_size=4, max_anchors=64, batch_size=2,
-        lr=1.5e-3, max_steps=150, warmup_ratio=0.05, min_lr_ratio=0.1, checkpoint_every=0, log_every=5, seed=0,
+        shards=shards,
+        out_dir=str(tmp_path / "run"),
+        block_size=4,
+        max_anchors=64,
+        batch_size=2,
+        lr=1.5e-3,
+        max_steps=150,
+        warmup_ratio=0.05,
+        min_lr_ratio=0.1,
+        checkpoint_every=0,
+        log_every=5,
+        seed=0,
     )
-    result = train(cfg, draft_config=_tiny_drafter_config(local_target),
-                   target_head=(local_target["embed"], local_target["head"]), progress_callback=stop_when_fit)
+    result = train(
+        cfg,
+        draft_config=_tiny_drafter_config(local_target),
+        target_head=(local_target["embed"], local_target["head"]),
+        progress_callback=stop_when_fit,
+    )
     ev = evaluate(result.model, HiddenStateShards(shards, split="train", block_size=4), max_anchors=64, batch_size=2)
     acc = ev["acc_per_position"]
     assert all(a > 0.9 for a in acc[1:4]), (acc, result.records[-1])
@@ -169,13 +212,30 @@ def make_tiny_target(root: Path) -> tuple[Path, list[str]]:
     g = torch.Generator().manual_seed(0)
     target = root / "target"
     target.mkdir(parents=True)
-    (target / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": HIDDEN, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "intermediate_size": 64, "vocab_size": VOCAB, "num_hidden_layers": 8,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
-    }))
-    save_file({"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
-               "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g)}, str(target / "model.safetensors"))
+    (target / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": HIDDEN,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 8,
+                "intermediate_size": 64,
+                "vocab_size": VOCAB,
+                "num_hidden_layers": 8,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0,
+                "max_position_embeddings": 512,
+            }
+        )
+    )
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+            "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+        },
+        str(target / "model.safetensors"),
+    )
     shards = []
     for s in range(2):
         rows = []
@@ -184,16 +244,31 @@ def make_tiny_target(root: Path) -> tuple[Path, list[str]]:
             ids = torch.randint(0, VOCAB - 1, (t,), generator=g)
             mask = torch.zeros(t, dtype=torch.int8)
             mask[10:] = 1
-            rows.append({"input_ids": ids, "loss_mask": mask, "hidden_states": torch.randn(t, N_FEATS * HIDDEN, generator=g)})
+            rows.append(
+                {"input_ids": ids, "loss_mask": mask, "hidden_states": torch.randn(t, N_FEATS * HIDDEN, generator=g)}
+            )
         shards.append(str(write_shard(root / f"shard-{s}.safetensors", rows, [s * 5 + r for r in range(5)])))
     return target, shards
 
 
 def _tiny_cfg(target: Path, shards: list[str], out: Path, **kw) -> TrainConfig:
-    values = dict(shards=shards, out_dir=str(out), target_model_path=str(target), num_hidden_layers=2,
-                  num_context_features=N_FEATS, block_size=4, mask_token_id=VOCAB - 1, max_anchors=6,
-                  batch_size=2, lr=1e-2, max_steps=12, checkpoint_every=3, log_every=1, seed=7,
-                  device="cpu")  # CPU kernels are deterministic: resume must match exactly
+    values = dict(
+        shards=shards,
+        out_dir=str(out),
+        target_model_path=str(target),
+        num_hidden_layers=2,
+        num_context_features=N_FEATS,
+        block_size=4,
+        mask_token_id=VOCAB - 1,
+        max_anchors=6,
+        batch_size=2,
+        lr=1e-2,
+        max_steps=12,
+        checkpoint_every=3,
+        log_every=1,
+        seed=7,
+        device="cpu",
+    )  # CPU kernels are deterministic: resume must match exactly
     values.update(kw)
     return TrainConfig(**values)
 
@@ -279,8 +354,13 @@ def test_resume_never_runs_code_from_a_checkpoint_nor_loads_one_outside_the_run(
     path = latest_checkpoint(old)
     state = torch.load(path, weights_only=True)
     n = state["rng"]["numpy"]
-    state["rng"]["numpy"] = (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                             n["cached_gaussian"])
+    state["rng"]["numpy"] = (
+        n["kind"],
+        n["keys"].numpy().astype(np.uint32),
+        n["pos"],
+        n["has_gauss"],
+        n["cached_gaussian"],
+    )
     torch.save(state, path)
     assert load_checkpoint(path)["step"] == 3
     assert train(_tiny_cfg(target, shards, old, max_steps=6)).summary["resumed_from_step"] == 3
@@ -292,12 +372,40 @@ def _crash_after(rec: dict, step: int) -> None:
 
 
 def _cli_args(target: Path, shards: list[str], out: Path, steps: int) -> list[str]:
-    return ["--shards", *shards, "--out", str(out), "--target-model", str(target), "--num-hidden-layers", "2",
-            "--block-size", "4", "--mask-token-id", str(VOCAB - 1), "--max-anchors", "6", "--batch-size", "2",
-            "--lr", "1e-2", "--max-steps", str(steps), "--checkpoint-every", "10", "--log-every", "1", "--seed", "7",
-            "--device", "cpu",
-            "--draft-overrides", "{}", "--config-json", str(_write_json(out.parent / f"{out.name}.json",
-                                                                         {"num_context_features": N_FEATS}))]
+    return [
+        "--shards",
+        *shards,
+        "--out",
+        str(out),
+        "--target-model",
+        str(target),
+        "--num-hidden-layers",
+        "2",
+        "--block-size",
+        "4",
+        "--mask-token-id",
+        str(VOCAB - 1),
+        "--max-anchors",
+        "6",
+        "--batch-size",
+        "2",
+        "--lr",
+        "1e-2",
+        "--max-steps",
+        str(steps),
+        "--checkpoint-every",
+        "10",
+        "--log-every",
+        "1",
+        "--seed",
+        "7",
+        "--device",
+        "cpu",
+        "--draft-overrides",
+        "{}",
+        "--config-json",
+        str(_write_json(out.parent / f"{out.name}.json", {"num_context_features": N_FEATS})),
+    ]
 
 
 def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
@@ -351,7 +459,7 @@ def test_shard_metadata_target_layer_ids_are_used_and_checked(tmp_path):
         train(_tiny_cfg(target, tagged, tmp_path / "bad", max_steps=1, target_layer_ids=[1, 3, 5]))
     other = str(write_shard(tmp_path / "other.safetensors", rows, [2, 3], {"target_layer_ids": "[1, 3, 5]"}))
     with pytest.raises(ValueError, match="target_layer_ids"):
-        HiddenStateShards(tagged + [other], split="all", block_size=4)
+        HiddenStateShards([*tagged, other], split="all", block_size=4)
 
 
 def test_lr_schedule_warmup_and_cosine():
@@ -371,13 +479,49 @@ def test_torchrun_two_processes_gloo_identical_weights(tmp_path):
     target, shards = make_tiny_target(tmp_path)
     out = tmp_path / "ddp"
     export_dir = tmp_path / "export"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "dflash_assets.dflash.train",
-           "--shards", *shards, "--out", str(out), "--target-model", str(target), "--num-hidden-layers", "2",
-           "--block-size", "4", "--mask-token-id", str(VOCAB - 1), "--max-anchors", "6", "--batch-size", "1",
-           "--lr", "1e-2", "--max-steps", "6", "--checkpoint-every", "3", "--seed", "3", "--device", "cpu",
-           "--config-json", str(_write_json(tmp_path / "extra.json", {"num_context_features": N_FEATS})),
-           "--export", str(export_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "dflash_assets.dflash.train",
+        "--shards",
+        *shards,
+        "--out",
+        str(out),
+        "--target-model",
+        str(target),
+        "--num-hidden-layers",
+        "2",
+        "--block-size",
+        "4",
+        "--mask-token-id",
+        str(VOCAB - 1),
+        "--max-anchors",
+        "6",
+        "--batch-size",
+        "1",
+        "--lr",
+        "1e-2",
+        "--max-steps",
+        "6",
+        "--checkpoint-every",
+        "3",
+        "--seed",
+        "3",
+        "--device",
+        "cpu",
+        "--config-json",
+        str(_write_json(tmp_path / "extra.json", {"num_context_features": N_FEATS})),
+        "--export",
+        str(export_dir),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -401,11 +545,12 @@ def test_drafter_with_its_own_attention_shape_trains_exports_reloads_and_decodes
     """Heads, KV heads, head_dim and MLP width unlike the target's (as the published Qwen3.6 recipe's 32 / 8 /
     128 against the target's 24 / 4 / 256): a step trains, the export says the shape in the fields SGLang and
     vLLM read, the reload is tensor for tensor the trained model, and it decodes losslessly."""
+    from tiny_target import LAYER_IDS, make_rows, make_target
+    from tiny_target import VOCAB as TV
+
     from dflash_assets.dflash.export import export_drafter, load_exported
     from dflash_assets.dflash.shards import extract_partition, read_index
     from dflash_assets.dflash.speculative import dflash_generate, target_generate
-
-    from tiny_target import LAYER_IDS, VOCAB as TV, make_rows, make_target
 
     model, target_dir = make_target(tmp_path)
     assert (model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim) == (4, 2, 8)
@@ -413,14 +558,31 @@ def test_drafter_with_its_own_attention_shape_trains_exports_reloads_and_decodes
     extract_partition(model, rows, tmp_path / "hs", LAYER_IDS, rows_per_shard=8, max_tokens_per_batch=256)
     shards = [str(tmp_path / "hs" / s["name"]) for s in read_index(tmp_path / "hs")["shards"]]
     shape = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 6, "intermediate_size": 40}
-    cfg = TrainConfig(shards=shards, out_dir=str(tmp_path / "run"), target_model_path=str(target_dir), num_hidden_layers=1,
-                      num_context_features=3, target_layer_ids=LAYER_IDS, block_size=4, mask_token_id=TV - 1,
-                      draft_overrides=shape, max_anchors=4, batch_size=2, max_steps=2, checkpoint_every=0, device="cpu")
+    cfg = TrainConfig(
+        shards=shards,
+        out_dir=str(tmp_path / "run"),
+        target_model_path=str(target_dir),
+        num_hidden_layers=1,
+        num_context_features=3,
+        target_layer_ids=LAYER_IDS,
+        block_size=4,
+        mask_token_id=TV - 1,
+        draft_overrides=shape,
+        max_anchors=4,
+        batch_size=2,
+        max_steps=2,
+        checkpoint_every=0,
+        device="cpu",
+    )
     result = train(cfg)
     trained = result.model.eval()
     assert {k: getattr(trained.config, k) for k in shape} == shape and result.step == 2
     attn = trained.layers[0].self_attn
-    assert attn.q_proj.weight.shape == (48, 32) and attn.k_proj.weight.shape == (24, 32) and attn.o_proj.weight.shape == (32, 48)
+    assert (
+        attn.q_proj.weight.shape == (48, 32)
+        and attn.k_proj.weight.shape == (24, 32)
+        and attn.o_proj.weight.shape == (32, 48)
+    )
     out = export_drafter(trained, tmp_path / "export", dtype=torch.float32)
     exported = json.loads((out / "config.json").read_text())
     assert {k: exported[k] for k in shape} == shape and exported["hidden_size"] == 32

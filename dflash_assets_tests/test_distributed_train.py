@@ -53,18 +53,65 @@ def data(tmp_path_factory):
 
 def train_args(d: dict, out: Path, features: str, steps: int, batch_size: int, checkpoint_every: int = 5) -> list[str]:
     inputs = ["--shards", *d["shards"]] if features == "offline" else ["--tokenized", *d["tokenized"]]
-    return [*inputs, "--features", features, "--out", str(out), "--target-model", d["target"], "--num-hidden-layers", "1",
-            "--block-size", "4", "--mask-token-id", str(VOCAB - 1), "--max-anchors", "4", "--batch-size", str(batch_size),
-            "--lr", "3e-3", "--max-steps", str(steps), "--checkpoint-every", str(checkpoint_every), "--log-every", "1",
-            "--seed", "11", "--device", "cpu", "--target-layer-ids", ",".join(map(str, LAYER_IDS)), "--draft-overrides", "{}"]
+    return [
+        *inputs,
+        "--features",
+        features,
+        "--out",
+        str(out),
+        "--target-model",
+        d["target"],
+        "--num-hidden-layers",
+        "1",
+        "--block-size",
+        "4",
+        "--mask-token-id",
+        str(VOCAB - 1),
+        "--max-anchors",
+        "4",
+        "--batch-size",
+        str(batch_size),
+        "--lr",
+        "3e-3",
+        "--max-steps",
+        str(steps),
+        "--checkpoint-every",
+        str(checkpoint_every),
+        "--log-every",
+        "1",
+        "--seed",
+        "11",
+        "--device",
+        "cpu",
+        "--target-layer-ids",
+        ",".join(map(str, LAYER_IDS)),
+        "--draft-overrides",
+        "{}",
+    ]
 
 
 def reference(d: dict, out: Path, features: str, steps: int) -> dict:
     """One process, global batch 2, same thread count as the workers."""
-    cfg = TrainConfig(shards=d["shards"] if features == "offline" else [], tokenized=d["tokenized"] if features == "online" else [],
-                      features=features, out_dir=str(out), target_model_path=d["target"], num_hidden_layers=1,
-                      num_context_features=len(LAYER_IDS), target_layer_ids=LAYER_IDS, block_size=4, mask_token_id=VOCAB - 1,
-                      max_anchors=4, batch_size=2, lr=3e-3, max_steps=steps, checkpoint_every=0, log_every=1, seed=11, device="cpu")
+    cfg = TrainConfig(
+        shards=d["shards"] if features == "offline" else [],
+        tokenized=d["tokenized"] if features == "online" else [],
+        features=features,
+        out_dir=str(out),
+        target_model_path=d["target"],
+        num_hidden_layers=1,
+        num_context_features=len(LAYER_IDS),
+        target_layer_ids=LAYER_IDS,
+        block_size=4,
+        mask_token_id=VOCAB - 1,
+        max_anchors=4,
+        batch_size=2,
+        lr=3e-3,
+        max_steps=steps,
+        checkpoint_every=0,
+        log_every=1,
+        seed=11,
+        device="cpu",
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -127,8 +174,13 @@ def test_two_nodes_on_loopback_c10d_equal_one_process(data, tmp_path):
     steps = 20
     ref = reference(data, tmp_path / "ref", "offline", steps)
     out = tmp_path / "nodes"
-    argv = torchrun_argv(train_args(data, out, "offline", steps, batch_size=1), nproc_per_node=1, nnodes=2,
-                         rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="test-nodes")
+    argv = torchrun_argv(
+        train_args(data, out, "offline", steps, batch_size=1),
+        nproc_per_node=1,
+        nnodes=2,
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_id="test-nodes",
+    )
     script = write_node_script(tmp_path / "other_node.sh", argv, {"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
     first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     second = subprocess.Popen(["sh", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
@@ -162,7 +214,11 @@ def test_torchrun_kill9_mid_run_then_resume_matches_uninterrupted(data, tmp_path
         os.kill(pid, signal.SIGKILL)
     proc.wait()
     time.sleep(0.5)
-    assert not [p for p in victims[1:] if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+    assert not [
+        p
+        for p in victims[1:]
+        if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
+    ]
     ckpt = latest_checkpoint(out)
     assert ckpt is not None and int(ckpt.stem.split("_")[1]) < steps
     rerun = subprocess.run(argv, capture_output=True, text=True, timeout=180, env=ENV)
@@ -177,5 +233,11 @@ def test_torchrun_argv_multi_node_needs_an_endpoint():
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         torchrun_argv([], nproc_per_node=8, nnodes=2)
     argv = torchrun_argv(["--out", "x"], nproc_per_node=8, nnodes=3, rdzv_endpoint="10.0.0.1:29500", rdzv_id="job7")
-    assert argv[3:8] == ["--nnodes=3", "--nproc_per_node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29500", "--rdzv-id=job7"]
+    assert argv[3:8] == [
+        "--nnodes=3",
+        "--nproc_per_node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.0.0.1:29500",
+        "--rdzv-id=job7",
+    ]
     assert argv[-4:] == ["-m", "dflash_assets.dflash.train", "--out", "x"]

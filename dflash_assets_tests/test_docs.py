@@ -43,18 +43,28 @@ def test_relative_links_resolve(doc):
             assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
 
 
-@pytest.mark.parametrize("section, cls", [
-    ("resources.storage", StorageResource), ("resources.inference", InferenceServerResource),
-    ("resources.generation", GenerationResource), ("resources.target_model", TargetModelResource),
-    ("ops.prompt_corpus.config", PromptCorpusConfig), ("ops.tokenized_sequences.config", TokenizeConfig),
-    ("ops.hidden_states.config", HiddenStatesConfig), ("ops.dflash_drafter.config", DrafterConfig),
-    ("ops.drafter_evaluation.config", EvaluationConfig),
-])
+@pytest.mark.parametrize(
+    "section, cls",
+    [
+        ("resources.storage", StorageResource),
+        ("resources.inference", InferenceServerResource),
+        ("resources.generation", GenerationResource),
+        ("resources.target_model", TargetModelResource),
+        ("ops.prompt_corpus.config", PromptCorpusConfig),
+        ("ops.tokenized_sequences.config", TokenizeConfig),
+        ("ops.hidden_states.config", HiddenStatesConfig),
+        ("ops.dflash_drafter.config", DrafterConfig),
+        ("ops.drafter_evaluation.config", EvaluationConfig),
+    ],
+)
 def test_configuration_reference_names_every_key(section, cls):
     text = (ROOT / "docs" / "configuration.md").read_text()
     start = text.index(f"## `{section}`")
-    body = text[start:text.find("\n## ", start + 1)]
+    body = text[start : text.find("\n## ", start + 1)]
     documented = set(re.findall(r"^\| `([a-z_0-9]+)`", body, re.MULTILINE))
-    documented |= {k for row in re.findall(r"^\| (`[a-z_0-9]+`(?:, `[a-z_0-9]+`)+) \|", body, re.MULTILINE)
-                   for k in re.findall(r"`([a-z_0-9]+)`", row)}
+    documented |= {
+        k
+        for row in re.findall(r"^\| (`[a-z_0-9]+`(?:, `[a-z_0-9]+`)+) \|", body, re.MULTILINE)
+        for k in re.findall(r"`([a-z_0-9]+)`", row)
+    }
     assert documented == set(cls.model_fields), f"docs/configuration.md, {section}: add or remove keys"

@@ -17,15 +17,17 @@ import dagster as dg
 import pytest
 import torch
 
-from dflash_assets.assets.drafter import STATE_FILE, dflash_drafter, file_sha256
+from dflash_assets.assets.drafter import dflash_drafter
 from dflash_assets.dflash.data import HiddenStateShards
 from dflash_assets.dflash.export import export_drafter, load_exported
 from dflash_assets.dflash.model import load_target_head
 from dflash_assets.dflash.shards import INDEX_NAME
-from dflash_assets.dflash.train import StepPlan, _loss, build_batch, train
+from dflash_assets.dflash.train import StepPlan, build_batch, train
+from dflash_assets.dflash.train_eval import batch_loss
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.training.identity import STATE_FILE, file_sha256
 from dflash_assets_tests.test_dflash_train import HIDDEN, N_FEATS, VOCAB, _tiny_cfg, make_tiny_target, write_shard
 
 torch.set_num_threads(1)
@@ -40,8 +42,19 @@ def _project_layers(tmp_path, monkeypatch):
 
 
 KEYS = ["0-9", "10-19"]
-CONFIG = {"num_hidden_layers": 1, "block_size": 4, "mask_token_id": VOCAB - 1, "max_steps": 6, "checkpoint_every": 3,
-          "batch_size": 2, "max_anchors": 6, "intermediate_size": 64, "eval_fraction": 0.0, "lr": 0.01, "seed": 3}
+CONFIG = {
+    "num_hidden_layers": 1,
+    "block_size": 4,
+    "mask_token_id": VOCAB - 1,
+    "max_steps": 6,
+    "checkpoint_every": 3,
+    "batch_size": 2,
+    "max_anchors": 6,
+    "intermediate_size": 64,
+    "eval_fraction": 0.0,
+    "lr": 0.01,
+    "seed": 3,
+}
 
 
 def write_partition(root: Path, pk: str, seed: int) -> None:
@@ -54,18 +67,37 @@ def write_partition(root: Path, pk: str, seed: int) -> None:
         t = 24 + 3 * r
         mask = torch.zeros(t, dtype=torch.int8)
         mask[8:] = 1
-        rows.append({"input_ids": torch.randint(0, VOCAB - 1, (t,), generator=g), "loss_mask": mask,
-                     "hidden_states": torch.randn(t, N_FEATS * HIDDEN, generator=g)})
+        rows.append(
+            {
+                "input_ids": torch.randint(0, VOCAB - 1, (t,), generator=g),
+                "loss_mask": mask,
+                "hidden_states": torch.randn(t, N_FEATS * HIDDEN, generator=g),
+            }
+        )
     shard = write_shard(d / "shard-00000.safetensors", rows, list(range(5)), metadata={"target_layer_ids": "[1, 3, 5]"})
     sha = hashlib.sha256(shard.read_bytes()).hexdigest()
-    (d / INDEX_NAME).write_text(json.dumps({"complete": True, "target_layer_ids": [1, 3, 5],
-                                            "shards": [{"name": shard.name, "bytes": shard.stat().st_size, "rows_sha256": sha}]}))
+    (d / INDEX_NAME).write_text(
+        json.dumps(
+            {
+                "complete": True,
+                "target_layer_ids": [1, 3, 5],
+                "shards": [{"name": shard.name, "bytes": shard.stat().st_size, "rows_sha256": sha}],
+            }
+        )
+    )
 
 
 def materialize(instance, root: Path, target: Path, **overrides) -> dict:
-    resources = {"storage": StorageResource(root=str(root)), "target_model": TargetModelResource(model_path=str(target))}
-    result = dg.materialize([dflash_drafter], instance=instance, resources=resources,
-                            run_config={"ops": {"dflash_drafter": {"config": {**CONFIG, **overrides}}}})
+    resources = {
+        "storage": StorageResource(root=str(root)),
+        "target_model": TargetModelResource(model_path=str(target)),
+    }
+    result = dg.materialize(
+        [dflash_drafter],
+        instance=instance,
+        resources=resources,
+        run_config={"ops": {"dflash_drafter": {"config": {**CONFIG, **overrides}}}},
+    )
     assert result.success
     mat = result.asset_materializations_for_node("dflash_drafter")[-1]
     meta = {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
@@ -127,9 +159,17 @@ def test_warm_start_first_step_loss_equals_the_first_exports_loss_on_that_batch(
     g = torch.Generator().manual_seed(11)
     new_shards = []
     for s in range(2):
-        rows = [{"input_ids": torch.randint(0, VOCAB - 1, (28,), generator=g), "loss_mask": torch.ones(28, dtype=torch.int8),
-                 "hidden_states": torch.randn(28, N_FEATS * HIDDEN, generator=g)} for _ in range(4)]
-        new_shards.append(str(write_shard(tmp_path / f"new-{s}.safetensors", rows, [100 + 4 * s + r for r in range(4)])))
+        rows = [
+            {
+                "input_ids": torch.randint(0, VOCAB - 1, (28,), generator=g),
+                "loss_mask": torch.ones(28, dtype=torch.int8),
+                "hidden_states": torch.randn(28, N_FEATS * HIDDEN, generator=g),
+            }
+            for _ in range(4)
+        ]
+        new_shards.append(
+            str(write_shard(tmp_path / f"new-{s}.safetensors", rows, [100 + 4 * s + r for r in range(4)]))
+        )
     cfg = _tiny_cfg(target, new_shards, tmp_path / "run_b", max_steps=3, init_from=str(export))
     second = train(cfg)
     first_loss = second.records[0]["loss"]
@@ -138,11 +178,13 @@ def test_warm_start_first_step_loss_equals_the_first_exports_loss_on_that_batch(
     reloaded = load_exported(export)
     embed, head = load_target_head(str(target))
     reloaded.attach_target(embed, head)
-    dataset = HiddenStateShards(new_shards, split="train", eval_fraction=0.0, max_length=cfg.max_length, block_size=cfg.block_size)
+    dataset = HiddenStateShards(
+        new_shards, split="train", eval_fraction=0.0, max_length=cfg.max_length, block_size=cfg.block_size
+    )
     epoch, rows = StepPlan(len(dataset), 1, cfg.batch_size, cfg.seed).rows(0, 0)
     batch = build_batch(dataset, rows, epoch, cfg.seed, cfg.block_size, cfg.max_anchors, cfg.mask_token_id)
     with torch.no_grad():
-        expected = float(_loss(reloaded, reloaded, batch, cfg.loss_gamma)["loss"])
+        expected = float(batch_loss(reloaded, reloaded, batch, cfg.loss_gamma)["loss"])
     assert abs(first_loss - expected) < 1e-4 * max(1.0, abs(expected)), (first_loss, expected)
     # and not what a random init gives on the same batch
     scratch = train(_tiny_cfg(target, new_shards, tmp_path / "run_c", max_steps=1))

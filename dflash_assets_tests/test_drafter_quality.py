@@ -32,10 +32,10 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 
-NUM_PROMPTS = 32
+NUM_PROMPTS = 16
 TEST_STEPS = 200
-EVAL_PROMPTS = 5
-EVAL_NEW_TOKENS = 40
+EVAL_PROMPTS = 3
+EVAL_NEW_TOKENS = 32
 
 
 def _demo() -> dict:
@@ -55,26 +55,40 @@ def demo_runs(local_inference, tmp_path_factory):
     res = demo["resources"]
     root = tmp_path_factory.mktemp("quality")
     resources = {
-        "storage": StorageResource(root=str(root)), "inference": local_inference,
+        "storage": StorageResource(root=str(root)),
+        "inference": local_inference,
         "generation": GenerationResource(**res.get("generation", {})),
         "target_model": TargetModelResource(**res.get("target_model", {})),
     }
     corpus_config = dict(ops["prompt_corpus"]["config"], max_prompts=NUM_PROMPTS)
     out = {"evaluations": [], "drafters": []}
     with dg.instance_for_test() as instance:
-        assert dg.materialize([prompt_corpus], instance=instance, resources=resources,
-                              run_config={"ops": {"prompt_corpus": {"config": corpus_config}}}).success
+        assert dg.materialize(
+            [prompt_corpus],
+            instance=instance,
+            resources=resources,
+            run_config={"ops": {"prompt_corpus": {"config": corpus_config}}},
+        ).success
         stage_ops = {k: ops[k] for k in ("tokenized_sequences", "hidden_states") if k in ops}
         for pk in instance.get_dynamic_partitions(prompt_ranges.name):
-            assert dg.materialize([completions, tokenized_sequences, hidden_states], instance=instance, resources=resources,
-                                  partition_key=pk, run_config={"ops": stage_ops}).success
+            assert dg.materialize(
+                [completions, tokenized_sequences, hidden_states],
+                instance=instance,
+                resources=resources,
+                partition_key=pk,
+                run_config={"ops": stage_ops},
+            ).success
         for seed in (0, 1):
             train_config = dict(ops["dflash_drafter"]["config"], max_steps=TEST_STEPS, seed=seed)
-            eval_config = dict(ops["drafter_evaluation"]["config"], num_prompts=EVAL_PROMPTS, max_new_tokens=EVAL_NEW_TOKENS)
-            run_config = {"ops": {"dflash_drafter": {"config": train_config},
-                                  "drafter_evaluation": {"config": eval_config}}}
-            result = dg.materialize([dflash_drafter, drafter_evaluation], instance=instance, resources=resources,
-                                    run_config=run_config)
+            eval_config = dict(
+                ops["drafter_evaluation"]["config"], num_prompts=EVAL_PROMPTS, max_new_tokens=EVAL_NEW_TOKENS
+            )
+            run_config = {
+                "ops": {"dflash_drafter": {"config": train_config}, "drafter_evaluation": {"config": eval_config}}
+            }
+            result = dg.materialize(
+                [dflash_drafter, drafter_evaluation], instance=instance, resources=resources, run_config=run_config
+            )
             assert result.success
             out["drafters"].append(_meta(result, "dflash_drafter"))
             out["evaluations"].append(_meta(result, "drafter_evaluation"))
@@ -87,8 +101,10 @@ def test_trained_drafter_beats_untrained_by_more_than_the_run_to_run_spread(demo
     untrained = [e["tau_untrained"] for e in evals]
     spread = max(taus) - min(taus)
     margin = min(taus) - max(untrained)
-    print(f"tau per seed {taus}, untrained {untrained}, run-to-run spread {spread:.3f}, margin {margin:.3f}, "
-          f"stderr {[e['tau_stderr'] for e in evals]}")
+    print(
+        f"tau per seed {taus}, untrained {untrained}, run-to-run spread {spread:.3f}, margin {margin:.3f}, "
+        f"stderr {[e['tau_stderr'] for e in evals]}"
+    )
     for e in evals:
         assert e["lossless"], e  # acceptance 1 on the held-out prompts of both runs
         assert e["num_prompts"] == EVAL_PROMPTS

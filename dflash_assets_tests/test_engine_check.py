@@ -21,26 +21,56 @@ HIDDEN, TARGET_LAYERS, TARGET_VOCAB, MASK = 32, 8, 49280, 49200
 HYBRID = ["linear_attention"] * 3 + ["full_attention"]
 
 
-def write_target_config(directory: Path, *, vocab: int = TARGET_VOCAB, hidden: int = HIDDEN, layers: int = TARGET_LAYERS,
-                        vocab_tokens: dict[str, int] | None = None) -> Path:
+def write_target_config(
+    directory: Path,
+    *,
+    vocab: int = TARGET_VOCAB,
+    hidden: int = HIDDEN,
+    layers: int = TARGET_LAYERS,
+    vocab_tokens: dict[str, int] | None = None,
+) -> Path:
     """A Qwen3.6-shaped target config (vision wrapper, text_config, hybrid layer pattern); optionally a
     tokenizer.json holding ``vocab_tokens``."""
     directory.mkdir(parents=True, exist_ok=True)
-    text = {"model_type": "qwen3_5_text", "hidden_size": hidden, "num_hidden_layers": layers, "vocab_size": vocab,
-            "layer_types": (HYBRID * layers)[:layers]}
-    (directory / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"],
-                                                       "model_type": "qwen3_5", "text_config": text}))
+    text = {
+        "model_type": "qwen3_5_text",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "layer_types": (HYBRID * layers)[:layers],
+    }
+    (directory / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text})
+    )
     if vocab_tokens is not None:
-        (directory / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0}}, "added_tokens": [
-            {"id": i, "content": t} for t, i in vocab_tokens.items()]}))
+        (directory / "tokenizer.json").write_text(
+            json.dumps(
+                {
+                    "model": {"vocab": {"a": 0}},
+                    "added_tokens": [{"id": i, "content": t} for t, i in vocab_tokens.items()],
+                }
+            )
+        )
     return directory
 
 
 def make_export(directory: Path, **overrides) -> Path:
     """This project's export of a tiny drafter (2 layers: sliding + full, block 4) at the target's width."""
-    fields = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                  vocab_size=TARGET_VOCAB, mask_token_id=MASK, target_layer_ids=[1, 3, 5], num_target_layers=TARGET_LAYERS,
-                  num_hidden_layers=2, block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    fields = dict(
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=TARGET_VOCAB,
+        mask_token_id=MASK,
+        target_layer_ids=[1, 3, 5],
+        num_target_layers=TARGET_LAYERS,
+        num_hidden_layers=2,
+        block_size=4,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+    )
     fields.update(overrides)
     model = DFlashDraftModel(DFlashConfig(**fields))
     model.reset_parameters(0.02, seed=0)
@@ -90,29 +120,101 @@ def _domino(t):
 
 CASES = {
     # name: (config change, tensor change, target kwargs, flags, text the refusal must hold)
-    "architecture": (lambda c: c.update(architectures=["Qwen3ForCausalLM"]), None, {}, {}, "architectures = ['Qwen3ForCausalLM']"),
-    "mask_token_id >= target vocab": (lambda c: c["dflash_config"].update(mask_token_id=TARGET_VOCAB), None, {}, {},
-                                      f"mask_token_id {TARGET_VOCAB} >= the target's vocab_size {TARGET_VOCAB}"),
-    "mask token id conflicts with the tokenizer": (None, None, {"vocab_tokens": {"<|MASK|>": 49100}}, {},
-                                                   "differs from the target tokenizer's id 49100"),
-    "sliding layers without sliding_window": (lambda c: c.update(sliding_window=None), None, {}, {},
-                                              "sliding_window is missing while layer_types has sliding_attention"),
-    "layer_types shorter than the layers": (lambda c: c.update(layer_types=["full_attention"]), None, {}, {},
-                                            "layer_types has 1 entries for num_hidden_layers 2"),
-    "unknown layer type": (lambda c: c.update(layer_types=["linear_attention", "full_attention"]), None, {}, {},
-                           "layer_types ['linear_attention']"),
-    "a tensor name SGLang skips": (None, _rename_fc, {}, {}, "would skip silently (no DFlashDraftModel parameter of that name): proj.weight"),
-    "the target's embedding exported": (None, _add_embedding, {}, {}, "skip silently (no DFlashDraftModel parameter of that name): embed_tokens.weight"),
+    "architecture": (
+        lambda c: c.update(architectures=["Qwen3ForCausalLM"]),
+        None,
+        {},
+        {},
+        "architectures = ['Qwen3ForCausalLM']",
+    ),
+    "mask_token_id >= target vocab": (
+        lambda c: c["dflash_config"].update(mask_token_id=TARGET_VOCAB),
+        None,
+        {},
+        {},
+        f"mask_token_id {TARGET_VOCAB} >= the target's vocab_size {TARGET_VOCAB}",
+    ),
+    "mask token id conflicts with the tokenizer": (
+        None,
+        None,
+        {"vocab_tokens": {"<|MASK|>": 49100}},
+        {},
+        "differs from the target tokenizer's id 49100",
+    ),
+    "sliding layers without sliding_window": (
+        lambda c: c.update(sliding_window=None),
+        None,
+        {},
+        {},
+        "sliding_window is missing while layer_types has sliding_attention",
+    ),
+    "layer_types shorter than the layers": (
+        lambda c: c.update(layer_types=["full_attention"]),
+        None,
+        {},
+        {},
+        "layer_types has 1 entries for num_hidden_layers 2",
+    ),
+    "unknown layer type": (
+        lambda c: c.update(layer_types=["linear_attention", "full_attention"]),
+        None,
+        {},
+        {},
+        "layer_types ['linear_attention']",
+    ),
+    "a tensor name SGLang skips": (
+        None,
+        _rename_fc,
+        {},
+        {},
+        "would skip silently (no DFlashDraftModel parameter of that name): proj.weight",
+    ),
+    "the target's embedding exported": (
+        None,
+        _add_embedding,
+        {},
+        {},
+        "skip silently (no DFlashDraftModel parameter of that name): embed_tokens.weight",
+    ),
     "a missing tensor": (None, _drop_norm, {}, {}, "tensors missing: layers.1.post_attention_layernorm.weight"),
     "a wrong shape": (None, _bad_shape, {}, {}, "layers.0.mlp.down_proj.weight [32, 63] (config says [32, 64])"),
     "Domino weights": (None, _domino, {}, {}, "tensor prefix_gru.weight_ih_l0"),
-    "target layers out of range": (lambda c: c["dflash_config"].update(target_layer_ids=[1, 3, 8]), None, {}, {},
-                                   "target_layer_ids [8] lie outside the target's 8 layers"),
-    "hidden size other than the target's": (None, None, {"hidden": 64}, {}, "hidden_size 32 differs from the target's 64"),
+    "target layers out of range": (
+        lambda c: c["dflash_config"].update(target_layer_ids=[1, 3, 8]),
+        None,
+        {},
+        {},
+        "target_layer_ids [8] lie outside the target's 8 layers",
+    ),
+    "hidden size other than the target's": (
+        None,
+        None,
+        {"hidden": 64},
+        {},
+        "hidden_size 32 differs from the target's 64",
+    ),
     "activation": (lambda c: c.update(hidden_act="gelu"), None, {}, {}, "hidden_act = 'gelu'"),
-    "mask_token_id missing": (lambda c: c["dflash_config"].pop("mask_token_id"), None, {}, {}, "mask_token_id is missing"),
-    "heads not divisible by --tp-size": (None, None, {}, {"tp_size": 3}, "num_attention_heads 4 is not divisible by --tp-size 3"),
-    "window below the draft tokens": (None, None, {}, {"draft_window_size": 2}, "--speculative-draft-window-size 2 < the 4 draft tokens"),
+    "mask_token_id missing": (
+        lambda c: c["dflash_config"].pop("mask_token_id"),
+        None,
+        {},
+        {},
+        "mask_token_id is missing",
+    ),
+    "heads not divisible by --tp-size": (
+        None,
+        None,
+        {},
+        {"tp_size": 3},
+        "num_attention_heads 4 is not divisible by --tp-size 3",
+    ),
+    "window below the draft tokens": (
+        None,
+        None,
+        {},
+        {"draft_window_size": 2},
+        "--speculative-draft-window-size 2 < the 4 draft tokens",
+    ),
 }
 
 
@@ -147,7 +249,11 @@ def test_the_configs_choices_are_the_flag_builders():
     from typing import get_args
 
     from dflash_assets.assets.evaluation import EvaluationConfig
-    from dflash_assets.generation.sglang_dflash import DRAFT_ATTENTION_BACKENDS, MAMBA_STRATEGIES, SGLANG_DRAFT_ATTENTION_BACKENDS
+    from dflash_assets.generation.sglang_dflash import (
+        DRAFT_ATTENTION_BACKENDS,
+        MAMBA_STRATEGIES,
+        SGLANG_DRAFT_ATTENTION_BACKENDS,
+    )
 
     fields = EvaluationConfig.model_fields
     assert get_args(fields["draft_attention_backend"].annotation) == ("sglang_default", *DRAFT_ATTENTION_BACKENDS)

@@ -25,7 +25,6 @@ import pytest
 from dflash_assets.assets.evaluation import drafter_evaluation
 from dflash_assets.dflash.data import heldout_fraction_of
 from dflash_assets.generation.processes import free_port_block
-from dflash_assets.generation.sglang_dflash import input_sha
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
@@ -35,7 +34,18 @@ from dflash_assets_tests.test_engine_check import edit_tensors, make_export, wri
 
 STUB = "dflash_assets.simulation.sglang_stub"
 KEY = "sk-engine-test-4242"
-SIM = ["--sim-startup-s", "20", "--sim-median-tokens", "40", "--sim-sigma", "0.6", "--sim-speed", "50", "--sim-accept-p", "0.7"]
+SIM = [
+    "--sim-startup-s",
+    "20",
+    "--sim-median-tokens",
+    "40",
+    "--sim-sigma",
+    "0.6",
+    "--sim-speed",
+    "50",
+    "--sim-accept-p",
+    "0.7",
+]
 EVAL_FRACTION = 0.5
 PROMPTS = [f"prompt {i}: write a function number {i}" for i in range(16)]
 
@@ -62,12 +72,25 @@ def setup_pipeline(instance, root: Path, corpus: bool = True) -> None:
     keys = write_corpus(instance, root, PROMPTS, partition_size=8) if corpus else []
     for pk in keys:
         first = int(pk.split("-")[0])
-        rows = [{"index": i, "input_ids": list(range(5, 25)), "loss_mask": [0] * 5 + [1] * 15} for i in range(first, first + 8)]
+        rows = [
+            {"index": i, "input_ids": list(range(5, 25)), "loss_mask": [0] * 5 + [1] * 15}
+            for i in range(first, first + 8)
+        ]
         (root / "tokenized_sequences").mkdir(parents=True, exist_ok=True)
         pl.DataFrame(rows).write_parquet(root / "tokenized_sequences" / f"{pk}.parquet")
     make_export(root / "dflash_drafter" / "export")
-    instance.report_runless_asset_event(dg.AssetMaterialization(asset_key="dflash_drafter", metadata={
-        "features": "online", "eval_fraction": EVAL_FRACTION, "max_length": 3072, "seed": 0, "data_fingerprint": "d0"}))
+    instance.report_runless_asset_event(
+        dg.AssetMaterialization(
+            asset_key="dflash_drafter",
+            metadata={
+                "features": "online",
+                "eval_fraction": EVAL_FRACTION,
+                "max_length": 3072,
+                "seed": 0,
+                "data_fingerprint": "d0",
+            },
+        )
+    )
 
 
 def held_out_count() -> int:
@@ -76,24 +99,44 @@ def held_out_count() -> int:
 
 def stub_inference(tmp_path: Path, target_dir: Path, servers: int = 2) -> InferenceServerResource:
     return InferenceServerResource(
-        mode="sglang", model_path=str(target_dir), num_servers=servers, max_running_requests=4, port_base=free_port_block(servers),
-        launch_module=STUB, startup_timeout_s=60.0, api_key=KEY,
-        extra_args=[*SIM, "--sim-starts-file", str(tmp_path / "starts.txt"), "--sim-request-log", str(tmp_path / "requests.jsonl")],
+        mode="sglang",
+        model_path=str(target_dir),
+        num_servers=servers,
+        max_running_requests=4,
+        port_base=free_port_block(servers),
+        launch_module=STUB,
+        startup_timeout_s=60.0,
+        api_key=KEY,
+        extra_args=[
+            *SIM,
+            "--sim-starts-file",
+            str(tmp_path / "starts.txt"),
+            "--sim-request-log",
+            str(tmp_path / "requests.jsonl"),
+        ],
     )
 
 
 def evaluate(instance, root: Path, target_dir: Path, inference, raise_on_error: bool = True, **config):
     config = {"num_prompts": 4, "max_new_tokens": 24, "in_process": False, **config}
     return dg.materialize(
-        [drafter_evaluation], instance=instance, raise_on_error=raise_on_error,
-        resources={"storage": StorageResource(root=str(root)), "target_model": TargetModelResource(model_path=str(target_dir)),
-                   "inference": inference},
+        [drafter_evaluation],
+        instance=instance,
+        raise_on_error=raise_on_error,
+        resources={
+            "storage": StorageResource(root=str(root)),
+            "target_model": TargetModelResource(model_path=str(target_dir)),
+            "inference": inference,
+        },
         run_config={"ops": {"drafter_evaluation": {"config": config}}},
     )
 
 
 def metadata_of(result) -> dict:
-    return {k: getattr(v, "value", v) for k, v in result.asset_materializations_for_node("drafter_evaluation")[0].metadata.items()}
+    return {
+        k: getattr(v, "value", v)
+        for k, v in result.asset_materializations_for_node("drafter_evaluation")[0].metadata.items()
+    }
 
 
 def stub_log(path: Path) -> dict[str, dict]:
@@ -112,8 +155,15 @@ def test_engine_mode_reports_tau_per_dataset_from_the_engines_fields_labelled_si
     extra.write_text("".join(json.dumps({"prompt": f"an unseen task {i}"}) + "\n" for i in range(3)))
     with dg.instance_for_test() as instance:
         setup_pipeline(instance, root)
-        result = evaluate(instance, root, target_dir, stub_inference(tmp_path, target_dir), engine="sglang",
-                          prompt_files=[str(extra)], draft_attention_backend="fa3")
+        result = evaluate(
+            instance,
+            root,
+            target_dir,
+            stub_inference(tmp_path, target_dir),
+            engine="sglang",
+            prompt_files=[str(extra)],
+            draft_attention_backend="fa3",
+        )
         meta = metadata_of(result)
         logs = "\n".join(str(e.user_message) for e in instance.all_logs(result.run_id))
     report = json.loads((root / "drafter_evaluation" / "report.json").read_text())
@@ -126,7 +176,9 @@ def test_engine_mode_reports_tau_per_dataset_from_the_engines_fields_labelled_si
     for name, d in engine["datasets"].items():
         logged = [seen[r["input_sha"]] for r in engine["requests"] if r["dataset"] == name]
         mean = sum(e["spec_accept_length"] for e in logged) / len(logged)
-        pooled = sum(e["tokens"] for e in logged) / sum(e["spec_verify_ct"] for e in logged)  # completion_tokens / verify steps
+        pooled = sum(e["tokens"] for e in logged) / sum(
+            e["spec_verify_ct"] for e in logged
+        )  # completion_tokens / verify steps
         assert d["tau"] == pytest.approx(mean, rel=1e-12) and d["tau_pooled"] == pytest.approx(pooled, rel=1e-12)
         bare = sum((e["tokens"] - 1) / e["spec_verify_ct"] for e in logged) / len(logged)
         assert d["tau_without_prefill_token"] == pytest.approx(bare, rel=1e-12)
@@ -144,10 +196,14 @@ def test_engine_mode_reports_tau_per_dataset_from_the_engines_fields_labelled_si
     assert len(flags) == 2
     export = str(root / "dflash_drafter" / "export")
     for line in flags:
-        for part in ("--speculative-algorithm DFLASH", f"--speculative-draft-model-path {export}",
-                     "--speculative-num-draft-tokens 4", "--speculative-draft-attention-backend fa3",
-                     "--mamba-radix-cache-strategy extra_buffer",
-                     "--config '<0600 file: api-key: $DFLASH_SERVER_API_KEY>'"):
+        for part in (
+            "--speculative-algorithm DFLASH",
+            f"--speculative-draft-model-path {export}",
+            "--speculative-num-draft-tokens 4",
+            "--speculative-draft-attention-backend fa3",
+            "--mamba-radix-cache-strategy extra_buffer",
+            "--config '<0600 file: api-key: $DFLASH_SERVER_API_KEY>'",
+        ):
             assert part in line, (part, line)
     assert engine["server_info"][0]["speculative_num_draft_tokens"] == 4
     # the key is in no metadata, report, log line or server log (the simulator prints its arguments, key included)
@@ -167,14 +223,18 @@ def test_an_export_sglang_would_refuse_is_refused_before_any_server_starts(tmp_p
         config["dflash_config"]["mask_token_id"] = 49280
         (export / "config.json").write_text(json.dumps(config))
 
-    cases = [(break_tensor, "tensors SGLang would skip silently (no DFlashDraftModel parameter of that name): proj.weight"),
-             (break_mask, "mask_token_id 49280 >= the target's vocab_size 49280")]
+    cases = [
+        (break_tensor, "tensors SGLang would skip silently (no DFlashDraftModel parameter of that name): proj.weight"),
+        (break_mask, "mask_token_id 49280 >= the target's vocab_size 49280"),
+    ]
     with dg.instance_for_test() as instance:
         for i, (breakage, reason) in enumerate(cases):
             root = tmp_path / f"data{i}"
             setup_pipeline(instance, root, corpus=False)  # refused before the corpus would even be read
             breakage(root / "dflash_drafter" / "export")
-            result = evaluate(instance, root, target_dir, stub_inference(tmp_path, target_dir), raise_on_error=False, engine="sglang")
+            result = evaluate(
+                instance, root, target_dir, stub_inference(tmp_path, target_dir), raise_on_error=False, engine="sglang"
+            )
             assert not result.success
             failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
             text = str(failure.event_specific_data.error)
@@ -191,8 +251,12 @@ class StubProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.stderr = tmp_path / f"stub_{self.port}.err"
         with open(self.stderr, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", STUB, "--port", str(self.port), "--sim-startup-s", "0", *args],
-                                         stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", STUB, "--port", str(self.port), "--sim-startup-s", "0", *args],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+            )
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + 30
@@ -216,23 +280,42 @@ def test_external_engine_and_the_simulators_own_refusals(tmp_path, target_dir, r
     with dg.instance_for_test() as instance:
         setup_pipeline(instance, root)
         export = root / "dflash_drafter" / "export"
-        flags = ["--model-path", str(target_dir), "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(export),
-                 "--speculative-num-draft-tokens", "4", "--sim-request-log", str(tmp_path / "requests.jsonl")]
+        flags = [
+            "--model-path",
+            str(target_dir),
+            "--speculative-algorithm",
+            "DFLASH",
+            "--speculative-draft-model-path",
+            str(export),
+            "--speculative-num-draft-tokens",
+            "4",
+            "--sim-request-log",
+            str(tmp_path / "requests.jsonl"),
+        ]
         # the simulator refuses at start-up what SGLang refuses: a flag 0.5.20 dropped, an export with a skipped name
         old = StubProcess(tmp_path, *flags, "--mamba-scheduler-strategy", "extra_buffer")
-        assert old.proc.wait(timeout=30) == 1 and "unrecognized arguments: --mamba-scheduler-strategy" in old.stderr.read_text()
+        assert (
+            old.proc.wait(timeout=30) == 1
+            and "unrecognized arguments: --mamba-scheduler-strategy" in old.stderr.read_text()
+        )
         stub = StubProcess(tmp_path, *flags)
         try:
             stub.wait_ready()
-            result = evaluate(instance, root, target_dir, InferenceServerResource(), engine="external", engine_base_urls=[stub.url])
+            result = evaluate(
+                instance, root, target_dir, InferenceServerResource(), engine="external", engine_base_urls=[stub.url]
+            )
         finally:
             stub.stop()
         meta = metadata_of(result)
     seen = stub_log(tmp_path / "requests.jsonl")
-    assert meta["engine_kind"] == "external" and meta["engine_simulated"] is True and meta["engine_requests"] == len(seen)
+    assert (
+        meta["engine_kind"] == "external" and meta["engine_simulated"] is True and meta["engine_requests"] == len(seen)
+    )
     expected = sum(e["spec_accept_length"] for e in seen.values()) / len(seen)
     assert meta["simulated_engine_tau"] == round(expected, 4)
-    edit_tensors(export, lambda t: t.update({"layers.0.self_attn.qkv.weight": t.pop("layers.0.self_attn.q_proj.weight")}))
+    edit_tensors(
+        export, lambda t: t.update({"layers.0.self_attn.qkv.weight": t.pop("layers.0.self_attn.q_proj.weight")})
+    )
     refused = StubProcess(tmp_path, *flags)
     assert refused.proc.wait(timeout=30) == 1
     err = refused.stderr.read_text()
@@ -240,11 +323,22 @@ def test_external_engine_and_the_simulators_own_refusals(tmp_path, target_dir, r
 
 
 def test_the_summary_never_shows_a_simulated_engine_figure_as_a_measurement():
-    simulated = {"engine_kind": "sglang", "engine_simulated": True, "engine_requests": 7, "simulated_engine_tau": 2.5,
-                 "simulated_engine_tau_pooled": 2.4}
+    simulated = {
+        "engine_kind": "sglang",
+        "engine_simulated": True,
+        "engine_requests": 7,
+        "simulated_engine_tau": 2.5,
+        "simulated_engine_tau_pooled": 2.4,
+    }
     line = engine_line(simulated)
     assert line.startswith("engine (SIMULATED)") and "not a measurement" in line and "simulated tau 2.5" in line
-    real = {"engine_kind": "sglang", "engine_simulated": False, "engine_requests": 64, "engine_tau": 6.1,
-            "engine_tau_stderr": 0.2, "engine_tau_pooled": 6.0}
+    real = {
+        "engine_kind": "sglang",
+        "engine_simulated": False,
+        "engine_requests": 64,
+        "engine_tau": 6.1,
+        "engine_tau_stderr": 0.2,
+        "engine_tau_pooled": 6.0,
+    }
     assert engine_line(real).startswith("engine tau (SGLang) 6.1 +- 0.2") and "SIMULATED" not in engine_line(real)
     assert engine_line({}) is None

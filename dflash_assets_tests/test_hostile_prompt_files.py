@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import zlib
 
 import dagster as dg
 import polars as pl
@@ -41,19 +40,24 @@ def test_a_hostile_jsonl_record_costs_its_row_and_is_written_to_rejected_parquet
     source.write_text("\n".join(lines) + "\n")
     root = tmp_path / "data"
     with dg.instance_for_test() as instance:
-        result = dg.materialize([prompt_corpus], instance=instance,
-                                resources={"storage": StorageResource(root=str(root))},
-                                run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(source)]}}}})
+        result = dg.materialize(
+            [prompt_corpus],
+            instance=instance,
+            resources={"storage": StorageResource(root=str(root))},
+            run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(source)]}}}},
+        )
     assert result.success
     corpus = pl.read_parquet(root / "prompt_corpus" / "corpus.parquet")
     assert [m[-1]["content"] for m in corpus["messages"].to_list()] == ["Sort a list in Go.", "Reverse a string in C."]
     assert corpus["line"].to_list() == [1, len(lines)]
     rejects = pl.read_parquet(root.joinpath(*REJECTED_FILE))
     assert [(r["line"], r["reason"].split(":")[0]) for r in rejects.iter_rows(named=True)] == [
-        (i + 2, kind) for i, (_, kind) in enumerate(HOSTILE)]
+        (i + 2, kind) for i, (_, kind) in enumerate(HOSTILE)
+    ]
     assert set(rejects["file"]) == {str(source)}
-    assert rejects["reason"][0] == ("invalid Unicode: the text holds a lone surrogate (\\ud800), "
-                                    "which no UTF-8 file can store")
+    assert rejects["reason"][0] == (
+        "invalid Unicode: the text holds a lone surrogate (\\ud800), which no UTF-8 file can store"
+    )
     assert rejects["raw"][0] == lines[1]  # the line as written, for the user to find
     assert len(rejects["raw"][2]) == 300  # a preview, not the record
 
@@ -96,8 +100,11 @@ def test_unreadable_files_fail_naming_the_file_the_bound_and_the_fix(tmp_path):
     corrupt = bytearray(gzip.compress(body))
     corrupt[40:60] = b"\xff" * 20
     (tmp_path / "corrupt.jsonl.gz").write_bytes(corrupt)  # was: a raw zlib.error naming no file
-    with pytest.raises(CorpusError, match=r"corrupt.jsonl.gz: cannot read the file past byte .* \(zlib.error: .*\); "
-                                          r"the file is damaged or cut short: fix or fetch it again"):
+    with pytest.raises(
+        CorpusError,
+        match=r"corrupt.jsonl.gz: cannot read the file past byte .* \(zlib.error: .*\); "
+        r"the file is damaged or cut short: fix or fetch it again",
+    ):
         build_corpus([str(tmp_path / "corrupt.jsonl.gz")])
     whole = gzip.compress(body)
     (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
@@ -108,13 +115,18 @@ def test_unreadable_files_fail_naming_the_file_the_bound_and_the_fix(tmp_path):
     assert gzip_bomb(tmp_path / "bomb.jsonl.gz", 1232 * 16 * MiB) > 20_000_000
     with pytest.raises(CorpusError) as err:
         build_corpus([str(tmp_path / "bomb.jsonl.gz")])
-    assert str(err.value).startswith(f"{tmp_path / 'bomb.jsonl.gz'}: line 1 is longer than 16 MiB "
-                                     "(ops.prompt_corpus.config.max_record_mb); no prompt record is this long")
+    assert str(err.value).startswith(
+        f"{tmp_path / 'bomb.jsonl.gz'}: line 1 is longer than 16 MiB "
+        "(ops.prompt_corpus.config.max_record_mb); no prompt record is this long"
+    )
     assert "decompression bomb" in str(err.value) and "raise ops.prompt_corpus.config.max_record_mb" in str(err.value)
 
     (tmp_path / "big.jsonl").write_bytes(body)  # 40 KB of good lines, over a 16 KB file bound
-    with pytest.raises(CorpusError, match=r"big.jsonl: more than 16,384 bytes \(ops.prompt_corpus.config.max_file_gb\) "
-                                          r"of content.*split it into several files"):
+    with pytest.raises(
+        CorpusError,
+        match=r"big.jsonl: more than 16,384 bytes \(ops.prompt_corpus.config.max_file_gb\) "
+        r"of content.*split it into several files",
+    ):
         build_corpus([str(tmp_path / "big.jsonl")], limits=ReadLimits(max_file_bytes=16 * 1024))
     pl.DataFrame({"prompt": [f"Task {i}" for i in range(2000)]}).write_parquet(tmp_path / "big.parquet")
     with pytest.raises(CorpusError, match=r"big.parquet: its footer declares .* of uncompressed data, over"):
@@ -130,15 +142,19 @@ def test_the_record_bound_is_a_prompt_corpus_setting_and_not_part_of_its_fingerp
     root = tmp_path / "data"
     with dg.instance_for_test() as instance:
         result = dg.materialize(
-            [prompt_corpus], instance=instance, resources={"storage": StorageResource(root=str(root))},
+            [prompt_corpus],
+            instance=instance,
+            resources={"storage": StorageResource(root=str(root))},
             raise_on_error=False,
-            run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(source)], "max_record_mb": 0.001}}}})
+            run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(source)], "max_record_mb": 0.001}}}},
+        )
     assert not result.success
     message = result.get_step_failure_events()[0].event_specific_data.error.message
     assert f"{source}: line 1 is longer than 1,048 bytes (ops.prompt_corpus.config.max_record_mb)" in message
     # the bounds refuse a file or not; they never change a corpus that builds, so its fingerprint ignores them
-    assert (corpus_fingerprint(PromptCorpusConfig(sources=[str(source)], max_record_mb=1, max_file_gb=1))
-            == corpus_fingerprint(PromptCorpusConfig(sources=[str(source)])))
+    assert corpus_fingerprint(
+        PromptCorpusConfig(sources=[str(source)], max_record_mb=1, max_file_gb=1)
+    ) == corpus_fingerprint(PromptCorpusConfig(sources=[str(source)]))
 
 
 @pytest.mark.parametrize("name", ["mixed.jsonl", "mixed.jsonl.gz", "mixed.json"])
@@ -147,9 +163,15 @@ def test_records_cut_across_read_chunks_read_the_same(tmp_path, monkeypatch, nam
     BOM, blank and CRLF lines, U+2028 inside strings, brackets, quotes and backslashes inside strings."""
     import dflash_assets.prompt_reader as reader
 
-    records = [{"prompt": "one\u2028two"}, {"prompt": 'brackets ] } [ { and a quote " inside'},
-               {"prompt": "ends with a backslash \\"}, {"messages": [{"role": "user", "content": "é ✓ 𝄞"}]},
-               {"prompt": "x" * 300}, {"prompt": ""}, {"instruction": "Sort.", "input": "[3, 1]"}]
+    records = [
+        {"prompt": "one\u2028two"},
+        {"prompt": 'brackets ] } [ { and a quote " inside'},
+        {"prompt": "ends with a backslash \\"},
+        {"messages": [{"role": "user", "content": "é ✓ 𝄞"}]},
+        {"prompt": "x" * 300},
+        {"prompt": ""},
+        {"instruction": "Sort.", "input": "[3, 1]"},
+    ]
     if name.endswith(".json"):
         text = "\ufeff[\n" + ",\r\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n]\n"
     else:
@@ -161,8 +183,13 @@ def test_records_cut_across_read_chunks_read_the_same(tmp_path, monkeypatch, nam
     cut = build_corpus([str(tmp_path / name)])
     assert cut.corpus.equals(whole.corpus) and cut.rejected.equals(whole.rejected)
     assert [m[-1]["content"] for m in whole.corpus["messages"].to_list()] == [
-        "one\u2028two", 'brackets ] } [ { and a quote " inside', "ends with a backslash \\", "é ✓ 𝄞", "x" * 300,
-        "Sort.\n\n[3, 1]"]
+        "one\u2028two",
+        'brackets ] } [ { and a quote " inside',
+        "ends with a backslash \\",
+        "é ✓ 𝄞",
+        "x" * 300,
+        "Sort.\n\n[3, 1]",
+    ]
     first = 1 if name.endswith(".json") else 3  # element numbers; JSONL lines after a BOM and two blank lines
     assert whole.corpus["line"].to_list() == [first + k for k in (0, 1, 2, 3, 4, 6)]
     assert kinds(whole) == [(first + 5, "empty content")]

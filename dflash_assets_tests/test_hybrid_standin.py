@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import pytest
 import torch
@@ -95,14 +96,14 @@ def test_sampled_replies_think_answer_and_stop(standin, tokenizer):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         torch.manual_seed(k)
-        reply = model.generate(ids, max_new_tokens=192)[0, ids.shape[1]:].tolist()
+        reply = model.generate(ids, max_new_tokens=192)[0, ids.shape[1] :].tolist()
         assert max(reply) < len(tokenizer)  # never a padding row
         if reply[-1] != end:
             continue
         finished += 1
         assert reply.count(close) == 1 and reply.count(end) == 1
         at = reply.index(close)
-        assert reply[at - 1:at] == before and reply[at + 1:at + 2] == after and at >= 2 and len(reply) - at >= 4
+        assert reply[at - 1 : at] == before and reply[at + 1 : at + 2] == after and at >= 2 and len(reply) - at >= 4
         body = reply[:-1]
         assert tokenizer.encode(tokenizer.decode(body), add_special_tokens=False) == body
     assert finished >= 4
@@ -133,8 +134,13 @@ def test_local_server_and_target_model_must_name_the_same_model(tmp_path, monkey
     config.write_text("resources: {}\n")
     monkeypatch.setenv("DFLASH_CONFIG", str(config))
     inference = InferenceServerResource(mode="local", local_model="qwen3.6-hybrid-standin")
-    with pytest.raises(ConfigError, match="resources.inference.local_model is 'qwen3.6-hybrid-standin' but "
-                                          "resources.target_model.local_model is 'smollm2-135m-instruct'"):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "resources.inference.local_model is 'qwen3.6-hybrid-standin' but "
+            "resources.target_model.local_model is 'smollm2-135m-instruct'"
+        ),
+    ):
         check_local_model({"inference": inference, "target_model": TargetModelResource()})
     same = TargetModelResource(local_model="qwen3.6-hybrid-standin")
     check_local_model({"inference": inference, "target_model": same})

@@ -47,11 +47,21 @@ def test_main_job_on_the_hybrid_standin(tmp_path):
     from dflash_assets.generation.hybrid_standin import ensure_hybrid_standin
 
     data = tmp_path / "data"
-    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "DFLASH_STORAGE_ROOT": str(data),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(tmp_path / "home"),
+        "DFLASH_STORAGE_ROOT": str(data),
+        "OMP_NUM_THREADS": "1",
+    }
     (tmp_path / "home").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "dflash_assets", "run", "--config", str(reduced_config(tmp_path))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_assets", "run", "--config", str(reduced_config(tmp_path))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "lossless: yes" in out
@@ -70,14 +80,19 @@ def test_main_job_on_the_hybrid_standin(tmp_path):
     # tokenized: prompt = the template's generation prompt (ending "<think>\n"), loss from the next token on
     corpus = pl.read_parquet(data / "prompt_corpus" / "corpus.parquet")
     messages = dict(zip(corpus["index"].to_list(), corpus["messages"].to_list()))
-    tokenized = pl.concat([pl.read_parquet(p) for p in sorted((data / "tokenized_sequences").glob("0*.parquet"))
-                           if not p.name.endswith(".set_aside.parquet")])
+    tokenized = pl.concat(
+        [
+            pl.read_parquet(p)
+            for p in sorted((data / "tokenized_sequences").glob("0*.parquet"))
+            if not p.name.endswith(".set_aside.parquet")
+        ]
+    )
     opener = tokenizer.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
     for row in tokenized.iter_rows(named=True):
         prompt = tokenizer.apply_chat_template(messages[row["index"]], add_generation_prompt=True, tokenize=False)
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
         n = row["prompt_len"]
-        assert n == len(prompt_ids) and row["input_ids"][:n] == prompt_ids and prompt_ids[-len(opener):] == opener
+        assert n == len(prompt_ids) and row["input_ids"][:n] == prompt_ids and prompt_ids[-len(opener) :] == opener
         assert row["loss_mask"] == [0] * n + [1] * (len(row["input_ids"]) - n)
         if row["finish_reason"] == "stop":
             completion = row["input_ids"][n:]

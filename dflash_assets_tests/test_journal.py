@@ -85,10 +85,15 @@ def test_torn_last_line_is_skipped_and_next_append_starts_clean(tmp_path):
 def test_undecodable_lines_are_counted_not_fatal(tmp_path):
     path = tmp_path / "j.jsonl"
     good = [json.dumps(row(i)).encode() for i in range(3)]
-    bad = [b"\xff\xfe not utf-8", b"{not json}", b"[1, 2, 3]", b'{"no_index": 1}', b'{"index": "4"}',
-           b'{"index": true}']
-    path.write_bytes(b"\n".join([good[0], bad[0], bad[1], good[1], bad[2], bad[3], bad[4], bad[5], good[2]])
-                     + b"\n\n")
+    bad = [
+        b"\xff\xfe not utf-8",
+        b"{not json}",
+        b"[1, 2, 3]",
+        b'{"no_index": 1}',
+        b'{"index": "4"}',
+        b'{"index": true}',
+    ]
+    path.write_bytes(b"\n".join([good[0], bad[0], bad[1], good[1], bad[2], bad[3], bad[4], bad[5], good[2]]) + b"\n\n")
     journal = RowJournal(path)
     assert sorted(journal.load()) == [0, 1, 2]
     assert journal.skipped_lines == len(bad)

@@ -66,9 +66,13 @@ def test_probe_and_client_share_one_url_rule():
     for base in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"):
         assert chat_completions_url(base) == "http://h:1/v1/chat/completions"
         assert api_root(base) == "http://h:1/v1"
-    from dflash_assets.generation.client import _Server
+    from dflash_assets.generation.client_servers import ServerState
 
-    assert _Server("http://h:1").endpoint == _Server("http://h:1/v1").endpoint == chat_completions_url("http://h:1")
+    assert (
+        ServerState("http://h:1").endpoint
+        == ServerState("http://h:1/v1").endpoint
+        == chat_completions_url("http://h:1")
+    )
 
 
 def test_probe_of_a_base_url_without_v1_reaches_the_clients_endpoint():
@@ -96,24 +100,28 @@ def test_probe_of_a_dead_port_names_the_url_and_what_to_try():
 
 def test_probe_reply_that_is_not_json_names_the_url():
     """Issue 16: a non-JSON probe reply raised a bare JSONDecodeError."""
-    with FakeServer(Raw(200, b"<html>proxy login</html>")) as server:
-        with pytest.raises(RuntimeError) as err:
-            probe_chat(server.url + "/v1", "fake")
+    with FakeServer(Raw(200, b"<html>proxy login</html>")) as server, pytest.raises(RuntimeError) as err:
+        probe_chat(server.url + "/v1", "fake")
     msg = str(err.value)
-    assert f"probe POST {server.url}/v1/chat/completions got a reply that is not JSON: '<html>proxy login</html>'" in msg
+    assert (
+        f"probe POST {server.url}/v1/chat/completions got a reply that is not JSON: '<html>proxy login</html>'" in msg
+    )
     assert "OpenAI-compatible" in msg
 
 
 def test_probe_http_errors_say_what_to_try():
-    with FakeServer(Error(404, "Not Found")) as server:
-        with pytest.raises(RuntimeError, match=r"got HTTP 404: .*check base_urls"):
-            probe_chat(server.url, "fake")
-    with FakeServer(Error(400, "model 'x' not found")) as server:
-        with pytest.raises(RuntimeError, match=r"got HTTP 400: .*check served_model_name 'x'"):
-            probe_chat(server.url, "x")
-    with FakeServer(Error(401, "invalid token", echo_auth=True)) as server:
-        with pytest.raises(RuntimeError) as err:
-            probe_chat(server.url, "fake", api_key=KEY)
+    with (
+        FakeServer(Error(404, "Not Found")) as server,
+        pytest.raises(RuntimeError, match=r"got HTTP 404: .*check base_urls"),
+    ):
+        probe_chat(server.url, "fake")
+    with (
+        FakeServer(Error(400, "model 'x' not found")) as server,
+        pytest.raises(RuntimeError, match=r"got HTTP 400: .*check served_model_name 'x'"),
+    ):
+        probe_chat(server.url, "x")
+    with FakeServer(Error(401, "invalid token", echo_auth=True)) as server, pytest.raises(RuntimeError) as err:
+        probe_chat(server.url, "fake", api_key=KEY)
     assert KEY not in str(err.value) and "***" in str(err.value) and "DFLASH_SERVER_API_KEY" in str(err.value)
 
 
@@ -126,12 +134,16 @@ def test_sglang_log_that_prints_the_key_is_redacted_in_the_file_and_the_error(tm
     """SGLang logs its whole ServerArgs (the key from its ``--config`` file included) at start-up; a server
     that prints them and dies must leave the key in neither its log file nor the start-up error (found in
     review)."""
-    script = ("import sys, yaml; args = sys.argv[1:]; key = yaml.safe_load(open(args[args.index('--config') + 1]))"
-              "['api-key']; print('server_args=', args, 'api_key=', repr(key), flush=True); sys.exit(3)")
+    script = (
+        "import sys, yaml; args = sys.argv[1:]; key = yaml.safe_load(open(args[args.index('--config') + 1]))"
+        "['api-key']; print('server_args=', args, 'api_key=', repr(key), flush=True); sys.exit(3)"
+    )
     command = LaunchCommand((sys.executable, "-c", script), {}, "127.0.0.1", free_port(), api_key_env="H16_TEST_KEY")
-    with pytest.raises(RuntimeError) as err:
-        with SGLangServers([command], tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0, parent_death_signal=False):
-            pass
+    with (
+        pytest.raises(RuntimeError) as err,
+        SGLangServers([command], tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0, parent_death_signal=False),
+    ):
+        pass
     message = str(err.value)
     assert "exited with code 3" in message and KEY not in message and "api_key= '***'" in message
     log = (tmp_path / "logs" / "sglang_0.log").read_text()
@@ -149,14 +161,31 @@ def test_key_echoed_by_the_probe_reply_is_in_no_file_and_no_output(tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     with FakeServer(Error(401, "invalid token", echo_auth=True)) as server:
         config = tmp_path / "config.yaml"
-        config.write_text(json.dumps({
-            "resources": {"inference": {"mode": "external", "base_urls": [server.url], "served_model_name": "fake",
-                                        "external_backend": "openai", "startup_timeout_s": 10}},
-            "ops": {"prompt_corpus": {"config": {"sources": [str(prompts)], "partition_size": 2}}},
-        }))
+        config.write_text(
+            json.dumps(
+                {
+                    "resources": {
+                        "inference": {
+                            "mode": "external",
+                            "base_urls": [server.url],
+                            "served_model_name": "fake",
+                            "external_backend": "openai",
+                            "startup_timeout_s": 10,
+                        }
+                    },
+                    "ops": {"prompt_corpus": {"config": {"sources": [str(prompts)], "partition_size": 2}}},
+                }
+            )
+        )
         env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_STORAGE_ROOT": str(data), API_KEY_ENV: KEY}
-        proc = subprocess.run([sys.executable, "-m", "dflash_assets", "run", "--config", str(config)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dflash_assets", "run", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert any(KEY in (h or "") for h in server.auth_headers)  # the server did get (and echo) the key
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output[-3000:]
@@ -170,17 +199,34 @@ def test_key_echoed_by_the_probe_reply_is_in_no_file_and_no_output(tmp_path):
 
 
 def inference_for(url: str, **fields) -> InferenceServerResource:
-    return InferenceServerResource(**{"mode": "external", "base_urls": [url], "served_model_name": "fake",
-                                      "external_backend": "openai", "max_running_requests": 2, "max_attempts": 1,
-                                      "max_consecutive_failures": 20, "request_timeout_s": 5.0,
-                                      "startup_timeout_s": 10.0, "api_key": dg.EnvVar(API_KEY_ENV), **fields})
+    return InferenceServerResource(
+        **{
+            "mode": "external",
+            "base_urls": [url],
+            "served_model_name": "fake",
+            "external_backend": "openai",
+            "max_running_requests": 2,
+            "max_attempts": 1,
+            "max_consecutive_failures": 20,
+            "request_timeout_s": 5.0,
+            "startup_timeout_s": 10.0,
+            "api_key": dg.EnvVar(API_KEY_ENV),
+            **fields,
+        }
+    )
 
 
 def run_completions(instance, root: Path, pk: str, url: str):
     return dg.materialize(
-        [completions], instance=instance, partition_key=pk, raise_on_error=False,
-        resources={"storage": StorageResource(root=str(root)), "inference": inference_for(url),
-                   "generation": GenerationResource(max_output_tokens=16, temperature=0.0)},
+        [completions],
+        instance=instance,
+        partition_key=pk,
+        raise_on_error=False,
+        resources={
+            "storage": StorageResource(root=str(root)),
+            "inference": inference_for(url),
+            "generation": GenerationResource(max_output_tokens=16, temperature=0.0),
+        },
     )
 
 
@@ -197,8 +243,12 @@ def test_partition_whose_rows_all_fail_fails_its_run_then_a_good_server_complete
         return Error(400, "bad request", echo_auth=True)  # not transient: one attempt per row
 
     with dg.instance_for_test(temp_dir=str(home)) as instance:
-        corpus = dg.materialize([prompt_corpus], instance=instance, resources={"storage": StorageResource(root=str(root))},
-                                run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(source)], "partition_size": 2}}}})
+        corpus = dg.materialize(
+            [prompt_corpus],
+            instance=instance,
+            resources={"storage": StorageResource(root=str(root))},
+            run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(source)], "partition_size": 2}}}},
+        )
         assert corpus.success
         (pk,) = instance.get_dynamic_partitions(prompt_ranges.name)
         with FakeServer(leaky) as server:

@@ -21,11 +21,21 @@ import yaml
 from dagster._core.test_utils import create_run_for_test
 
 from dflash_assets.generation.processes import proc_stat
+from dflash_assets.pools import INFERENCE_POOL
 from dflash_assets.runs import (
-    BOOT_TAG, HOST_TAG, MACHINE_TAG, PID_NS_TAG, PID_TAG, START_TAG, MonitoredRunLauncher, mark_run_failed,
-    process_tags, reap_dead_runs, run_process_alive, stop_orphaned_step_workers,
+    BOOT_TAG,
+    HOST_TAG,
+    MACHINE_TAG,
+    PID_NS_TAG,
+    PID_TAG,
+    START_TAG,
+    MonitoredRunLauncher,
+    mark_run_failed,
+    process_tags,
+    reap_dead_runs,
+    run_process_alive,
+    stop_orphaned_step_workers,
 )
-from dflash_assets.status import INFERENCE_POOL
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = yaml.safe_load((ROOT / "dagster.yaml").read_text())["concurrency"]
@@ -33,17 +43,32 @@ DAGSTER = str(Path(sys.executable).parent / "dagster")
 
 
 def _materialize_cmd(partition: str) -> list[str]:
-    return [DAGSTER, "asset", "materialize", "--select", "slow_completions", "--partition", partition,
-            "-m", "dflash_assets_tests.kill_defs"]
+    return [
+        DAGSTER,
+        "asset",
+        "materialize",
+        "--select",
+        "slow_completions",
+        "--partition",
+        partition,
+        "-m",
+        "dflash_assets_tests.kill_defs",
+    ]
 
 
 @pytest.fixture()
 def home(tmp_path):
     (tmp_path / "home").mkdir()
     (tmp_path / "work").mkdir()
-    (tmp_path / "home" / "dagster.yaml").write_text(yaml.safe_dump({"concurrency": CONCURRENCY, "telemetry": {"enabled": False}}))
-    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "KILL_TEST_DIR": str(tmp_path / "work"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    (tmp_path / "home" / "dagster.yaml").write_text(
+        yaml.safe_dump({"concurrency": CONCURRENCY, "telemetry": {"enabled": False}})
+    )
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(tmp_path / "home"),
+        "KILL_TEST_DIR": str(tmp_path / "work"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     return tmp_path, env
 
 
@@ -64,8 +89,10 @@ def test_same_command_after_kill_9_starts_at_once(home, kill):
     tmp, env = home
     work = tmp / "work"
     (work / "hang").touch()
-    log1 = open(tmp / "run1.log", "w")
-    first = subprocess.Popen(_materialize_cmd("p0"), env=env, stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(tmp / "run1.log", "w") as log:  # the child keeps its own copy of the descriptor
+        first = subprocess.Popen(
+            _materialize_cmd("p0"), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         [step_pid] = _wait(lambda: _started(work), 120, "the first run's step to start")
         with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:
@@ -86,10 +113,14 @@ def test_same_command_after_kill_9_starts_at_once(home, kill):
 
         # the same command, no clean-up; the hang marker stays until the new step has started
         started = time.monotonic()
-        log2 = open(tmp / "run2.log", "w")
-        second = subprocess.Popen(_materialize_cmd("p0"), env=env, stdout=log2, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(tmp / "run2.log", "w") as log:
+            second = subprocess.Popen(
+                _materialize_cmd("p0"), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         try:
-            _wait(lambda: len(_started(work)) == 2, 60, "the second run's step to start (blocked by the dead run's slot?)")
+            _wait(
+                lambda: len(_started(work)) == 2, 60, "the second run's step to start (blocked by the dead run's slot?)"
+            )
             start_s = time.monotonic() - started
             print(f"kill -9 of the {kill}: the same command's step started {start_s:.1f} s after it was run again")
             (work / "hang").unlink()
@@ -127,8 +158,12 @@ def test_only_verifiably_dead_runs_are_reaped(tmp_path):
     rebooted_is_provable = me[MACHINE_TAG].startswith("etc:")  # a home: id may be shared by other machines
     cases = {
         "live": me,
-        "other machine, same host name": {**me, MACHINE_TAG: "etc:" + "0" * 32, BOOT_TAG: other_boot,
-                                          PID_TAG: str(dead.pid)},
+        "other machine, same host name": {
+            **me,
+            MACHINE_TAG: "etc:" + "0" * 32,
+            BOOT_TAG: other_boot,
+            PID_TAG: str(dead.pid),
+        },
         "other machine, same boot (containers)": {**me, MACHINE_TAG: "etc:" + "1" * 32, PID_TAG: str(dead.pid)},
         "other pid namespace": {**me, PID_NS_TAG: "pid:[1]", PID_TAG: str(dead.pid)},
         "untagged": {},
@@ -143,12 +178,18 @@ def test_only_verifiably_dead_runs_are_reaped(tmp_path):
     dead_ones = {"dead pid", "dead pid, renamed host", "recycled pid"}
     dead_ones |= {"earlier boot"} if rebooted_is_provable else set()
     with dg.instance_for_test(temp_dir=str(tmp_path), overrides={"concurrency": CONCURRENCY}) as instance:
-        ids = {name: create_run_for_test(instance, status=dg.DagsterRunStatus.STARTED, tags=tags).run_id for name, tags in cases.items()}
+        ids = {
+            name: create_run_for_test(instance, status=dg.DagsterRunStatus.STARTED, tags=tags).run_id
+            for name, tags in cases.items()
+        }
         logged = instance.get_run_by_id(ids["earlier boot, logged since"])
         instance.report_engine_event("still running elsewhere", logged)
         launcher = MonitoredRunLauncher()
         launcher.register_instance(instance)
-        health = {name: launcher.check_run_worker_health(instance.get_run_by_id(rid)).status.value for name, rid in ids.items()}
+        health = {
+            name: launcher.check_run_worker_health(instance.get_run_by_id(rid)).status.value
+            for name, rid in ids.items()
+        }
         reaped = reap_dead_runs(instance, by="test")
         assert sorted(reaped) == sorted(ids[n] for n in dead_ones)
         status = {name: instance.get_run_by_id(rid).status for name, rid in ids.items()}
@@ -158,10 +199,15 @@ def test_only_verifiably_dead_runs_are_reaped(tmp_path):
 
 def _shared_storage_home(home: Path, storage: Path) -> Path:
     home.mkdir()
-    (home / "dagster.yaml").write_text(yaml.safe_dump({
-        "concurrency": CONCURRENCY, "telemetry": {"enabled": False},
-        "storage": {"sqlite": {"base_dir": str(storage)}},
-    }))
+    (home / "dagster.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "concurrency": CONCURRENCY,
+                "telemetry": {"enabled": False},
+                "storage": {"sqlite": {"base_dir": str(storage)}},
+            }
+        )
+    )
     return home
 
 
@@ -173,8 +219,14 @@ def test_two_instances_sharing_one_run_storage_under_one_host_name_never_reap_a_
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     me = process_tags()  # node B: this process
-    node_a = {**me, MACHINE_TAG: "etc:" + "a" * 32, BOOT_TAG: "aaaaaaaa-0000-0000-0000-000000000000",
-              PID_NS_TAG: "pid:[4026531836]", PID_TAG: str(dead.pid), START_TAG: "12345"}
+    node_a = {
+        **me,
+        MACHINE_TAG: "etc:" + "a" * 32,
+        BOOT_TAG: "aaaaaaaa-0000-0000-0000-000000000000",
+        PID_NS_TAG: "pid:[4026531836]",
+        PID_TAG: str(dead.pid),
+        START_TAG: "12345",
+    }
     assert node_a[HOST_TAG] == me[HOST_TAG]  # one host name: what the old reaper trusted
     storage = tmp_path / "shared_storage"
     home_a, home_b = _shared_storage_home(tmp_path / "a", storage), _shared_storage_home(tmp_path / "b", storage)
@@ -229,10 +281,24 @@ def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
     tmp, env = home
     work = tmp / "work"
     full = yaml.safe_load((ROOT / "dagster.yaml").read_text())
-    (tmp / "home" / "dagster.yaml").write_text(yaml.safe_dump(
-        {k: full[k] for k in ("concurrency", "run_launcher", "run_monitoring")} | {"telemetry": {"enabled": False}}))
+    (tmp / "home" / "dagster.yaml").write_text(
+        yaml.safe_dump(
+            {k: full[k] for k in ("concurrency", "run_launcher", "run_monitoring")} | {"telemetry": {"enabled": False}}
+        )
+    )
     (work / "hang").touch()
-    launch = [DAGSTER, "job", "launch", "-m", "dflash_assets_tests.kill_defs", "-j", "__ASSET_JOB", "--tags", '{"dagster/partition": "p1"}']
+    launch = [
+        DAGSTER,
+        "job",
+        "launch",
+        "-m",
+        "dflash_assets_tests.kill_defs",
+        "-j",
+        "__ASSET_JOB",
+        "--tags",
+        '{"dagster/partition": "p1"}',
+    ]
+
     def submit() -> None:
         out = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -241,9 +307,14 @@ def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
         instance.get_runs()  # daemon and the first launch do not both create them ("table ... already exists")
         instance.event_log_storage.get_concurrency_keys()
         instance.all_instigator_state()
-    daemon_log = open(tmp / "daemon.log", "w")
-    daemon = subprocess.Popen([str(Path(DAGSTER).parent / "dagster-daemon"), "run", "-m", "dflash_assets_tests.kill_defs"],
-                              env=env, stdout=daemon_log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(tmp / "daemon.log", "w") as log:  # the child keeps its own copy of the descriptor
+        daemon = subprocess.Popen(
+            [str(Path(DAGSTER).parent / "dagster-daemon"), "run", "-m", "dflash_assets_tests.kill_defs"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         submit()
         [step_pid] = _wait(lambda: _started(work), 180, "the queued run's step to start")
@@ -257,11 +328,20 @@ def test_ui_launched_run_worker_killed_then_same_launch_starts(home):
             queued = time.monotonic()  # what a click in the UI does at once: the run is in the queue
             second = _wait(lambda: [p for p in _started(work) if p != step_pid], 120, "the second run's step to start")
             start_s = time.monotonic() - queued
-            print(f"after kill -9 of the run worker: launched (queued) in {queued - killed:.1f} s, its step started {start_s:.1f} s later")
+            print(
+                f"after kill -9 of the run worker: launched (queued) in {queued - killed:.1f} s, its step started "
+                f"{start_s:.1f} s later"
+            )
             orphan_gone_first = proc_stat(step_pid) is None or proc_stat(step_pid).state == "Z"
             (work / "hang").unlink()
             new_id = next(r.run_id for r in instance.get_runs() if r.run_id != run.run_id)
-            _wait(lambda: instance.get_run_by_id(new_id).status in (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE), 120, "the second run to end")
+            _wait(
+                lambda: (
+                    instance.get_run_by_id(new_id).status in (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE)
+                ),
+                120,
+                "the second run to end",
+            )
             assert instance.get_run_by_id(new_id).status == dg.DagsterRunStatus.SUCCESS
             assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
             materializations = instance.fetch_materializations(dg.AssetKey("slow_completions"), limit=10).records

@@ -39,15 +39,25 @@ SIM = ["--sim-startup-s", "60", "--sim-median-tokens", "120", "--sim-sigma", "0.
 
 
 def sim_args(tmp_path: Path, *extra: str) -> list[str]:
-    return [*SIM, "--sim-starts-file", str(tmp_path / "starts.txt"), "--sim-request-log", str(tmp_path / "requests.jsonl"), *extra]
+    return [
+        *SIM,
+        "--sim-starts-file",
+        str(tmp_path / "starts.txt"),
+        "--sim-request-log",
+        str(tmp_path / "requests.jsonl"),
+        *extra,
+    ]
 
 
 def requests_log(tmp_path: Path, ev: str = "recv", port: int | None = None) -> Counter:
     """Corpus prompts the simulated servers received (``recv``) or finished (``done``); probes excluded."""
     path = tmp_path / "requests.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    return Counter(e["key"] for e in map(json.loads, lines)
-                   if e["ev"] == ev and e["key"].startswith("prompt") and (port is None or e["port"] == port))
+    return Counter(
+        e["key"]
+        for e in map(json.loads, lines)
+        if e["ev"] == ev and e["key"].startswith("prompt") and (port is None or e["port"] == port)
+    )
 
 
 def starts(tmp_path: Path) -> list[str]:
@@ -57,24 +67,37 @@ def starts(tmp_path: Path) -> list[str]:
 
 def range_materialize(instance, root: Path, keys: list[str], inference, cap: int = 4096, raise_on_error: bool = True):
     return dg.materialize(
-        [completions], instance=instance, raise_on_error=raise_on_error,
+        [completions],
+        instance=instance,
+        raise_on_error=raise_on_error,
         tags={ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]},
-        resources={"storage": StorageResource(root=str(root)), "inference": inference,
-                   "generation": GenerationResource(max_output_tokens=cap, temperature=0.6)},
+        resources={
+            "storage": StorageResource(root=str(root)),
+            "inference": inference,
+            "generation": GenerationResource(max_output_tokens=cap, temperature=0.6),
+        },
     )
 
 
 def sglang_sim(tmp_path: Path, num_servers: int, slots: int, *extra: str, **fields) -> InferenceServerResource:
     return InferenceServerResource(
-        mode="sglang", model_path=fields.pop("model_path", "simulated"), num_servers=num_servers, max_running_requests=slots,
-        port_base=free_port_block(num_servers), launch_module=STUB, extra_args=sim_args(tmp_path, *extra), startup_timeout_s=60.0,
-        backoff_base_s=0.05, **fields,
+        mode="sglang",
+        model_path=fields.pop("model_path", "simulated"),
+        num_servers=num_servers,
+        max_running_requests=slots,
+        port_base=free_port_block(num_servers),
+        launch_module=STUB,
+        extra_args=sim_args(tmp_path, *extra),
+        startup_timeout_s=60.0,
+        backoff_base_s=0.05,
+        **fields,
     )
 
 
 def latest(instance, pk: str):
     records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[pk]), limit=10).records
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[pk]), limit=10
+    ).records
     return records
 
 
@@ -128,9 +151,14 @@ def test_range_is_one_run_one_start_each_partition_committed_with_own_data_versi
         # one partition alone still works (single-partition run of the same asset)
         (root / "completions" / f"{keys[1]}.parquet").unlink()
         single = dg.materialize(
-            [completions], instance=instance, partition_key=keys[1],
-            resources={"storage": StorageResource(root=str(root)), "inference": sglang_sim(tmp_path, 1, 3),
-                       "generation": GenerationResource(max_output_tokens=4096, temperature=0.6)},
+            [completions],
+            instance=instance,
+            partition_key=keys[1],
+            resources={
+                "storage": StorageResource(root=str(root)),
+                "inference": sglang_sim(tmp_path, 1, 3),
+                "generation": GenerationResource(max_output_tokens=4096, temperature=0.6),
+            },
         )
         assert single.success and len(latest(instance, keys[1])) == 2 and table(root, keys[1]).height == 6
 
@@ -144,19 +172,28 @@ def test_downstream_sees_the_partition_data_version(tmp_path, registry):
     with dg.instance_for_test() as instance:
         keys = write_corpus(instance, root, [f"q {i}" for i in range(6)], partition_size=3)
         inference = sglang_sim(tmp_path, 1, 4, "--sim-median-tokens", "20")
-        resources = {"storage": StorageResource(root=str(root)), "inference": inference,
-                     "generation": GenerationResource(max_output_tokens=64, temperature=0.6),
-                     "target_model": TargetModelResource()}  # the local model's tokenizer
+        resources = {
+            "storage": StorageResource(root=str(root)),
+            "inference": inference,
+            "generation": GenerationResource(max_output_tokens=64, temperature=0.6),
+            "target_model": TargetModelResource(),
+        }  # the local model's tokenizer
         assert range_materialize(instance, root, keys, inference, cap=64).success
-        result = dg.materialize([completions, tokenized_sequences], selection=["tokenized_sequences"],
-                                instance=instance, partition_key=keys[1], resources=resources,
-                                run_config={"ops": {"tokenized_sequences": {"config": {"truncated": "keep"}}}},
-                                raise_on_error=False)
+        result = dg.materialize(
+            [completions, tokenized_sequences],
+            selection=["tokenized_sequences"],
+            instance=instance,
+            partition_key=keys[1],
+            resources=resources,
+            run_config={"ops": {"tokenized_sequences": {"config": {"truncated": "keep"}}}},
+            raise_on_error=False,
+        )
         # the simulator's text ("t t t ...") fails the degenerate-text check, which runs after the
         # materialization is recorded: the provenance under test is there either way
         assert result.asset_materializations_for_node("tokenized_sequences")
         record = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey("tokenized_sequences"), asset_partitions=[keys[1]]), limit=1).records[0]
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("tokenized_sequences"), asset_partitions=[keys[1]]), limit=1
+        ).records[0]
         upstream = latest(instance, keys[1])[0].asset_materialization.tags["dagster/data_version"]
         other = latest(instance, keys[0])[0].asset_materialization.tags["dagster/data_version"]
         assert other != upstream
@@ -188,16 +225,25 @@ def test_server_killed_mid_run_rows_rerouted_once_each_and_server_restarted(tmp_
 
         thread = threading.Thread(target=killer, daemon=True)
         thread.start()
-        result = range_materialize(instance, root, keys, sglang_sim(
-            tmp_path, 3, 3, "--sim-median-tokens", "600", "--sim-sigma", "0.3", "--sim-speed", "20"))
+        result = range_materialize(
+            instance,
+            root,
+            keys,
+            sglang_sim(tmp_path, 3, 3, "--sim-median-tokens", "600", "--sim-sigma", "0.3", "--sim-speed", "20"),
+        )
         thread.join()
         assert result.success and killed
         frames = pl.concat([table(root, pk) for pk in keys])
         assert sorted(frames["index"].to_list()) == list(range(120))  # every row, none twice
         assert frames["error"].null_count() == 120
         assert len(starts(tmp_path)) == 4  # three starts and one restart
-        faults = [f for pk in keys for f in dict(latest(instance, pk)[0].asset_materialization.metadata).get(
-            "server_faults", dg.MetadataValue.json([])).value]
+        faults = [
+            f
+            for pk in keys
+            for f in dict(latest(instance, pk)[0].asset_materialization.metadata)
+            .get("server_faults", dg.MetadataValue.json([]))
+            .value
+        ]
         assert any("process exited with code -9" in f for f in faults), faults
         done = requests_log(tmp_path, "done")
         assert all(n == 1 for n in done.values())  # no prompt generated to the end twice
@@ -206,9 +252,21 @@ def test_server_killed_mid_run_rows_rerouted_once_each_and_server_restarted(tmp_
 def _start_stub(tmp_path: Path, host: str, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port(host)
     proc = subprocess.Popen(
-        [sys.executable, "-m", STUB, "--host", host, "--port", str(port), "--max-running-requests", "2",
-         *sim_args(tmp_path, "--sim-startup-s", "0", *extra)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            STUB,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--max-running-requests",
+            "2",
+            *sim_args(tmp_path, "--sim-startup-s", "0", *extra),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -237,9 +295,16 @@ def stubs(tmp_path):
 
 
 def external(urls: list[str], **fields) -> InferenceServerResource:
-    return InferenceServerResource(mode="external", base_urls=urls, served_model_name="simulated",
-                                   external_backend="sglang", max_running_requests=2, backoff_base_s=0.05,
-                                   startup_timeout_s=10.0, **fields)
+    return InferenceServerResource(
+        mode="external",
+        base_urls=urls,
+        served_model_name="simulated",
+        external_backend="sglang",
+        max_running_requests=2,
+        backoff_base_s=0.05,
+        startup_timeout_s=10.0,
+        **fields,
+    )
 
 
 def test_hung_server_detected_its_rows_go_to_the_others(tmp_path, stubs, registry):
@@ -250,7 +315,9 @@ def test_hung_server_detected_its_rows_go_to_the_others(tmp_path, stubs, registr
     with dg.instance_for_test() as instance:
         keys = write_corpus(instance, root, prompts, partition_size=15)
         started = time.monotonic()
-        result = range_materialize(instance, root, keys, external([healthy, hung], stall_timeout_s=2.0, server_retry_s=60.0))
+        result = range_materialize(
+            instance, root, keys, external([healthy, hung], stall_timeout_s=2.0, server_retry_s=60.0)
+        )
         assert result.success
         assert time.monotonic() - started < 60
         frames = pl.concat([table(root, pk) for pk in keys])
@@ -261,8 +328,13 @@ def test_hung_server_detected_its_rows_go_to_the_others(tmp_path, stubs, registr
         assert 1 <= finished_by_hung < 3  # the start-up probe was its first finished request
         assert servers[hung] == finished_by_hung  # what it finished before hanging; the rest from the healthy one
         assert servers[healthy] == 30 - finished_by_hung
-        faults = [f for pk in keys for f in dict(latest(instance, pk)[0].asset_materialization.metadata).get(
-            "server_faults", dg.MetadataValue.json([])).value]
+        faults = [
+            f
+            for pk in keys
+            for f in dict(latest(instance, pk)[0].asset_materialization.metadata)
+            .get("server_faults", dg.MetadataValue.json([]))
+            .value
+        ]
         assert any(hung in f and "hung" in f for f in faults), faults
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
+from tiny_target import HIDDEN, LAYER_IDS, VOCAB, make_rows, make_target
 
 from dflash_assets.dflash.online import OnlineTargetFeatures, TokenizedRows, read_tokenized_rows
 from dflash_assets.dflash.shards import extract_partition, read_index
@@ -15,19 +17,35 @@ from dflash_assets.dflash.train import TrainConfig, train
 
 torch.set_num_threads(2)
 
-from tiny_target import HIDDEN, LAYER_IDS, VOCAB, make_rows, make_target
-
 
 def write_tokenized(path: Path, rows: list[dict]) -> str:
-    pl.DataFrame(rows, schema={"index": pl.Int64, "input_ids": pl.List(pl.Int64), "loss_mask": pl.List(pl.Int64)}).write_parquet(path)
+    pl.DataFrame(
+        rows, schema={"index": pl.Int64, "input_ids": pl.List(pl.Int64), "loss_mask": pl.List(pl.Int64)}
+    ).write_parquet(path)
     return str(path)
 
 
 def cfg(target: Path, out: Path, **kw) -> TrainConfig:
-    values = dict(shards=[], out_dir=str(out), target_model_path=str(target), num_hidden_layers=1,
-                  num_context_features=len(LAYER_IDS), target_layer_ids=LAYER_IDS, block_size=4,
-                  mask_token_id=VOCAB - 1, max_anchors=4, batch_size=2, lr=3e-3, max_steps=50,
-                  checkpoint_every=0, log_every=1, seed=5, device="cpu", eval_fraction=0.2, prefetch=1)
+    values = dict(
+        shards=[],
+        out_dir=str(out),
+        target_model_path=str(target),
+        num_hidden_layers=1,
+        num_context_features=len(LAYER_IDS),
+        target_layer_ids=LAYER_IDS,
+        block_size=4,
+        mask_token_id=VOCAB - 1,
+        max_anchors=4,
+        batch_size=2,
+        lr=3e-3,
+        max_steps=50,
+        checkpoint_every=0,
+        log_every=1,
+        seed=5,
+        device="cpu",
+        eval_fraction=0.2,
+        prefetch=1,
+    )
     values.update(kw)
     return TrainConfig(**values)
 
@@ -44,7 +62,9 @@ def test_online_equals_offline_loss_curve_and_weights(tmp_path):
         out = tmp_path / f"hs-{k}"
         extract_partition(model, part, out, LAYER_IDS, rows_per_shard=4, max_tokens_per_batch=256, dtype=torch.bfloat16)
         shards += [str(out / s["name"]) for s in read_index(out)["shards"]]
-    tokenized = [write_tokenized(tmp_path / f"tok-{k}.parquet", part[::-1]) for k, part in enumerate(parts)]  # unsorted on disk
+    tokenized = [
+        write_tokenized(tmp_path / f"tok-{k}.parquet", part[::-1]) for k, part in enumerate(parts)
+    ]  # unsorted on disk
 
     offline = train(cfg(target, tmp_path / "offline", shards=shards, features="offline"))
     online = train(cfg(target, tmp_path / "online", features="online", tokenized=tokenized))
@@ -102,9 +122,30 @@ def test_cli_online_mode_writes_summary(tmp_path):
     out = tmp_path / "cli"
     extra = tmp_path / "extra.json"
     extra.write_text(json.dumps({"num_context_features": 3, "max_anchors": 4, "draft_overrides": {}}))
-    rc = main(["--tokenized", tok, "--out", str(out), "--target-model", str(target), "--num-hidden-layers", "1",
-               "--block-size", "4", "--mask-token-id", str(VOCAB - 1), "--max-steps", "3", "--device", "cpu",
-               "--target-layer-ids", "1,3,5", "--config-json", str(extra)])
+    rc = main(
+        [
+            "--tokenized",
+            tok,
+            "--out",
+            str(out),
+            "--target-model",
+            str(target),
+            "--num-hidden-layers",
+            "1",
+            "--block-size",
+            "4",
+            "--mask-token-id",
+            str(VOCAB - 1),
+            "--max-steps",
+            "3",
+            "--device",
+            "cpu",
+            "--target-layer-ids",
+            "1,3,5",
+            "--config-json",
+            str(extra),
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["features"] == "online" and summary["step"] == 3 and summary["target_forwards"] == 3
@@ -114,11 +155,12 @@ def test_online_and_offline_runs_of_the_drafter_asset_use_the_configured_layers(
     """ops.hidden_states.config.target_layer_ids set to non-default ids: the drafter asset's training config
     (``train_config_for``) takes them for both feature sources, so online training (which runs the target
     itself) learns from the layers the offline shards store. Before, online fell back to the default ids."""
-    from dflash_assets.assets.drafter import DrafterConfig, train_config_for
+    from dflash_assets.assets.drafter import DrafterConfig
     from dflash_assets.assets.hidden_states import resolve_layer_ids
     from dflash_assets.dflash.target_layers import resolve_target_layer_ids
     from dflash_assets.feature_sources import hidden_states_config
     from dflash_assets.resources.target_model import TargetModelResource
+    from dflash_assets.training.settings import train_config_for
 
     configured = [0, 2, 4]
     project = tmp_path / "project.yaml"
@@ -130,16 +172,35 @@ def test_online_and_offline_runs_of_the_drafter_asset_use_the_configured_layers(
     stored = resolve_layer_ids(hidden_states_config().target_layer_ids, model)
     assert stored == configured
     rows = make_rows()
-    extract_partition(model, rows, tmp_path / "hs", stored, rows_per_shard=4, max_tokens_per_batch=256, dtype=torch.bfloat16)
+    extract_partition(
+        model, rows, tmp_path / "hs", stored, rows_per_shard=4, max_tokens_per_batch=256, dtype=torch.bfloat16
+    )
     shards = [str(tmp_path / "hs" / s["name"]) for s in read_index(tmp_path / "hs")["shards"]]
     tokenized = [write_tokenized(tmp_path / "tok.parquet", rows)]
-    settings = DrafterConfig(num_hidden_layers=1, block_size=4, mask_token_id=VOCAB - 1, max_steps=8, max_anchors=4,
-                             batch_size=2, lr=3e-3, eval_fraction=0.0, checkpoint_every=0, seed=5, intermediate_size=32)
+    settings = DrafterConfig(
+        num_hidden_layers=1,
+        block_size=4,
+        mask_token_id=VOCAB - 1,
+        max_steps=8,
+        max_anchors=4,
+        batch_size=2,
+        lr=3e-3,
+        eval_fraction=0.0,
+        checkpoint_every=0,
+        seed=5,
+        intermediate_size=32,
+    )
     resource = TargetModelResource(model_path=str(target_dir), dtype="float32", device="cpu")
     runs = {}
     for mode in ("offline", "online"):
-        cfg = train_config_for(settings, resource, mode=mode, shards=shards if mode == "offline" else [],
-                               tokenized=tokenized if mode == "online" else [], out_dir=str(tmp_path / mode))
+        cfg = train_config_for(
+            settings,
+            resource,
+            mode=mode,
+            shards=shards if mode == "offline" else [],
+            tokenized=tokenized if mode == "online" else [],
+            out_dir=str(tmp_path / mode),
+        )
         assert cfg.target_layer_ids == configured and cfg.num_context_features == 3
         runs[mode] = train(cfg, online_target=model if mode == "online" else None)
     for result in runs.values():
@@ -151,19 +212,32 @@ def test_online_and_offline_runs_of_the_drafter_asset_use_the_configured_layers(
 
 
 def test_drafter_settings_are_checked_against_the_target_before_any_work(tmp_path, monkeypatch):
-    from dflash_assets.assets.drafter import DrafterConfig, resolved_settings
+    from dflash_assets.assets.drafter import DrafterConfig
     from dflash_assets.resources.target_model import TargetModelResource
+    from dflash_assets.training.settings import resolved_settings
 
     monkeypatch.setenv("DFLASH_CONFIG", str(tmp_path / "project.yaml"))
     (tmp_path / "project.yaml").write_text("ops: {}\n")
     _, target_dir = make_target(tmp_path)
     resource = TargetModelResource(model_path=str(target_dir))
-    ids, overrides = resolved_settings(DrafterConfig(mask_token_id=VOCAB - 1, num_attention_heads=8, head_dim=4), resource)
+    ids, overrides = resolved_settings(
+        DrafterConfig(mask_token_id=VOCAB - 1, num_attention_heads=8, head_dim=4), resource
+    )
     assert ids == [1, 2, 2, 2, 3] and overrides == {"num_attention_heads": 8, "head_dim": 4}  # 6 layers, default rule
-    with pytest.raises(ValueError, match=rf"ops.dflash_drafter.config: mask_token_id {VOCAB} is outside the target's vocabulary \(vocab_size {VOCAB}\)"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"ops.dflash_drafter.config: mask_token_id {VOCAB} is outside the target's vocabulary (vocab_size {VOCAB})"
+        ),
+    ):
         resolved_settings(DrafterConfig(mask_token_id=VOCAB), resource)
-    with pytest.raises(ValueError, match="ops.dflash_drafter.config: num_attention_heads 6 must be a multiple of num_key_value_heads 4"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("ops.dflash_drafter.config: num_attention_heads 6 must be a multiple of num_key_value_heads 4"),
+    ):
         resolved_settings(DrafterConfig(num_attention_heads=6, num_key_value_heads=4), resource)
     (tmp_path / "project.yaml").write_text("ops:\n  hidden_states:\n    config:\n      target_layer_ids: [1, 6]\n")
-    with pytest.raises(ValueError, match=r"ops.hidden_states.config.target_layer_ids: target_layer_ids \[6\] are outside 0..5"):
+    with pytest.raises(
+        ValueError, match=r"ops.hidden_states.config.target_layer_ids: target_layer_ids \[6\] are outside 0..5"
+    ):
         resolved_settings(DrafterConfig(), resource)

@@ -75,7 +75,9 @@ time.sleep(600)
 """
 
 
-def _launch(mode: str, pdeath: bool, tmp_path: Path, registry: Path, timeout_s: float = 120) -> tuple[subprocess.Popen, dict]:
+def _launch(
+    mode: str, pdeath: bool, tmp_path: Path, registry: Path, timeout_s: float = 120
+) -> tuple[subprocess.Popen, dict]:
     env = {**os.environ, REGISTRY_ENV: str(registry)}
     argv = [sys.executable, "-c", LAUNCHER, mode, "1" if pdeath else "0", str(tmp_path / f"{mode}.log"), STANDIN]
     launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, cwd=Path(__file__).resolve().parent.parent)
@@ -91,9 +93,16 @@ def _launch(mode: str, pdeath: bool, tmp_path: Path, registry: Path, timeout_s: 
 def _group(pgid: int) -> list[int]:
     """Processes in process group ``pgid`` with a thread that is not a zombie, as ``ps -L`` reports them
     (a killed multi-threaded process shows a zombie leader while its other threads still exit)."""
-    out = subprocess.run(["ps", "-e", "-L", "-o", "pid=,pgid=,stat="], capture_output=True, text=True, check=True).stdout
-    return sorted({int(pid) for pid, group, stat in (line.split() for line in out.splitlines())
-                   if int(group) == pgid and not stat.startswith("Z")})
+    out = subprocess.run(
+        ["ps", "-e", "-L", "-o", "pid=,pgid=,stat="], capture_output=True, text=True, check=True
+    ).stdout
+    return sorted(
+        {
+            int(pid)
+            for pid, group, stat in (line.split() for line in out.splitlines())
+            if int(group) == pgid and not stat.startswith("Z")
+        }
+    )
 
 
 def _port_open(port: int) -> bool:
@@ -158,15 +167,26 @@ def test_reaper_stops_orphans_only(tmp_path):
 
     # a server whose launcher (this test) lives
     live_port = free_port()
-    live = start_process([sys.executable, "-c", STANDIN, str(live_port)], dict(os.environ), tmp_path / "live.log",
-                          port=live_port, label="live", registry_dir=registry)
+    live = start_process(
+        [sys.executable, "-c", STANDIN, str(live_port)],
+        dict(os.environ),
+        tmp_path / "live.log",
+        port=live_port,
+        label="live",
+        registry_dir=registry,
+    )
     # a process holding a registered pid but started at another time (a recycled pid)
     decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     decoy_file = registry / "decoy.json"
     try:
         orphan_file = next(p for p in registry.glob("*.json") if json.loads(p.read_text())["pid"] == pid)
-        decoy_entry = {**json.loads(orphan_file.read_text()), "pid": decoy.pid, "pgid": decoy.pid,
-                       "start_time": _start_time(decoy.pid) - 1, "port": None}
+        decoy_entry = {
+            **json.loads(orphan_file.read_text()),
+            "pid": decoy.pid,
+            "pgid": decoy.pid,
+            "start_time": _start_time(decoy.pid) - 1,
+            "port": None,
+        }
         decoy_file.write_text(json.dumps(decoy_entry))
 
         _kill9(launcher)
@@ -203,8 +223,13 @@ def test_server_started_from_a_worker_thread_outlives_the_thread(tmp_path):
     started = {}
 
     def start() -> None:
-        started["proc"] = start_process([sys.executable, "-c", STANDIN, str(port)], dict(os.environ),
-                                         tmp_path / "thread.log", port=port, registry_dir=tmp_path / "registry")
+        started["proc"] = start_process(
+            [sys.executable, "-c", STANDIN, str(port)],
+            dict(os.environ),
+            tmp_path / "thread.log",
+            port=port,
+            registry_dir=tmp_path / "registry",
+        )
 
     worker = threading.Thread(target=start)
     worker.start()
@@ -232,8 +257,9 @@ def test_inference_resource_reaps_before_serving(tmp_path, monkeypatch):
         assert _group(pid)
         monkeypatch.setenv(REGISTRY_ENV, str(registry))
         dead_url = f"http://127.0.0.1:{free_port()}/v1"
-        resource = InferenceServerResource(mode="external", base_urls=[dead_url], served_model_name="m",
-                                           startup_timeout_s=2)
+        resource = InferenceServerResource(
+            mode="external", base_urls=[dead_url], served_model_name="m", startup_timeout_s=2
+        )
         # the probe of a dead external URL is an error naming it (no server answers there)
         with pytest.raises(RuntimeError, match=dead_url.removesuffix("/v1")), resource.serve(tmp_path / "logs"):
             pass
@@ -293,6 +319,7 @@ def test_run_streaming_returns_the_exit_code_and_every_line():
     from dflash_assets.generation.processes import run_streaming
 
     lines: list[str] = []
-    code = run_streaming([sys.executable, "-c", "import sys; print('a'); print('b', file=sys.stderr); sys.exit(3)"],
-                         lines.append)
+    code = run_streaming(
+        [sys.executable, "-c", "import sys; print('a'); print('b', file=sys.stderr); sys.exit(3)"], lines.append
+    )
     assert code == 3 and sorted(lines) == ["a", "b"]

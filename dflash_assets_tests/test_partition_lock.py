@@ -10,7 +10,9 @@ import sys
 
 import dagster as dg
 from dagster._core.storage.tags import (
-    ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG, PARTITION_NAME_TAG,
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    PARTITION_NAME_TAG,
 )
 from dagster._core.test_utils import create_run_for_test
 
@@ -19,13 +21,18 @@ from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.runs import MACHINE_TAG, PID_TAG, process_tags, runs_holding_partitions
 from dflash_assets_tests.test_completions_asset import materialize, write_corpus
 
-NEVER_CALLED = InferenceServerResource(mode="external", base_urls=["http://127.0.0.1:9/v1"], served_model_name="m",
-                                       startup_timeout_s=1.0)
+NEVER_CALLED = InferenceServerResource(
+    mode="external", base_urls=["http://127.0.0.1:9/v1"], served_model_name="m", startup_timeout_s=1.0
+)
 
 
 def _holder(instance, asset: str, **tags) -> dg.DagsterRun:
-    return create_run_for_test(instance, status=dg.DagsterRunStatus.STARTED, tags={**process_tags(), **tags},
-                               asset_selection=frozenset({dg.AssetKey(asset)}))
+    return create_run_for_test(
+        instance,
+        status=dg.DagsterRunStatus.STARTED,
+        tags={**process_tags(), **tags},
+        asset_selection=frozenset({dg.AssetKey(asset)}),
+    )
 
 
 def test_a_second_run_of_a_partition_is_refused_naming_the_first_and_writes_nothing(tmp_path):
@@ -42,8 +49,11 @@ def test_a_second_run_of_a_partition_is_refused_naming_the_first_and_writes_noth
         assert not (root / "completions").exists()  # no journal, no table: nothing of the first run touched
 
         # a range run (single-run backfill) holds every key of its range
-        ranged = _holder(instance, "completions", **{ASSET_PARTITION_RANGE_START_TAG: keys[0],
-                                                     ASSET_PARTITION_RANGE_END_TAG: keys[1]})
+        ranged = _holder(
+            instance,
+            "completions",
+            **{ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[1]},
+        )
         ordered = lambda: instance.get_dynamic_partitions(prompt_ranges.name)  # noqa: E731
         assert runs_holding_partitions(instance, "completions", [keys[1]], "me", ordered) == {ranged.run_id: [keys[1]]}
         # another asset's run of the partition, or this very run, holds nothing here
@@ -53,8 +63,11 @@ def test_a_second_run_of_a_partition_is_refused_naming_the_first_and_writes_noth
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
         killed = _holder(instance, "completions", **{PARTITION_NAME_TAG: keys[1], PID_TAG: str(dead.pid)})
-        elsewhere = _holder(instance, "completions", **{PARTITION_NAME_TAG: keys[1], PID_TAG: str(dead.pid),
-                                                        MACHINE_TAG: "etc:" + "b" * 32})
+        elsewhere = _holder(
+            instance,
+            "completions",
+            **{PARTITION_NAME_TAG: keys[1], PID_TAG: str(dead.pid), MACHINE_TAG: "etc:" + "b" * 32},
+        )
         held = runs_holding_partitions(instance, "completions", [keys[1]], ranged.run_id, ordered)
         assert killed.run_id not in held and held == {elsewhere.run_id: [keys[1]]}
         instance.report_run_failed(instance.get_run_by_id(elsewhere.run_id), "ended")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from test_corpus import independent_count
 
 from dflash_assets.partitions import partition_keys, prompt_ranges
-from test_corpus import independent_count
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -41,8 +41,22 @@ def test_shell_materialize_registers_partitions_in_the_instance(tmp_path, monkey
     env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_STORAGE_ROOT": str(tmp_path / "data")}
     dagster = Path(sys.executable).with_name("dagster")
     proc = subprocess.run(
-        [str(dagster), "asset", "materialize", "-m", "dflash_assets.definitions", "--select", "prompt_corpus",
-         "--config-json", json.dumps(config)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            str(dagster),
+            "asset",
+            "materialize",
+            "-m",
+            "dflash_assets.definitions",
+            "--select",
+            "prompt_corpus",
+            "--config-json",
+            json.dumps(config),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     monkeypatch.setenv("DAGSTER_HOME", str(home))
@@ -97,6 +111,8 @@ def test_asset_and_check_descriptions_render_as_written():
     texts = {}
     for assets_def in defs.assets:
         texts.update({key.to_user_string(): d for key, d in assets_def.descriptions_by_key.items() if d})
-        texts.update({spec.key.to_user_string(): spec.description for spec in assets_def.check_specs if spec.description})
+        texts.update(
+            {spec.key.to_user_string(): spec.description for spec in assets_def.check_specs if spec.description}
+        )
     assert len(texts) >= 7
     assert {name: markdown_hazards(t) for name, t in texts.items() if markdown_hazards(t)} == {}

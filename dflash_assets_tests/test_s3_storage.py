@@ -33,12 +33,11 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.simulation.stand_in_server import FakeServer, Reply
 from dflash_assets.storage import StorageError, is_transient
 
-from dflash_assets.simulation.stand_in_server import FakeServer, Reply
-
 try:
-    from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target  # noqa: F401 (fixtures)
+    from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target
 except ImportError:
     from s3_fixtures import moto_server, s3_env, s3_target  # type: ignore[no-redef]  # noqa: F401
 
@@ -46,10 +45,19 @@ except ImportError:
 def storage_resource(target, scratch, **overrides) -> StorageResource:
     """StorageResource on the test bucket, credentials by EnvVar (as definitions.py should wire them)."""
     fields = dict(
-        root=target.root, scratch_dir=str(scratch), endpoint_url=target.endpoint_url, region="us-east-1",
-        aws_access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID"), aws_secret_access_key=dg.EnvVar("AWS_SECRET_ACCESS_KEY"),
-        retry_attempts=3, retry_backoff_s=0.1, retry_max_wait_s=0.4, connect_timeout_s=2, read_timeout_s=10,
-        journal_sync_rows=3, journal_sync_s=0.3,
+        root=target.root,
+        scratch_dir=str(scratch),
+        endpoint_url=target.endpoint_url,
+        region="us-east-1",
+        aws_access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID"),
+        aws_secret_access_key=dg.EnvVar("AWS_SECRET_ACCESS_KEY"),
+        retry_attempts=3,
+        retry_backoff_s=0.1,
+        retry_max_wait_s=0.4,
+        connect_timeout_s=2,
+        read_timeout_s=10,
+        journal_sync_rows=3,
+        journal_sync_s=0.3,
     )
     fields.update(overrides)
     return StorageResource(**fields)
@@ -75,7 +83,9 @@ def write_corpus_direct(instance, storage: StorageResource, source, partition_si
 
 def materialize_corpus(instance, storage: StorageResource, source, partition_size: int):
     result = dg.materialize(
-        [prompt_corpus], instance=instance, resources={"storage": storage},
+        [prompt_corpus],
+        instance=instance,
+        resources={"storage": storage},
         run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(source)], "partition_size": partition_size}}}},
     )
     assert result.success
@@ -83,8 +93,14 @@ def materialize_corpus(instance, storage: StorageResource, source, partition_siz
 
 
 def fake_inference(server: FakeServer, mrr: int = 2) -> InferenceServerResource:
-    return InferenceServerResource(mode="external", base_urls=[f"{server.url}/v1"], served_model_name="fake",
-                                   max_running_requests=mrr, max_attempts=2, backoff_base_s=0.05)
+    return InferenceServerResource(
+        mode="external",
+        base_urls=[f"{server.url}/v1"],
+        served_model_name="fake",
+        max_running_requests=mrr,
+        max_attempts=2,
+        backoff_base_s=0.05,
+    )
 
 
 def requested_prompts(server: FakeServer, texts: list[str]) -> list[int]:
@@ -125,7 +141,9 @@ def assert_no_credentials(creds, *texts: str) -> None:
 
 def test_is_transient_classification():
     def client_error(code, status):
-        return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+        return ClientError(
+            {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"
+        )
 
     translated = OSError(errno.EBUSY, "Please reduce your request rate.")  # what s3fs raises for SlowDown
     translated.__cause__ = client_error("SlowDown", 503)
@@ -180,7 +198,9 @@ def test_storage_roundtrip_errors_and_throttling(s3_target, tmp_path, monkeypatc
         calls.append(path)
         if len(calls) <= 2:
             exc = OSError(errno.EBUSY, "Please reduce your request rate.")
-            exc.__cause__ = ClientError({"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject")
+            exc.__cause__ = ClientError(
+                {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject"
+            )
             raise exc
         return real_pipe(path, data, **kw)
 
@@ -199,9 +219,20 @@ def test_a_partitions_prompts_are_read_from_its_row_group_alone(s3_target, tmp_p
     rng = np.random.default_rng(0)
     words = np.array(["".join(rng.choice(list("abcdefghij"), 6)) for _ in range(2000)])
     corpus = pl.DataFrame(
-        [{"index": i, "prompt_id": f"p{i}", "source": "s", "messages": [{"role": "user", "content": " ".join(rng.choice(words, 300))}],
-          "content_hash": f"{i:x}", "file": "f.jsonl", "line": i} for i in range(4000)],
-        schema=CORPUS_SCHEMA)
+        [
+            {
+                "index": i,
+                "prompt_id": f"p{i}",
+                "source": "s",
+                "messages": [{"role": "user", "content": " ".join(rng.choice(words, 300))}],
+                "content_hash": f"{i:x}",
+                "file": "f.jsonl",
+                "line": i,
+            }
+            for i in range(4000)
+        ],
+        schema=CORPUS_SCHEMA,
+    )
     store.write_parquet(corpus, *CORPUS_FILE, row_group_size=200)
     size = store.size(*CORPUS_FILE)
     assert size > 3_000_000  # random words: zstd cannot shrink it to a few blocks
@@ -213,11 +244,15 @@ def test_a_partitions_prompts_are_read_from_its_row_group_alone(s3_target, tmp_p
     assert fetched < size / 5, f"{fetched} bytes fetched for 1 of 20 row groups of a {size}-byte file"
 
     parts = load_range_prompts(store, ["0000000-0000199", "0003800-0003999"])
-    assert parts["0003800-0003999"].equals(corpus.slice(3800, 200)) and parts["0000000-0000199"].equals(corpus.head(200))
+    assert parts["0003800-0003999"].equals(corpus.slice(3800, 200)) and parts["0000000-0000199"].equals(
+        corpus.head(200)
+    )
     only = store.read_parquet(*CORPUS_FILE, columns=["line"], index_ranges=[(10, 12), (3999, 5000)])
     assert only["line"].to_list() == [10, 11, 12, 3999]
-    with pytest.raises(dg.Failure, match="partition 0003900-0004099: the corpus holds 100 of its 200 prompts"):
-        load_range_prompts(store, ["0003900-0004099"])
+    # stable indices leave gaps: a range partly past the corpus is its prompts; one with none is an error
+    assert load_range_prompts(store, ["0003900-0004099"])["0003900-0004099"].equals(corpus.slice(3900, 100))
+    with pytest.raises(dg.Failure, match="partition 0004000-0004199: the corpus holds no prompt in this index range"):
+        load_range_prompts(store, ["0004000-0004199"])
 
 
 def test_check_reports_missing_bucket(s3_target, tmp_path):
@@ -257,7 +292,9 @@ def test_journal_segments_sync_seed_merge_and_discard(s3_target, tmp_path):
     assert b"".join(s3_target.get(k) for k in keys) == journal.path.read_bytes()
 
     # time trigger
-    timed = resolved(storage_resource(s3_target, tmp_path / "scratch", journal_sync_rows=100, journal_sync_s=0.2)).open_journal(*parts)
+    timed = resolved(
+        storage_resource(s3_target, tmp_path / "scratch", journal_sync_rows=100, journal_sync_s=0.2)
+    ).open_journal(*parts)
     timed.append({"index": 5})
     assert wait_for(lambda: len(s3_target.keys(seg_dir)) == 3, timeout_s=5)
     timed.close()
@@ -302,22 +339,37 @@ def test_corpus_completions_tokenized_on_s3(s3_target, s3_env, local_inference, 
         materialize_corpus(instance, storage, tmp_path / "prompts.jsonl", partition_size=2)
         assert instance.get_dynamic_partitions(prompt_ranges.name) == [pk]
         resources = {
-            "storage": storage, "inference": local_inference, "generation": GenerationResource(max_output_tokens=8),
+            "storage": storage,
+            "inference": local_inference,
+            "generation": GenerationResource(max_output_tokens=8),
             "target_model": TargetModelResource(),
         }
         result = dg.materialize(
-            [completions, tokenized_sequences], partition_key=pk, instance=instance, resources=resources,
+            [completions, tokenized_sequences],
+            partition_key=pk,
+            instance=instance,
+            resources=resources,
             selection=[completions, tokenized_sequences],
             # cap-length rows all supervise the same few tokens: keep them, and relax the degenerate-mode check
-            run_config={"ops": {"tokenized_sequences": {"config": {"truncated": "keep", "degenerate_small_tokens": 1}}}},
+            run_config={
+                "ops": {"tokenized_sequences": {"config": {"truncated": "keep", "degenerate_small_tokens": 1}}}
+            },
         )
         assert result.success
         logs = event_log_text(instance)
     keys = s3_target.keys()
-    assert keys == sorted([
-        "prompt_corpus/corpus.parquet", "prompt_corpus/rejected.parquet", f"completions/{pk}.parquet",
-        f"tokenized_sequences/{pk}.parquet", f"tokenized_sequences/{pk}.set_aside.parquet",
-    ])  # no journal segments left, nothing else
+    assert keys == sorted(
+        [
+            "prompt_corpus/corpus.parquet",
+            "prompt_corpus/rejected.parquet",
+            f"completions/{pk}.parquet",
+            # the stable-index table and the partition ranges, beside the corpus (issue 26)
+            "prompt_corpus/prompt_index.parquet",
+            "prompt_corpus/partition_ranges.json",
+            f"tokenized_sequences/{pk}.parquet",
+            f"tokenized_sequences/{pk}.set_aside.parquet",
+        ]
+    )  # no journal segments left, nothing else
     store = resolved(storage).open()
     rows = store.read_parquet("completions", f"{pk}.parquet")
     assert rows["index"].to_list() == [0, 1] and rows["error"].to_list() == [None, None]
@@ -346,10 +398,11 @@ instance = dg.DagsterInstance.ephemeral()
 instance.add_dynamic_partitions(prompt_ranges.name, [cfg["pk"]])
 storage = StorageResource(aws_access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID"),
                           aws_secret_access_key=dg.EnvVar("AWS_SECRET_ACCESS_KEY"), **cfg["storage"])
-inference = InferenceServerResource(mode="external", base_urls=[cfg["url"]], served_model_name="fake", max_running_requests=2)
+inference = InferenceServerResource(mode="external", base_urls=[cfg["url"]], served_model_name="fake",
+                                    max_running_requests=2)
 print("CHILD STARTED", flush=True)
-dg.materialize([completions], partition_key=cfg["pk"], instance=instance,
-               resources={"storage": storage, "inference": inference, "generation": GenerationResource(max_output_tokens=16)})
+resources = {"storage": storage, "inference": inference, "generation": GenerationResource(max_output_tokens=16)}
+dg.materialize([completions], partition_key=cfg["pk"], instance=instance, resources=resources)
 """
 
 
@@ -361,13 +414,32 @@ def test_kill9_mid_partition_then_resume_on_empty_scratch(s3_target, s3_env, tmp
     pk = f"0000000-{n - 1:07d}"
     with FakeServer(Reply(delay_s=0.12)) as server, dg.instance_for_test() as instance:
         write_corpus_direct(instance, storage, tmp_path / "prompts.jsonl", partition_size=n)
-        cfg = {"pk": pk, "url": f"{server.url}/v1", "storage": dict(
-            root=s3_target.root, scratch_dir=str(scratch), endpoint_url=s3_target.endpoint_url, region="us-east-1",
-            journal_sync_rows=4, journal_sync_s=0.3, retry_attempts=3, retry_backoff_s=0.1)}
-        child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(cfg)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, env=os.environ.copy())
+        cfg = {
+            "pk": pk,
+            "url": f"{server.url}/v1",
+            "storage": dict(
+                root=s3_target.root,
+                scratch_dir=str(scratch),
+                endpoint_url=s3_target.endpoint_url,
+                region="us-east-1",
+                journal_sync_rows=4,
+                journal_sync_s=0.3,
+                retry_attempts=3,
+                retry_backoff_s=0.1,
+            ),
+        }
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=os.environ.copy(),
+        )
         try:
-            assert wait_for(lambda: len(remote_journal_rows(s3_target, pk)) >= 8 or child.poll() is not None, timeout_s=90, every_s=0.05)
+            assert wait_for(
+                lambda: len(remote_journal_rows(s3_target, pk)) >= 8 or child.poll() is not None,
+                timeout_s=90,
+                every_s=0.05,
+            )
             assert child.poll() is None, child.stdout.read().decode()[-3000:]
             os.kill(child.pid, signal.SIGKILL)
             child.wait(10)
@@ -382,8 +454,16 @@ def test_kill9_mid_partition_then_resume_on_empty_scratch(s3_target, s3_env, tmp
 
         shutil.rmtree(scratch)  # a machine with an empty local disk
         before = len(requested_prompts(server, texts))
-        result = dg.materialize([completions], partition_key=pk, instance=instance, resources={
-            "storage": storage, "inference": fake_inference(server), "generation": GenerationResource(max_output_tokens=16)})
+        result = dg.materialize(
+            [completions],
+            partition_key=pk,
+            instance=instance,
+            resources={
+                "storage": storage,
+                "inference": fake_inference(server),
+                "generation": GenerationResource(max_output_tokens=16),
+            },
+        )
         assert result.success
         second_run = requested_prompts(server, texts)[before:]
         logs = event_log_text(instance)
@@ -411,7 +491,10 @@ def test_endpoint_outage_mid_run(s3_target, s3_env, tmp_path, outage, caplog):
     outage_ends = [0.0]
     # short: requests that arrive during the outage are answered just after it, so rows are still
     # coming when the endpoint is back (the run must recover); rows in flight finish during it.
-    script = lambda i, body: Reply(delay_s=max(0.08, outage_ends[0] - time.monotonic() + 0.1))
+
+    def script(i: int, body: dict) -> Reply:
+        return Reply(delay_s=max(0.08, outage_ends[0] - time.monotonic() + 0.1))
+
     with FakeServer(script) as server, dg.instance_for_test() as instance:
         write_corpus_direct(instance, storage, tmp_path / "prompts.jsonl", partition_size=n)
         synced_before: set[int] = set()
@@ -428,8 +511,14 @@ def test_endpoint_outage_mid_run(s3_target, s3_env, tmp_path, outage, caplog):
 
         thread = threading.Thread(target=outage_thread, daemon=True)
         thread.start()
-        resources = {"storage": storage, "inference": fake_inference(server), "generation": GenerationResource(max_output_tokens=16)}
-        first = dg.materialize([completions], partition_key=pk, instance=instance, resources=resources, raise_on_error=False)
+        resources = {
+            "storage": storage,
+            "inference": fake_inference(server),
+            "generation": GenerationResource(max_output_tokens=16),
+        }
+        first = dg.materialize(
+            [completions], partition_key=pk, instance=instance, resources=resources, raise_on_error=False
+        )
         thread.join(30)
         assert len(synced_before) >= 6
         if outage == "short":
@@ -456,15 +545,26 @@ def test_endpoint_outage_mid_run(s3_target, s3_env, tmp_path, outage, caplog):
 def test_drafter_inputs_download_to_empty_scratch(s3_target, tmp_path):
     """complete_shards / ensure_local_dir fetch what a fresh machine lacks: complete partitions' shards
     (by the sizes their index records), the drafter export; incomplete or absent partitions are skipped."""
-    from dflash_assets.assets.drafter import EXPORT_DIR, complete_shards
+    from dflash_assets.shard_access import complete_shards
+    from dflash_assets.training.run import EXPORT_DIR
 
     resource = resolved(storage_resource(s3_target, tmp_path / "scratch"))
     store = resource.open()
     shard_a, shard_b = os.urandom(1000), os.urandom(2000)
     store.write_bytes(shard_a, "hidden_states", "p0", "shard-00000.safetensors")
     store.write_bytes(shard_b, "hidden_states", "p0", "shard-00001.safetensors")
-    store.write_json({"complete": True, "shards": [{"name": "shard-00000.safetensors", "bytes": 1000},
-                                                   {"name": "shard-00001.safetensors", "bytes": 2000}]}, "hidden_states", "p0", "index.json")
+    store.write_json(
+        {
+            "complete": True,
+            "shards": [
+                {"name": "shard-00000.safetensors", "bytes": 1000},
+                {"name": "shard-00001.safetensors", "bytes": 2000},
+            ],
+        },
+        "hidden_states",
+        "p0",
+        "index.json",
+    )
     store.write_json({"complete": False, "shards": []}, "hidden_states", "p1", "index.json")
     store.write_bytes(b'{"block_size": 16}', *EXPORT_DIR, "config.json")
     store.write_bytes(b"weights", *EXPORT_DIR, "model.safetensors")

@@ -78,8 +78,15 @@ def test_api_key_reaches_the_sglang_servers_without_any_command_line(tmp_path, m
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     inference = InferenceServerResource(
-        mode="sglang", model_path="sim-model", num_servers=2, port_base=free_port_block(2), launch_module=STUB,
-        extra_args=FAST, api_key=KEY, startup_timeout_s=60.0, max_running_requests=2,
+        mode="sglang",
+        model_path="sim-model",
+        num_servers=2,
+        port_base=free_port_block(2),
+        launch_module=STUB,
+        extra_args=FAST,
+        api_key=KEY,
+        startup_timeout_s=60.0,
+        max_running_requests=2,
     )
     with inference.serve(tmp_path / "logs") as pool:
         servers = pool.supervisor.servers
@@ -132,9 +139,11 @@ def test_a_squatter_on_the_port_before_launch_is_refused_and_sent_nothing(tmp_pa
     try:
         commands = build_sglang_commands("sim", port_base=port, module=STUB, extra_args=FAST, api_key_env=API_KEY_ENV)
         started = time.monotonic()
-        with pytest.raises(PortTakenError) as err:
-            with SGLangServers(commands, tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0):
-                pass
+        with (
+            pytest.raises(PortTakenError) as err,
+            SGLangServers(commands, tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0),
+        ):
+            pass
         elapsed = time.monotonic() - started
         message = str(err.value)
         assert f"port {port} on 127.0.0.1 is held by pid {squatter.pid}" in message
@@ -166,9 +175,11 @@ def test_a_squatter_that_takes_the_port_while_the_server_loads_is_refused_and_se
     slow = ["--sim-startup-s", "3", "--sim-speed", "1"]
     commands = build_sglang_commands("sim", port_base=port, module=STUB, extra_args=slow, api_key_env=API_KEY_ENV)
     try:
-        with pytest.raises(PortTakenError) as err:
-            with SGLangServers(commands, tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0):
-                pass
+        with (
+            pytest.raises(PortTakenError) as err,
+            SGLangServers(commands, tmp_path / "logs", api_key=KEY, startup_timeout_s=30.0),
+        ):
+            pass
         message = str(err.value)
         assert f"held by pid {squatters[0].pid}" in message and f"not SGLang server 0 (pid {children[0]})" in message
         assert (tmp_path / "received").read_bytes() == b""  # no health probe, no key, no prompt
@@ -186,9 +197,11 @@ def test_local_server_refuses_a_taken_port_before_loading_anything(tmp_path):
     port = free_port()
     squatter = start_squatter(port, tmp_path / "received")
     try:
-        with pytest.raises(PortTakenError, match=f"port {port} on 127.0.0.1 is held by pid {squatter.pid}"):
-            with LocalTransformersServer(ensure_local_model(), port=port, log_path=tmp_path / "serve.log"):
-                pass
+        with (
+            pytest.raises(PortTakenError, match=f"port {port} on 127.0.0.1 is held by pid {squatter.pid}"),
+            LocalTransformersServer(ensure_local_model(), port=port, log_path=tmp_path / "serve.log"),
+        ):
+            pass
         assert (tmp_path / "received").read_bytes() == b"" and not (tmp_path / "serve.log").exists()
     finally:
         squatter.kill()
@@ -218,15 +231,23 @@ def test_a_server_that_crashes_at_every_start_is_restarted_a_bounded_number_of_t
     assert starts == 3  # the first start and two restarts, no more
 
 
-@pytest.mark.parametrize("fields, expected", [
-    ({"mode": "sglang", "host": "0.0.0.0"}, "inference.host '0.0.0.0' with no API key"),
-    ({"mode": "sglang", "host": "0.0.0.0", "api_key": KEY}, None),
-    ({"mode": "sglang", "host": "127.0.0.1"}, None),
-    ({"mode": "external", "base_urls": ["http://10.1.2.3:30000/v1"], "api_key": KEY},
-     "the API key is sent in clear text over http:// to 10.1.2.3"),
-    ({"mode": "external", "base_urls": ["https://gpu.example/v1", "http://localhost:30000/v1"], "api_key": KEY}, None),
-    ({"mode": "external", "base_urls": ["http://10.1.2.3:30000/v1"]}, None),
-])
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({"mode": "sglang", "host": "0.0.0.0"}, "inference.host '0.0.0.0' with no API key"),
+        ({"mode": "sglang", "host": "0.0.0.0", "api_key": KEY}, None),
+        ({"mode": "sglang", "host": "127.0.0.1"}, None),
+        (
+            {"mode": "external", "base_urls": ["http://10.1.2.3:30000/v1"], "api_key": KEY},
+            "the API key is sent in clear text over http:// to 10.1.2.3",
+        ),
+        (
+            {"mode": "external", "base_urls": ["https://gpu.example/v1", "http://localhost:30000/v1"], "api_key": KEY},
+            None,
+        ),
+        ({"mode": "external", "base_urls": ["http://10.1.2.3:30000/v1"]}, None),
+    ],
+)
 def test_settings_that_expose_the_servers_or_the_key_are_warned_about(fields, expected):
     warnings = InferenceServerResource(model_path="m", served_model_name="m", **fields).exposure_warnings()
     assert warnings == [] if expected is None else (len(warnings) == 1 and warnings[0].startswith(expected))
@@ -256,8 +277,9 @@ def test_an_sglang_without_config_files_fails_saying_the_key_needs_one(tmp_path,
     """An SGLang older than --config exits at start-up (argparse); the error says why and what to do."""
     monkeypatch.setenv("DFLASH_SERVER_REGISTRY", str(tmp_path / "registry"))
     script = "import argparse; p = argparse.ArgumentParser(); p.add_argument('--port'); p.parse_args()"
-    command = sglang_servers.LaunchCommand((sys.executable, "-c", script, "--port", "1"), {}, "127.0.0.1",
-                                           free_port(), api_key_env=API_KEY_ENV)
+    command = sglang_servers.LaunchCommand(
+        (sys.executable, "-c", script, "--port", "1"), {}, "127.0.0.1", free_port(), api_key_env=API_KEY_ENV
+    )
     with pytest.raises(RuntimeError) as err, SGLangServers([command], tmp_path / "logs", api_key=KEY):
         pass
     assert "exited with code 2; this SGLang takes no --config file" in str(err.value) and KEY not in str(err.value)

@@ -87,8 +87,9 @@ def test_local_server_rejects_other_model_name(local_server):
 
 def test_local_server_failure_reports_log_tail(tmp_path, local_server):
     log = tmp_path / "bad.log"
-    server = LocalTransformersServer(local_server.model_dir, log_path=log, extra_args=("--no-such-flag",),
-                                     startup_timeout_s=120)
+    server = LocalTransformersServer(
+        local_server.model_dir, log_path=log, extra_args=("--no-such-flag",), startup_timeout_s=120
+    )
     with pytest.raises(RuntimeError, match="no-such-flag"):
         server.__enter__()
     assert server._proc is None  # stopped
@@ -127,17 +128,43 @@ SECRET = "sk-test-7f3a9c1e"
 def test_sglang_commands_one_per_gpu(monkeypatch):
     monkeypatch.setenv("MY_KEY", SECRET)
     cmds = build_sglang_commands(
-        "/models/Qwen3.6-27B", num_servers=3, gpu_ids=[2, 4, 6], port_base=31000, max_running_requests=40,
-        max_mamba_cache_size=200, mem_fraction_static=0.85, context_length=32768, api_key_env="MY_KEY",
-        extra_args=("--enable-metrics",), python="/venv/bin/python",
+        "/models/Qwen3.6-27B",
+        num_servers=3,
+        gpu_ids=[2, 4, 6],
+        port_base=31000,
+        max_running_requests=40,
+        max_mamba_cache_size=200,
+        mem_fraction_static=0.85,
+        context_length=32768,
+        api_key_env="MY_KEY",
+        extra_args=("--enable-metrics",),
+        python="/venv/bin/python",
     )
     assert [c.env for c in cmds] == [{"CUDA_VISIBLE_DEVICES": g} for g in ("2", "4", "6")]
     assert [c.port for c in cmds] == [31000, 31001, 31002]
     assert [c.base_url for c in cmds] == [f"http://127.0.0.1:{p}/v1" for p in (31000, 31001, 31002)]
     assert list(cmds[1].argv) == [
-        "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/Qwen3.6-27B", "--tp-size", "1",
-        "--max-running-requests", "40", "--max-mamba-cache-size", "200", "--mem-fraction-static", "0.85",
-        "--context-length", "32768", "--reasoning-parser", "qwen3", "--host", "127.0.0.1", "--port", "31001",
+        "/venv/bin/python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/Qwen3.6-27B",
+        "--tp-size",
+        "1",
+        "--max-running-requests",
+        "40",
+        "--max-mamba-cache-size",
+        "200",
+        "--mem-fraction-static",
+        "0.85",
+        "--context-length",
+        "32768",
+        "--reasoning-parser",
+        "qwen3",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31001",
         "--enable-metrics",
     ]
     for c in cmds:
@@ -173,8 +200,9 @@ def test_missing_api_key_variable_is_an_error(monkeypatch, tmp_path):
 
 
 def test_router_command():
-    cmd = build_router_command("/m", num_servers=4, port=30000, worker_port_base=32000, max_running_requests=40,
-                               python="py")
+    cmd = build_router_command(
+        "/m", num_servers=4, port=30000, worker_port_base=32000, max_running_requests=40, python="py"
+    )
     argv = list(cmd.argv)
     assert argv[:3] == ["py", "-m", "sglang_router.launch_server"]
     assert argv[argv.index("--dp-size") + 1] == "4"
@@ -186,8 +214,9 @@ def test_router_command():
 
 
 def test_resource_sglang_mode_builds_commands_without_key_value():
-    r = InferenceServerResource(mode="sglang", model_path="/m", num_servers=2, gpu_ids=[0, 1],
-                                max_mamba_cache_size=200, api_key=SECRET)
+    r = InferenceServerResource(
+        mode="sglang", model_path="/m", num_servers=2, gpu_ids=[0, 1], max_mamba_cache_size=200, api_key=SECRET
+    )
     cmds = r.sglang_commands()
     assert len(cmds) == 2 and all(c.api_key_env == "DFLASH_SERVER_API_KEY" for c in cmds)
     assert all(SECRET not in " ".join(c.argv) for c in cmds)
@@ -202,9 +231,13 @@ def test_resource_sglang_mode_builds_commands_without_key_value():
 
 
 def test_resource_external_mode_yields_given_urls(local_server, tmp_path):
-    r = InferenceServerResource(mode="external", base_urls=[local_server.base_url],
-                                served_model_name=local_server.model_name, api_key=SECRET,
-                                external_tokenizer_path="/tok")
+    r = InferenceServerResource(
+        mode="external",
+        base_urls=[local_server.base_url],
+        served_model_name=local_server.model_name,
+        api_key=SECRET,
+        external_tokenizer_path="/tok",
+    )
     with r.serve(tmp_path) as pool:
         assert pool == ServerPool([local_server.base_url], local_server.model_name, SECRET, 40, "openai")
         assert SECRET not in repr(pool)
@@ -216,12 +249,17 @@ def test_resource_external_mode_probe_fails_on_dead_url(tmp_path):
     from dflash_assets.generation.processes import free_port
 
     port = free_port()
-    r = InferenceServerResource(mode="external", base_urls=[f"http://127.0.0.1:{port}/v1"],
-                                served_model_name="m", startup_timeout_s=5)
+    r = InferenceServerResource(
+        mode="external", base_urls=[f"http://127.0.0.1:{port}/v1"], served_model_name="m", startup_timeout_s=5
+    )
     # issue 16: the error names the URL and what to try (was a bare httpx "Connection refused")
-    with pytest.raises(RuntimeError, match=rf"probe POST http://127.0.0.1:{port}/v1/chat/completions failed: ConnectError.*curl"):
-        with r.serve(tmp_path):
-            pass
+    with (
+        pytest.raises(
+            RuntimeError, match=rf"probe POST http://127.0.0.1:{port}/v1/chat/completions failed: ConnectError.*curl"
+        ),
+        r.serve(tmp_path),
+    ):
+        pass
 
 
 def test_resource_defaults():
@@ -240,7 +278,7 @@ def test_free_port_block_skips_a_block_with_a_taken_port_and_stays_below_the_eph
     from dflash_assets.generation.processes import free_port_block
 
     base = free_port_block(3)
-    assert 20000 <= base and base + 3 <= 32000
+    assert base >= 20000 and base + 3 <= 32000
     for port in range(base, base + 3):  # every port of the block binds
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
@@ -263,6 +301,8 @@ def test_sglang_requests_ask_for_the_models_token_ids_and_others_do_not():
     assert ServerPool(["http://x/v1"], "m", None, 1, "sglang").adapt_body(body)["return_token_ids"] is True
     assert "return_token_ids" not in ServerPool(["http://x/v1"], "m", None, 1, "transformers").adapt_body(body)
     assert "return_token_ids" not in ServerPool(["http://x/v1"], "m", None, 1, "openai").adapt_body(body)
-    reply = {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop", "token_ids": [5, 6, 2]}],
-             "usage": {"prompt_tokens": 3, "completion_tokens": 3}}
+    reply = {
+        "choices": [{"message": {"content": "hi"}, "finish_reason": "stop", "token_ids": [5, 6, 2]}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3},
+    }
     assert parse_chat_completion(reply)["output_token_ids"] == [5, 6, 2]

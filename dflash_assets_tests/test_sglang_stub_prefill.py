@@ -44,10 +44,29 @@ class Stub:
         self.port = free_port_block(1)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", STUB, "--port", str(self.port), "--sim-startup-s", "0", "--sim-speed", str(SPEED),
-             "--sim-median-tokens", "1000000", "--sim-sigma", "0", "--max-running-requests", "4",
-             "--sim-request-log", str(log), *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                STUB,
+                "--port",
+                str(self.port),
+                "--sim-startup-s",
+                "0",
+                "--sim-speed",
+                str(SPEED),
+                "--sim-median-tokens",
+                "1000000",
+                "--sim-sigma",
+                "0",
+                "--max-running-requests",
+                "4",
+                "--sim-request-log",
+                str(log),
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
 
     def wait_ready(self) -> None:
@@ -102,8 +121,9 @@ def thinking(tokens: int) -> str:
 
 
 def test_cold_continuation_pays_its_prefix_at_the_prefill_rate_and_a_free_prefill_does_not(stubs):
-    charged, free = stubs(("--sim-prefill-tok-per-s", str(PREFILL), *FAST_DECODE),
-                          ("--sim-prefill-tok-per-s", "0", *FAST_DECODE))
+    charged, free = stubs(
+        ("--sim-prefill-tok-per-s", str(PREFILL), *FAST_DECODE), ("--sim-prefill-tok-per-s", "0", *FAST_DECODE)
+    )
     prefix = 6000
     expected = real((prefix + PROMPT_TOKENS) / PREFILL)  # 0.6006 s real
     slow, _ = charged.ask("prompt-a", 10, thinking(prefix))
@@ -177,6 +197,7 @@ def test_a_full_pool_evicts_the_least_recently_used_sequence_and_its_continuatio
     took_a, _ = stub.ask("prompt-A", chunk, thinking(written))  # a miss; admitting it evicts C, not B
     stub.ask("prompt-C", chunk, thinking(written))
     charged = real(sequence / PREFILL)  # 0.3006 s real
+
     def charges(key: str) -> list[tuple[int, int]]:
         return [(e["cached_tokens"], e["prefill_tokens"]) for e in stub.events("prefill", key)]
 

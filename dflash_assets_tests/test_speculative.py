@@ -56,20 +56,35 @@ def smol():
     model_dir = ensure_local_model()
     tok = AutoTokenizer.from_pretrained(model_dir)
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       tokenize=True)["input_ids"] for q in QUESTIONS]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
+        for q in QUESTIONS
+    ]
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
     config = json.loads((model_dir / "config.json").read_text())
     embed, head = load_target_head(str(model_dir))
     layer_ids = default_target_layer_ids(config["num_hidden_layers"])
     plain = [target_generate(target, p, MAX_NEW, [end_id]) for p in prompts]
-    return {"target": target, "tok": tok, "prompts": prompts, "end_id": end_id, "config": config, "embed": embed,
-            "head": head, "layer_ids": layer_ids, "plain": plain, "model_dir": model_dir}
+    return {
+        "target": target,
+        "tok": tok,
+        "prompts": prompts,
+        "end_id": end_id,
+        "config": config,
+        "embed": embed,
+        "head": head,
+        "layer_ids": layer_ids,
+        "plain": plain,
+        "model_dir": model_dir,
+    }
 
 
 def drafter_config(smol, block_size=BS) -> DFlashConfig:
-    return DFlashConfig.from_target_config(smol["config"], mask_token_id=16, num_hidden_layers=1,
-                                           block_size=block_size, intermediate_size=512)
+    return DFlashConfig.from_target_config(
+        smol["config"], mask_token_id=16, num_hidden_layers=1, block_size=block_size, intermediate_size=512
+    )
 
 
 def untrained(smol, block_size=BS):
@@ -100,7 +115,9 @@ def test_tau_statistics_against_hand_computation():
     """
     st = tau_statistics([[4, 4, 2], [1, 3], [2, 2, 2, 1]], 4)
     assert st["tau"] == pytest.approx(2.3611, abs=1e-4) and st["tau_stderr"] == pytest.approx(0.4914, abs=1e-4)
-    assert st["tau_pooled"] == pytest.approx(2.3333, abs=1e-4) and st["tau_pooled_stderr"] == pytest.approx(0.5251, abs=1e-4)
+    assert st["tau_pooled"] == pytest.approx(2.3333, abs=1e-4) and st["tau_pooled_stderr"] == pytest.approx(
+        0.5251, abs=1e-4
+    )
     assert st["histogram"] == [2, 4, 1, 2]
     assert st["acceptance_per_position"] == pytest.approx([7 / 9, 3 / 7, 2 / 3])
     empty = tau_statistics([[], [2]], 4)  # a prompt without a verification step is left out
@@ -119,8 +136,12 @@ def test_feature_capture_matches_hf_hidden_states(smol):
     expect = torch.cat([ref.hidden_states[i + 1] for i in layer_ids], dim=-1)
     assert feats.shape == (1, ids.shape[1], 3 * 576)
     torch.testing.assert_close(feats, expect, rtol=0, atol=0)
-    ours = [h for layer in target.model.layers for h in layer._forward_hooks.values()
-            if h.__qualname__.startswith("FeatureCapture")]
+    ours = [
+        h
+        for layer in target.model.layers
+        for h in layer._forward_hooks.values()
+        if h.__qualname__.startswith("FeatureCapture")
+    ]
     assert not ours  # removed on exit (transformers keeps hooks of its own there)
 
 
@@ -172,8 +193,15 @@ def test_eos_stops_both_decoders_identically(smol):
 
 
 def test_untrained_drafter_is_lossless_with_tau_one(smol):
-    ev = evaluate_drafter(smol["target"], untrained(smol), smol["prompts"], MAX_NEW, eos_token_ids=[smol["end_id"]],
-                          plain_results=smol["plain"], warmup=False)
+    ev = evaluate_drafter(
+        smol["target"],
+        untrained(smol),
+        smol["prompts"],
+        MAX_NEW,
+        eos_token_ids=[smol["end_id"]],
+        plain_results=smol["plain"],
+        warmup=False,
+    )
     assert ev["lossless"], ev["mismatched_prompts"]
     assert ev["tau"] < 1.1, ev  # random drafts essentially never match
     assert ev["target_forwards_saved"] <= 2
@@ -187,26 +215,51 @@ def trained(smol, tmp_path_factory):
     from dflash_assets.dflash.train import TrainConfig, train
 
     tmp = tmp_path_factory.mktemp("spec")
-    rows = [{"index": i, "input_ids": p + r.output_ids, "loss_mask": [0] * len(p) + [1] * len(r.output_ids)}
-            for i, (p, r) in enumerate(zip(smol["prompts"], smol["plain"]))]
+    rows = [
+        {"index": i, "input_ids": p + r.output_ids, "loss_mask": [0] * len(p) + [1] * len(r.output_ids)}
+        for i, (p, r) in enumerate(zip(smol["prompts"], smol["plain"]))
+    ]
     extract_partition(smol["target"], rows, tmp / "shards", smol["layer_ids"], rows_per_shard=8)
     shards = sorted(str(p) for p in (tmp / "shards").glob("*.safetensors"))
-    cfg = TrainConfig(shards=shards, out_dir=str(tmp / "run"), block_size=BS, max_anchors=64, batch_size=3, lr=2e-3,
-                      max_steps=40, warmup_ratio=0.05, min_lr_ratio=0.1, checkpoint_every=0, log_every=5, seed=0,
-                      prefetch=1)
-    result = train(cfg, draft_config=drafter_config(smol), target_head=(smol["embed"], smol["head"]),
-                   progress_callback=lambda rec: all(a >= 0.95 for a in rec["acc_per_position"][1:]))
+    cfg = TrainConfig(
+        shards=shards,
+        out_dir=str(tmp / "run"),
+        block_size=BS,
+        max_anchors=64,
+        batch_size=3,
+        lr=2e-3,
+        max_steps=40,
+        warmup_ratio=0.05,
+        min_lr_ratio=0.1,
+        checkpoint_every=0,
+        log_every=5,
+        seed=0,
+        prefetch=1,
+    )
+    result = train(
+        cfg,
+        draft_config=drafter_config(smol),
+        target_head=(smol["embed"], smol["head"]),
+        progress_callback=lambda rec: all(a >= 0.95 for a in rec["acc_per_position"][1:]),
+    )
     return {"drafter": result.model.eval(), "shards": shards}
 
 
 def test_trained_drafter_lossless_and_much_higher_tau(smol, trained):
     """Measured on this machine: trained tau 3.375 (30 target forwards -> 11), untrained 1.0."""
     drafter = trained["drafter"]
-    ev = evaluate_drafter(smol["target"], drafter, smol["prompts"], MAX_NEW, eos_token_ids=[smol["end_id"]],
-                          plain_results=smol["plain"], warmup=False)
+    ev = evaluate_drafter(
+        smol["target"],
+        drafter,
+        smol["prompts"],
+        MAX_NEW,
+        eos_token_ids=[smol["end_id"]],
+        plain_results=smol["plain"],
+        warmup=False,
+    )
     assert ev["lossless"], ev["mismatched_prompts"]
     assert ev["tau"] >= 2.5, ev
-    assert 1 <= min(ev["per_prompt_tau"]) and max(ev["per_prompt_tau"]) <= BS
+    assert min(ev["per_prompt_tau"]) >= 1 and max(ev["per_prompt_tau"]) <= BS
     assert ev["target_forwards_saved"] >= 10, ev
     assert sum(ev["histogram"]) == sum(len(a) for a in ev["accepted_lengths"])
     # acceptance 3 on this recorded run: both averages and their standard errors recomputed by hand
@@ -220,10 +273,18 @@ def test_trained_drafter_lossless_and_much_higher_tau(smol, trained):
     nbar = sum(map(len, runs)) / m
     assert ev["tau_pooled"] == pytest.approx(pooled)
     assert ev["tau_pooled_stderr"] == pytest.approx(
-        math.sqrt(sum((sum(r) - pooled * len(r)) ** 2 for r in runs) / (m * (m - 1))) / nbar)
+        math.sqrt(sum((sum(r) - pooled * len(r)) ** 2 for r in runs) / (m * (m - 1))) / nbar
+    )
     # same config and seed, untrained: what training bought
-    ev0 = evaluate_drafter(smol["target"], untrained_drafter_like(drafter, seed=0), smol["prompts"][:1], MAX_NEW,
-                           eos_token_ids=[smol["end_id"]], plain_results=smol["plain"][:1], warmup=False)
+    ev0 = evaluate_drafter(
+        smol["target"],
+        untrained_drafter_like(drafter, seed=0),
+        smol["prompts"][:1],
+        MAX_NEW,
+        eos_token_ids=[smol["end_id"]],
+        plain_results=smol["plain"][:1],
+        warmup=False,
+    )
     assert ev0["lossless"] and ev0["tau"] < 1.1 and ev["tau"] - ev0["tau"] >= 1.5
 
 
@@ -231,12 +292,21 @@ def test_chain_estimate_within_ten_percent_of_real_decoding_tau(smol, trained):
     """Acceptance 4: the quick estimate walks the decoder's anchor chain over the stored features of the
     target's greedy completions; real speculative decoding of the same prompts gives nearly the same tau."""
     drafter = trained["drafter"]
-    ev = evaluate_drafter(smol["target"], drafter, smol["prompts"], MAX_NEW, eos_token_ids=[smol["end_id"]],
-                          plain_results=smol["plain"], warmup=False)
+    ev = evaluate_drafter(
+        smol["target"],
+        drafter,
+        smol["prompts"],
+        MAX_NEW,
+        eos_token_ids=[smol["end_id"]],
+        plain_results=smol["plain"],
+        warmup=False,
+    )
     chain = teacher_forced_chain(drafter, trained["shards"], max_new_tokens=MAX_NEW)
     uniform = teacher_forced_acceptance(drafter, trained["shards"], max_anchors=64)
-    print(f"real tau {ev['tau']:.3f} (pooled {ev['tau_pooled']:.3f}); chain {chain['tau']:.3f} "
-          f"(pooled {chain['tau_pooled']:.3f}); uniform anchors {uniform['tau']:.3f}")
+    print(
+        f"real tau {ev['tau']:.3f} (pooled {ev['tau_pooled']:.3f}); chain {chain['tau']:.3f} "
+        f"(pooled {chain['tau_pooled']:.3f}); uniform anchors {uniform['tau']:.3f}"
+    )
     assert ev["tau"] > 2.0
     assert abs(chain["tau"] - ev["tau"]) <= 0.1 * ev["tau"]
     assert abs(chain["tau_pooled"] - ev["tau_pooled"]) <= 0.1 * ev["tau_pooled"]

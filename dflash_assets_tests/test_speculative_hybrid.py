@@ -11,8 +11,11 @@ wrapper equals HF's hidden states.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from tiny_target import VOCAB, make_hybrid_target, make_target
 
 from dflash_assets.dflash.hybrid_cache import VerifyRollback, crop_attention_layers
 from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
@@ -20,9 +23,7 @@ from dflash_assets.dflash.speculative import FeatureCapture, dflash_generate, ta
 from dflash_assets.dflash.target_features import TargetFeatureExtractor, find_decoder_layers
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids
-
 from dflash_assets.simulation.oracle_drafter import OracleDrafter
-from tiny_target import VOCAB, make_hybrid_target, make_target
 
 LAYER_IDS = [1, 3, 7]  # 7 = the last layer: HF reports it after the final norm
 BS = 4
@@ -56,8 +57,9 @@ def wrapper():
 
 
 def draft_config(target, layer_ids=LAYER_IDS) -> DFlashConfig:
-    return DFlashConfig.from_target_config(target.config, mask_token_id=VOCAB - 1, num_hidden_layers=1, block_size=BS,
-                                           target_layer_ids=layer_ids)
+    return DFlashConfig.from_target_config(
+        target.config, mask_token_id=VOCAB - 1, num_hidden_layers=1, block_size=BS, target_layer_ids=layer_ids
+    )
 
 
 def untrained(target, layer_ids=LAYER_IDS) -> DFlashDraftModel:
@@ -100,6 +102,11 @@ def test_plain_crop_fails_on_a_hybrid_cache(hybrid):
         cache.crop(-1)
 
 
+def replay_verify(hybrid, ids: torch.Tensor, cache, start: int, n: int) -> None:
+    """Run the first ``n`` of the verify tokens ``ids`` (1, k) again at positions ``start ..``, into ``cache``."""
+    hybrid(input_ids=ids[:, :n], position_ids=torch.arange(start, start + n)[None], cache=cache, use_cache=True)
+
+
 @pytest.mark.parametrize("mode", ["mixers", "forward"])
 def test_rollback_leaves_exactly_the_state_of_the_accepted_tokens(hybrid, mode):
     prompt, verify = PROMPTS[0], [11, 23, 35, 47]
@@ -109,13 +116,12 @@ def test_rollback_leaves_exactly_the_state_of_the_accepted_tokens(hybrid, mode):
         restore = VerifyRollback(hybrid, cache, mode)
         assert restore.mode == mode and restore.linear_ids == [0, 1, 2, 4, 5, 6]
         ids = torch.tensor([verify])
-
-        def replay(n: int) -> None:
-            hybrid(input_ids=ids[:, :n], position_ids=torch.arange(start, start + n)[None], cache=cache, use_cache=True)
-
+        replay = functools.partial(replay_verify, hybrid, ids, cache, start)
         with torch.no_grad(), restore:
             restore.before_verify(len(verify))
-            hybrid(input_ids=ids, position_ids=torch.arange(start, start + len(verify))[None], cache=cache, use_cache=True)
+            hybrid(
+                input_ids=ids, position_ids=torch.arange(start, start + len(verify))[None], cache=cache, use_cache=True
+            )
             absorbed = [t.clone() for t in linear_states(cache)]
             restore.after_verify(start, len(verify), accepted, replay)
         fresh = prefill(hybrid, prompt + verify[:accepted])
@@ -131,8 +137,12 @@ def test_rollback_leaves_exactly_the_state_of_the_accepted_tokens(hybrid, mode):
             assert max(float((x - y).abs().max()) for x, y in zip(absorbed, linear_states(fresh))) > 1e-3
         # and the next token's logits are those of plain decoding
         with torch.no_grad():
-            nxt = hybrid(input_ids=torch.tensor([[9]]), position_ids=torch.tensor([[start + accepted]]), cache=cache,
-                         use_cache=True).logits
+            nxt = hybrid(
+                input_ids=torch.tensor([[9]]),
+                position_ids=torch.tensor([[start + accepted]]),
+                cache=cache,
+                use_cache=True,
+            ).logits
             ref = hybrid(input_ids=torch.tensor([prompt + verify[:accepted] + [9]])).logits[:, -1:]
         torch.testing.assert_close(nxt, ref, rtol=1e-4, atol=1e-5)
 
@@ -142,8 +152,12 @@ def test_cropping_attention_only_is_not_enough(hybrid):
     prompt, verify = PROMPTS[1], [11, 23, 35]
     cache = prefill(hybrid, prompt)
     with torch.no_grad():
-        hybrid(input_ids=torch.tensor([verify]), position_ids=torch.arange(len(prompt), len(prompt) + 3)[None], cache=cache,
-               use_cache=True)
+        hybrid(
+            input_ids=torch.tensor([verify]),
+            position_ids=torch.arange(len(prompt), len(prompt) + 3)[None],
+            cache=cache,
+            use_cache=True,
+        )
     crop_attention_layers(cache, len(prompt) + 1)
     assert max_state_diff(cache, prefill(hybrid, prompt + verify[:1])) > 1e-3
 
@@ -213,7 +227,8 @@ def test_greedy_on_the_multimodal_wrapper_equals_plain_decoding(wrapper):
     assert base is wrapper.model.language_model and len(layers) == 8
     drafter = untrained(wrapper)
     for _, spec, plain in _oracle_runs(wrapper, PROMPTS[:2]) + [
-            (p, dflash_generate(wrapper, drafter, p, MAX_NEW), plain_ids(wrapper, p)) for p in PROMPTS[:2]]:
+        (p, dflash_generate(wrapper, drafter, p, MAX_NEW), plain_ids(wrapper, p)) for p in PROMPTS[:2]
+    ]:
         assert spec.output_ids == plain
         assert spec.rollback == "mixers" and spec.rollback_forwards > 0
 
@@ -299,8 +314,12 @@ def test_kernel_report_names_the_reference_path_without_the_gpu_packages(hybrid,
     import importlib.util
 
     report = linear_attention_kernels(hybrid)
-    assert set(report["functions"]) == {"chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                                        "causal_conv1d_update"}
+    assert set(report["functions"]) == {
+        "chunk_gated_delta_rule",
+        "fused_recurrent_gated_delta_rule",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+    }
     have_fla = importlib.util.find_spec("fla") is not None
     have_conv = importlib.util.find_spec("causal_conv1d") is not None
     assert report["functions"]["chunk_gated_delta_rule"] == ("fla" if have_fla else "torch")

@@ -49,7 +49,9 @@ def test_read_request_over_a_socket_keep_alive_then_close():
 
 def test_stand_in_server_dies_on_sigterm_even_when_inherited_ignored():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_assets.simulation.stand_in_server"], stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "dflash_assets.simulation.stand_in_server"],
+        stdout=subprocess.PIPE,
+        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),
     )
     try:

@@ -6,7 +6,6 @@ instance records look like the pipeline's; running the real completions would ne
 
 import threading
 import time
-
 from pathlib import Path
 
 import dagster as dg
@@ -14,9 +13,12 @@ import pytest
 import yaml
 
 from dflash_assets.partitions import partition_keys, prompt_ranges
-from dflash_assets.status import INFERENCE_POOL, collect_status, ensure_pool_limits, format_status, print_status
+from dflash_assets.pools import INFERENCE_POOL, ensure_pool_limits
+from dflash_assets.status import collect_status, format_status, print_status
 
-PROJECT_CONCURRENCY = yaml.safe_load((Path(__file__).resolve().parent.parent / "dagster.yaml").read_text())["concurrency"]
+PROJECT_CONCURRENCY = yaml.safe_load((Path(__file__).resolve().parent.parent / "dagster.yaml").read_text())[
+    "concurrency"
+]
 
 KEYS = partition_keys(60, 10)  # 6 partitions of 10 prompts
 P0, P1, P2, P3, P4, P5 = KEYS
@@ -89,8 +91,10 @@ def test_status_counts_rate_and_eta(instance):
         time.sleep(0.2)
         status = collect_status(instance)
         text = format_status(status)
-        raw = {stage: instance.get_status_by_partition(dg.AssetKey(stage), KEYS, prompt_ranges) or {}
-               for stage in ("completions", "tokenized_sequences", "hidden_states")}
+        raw = {
+            stage: instance.get_status_by_partition(dg.AssetKey(stage), KEYS, prompt_ranges) or {}
+            for stage in ("completions", "tokenized_sequences", "hidden_states")
+        }
     finally:
         RELEASE.set()
         holder.join(60)
@@ -106,8 +110,11 @@ def test_status_counts_rate_and_eta(instance):
     assert (hid["done"], hid["failed"], hid["in_progress"], hid["missing"]) == (1, 0, 0, 5)
 
     # the command's counts are the instance's partition statuses (what the UI shows), read at the same moment
-    names = {dg.AssetPartitionStatus.MATERIALIZED: "done", dg.AssetPartitionStatus.FAILED: "failed",
-             dg.AssetPartitionStatus.IN_PROGRESS: "in_progress"}
+    names = {
+        dg.AssetPartitionStatus.MATERIALIZED: "done",
+        dg.AssetPartitionStatus.FAILED: "failed",
+        dg.AssetPartitionStatus.IN_PROGRESS: "in_progress",
+    }
     for stage, by_pk in raw.items():
         for group in ("done", "failed", "in_progress", "missing"):
             expected = [pk for pk in KEYS if names.get(by_pk.get(pk), "missing") == group]
@@ -157,15 +164,36 @@ def test_status_shows_a_range_run_in_progress(instance):
     the completions asset records) and is still going: status names the run and its progress."""
     keys = partition_keys(30, 10)
     gate, committed = threading.Event(), threading.Event()
-    run_meta = {"run_rows_done": 10, "run_rows_total": 30, "run_req_per_s": 2.5, "run_output_tok_per_s": 250.0,
-                "run_slots_in_flight": 8, "run_slots_capacity": 8, "run_eta_s": 8.0,
-                "run_partition_range": f"{keys[0]}...{keys[-1]}"}
+    run_meta = {
+        "run_rows_done": 10,
+        "run_rows_total": 30,
+        "run_req_per_s": 2.5,
+        "run_output_tok_per_s": 250.0,
+        "run_slots_in_flight": 8,
+        "run_slots_capacity": 8,
+        "run_eta_s": 8.0,
+        "run_partition_range": f"{keys[0]}...{keys[-1]}",
+    }
 
-    @dg.asset(partitions_def=prompt_ranges, name="completions", backfill_policy=dg.BackfillPolicy.single_run(), output_required=False)
+    @dg.asset(
+        partitions_def=prompt_ranges,
+        name="completions",
+        backfill_policy=dg.BackfillPolicy.single_run(),
+        output_required=False,
+    )
     def range_standin(context: dg.AssetExecutionContext):
         for i, pk in enumerate(context.partition_keys):
-            yield dg.AssetMaterialization("completions", partition=pk, metadata={
-                "rows": 10, "completion_tokens_total": 1000, "wall_s": 4.0, **run_meta, "run_rows_done": 10 * (i + 1)})
+            yield dg.AssetMaterialization(
+                "completions",
+                partition=pk,
+                metadata={
+                    "rows": 10,
+                    "completion_tokens_total": 1000,
+                    "wall_s": 4.0,
+                    **run_meta,
+                    "run_rows_done": 10 * (i + 1),
+                },
+            )
             if i == 0:
                 committed.set()
                 assert gate.wait(60), "test never released the range run"
@@ -175,8 +203,11 @@ def test_status_shows_a_range_run_in_progress(instance):
     instance.add_dynamic_partitions(prompt_ranges.name, keys)
     job = dg.define_asset_job("range_job", selection=[range_standin], executor_def=dg.in_process_executor)
     job_def = dg.Definitions(assets=[range_standin], jobs=[job]).resolve_job_def("range_job")
-    holder = threading.Thread(target=lambda: job_def.execute_in_process(
-        instance=instance, tags={ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}))
+    holder = threading.Thread(
+        target=lambda: job_def.execute_in_process(
+            instance=instance, tags={ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]}
+        )
+    )
     holder.start()
     try:
         assert committed.wait(60)
@@ -188,7 +219,10 @@ def test_status_shows_a_range_run_in_progress(instance):
     [run] = status["runs_in_progress"]
     assert (run["rows_done"], run["rows_total"], run["slots_in_flight"], run["slots_capacity"]) == (10, 30, 8, 8)
     assert run["range"] == f"{keys[0]}...{keys[-1]}" and run["eta_s"] == 8.0
-    assert f"in progress ({keys[0]}...{keys[-1]}): 10 / 30 rows, 2.5 req/s, 250.0 output tok/s, slots 8 / 8, ETA 8s" in text
+    assert (
+        f"in progress ({keys[0]}...{keys[-1]}): 10 / 30 rows, 2.5 req/s, 250.0 output tok/s, slots 8 / 8, ETA 8s"
+        in text
+    )
     assert collect_status(instance)["runs_in_progress"] == []  # the run ended
 
 
@@ -199,10 +233,21 @@ def test_generation_time_leaves_out_partitions_whose_rows_were_cut_without_a_req
 
     from dflash_assets.status import generation_time
 
-    records = {"a": SimpleNamespace(run_id="r1", timestamp=100.0), "b": SimpleNamespace(run_id="r2", timestamp=200.0),
-               "old": SimpleNamespace(run_id="r0", timestamp=50.0)}
-    meta = {"a": {"wall_s": 20.0, "output_tok_per_s": 50.0, "output_tokens_generated": 1000, "requested": 8},
-            "b": {"wall_s": 0.0, "output_tok_per_s": 0.0, "output_tokens_generated": 0, "requested": 0,
-                  "completion_tokens_total": 160, "cut_to_lowered_cap": 8},
-            "old": {"wall_s": 10.0, "output_tok_per_s": 30.0, "requested": 4}}  # metadata from before the field
+    records = {
+        "a": SimpleNamespace(run_id="r1", timestamp=100.0),
+        "b": SimpleNamespace(run_id="r2", timestamp=200.0),
+        "old": SimpleNamespace(run_id="r0", timestamp=50.0),
+    }
+    meta = {
+        "a": {"wall_s": 20.0, "output_tok_per_s": 50.0, "output_tokens_generated": 1000, "requested": 8},
+        "b": {
+            "wall_s": 0.0,
+            "output_tok_per_s": 0.0,
+            "output_tokens_generated": 0,
+            "requested": 0,
+            "completion_tokens_total": 160,
+            "cut_to_lowered_cap": 8,
+        },
+        "old": {"wall_s": 10.0, "output_tok_per_s": 30.0, "requested": 4},
+    }  # metadata from before the field
     assert generation_time(records, meta) == (30.0, 1300.0, 12)

@@ -29,9 +29,42 @@ CAP = 10
 KEYS = partition_keys(30, 10)
 # per partition: (tokens, finish_reason) of its 10 rows; None tokens = error row
 LAYOUT = {
-    KEYS[0]: [(3, "stop"), (4, "stop"), (10, "length"), (9, "stop"), (8, "stop"), (5, "stop"), (10, "length"), (6, "stop"), (7, "stop"), (3, "stop")],
-    KEYS[1]: [(3, "stop"), (4, "stop"), (5, "stop"), (6, "stop"), (3, "stop"), (4, "stop"), (5, "stop"), (6, "stop"), (7, "stop"), (None, None)],
-    KEYS[2]: [(10, "length"), (9, "stop"), (3, "stop"), (4, "stop"), (5, "stop"), (6, "stop"), (7, "stop"), (3, "stop"), (4, "stop"), (5, "stop")],
+    KEYS[0]: [
+        (3, "stop"),
+        (4, "stop"),
+        (10, "length"),
+        (9, "stop"),
+        (8, "stop"),
+        (5, "stop"),
+        (10, "length"),
+        (6, "stop"),
+        (7, "stop"),
+        (3, "stop"),
+    ],
+    KEYS[1]: [
+        (3, "stop"),
+        (4, "stop"),
+        (5, "stop"),
+        (6, "stop"),
+        (3, "stop"),
+        (4, "stop"),
+        (5, "stop"),
+        (6, "stop"),
+        (7, "stop"),
+        (None, None),
+    ],
+    KEYS[2]: [
+        (10, "length"),
+        (9, "stop"),
+        (3, "stop"),
+        (4, "stop"),
+        (5, "stop"),
+        (6, "stop"),
+        (7, "stop"),
+        (3, "stop"),
+        (4, "stop"),
+        (5, "stop"),
+    ],
 }
 
 
@@ -49,14 +82,28 @@ def rows_for(pk: str, settings) -> list[dict]:
     rows = []
     for offset, (tokens, reason) in enumerate(LAYOUT[pk]):
         index = first + offset
-        rows.append({
-            "index": index, "prompt_id": f"p{index}", "source": "test", "reasoning_content": None,
-            "content": None if tokens is None else "answer", "finish_reason": reason, "prompt_tokens": 5,
-            "completion_tokens": tokens, "output_token_ids": None, "truncated_in_reasoning": False,
-            "empty_answer": False, "max_output_tokens": settings.max_output_tokens,
-            "settings_fingerprint": settings.sampling_fingerprint(), "settings": "{}", "latency_s": 0.1,
-            "server": "s0", "attempts": 1, "error": "HTTP 500" if tokens is None else None,
-        })
+        rows.append(
+            {
+                "index": index,
+                "prompt_id": f"p{index}",
+                "source": "test",
+                "reasoning_content": None,
+                "content": None if tokens is None else "answer",
+                "finish_reason": reason,
+                "prompt_tokens": 5,
+                "completion_tokens": tokens,
+                "output_token_ids": None,
+                "truncated_in_reasoning": False,
+                "empty_answer": False,
+                "max_output_tokens": settings.max_output_tokens,
+                "settings_fingerprint": settings.sampling_fingerprint(),
+                "settings": "{}",
+                "latency_s": 0.1,
+                "server": "s0",
+                "attempts": 1,
+                "error": "HTTP 500" if tokens is None else None,
+            }
+        )
     return rows
 
 
@@ -66,14 +113,18 @@ def project(tmp_path_factory):
     home, store_root = tmp / "home", tmp / "data"
     home.mkdir()
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    base_settings = GenerationResource(**yaml.safe_load(config_copy(tmp, CAP, store_root).read_text())["resources"]["generation"]).settings()
+    base_settings = GenerationResource(
+        **yaml.safe_load(config_copy(tmp, CAP, store_root).read_text())["resources"]["generation"]
+    ).settings()
     store = Storage(str(store_root))
 
     @dg.asset(name="completions", partitions_def=prompt_ranges)
     def completions_standin(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         frame = rows_to_frame(rows_for(context.partition_key, base_settings))
         store.write_parquet(frame, *partition_file(context.partition_key))
-        return dg.MaterializeResult(metadata={**completion_stats(frame), "requested": 10, "wall_s": 2.0, "output_tok_per_s": 30.0})
+        return dg.MaterializeResult(
+            metadata={**completion_stats(frame), "requested": 10, "wall_s": 2.0, "output_tok_per_s": 30.0}
+        )
 
     with dg.DagsterInstance.from_config(str(home)) as instance:
         instance.add_dynamic_partitions(prompt_ranges.name, KEYS)
@@ -83,9 +134,15 @@ def project(tmp_path_factory):
 
 
 def status_output(tmp: Path, home: Path, store_root: Path, cap: int) -> str:
-    env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_CONFIG": str(config_copy(tmp, cap, store_root)),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "dflash_assets", "status"], env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "DFLASH_CONFIG": str(config_copy(tmp, cap, store_root)),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_assets", "status"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "note: could not load" not in out.stdout, out.stdout
     return out.stdout
@@ -139,7 +196,9 @@ def test_status_counts_rows_to_be_continued_at_what_their_continuation_makes(pro
 
     tmp, home, store_root = project
     store = Storage(str(store_root))
-    raised = GenerationResource(**yaml.safe_load(config_copy(tmp, 14, store_root).read_text())["resources"]["generation"]).settings()
+    raised = GenerationResource(
+        **yaml.safe_load(config_copy(tmp, 14, store_root).read_text())["resources"]["generation"]
+    ).settings()
     mu, sigma = 2.0, 0.6
     report = {"cap": CAP, "truncation_rate": 0.1, "advice": {"fit": {"family": "lognormal", "mu": mu, "sigma": sigma}}}
     length_rows = sum(r == "length" for rows in LAYOUT.values() for _, r in rows)  # 3

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.assets.hidden_states import ShardIntegrityError, fetch_shards
 from dflash_assets.resources.storage import StorageResource
+from dflash_assets.shard_access import ShardIntegrityError, fetch_shards
 from dflash_assets.storage import IntegrityError, UnsafeNameError, check_name
 
 try:
-    from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target  # noqa: F401 (fixtures)
+    from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target
 except ImportError:
     from s3_fixtures import moto_server, s3_env, s3_target  # type: ignore[no-redef]  # noqa: F401
 
@@ -27,10 +27,16 @@ GOOD = b"shard bytes " * 100
 
 def machine(target, scratch: Path) -> StorageResource:
     """The storage resource as a step sees it (used directly here: the credentials resolved)."""
-    return StorageResource(root=target.root, scratch_dir=str(scratch), endpoint_url=target.endpoint_url,
-                           region="us-east-1", aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
-                           aws_secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"], retry_attempts=2,
-                           retry_backoff_s=0.1)
+    return StorageResource(
+        root=target.root,
+        scratch_dir=str(scratch),
+        endpoint_url=target.endpoint_url,
+        region="us-east-1",
+        aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        retry_attempts=2,
+        retry_backoff_s=0.1,
+    )
 
 
 def put(target, key: str, data: bytes) -> None:
@@ -41,8 +47,15 @@ def entry(name, data: bytes = GOOD, **extra) -> dict:
     return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), **extra}
 
 
-HOSTILE = ["../../../escaped.safetensors", "/tmp/i27-absolute.safetensors", "sub/dir.safetensors", "..", "", None,
-           "..\\up.safetensors"]
+HOSTILE = [
+    "../../../escaped.safetensors",
+    "/tmp/i27-absolute.safetensors",
+    "sub/dir.safetensors",
+    "..",
+    "",
+    None,
+    "..\\up.safetensors",
+]
 
 
 @pytest.mark.parametrize("name", HOSTILE)
@@ -78,8 +91,9 @@ def test_a_download_is_put_in_place_only_once_its_size_and_hash_match(s3_target,
     with pytest.raises(IntegrityError, match=f"downloaded {len(GOOD)} bytes, expected 7"):
         store.download(path, "hidden_states", "p", "shard.safetensors", size=7)
     assert path.read_bytes() == b"older copy" and sorted(p.name for p in path.parent.iterdir()) == ["shard.safetensors"]
-    store.download(path, "hidden_states", "p", "shard.safetensors", size=len(GOOD),
-                   sha256=hashlib.sha256(GOOD).hexdigest())
+    store.download(
+        path, "hidden_states", "p", "shard.safetensors", size=len(GOOD), sha256=hashlib.sha256(GOOD).hexdigest()
+    )
     assert path.read_bytes() == GOOD
 
     # through fetch_shards: a shard whose stored bytes differ from index.json is not put in place

@@ -44,20 +44,36 @@ def project(tmp_path):
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(prompt_ranges.name, KEYS)
         for k, pk in enumerate(KEYS):
-            part = rows[20 * k: 20 * (k + 1)]
+            part = rows[20 * k : 20 * (k + 1)]
             store.write_parquet(pl.DataFrame(part), *tokenized_file(pk))
-            instance.report_runless_asset_event(dg.AssetMaterialization(
-                asset_key="tokenized_sequences", partition=pk,
-                metadata={"rows": len(part), "total_tokens": sum(len(r["input_ids"]) for r in part)}))
-        yield {"instance": instance, "storage": storage, "root": root, "rows": rows,
-               "target": TargetModelResource(model_path=str(target), dtype="float32", device="cpu"),
-               "tokens": sum(len(r["input_ids"]) for r in rows)}
+            instance.report_runless_asset_event(
+                dg.AssetMaterialization(
+                    asset_key="tokenized_sequences",
+                    partition=pk,
+                    metadata={"rows": len(part), "total_tokens": sum(len(r["input_ids"]) for r in part)},
+                )
+            )
+        yield {
+            "instance": instance,
+            "storage": storage,
+            "root": root,
+            "rows": rows,
+            "target": TargetModelResource(model_path=str(target), dtype="float32", device="cpu"),
+            "tokens": sum(len(r["input_ids"]) for r in rows),
+        }
 
 
 def run(p, pk: str, **config) -> dg.ExecuteInProcessResult:
-    return dg.materialize([hidden_states], instance=p["instance"], partition_key=pk, raise_on_error=False,
-                          resources={"storage": p["storage"], "target_model": p["target"]},
-                          run_config={"ops": {"hidden_states": {"config": {"target_layer_ids": LAYER_IDS, "rows_per_shard": 8, **config}}}})
+    return dg.materialize(
+        [hidden_states],
+        instance=p["instance"],
+        partition_key=pk,
+        raise_on_error=False,
+        resources={"storage": p["storage"], "target_model": p["target"]},
+        run_config={
+            "ops": {"hidden_states": {"config": {"target_layer_ids": LAYER_IDS, "rows_per_shard": 8, **config}}}
+        },
+    )
 
 
 def files_under(path: Path) -> list[str]:
@@ -134,7 +150,9 @@ def test_auto_features_follow_the_plan(project):
     assert resolve_features("auto", tight) == "online" and resolve_features("offline", tight) == "offline"
     roomy = storage_plan(*args, HiddenStatesConfig(target_layer_ids=LAYER_IDS, storage_budget_gb=needed * 2 / 1e9))
     assert roomy.fits and resolve_features("auto", roomy) == "offline"
-    half = storage_plan(*args, HiddenStatesConfig(target_layer_ids=LAYER_IDS, storage_budget_gb=needed / 2 / 1e9, fraction=0.25))
+    half = storage_plan(
+        *args, HiddenStatesConfig(target_layer_ids=LAYER_IDS, storage_budget_gb=needed / 2 / 1e9, fraction=0.25)
+    )
     assert half.fits and half.rows_selected == sum(1 for i in range(40) if h(i) < 0.25)
 
 
@@ -148,13 +166,27 @@ def test_drafter_asset_online_under_torchrun(project):
     except ImportError:
         from tiny_target import VOCAB  # type: ignore[no-redef]
 
-    config = {"features": "online", "nproc": 2, "num_hidden_layers": 1, "block_size": 4, "mask_token_id": VOCAB - 1,
-              "max_steps": 3, "max_anchors": 4, "eval_fraction": 0.0, "checkpoint_every": 0, "intermediate_size": 32}
+    config = {
+        "features": "online",
+        "nproc": 2,
+        "num_hidden_layers": 1,
+        "block_size": 4,
+        "mask_token_id": VOCAB - 1,
+        "max_steps": 3,
+        "max_anchors": 4,
+        "eval_fraction": 0.0,
+        "checkpoint_every": 0,
+        "intermediate_size": 32,
+    }
 
     def run_drafter(**extra):
-        return dg.materialize([dflash_drafter], instance=project["instance"], raise_on_error=False,
-                              resources={"storage": project["storage"], "target_model": project["target"]},
-                              run_config={"ops": {"dflash_drafter": {"config": {**config, **extra}}}})
+        return dg.materialize(
+            [dflash_drafter],
+            instance=project["instance"],
+            raise_on_error=False,
+            resources={"storage": project["storage"], "target_model": project["target"]},
+            run_config={"ops": {"dflash_drafter": {"config": {**config, **extra}}}},
+        )
 
     result = run_drafter()
     assert result.success, failure_text(result)

@@ -28,25 +28,44 @@ from dflash_assets_tests.test_completions_asset import write_corpus
 from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim
 
 PROMPT = {"index": 3, "prompt_id": "t:3", "source": "t", "messages": [{"role": "user", "content": "prompt 3"}]}
-FIELDS = ("reasoning_content", "content", "finish_reason", "completion_tokens", "truncated_in_reasoning", "empty_answer")
+FIELDS = (
+    "reasoning_content",
+    "content",
+    "finish_reason",
+    "completion_tokens",
+    "truncated_in_reasoning",
+    "empty_answer",
+)
 
 
 def result_of(fields: dict, index: int = 3, server: str = "http://s") -> SimpleNamespace:
-    return SimpleNamespace(index=index, content=fields["content"], reasoning_content=fields["reasoning_content"],
-                           finish_reason=fields["finish_reason"], prompt_tokens=10,
-                           completion_tokens=fields["completion_tokens"], output_token_ids=None,
-                           latency_s=0.1, server=server, attempts=1, error=None)
+    return SimpleNamespace(
+        index=index,
+        content=fields["content"],
+        reasoning_content=fields["reasoning_content"],
+        finish_reason=fields["finish_reason"],
+        prompt_tokens=10,
+        completion_tokens=fields["completion_tokens"],
+        output_token_ids=None,
+        latency_s=0.1,
+        server=server,
+        attempts=1,
+        error=None,
+    )
 
 
-@pytest.mark.parametrize("length", [
-    30,    # done within the first chunk: one request, no follow-up
-    100,   # thinking closes at 90, inside the third chunk
-    72,    # thinking (65 tokens) closes inside the second chunk
-    64,    # exactly two chunks
-    93,    # thinking closes at 84... the answer straddles the last seam
-    300,   # still thinking at the cap (cap 256): length
-    283,   # thinking closes at 255, one token before the cap
-])
+@pytest.mark.parametrize(
+    "length",
+    [
+        30,  # done within the first chunk: one request, no follow-up
+        100,  # thinking closes at 90, inside the third chunk
+        72,  # thinking (65 tokens) closes inside the second chunk
+        64,  # exactly two chunks
+        93,  # thinking closes at 84... the answer straddles the last seam
+        300,  # still thinking at the cap (cap 256): length
+        283,  # thinking closes at 255, one token before the cap
+    ],
+)
 def test_a_chunked_row_is_the_row_one_request_at_the_cap_makes(length):
     cap, chunk = 256, 32
     settings = GenerationSettings(max_output_tokens=cap)
@@ -76,19 +95,37 @@ def test_a_chunked_row_is_the_row_one_request_at_the_cap_makes(length):
 
 
 def raw_result(text: str, tokens: int, finish: str = "length", index: int = 3) -> SimpleNamespace:
-    return SimpleNamespace(index=index, content=text, reasoning_content=None, finish_reason=finish, prompt_tokens=10,
-                           completion_tokens=tokens, output_token_ids=[1] * tokens, latency_s=0.1, server="s",
-                           attempts=1, error=None)
+    return SimpleNamespace(
+        index=index,
+        content=text,
+        reasoning_content=None,
+        finish_reason=finish,
+        prompt_tokens=10,
+        completion_tokens=tokens,
+        output_token_ids=[1] * tokens,
+        latency_s=0.1,
+        server="s",
+        attempts=1,
+        error=None,
+    )
 
 
-@pytest.mark.parametrize("opened, pieces, reasoning, answer", [
-    # a cut right after a paragraph break: the prefix keeps the "\n\n" (a reasoning parser strips it)
-    (False, ["<think>\nStep one.\n\n", "Step two.\n</think>\n\nThe answer."], "Step one.\n\nStep two.", "The answer."),
-    # a cut right after </think>: the answer that follows is the answer, not more thinking
-    (False, ["<think>\nAll thought.\n</think>\n\n", "The answer."], "All thought.", "The answer."),
-    # a template whose generation prompt opens <think>: the text starts inside the thinking
-    (True, ["Thinking, cut ", "here.\n</think>\n\nDone."], "Thinking, cut here.", "Done."),
-])
+@pytest.mark.parametrize(
+    "opened, pieces, reasoning, answer",
+    [
+        # a cut right after a paragraph break: the prefix keeps the "\n\n" (a reasoning parser strips it)
+        (
+            False,
+            ["<think>\nStep one.\n\n", "Step two.\n</think>\n\nThe answer."],
+            "Step one.\n\nStep two.",
+            "The answer.",
+        ),
+        # a cut right after </think>: the answer that follows is the answer, not more thinking
+        (False, ["<think>\nAll thought.\n</think>\n\n", "The answer."], "All thought.", "The answer."),
+        # a template whose generation prompt opens <think>: the text starts inside the thinking
+        (True, ["Thinking, cut ", "here.\n</think>\n\nDone."], "Thinking, cut here.", "Done."),
+    ],
+)
 def test_chunk_seams_keep_the_text_as_the_model_wrote_it(opened, pieces, reasoning, answer):
     settings = GenerationSettings(max_output_tokens=100)
     chunker = TailChunker(settings, "m", dict, opened=opened, chunk_tokens=10, window_rows=1, total_rows=1)
@@ -107,7 +144,11 @@ def test_chunk_seams_keep_the_text_as_the_model_wrote_it(opened, pieces, reasoni
     row = chunker.final_row(result, PROMPT)
     assert (row["reasoning_content"], row["content"]) == (reasoning, answer)
     assert not row["truncated_in_reasoning"] and not row["empty_answer"] and row["finish_reason"] == "stop"
-    assert row["completion_tokens"] == 10 * len(pieces) and row["output_token_ids"] is None and row["tail_chunks"] == len(pieces)
+    assert (
+        row["completion_tokens"] == 10 * len(pieces)
+        and row["output_token_ids"] is None
+        and row["tail_chunks"] == len(pieces)
+    )
     assert row["prompt_tokens"] == 10
 
 
@@ -123,7 +164,9 @@ def test_a_chunk_answered_afresh_or_failed_gives_an_error_row():
     assert chunker.follow_up(afresh) is None
     row = chunker.final_row(afresh, {**PROMPT, "index": 3})
     assert row["error"] == NOT_CONTINUED and row["tail_chunks"] == 2 and row["reasoning_content"] is None
-    failed = SimpleNamespace(**{**vars(raw_result("", 0, index=4)), "error": "HTTP 500", "finish_reason": None, "completion_tokens": None})
+    failed = SimpleNamespace(
+        **{**vars(raw_result("", 0, index=4)), "error": "HTTP 500", "finish_reason": None, "completion_tokens": None}
+    )
     assert chunker.follow_up(failed) is None
     row = chunker.final_row(failed, {**PROMPT, "index": 4})
     assert row["error"] == "HTTP 500" and row["completion_tokens"] is None and row["attempts"] == 2
@@ -138,19 +181,27 @@ def test_only_the_window_is_chunked_and_a_chunk_at_or_above_the_cap_chunks_nothi
     assert off.first_body(5, PROMPT, {"max_tokens": 100}) == {"max_tokens": 100} and off.rows_chunked == 0
 
 
-@pytest.mark.parametrize("change, why", [
-    ({"seed": 7}, "makes a continued row differ"),
-    ({"presence_penalty": 0.5}, "makes a continued row differ"),
-])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"seed": 7}, "makes a continued row differ"),
+        ({"presence_penalty": 0.5}, "makes a continued row differ"),
+    ],
+)
 def test_tail_chunking_is_off_for_sampling_that_is_not_history_free(change, why, tmp_path):
     settings = GenerationSettings(max_output_tokens=256, **change)
     part = SimpleNamespace(todo=[PROMPT])
-    inference = InferenceServerResource(mode="sglang", model_path=str(write_thinking_tokenizer(tmp_path / "m", False)),
-                                        tail_chunk_tokens=32)
+    inference = InferenceServerResource(
+        mode="sglang", model_path=str(write_thinking_tokenizer(tmp_path / "m", False)), tail_chunk_tokens=32
+    )
     plan, note, problem = ContinuationPlanner(settings).tail(inference, [part], {})
     assert plan is None and why in note and not problem
     # and with history-free sampling the same config chunks, with the template's layout
-    assert ContinuationPlanner(GenerationSettings(max_output_tokens=256)).tail(inference, [part], {}) == ((32, False), None, False)
+    assert ContinuationPlanner(GenerationSettings(max_output_tokens=256)).tail(inference, [part], {}) == (
+        (32, False),
+        None,
+        False,
+    )
     no_continue = inference.model_copy(update={"continue_truncated": False})
     plan, note, problem = ContinuationPlanner(GenerationSettings(max_output_tokens=256)).tail(no_continue, [part], {})
     assert plan is None and "continue_truncated is false" in note and problem
@@ -173,10 +224,14 @@ def test_a_range_run_with_tail_chunking_makes_the_same_tables_and_sends_follow_u
         result = range_materialize(instance, root, keys, chunked, cap=cap)
         assert result.success
         plain_keys = write_corpus(instance, plain_root, prompts, partition_size=8)
-        assert range_materialize(instance, plain_root, plain_keys, sglang_sim(tmp_path / "p", 2, 3, model_path=str(model)), cap=cap).success
+        assert range_materialize(
+            instance, plain_root, plain_keys, sglang_sim(tmp_path / "p", 2, 3, model_path=str(model)), cap=cap
+        ).success
         log = [e.user_message for e in instance.all_logs(result.run_id)]
     got = pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys]).sort("index")
-    plain = pl.concat([pl.read_parquet(plain_root / "completions" / f"{pk}.parquet") for pk in plain_keys]).sort("index")
+    plain = pl.concat([pl.read_parquet(plain_root / "completions" / f"{pk}.parquet") for pk in plain_keys]).sort(
+        "index"
+    )
     assert got.select(FIELDS).to_dicts() == plain.select(FIELDS).to_dicts()
 
     corpus = {r["index"]: r for r in pl.read_parquet(root.joinpath(*CORPUS_FILE)).iter_rows(named=True)}
@@ -187,26 +242,32 @@ def test_a_range_run_with_tail_chunking_makes_the_same_tables_and_sends_follow_u
     assert dict(zip(got["index"], got["tail_chunks"])) == {i: n if n > 1 else 0 for i, n in want_chunks.items()}
     assert got["continued_from_tokens"].to_list() == [0] * 24
 
-    events = [e for e in map(json.loads, (tmp_path / "requests.jsonl").read_text().splitlines())
-              if e["ev"] == "recv" and e["key"].startswith("prompt")]
+    events = [
+        e
+        for e in map(json.loads, (tmp_path / "requests.jsonl").read_text().splitlines())
+        if e["ev"] == "recv" and e["key"].startswith("prompt")
+    ]
     sent: dict[int, list[dict]] = {}
     for e in events:
         sent.setdefault(int(e["key"].split()[1]), []).append(e)
     assert {corpus_index(corpus, k): len(v) for k, v in sent.items()} == want_chunks
-    for k, chain in sent.items():
+    for chain in sent.values():
         assert [e["continued_from"] for e in chain] == [chunk * j for j in range(len(chain))]
     fresh = [e for e in events if e["continued_from"] == 0]
     follow_ups = [e for e in events if e["continued_from"] > 0]
     assert follow_ups and min(e["t"] for e in follow_ups) >= max(e["t"] for e in fresh)
 
-    metas = {m.partition: {k: getattr(v, "value", v) for k, v in m.metadata.items()}
-             for m in result.asset_materializations_for_node("completions")}
+    metas = {
+        m.partition: {k: getattr(v, "value", v) for k, v in m.metadata.items()}
+        for m in result.asset_materializations_for_node("completions")
+    }
     assert sum(m["tail_chunked"] for m in metas.values()) == sum(n > 1 for n in want_chunks.values())
     assert sum(m["tail_chunk_requests"] for m in metas.values()) == sum(n for n in want_chunks.values() if n > 1)
     assert sum(m["output_tokens_generated"] for m in metas.values()) == sum(length.values())
     assert sum(m["continued"] for m in metas.values()) == 0
     assert {pk: m["tail_chunked_in_table"] for pk, m in metas.items()} == {
-        pk: int((pl.read_parquet(root / "completions" / f"{pk}.parquet")["tail_chunks"] > 0).sum()) for pk in keys}
+        pk: int((pl.read_parquet(root / "completions" / f"{pk}.parquet")["tail_chunks"] > 0).sum()) for pk in keys
+    }
     assert any("generated in chunks of 40 tokens" in m for m in log)
 
 
@@ -245,8 +306,16 @@ def test_servers_that_answer_chunks_afresh_stop_the_run_and_small_runs_are_not_c
     root = tmp_path / "data"
     with dg.instance_for_test() as instance:
         keys = write_corpus(instance, root, prompts, partition_size=8)
-        ignoring = sglang_sim(tmp_path, 2, 3, "--sim-ignore-continue", model_path=str(model), tail_chunk_tokens=40,
-                              tail_prompts_per_slot=2.0, max_consecutive_failures=3)
+        ignoring = sglang_sim(
+            tmp_path,
+            2,
+            3,
+            "--sim-ignore-continue",
+            model_path=str(model),
+            tail_chunk_tokens=40,
+            tail_prompts_per_slot=2.0,
+            max_consecutive_failures=3,
+        )
         result = range_materialize(instance, root, keys, ignoring, cap=256, raise_on_error=False)
         assert not result.success
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")

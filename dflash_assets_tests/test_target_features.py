@@ -61,8 +61,13 @@ def smol():
 def tiny_dir(tmp_path_factory):
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
     )
     path = tmp_path_factory.mktemp("tiny_llama")
     LlamaForCausalLM(config).eval().save_pretrained(path)
@@ -123,7 +128,9 @@ def test_extractor_matches_hf_hidden_states_on_padded_batch(smol):
         assert_bf16_close(features[b, : lengths[b]], expected)
     # float32 output agrees with the reference far below bf16 resolution: the padding changed nothing.
     exact = TargetFeatureExtractor(smol, layer_ids)(input_ids, attention_mask, dtype=torch.float32)
-    torch.testing.assert_close(exact[0, :5], reference_features(smol, rows[0]["input_ids"], layer_ids), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        exact[0, :5], reference_features(smol, rows[0]["input_ids"], layer_ids), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_extractor_stops_after_last_needed_layer(smol):
@@ -134,7 +141,9 @@ def test_extractor_stops_after_last_needed_layer(smol):
     named += [("norm", smol.model.norm), ("lm_head", smol.lm_head)]
     for name, module in named:
         calls[name] = 0
-        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: calls.__setitem__(name, calls[name] + 1)))
+        handles.append(
+            module.register_forward_pre_hook(lambda m, a, name=name: calls.__setitem__(name, calls[name] + 1))
+        )
     try:
         ids = torch.tensor([[5, 6, 7, 8]])
         out = TargetFeatureExtractor(smol, [1, 7, 14])(ids, torch.ones_like(ids))
@@ -155,9 +164,19 @@ def test_extractor_on_qwen3_5_wrapper_with_linear_attention():
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(0)
-    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
-                linear_key_head_dim=16, linear_value_head_dim=16)
+    text = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    )
     vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64)
     model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
     layer_ids = [1, 3, 7]
@@ -166,7 +185,9 @@ def test_extractor_on_qwen3_5_wrapper_with_linear_attention():
     mask[1, 8:] = 0
     out = TargetFeatureExtractor(model, layer_ids)(ids, mask, dtype=torch.float32)
     for b, n in ((0, 12), (1, 8)):
-        torch.testing.assert_close(out[b, :n], reference_features(model, ids[b, :n].tolist(), layer_ids), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            out[b, :n], reference_features(model, ids[b, :n].tolist(), layer_ids), rtol=1e-4, atol=1e-5
+        )
 
 
 def test_iter_batches_by_token_budget():
@@ -188,8 +209,14 @@ def test_extract_partition_shards_equal_reference(smol, tmp_path):
     shuffled = [rows[i] for i in (3, 0, 4, 1, 2)]  # the shard plan must follow index order, not input order
     events = []
     result = extract_partition(
-        smol, shuffled, tmp_path, layer_ids, rows_per_shard=2, max_tokens_per_batch=26,
-        progress_cb=events.append, model_name="SmolLM2-135M-Instruct",
+        smol,
+        shuffled,
+        tmp_path,
+        layer_ids,
+        rows_per_shard=2,
+        max_tokens_per_batch=26,
+        progress_cb=events.append,
+        model_name="SmolLM2-135M-Instruct",
     )
     names = ["shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors"]
     assert result.written_shards == names and result.skipped_shards == []
@@ -261,21 +288,38 @@ def test_validate_shard_rejects_bad_files(tiny, tmp_path):
     # A byte flipped inside input_ids breaks rows_sha256.
     shard = read_shard(path)
     bad = tmp_path / "bad.safetensors"
-    write_shard(bad, shard.hidden_states, shard.input_ids, shard.loss_mask, shard.cu_seqlens, shard.row_index,
-                target_layer_ids=TINY_LAYER_IDS, hidden_size=64, model_name="tiny")
+    write_shard(
+        bad,
+        shard.hidden_states,
+        shard.input_ids,
+        shard.loss_mask,
+        shard.cu_seqlens,
+        shard.row_index,
+        target_layer_ids=TINY_LAYER_IDS,
+        hidden_size=64,
+        model_name="tiny",
+    )
     raw = bytearray(bad.read_bytes())
     at = raw.index(shard.input_ids[:4].numpy().tobytes())
     raw[at] ^= 1
     bad.write_bytes(bytes(raw))
     assert not validate_shard(bad)
     with pytest.raises(ValueError):
-        write_shard(bad, shard.hidden_states[:-1], shard.input_ids, shard.loss_mask, shard.cu_seqlens,
-                    shard.row_index, target_layer_ids=TINY_LAYER_IDS, hidden_size=64)
+        write_shard(
+            bad,
+            shard.hidden_states[:-1],
+            shard.input_ids,
+            shard.loss_mask,
+            shard.cu_seqlens,
+            shard.row_index,
+            target_layer_ids=TINY_LAYER_IDS,
+            hidden_size=64,
+        )
 
     # Same indices, new tokens (e.g. regenerated completions): the stale shard is recomputed.
     before = path.read_bytes()
     changed = [dict(rows[0]), rows[1]]
-    changed[0]["input_ids"] = changed[0]["input_ids"][:-1] + [7]
+    changed[0]["input_ids"] = [*changed[0]["input_ids"][:-1], 7]
     result = extract_partition(tiny, changed, tmp_path, TINY_LAYER_IDS, rows_per_shard=2, model_name="tiny")
     assert result.written_shards == ["shard-00000.safetensors"] and path.read_bytes() != before
     assert read_shard(path).input_ids[7].item() == 7
@@ -287,18 +331,18 @@ CHILD = textwrap.dedent(
     import torch
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
-    from dflash_assets.dflash import shards
+    from dflash_assets.dflash import shard_format, shards
 
     model_dir, rows_path, out_dir, stall_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rows = json.loads(open(rows_path).read())
-    real_write, writes = shards._write_payload, [0]
+    real_write, writes = shard_format._write_payload, [0]
 
     def write_then_stall(f, header, tensors):
         # On the chosen shard write only part of the file, then wait to be killed mid-write.
         if writes[0] == stall_at:
             f.write(header)
-            f.write(bytes(shards._tensor_bytes(tensors["hidden_states"]))[:1000])
+            f.write(bytes(shard_format._tensor_bytes(tensors["hidden_states"]))[:1000])
             f.flush()
             os.fsync(f.fileno())
             print("PARTIAL", flush=True)
@@ -306,7 +350,7 @@ CHILD = textwrap.dedent(
         writes[0] += 1
         real_write(f, header, tensors)
 
-    shards._write_payload = write_then_stall
+    shard_format._write_payload = write_then_stall  # what write_shard calls
     shards.extract_partition(
         model, rows, out_dir, [1, 3, 5], rows_per_shard=3, max_tokens_per_batch=64,
         progress_cb=lambda e: print(json.dumps(e), flush=True), model_name="tiny",
@@ -323,7 +367,14 @@ def test_kill_during_extraction_then_resume_is_byte_identical(tiny_dir, tmp_path
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
     def start(out, stall_at):
-        args = [sys.executable, str(tmp_path / "child.py"), str(tiny_dir), str(tmp_path / "rows.json"), str(out), str(stall_at)]
+        args = [
+            sys.executable,
+            str(tmp_path / "child.py"),
+            str(tiny_dir),
+            str(tmp_path / "rows.json"),
+            str(out),
+            str(stall_at),
+        ]
         return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
     reference = start(tmp_path / "ref", -1)  # uninterrupted, runs alongside the killed one
@@ -352,7 +403,10 @@ def test_kill_during_extraction_then_resume_is_byte_identical(tiny_dir, tmp_path
     # Also leave a truncated file under the final name, as a non-atomic copy would: it must be redone.
     (run / "shard-00002.safetensors").write_bytes(partial[0].read_bytes())
     assert not validate_shard(run / "shard-00002.safetensors")
-    kept = {n: ((run / n).stat().st_ino, (run / n).stat().st_mtime_ns) for n in ("shard-00000.safetensors", "shard-00001.safetensors")}
+    kept = {
+        n: ((run / n).stat().st_ino, (run / n).stat().st_mtime_ns)
+        for n in ("shard-00000.safetensors", "shard-00001.safetensors")
+    }
 
     resume = start(run, -1)
     out, err = resume.communicate(timeout=300)

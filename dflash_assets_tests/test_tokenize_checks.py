@@ -11,8 +11,13 @@ import polars as pl
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_assets.assets.tokenized import (CHECK_RETOKENIZED, CHECK_ROUNDTRIP, TokenizeConfig, run_checks,
-                                            tokenize_stage)
+from dflash_assets.assets.tokenized import (
+    CHECK_RETOKENIZED,
+    CHECK_ROUNDTRIP,
+    TokenizeConfig,
+    run_checks,
+    tokenize_stage,
+)
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.records import rows_to_frame
 from dflash_assets.settings import GenerationSettings
@@ -30,12 +35,24 @@ def tok():
 def row(index: int, content: str, output_token_ids=None, completion_tokens: int = 0) -> dict:
     settings = GenerationSettings(max_output_tokens=64)
     return {
-        "index": index, "prompt_id": f"t:{index}", "source": "t", "reasoning_content": None, "content": content,
-        "finish_reason": "stop", "prompt_tokens": 10, "completion_tokens": completion_tokens,
-        "output_token_ids": output_token_ids, "truncated_in_reasoning": False, "empty_answer": False,
-        "max_output_tokens": 64, "settings_fingerprint": settings.sampling_fingerprint(),
-        "settings": json.dumps(settings.model_dump(), sort_keys=True), "latency_s": 0.1, "server": "t",
-        "attempts": 1, "error": None,
+        "index": index,
+        "prompt_id": f"t:{index}",
+        "source": "t",
+        "reasoning_content": None,
+        "content": content,
+        "finish_reason": "stop",
+        "prompt_tokens": 10,
+        "completion_tokens": completion_tokens,
+        "output_token_ids": output_token_ids,
+        "truncated_in_reasoning": False,
+        "empty_answer": False,
+        "max_output_tokens": 64,
+        "settings_fingerprint": settings.sampling_fingerprint(),
+        "settings": json.dumps(settings.model_dump(), sort_keys=True),
+        "latency_s": 0.1,
+        "server": "t",
+        "attempts": 1,
+        "error": None,
     }
 
 
@@ -56,17 +73,21 @@ def test_roundtrip_and_length_checks_flag_the_right_rows(tmp_path, tok):
     enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rows = [
         row(0, "Hello world.", completion_tokens=len(enc("Hello world.")) + 1),  # re-tokenized: round-trips
-        row(1, "Hello world.", output_token_ids=enc("Goodbye world.")),    # server ids of other text: flagged
+        row(1, "Hello world.", output_token_ids=enc("Goodbye world.")),  # server ids of other text: flagged
         row(2, "Hello   world.\n", output_token_ids=enc("Hello world.")),  # whitespace differs only: passes
         row(3, "A much longer answer " * 20, output_token_ids=enc("Wrong " * 80)),  # wrong but cut: not checked
         row(4, "Count me.", completion_tokens=len(enc("Count me.")) + 1),  # re-tokenized: length differs (+ end)
         row(5, "Also fine.", completion_tokens=len(enc("Also fine.")) + 3),
     ]
     completions = rows_to_frame(rows)
-    prompts = pl.DataFrame({"index": list(range(6)), "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(6)]})
+    prompts = pl.DataFrame(
+        {"index": list(range(6)), "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(6)]}
+    )
     config = TokenizeConfig(max_length=60, over_max_length="cut")
     store = Storage(str(tmp_path))
-    tokenized, aside, counts, uri, version, checks = tokenize_stage(store, PK, completions, prompts, SequenceBuilder(tok), config, 64)
+    tokenized, _aside, counts, _uri, version, checks = tokenize_stage(
+        store, PK, completions, prompts, SequenceBuilder(tok), config, 64
+    )
     assert counts["kept"] == 6 and counts["cut"] == 1 and tokenized.filter(pl.col("cut"))["index"].to_list() == [3]
     by_name = {c.check_name: c for c in checks}
     assert not by_name[CHECK_ROUNDTRIP].passed
@@ -102,15 +123,20 @@ def test_table_decode_equals_the_rust_decoder(tok):
     table = byte_level_token_bytes(tok)
     assert table is not None and len(table) == len(tok.backend_tokenizer.get_vocab(with_added_tokens=True))
     rng = random.Random(7)
-    texts = ["héllo wörld 你好 😀 <|im_end|> tabs\t\tand\n\nnewlines  double  spaces",
-             "".join(chr(rng.randint(32, 0x2FFF)) for _ in range(400))]
+    texts = [
+        "héllo wörld 你好 😀 <|im_end|> tabs\t\tand\n\nnewlines  double  spaces",
+        "".join(chr(rng.randint(32, 0x2FFF)) for _ in range(400)),
+    ]
     runs = [tok.backend_tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
     runs += [[rng.randrange(len(table)) for _ in range(rng.randint(1, 30))] for _ in range(200)]
     runs.append(runs[0] + [builder.end_token_id])
     flat = np.array([i for run in runs for i in run])
     ends = np.cumsum([len(run) for run in runs])
-    spans = [(int(e) - len(run), int(e), "stop" if k == len(runs) - 1 else "length") for k, (run, e) in enumerate(zip(runs, ends))]
-    expected = tok.backend_tokenizer.decode_batch(runs[:-1] + [runs[0]], skip_special_tokens=False)
+    spans = [
+        (int(e) - len(run), int(e), "stop" if k == len(runs) - 1 else "length")
+        for k, (run, e) in enumerate(zip(runs, ends))
+    ]
+    expected = tok.backend_tokenizer.decode_batch([*runs[:-1], runs[0]], skip_special_tokens=False)
     assert builder.decode_spans(flat, spans) == expected
     assert builder.decode_spans(flat, spans)[0] == texts[0]
 

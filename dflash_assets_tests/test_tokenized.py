@@ -9,8 +9,8 @@ from pathlib import Path
 
 import dagster as dg
 import polars as pl
-import torch
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from dflash_assets.assets.completions import completions
@@ -31,10 +31,18 @@ END = "<|im_end|>"
 CAP = 32
 # short questions SmolLM2 answers within the cap (stop rows) and open tasks it cannot finish (length rows)
 SERVED_PROMPTS = [
-    "Say hello.", "What is 2+2? Reply with just the number.", "Name a color.", "Write a haiku about the sea.",
-    "Translate 'good morning' to French.", "Write a long essay about the history of Rome.", "List three fruits.",
-    "What is the capital of France?", "Write a Python function that adds two numbers.",
-    "Explain recursion in detail with several examples.", "Say goodbye.", "What is 10 times 3?",
+    "Say hello.",
+    "What is 2+2? Reply with just the number.",
+    "Name a color.",
+    "Write a haiku about the sea.",
+    "Translate 'good morning' to French.",
+    "Write a long essay about the history of Rome.",
+    "List three fruits.",
+    "What is the capital of France?",
+    "Write a Python function that adds two numbers.",
+    "Explain recursion in detail with several examples.",
+    "Say goodbye.",
+    "What is 10 times 3?",
 ]
 SERVED_PK = f"0000000-{len(SERVED_PROMPTS) - 1:07d}"
 
@@ -45,8 +53,11 @@ def smol_tokenizer():
 
 
 def _checks(result) -> dict[str, bool]:
-    return {e.event_specific_data.check_name: e.event_specific_data.passed
-            for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+    return {
+        e.event_specific_data.check_name: e.event_specific_data.passed
+        for e in result.all_events
+        if e.event_type_value == "ASSET_CHECK_EVALUATION"
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -60,16 +71,27 @@ def served(local_inference, tmp_path_factory):
     source = root / "prompts.jsonl"
     source.write_text("\n".join(json.dumps({"prompt": p}) for p in SERVED_PROMPTS))
     resources = {
-        "storage": StorageResource(root=str(root)), "inference": local_inference,
-        "generation": GenerationResource(max_output_tokens=CAP), "target_model": TargetModelResource(),
+        "storage": StorageResource(root=str(root)),
+        "inference": local_inference,
+        "generation": GenerationResource(max_output_tokens=CAP),
+        "target_model": TargetModelResource(),
     }
     with dg.instance_for_test() as instance:
         corpus_config = {"sources": [str(source)], "partition_size": len(SERVED_PROMPTS)}
-        assert dg.materialize([prompt_corpus], instance=instance, resources=resources,
-                              run_config={"ops": {"prompt_corpus": {"config": corpus_config}}}).success
-        result = dg.materialize([completions, tokenized_sequences], instance=instance, resources=resources,
-                                partition_key=SERVED_PK, raise_on_error=False,
-                                run_config={"ops": {"tokenized_sequences": {"config": {"truncated": "keep"}}}})
+        assert dg.materialize(
+            [prompt_corpus],
+            instance=instance,
+            resources=resources,
+            run_config={"ops": {"prompt_corpus": {"config": corpus_config}}},
+        ).success
+        result = dg.materialize(
+            [completions, tokenized_sequences],
+            instance=instance,
+            resources=resources,
+            partition_key=SERVED_PK,
+            raise_on_error=False,
+            run_config={"ops": {"tokenized_sequences": {"config": {"truncated": "keep"}}}},
+        )
     assert result.success
     return {
         "checks": _checks(result),
@@ -92,7 +114,11 @@ def test_served_completions_rebuild_independently(served, smol_tokenizer):
     blocking = {k: v for k, v in served["checks"].items() if k != "retokenized_length_matches_server"}
     assert all(blocking.values()) and len(blocking) == 4
     # the warn-only check flags exactly the rows whose re-tokenized length differs from the server's count
-    differ = sorted(t["index"] for t in tokenized.iter_rows(named=True) if t["num_loss_tokens"] != rows[t["index"]]["completion_tokens"])
+    differ = sorted(
+        t["index"]
+        for t in tokenized.iter_rows(named=True)
+        if t["num_loss_tokens"] != rows[t["index"]]["completion_tokens"]
+    )
     assert served["checks"]["retokenized_length_matches_server"] == (not differ)
 
     for t in tokenized.iter_rows(named=True):
@@ -119,30 +145,56 @@ def test_served_completions_rebuild_independently(served, smol_tokenizer):
 # ------------------------------------------------------------------------------------------------
 # 2. a thinking template (Qwen3 layout)
 
+
 def thinking_tokenizer(tmp_path: Path, opens_think: bool):
     """SmolLM2's tokenizer with thinking markers (:func:`write_thinking_tokenizer`), loaded."""
     return AutoTokenizer.from_pretrained(write_thinking_tokenizer(tmp_path, opens_think))
 
 
-def completion_row(index: int, content: str | None, finish_reason: str = "stop", reasoning: str | None = None,
-                   enable_thinking: bool = True, truncated_in_reasoning: bool = False, error: str | None = None,
-                   completion_tokens: int = 10) -> dict:
+def completion_row(
+    index: int,
+    content: str | None,
+    finish_reason: str = "stop",
+    reasoning: str | None = None,
+    enable_thinking: bool = True,
+    truncated_in_reasoning: bool = False,
+    error: str | None = None,
+    completion_tokens: int = 10,
+) -> dict:
     settings = GenerationSettings(max_output_tokens=64, enable_thinking=enable_thinking)
     return {
-        "index": index, "prompt_id": f"t:{index}", "source": "t", "reasoning_content": reasoning, "content": content,
-        "finish_reason": finish_reason, "prompt_tokens": 10, "completion_tokens": completion_tokens,
-        "output_token_ids": None, "truncated_in_reasoning": truncated_in_reasoning,
-        "empty_answer": not (content or "").strip(), "max_output_tokens": 64,
-        "settings_fingerprint": settings.sampling_fingerprint(), "settings": json.dumps(settings.model_dump(), sort_keys=True),
-        "latency_s": 0.1, "server": "test", "attempts": 1, "error": error,
+        "index": index,
+        "prompt_id": f"t:{index}",
+        "prompt_hash": f"h{index}",
+        "source": "t",
+        "reasoning_content": reasoning,
+        "content": content,
+        "finish_reason": finish_reason,
+        "prompt_tokens": 10,
+        "completion_tokens": completion_tokens,
+        "output_token_ids": None,
+        "truncated_in_reasoning": truncated_in_reasoning,
+        "empty_answer": not (content or "").strip(),
+        "max_output_tokens": 64,
+        "settings_fingerprint": settings.sampling_fingerprint(),
+        "settings": json.dumps(settings.model_dump(), sort_keys=True),
+        "latency_s": 0.1,
+        "server": "test",
+        "attempts": 1,
+        "error": error,
     }
 
 
 def corpus_frame(questions: dict[int, str]) -> pl.DataFrame:
-    return pl.DataFrame({
-        "index": list(questions), "prompt_id": [f"t:{i}" for i in questions], "source": ["t"] * len(questions),
-        "messages": [[{"role": "user", "content": q}] for q in questions.values()],
-    })
+    return pl.DataFrame(
+        {
+            "index": list(questions),
+            "prompt_id": [f"t:{i}" for i in questions],
+            "source": ["t"] * len(questions),
+            "messages": [[{"role": "user", "content": q}] for q in questions.values()],
+            "content_hash": [f"h{i}" for i in questions],  # completion_row's prompt_hash: the rows answer these prompts
+        }
+    )
 
 
 @pytest.mark.parametrize("opens_think", [False, True], ids=["qwen3_prompt_without_think", "prompt_ends_with_think"])
@@ -150,14 +202,17 @@ def test_thinking_masks_cover_generated_reasoning_markers_and_answer(tmp_path, o
     tok = thinking_tokenizer(tmp_path, opens_think)
     think_open, think_close, end_id = (tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>", END))
     questions = {0: "What is 2+3?", 1: "Count to ten.", 2: "Say hi.", 3: "Say bye."}
-    rows = rows_to_frame([
-        completion_row(0, "5", reasoning="Let me add 2 and 3. That is 5."),
-        completion_row(1, "", "length", reasoning="First, consider the", truncated_in_reasoning=True),
-        completion_row(2, "Hi there.", enable_thinking=False),
-        completion_row(3, "Bye.", reasoning="should not be here", enable_thinking=False),
-    ])
-    out, aside, counts = tokenize_partition(rows, corpus_frame(questions), SequenceBuilder(tok),
-                                            TokenizePolicy(truncated="keep"))
+    rows = rows_to_frame(
+        [
+            completion_row(0, "5", reasoning="Let me add 2 and 3. That is 5."),
+            completion_row(1, "", "length", reasoning="First, consider the", truncated_in_reasoning=True),
+            completion_row(2, "Hi there.", enable_thinking=False),
+            completion_row(3, "Bye.", reasoning="should not be here", enable_thinking=False),
+        ]
+    )
+    out, aside, counts = tokenize_partition(
+        rows, corpus_frame(questions), SequenceBuilder(tok), TokenizePolicy(truncated="keep")
+    )
     assert dict(counts) == {"kept": 3, "tokenization_errors": 1}
     # reasoning under enable_thinking=false is refused, never guessed into some layout
     assert aside["index"].to_list() == [3] and "enable_thinking=false" in aside["reason"][0]
@@ -168,7 +223,11 @@ def test_thinking_masks_cover_generated_reasoning_markers_and_answer(tmp_path, o
 
     gen_open = "" if opens_think else "<think>\n"  # the model generated <think> only when the prompt lacks it
     expected = {  # (prompt text the template renders, text the model generated, ends with <|im_end|>)
-        0: (user(questions[0]) + ("<think>\n" if opens_think else ""), f"{gen_open}Let me add 2 and 3. That is 5.\n</think>\n\n5", True),
+        0: (
+            user(questions[0]) + ("<think>\n" if opens_think else ""),
+            f"{gen_open}Let me add 2 and 3. That is 5.\n</think>\n\n5",
+            True,
+        ),
         1: (user(questions[1]) + ("<think>\n" if opens_think else ""), f"{gen_open}First, consider the", False),
         2: (user(questions[2]) + "<think>\n\n</think>\n\n", "Hi there.", True),
     }
@@ -184,7 +243,7 @@ def test_thinking_masks_cover_generated_reasoning_markers_and_answer(tmp_path, o
         # template-rendered markers are never supervised; generated ones always are
         prompt_part = r["input_ids"][: r["prompt_len"]]
         assert (think_open in supervised) == (index in (0, 1) and not opens_think)
-        assert (think_open in prompt_part) == (index == 2 or opens_think and index in (0, 1))
+        assert (think_open in prompt_part) == (index == 2 or (opens_think and index in (0, 1)))
         assert (think_close in supervised) == (index == 0)
     # truncated inside the reasoning: <think> (when generated) + reasoning, no </think>, no end token
     assert by_index[1]["input_ids"][-1] != end_id and by_index[1]["finish_reason"] == "length"
@@ -192,7 +251,9 @@ def test_thinking_masks_cover_generated_reasoning_markers_and_answer(tmp_path, o
 
 def test_reasoning_without_think_tokens_is_an_error(smol_tokenizer):
     rows = rows_to_frame([completion_row(0, "5", reasoning="2+3 is 5")])
-    out, aside, counts = tokenize_partition(rows, corpus_frame({0: "What is 2+3?"}), SequenceBuilder(smol_tokenizer), TokenizePolicy())
+    out, aside, counts = tokenize_partition(
+        rows, corpus_frame({0: "What is 2+3?"}), SequenceBuilder(smol_tokenizer), TokenizePolicy()
+    )
     assert out.height == 0 and dict(counts) == {"tokenization_errors": 1}
     assert "no <think>/</think> tokens" in aside["reason"][0]
 
@@ -220,21 +281,37 @@ def tiny_target(tmp_path_factory) -> str:
     src = ensure_local_model()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(src / name, path / name)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
 
 
 def run_stages(root: Path, pk: str, assets, target: str, tokenize_config: dict | None = None):
-    resources = {"storage": StorageResource(root=str(root)), "target_model": TargetModelResource(model_path=target),
-                 "generation": GenerationResource(max_output_tokens=64)}
+    resources = {
+        "storage": StorageResource(root=str(root)),
+        "target_model": TargetModelResource(model_path=target),
+        "generation": GenerationResource(max_output_tokens=64),
+    }
     run_config = {"ops": {"tokenized_sequences": {"config": tokenize_config or {}}}}
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(prompt_ranges.name, [pk])
-        result = dg.materialize(assets, instance=instance, resources=resources, partition_key=pk,
-                                run_config=run_config, raise_on_error=False)
+        result = dg.materialize(
+            assets,
+            instance=instance,
+            resources=resources,
+            partition_key=pk,
+            run_config=run_config,
+            raise_on_error=False,
+        )
         materialized = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
         hidden_latest = instance.get_latest_materialization_event(dg.AssetKey("hidden_states"))
     return result, materialized, hidden_latest
@@ -246,7 +323,9 @@ QUESTIONS = {i: f"Question number {i}: tell me something." for i in range(8)}
 def test_empty_answers_block_hidden_states_and_healthy_partition_passes(tmp_path, tiny_target):
     empty = [completion_row(i, "", completion_tokens=1) for i in QUESTIONS]
     pk = write_partition(tmp_path / "empty", QUESTIONS, empty)
-    result, materialized, hidden_latest = run_stages(tmp_path / "empty", pk, [tokenized_sequences, hidden_states], tiny_target)
+    result, materialized, hidden_latest = run_stages(
+        tmp_path / "empty", pk, [tokenized_sequences, hidden_states], tiny_target
+    )
     checks = _checks(result)
     assert checks[CHECK_DEGENERATE] is False  # every row supervises exactly 1 token (the end token)
     assert not result.success
@@ -257,7 +336,9 @@ def test_empty_answers_block_hidden_states_and_healthy_partition_passes(tmp_path
 
     healthy = [completion_row(i, " ".join(["word"] * (3 + 4 * i)) + ".") for i in QUESTIONS]
     pk = write_partition(tmp_path / "healthy", QUESTIONS, healthy)
-    result, materialized, hidden_latest = run_stages(tmp_path / "healthy", pk, [tokenized_sequences, hidden_states], tiny_target)
+    result, materialized, hidden_latest = run_stages(
+        tmp_path / "healthy", pk, [tokenized_sequences, hidden_states], tiny_target
+    )
     checks = _checks(result)
     # blocking checks pass; the warn-only token-count check fails here because these synthetic rows claim 10 tokens
     assert result.success and all(v for k, v in checks.items() if k != "retokenized_length_matches_server")
@@ -275,17 +356,23 @@ def test_row_policies_counted_in_metadata(tmp_path, smol_tokenizer, tiny_target)
     questions = {i: f"Question {i}?" for i in range(9)}
     questions[8] = "Read this: " + " ".join(f"fact{i}" for i in range(200))  # the prompt alone exceeds max_length
     rows = [
-        completion_row(0, "Short answer."), completion_row(1, "Another short one, a bit longer."), completion_row(2, "Yes."),
-        completion_row(3, "Cut off in the mid", "length"), completion_row(4, "Also cut", "length"),
+        completion_row(0, "Short answer."),
+        completion_row(1, "Another short one, a bit longer."),
+        completion_row(2, "Yes."),
+        completion_row(3, "Cut off in the mid", "length"),
+        completion_row(4, "Also cut", "length"),
         completion_row(5, None, None, error="HTTP 500 after 5 attempts"),
-        completion_row(6, long_answer), completion_row(7, long_answer + " more"), completion_row(8, "Ok."),
+        completion_row(6, long_answer),
+        completion_row(7, long_answer + " more"),
+        completion_row(8, "Ok."),
     ]
     # independent lengths: which rows exceed max_length
     lengths = {}
     for r in rows:
         if r["error"] is None:
-            prompt_ids = smol_tokenizer.apply_chat_template([{"role": "user", "content": questions[r["index"]]}],
-                                                            add_generation_prompt=True, return_dict=False)
+            prompt_ids = smol_tokenizer.apply_chat_template(
+                [{"role": "user", "content": questions[r["index"]]}], add_generation_prompt=True, return_dict=False
+            )
             reply = smol_tokenizer.encode(r["content"], add_special_tokens=False)
             lengths[r["index"]] = (len(prompt_ids), len(prompt_ids) + len(reply) + (r["finish_reason"] == "stop"))
     assert {i for i, (_, n) in lengths.items() if n > max_length} == {6, 7, 8}
@@ -302,8 +389,13 @@ def test_row_policies_counted_in_metadata(tmp_path, smol_tokenizer, tiny_target)
     assert aside.filter(pl.col("index") == 5)["reason"][0].startswith("error row: HTTP 500")
 
     pk = write_partition(tmp_path / "keep", questions, rows)
-    result, _, _ = run_stages(tmp_path / "keep", pk, [tokenized_sequences], tiny_target,
-                              {"max_length": max_length, "truncated": "keep", "over_max_length": "cut"})
+    result, _, _ = run_stages(
+        tmp_path / "keep",
+        pk,
+        [tokenized_sequences],
+        tiny_target,
+        {"max_length": max_length, "truncated": "keep", "over_max_length": "cut"},
+    )
     assert result.success
     meta = result.asset_materializations_for_node("tokenized_sequences")[0].metadata
     # row 8 cannot be cut: its prompt alone is longer than max_length
@@ -325,20 +417,30 @@ def test_server_token_ids_are_used_as_returned(smol_tokenizer):
     end_id = tok.convert_tokens_to_ids(END)
     odd = tok.encode("Hel", add_special_tokens=False) + tok.encode("lo", add_special_tokens=False)  # not canonical
     assert odd != tok.encode("Hello", add_special_tokens=False)
-    rows = [completion_row(0, "Hello"), completion_row(1, "Hello"), completion_row(2, "Hello"),
-            completion_row(3, "Hello", "length")]
+    rows = [
+        completion_row(0, "Hello"),
+        completion_row(1, "Hello"),
+        completion_row(2, "Hello"),
+        completion_row(3, "Hello", "length"),
+    ]
     rows[0]["output_token_ids"] = odd
     rows[2]["output_token_ids"] = [*odd, end_id]
     rows[3]["output_token_ids"] = odd
     questions = {i: f"Say hello {i}." for i in range(4)}
-    out, _, counts = tokenize_partition(rows_to_frame(rows), corpus_frame(questions), SequenceBuilder(tok),
-                                        TokenizePolicy(truncated="keep"))
+    out, _, counts = tokenize_partition(
+        rows_to_frame(rows), corpus_frame(questions), SequenceBuilder(tok), TokenizePolicy(truncated="keep")
+    )
     assert counts["kept"] == 4
-    expected_tail = {0: [*odd, end_id], 1: tok.encode("Hello", add_special_tokens=False) + [end_id],
-                     2: [*odd, end_id], 3: odd}
+    expected_tail = {
+        0: [*odd, end_id],
+        1: [*tok.encode("Hello", add_special_tokens=False), end_id],
+        2: [*odd, end_id],
+        3: odd,
+    }
     for r in out.iter_rows(named=True):
-        prompt_ids = tok.apply_chat_template([{"role": "user", "content": questions[r["index"]]}],
-                                             add_generation_prompt=True, return_dict=False)
+        prompt_ids = tok.apply_chat_template(
+            [{"role": "user", "content": questions[r["index"]]}], add_generation_prompt=True, return_dict=False
+        )
         assert r["input_ids"] == prompt_ids + expected_tail[r["index"]]
         assert r["loss_mask"] == [0] * len(prompt_ids) + [1] * len(expected_tail[r["index"]])
 
@@ -362,13 +464,15 @@ def test_gpu_config_cuts_long_thinking_rows_instead_of_setting_them_aside(tmp_pa
     tok = thinking_tokenizer(tmp_path, opens_think=True)
     long_text = " ".join(f"step {i} of the plan" for i in range(1500))  # > 4,096 tokens
     questions = {i: f"Hard task number {i}." for i in range(5)}
-    rows = rows_to_frame([
-        completion_row(0, "Done.", reasoning=long_text),  # finished, longer than max_length
-        completion_row(1, "", "length", reasoning=long_text, truncated_in_reasoning=True),  # cut by the cap
-        completion_row(2, "", "length", reasoning=long_text + " and more", truncated_in_reasoning=True),
-        completion_row(3, "Short, but with room for a block of 16.", reasoning="An easy one. " * 8),
-        completion_row(4, long_text, "length", reasoning="Thought."),  # cut by the cap in the answer
-    ])
+    rows = rows_to_frame(
+        [
+            completion_row(0, "Done.", reasoning=long_text),  # finished, longer than max_length
+            completion_row(1, "", "length", reasoning=long_text, truncated_in_reasoning=True),  # cut by the cap
+            completion_row(2, "", "length", reasoning=long_text + " and more", truncated_in_reasoning=True),
+            completion_row(3, "Short, but with room for a block of 16.", reasoning="An easy one. " * 8),
+            completion_row(4, long_text, "length", reasoning="Thought."),  # cut by the cap in the answer
+        ]
+    )
     policy = TokenizePolicy(settings.max_length, settings.truncated, settings.over_max_length)
     out, aside, counts = tokenize_partition(rows, corpus_frame(questions), SequenceBuilder(tok), policy)
     assert aside.height == 0, aside.to_dicts()  # no row set aside, for length or anything else
@@ -378,11 +482,18 @@ def test_gpu_config_cuts_long_thinking_rows_instead_of_setting_them_aside(tmp_pa
     assert lengths[:3] == [4096] * 3 and lengths[4] == 4096 and lengths[3] < 4096
     for r in out.iter_rows(named=True):  # the cut keeps the prefix: prompt unsupervised, the rest supervised
         assert r["loss_mask"] == [0] * r["prompt_len"] + [1] * (len(r["input_ids"]) - r["prompt_len"])
-    train_rows = TokenizedRows([{"index": r["index"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
-                                for r in out.iter_rows(named=True)], max_length=drafter.max_length,
-                               block_size=drafter.block_size)
+    train_rows = TokenizedRows(
+        [
+            {"index": r["index"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
+            for r in out.iter_rows(named=True)
+        ],
+        max_length=drafter.max_length,
+        block_size=drafter.block_size,
+    )
     assert len(train_rows) == 5 and train_rows.dropped_rows == 0
     assert train_rows.num_tokens == sum(lengths)
     # the settings this replaced (3,072, drop, drop) set all but the short row aside
-    _, old_aside, _ = tokenize_partition(rows, corpus_frame(questions), SequenceBuilder(tok), TokenizePolicy(3072, "drop", "drop"))
+    _, old_aside, _ = tokenize_partition(
+        rows, corpus_frame(questions), SequenceBuilder(tok), TokenizePolicy(3072, "drop", "drop")
+    )
     assert sorted(old_aside["index"].to_list()) == [0, 1, 2, 4]

@@ -47,23 +47,29 @@ def write_partitions(root: Path) -> list[str]:
     (root / "completions").mkdir(parents=True)
     for p, pk in enumerate(keys):
         values = [row_values(p * ROWS + r) for r in range(ROWS)]
-        text = rng.integers(33, 127, size=ROWS * (REASONING_CHARS + ANSWER_CHARS), dtype=np.uint8).tobytes().decode("ascii")
+        text = (
+            rng.integers(33, 127, size=ROWS * (REASONING_CHARS + ANSWER_CHARS), dtype=np.uint8)
+            .tobytes()
+            .decode("ascii")
+        )
         step = REASONING_CHARS + ANSWER_CHARS
-        table = pa.table({
-            "index": pa.array(range(p * ROWS, (p + 1) * ROWS), pa.int64()),
-            "prompt_id": [f"p{p * ROWS + r}" for r in range(ROWS)],
-            "source": [v["source"] for v in values],
-            "reasoning_content": [text[r * step: r * step + REASONING_CHARS] for r in range(ROWS)],
-            "content": [text[r * step + REASONING_CHARS: (r + 1) * step] for r in range(ROWS)],
-            "finish_reason": [v["finish_reason"] for v in values],
-            "prompt_tokens": pa.array([20] * ROWS, pa.int64()),
-            "completion_tokens": pa.array([v["completion_tokens"] for v in values], pa.int64()),
-            "output_token_ids": pa.array([None] * ROWS, pa.list_(pa.int32())),
-            "truncated_in_reasoning": [v["truncated_in_reasoning"] for v in values],
-            "empty_answer": [v["empty_answer"] for v in values],
-            "max_output_tokens": pa.array([CAP] * ROWS, pa.int64()),
-            "error": pa.array([v["error"] for v in values], pa.string()),
-        })
+        table = pa.table(
+            {
+                "index": pa.array(range(p * ROWS, (p + 1) * ROWS), pa.int64()),
+                "prompt_id": [f"p{p * ROWS + r}" for r in range(ROWS)],
+                "source": [v["source"] for v in values],
+                "reasoning_content": [text[r * step : r * step + REASONING_CHARS] for r in range(ROWS)],
+                "content": [text[r * step + REASONING_CHARS : (r + 1) * step] for r in range(ROWS)],
+                "finish_reason": [v["finish_reason"] for v in values],
+                "prompt_tokens": pa.array([20] * ROWS, pa.int64()),
+                "completion_tokens": pa.array([v["completion_tokens"] for v in values], pa.int64()),
+                "output_token_ids": pa.array([None] * ROWS, pa.list_(pa.int32())),
+                "truncated_in_reasoning": [v["truncated_in_reasoning"] for v in values],
+                "empty_answer": [v["empty_answer"] for v in values],
+                "max_output_tokens": pa.array([CAP] * ROWS, pa.int64()),
+                "error": pa.array([v["error"] for v in values], pa.string()),
+            }
+        )
         pq.write_table(table, root / "completions" / f"{pk}.parquet", compression="zstd")
     return keys
 
@@ -77,12 +83,15 @@ def expected_stats() -> dict:
         mine = [r for r in ok if r["source"] == src]
         per_source[src] = sum(r["finish_reason"] == "length" for r in mine) / len(mine)
     return {
-        "rows": len(rows), "errors": len(rows) - len(ok),
+        "rows": len(rows),
+        "errors": len(rows) - len(ok),
         "finish_reasons": dict(sorted(Counter(r["finish_reason"] for r in ok).items())),
         "truncation_rate": sum(r["finish_reason"] == "length" for r in ok) / len(ok),
         "truncated_in_reasoning": sum(r["truncated_in_reasoning"] for r in ok),
         "empty_answer": sum(r["empty_answer"] for r in ok),
-        "per_source": per_source, "tokens_total": sum(tokens), "tokens_max": max(tokens),
+        "per_source": per_source,
+        "tokens_total": sum(tokens),
+        "tokens_max": max(tokens),
     }
 
 
@@ -91,12 +100,19 @@ def test_report_peak_memory_on_100k_rows_of_6kb_text(tmp_path):
     keys = write_partitions(root)
     text_bytes = PARTITIONS * ROWS * (REASONING_CHARS + ANSWER_CHARS)
     on_disk = sum(f.stat().st_size for f in (root / "completions").iterdir())
-    out = subprocess.run([sys.executable, "-m", "dflash_assets_tests.test_truncation_memory", str(root), str(CAP), ",".join(keys)],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT_DIR)
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_assets_tests.test_truncation_memory", str(root), str(CAP), ",".join(keys)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT_DIR,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"text {text_bytes / 1e6:.0f} MB, parquet {on_disk / 1e6:.0f} MB, peak RSS {measured['peak_rss_mb']:.0f} MB "
-          f"(after imports {measured['rss_after_imports_mb']:.0f} MB)")
+    print(
+        f"text {text_bytes / 1e6:.0f} MB, parquet {on_disk / 1e6:.0f} MB, peak RSS {measured['peak_rss_mb']:.0f} MB "
+        f"(after imports {measured['rss_after_imports_mb']:.0f} MB)"
+    )
     assert measured["peak_rss_mb"] < 1000
     # and the growth over the imports is a fraction of the text: reading every column peaked at 975 MB
     # here (766 MB over the imports; measured 2026-12-01, 2 cores), reading the report's columns at ~275 MB
@@ -107,9 +123,15 @@ def test_report_peak_memory_on_100k_rows_of_6kb_text(tmp_path):
     assert report["rows"] == want["rows"] and report["errors"] == want["errors"]
     assert report["finish_reasons"] == want["finish_reasons"]
     assert abs(report["truncation_rate"] - want["truncation_rate"]) < 1e-12
-    assert report["truncated_in_reasoning"] == want["truncated_in_reasoning"] and report["empty_answer"] == want["empty_answer"]
+    assert (
+        report["truncated_in_reasoning"] == want["truncated_in_reasoning"]
+        and report["empty_answer"] == want["empty_answer"]
+    )
     assert {k: v["rate"] for k, v in report["per_source"].items()} == want["per_source"]
-    assert report["completion_tokens"]["total"] == want["tokens_total"] and report["completion_tokens"]["max"] == want["tokens_max"]
+    assert (
+        report["completion_tokens"]["total"] == want["tokens_total"]
+        and report["completion_tokens"]["max"] == want["tokens_max"]
+    )
     assert report["partitions_included"] == keys and report["partitions_missing"] == []
 
 

@@ -25,20 +25,39 @@ from dflash_assets.settings import GenerationSettings
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def make_row(index: int, source: str, tokens: int | None, finish_reason: str | None, cap: int, *,
-             reasoning: str | None = None, answer: str | None = "ok", error: str | None = None) -> dict:
+def make_row(
+    index: int,
+    source: str,
+    tokens: int | None,
+    finish_reason: str | None,
+    cap: int,
+    *,
+    reasoning: str | None = None,
+    answer: str | None = "ok",
+    error: str | None = None,
+) -> dict:
     """One completions row (COMPLETIONS_SCHEMA) with the fields the report reads."""
     settings = GenerationSettings(max_output_tokens=cap)
     truncated_in_reasoning = error is None and finish_reason == "length" and reasoning is not None and not answer
     return {
-        "index": index, "prompt_id": f"{source}:{index}", "source": source,
-        "reasoning_content": reasoning, "content": None if error else (answer or ""),
-        "finish_reason": finish_reason, "prompt_tokens": None if error else 20, "completion_tokens": tokens,
-        "output_token_ids": None, "truncated_in_reasoning": truncated_in_reasoning,
+        "index": index,
+        "prompt_id": f"{source}:{index}",
+        "source": source,
+        "reasoning_content": reasoning,
+        "content": None if error else (answer or ""),
+        "finish_reason": finish_reason,
+        "prompt_tokens": None if error else 20,
+        "completion_tokens": tokens,
+        "output_token_ids": None,
+        "truncated_in_reasoning": truncated_in_reasoning,
         "empty_answer": error is None and not (answer or "").strip(),
-        "max_output_tokens": cap, "settings_fingerprint": settings.sampling_fingerprint(),
-        "settings": json.dumps(settings.model_dump(), sort_keys=True), "latency_s": 1.0,
-        "server": "http://s0/v1", "attempts": 1, "error": error,
+        "max_output_tokens": cap,
+        "settings_fingerprint": settings.sampling_fingerprint(),
+        "settings": json.dumps(settings.model_dump(), sort_keys=True),
+        "latency_s": 1.0,
+        "server": "http://s0/v1",
+        "attempts": 1,
+        "error": error,
     }
 
 
@@ -53,7 +72,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def materialize_report(instance, root, cap: int):
     result = dg.materialize(
-        [truncation_report], instance=instance,
+        [truncation_report],
+        instance=instance,
         resources={"storage": StorageResource(root=str(root)), "generation": GenerationResource(max_output_tokens=cap)},
     )
     assert result.success
@@ -87,11 +107,23 @@ def synthetic_partitions(cap: int, seed: int = 3) -> dict[str, list[dict]]:
                 rows.append(make_row(index, source, None, None, cap, answer=None, error="HTTP 500 after 5 attempts"))
             elif draw < 0.05 + 0.15 * (p + 1):  # truncation rate grows with the partition
                 in_reasoning = rng.random() < 0.5
-                rows.append(make_row(index, source, cap, "length", cap, reasoning="step one",
-                                     answer=None if in_reasoning else "partial"))
+                rows.append(
+                    make_row(
+                        index,
+                        source,
+                        cap,
+                        "length",
+                        cap,
+                        reasoning="step one",
+                        answer=None if in_reasoning else "partial",
+                    )
+                )
             elif draw < 0.7:
-                rows.append(make_row(index, source, rng.randint(5, cap), "stop", cap,
-                                     answer="" if rng.random() < 0.2 else "done"))
+                rows.append(
+                    make_row(
+                        index, source, rng.randint(5, cap), "stop", cap, answer="" if rng.random() < 0.2 else "done"
+                    )
+                )
             elif draw < 0.75:
                 rows.append(make_row(index, source, rng.randint(1, cap), "abort", cap))
             else:
@@ -138,7 +170,9 @@ def test_report_numbers_png_and_missing_partitions(tmp_path):
     for q in (50, 90, 99):
         assert ct[f"p{q}"] == pytest.approx(percentile(tokens, q))
     assert ct["max"] == max(tokens) == cap
-    in_reasoning = sum(r["finish_reason"] == "length" and r["reasoning_content"] is not None and not r["content"] for r in ok)
+    in_reasoning = sum(
+        r["finish_reason"] == "length" and r["reasoning_content"] is not None and not r["content"] for r in ok
+    )
     assert report["truncated_in_reasoning"] == in_reasoning > 0
     assert report["empty_answer"] == sum(not (r["content"] or "").strip() for r in ok) > in_reasoning
     assert meta["truncation_rate"].value == round(rate(ok), 4)
@@ -163,8 +197,13 @@ def test_report_fails_without_any_partition(tmp_path):
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(prompt_ranges.name, partition_keys(10, 5))
         result = dg.materialize(
-            [truncation_report], instance=instance, raise_on_error=False,
-            resources={"storage": StorageResource(root=str(tmp_path)), "generation": GenerationResource(max_output_tokens=8)},
+            [truncation_report],
+            instance=instance,
+            raise_on_error=False,
+            resources={
+                "storage": StorageResource(root=str(tmp_path)),
+                "generation": GenerationResource(max_output_tokens=8),
+            },
         )
     assert not result.success
 
@@ -200,9 +239,13 @@ def test_cap_advice_90pct_interval_covers_the_truth():
     n, covered, widths = 600, [], []
     for seed in range(100, 115):
         lengths = np.ceil(np.exp(np.random.default_rng(seed).normal(MU, SIGMA, n))).astype(int)
-        frame = pl.DataFrame({"completion_tokens": np.minimum(lengths, CAP),
-                              "finish_reason": np.where(lengths > CAP, "length", "stop"),
-                              "max_output_tokens": np.full(n, CAP)})
+        frame = pl.DataFrame(
+            {
+                "completion_tokens": np.minimum(lengths, CAP),
+                "finish_reason": np.where(lengths > CAP, "length", "stop"),
+                "max_output_tokens": np.full(n, CAP),
+            }
+        )
         for cand in cap_advice(frame, CAP)["candidates"][:3]:  # 1.25x, 1.5x, 2x; doublings beyond vary by sample
             lo, hi = cand["truncation_rate_90ci"]
             covered.append(lo <= float(np.mean(lengths > cand["cap"])) <= hi)
@@ -257,9 +300,12 @@ def test_cap_advice_predicts_censored_lognormal_and_reports_prediction_vs_actual
     check = report2["prediction_vs_actual"]
     predicted = next(c for c in advice["candidates"] if c["cap"] == new_cap)
     actual = float(np.mean(lengths > new_cap))
-    assert check == {"previous_cap": CAP, "new_cap": new_cap,
-                     "predicted_truncation_rate": pytest.approx(predicted["truncation_rate"]),
-                     "actual_truncation_rate": pytest.approx(actual)}
+    assert check == {
+        "previous_cap": CAP,
+        "new_cap": new_cap,
+        "predicted_truncation_rate": pytest.approx(predicted["truncation_rate"]),
+        "actual_truncation_rate": pytest.approx(actual),
+    }
     assert meta2["prediction_vs_actual"].value["actual_truncation_rate"] == pytest.approx(actual)
     assert check["predicted_truncation_rate"] == pytest.approx(actual, abs=max(0.01, 0.2 * actual))
     assert report3["prediction_vs_actual"] == check
@@ -294,8 +340,13 @@ def test_cap_advice_keeps_doubling_until_a_cap_fixes_heavy_truncation():
     cap, sigma, n = 128, 0.6, 2000
     mu = math.log(cap) + 0.6745 * sigma  # P(L > 128) = P(Z > -0.6745) = 0.75
     lengths = np.ceil(np.exp(np.random.default_rng(5).normal(mu, sigma, n))).astype(int)
-    frame = pl.DataFrame({"completion_tokens": np.minimum(lengths, cap), "finish_reason": np.where(lengths > cap, "length", "stop"),
-                          "max_output_tokens": np.full(n, cap)})
+    frame = pl.DataFrame(
+        {
+            "completion_tokens": np.minimum(lengths, cap),
+            "finish_reason": np.where(lengths > cap, "length", "stop"),
+            "max_output_tokens": np.full(n, cap),
+        }
+    )
     observed = float(np.mean(lengths > cap))
     assert 0.72 < observed < 0.78
     advice = cap_advice(frame, cap, bootstrap=20)
@@ -332,13 +383,28 @@ def test_truncation_stats_with_a_row_missing_completion_tokens():
     "cannot convert float NaN to integer"; it is now left out of the percentiles and counted as missing."""
     from dflash_assets.truncation import truncation_stats
 
-    frame = pl.DataFrame({
-        "index": [0, 1, 2, 3], "partition": ["p"] * 4, "source": ["s"] * 4, "error": [None, None, None, "boom"],
-        "finish_reason": ["stop", "length", "stop", None], "completion_tokens": [10, 32, None, None],
-        "truncated_in_reasoning": [False, False, False, None], "empty_answer": [False, False, False, None],
-    }, schema_overrides={"error": pl.String, "completion_tokens": pl.Int64})
+    frame = pl.DataFrame(
+        {
+            "index": [0, 1, 2, 3],
+            "partition": ["p"] * 4,
+            "source": ["s"] * 4,
+            "error": [None, None, None, "boom"],
+            "finish_reason": ["stop", "length", "stop", None],
+            "completion_tokens": [10, 32, None, None],
+            "truncated_in_reasoning": [False, False, False, None],
+            "empty_answer": [False, False, False, None],
+        },
+        schema_overrides={"error": pl.String, "completion_tokens": pl.Int64},
+    )
     stats = truncation_stats(frame)
-    assert stats["completion_tokens"] == {"p50": 21.0, "p90": 29.8, "p99": pytest.approx(31.78), "max": 32, "mean": 21.0, "total": 42}
+    assert stats["completion_tokens"] == {
+        "p50": 21.0,
+        "p90": 29.8,
+        "p99": pytest.approx(31.78),
+        "max": 32,
+        "mean": 21.0,
+        "total": 42,
+    }
     assert stats["completion_tokens_missing"] == 1
     assert stats["finish_reasons"] == {"length": 1, "stop": 2}
     assert stats["truncation_rate"] == pytest.approx(1 / 3)

@@ -7,6 +7,7 @@ Screenshots go to ``test-artifacts/ui/`` at the repo root.
 """
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -24,8 +25,16 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts" / "ui"
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 LOCATION = "dflash_assets_ui_test"
 STARTUP_TIMEOUT_S = 120
 
@@ -49,11 +58,17 @@ def make_dagster_home(tmp: Path) -> Path:
         "config": {"dequeue_interval_seconds": 1},
     }
     (home / "dagster.yaml").write_text(yaml.safe_dump(config))
-    workspace = {"load_from": [{"python_file": {
-        "relative_path": str(Path(__file__).with_name("ui_helpers.py")),
-        "working_directory": str(REPO),
-        "location_name": LOCATION,
-    }}]}
+    workspace = {
+        "load_from": [
+            {
+                "python_file": {
+                    "relative_path": str(Path(__file__).with_name("ui_helpers.py")),
+                    "working_directory": str(REPO),
+                    "location_name": LOCATION,
+                }
+            }
+        ]
+    }
     (home / "workspace.yaml").write_text(yaml.safe_dump(workspace))
     (home / ".nux").mkdir()
     (home / ".nux" / "nux.yaml").write_text("seen: 1\n")  # no "join the community" dialog over the page
@@ -67,17 +82,20 @@ def materialize_corpus(home: Path, partition_size: int) -> list[str]:
 
     from dflash_assets.assets.prompts import prompt_corpus
     from dflash_assets.partitions import prompt_ranges
+    from dflash_assets.pools import ensure_pool_limits
     from dflash_assets.resources.storage import StorageResource
-    from dflash_assets.status import ensure_pool_limits
 
     with dg.DagsterInstance.from_config(str(home)) as instance:
         result = dg.materialize(
-            [prompt_corpus], instance=instance,
+            [prompt_corpus],
+            instance=instance,
             resources={"storage": StorageResource(root=str(home / "dflash_data"))},
             run_config={"ops": {"prompt_corpus": {"config": {"partition_size": partition_size}}}},
         )
         assert result.success
-        ensure_pool_limits(instance)  # a no-op once prompt_corpus registers them (test_prompt_corpus_registers_the_pools)
+        ensure_pool_limits(
+            instance
+        )  # a no-op once prompt_corpus registers them (test_prompt_corpus_registers_the_pools)
         return list(instance.get_dynamic_partitions(prompt_ranges.name))
 
 
@@ -88,15 +106,23 @@ def dagster_dev(home: Path, port: int, log_path: Path, stage_seconds: float = 1.
     Raises:
         RuntimeError: the UI did not answer with a loaded code location within STARTUP_TIMEOUT_S.
     """
-    env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_UI_STAGE_SECONDS": str(stage_seconds),
-           "DAGSTER_DISABLE_TELEMETRY": "1"}
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "DFLASH_UI_STAGE_SECONDS": str(stage_seconds),
+        "DAGSTER_DISABLE_TELEMETRY": "1",
+    }
     dagster = str(Path(sys.executable).with_name("dagster"))
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        [dagster, "dev", "-h", "127.0.0.1", "-p", str(port), "-w", str(home / "workspace.yaml")],
-        cwd=str(home), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        preexec_fn=_default_interrupts,
-    )
+    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [dagster, "dev", "-h", "127.0.0.1", "-p", str(port), "-w", str(home / "workspace.yaml")],
+            cwd=str(home),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_default_interrupts,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -125,7 +151,6 @@ def dagster_dev(home: Path, port: int, log_path: Path, stage_seconds: float = 1.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        log.close()
 
 
 def _default_interrupts() -> None:
@@ -168,8 +193,16 @@ def completions_runs(url: str) -> list[dict]:
         if ["completions"] not in [a["path"] for a in r["assetSelection"] or []]:
             continue
         tags = {t["key"]: t["value"] for t in r["tags"]}
-        out.append({"run_id": r["runId"], "partition": tags.get(PARTITION_TAG), "status": r["status"],
-                    "created": r["creationTime"], "start": r["startTime"], "end": r["endTime"]})
+        out.append(
+            {
+                "run_id": r["runId"],
+                "partition": tags.get(PARTITION_TAG),
+                "status": r["status"],
+                "created": r["creationTime"],
+                "start": r["startTime"],
+                "end": r["endTime"],
+            }
+        )
     return sorted(out, key=lambda r: r["created"])
 
 
@@ -190,18 +223,23 @@ def shot(page, name: str) -> None:
 def test_standins_mirror_the_real_assets():
     """The UI test's stand-ins carry the real stages' keys, partitions, groups, op tags and pools."""
     import dagster as dg
-
     import ui_helpers
+
     from dflash_assets.assets import completions, hidden_states, tokenized
 
-    pairs = [(ui_helpers.completions, completions.completions), (ui_helpers.tokenized_sequences, tokenized.tokenized_sequences),
-             (ui_helpers.hidden_states, hidden_states.hidden_states)]
+    pairs = [
+        (ui_helpers.completions, completions.completions),
+        (ui_helpers.tokenized_sequences, tokenized.tokenized_sequences),
+        (ui_helpers.hidden_states, hidden_states.hidden_states),
+    ]
     for standin, real in pairs:
         assert standin.key == real.key
         assert standin.partitions_def == real.partitions_def
         assert standin.op.tags == real.op.tags, real.key
         assert standin.op.pool == real.op.pool, f"{real.key}: pool {real.op.pool!r}, stand-in {standin.op.pool!r}"
-        assert {k: standin.group_names_by_key[k] for k in standin.keys} == {k: real.group_names_by_key[k] for k in real.keys}
+        assert {k: standin.group_names_by_key[k] for k in standin.keys} == {
+            k: real.group_names_by_key[k] for k in real.keys
+        }
         assert standin.asset_deps[standin.key] == real.asset_deps[real.key]
     assert ui_helpers.completions.op.pool == ui_helpers.INFERENCE_POOL
     assert dg.AssetKey("prompt_corpus") in ui_helpers.defs.resolve_asset_graph().get_all_asset_keys()
@@ -215,7 +253,9 @@ def step_intervals(home: Path, run_ids: list[str], step_key: str = "completions"
     with dg.DagsterInstance.from_config(str(home)) as instance:
         for run_id in run_ids:
             times = {}
-            for entry in instance.all_logs(run_id, of_type={dg.DagsterEventType.STEP_START, dg.DagsterEventType.STEP_SUCCESS}):
+            for entry in instance.all_logs(
+                run_id, of_type={dg.DagsterEventType.STEP_START, dg.DagsterEventType.STEP_SUCCESS}
+            ):
                 if entry.step_key == step_key:
                     times[entry.dagster_event.event_type] = entry.timestamp
             out[run_id] = (times[dg.DagsterEventType.STEP_START], times[dg.DagsterEventType.STEP_SUCCESS])
@@ -224,23 +264,26 @@ def step_intervals(home: Path, run_ids: list[str], step_key: str = "completions"
 
 def test_prompt_corpus_registers_the_pools(tmp_path):
     """Materializing the real prompt_corpus registers the pools at dagster.yaml's default limit, so runs
-    queued together for a pool's first use are held by the queue (see status.ensure_pool_limits)."""
+    queued together for a pool's first use are held by the queue (see pools.ensure_pool_limits)."""
     import dagster as dg
 
     from dflash_assets.assets.prompts import prompt_corpus
+    from dflash_assets.pools import POOLS, pool_usage
     from dflash_assets.resources.storage import StorageResource
-    from dflash_assets.status import POOLS, pool_usage
 
     project_concurrency = yaml.safe_load((REPO / "dagster.yaml").read_text())["concurrency"]
     with dg.instance_for_test(temp_dir=str(tmp_path), overrides={"concurrency": project_concurrency}) as instance:
         assert not set(POOLS) & instance.event_log_storage.get_concurrency_keys()
         result = dg.materialize(
-            [prompt_corpus], instance=instance, resources={"storage": StorageResource(root=str(tmp_path / "data"))},
+            [prompt_corpus],
+            instance=instance,
+            resources={"storage": StorageResource(root=str(tmp_path / "data"))},
             run_config={"ops": {"prompt_corpus": {"config": {"max_prompts": 3}}}},
         )
         assert result.success
         assert set(POOLS) <= instance.event_log_storage.get_concurrency_keys(), (
-            "prompt_corpus must call dflash_assets.status.ensure_pool_limits(context.instance)")
+            "prompt_corpus must call dflash_assets.pools.ensure_pool_limits(context.instance)"
+        )
         assert {pool: u["limit"] for pool, u in pool_usage(instance).items()} == {pool: 1 for pool in POOLS}
 
 
@@ -309,7 +352,9 @@ def test_ui_launches_partitions_one_at_a_time_under_the_inference_pool(tmp_path)
             launched = page.get_by_text(re.compile(r"^Launched run [0-9a-f]{8}$"))
             expect(launched).to_be_visible()
             run_prefix = launched.inner_text().split()[-1]
-            view = page.get_by_role("link", name="View", exact=True).or_(page.get_by_role("button", name="View", exact=True))
+            view = page.get_by_role("link", name="View", exact=True).or_(
+                page.get_by_role("button", name="View", exact=True)
+            )
             page.locator("div").filter(has=launched).filter(has=view).last.get_by_text("View", exact=True).click()
             expect(page).to_have_url(re.compile(r"/runs/[0-9a-f-]{36}"))
             single_run_id = page.url.rsplit("/runs/", 1)[1].split("?")[0]
@@ -351,17 +396,18 @@ def test_ui_launches_partitions_one_at_a_time_under_the_inference_pool(tmp_path)
     by_start = sorted(runs, key=lambda r: r["start"])
     timeline = "\n".join(
         f"{r['partition']}: created {r['created']:.2f} run {r['start']:.2f}-{r['end']:.2f} "
-        f"completions step {steps[r['run_id']][0]:.2f}-{steps[r['run_id']][1]:.2f}" for r in by_start
+        f"completions step {steps[r['run_id']][0]:.2f}-{steps[r['run_id']][1]:.2f}"
+        for r in by_start
     )
     (ARTIFACTS / "timeline.txt").write_text(f"{timeline}\n{timings}\n")
     print(f"\n{timeline}\n{timings}")
-    for prev, nxt in zip(by_start, by_start[1:]):
+    for prev, nxt in itertools.pairwise(by_start):
         # the inference work never overlaps (the pool's slot), and the queue held each run until the
         # previous one had released it: it started after the previous run ended
         assert steps[nxt["run_id"]][0] >= steps[prev["run_id"]][1], f"completions steps overlap: {prev} {nxt}"
         assert nxt["start"] >= prev["end"], f"runs overlap: {prev} and {nxt}"
     # the limit, not luck, kept them apart: some run was queued before the previous one ended
-    assert saw_queue and any(nxt["created"] < prev["end"] for prev, nxt in zip(by_start, by_start[1:])), by_start
+    assert saw_queue and any(nxt["created"] < prev["end"] for prev, nxt in itertools.pairwise(by_start)), by_start
 
     # the status command agrees with the UI
     import dagster as dg

@@ -69,7 +69,9 @@ query Backfill($id: String!) {
 }
 """
 PARTITION_STATS = """
-query { assetNodes(assetKeys: [{path: ["completions"]}]) { partitionStats { numMaterialized numPartitions numFailed } } }
+query {
+  assetNodes(assetKeys: [{path: ["completions"]}]) { partitionStats { numMaterialized numPartitions numFailed } }
+}
 """
 BACKFILL_DONE = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
 
@@ -82,21 +84,52 @@ def make_home(tmp: Path) -> tuple[Path, Path]:
     for d in (home, data, sim):
         d.mkdir()
     instance_config = yaml.safe_load((REPO / "dagster.yaml").read_text())
-    instance_config["run_coordinator"] = {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator",
-                                          "config": {"dequeue_interval_seconds": 1}}
+    instance_config["run_coordinator"] = {
+        "module": "dagster._core.run_coordinator",
+        "class": "QueuedRunCoordinator",
+        "config": {"dequeue_interval_seconds": 1},
+    }
     (home / "dagster.yaml").write_text(yaml.safe_dump(instance_config))
-    (home / "workspace.yaml").write_text(yaml.safe_dump({"load_from": [{"python_module": {
-        "module_name": "dflash_assets.definitions", "working_directory": str(REPO), "location_name": LOCATION}}]}))
+    (home / "workspace.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "load_from": [
+                    {
+                        "python_module": {
+                            "module_name": "dflash_assets.definitions",
+                            "working_directory": str(REPO),
+                            "location_name": LOCATION,
+                        }
+                    }
+                ]
+            }
+        )
+    )
     (home / ".nux").mkdir()
     (home / ".nux" / "nux.yaml").write_text("seen: 1\n")
-    config = {"resources": {
-        "storage": {"root": str(data)},
-        "inference": {"mode": "sglang", "model_path": "simulated", "num_servers": NUM_SERVERS, "max_running_requests": SLOTS,
-                      "port_base": free_port_block(NUM_SERVERS), "launch_module": STUB, "startup_timeout_s": 60.0, "backoff_base_s": 0.05,
-                      "extra_args": [*SIM, "--sim-starts-file", str(sim / "starts.txt"),
-                                     "--sim-request-log", str(sim / "requests.jsonl")]},
-        "generation": {"max_output_tokens": 4096, "temperature": 0.6},
-    }}
+    config = {
+        "resources": {
+            "storage": {"root": str(data)},
+            "inference": {
+                "mode": "sglang",
+                "model_path": "simulated",
+                "num_servers": NUM_SERVERS,
+                "max_running_requests": SLOTS,
+                "port_base": free_port_block(NUM_SERVERS),
+                "launch_module": STUB,
+                "startup_timeout_s": 60.0,
+                "backoff_base_s": 0.05,
+                "extra_args": [
+                    *SIM,
+                    "--sim-starts-file",
+                    str(sim / "starts.txt"),
+                    "--sim-request-log",
+                    str(sim / "requests.jsonl"),
+                ],
+            },
+            "generation": {"max_output_tokens": 4096, "temperature": 0.6},
+        }
+    }
     (tmp / "config.yaml").write_text(yaml.safe_dump(config))
     return home, tmp / "config.yaml"
 
@@ -112,8 +145,12 @@ def make_corpus(home: Path, tmp: Path) -> list[str]:
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}) + "\n" for i in range(NUM_PROMPTS)))
     with dg.DagsterInstance.from_config(str(home)) as instance:
         result = dg.materialize(
-            [prompt_corpus], instance=instance, resources={"storage": StorageResource(root=str(tmp / "data"))},
-            run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(prompts)], "partition_size": PARTITION_SIZE}}}},
+            [prompt_corpus],
+            instance=instance,
+            resources={"storage": StorageResource(root=str(tmp / "data"))},
+            run_config={
+                "ops": {"prompt_corpus": {"config": {"sources": [str(prompts)], "partition_size": PARTITION_SIZE}}}
+            },
         )
         assert result.success
         instance.all_instigator_state()  # the schedule storage too
@@ -125,8 +162,15 @@ def service(cmd: list[str], home: Path, log_path: Path):
     """Run a Dagster service (webserver or daemon, with the code server it starts) in its own process
     group until the block ends; then SIGTERM to the group, SIGKILL after 30 s."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=str(home), env={**os.environ, "DAGSTER_DISABLE_TELEMETRY": "1"}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_interrupts)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=str(home),
+            env={**os.environ, "DAGSTER_DISABLE_TELEMETRY": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_default_interrupts,
+        )
         try:
             yield proc
         finally:
@@ -151,7 +195,7 @@ def wait_loaded(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: flo
             entries = graphql(url, LOCATION_QUERY)["workspaceOrError"]["locationEntries"]
             if any(e["name"] == LOCATION and e["loadStatus"] == "LOADED" for e in entries):
                 return
-        except Exception:  # noqa: BLE001 - not up yet (connection refused, location loading)
+        except Exception:
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"dagster-webserver did not load {LOCATION} within {timeout_s:.0f} s; see {log_path}")
@@ -160,8 +204,12 @@ def wait_loaded(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: flo
 
 def ui_backfill_params(keys: list[str]) -> dict:
     """What the UI's partition dialog sends for a backfill of an asset (hidden asset job) over ``keys``."""
-    return {"assetSelection": [{"path": ["completions"]}], "partitionNames": keys, "fromFailure": False,
-            "tags": [{"key": "dagster/from_ui", "value": "true"}]}
+    return {
+        "assetSelection": [{"path": ["completions"]}],
+        "partitionNames": keys,
+        "fromFailure": False,
+        "tags": [{"key": "dagster/from_ui", "value": "true"}],
+    }
 
 
 def launch_by_graphql(url: str, keys: list[str]) -> str:
@@ -183,10 +231,22 @@ def launch_in_browser(url: str, keys: list[str]) -> str:
         try:
             page = browser.new_page(viewport={"width": 1600, "height": 1000})
             page.set_default_timeout(30_000)
-            page.on("request", lambda r: sent.append(r.post_data_json) if "/graphql" in r.url and r.method == "POST"
-                    and "launchPartitionBackfill" in (r.post_data or "") else None)
-            page.on("response", lambda r: answers.append(r) if "/graphql" in r.url
-                    and "launchPartitionBackfill" in (r.request.post_data or "") else None)
+            page.on(
+                "request",
+                lambda r: (
+                    sent.append(r.post_data_json)
+                    if "/graphql" in r.url and r.method == "POST" and "launchPartitionBackfill" in (r.post_data or "")
+                    else None
+                ),
+            )
+            page.on(
+                "response",
+                lambda r: (
+                    answers.append(r)
+                    if "/graphql" in r.url and "launchPartitionBackfill" in (r.request.post_data or "")
+                    else None
+                ),
+            )
             page.goto(f"{url}/assets/completions?view=partitions")
             expect(page.get_by_text(f"Missing ({len(keys)})")).to_be_visible()
             page.get_by_role("button", name="Materialize…").first.click()
@@ -245,7 +305,9 @@ def test_ui_backfill_of_a_range_is_one_run_with_one_server_start(tmp_path, monke
     url = f"http://127.0.0.1:{port}"
     web_log, daemon_log = tmp_path / "webserver.log", tmp_path / "daemon.log"
     try:
-        with service([str(bin_dir / "dagster-webserver"), "-h", "127.0.0.1", "-p", str(port), "-w", workspace], home, web_log) as web:
+        with service(
+            [str(bin_dir / "dagster-webserver"), "-h", "127.0.0.1", "-p", str(port), "-w", workspace], home, web_log
+        ) as web:
             wait_loaded(url, web, web_log)
             figures["webserver_up_s"] = round(time.monotonic() - started, 1)
             browser = Path(CHROMIUM).exists()
@@ -273,21 +335,32 @@ def test_ui_backfill_of_a_range_is_one_run_with_one_server_start(tmp_path, monke
 
     with dg.DagsterInstance.from_config(str(home)) as instance:
         runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
-        run_lines = [f"{r.run_id[:8]} {r.status.value} {r.tags.get('dagster/asset_partition_range_start')}..."
-                     f"{r.tags.get('dagster/asset_partition_range_end')}" for r in runs]
+        run_lines = [
+            f"{r.run_id[:8]} {r.status.value} {r.tags.get('dagster/asset_partition_range_start')}..."
+            f"{r.tags.get('dagster/asset_partition_range_end')}"
+            for r in runs
+        ]
         assert len(runs) == 1, run_lines  # one run for the range, not one per partition
         [run] = runs
         assert run.status == dg.DagsterRunStatus.SUCCESS, run_lines
-        assert (run.tags["dagster/asset_partition_range_start"], run.tags["dagster/asset_partition_range_end"]) == (keys[0], keys[-1])
+        assert (run.tags["dagster/asset_partition_range_start"], run.tags["dagster/asset_partition_range_end"]) == (
+            keys[0],
+            keys[-1],
+        )
         assert backfill["status"] == "COMPLETED_SUCCESS" and [r["runId"] for r in backfill["runs"]] == [run.run_id]
         record = instance.get_run_record_by_id(run.run_id)
-        figures.update(run_created_after_launch_s=round(record.create_timestamp.timestamp() - launched_wall, 1),
-                       run_wall_s=round(record.end_time - record.start_time, 1))
-        print(f"\nbackfill {backfill_id}: {backfill['status']}, runs: {run_lines}, server starts: "
-              f"{len(server_starts(tmp_path))}, requests: {len(received(tmp_path))}, {figures}")
+        figures.update(
+            run_created_after_launch_s=round(record.create_timestamp.timestamp() - launched_wall, 1),
+            run_wall_s=round(record.end_time - record.start_time, 1),
+        )
+        print(
+            f"\nbackfill {backfill_id}: {backfill['status']}, runs: {run_lines}, server starts: "
+            f"{len(server_starts(tmp_path))}, requests: {len(received(tmp_path))}, {figures}"
+        )
         for pk in keys:
             records = instance.fetch_materializations(
-                dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[pk]), limit=10).records
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[pk]), limit=10
+            ).records
             assert [r.run_id for r in records] == [run.run_id], f"{pk}: {len(records)} materializations"
             meta = records[0].asset_materialization.metadata
             assert meta["rows"].value == PARTITION_SIZE and meta["run_partitions"].value == len(keys)

@@ -15,9 +15,17 @@ def make_target(root: Path, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     path = Path(root) / "target"
     model.save_pretrained(path)
@@ -38,12 +46,34 @@ def make_rows(n: int = 10, seed: int = 1, first_index: int = 100) -> list[dict]:
 # Qwen3.5/3.6-style hybrid decoder: 3 linear-attention (Gated DeltaNet) layers then 1 full-attention layer,
 # repeated; partial rotary (0.25) and gated attention as in the real config, every size scaled down.
 HYBRID_LAYER_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 2
-HYBRID_TEXT = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=len(HYBRID_LAYER_TYPES),
-                   layer_types=HYBRID_LAYER_TYPES, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                   linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-                   linear_conv_kernel_dim=4, max_position_embeddings=256, tie_word_embeddings=False)
-HYBRID_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=HIDDEN, patch_size=4,
-                     spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+HYBRID_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=64,
+    num_hidden_layers=len(HYBRID_LAYER_TYPES),
+    layer_types=HYBRID_LAYER_TYPES,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+HYBRID_VISION = dict(
+    depth=1,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    out_hidden_size=HIDDEN,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=16,
+)
 
 
 def make_hybrid_target(root: Path | None = None, *, wrapper: bool = False, seed: int = 0):
@@ -56,8 +86,9 @@ def make_hybrid_target(root: Path | None = None, *, wrapper: bool = False, seed:
 
     torch.manual_seed(seed)
     if wrapper:
-        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=HYBRID_TEXT, vision_config=HYBRID_VISION,
-                                                              tie_word_embeddings=False))
+        model = Qwen3_5ForConditionalGeneration(
+            Qwen3_5Config(text_config=HYBRID_TEXT, vision_config=HYBRID_VISION, tie_word_embeddings=False)
+        )
     else:
         model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**HYBRID_TEXT))
     model.eval()

@@ -15,8 +15,8 @@ import polars as pl
 
 from dflash_assets.assets.prompts import CORPUS_FILE, prompt_corpus
 from dflash_assets.partitions import key_range, prompt_ranges
+from dflash_assets.pools import GPU_POOL, INFERENCE_POOL
 from dflash_assets.resources.storage import StorageResource
-from dflash_assets.status import GPU_POOL, INFERENCE_POOL
 
 TOKENS_PER_ROW = 100  # fake completion_tokens per prompt
 
@@ -42,7 +42,11 @@ def completions(context: dg.AssetExecutionContext, storage: StorageResource) -> 
         raise dg.Failure(f"{context.partition_key}: the corpus holds {rows} of its {last - first + 1} prompts")
     time.sleep(_stage_seconds())
     return dg.MaterializeResult(
-        metadata={"rows": rows, "completion_tokens_total": rows * TOKENS_PER_ROW, "wall_s": round(time.monotonic() - started, 2)}
+        metadata={
+            "rows": rows,
+            "completion_tokens_total": rows * TOKENS_PER_ROW,
+            "wall_s": round(time.monotonic() - started, 2),
+        }
     )
 
 
@@ -51,15 +55,25 @@ def truncation_report() -> dg.MaterializeResult:
     return dg.MaterializeResult(metadata={"rows": 0})
 
 
-@dg.asset(partitions_def=prompt_ranges, deps=["completions"], group_name="tokenization",
-          description="Stand-in for tokenized_sequences.")
+@dg.asset(
+    partitions_def=prompt_ranges,
+    deps=["completions"],
+    group_name="tokenization",
+    description="Stand-in for tokenized_sequences.",
+)
 def tokenized_sequences() -> dg.MaterializeResult:
     time.sleep(_stage_seconds() / 3)
     return dg.MaterializeResult(metadata={"rows": 1})
 
 
-@dg.asset(partitions_def=prompt_ranges, deps=["tokenized_sequences"], group_name="hidden_states",
-          op_tags={"dflash/gpu": "target"}, pool=GPU_POOL, description="Stand-in for hidden_states.")
+@dg.asset(
+    partitions_def=prompt_ranges,
+    deps=["tokenized_sequences"],
+    group_name="hidden_states",
+    op_tags={"dflash/gpu": "target"},
+    pool=GPU_POOL,
+    description="Stand-in for hidden_states.",
+)
 def hidden_states() -> dg.MaterializeResult:
     time.sleep(_stage_seconds() / 3)
     return dg.MaterializeResult(metadata={"rows": 1})

@@ -12,21 +12,32 @@ with its result as before.
 
 Row-level checkpoints: each finished row is appended (fsync) to ``completions/<pk>.journal.jsonl``
 as it arrives; a rerun reads the journal and the last partition table and requests only rows that
-are missing or no longer valid under the current generation settings.
+are missing, no longer valid under the current generation settings, or made for another prompt than the
+corpus's at their index (each row carries ``prompt_hash``; see :func:`plan_requests`).
 """
 
 import hashlib
 import queue
-from concurrent.futures import ThreadPoolExecutor
-import warnings
 import threading
 import time
+import warnings
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import dagster as dg
 import polars as pl
 
+# the tags Dagster itself writes for a data version; private module: dagster 1.13 exports no public name for them
+from dagster._core.definitions.data_version import (
+    CODE_VERSION_TAG,
+    DATA_VERSION_IS_USER_PROVIDED_TAG,
+    DATA_VERSION_TAG,
+    extract_data_version_from_entry,
+)
+
+from dflash_assets import freshness
+from dflash_assets.assets.completions_continuing import ContinuationPlanner, load_target_builder
 from dflash_assets.assets.completions_tables import (
     completion_stats,
     load_plan_rows,
@@ -35,10 +46,8 @@ from dflash_assets.assets.completions_tables import (
     partition_frame,
     table_rows,
 )
-from dflash_assets.assets.completions_continuing import ContinuationPlanner, load_target_builder
 from dflash_assets.generation.cap_cut import cut_rows
 from dflash_assets.generation.client import TooManyFailuresError
-from dflash_assets.generation.journal import JournalError
 from dflash_assets.generation.continuation import (
     NOT_CONTINUED,
     continuable,
@@ -46,33 +55,31 @@ from dflash_assets.generation.continuation import (
     merge_continuation,
     prefix_text,
 )
+from dflash_assets.generation.journal import JournalError
 from dflash_assets.generation.records import (
     invalid_reason,
     no_good_row_message,
+    prompt_mismatch,
     row_from_result,
     row_problem,
     set_aside_row,
 )
 from dflash_assets.generation.tail_chunks import TailChunker
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.pools import INFERENCE_POOL
+from dflash_assets.prompt_index import prompt_version
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.runs import partition_busy_message, runs_holding_partitions
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.status import INFERENCE_POOL
-from dagster._core.definitions.data_version import (  # the tags Dagster itself writes for a data version
-    CODE_VERSION_TAG,
-    DATA_VERSION_IS_USER_PROVIDED_TAG,
-    DATA_VERSION_TAG,
-    extract_data_version_from_entry,
-)
 
 PROGRESS_EVERY_S = 5.0
 
 
-def failed_since_materialized(instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: list[str],
-                              this_run: str) -> set[str]:
+def failed_since_materialized(
+    instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: list[str], this_run: str
+) -> set[str]:
     """Partitions of ``keys`` that another run planned after their latest materialization (a few instance
     queries for all of them).
 
@@ -82,23 +89,39 @@ def failed_since_materialized(instance: dg.DagsterInstance, asset_key: dg.AssetK
     if not keys:
         return set()
     latest = instance.event_log_storage.get_latest_storage_id_by_partition(
-        asset_key, dg.DagsterEventType.ASSET_MATERIALIZATION, set(keys))
+        asset_key, dg.DagsterEventType.ASSET_MATERIALIZATION, set(keys)
+    )
     if not latest:
         return set()
     planned = instance.fetch_planned_materializations(
-        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=list(latest), after_storage_id=min(latest.values())),
-        limit=100_000).records
-    return {r.partition_key for r in planned
-            if r.run_id != this_run and r.partition_key in latest and r.storage_id > latest[r.partition_key]}
+        dg.AssetRecordsFilter(
+            asset_key=asset_key, asset_partitions=list(latest), after_storage_id=min(latest.values())
+        ),
+        limit=100_000,
+    ).records
+    return {
+        r.partition_key
+        for r in planned
+        if r.run_id != this_run and r.partition_key in latest and r.storage_id > latest[r.partition_key]
+    }
 
 
-def plan_requests(prompts: pl.DataFrame, existing: dict[int, dict], settings: GenerationSettings) -> tuple[list[dict], Counter]:
-    """Prompts (corpus rows) that need a request, and why, counted by reason."""
+def plan_requests(
+    prompts: pl.DataFrame, existing: dict[int, dict], settings: GenerationSettings
+) -> tuple[list[dict], Counter]:
+    """Prompts (corpus rows) that need a request, and why, counted by reason. A row made for another
+    prompt than the corpus's at its index (:func:`prompt_mismatch`) is never used: requested again as
+    ``prompt changed`` (or ``prompt unknown``, a row from before rows named their prompt)."""
     todo, reasons = [], Counter()
     for prompt in prompts.iter_rows(named=True):
         row = existing.get(prompt["index"])
         # a row that cannot be stored as it is (a journal line with a count past its type, say) is redone
-        reason = "missing" if row is None else ("unstorable row" if row_problem(row) else invalid_reason(row, settings))
+        reason = (
+            "missing"
+            if row is None
+            else prompt_mismatch(row, prompt)
+            or ("unstorable row" if row_problem(row) else invalid_reason(row, settings))
+        )
         if reason is not None:
             todo.append(prompt)
             reasons[reason] += 1
@@ -156,11 +179,18 @@ def completions(
 ):
     keys = list(context.partition_keys)
     if not keys:  # `--partition-range LAST...FIRST` resolves to no key and would succeed doing nothing
-        raise dg.Failure("the run selects no completions partition: is the partition range reversed? "
-                         "give it as FIRST...LAST in key order (`python -m dflash_assets status` lists the keys)")
+        raise dg.Failure(
+            "the run selects no completions partition: is the partition range reversed? "
+            "give it as FIRST...LAST in key order (`python -m dflash_assets status` lists the keys)"
+        )
     # one run per partition: another run writing the same journal would overwrite its segments
-    if holding := runs_holding_partitions(context.instance, "completions", keys, context.run.run_id,
-                                          lambda: context.instance.get_dynamic_partitions(prompt_ranges.name)):
+    if holding := runs_holding_partitions(
+        context.instance,
+        "completions",
+        keys,
+        context.run.run_id,
+        lambda: context.instance.get_dynamic_partitions(prompt_ranges.name),
+    ):
         raise dg.Failure(partition_busy_message(context.instance, "completions", holding))
     store = storage.open()
     settings = generation.settings()
@@ -172,8 +202,9 @@ def completions(
             journal = storage.open_journal("completions", f"{pk}.journal.jsonl")
             parts.append(run.plan(pk, prompts, journal, inference))
         if len(keys) > 1:  # only a range run keeps an unchanged partition (commit_or_keep)
-            run.failed_since_materialized = failed_since_materialized(context.instance, context.asset_key,
-                                                                      [p.pk for p in parts if not p.todo], context.run.run_id)
+            run.failed_since_materialized = failed_since_materialized(
+                context.instance, context.asset_key, [p.pk for p in parts if not p.todo], context.run.run_id
+            )
         for part in parts:
             if not part.todo:
                 yield from run.commit_or_keep(part)
@@ -199,8 +230,12 @@ def completions(
         raise dg.Failure("; ".join(run.no_good_row.values()))
     if run.failure is not None or missing:
         # finished rows stay in the journals; the next run requests only the rest
-        hint = ("; the run was continuing rows cut by a lower cap: if the servers reject continue_final_message, "
-                "set inference.continue_truncated: false" if run.failure is not None and run.continuing else "")
+        hint = (
+            "; the run was continuing rows cut by a lower cap: if the servers reject continue_final_message, "
+            "set inference.continue_truncated: false"
+            if run.failure is not None and run.continuing
+            else ""
+        )
         raise dg.Failure(
             f"{sum(missing.values())} prompts have no row in partition(s) {', '.join(missing) or '-'}"
             + (f" ({run.failure}{hint})" if run.failure else "")
@@ -209,8 +244,8 @@ def completions(
         )
 
 
-
 completions = _completions_asset(completions)
+
 
 class _RangeRun:
     """Generation of the partitions of one run; commits each partition as soon as it is complete."""
@@ -229,11 +264,23 @@ class _RangeRun:
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
         self.failed_since_materialized: set[str] = set()  # never "kept": their status must go back to done
         self._builder = None  # the target tokenizer's SequenceBuilder (False: it did not load)
+        self.corpus_versions: dict | bool | None = False  # the corpus's partition versions, read once (False: not yet)
 
     def plan(self, pk: str, prompts: pl.DataFrame, journal, inference: InferenceServerResource) -> _Partition:
         view, existing = load_plan_rows(self.store, pk, journal)
-        journaled = set(existing)
+        # rows of other prompts are dropped here, so no cut, continuation or commit ever sees them
+        hashes = dict(zip(prompts["index"].to_list(), prompts["content_hash"].to_list()))
+        ids = dict(zip(prompts["index"].to_list(), prompts["prompt_id"].to_list()))
+        other = {
+            i
+            for i, row in view.items()
+            if prompt_mismatch(row, {"content_hash": hashes.get(i), "prompt_id": ids.get(i)}) is not None
+        }
         todo, reasons = plan_requests(prompts, view, self.settings)
+        for i in other:
+            view.pop(i, None)
+            existing.pop(i, None)
+        journaled = set(existing)
         cut_here = 0
         if reasons.get("cap lowered"):
             todo, cut_here = self.cut_locally(pk, todo, view, existing, inference)
@@ -241,30 +288,55 @@ class _RangeRun:
                 reasons["cap lowered"] -= cut_here
                 reasons = Counter({k: v for k, v in reasons.items() if v})
         # the text of a cut row is read only when it may be continued; every other stored row stays on disk
-        to_continue = [p["index"] for p in todo if p["index"] not in existing
-                       and not row_problem(view.get(p["index"]) or {})
-                       and continuable(view.get(p["index"]), self.settings, check_text=False)]
+        to_continue = [
+            p["index"]
+            for p in todo
+            if p["index"] not in existing
+            and not row_problem(view.get(p["index"]) or {})
+            and continuable(view.get(p["index"]), self.settings, check_text=False)
+        ]
         existing.update(table_rows(self.store, pk, to_continue))
         kept = set(prompts["index"].to_list()) - {p["index"] for p in todo}  # a journal may hold stray rows
-        part = _Partition(pk, prompts, journal, existing, todo, reasons, remaining=len(todo), cut=cut_here,
-                          resumed=len(kept & journaled),
-                          by_index={p["index"]: p for p in todo})
+        part = _Partition(
+            pk,
+            prompts,
+            journal,
+            existing,
+            todo,
+            reasons,
+            remaining=len(todo),
+            cut=cut_here,
+            resumed=len(kept & journaled),
+            by_index={p["index"]: p for p in todo},
+        )
         self.rows_total += len(todo)
         self.context.log.info(
-            f"{pk}: {prompts.height} prompts, {len(todo)} to request {dict(reasons)}, cap {self.settings.max_output_tokens}"
+            f"{pk}: {prompts.height} prompts, {len(todo)} to request {dict(reasons)}, "
+            f"cap {self.settings.max_output_tokens}"
             + (f"; {part.resumed} rows kept from the journal of an interrupted run" if part.resumed else "")
         )
         return part
 
-    def cut_locally(self, pk: str, todo: list[dict], view: dict[int, dict], existing: dict[int, dict],
-                    inference: InferenceServerResource) -> tuple[list[dict], int]:
+    def cut_locally(
+        self,
+        pk: str,
+        todo: list[dict],
+        view: dict[int, dict],
+        existing: dict[int, dict],
+        inference: InferenceServerResource,
+    ) -> tuple[list[dict], int]:
         """Rows longer than a lowered cap, cut to their first cap tokens here instead of requested again
         (:mod:`dflash_assets.generation.cap_cut`). The cut rows join ``existing``, which the commit writes;
         they are not journaled: a run that fails before the commit leaves the table as it was, and the
         next run cuts them again at no cost. Returns the prompts still to request and how many rows were
         cut. Rows that cannot be cut (no tokenizer, tokens that do not match the text) stay to be requested."""
-        lowered = [p for p in todo if (row := view.get(p["index"])) is not None and not row_problem(row)
-                   and invalid_reason(row, self.settings) == "cap lowered"]
+        lowered = [
+            p
+            for p in todo
+            if (row := view.get(p["index"])) is not None
+            and not row_problem(row)
+            and invalid_reason(row, self.settings) == "cap lowered"
+        ]
         builder = self.target_builder(inference) if lowered else None
         if builder is None:
             return todo, 0
@@ -279,8 +351,8 @@ class _RangeRun:
         existing.update(cut)
         self.context.log.info(
             f"{pk}: {len(cut)} of {len(lowered)} rows longer than the lowered cap {self.settings.max_output_tokens} "
-            "cut to it from their own tokens (no request)"
-            + (f"; requested again: {dict(why_not)}" if why_not else ""))
+            "cut to it from their own tokens (no request)" + (f"; requested again: {dict(why_not)}" if why_not else "")
+        )
         return [p for p in todo if p["index"] not in cut], len(cut)
 
     def target_builder(self, inference: InferenceServerResource):
@@ -289,23 +361,39 @@ class _RangeRun:
         if self._builder is None:
             try:
                 self._builder = load_target_builder(inference)
-            except Exception as exc:  # noqa: BLE001 - any failure means: request those rows again, and say why
+            except Exception as exc:
                 self._builder = False
                 self.context.log.warning(
                     f"rows longer than the lowered cap are requested again, not cut locally: the target's tokenizer "
-                    f"did not load from the configured path ({type(exc).__name__}: {str(exc)[:200]})")
+                    f"did not load from the configured path ({type(exc).__name__}: {str(exc)[:200]})"
+                )
         return self._builder or None
 
     def commit_or_keep(self, part: _Partition):
         """A partition with nothing to request: in a range run, an unchanged table whose latest
-        materialization has this data version is kept as is (no new materialization, so downstream
-        stays fresh); otherwise it is committed."""
-        if (len(self.keys) > 1 and not part.cut and part.pk not in self.failed_since_materialized
-                and self.store.exists(*partition_file(part.pk)) and not part.journal.load()):
+        materialization has this data version and is up to date by :mod:`dflash_assets.freshness` (made
+        for the corpus's prompts of the range, under these settings) is kept as is (no new materialization,
+        so downstream stays fresh); otherwise it is committed."""
+        if (
+            len(self.keys) > 1
+            and not part.cut
+            and part.pk not in self.failed_since_materialized
+            and self.store.exists(*partition_file(part.pk))
+            and not part.journal.load()
+        ):
             version = hashlib.sha256(self.store.read_bytes(*partition_file(part.pk))).hexdigest()[:20]
             record = self.context.instance.get_latest_data_version_record(self.context.asset_key, partition_key=part.pk)
             current = extract_data_version_from_entry(record.event_log_entry) if record is not None else None
-            if current is not None and current.value == version:
+            if self.corpus_versions is False:
+                self.corpus_versions = freshness.corpus_versions(self.context.instance)
+            fresh = (
+                record is not None
+                and freshness.completions_reason(
+                    freshness.plain(record), self.settings, (self.corpus_versions or {}).get(part.pk)
+                )
+                is None
+            )
+            if fresh and current is not None and current.value == version:
                 self.context.log.info(f"{part.pk}: complete and unchanged (data version {version}): kept")
                 self.release(part)
                 return
@@ -314,15 +402,24 @@ class _RangeRun:
     def progress_line(self) -> str:
         progress = self.client.progress()
         line = progress.format(self.rows_total)
-        return (f"range {self.keys[0]}...{self.keys[-1]}: {line}, slots {progress.in_flight}/{self.capacity}, "
-                f"{len(self.committed)}/{len(self.keys)} partitions committed")
+        return (
+            f"range {self.keys[0]}...{self.keys[-1]}: {line}, slots {progress.in_flight}/{self.capacity}, "
+            f"{len(self.committed)}/{len(self.keys)} partitions committed"
+        )
 
-    def generate(self, inference: InferenceServerResource, pool, parts: list[_Partition], opened: bool,
-                 tail: tuple[int, bool] | None = None):
+    def generate(
+        self,
+        inference: InferenceServerResource,
+        pool,
+        parts: list[_Partition],
+        opened: bool,
+        tail: tuple[int, bool] | None = None,
+    ):
         """Stream every todo prompt of ``parts`` through one client; yield each partition's
         materialization as its last row lands (from this, the step's thread: Dagster records it at once).
-        ``self.continuing_rows``, ``opened``: rows to continue rather than regenerate (:meth:`ContinuationPlanner.continuations`); each
-        prefix is built as its request goes out, not all at once before the run. ``tail``: :meth:`ContinuationPlanner.tail`'s
+        ``self.continuing_rows``, ``opened``: rows to continue rather than regenerate
+        (:meth:`ContinuationPlanner.continuations`); each prefix is built as its request goes out, not all
+        at once before the run. ``tail``: :meth:`ContinuationPlanner.tail`'s
         ``(chunk_tokens, opened)``: the stream's last ``tail_prompts_per_slot`` x slots fresh prompts are
         generated in chunks (:class:`~dflash_assets.generation.tail_chunks.TailChunker`). More than
         ``max_consecutive_failures`` continuations in a row answered afresh (:data:`NOT_CONTINUED`) stop
@@ -339,15 +436,21 @@ class _RangeRun:
             window = min(fresh_total - client.concurrency, round(inference.tail_prompts_per_slot * client.concurrency))
             if window > 0:
                 chunker = TailChunker(settings, pool.model, pool.adapt_body, tail[1], tail[0], window, fresh_total)
-                context.log.info(f"the last {window} of {fresh_total} fresh prompts are generated in chunks of {tail[0]} "
-                                 f"tokens ({inference.tail_prompts_per_slot:g} per slot), each continued once every fresh "
-                                 "prompt has gone out")
+                context.log.info(
+                    f"the last {window} of {fresh_total} fresh prompts are generated in chunks of {tail[0]} "
+                    f"tokens ({inference.tail_prompts_per_slot:g} per slot), each continued once every fresh "
+                    "prompt has gone out"
+                )
             elif fresh_total <= client.concurrency:
-                context.log.info(f"inference.tail_chunk_tokens: not used, the {fresh_total} fresh prompts fit in the "
-                                 f"{client.concurrency} slots at once")
+                context.log.info(
+                    f"inference.tail_chunk_tokens: not used, the {fresh_total} fresh prompts fit in the "
+                    f"{client.concurrency} slots at once"
+                )
             else:
-                context.log.info(f"inference.tail_chunk_tokens: not used, tail_prompts_per_slot "
-                                 f"{inference.tail_prompts_per_slot:g} x {client.concurrency} slots rounds to no prompt")
+                context.log.info(
+                    f"inference.tail_chunk_tokens: not used, tail_prompts_per_slot "
+                    f"{inference.tail_prompts_per_slot:g} x {client.concurrency} slots rounds to no prompt"
+                )
 
         def items():
             position = 0
@@ -357,7 +460,9 @@ class _RangeRun:
                     i = p["index"]
                     if i in continuing:
                         row = continuing[i]
-                        body = pool.adapt_body(continuation_body(settings, pool.model, p["messages"], row, prefix_text(row, opened), i))
+                        body = pool.adapt_body(
+                            continuation_body(settings, pool.model, p["messages"], row, prefix_text(row, opened), i)
+                        )
                     else:
                         position += 1
                         body = pool.adapt_body(settings.request_body(pool.model, p["messages"], i))
@@ -372,7 +477,7 @@ class _RangeRun:
             try:
                 client.generate_blocking(items(), results.put, chunker.follow_up if chunker is not None else None)
                 results.put(end)
-            except BaseException as exc:  # noqa: BLE001 - handed to the step's thread
+            except BaseException as exc:
                 commits.put(("error", exc))
                 results.put(end)  # the writer still makes the delivered rows durable, then says "done"
 
@@ -399,11 +504,16 @@ class _RangeRun:
                         prompt = part.by_index[result.index]
                         row = chunker.final_row(result, prompt) if chunker is not None else None
                         if row is None:
-                            row = (merge_continuation(prior, result, prompt, settings) if prior is not None
-                                   else row_from_result(result, prompt, settings))
+                            row = (
+                                merge_continuation(prior, result, prompt, settings)
+                                if prior is not None
+                                else row_from_result(result, prompt, settings)
+                            )
                         if (problem := row_problem(row)) is not None:  # the client checks replies; this is the floor
                             row = set_aside_row(prompt, problem)
-                        if prior is not None or row.get("tail_chunks"):  # servers that answer continuations afresh waste every one
+                        if prior is not None or row.get(
+                            "tail_chunks"
+                        ):  # servers that answer continuations afresh waste every one
                             afresh_in_a_row = afresh_in_a_row + 1 if row.get("error") == NOT_CONTINUED else 0
                         by_part.setdefault(part.pk, []).append(row)
                     for rows in by_part.values():
@@ -417,13 +527,25 @@ class _RangeRun:
                     if afresh_in_a_row >= inference.max_consecutive_failures and not stopped:
                         stopped = True  # the rows so far are durable (each keeps its cut text); stop sending
                         client.abort()
-                        commits.put(("error", dg.Failure(
-                            f"{afresh_in_a_row} continuations in a row were answered afresh instead of continued: "
-                            + NOT_CONTINUED + (" (or inference.tail_chunk_tokens: 0)" if chunker is not None else "")
-                            + "; rows cut by a lower cap keep their text"
-                            + (", rows of the run's end made in chunks are requested again whole" if chunker is not None else ""))))
+                        commits.put(
+                            (
+                                "error",
+                                dg.Failure(
+                                    f"{afresh_in_a_row} continuations in a row were answered afresh "
+                                    "instead of continued: "
+                                    + NOT_CONTINUED
+                                    + (" (or inference.tail_chunk_tokens: 0)" if chunker is not None else "")
+                                    + "; rows cut by a lower cap keep their text"
+                                    + (
+                                        ", rows of the run's end made in chunks are requested again whole"
+                                        if chunker is not None
+                                        else ""
+                                    )
+                                ),
+                            )
+                        )
                 commits.put(("done", None))
-            except BaseException as exc:  # noqa: BLE001 - a journal that cannot be written stops the run
+            except BaseException as exc:
                 client.abort()
                 # the message names the journal, the cause and the fix: it is the run's failure, not a traceback's cause
                 commits.put(("error", dg.Failure(str(exc)) if isinstance(exc, JournalError) else exc))
@@ -441,8 +563,10 @@ class _RangeRun:
                 except queue.Empty:
                     kind, obj = None, None
                 for fault in client.faults[faults_logged:]:
-                    context.log.warning(f"server fault: {fault['server']}: {fault['fault']} "
-                                        f"({fault['in_flight']} requests in flight re-sent to the others)")
+                    context.log.warning(
+                        f"server fault: {fault['server']}: {fault['fault']} "
+                        f"({fault['in_flight']} requests in flight re-sent to the others)"
+                    )
                 faults_logged = len(client.faults)
                 if time.monotonic() - last_log >= PROGRESS_EVERY_S:
                     context.log.info(self.progress_line())
@@ -465,8 +589,10 @@ class _RangeRun:
         writer.join()
         context.log.info(self.progress_line())
         if chunker is not None:
-            context.log.info(f"{chunker.rows_chunked} prompts of the run's end were generated in chunks of "
-                             f"{chunker.chunk_tokens} tokens: {chunker.follow_ups} continuation requests")
+            context.log.info(
+                f"{chunker.rows_chunked} prompts of the run's end were generated in chunks of "
+                f"{chunker.chunk_tokens} tokens: {chunker.follow_ups} continuation requests"
+            )
         for fault in client.faults:
             context.log.warning(f"server fault during the run: {fault}")
 
@@ -478,8 +604,10 @@ class _RangeRun:
         prompts, pk = part.prompts, part.pk
         frame, set_aside = partition_frame(self.store, pk, prompts, part.existing)
         for index, reason in list(set_aside.items())[:20]:
-            self.context.log.warning(f"{pk}: row {index} set aside at commit (stored as an error row, requested again "
-                                     f"by the next run): {reason}")
+            self.context.log.warning(
+                f"{pk}: row {index} set aside at commit (stored as an error row, requested again "
+                f"by the next run): {reason}"
+            )
         if (message := no_good_row_message(frame.select("index", "error").to_dicts(), pk)) is not None:
             self.context.log.error(message)
             self.no_good_row[pk] = message
@@ -493,11 +621,17 @@ class _RangeRun:
             self.context.log.warning(f"{pk}: {stats['errors']} rows ended in error; the next run retries them")
         rows = [part.existing[i] for i in part.by_index]  # this run's rows of the partition
         # tokens generated by this run: a continued row's earlier tokens were made by an earlier one
-        tokens = sum((r.get("completion_tokens") or 0) - (r.get("continued_from_tokens") or 0) for r in rows if not r.get("error"))
+        tokens = sum(
+            (r.get("completion_tokens") or 0) - (r.get("continued_from_tokens") or 0)
+            for r in rows
+            if not r.get("error")
+        )
         continued = [r for r in rows if r.get("continued_from_tokens")]
         wall = now - (part.first_sent or now)
         metadata = {
             **stats,
+            # the corpus's version of this partition's prompts (prompt_index.partition_versions) the table answers
+            "prompts_version": prompt_version(list(zip(prompts["index"].to_list(), prompts["content_hash"].to_list()))),
             "requested": len(part.todo),
             "request_reasons": dict(part.reasons),
             "carried_over": prompts.height - len(part.todo),
@@ -537,8 +671,11 @@ class _RangeRun:
                 run_eta_s=round(eta, 1) if eta is not None else -1.0,
                 run_elapsed_s=round(now - self.started, 2),
             )
-            faults = [f for f in self.client.faults if part.first_sent is None
-                      or f["at_s"] >= part.first_sent - self.client_started()]
+            faults = [
+                f
+                for f in self.client.faults
+                if part.first_sent is None or f["at_s"] >= part.first_sent - self.client_started()
+            ]
             if faults:
                 metadata["server_faults"] = [f"{f['server']}: {f['fault']} -> {f['action']}" for f in faults]
         if self.exposure:
@@ -555,8 +692,11 @@ class _RangeRun:
             asset_key=self.context.asset_key,
             partition=pk,
             metadata=metadata,
-            tags={DATA_VERSION_TAG: data_version, DATA_VERSION_IS_USER_PROVIDED_TAG: "true",
-                  CODE_VERSION_TAG: self.context.run.run_id},
+            tags={
+                DATA_VERSION_TAG: data_version,
+                DATA_VERSION_IS_USER_PROVIDED_TAG: "true",
+                CODE_VERSION_TAG: self.context.run.run_id,
+            },
         )
 
     def release(self, part: _Partition) -> None:

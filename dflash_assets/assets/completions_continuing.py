@@ -57,7 +57,9 @@ class ContinuationPlanner:
         self.settings = settings
         self._gate: tuple[str | None, bool, bool] | None = None
 
-    def continuations(self, inference: InferenceServerResource, parts: list) -> tuple[dict[int, dict], bool, str | None, bool]:
+    def continuations(
+        self, inference: InferenceServerResource, parts: list
+    ) -> tuple[dict[int, dict], bool, str | None, bool]:
         """Rows to continue rather than regenerate (see :mod:`dflash_assets.generation.continuation`).
 
         Returns ``(continuing, opened, note, problem)``: index -> the row as it is (not a copy);
@@ -67,17 +69,30 @@ class ContinuationPlanner:
         cannot continue (:meth:`gate`). Safe to run in a thread: it logs nothing.
         """
         settings = self.settings
-        found = [(p, part.existing[p["index"]]) for part in parts for p in part.todo
-                 if continuable(part.existing.get(p["index"]), settings)]
+        found = [
+            (p, part.existing[p["index"]])
+            for part in parts
+            for p in part.todo
+            if continuable(part.existing.get(p["index"]), settings)
+        ]
         if not found:
             return {}, False, None, False
         why_not, problem, opened = self.gate(inference, found[0][0]["messages"])
         if why_not is not None:
-            return {}, False, f"{len(found)} rows cut by a lower cap are regenerated from their first token: {why_not}", problem
+            return (
+                {},
+                False,
+                f"{len(found)} rows cut by a lower cap are regenerated from their first token: {why_not}",
+                problem,
+            )
         reused = sum(int(row["completion_tokens"]) for _, row in found)
-        return ({p["index"]: row for p, row in found}, opened,
-                f"{len(found)} rows cut by a lower cap are continued from the {reused:,} tokens they have "
-                f"(continue_final_message; max_tokens = {settings.max_output_tokens} minus each row's tokens)", False)
+        return (
+            {p["index"]: row for p, row in found},
+            opened,
+            f"{len(found)} rows cut by a lower cap are continued from the {reused:,} tokens they have "
+            f"(continue_final_message; max_tokens = {settings.max_output_tokens} minus each row's tokens)",
+            False,
+        )
 
     def plan(self, inference: InferenceServerResource, parts: list):
         """:meth:`continuations` and :meth:`tail`, in that order (one thread, while servers start)."""
@@ -97,8 +112,11 @@ class ContinuationPlanner:
             why_not = "inference.continue_truncated is false"
         elif inference.backend() != "sglang":
             why_not = f"continue_final_message is SGLang's and these servers are {inference.backend()!r}"
-        elif inference.mode == "sglang" and inference.launch_module.startswith("sglang.") and sglang_predates_continuation(
-                installed := installed_version("sglang")):
+        elif (
+            inference.mode == "sglang"
+            and inference.launch_module.startswith("sglang.")
+            and sglang_predates_continuation(installed := installed_version("sglang"))
+        ):
             # the servers run with this interpreter, so its SGLang is theirs
             why_not = f"the installed SGLang {installed} predates continue_final_message ({FIRST_CONTINUING_SGLANG})"
             problem = True
@@ -107,14 +125,20 @@ class ContinuationPlanner:
                 builder = load_target_builder(inference)
                 # the generation prompt's ending is the template's, not the conversation's: render one
                 opened = builder.prompt_text(messages, self.settings.enable_thinking).rstrip("\n").endswith(THINK_OPEN)
-            except Exception as exc:  # noqa: BLE001 - any failure means: regenerate whole, and say why
-                why_not, problem = (f"the target's tokenizer did not load from {inference.tokenizer_path()} (a directory, or a "
-                                    f"hub id in the local cache) or did not render ({type(exc).__name__}: {str(exc)[:200]})"), True
+            except Exception as exc:
+                why_not, problem = (
+                    (
+                        f"the target's tokenizer did not load from {inference.tokenizer_path()} (a directory, or a "
+                        f"hub id in the local cache) or did not render ({type(exc).__name__}: {str(exc)[:200]})"
+                    ),
+                    True,
+                )
         self._gate = (why_not, problem, opened)
         return self._gate
 
-    def tail(self, inference: InferenceServerResource, parts: list,
-             continuing: dict[int, dict]) -> tuple[tuple[int, bool] | None, str | None, bool]:
+    def tail(
+        self, inference: InferenceServerResource, parts: list, continuing: dict[int, dict]
+    ) -> tuple[tuple[int, bool] | None, str | None, bool]:
         """Whether the end of this run is generated in chunks (``inference.tail_chunk_tokens``,
         :mod:`dflash_assets.generation.tail_chunks`): ``((chunk_tokens, opened) or None, note, problem)``.
         Off (None) when not configured or the sampling is not history-free; not possible (a warning)
@@ -124,15 +148,24 @@ class ContinuationPlanner:
         if not chunk:
             return None, None, False
         if chunk >= settings.max_output_tokens:
-            return None, (f"inference.tail_chunk_tokens is not used: {chunk} is not below the cap "
-                          f"{settings.max_output_tokens}"), False
+            return (
+                None,
+                (f"inference.tail_chunk_tokens is not used: {chunk} is not below the cap {settings.max_output_tokens}"),
+                False,
+            )
         if not history_free(settings):
-            return None, ("inference.tail_chunk_tokens is ignored: a seed or a presence/repetition penalty makes a "
-                          "continued row differ from one generated whole"), False
+            return (
+                None,
+                (
+                    "inference.tail_chunk_tokens is ignored: a seed or a presence/repetition penalty makes a "
+                    "continued row differ from one generated whole"
+                ),
+                False,
+            )
         fresh = [p for part in parts for p in part.todo if p["index"] not in continuing]
         if not fresh:
             return None, None, False
-        why_not, problem, opened = self.gate(inference, fresh[0]["messages"])
+        why_not, _problem, opened = self.gate(inference, fresh[0]["messages"])
         if why_not is not None:
             return None, f"inference.tail_chunk_tokens is not used: {why_not}", True
         return (chunk, opened), None, False

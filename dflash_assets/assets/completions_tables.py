@@ -25,7 +25,6 @@ def partition_file(pk: str) -> tuple[str, str]:
     return ("completions", f"{pk}.parquet")
 
 
-
 def load_prompts(storage, pk: str) -> pl.DataFrame:
     """Corpus rows of partition ``pk`` (only the corpus row groups that hold them are read).
     Raises dagster.Failure when the corpus lacks the range."""
@@ -36,17 +35,19 @@ def load_range_prompts(storage, keys: list[str]) -> dict[str, pl.DataFrame]:
     """Corpus rows of each partition in ``keys``, from one read of the row groups that hold them.
 
     A run over the whole corpus reads it once; a corpus written with a row group per partition
-    (``prompt_corpus`` does) lets a one-partition run read ~1/900 of it. Raises dagster.Failure naming
-    the partition when the corpus lacks part of its range."""
+    (``prompt_corpus`` does) lets a one-partition run read ~1/900 of it. A range may have gaps (indices
+    of removed prompts, :mod:`dflash_assets.prompt_index`). Raises dagster.Failure naming the partition
+    when the corpus holds no prompt of its range."""
     ranges = {pk: key_range(pk) for pk in keys}
     corpus = storage.read_parquet(*CORPUS_FILE, index_ranges=list(ranges.values()))
     out = {}
     for pk, (first, last) in ranges.items():
         prompts = corpus.filter(pl.col("index").is_between(first, last))
-        if prompts.height != last - first + 1:
+        # stable indices leave gaps (removed prompts); a range with no prompt at all is not a partition any more
+        if prompts.is_empty():
             raise dg.Failure(
-                f"partition {pk}: the corpus holds {prompts.height} of its {last - first + 1} prompts; "
-                "re-materialize prompt_corpus with the same partition_size, or drop stale partition keys"
+                f"partition {pk}: the corpus holds no prompt in this index range (its prompts were removed, or "
+                "partition_size changed); re-materialize prompt_corpus and run the partitions it registers"
             )
         out[pk] = prompts
     return out
@@ -80,8 +81,9 @@ def table_rows(storage, pk: str, indexes: list[int]) -> dict[int, dict]:
     return {row["index"]: row for row in frame.iter_rows(named=True)}
 
 
-def partition_frame(storage, pk: str, prompts: pl.DataFrame,
-                    rows: dict[int, dict]) -> tuple[pl.DataFrame, dict[int, str]]:
+def partition_frame(
+    storage, pk: str, prompts: pl.DataFrame, rows: dict[int, dict]
+) -> tuple[pl.DataFrame, dict[int, str]]:
     """The table to commit for ``pk`` and the rows set aside: ``rows`` (journal and this run's, whole) over
     the last table's rows, one per prompt of the partition, sorted by index. Equal, value for value and so
     byte for byte once written, to :func:`rows_to_frame` of every row as dicts; only one partition's text
@@ -105,10 +107,24 @@ def partition_frame(storage, pk: str, prompts: pl.DataFrame,
     if not storage.exists(*partition_file(pk)):
         return new, set_aside
     old = storage.read_parquet(*partition_file(pk)).filter(
-        pl.col("index").is_in(indexes) & ~pl.col("index").is_in(list(rows)))
+        pl.col("index").is_in(indexes) & ~pl.col("index").is_in(list(rows))
+    )
     if old.is_empty():
         return new, set_aside
-    return pl.concat([align_to_schema(old), new]).sort("index").rechunk(), set_aside
+    # an old row kept by the one proof prompt_mismatch accepts (prompt_id == content hash) now names its prompt
+    hashes = prompts.select("index", pl.col("content_hash").alias("_hash"))
+    old = (
+        align_to_schema(old)
+        .join(hashes, on="index", how="left")
+        .with_columns(
+            pl.when(pl.col("prompt_hash").is_null() & (pl.col("prompt_id") == pl.col("_hash")))
+            .then(pl.col("_hash"))
+            .otherwise(pl.col("prompt_hash"))
+            .alias("prompt_hash")
+        )
+        .drop("_hash")
+    )
+    return pl.concat([old, new]).sort("index").rechunk(), set_aside
 
 
 def completion_stats(frame: pl.DataFrame) -> dict:
@@ -121,7 +137,9 @@ def completion_stats(frame: pl.DataFrame) -> dict:
         "completion_tokens_total": summary["total"],
         "completion_tokens_missing": int(ok["completion_tokens"].is_null().sum()),
         # what the cap-change sensor needs to decide, without reading the table, whether a new cap touches it
-        "length_row_caps": sorted({int(c) for c in ok.filter(pl.col("finish_reason") == "length")["max_output_tokens"].to_list()}),
+        "length_row_caps": sorted(
+            {int(c) for c in ok.filter(pl.col("finish_reason") == "length")["max_output_tokens"].to_list()}
+        ),
         "settings_fingerprints": sorted(set(ok["settings_fingerprint"].to_list())),
         "completion_tokens_max": summary["max"] if tokens.size else 0,
     }

@@ -11,17 +11,18 @@ from pydantic import Field
 
 from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.assets.tokenized import tokenized_file
-from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, read_shard
+from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, read_shard, write_index
 from dflash_assets.dflash.target_features import bytes_per_token
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
+from dflash_assets.partitions import key_range, prompt_ranges
+from dflash_assets.pools import GPU_POOL
 from dflash_assets.resources.storage import StorageResource
-from dflash_assets.storage import IntegrityError, UnsafeNameError, check_name
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.runs import partition_busy_message, runs_holding_partitions
-from dflash_assets.status import GPU_POOL, latest_metadata_by_partition
+from dflash_assets.shard_access import fetch_shards
+from dflash_assets.status import latest_metadata_by_partition
+from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
 
 CHECK_IDS = "stored_input_ids_match_tokenized"
 CHECK_FINITE = "hidden_states_finite"
@@ -30,14 +31,35 @@ CHECK_FINITE = "hidden_states_finite"
 class HiddenStatesConfig(dg.Config):
     """Which target layers to keep and how to shard them."""
 
-    target_layer_ids: list[int] = Field(default_factory=list, description="Decoder layer ids; empty = DFlash rule for 5 layers.")
-    rows_per_shard: int = Field(default=64, ge=1, description="Sequences per safetensors shard.")
-    max_rows: int | None = Field(default=None, ge=0, description="Store features for at most this many rows of the corpus (stable-hash subset); None = all.")
-    fraction: float | None = Field(default=None, gt=0.0, le=1.0, description="Store features for this share of the rows (stable-hash subset); None = all.")
-    storage_budget_gb: float | None = Field(
-        default=None, gt=0.0,
-        description="Bytes (GB, 1e9) all hidden states may take; needed to enforce the plan on S3, optional locally (free disk space is always checked).",
+    target_layer_ids: list[int] = Field(
+        default_factory=list, description="Decoder layer ids; empty = DFlash rule for 5 layers."
     )
+    rows_per_shard: int = Field(default=64, ge=1, description="Sequences per safetensors shard.")
+    max_rows: int | None = Field(
+        default=None,
+        ge=0,
+        description="Store features for at most this many rows of the corpus (stable-hash subset); None = all.",
+    )
+    fraction: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="Store features for this share of the rows (stable-hash subset); None = all.",
+    )
+    storage_budget_gb: float | None = Field(
+        default=None,
+        gt=0.0,
+        description=(
+            "Bytes (GB, 1e9) all hidden states may take; needed to enforce the plan on S3, optional locally "
+            "(free disk space is always checked)."
+        ),
+    )
+
+
+def prompt_hashes(store, pk: str) -> dict[int, str]:
+    """``{index: content_hash}`` of the corpus's prompts in partition ``pk``'s range (two columns read)."""
+    frame = store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash"], index_ranges=[key_range(pk)])
+    return dict(zip(frame["index"].to_list(), frame["content_hash"].to_list()))
 
 
 def corpus_indexes(store) -> list[int]:
@@ -70,9 +92,16 @@ def storage_plan(
     budget = int(config.storage_budget_gb * 1e9) if config.storage_budget_gb else None
     root = None if storage.is_remote else storage.root.removeprefix("file://")
     return compute_plan(
-        corpus_indexes=indexes if indexes is not None else corpus_indexes(storage.open()), partitions=partitions,
-        hidden_state_bytes=stored, layer_ids=layer_ids, hidden_size=hidden, max_rows=config.max_rows,
-        fraction=config.fraction, budget_bytes=budget, local_root=root, fallback_tokens_per_row=fallback_tokens_per_row,
+        corpus_indexes=indexes if indexes is not None else corpus_indexes(storage.open()),
+        partitions=partitions,
+        hidden_state_bytes=stored,
+        layer_ids=layer_ids,
+        hidden_size=hidden,
+        max_rows=config.max_rows,
+        fraction=config.fraction,
+        budget_bytes=budget,
+        local_root=root,
+        fallback_tokens_per_row=fallback_tokens_per_row,
         exact=exact,
     )
 
@@ -91,62 +120,6 @@ def resolve_layer_ids(config_ids: list[int], target) -> list[int]:
         raise dg.Failure(f"ops.hidden_states.config.target_layer_ids: {exc}") from exc
 
 
-class ShardIntegrityError(RuntimeError):
-    """A downloaded shard's size or SHA-256 differs from its partition's index.json."""
-
-
-def fetch_shards(storage: StorageResource, pk: str, index: dict, *, on_bad: str = "raise") -> tuple[list[str], list[str]]:
-    """Local paths of the shards ``index`` lists, downloading (S3) each one missing locally or of
-    another size than the index records; a download goes to a temporary name and is put in place only
-    once its size and, when the index has it, SHA-256 match. Local storage: the paths, nothing copied.
-    Every shard name is checked first: one plain file name (:func:`~dflash_assets.storage.check_name`),
-    so a hostile or corrupt index.json cannot point outside the partition's directory.
-
-    Args:
-        on_bad: ``"raise"``: a shard that is missing, unsafely named or fails verification raises
-            :class:`ShardIntegrityError` (the drafter cannot recompute it); ``"drop"``: it is left out
-            (hidden_states then recomputes that shard).
-
-    Returns:
-        ``(paths, names downloaded now)``.
-    """
-    listed = []  # every name is checked before anything is downloaded: a bad index fails as a whole
-    for shard in index.get("shards", []):
-        try:
-            where = f"hidden_states/{pk}/{INDEX_NAME}"
-            name = check_name(shard.get("name") if isinstance(shard, dict) else None, f"{where} shard")
-            expected = shard.get("bytes")
-            if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool) or expected < 0):
-                raise UnsafeNameError(f"{where}: shard {name!r} has bytes {expected!r}, not a size")
-        except UnsafeNameError as exc:
-            if on_bad == "drop":
-                continue
-            raise ShardIntegrityError(f"{exc}; re-materialize hidden_states[{pk}]") from None
-        listed.append((name, expected, shard.get("sha256") or None))
-    paths, fetched = [], []
-    for name, expected, sha256 in listed:
-        path = storage.local_scratch("hidden_states", pk, name)
-        if storage.is_remote:
-            have = os.path.getsize(path) if os.path.exists(path) else None
-            if have is None or (expected is not None and have != expected):
-                try:
-                    storage.open().download(path, "hidden_states", pk, name, size=expected, sha256=sha256)
-                except FileNotFoundError:
-                    if on_bad == "drop":
-                        continue
-                    raise ShardIntegrityError(f"hidden_states/{pk}/{name} is listed in index.json but missing from "
-                                              f"storage; re-materialize hidden_states[{pk}]") from None
-                except IntegrityError as exc:
-                    if os.path.exists(path):
-                        os.unlink(path)  # the local copy is of another size: not the indexed shard either
-                    if on_bad == "drop":
-                        continue
-                    raise ShardIntegrityError(f"{exc} (index.json); re-materialize hidden_states[{pk}]") from None
-                fetched.append(name)
-        paths.append(path)
-    return paths, fetched
-
-
 def partition_dir(storage: StorageResource, pk: str) -> str:
     """Local directory the shards are written to (the storage root itself for local storage)."""
     return os.path.dirname(storage.local_scratch("hidden_states", pk, INDEX_NAME))
@@ -161,8 +134,15 @@ def partition_dir(storage: StorageResource, pk: str) -> str:
     op_tags={"dflash/gpu": "target"},
     pool=GPU_POOL,
     check_specs=[
-        dg.AssetCheckSpec(CHECK_IDS, asset="hidden_states", blocking=True, description="Stored input_ids equal the tokenized partition's."),
-        dg.AssetCheckSpec(CHECK_FINITE, asset="hidden_states", blocking=True, description="No NaN or Inf in the stored features."),
+        dg.AssetCheckSpec(
+            CHECK_IDS,
+            asset="hidden_states",
+            blocking=True,
+            description="Stored input_ids equal the tokenized partition's.",
+        ),
+        dg.AssetCheckSpec(
+            CHECK_FINITE, asset="hidden_states", blocking=True, description="No NaN or Inf in the stored features."
+        ),
     ],
     description=(
         "Runs the target model over `tokenized_sequences/<pk>.parquet` (batched by a token budget, sorted by length, "
@@ -173,15 +153,42 @@ def partition_dir(storage: StorageResource, pk: str) -> str:
         "max_rows / fraction store a stable-hash subset. Not materialized when dflash_drafter trains online."
     ),
 )
-def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig, storage: StorageResource, target_model: TargetModelResource):
+def hidden_states(
+    context: dg.AssetExecutionContext,
+    config: HiddenStatesConfig,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+):
     pk = context.partition_key
     # one run per partition: another one's shard writes and clean-up of temporary files would collide
-    if holding := runs_holding_partitions(context.instance, "hidden_states", [pk], context.run.run_id,
-                                          lambda: context.instance.get_dynamic_partitions(prompt_ranges.name)):
+    if holding := runs_holding_partitions(
+        context.instance,
+        "hidden_states",
+        [pk],
+        context.run.run_id,
+        lambda: context.instance.get_dynamic_partitions(prompt_ranges.name),
+    ):
         raise dg.Failure(partition_busy_message(context.instance, "hidden_states", holding))
     store = storage.open()
     tokenized = store.read_parquet(*tokenized_file(pk))
-    rows = [{"index": r["index"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in tokenized.iter_rows(named=True)]
+    # only rows whose prompt is the corpus's at their index (a table from before an edit is re-made upstream)
+    hashes = prompt_hashes(store, pk)
+    rows = [
+        {
+            "index": r["index"],
+            "input_ids": r["input_ids"],
+            "loss_mask": r["loss_mask"],
+            "prompt_hash": r.get("prompt_hash"),
+        }
+        for r in tokenized.iter_rows(named=True)
+    ]
+    other = [r["index"] for r in rows if r["prompt_hash"] is None or hashes.get(r["index"]) != r["prompt_hash"]]
+    if other:
+        context.log.warning(
+            f"{pk}: {len(other)} tokenized rows answer another prompt than the corpus's at their index "
+            f"(first {other[:5]}): not extracted; re-materialize completions and tokenized_sequences[{pk}]"
+        )
+        rows = [r for r in rows if r["index"] not in set(other)]
     if not rows:
         raise dg.Failure(f"{pk}: tokenized_sequences has no row; nothing to extract (see its set-aside rows)")
     # the plan comes first: over budget, fail before loading the model or writing a byte
@@ -189,8 +196,14 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
     threshold = subset_threshold(indexes, config.max_rows, config.fraction)
     all_rows = len(rows)
     rows = [r for r in rows if in_subset(r["index"], threshold)]
-    plan = storage_plan(context.instance, storage, target_model, config, indexes=indexes,
-                        exact={pk: (len(rows), sum(len(r["input_ids"]) for r in rows))})
+    plan = storage_plan(
+        context.instance,
+        storage,
+        target_model,
+        config,
+        indexes=indexes,
+        exact={pk: (len(rows), sum(len(r["input_ids"]) for r in rows))},
+    )
     context.log.info(f"{pk}: storage plan: {plan.describe()}")
     if not plan.fits:
         raise dg.Failure(plan.failure_message(), metadata={"storage_plan": plan.to_dict()})
@@ -205,14 +218,17 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
     corpus_rows = len(indexes)
     corpus_estimate = per_token * num_tokens / max(1, len(rows)) * corpus_rows
     context.log.info(
-        f"{pk}: {len(rows)} rows, {num_tokens} tokens, layers {layer_ids}: ~{per_token * num_tokens / 1e6:.1f} MB at {per_token} B/token; "
+        f"{pk}: {len(rows)} rows, {num_tokens} tokens, layers {layer_ids}: "
+        f"~{per_token * num_tokens / 1e6:.1f} MB at {per_token} B/token; "
         f"the whole corpus ({corpus_rows} prompts) at this rate: ~{corpus_estimate / 1e9:.2f} GB"
     )
     started = time.monotonic()
 
     def progress(p: dict) -> None:
-        context.log.info(f"{pk}: shard {p['shard_number'] + 1}/{p['num_shards']} {'kept' if p['skipped'] else 'written'}, "
-                         f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)")
+        context.log.info(
+            f"{pk}: shard {p['shard_number'] + 1}/{p['num_shards']} {'kept' if p['skipped'] else 'written'}, "
+            f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)"
+        )
 
     out_dir = partition_dir(storage, pk)
     downloaded = []
@@ -224,23 +240,40 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
             context.log.info(f"{pk}: downloaded {len(downloaded)} stored shards instead of recomputing them")
     with torch.inference_mode():  # a context, not set_grad_enabled: training may follow in this process
         result = extract_partition(
-            model, rows, out_dir, layer_ids, rows_per_shard=config.rows_per_shard,
-            max_tokens_per_batch=target_model.max_tokens_per_batch, dtype=torch.bfloat16, progress_cb=progress,
+            model,
+            rows,
+            out_dir,
+            layer_ids,
+            rows_per_shard=config.rows_per_shard,
+            max_tokens_per_batch=target_model.max_tokens_per_batch,
+            dtype=torch.bfloat16,
+            progress_cb=progress,
             model_name=target_model.model_name(),
         )
     wall = time.monotonic() - started
     index = result.index
+    # each row's prompt by content (row_index -> content_hash): the drafter's data fingerprint covers it
+    index["prompt_hashes"] = {str(r["index"]): r["prompt_hash"] for r in rows}
+    write_index(out_dir, index)
     if not store.is_local:
         for shard in index["shards"]:  # streamed, not read into memory (shards can be GBs)
-            if shard["name"] in downloaded or (shard["name"] in result.skipped_shards and store.exists("hidden_states", pk, shard["name"])
-                                               and store.size("hidden_states", pk, shard["name"]) == shard["bytes"]):
+            if shard["name"] in downloaded or (
+                shard["name"] in result.skipped_shards
+                and store.exists("hidden_states", pk, shard["name"])
+                and store.size("hidden_states", pk, shard["name"]) == shard["bytes"]
+            ):
                 continue  # storage already holds this very file
             store.upload(os.path.join(out_dir, shard["name"]), "hidden_states", pk, shard["name"])
         store.write_json(index, "hidden_states", pk, INDEX_NAME)  # last: readers trust only a complete index
-    version = hashlib.sha256(json.dumps([s["rows_sha256"] for s in index["shards"]] + [index["target_layer_ids"], index["model_name"]]).encode()).hexdigest()[:20]
+    version = hashlib.sha256(
+        json.dumps(
+            [s["rows_sha256"] for s in index["shards"]] + [index["target_layer_ids"], index["model_name"]]
+        ).encode()
+    ).hexdigest()[:20]
     yield dg.MaterializeResult(
         metadata={
             "rows": index["num_rows"],
+            "rows_of_other_prompts": len(other),  # tokenized rows not extracted: their prompt is not the corpus's
             "tokens": index["num_tokens"],
             "bytes": index["total_bytes"],
             "bytes_per_token": round(index["total_bytes"] / max(index["num_tokens"], 1), 1),
@@ -273,10 +306,15 @@ def run_checks(out_dir: str, index: dict, rows: list[dict]):
         data = read_shard(os.path.join(out_dir, shard["name"]))
         cu = data.cu_seqlens.tolist()
         for r, idx in enumerate(data.row_index.tolist()):
-            if data.input_ids[cu[r]:cu[r + 1]].tolist() != expected.get(idx):
+            if data.input_ids[cu[r] : cu[r + 1]].tolist() != expected.get(idx):
                 mismatched.append(idx)
         if not torch.isfinite(data.hidden_states.float()).all():
             nonfinite.append(shard["name"])
-    yield dg.AssetCheckResult(check_name=CHECK_IDS, passed=not mismatched, metadata={"mismatched_rows": len(mismatched), "first": str(mismatched[:10])})
-    yield dg.AssetCheckResult(check_name=CHECK_FINITE, passed=not nonfinite, metadata={"shards_with_nan_or_inf": str(nonfinite)})
-
+    yield dg.AssetCheckResult(
+        check_name=CHECK_IDS,
+        passed=not mismatched,
+        metadata={"mismatched_rows": len(mismatched), "first": str(mismatched[:10])},
+    )
+    yield dg.AssetCheckResult(
+        check_name=CHECK_FINITE, passed=not nonfinite, metadata={"shards_with_nan_or_inf": str(nonfinite)}
+    )

@@ -1,6 +1,5 @@
 """Stage 1: ``prompt_corpus``: prompt files -> one deduplicated, indexed table; registers partitions."""
 
-
 import hashlib
 import os
 import time
@@ -10,11 +9,12 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.corpus import CorpusError, build_corpus, expand_source
-from dflash_assets.prompt_reader import GiB, MiB, ReadLimits
 from dflash_assets.metadata import table_preview
-from dflash_assets.partitions import partition_keys, prompt_ranges
+from dflash_assets.partitions import prompt_ranges
+from dflash_assets.pools import ensure_pool_limits
+from dflash_assets.prompt_index import save_index, stable_corpus
+from dflash_assets.prompt_reader import GiB, MiB, ReadLimits
 from dflash_assets.resources.storage import StorageResource
-from dflash_assets.status import ensure_pool_limits
 
 CORPUS_FILE = ("prompt_corpus", "corpus.parquet")
 REJECTED_FILE = ("prompt_corpus", "rejected.parquet")
@@ -35,15 +35,23 @@ class PromptCorpusConfig(dg.Config):
         description="Files, globs or directories (local or s3://) of JSONL / JSON arrays / Parquet, .gz allowed.",
     )
     partition_size: int = Field(default=1000, ge=1, description="Prompts per index-range partition.")
-    max_prompts: int | None = Field(default=None, ge=1, description="Keep only the first N prompts (demo runs).")
+    max_prompts: int | None = Field(
+        default=None,
+        ge=1,
+        description="Keep only the first N prompts in sources order (demo runs); each keeps its stable index.",
+    )
     max_record_mb: float = Field(
-        default=ReadLimits.max_record_bytes / MiB, gt=0,
+        default=ReadLimits.max_record_bytes / MiB,
+        gt=0,
         description="Longest JSONL line / JSON-array element accepted, MiB: a longer one fails its file (a damaged "
-        "file or a decompression bomb, never a prompt).")
+        "file or a decompression bomb, never a prompt).",
+    )
     max_file_gb: float = Field(
-        default=ReadLimits.max_file_bytes / GiB, gt=0,
+        default=ReadLimits.max_file_bytes / GiB,
+        gt=0,
         description="Most content one prompt file may hold after gunzip, GiB (Parquet: the uncompressed size its "
-        "footer declares); split larger corpora into several files.")
+        "footer declares); split larger corpora into several files.",
+    )
 
     def read_limits(self) -> ReadLimits:
         """The bounds each prompt file is read under."""
@@ -80,11 +88,14 @@ def corpus_fingerprint(config: PromptCorpusConfig, storage: StorageResource | No
     description=(
         "Reads the configured prompt files (OpenAI messages, ShareGPT conversations, Alpaca, plain prompt), "
         "normalizes each to chat messages ending with the last user turn, drops exact duplicates (counted), "
-        "sets bad rows aside with file, line and reason, and assigns a stable global index. Writes "
-        "prompt_corpus/corpus.parquet and rejected.parquet; registers the index-range partitions."
+        "sets bad rows aside with file, line and reason, and gives each prompt a stable index (kept while its content "
+        "is unchanged, wherever its file sorts). Writes prompt_corpus/corpus.parquet, rejected.parquet and the index "
+        "table prompt_index.parquet; registers the index-range partitions that hold prompts."
     ),
 )
-def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig, storage: StorageResource) -> dg.MaterializeResult:
+def prompt_corpus(
+    context: dg.AssetExecutionContext, config: PromptCorpusConfig, storage: StorageResource
+) -> dg.MaterializeResult:
     started = time.monotonic()
     store = storage.open()
     try:
@@ -92,16 +103,27 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig,
     except CorpusError as exc:
         if exc.rejected is None:
             raise dg.Failure(str(exc)) from None
-        uri = store.write_parquet(exc.rejected, *REJECTED_FILE)  # the rows set aside, with reasons, for the user to read
-        raise dg.Failure(f"{exc} Rejected rows with reasons: {uri}", metadata={"rejected": exc.rejected.height}) from None
-    corpus = result.corpus
-    if config.max_prompts is not None and corpus.height > config.max_prompts:
-        corpus = corpus.head(config.max_prompts)
+        uri = store.write_parquet(
+            exc.rejected, *REJECTED_FILE
+        )  # the rows set aside, with reasons, for the user to read
+        raise dg.Failure(
+            f"{exc} Rejected rows with reasons: {uri}", metadata={"rejected": exc.rejected.height}
+        ) from None
+    previous = (
+        store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash", "prompt_id"])
+        if store.exists(*CORPUS_FILE)
+        else None
+    )
+    try:
+        built = stable_corpus(store, result.corpus, config.partition_size, config.max_prompts, previous)
+    except ValueError as exc:
+        raise dg.Failure(str(exc)) from None
+    corpus, keys = built.corpus, built.keys
     # a row group per partition: a partition's run reads its own prompts, not the whole corpus
     corpus_uri = store.write_parquet(corpus, *CORPUS_FILE, row_group_size=config.partition_size)
+    save_index(store, built.table)  # after the corpus: a failed write leaves the last build whole
     store.write_parquet(result.rejected, *REJECTED_FILE)
 
-    keys = partition_keys(corpus.height, config.partition_size)
     existing = set(context.instance.get_dynamic_partitions(prompt_ranges.name))
     stale = sorted(existing - set(keys))
     for key in stale:
@@ -113,14 +135,19 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig,
     if stale:
         context.log.warning(f"removed {len(stale)} partition keys no longer in the corpus: {stale[:5]}...")
     context.log.info(
-        f"{corpus.height} prompts from {len(result.files)} files; {sum(result.duplicates_per_source.values())} duplicates; "
-        f"{result.rejected.height} rejected; {len(keys)} partitions of {config.partition_size}"
+        f"{corpus.height} prompts from {len(result.files)} files; "
+        f"{sum(result.duplicates_per_source.values())} duplicates; "
+        f"{result.rejected.height} rejected; {len(keys)} partitions of up to {config.partition_size}; against the last "
+        f"build: {built.edits.new} new, {built.edits.changed} changed, {built.edits.removed} removed prompts"
     )
     for row in result.rejected.head(20).iter_rows(named=True):
         context.log.warning(f"rejected {row['file']}:{row['line']}: {row['reason']}")
 
     preview = corpus.head(10).select(
-        "index", "prompt_id", "source", first_user=corpus.head(10)["messages"].list.last().struct.field("content").str.slice(0, 120)
+        "index",
+        "prompt_id",
+        "source",
+        first_user=corpus.head(10)["messages"].list.last().struct.field("content").str.slice(0, 120),
     )
     rows_per_source = corpus.group_by("source").len().sort("source")
     return dg.MaterializeResult(
@@ -132,6 +159,15 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig,
             "rejected": result.rejected.height,
             "rejected_by_reason": result.rejected_by_reason,
             "num_partitions": len(keys),
+            # what this build changed (stable indices: only new or changed prompts need requests)
+            "prompts_new": built.edits.new,
+            "prompts_changed": built.edits.changed,
+            "prompts_removed": built.edits.removed,
+            "prompts_kept": built.edits.kept,
+            "max_index": int(corpus["index"].max()) if corpus.height else -1,
+            # per partition, the hash of its (index, content_hash) pairs: completions records the one it was made for
+            "partition_versions": built.versions,
+            "partition_prompts": built.sizes,  # a range may have gaps (removed prompts): its prompt count
             "partition_size": config.partition_size,
             "files": result.files,
             "path": dg.MetadataValue.path(corpus_uri),
@@ -140,4 +176,3 @@ def prompt_corpus(context: dg.AssetExecutionContext, config: PromptCorpusConfig,
             "config_fingerprint": corpus_fingerprint(config, storage),
         }
     )
-

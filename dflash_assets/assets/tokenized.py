@@ -31,9 +31,13 @@ class TokenizeConfig(dg.Config):
     """Policies for rows that are not plain finished completions (counts go to metadata)."""
 
     max_length: int = Field(default=3072, ge=8, description="Longest sequence kept, tokens (DFlash trains at 3072).")
-    truncated: str = Field(default="drop", description="drop | keep rows with finish_reason length (kept without end token).")
+    truncated: str = Field(
+        default="drop", description="drop | keep rows with finish_reason length (kept without end token)."
+    )
     over_max_length: str = Field(default="drop", description="drop | cut sequences longer than max_length.")
-    end_token: str = Field(default="", description="End-of-turn token; empty = <|im_end|> if in the vocabulary, else eos.")
+    end_token: str = Field(
+        default="", description="End-of-turn token; empty = <|im_end|> if in the vocabulary, else eos."
+    )
     degenerate_small_tokens: int = Field(default=16, description="A mask-length mode at or below this many tokens...")
     degenerate_share: float = Field(default=0.5, description="...held by more than this share of rows fails the check.")
 
@@ -45,23 +49,42 @@ class TokenizeConfig(dg.Config):
     kinds={"transformers", "parquet"},
     owners=["team:dflash"],
     check_specs=[
-        dg.AssetCheckSpec(CHECK_NONEMPTY, asset="tokenized_sequences", blocking=True,
-                          description="Every kept row supervises at least one token."),
-        dg.AssetCheckSpec(CHECK_DEGENERATE, asset="tokenized_sequences", blocking=True,
-                          description="No small num_loss_tokens value held by most rows (the empty-answer signature)."),
-        dg.AssetCheckSpec(CHECK_ROUNDTRIP, asset="tokenized_sequences", blocking=True,
-                          description="The supervised tokens decode back to the recorded reasoning and answer."),
-        dg.AssetCheckSpec(CHECK_MAX_LENGTH, asset="tokenized_sequences",
-                          description="Warns with the share of rows that max_length would cut at the current cap."),
-        dg.AssetCheckSpec(CHECK_RETOKENIZED, asset="tokenized_sequences",
-                          description="Warns when re-tokenized completions (server returned no ids) differ in length from "
-                                      "usage.completion_tokens: the text does not round-trip to the emitted tokens."),
+        dg.AssetCheckSpec(
+            CHECK_NONEMPTY,
+            asset="tokenized_sequences",
+            blocking=True,
+            description="Every kept row supervises at least one token.",
+        ),
+        dg.AssetCheckSpec(
+            CHECK_DEGENERATE,
+            asset="tokenized_sequences",
+            blocking=True,
+            description="No small num_loss_tokens value held by most rows (the empty-answer signature).",
+        ),
+        dg.AssetCheckSpec(
+            CHECK_ROUNDTRIP,
+            asset="tokenized_sequences",
+            blocking=True,
+            description="The supervised tokens decode back to the recorded reasoning and answer.",
+        ),
+        dg.AssetCheckSpec(
+            CHECK_MAX_LENGTH,
+            asset="tokenized_sequences",
+            description="Warns with the share of rows that max_length would cut at the current cap.",
+        ),
+        dg.AssetCheckSpec(
+            CHECK_RETOKENIZED,
+            asset="tokenized_sequences",
+            description="Warns when re-tokenized completions (server returned no ids) differ in length from "
+            "usage.completion_tokens: the text does not round-trip to the emitted tokens.",
+        ),
     ],
     description=(
-        "Reads `completions/<pk>.parquet` and the prompt corpus; builds input_ids = chat-template prompt ids + generated "
-        "ids (server ids when returned, else the completion re-tokenized as emitted, plus the end-of-turn token for "
-        "stop rows) and loss_mask = 0 on the prompt, 1 on the completion. Writes `tokenized_sequences/<pk>.parquet` "
-        "(index, prompt_id, input_ids int32, loss_mask int8, prompt_len, num_loss_tokens, finish_reason)."
+        "Reads `completions/<pk>.parquet` and the prompt corpus; builds input_ids = chat-template prompt ids + "
+        "generated ids (server ids when returned, else the completion re-tokenized as emitted, plus the end-of-turn "
+        "token for stop rows) and loss_mask = 0 on the prompt, 1 on the completion. Writes "
+        "`tokenized_sequences/<pk>.parquet` (index, prompt_id, input_ids int32, loss_mask int8, prompt_len, "
+        "num_loss_tokens, finish_reason)."
     ),
 )
 def tokenized_sequences(
@@ -77,7 +100,8 @@ def tokenized_sequences(
     prompts = load_prompts(store, pk)
     builder = SequenceBuilder(target_model.load_tokenizer(), end_token=config.end_token or None)
     tokenized, aside, counts, uri, version, checks = tokenize_stage(
-        store, pk, completions, prompts, builder, config, generation.settings().max_output_tokens)
+        store, pk, completions, prompts, builder, config, generation.settings().max_output_tokens
+    )
     for row in aside.head(10).iter_rows(named=True):
         context.log.warning(f"{pk}: row {row['index']} set aside: {row['reason']}")
     lengths = tokenized["num_loss_tokens"].to_list()
@@ -97,8 +121,15 @@ def tokenized_sequences(
     yield from checks
 
 
-def tokenize_stage(store, pk: str, completions: pl.DataFrame, prompts: pl.DataFrame, builder: SequenceBuilder,
-                   config: TokenizeConfig, cap: int):
+def tokenize_stage(
+    store,
+    pk: str,
+    completions: pl.DataFrame,
+    prompts: pl.DataFrame,
+    builder: SequenceBuilder,
+    config: TokenizeConfig,
+    cap: int,
+):
     """The stage's whole work for one partition, without Dagster's bookkeeping (the asset and
     bench/bench_tokenize.py both run this): tokenize, write the table and the set-aside rows, hash the
     written table's bytes (the data version), run the checks. One after another: with the checks at ~5% of
@@ -131,7 +162,9 @@ def _column(frame: pl.DataFrame, name: str) -> list:
     return frame[name].to_list() if name in frame.columns else [None] * frame.height
 
 
-def run_checks(tokenized: pl.DataFrame, completions: pl.DataFrame, builder: SequenceBuilder, config: TokenizeConfig, cap: int):
+def run_checks(
+    tokenized: pl.DataFrame, completions: pl.DataFrame, builder: SequenceBuilder, config: TokenizeConfig, cap: int
+):
     """The per-partition checks as AssetCheckResults (the first three block downstream stages).
 
     Reads columns whole (no per-row dicts): building row dicts of the ``input_ids`` lists costs as much as
@@ -140,20 +173,25 @@ def run_checks(tokenized: pl.DataFrame, completions: pl.DataFrame, builder: Sequ
     index, num_loss = tokenized["index"].to_list(), tokenized["num_loss_tokens"].to_list()
     empty = [i for i, n in zip(index, num_loss) if n == 0]
     yield dg.AssetCheckResult(
-        check_name=CHECK_NONEMPTY, passed=not empty and tokenized.height > 0,
+        check_name=CHECK_NONEMPTY,
+        passed=not empty and tokenized.height > 0,
         metadata={"empty_mask_rows": len(empty), "first_indexes": str(empty[:10]), "rows": tokenized.height},
         description=None if tokenized.height else "no row was kept",
     )
     mode = degenerate_mask_mode(num_loss, config.degenerate_small_tokens, config.degenerate_share)
     yield dg.AssetCheckResult(
-        check_name=CHECK_DEGENERATE, passed=mode is None,
+        check_name=CHECK_DEGENERATE,
+        passed=mode is None,
         metadata={"mode_num_loss_tokens": mode[0] if mode else -1, "mode_share": round(mode[1], 3) if mode else 0.0},
         description=(f"{mode[1]:.0%} of rows supervise exactly {mode[0]} tokens: empty answers?" if mode else None),
     )
     position = {i: k for k, i in enumerate(completions["index"].to_list())}
     reasoning, content = _column(completions, "reasoning_content"), _column(completions, "content")
-    server_ids = (completions["output_token_ids"].is_not_null().to_list() if "output_token_ids" in completions.columns
-                  else [False] * completions.height)
+    server_ids = (
+        completions["output_token_ids"].is_not_null().to_list()
+        if "output_token_ids" in completions.columns
+        else [False] * completions.height
+    )
     completion_tokens = _column(completions, "completion_tokens")
     prompt_lens, cut, finish = (tokenized[c].to_list() for c in ("prompt_len", "cut", "finish_reason"))
     # the completion ids of every whole row, sliced from the flat Arrow buffers (offsets index into values)
@@ -171,22 +209,41 @@ def run_checks(tokenized: pl.DataFrame, completions: pl.DataFrame, builder: Sequ
         if not all(t in decoded or _squash(t) in _squash(decoded) for t in expected):
             bad.append(index[k])
     yield dg.AssetCheckResult(
-        check_name=CHECK_ROUNDTRIP, passed=not bad,
+        check_name=CHECK_ROUNDTRIP,
+        passed=not bad,
         metadata={"mismatched_rows": len(bad), "first_indexes": json.dumps(bad[:10])},
     )
-    retokenized = [(index[k], num_loss[k], completion_tokens[position[index[k]]])
-                   for k in whole if not server_ids[position[index[k]]]]
+    retokenized = [
+        (index[k], num_loss[k], completion_tokens[position[index[k]]])
+        for k in whole
+        if not server_ids[position[index[k]]]
+    ]
     differ = [i for i, n, c in retokenized if c is not None and n != c]
     yield dg.AssetCheckResult(
-        check_name=CHECK_RETOKENIZED, passed=not differ, severity=dg.AssetCheckSeverity.WARN,
-        metadata={"retokenized_rows": len(retokenized), "length_differs": len(differ), "first_indexes": json.dumps(differ[:10])},
-        description=f"{len(differ)} re-tokenized rows differ from the server's token count; serve with token ids (SGLang) to be exact" if differ else None,
+        check_name=CHECK_RETOKENIZED,
+        passed=not differ,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={
+            "retokenized_rows": len(retokenized),
+            "length_differs": len(differ),
+            "first_indexes": json.dumps(differ[:10]),
+        },
+        description=f"{len(differ)} re-tokenized rows differ from the server's token count; "
+        "serve with token ids (SGLang) to be exact"
+        if differ
+        else None,
     )
     would_cut = sum(1 for p in prompt_lens if p + cap > config.max_length)
     share = would_cut / len(prompt_lens) if prompt_lens else 0.0
     yield dg.AssetCheckResult(
-        check_name=CHECK_MAX_LENGTH, passed=share <= 0.5, severity=dg.AssetCheckSeverity.WARN,
-        metadata={"share_prompt_plus_cap_over_max_length": round(share, 4), "max_length": config.max_length, "cap": cap},
+        check_name=CHECK_MAX_LENGTH,
+        passed=share <= 0.5,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={
+            "share_prompt_plus_cap_over_max_length": round(share, 4),
+            "max_length": config.max_length,
+            "cap": cap,
+        },
     )
 
 

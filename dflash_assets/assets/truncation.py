@@ -10,7 +10,15 @@ from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource
-from dflash_assets.truncation import cap_advice, fit_from_dict, length_histogram_png, predict_cap, read_report_columns, truncation_stats
+from dflash_assets.truncation import (
+    cap_advice,
+    cap_advice_markdown,
+    fit_from_dict,
+    length_histogram_png,
+    predict_cap,
+    read_report_columns,
+    truncation_stats,
+)
 
 REPORT_DIR = "truncation_report"
 
@@ -41,8 +49,10 @@ def prediction_check(previous: dict | None, stats: dict, cap: int) -> dict | Non
     fit = fit_from_dict(adv["fit"])
     pred = predict_cap(fit, previous["cap"], adv["observed_truncation_rate"], adv["truncated_rows"], cap)
     return {
-        "previous_cap": previous["cap"], "new_cap": cap,
-        "predicted_truncation_rate": pred["truncation_rate"], "actual_truncation_rate": stats["truncation_rate"],
+        "previous_cap": previous["cap"],
+        "new_cap": cap,
+        "predicted_truncation_rate": pred["truncation_rate"],
+        "actual_truncation_rate": stats["truncation_rate"],
     }
 
 
@@ -58,12 +68,16 @@ def prediction_check(previous: dict | None, stats: dict, cap: int) -> dict | Non
         "counts, a length histogram with the cap marked, and advice for larger caps from a censored fit."
     ),
 )
-def truncation_report(context: dg.AssetExecutionContext, storage: StorageResource, generation: GenerationResource) -> dg.MaterializeResult:
+def truncation_report(
+    context: dg.AssetExecutionContext, storage: StorageResource, generation: GenerationResource
+) -> dg.MaterializeResult:
     store = storage.open()
     keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
     frame, missing = load_all_completions(store, keys)
     if frame.is_empty():
-        raise dg.Failure(f"no completions partition is materialized yet ({len(missing)} missing): materialize completions first")
+        raise dg.Failure(
+            f"no completions partition is materialized yet ({len(missing)} missing): materialize completions first"
+        )
     cap = generation.settings().max_output_tokens
     stats = truncation_stats(frame)
     ok = frame.filter(pl.col("error").is_null() & pl.col("completion_tokens").is_not_null())
@@ -71,23 +85,25 @@ def truncation_report(context: dg.AssetExecutionContext, storage: StorageResourc
     previous = store.read_json(REPORT_DIR, "report.json") if store.exists(REPORT_DIR, "report.json") else None
     check = prediction_check(previous, stats, cap)
     png = length_histogram_png(
-        ok["completion_tokens"].to_numpy(), cap,
+        ok["completion_tokens"].to_numpy(),
+        cap,
         f"{ok.height} completions, {stats['truncation_rate']:.1%} hit the cap",
     )
     report = {
-        "cap": cap, "generated_at": time.time(), "partitions_included": sorted(set(frame["partition"].to_list())),
-        "partitions_missing": missing, **stats, "advice": advice, "prediction_vs_actual": check,
+        "cap": cap,
+        "generated_at": time.time(),
+        "partitions_included": sorted(set(frame["partition"].to_list())),
+        "partitions_missing": missing,
+        **stats,
+        "advice": advice,
+        "prediction_vs_actual": check,
     }
     store.write_json(report, REPORT_DIR, "report.json")
     png_uri = store.write_bytes(png, REPORT_DIR, "completion_lengths.png")
     if stats["truncation_rate"] > 0.05:
-        context.log.warning(f"{stats['truncation_rate']:.1%} of completions hit the {cap}-token cap; see the cap advice")
-    advice_md = "\n".join(
-        f"| {c['cap']} | {c['truncation_rate']:.2%} | "
-        f"{'%.2f%%–%.2f%%' % tuple(100 * x for x in c['truncation_rate_90ci']) if 'truncation_rate_90ci' in c else '-'} | "
-        f"{c['requests']} | {c['tokens_to_generate']:.0f} | {c['extra_output_tokens']:.0f} |"
-        for c in advice["candidates"]
-    )
+        context.log.warning(
+            f"{stats['truncation_rate']:.1%} of completions hit the {cap}-token cap; see the cap advice"
+        )
     return dg.MaterializeResult(
         metadata={
             "cap": cap,
@@ -103,11 +119,6 @@ def truncation_report(context: dg.AssetExecutionContext, storage: StorageResourc
             "prediction_vs_actual": check or {},
             "histogram": png_markdown(png, "completion lengths"),
             "histogram_path": dg.MetadataValue.path(png_uri),
-            "cap_advice": dg.MetadataValue.md(
-                f"Method: {advice['method']}.\n\n| cap | predicted truncation | 90% interval | requests | tokens to generate, whole | extra tokens (to generate, continued) |\n"
-                "|---|---|---|---|---|---|\n" + advice_md if advice["candidates"] else advice.get("note", "")
-            ),
+            "cap_advice": dg.MetadataValue.md(cap_advice_markdown(advice)),
         }
     )
-
-

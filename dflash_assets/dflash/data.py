@@ -20,9 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 from safetensors import safe_open
@@ -114,8 +114,10 @@ class HiddenStateShards:
             self.target_layer_ids = ids
         total = int(cu[-1]) if cu.numel() else 0
         if not (shape[0] == n_ids == loss_mask.shape[0] == total):
-            raise ValueError(f"{path}: hidden_states {shape[0]}, input_ids {n_ids}, loss_mask "
-                             f"{loss_mask.shape[0]} and cu_seqlens[-1] {total} differ")
+            raise ValueError(
+                f"{path}: hidden_states {shape[0]}, input_ids {n_ids}, loss_mask "
+                f"{loss_mask.shape[0]} and cu_seqlens[-1] {total} differ"
+            )
         if self.feature_dim is None:
             self.feature_dim = int(shape[1])
         elif self.feature_dim != int(shape[1]):
@@ -184,23 +186,33 @@ class TrainingBatch:
     context_input_ids: torch.Tensor | None = None
     context_lengths: torch.Tensor | None = None
 
-    def to(self, device, non_blocking: bool = False) -> "TrainingBatch":
+    def to(self, device, non_blocking: bool = False) -> TrainingBatch:
         """Copy of the batch with all tensors on ``device``."""
         kw = dict(device=device, non_blocking=non_blocking)
         return TrainingBatch(
-            self.context_hidden.to(**kw), self.block_input_ids.to(**kw), self.labels.to(**kw),
-            self.label_mask.to(**kw), self.position_ids.to(**kw), self.attention_mask.to(**kw),
-            self.num_block_tokens, self.num_context_tokens,
+            self.context_hidden.to(**kw),
+            self.block_input_ids.to(**kw),
+            self.labels.to(**kw),
+            self.label_mask.to(**kw),
+            self.position_ids.to(**kw),
+            self.attention_mask.to(**kw),
+            self.num_block_tokens,
+            self.num_context_tokens,
             None if self.context_input_ids is None else self.context_input_ids.to(**kw),
             self.context_lengths,
         )
 
-    def pin_memory(self) -> "TrainingBatch":
+    def pin_memory(self) -> TrainingBatch:
         """Page-locked copy (for asynchronous host-to-GPU copies)."""
         return TrainingBatch(
-            self.context_hidden.pin_memory(), self.block_input_ids.pin_memory(), self.labels.pin_memory(),
-            self.label_mask.pin_memory(), self.position_ids.pin_memory(), self.attention_mask.pin_memory(),
-            self.num_block_tokens, self.num_context_tokens,
+            self.context_hidden.pin_memory(),
+            self.block_input_ids.pin_memory(),
+            self.labels.pin_memory(),
+            self.label_mask.pin_memory(),
+            self.position_ids.pin_memory(),
+            self.attention_mask.pin_memory(),
+            self.num_block_tokens,
+            self.num_context_tokens,
             None if self.context_input_ids is None else self.context_input_ids.pin_memory(),
             self.context_lengths,
         )

@@ -46,17 +46,25 @@ def torchrun_argv(
                 f"nnodes={nnodes} needs rdzv_endpoint HOST:PORT reachable from every node "
                 "(set ops.dflash_drafter.config.rdzv_endpoint, e.g. 10.0.0.1:29500)"
             )
-        argv += [f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}", f"--rdzv-backend={rdzv_backend}",
-                 f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
-    return argv + ["-m", "dflash_assets.dflash.train", *train_args]
+        argv += [
+            f"--nnodes={nnodes}",
+            f"--nproc_per_node={nproc_per_node}",
+            f"--rdzv-backend={rdzv_backend}",
+            f"--rdzv-endpoint={rdzv_endpoint}",
+            f"--rdzv-id={rdzv_id}",
+        ]
+    return [*argv, "-m", "dflash_assets.dflash.train", *train_args]
 
 
 def write_node_script(path: str | os.PathLike, argv: Sequence[str], env: dict[str, str] | None = None) -> str:
     """Write a shell script that runs ``argv`` (the command every other node runs); returns its path."""
     from dflash_assets.atomic import atomic_write_bytes
 
-    lines = ["#!/bin/sh", "# Run this on each of the other nodes (same paths, shared filesystem): it joins the rendezvous.",
-             "set -e"]
+    lines = [
+        "#!/bin/sh",
+        "# Run this on each of the other nodes (same paths, shared filesystem): it joins the rendezvous.",
+        "set -e",
+    ]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()]
     lines.append("exec " + " ".join(shlex.quote(a) for a in argv))
     atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())

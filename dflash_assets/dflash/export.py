@@ -201,7 +201,7 @@ def load_exported(
     model = DFlashDraftModel(config)
     state = {}
     with safe_open(str(d / "model.safetensors"), framework="pt") as f:
-        for k in f.keys():
+        for k in f.keys():  # noqa: SIM118 - safe_open is not a dict: keys() is its only listing
             state[k] = f.get_tensor(k)
     model.load_state_dict(state, strict=True)
     model.to(dtype)

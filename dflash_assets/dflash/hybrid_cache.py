@@ -29,7 +29,7 @@ Plain torch + transformers; no Dagster.
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -89,8 +89,9 @@ class VerifyRollback:
         tokens: tokens those rollbacks re-ran.
 
     Raises:
-        ValueError: an unknown mode, ``mixers`` without mixers, ``none`` with linear-attention layers, or a cache layer that is both linear
-            attention and attention (not used by any target here; refused rather than handled wrongly).
+        ValueError: an unknown mode, ``mixers`` without mixers, ``none`` with linear-attention layers, or a
+            cache layer that is both linear attention and attention (not used by any target here; refused
+            rather than handled wrongly).
     """
 
     def __init__(self, target: nn.Module, cache, mode: str = "auto") -> None:
@@ -118,9 +119,13 @@ class VerifyRollback:
         elif mode == "auto":
             mode = "mixers" if found else "forward"
         if mode == "mixers" and not found:
-            raise ValueError("rollback mode 'mixers' needs every linear-attention decoder layer's mixer at .linear_attn")
+            raise ValueError(
+                "rollback mode 'mixers' needs every linear-attention decoder layer's mixer at .linear_attn"
+            )
         if mode == "none" and self.linear_ids:
-            raise ValueError(f"the target has linear-attention layers {self.linear_ids}: rollback mode 'none' would not be lossless")
+            raise ValueError(
+                f"the target has linear-attention layers {self.linear_ids}: rollback mode 'none' would not be lossless"
+            )
         self.mode = mode
         self.forwards = 0
         self.tokens = 0
@@ -138,7 +143,7 @@ class VerifyRollback:
 
         return hook
 
-    def __enter__(self) -> "VerifyRollback":
+    def __enter__(self) -> VerifyRollback:
         if self.mode == "mixers":
             for i, mixer in self.mixers.items():
                 self._handles.append(mixer.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
@@ -168,8 +173,9 @@ class VerifyRollback:
         self._snapshot = snapshot
         self._capturing = self.mode == "mixers"
 
-    def after_verify(self, start: int, num_verified: int, num_accepted: int,
-                     replay: Callable[[int], None] | None = None) -> None:
+    def after_verify(
+        self, start: int, num_verified: int, num_accepted: int, replay: Callable[[int], None] | None = None
+    ) -> None:
         """Make the cache hold exactly positions ``< start + num_accepted`` after a verify forward that fed
         ``num_verified`` tokens at positions ``start ..``.
 
@@ -197,8 +203,11 @@ class VerifyRollback:
         if self.mode == "mixers":
             crop_attention_layers(self.cache, keep)
             for i in self.linear_ids:
-                self.mixers[i](hidden_states=self._inputs[i][:, :num_accepted], attention_mask=None,
-                               **{self.mixer_kwarg[i]: self.cache})
+                self.mixers[i](
+                    hidden_states=self._inputs[i][:, :num_accepted],
+                    attention_mask=None,
+                    **{self.mixer_kwarg[i]: self.cache},
+                )
         else:
             if replay is None:
                 raise ValueError("rollback mode 'forward' needs replay")

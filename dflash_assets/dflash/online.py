@@ -140,7 +140,9 @@ class TokenizedRows:
         return sum(r.length for r in self.rows)
 
 
-def load_frozen_target(model_path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.nn.Module:
+def load_frozen_target(
+    model_path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.nn.Module:
     """The target causal LM, frozen: ``eval()``, ``requires_grad_(False)``, on ``device``.
 
     ``dtype`` default: bf16 on CUDA, float32 on CPU (CPU bf16 matmuls are slow and less exact).
@@ -177,7 +179,9 @@ class OnlineTargetFeatures:
             (:func:`~dflash_assets.dflash.target_kernels.linear_attention_kernels` summary), else None.
     """
 
-    def __init__(self, model: torch.nn.Module, target_layer_ids: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self, model: torch.nn.Module, target_layer_ids: Sequence[int], dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         self.model = freeze(model)
         self.extractor = TargetFeatureExtractor(model, target_layer_ids)
         self.target_layer_ids = list(self.extractor.target_layer_ids)

@@ -1,47 +1,33 @@
-"""Hidden-state shards: the on-disk format, atomic writes, validation and resumable extraction.
-
-Format (one partition = one directory, ``shard-NNNNN.safetensors`` + ``index.json``). Each shard is a
-safetensors file holding the rows ``[k * rows_per_shard, (k + 1) * rows_per_shard)`` of the partition
-in prompt-index order, concatenated token-wise (packed, no padding):
-
-=================  ======================================  ======
-tensor             shape                                   dtype
-=================  ======================================  ======
-``cu_seqlens``     ``[rows + 1]``; row r is tokens         int64
-                   ``cu_seqlens[r]:cu_seqlens[r + 1]``
-``row_index``      ``[rows]``, prompt index of each row    int64
-``input_ids``      ``[total_tokens]``                      int32
-``hidden_states``  ``[total_tokens, n_layers * hidden]``   bf16
-``loss_mask``      ``[total_tokens]``, 1 = train on token  int8
-=================  ======================================  ======
-
-``hidden_states[:, k*H:(k+1)*H]`` is the output of target decoder layer ``target_layer_ids[k]``
-(HF ``hidden_states[target_layer_ids[k] + 1]``) at each token position. The safetensors metadata
-(all strings) holds ``format``, ``target_layer_ids`` (JSON list), ``hidden_size``, ``model_name``,
-``dtype``, ``num_rows``, ``num_tokens`` and ``rows_sha256`` (SHA-256 of the row_index, cu_seqlens,
-input_ids and loss_mask bytes, so a shard computed from other tokens is detected as stale).
-
-The files are written by this module's own safetensors encoder rather than ``safetensors.torch.save``
-because the latter serializes ``__metadata__`` in a per-process random (hash-map) order, which would
-make reruns differ byte-wise; here the header JSON has a fixed key order, so the same rows give
-byte-identical files. Any safetensors reader (``safetensors.safe_open``) reads them.
-"""
+"""Resumable extraction of a partition's hidden states into shards (the format:
+:mod:`~dflash_assets.dflash.shard_format`, whose names are imported from here too)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import struct
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_assets.atomic import atomic_write_bytes
+from dflash_assets.dflash.shard_format import (  # the format lived here; imported from here by many
+    DTYPE_NAMES,
+    FORMAT,
+    INDEX_NAME,
+    SHARD_PATTERN,
+    ShardData,
+    file_sha256,
+    read_index,
+    read_shard,
+    rows_sha256,
+    shard_metadata,
+    shard_name,
+    validate_shard,
+    write_index,
+    write_shard,
+)
 from dflash_assets.dflash.target_features import (
     TargetFeatureExtractor,
     bytes_per_token,
@@ -53,6 +39,7 @@ from dflash_assets.dflash.target_features import (
 __all__ = [
     "FORMAT",
     "INDEX_NAME",
+    "SHARD_PATTERN",
     "PartitionExtraction",
     "ShardData",
     "extract_partition",
@@ -66,310 +53,6 @@ __all__ = [
     "write_index",
     "write_shard",
 ]
-
-FORMAT = "dflash-hidden-states/1"
-INDEX_NAME = "index.json"
-SHARD_PATTERN = "shard-{:05d}.safetensors"
-
-_DTYPE_CODES = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int8: "I8",
-}
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-# Tensor order in the file: 8-byte types first keeps every tensor naturally aligned for mmap readers.
-_TENSOR_ORDER = ("cu_seqlens", "row_index", "input_ids", "hidden_states", "loss_mask")
-_FIXED_DTYPES = {"cu_seqlens": "I64", "row_index": "I64", "input_ids": "I32", "loss_mask": "I8"}
-_MAX_HEADER_BYTES = 100 * 2**20
-
-
-def shard_name(k: int) -> str:
-    """File name of shard ``k``: ``shard-00000.safetensors``."""
-    return SHARD_PATTERN.format(k)
-
-
-def rows_sha256(row_index: torch.Tensor, cu_seqlens: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> str:
-    """Hex SHA-256 over the little-endian bytes of row_index (int64), cu_seqlens (int64), input_ids
-    (int32) and loss_mask (int8): the identity of a shard's token content."""
-    digest = hashlib.sha256()
-    for tensor, dtype in ((row_index, torch.int64), (cu_seqlens, torch.int64), (input_ids, torch.int32), (loss_mask, torch.int8)):
-        digest.update(_tensor_bytes(tensor.to(dtype)))
-    return digest.hexdigest()
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    # Raw little-endian bytes without a copy for contiguous CPU tensors (bf16 has no numpy dtype).
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-
-
-def _shard_metadata(
-    target_layer_ids: Sequence[int], hidden_size: int, model_name: str, dtype: torch.dtype, num_rows: int, num_tokens: int, sha: str
-) -> dict[str, str]:
-    return {
-        "format": FORMAT,
-        "target_layer_ids": json.dumps([int(i) for i in target_layer_ids]),
-        "hidden_size": str(int(hidden_size)),
-        "model_name": str(model_name),
-        "dtype": _DTYPE_NAMES[dtype],
-        "num_rows": str(int(num_rows)),
-        "num_tokens": str(int(num_tokens)),
-        "rows_sha256": sha,
-    }
-
-
-def _encode_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name in _TENSOR_ORDER:
-        tensor = tensors[name]
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
-    raw += b" " * (-len(raw) % 8)  # pad so the data section starts 8-byte aligned, as safetensors does
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _write_payload(f, header: bytes, tensors: dict[str, torch.Tensor]) -> None:
-    f.write(header)
-    for name in _TENSOR_ORDER:
-        f.write(_tensor_bytes(tensors[name]))
-
-
-class _HashingWriter:
-    """File wrapper that feeds every written byte to a hash as well (one pass over the data)."""
-
-    def __init__(self, f, digest) -> None:
-        self._f, self._digest = f, digest
-
-    def write(self, data) -> int:
-        self._digest.update(data)
-        return self._f.write(data)
-
-    def __getattr__(self, name: str):  # flush, fileno, ... of the real file
-        return getattr(self._f, name)
-
-
-def file_sha256(path: str | os.PathLike, chunk: int = 8 * 2**20) -> str:
-    """Hex SHA-256 of a file's bytes, read in 8 MiB chunks (never whole in memory)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_shard(
-    path: str | os.PathLike,
-    hidden_states: torch.Tensor,
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    row_index: torch.Tensor,
-    *,
-    target_layer_ids: Sequence[int],
-    hidden_size: int,
-    model_name: str = "",
-    digest_out: dict | None = None,
-) -> int:
-    """Write one shard atomically (:func:`dflash_assets.atomic.atomic_write_bytes`: temp file in the same
-    directory, fsync, ``os.replace``, fsync of the directory).
-
-    Args:
-        path: destination ``.safetensors`` file (missing parent directories are created).
-        hidden_states: ``[total_tokens, len(target_layer_ids) * hidden_size]``, bf16 (f16/f32 allowed).
-        input_ids: ``[total_tokens]`` integer token ids (stored int32).
-        loss_mask: ``[total_tokens]`` 0/1 (stored int8).
-        cu_seqlens: ``[rows + 1]`` token offsets, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == total_tokens``.
-        row_index: ``[rows]`` prompt index of each row.
-        target_layer_ids, hidden_size, model_name: recorded in the metadata.
-        digest_out: when given, ``digest_out["sha256"]`` is set to the file's SHA-256 (hashed while writing).
-
-    Returns:
-        Bytes written (the file size).
-
-    Raises:
-        ValueError: shapes or dtypes inconsistent with the format.
-    """
-    cu_seqlens = cu_seqlens.to(torch.int64).cpu()
-    row_index = row_index.to(torch.int64).cpu()
-    input_ids = input_ids.to(torch.int32).cpu()
-    loss_mask = loss_mask.to(torch.int8).cpu()
-    hidden_states = hidden_states.cpu()
-    num_rows, num_tokens = row_index.numel(), input_ids.numel()
-    feature_size = len(target_layer_ids) * int(hidden_size)
-    problems = []
-    if hidden_states.dtype not in _DTYPE_NAMES:
-        problems.append(f"hidden_states dtype {hidden_states.dtype} not one of {list(_DTYPE_NAMES)}")
-    if tuple(hidden_states.shape) != (num_tokens, feature_size):
-        problems.append(f"hidden_states shape {tuple(hidden_states.shape)} != ({num_tokens}, {feature_size})")
-    if input_ids.dim() != 1 or loss_mask.shape != input_ids.shape:
-        problems.append(f"input_ids {tuple(input_ids.shape)} and loss_mask {tuple(loss_mask.shape)} must be equal 1-D")
-    if row_index.dim() != 1 or tuple(cu_seqlens.shape) != (num_rows + 1,):
-        problems.append(f"cu_seqlens shape {tuple(cu_seqlens.shape)} != ({num_rows + 1},)")
-    elif int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != num_tokens or bool((cu_seqlens.diff() < 0).any()):
-        problems.append("cu_seqlens must start at 0, be non-decreasing and end at total_tokens")
-    if problems:
-        raise ValueError(f"invalid shard {path}: " + "; ".join(problems))
-    sha = rows_sha256(row_index, cu_seqlens, input_ids, loss_mask)
-    metadata = _shard_metadata(target_layer_ids, hidden_size, model_name, hidden_states.dtype, num_rows, num_tokens, sha)
-    tensors = {"cu_seqlens": cu_seqlens, "row_index": row_index, "input_ids": input_ids, "hidden_states": hidden_states, "loss_mask": loss_mask}
-    header = _encode_header(tensors, metadata)
-    digest = hashlib.sha256() if digest_out is not None else None
-    atomic_write_bytes(path, lambda f: _write_payload(f if digest is None else _HashingWriter(f, digest), header, tensors))  # streamed
-    if digest_out is not None:
-        digest_out["sha256"] = digest.hexdigest()
-    return os.path.getsize(path)
-
-
-@dataclass
-class ShardData:
-    """A loaded shard (see the module docstring for shapes and dtypes)."""
-
-    hidden_states: torch.Tensor
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    cu_seqlens: torch.Tensor
-    row_index: torch.Tensor
-    metadata: dict[str, str]
-    target_layer_ids: list[int] = field(default_factory=list)
-    hidden_size: int = 0
-    model_name: str = ""
-
-    @property
-    def num_rows(self) -> int:
-        return self.row_index.numel()
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
-
-    def row(self, r: int) -> dict[str, Any]:
-        """Row ``r`` (position in the shard): ``index`` (int) and views ``input_ids [T]``,
-        ``loss_mask [T]``, ``hidden_states [T, n_layers * H]``."""
-        start, end = int(self.cu_seqlens[r]), int(self.cu_seqlens[r + 1])
-        return {
-            "index": int(self.row_index[r]),
-            "input_ids": self.input_ids[start:end],
-            "loss_mask": self.loss_mask[start:end],
-            "hidden_states": self.hidden_states[start:end],
-        }
-
-
-def read_shard(path: str | os.PathLike) -> ShardData:
-    """Load a whole shard into CPU memory.
-
-    Raises:
-        safetensors.SafetensorError / OSError: unreadable or truncated file (use ``validate_shard`` first
-        to get a bool instead).
-    """
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        metadata = dict(f.metadata() or {})
-        tensors = {name: f.get_tensor(name) for name in _TENSOR_ORDER}
-    return ShardData(
-        **tensors,
-        metadata=metadata,
-        target_layer_ids=json.loads(metadata.get("target_layer_ids", "[]")),
-        hidden_size=int(metadata.get("hidden_size", 0)),
-        model_name=metadata.get("model_name", ""),
-    )
-
-
-def _read_header(path: Path) -> dict[str, Any]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError("shorter than 8 bytes")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER_BYTES or 8 + n > size:
-            raise ValueError("header length beyond the file")
-        header = json.loads(f.read(n))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end != size:
-        raise ValueError(f"file is {size} bytes, header describes {8 + n + end}")
-    return header
-
-
-def validate_shard(
-    path: str | os.PathLike,
-    expected_rows: int | None = None,
-    expected_row_index: Sequence[int] | None = None,
-    *,
-    expected_metadata: dict[str, str] | None = None,
-) -> bool:
-    """True only if ``path`` is a complete, self-consistent shard matching the expectations; never raises.
-
-    Checks: the safetensors header parses and its data offsets end exactly at the file size (a
-    truncated file fails); all five tensors present with the format's dtypes and consistent shapes
-    (``hidden_states`` is ``[num_tokens, len(target_layer_ids) * hidden_size]``); ``cu_seqlens`` starts
-    at 0, is non-decreasing and ends at ``num_tokens``; ``loss_mask`` is 0/1; ``rows_sha256`` matches
-    the stored token tensors; and, when given, the row count, the row indices and every
-    ``expected_metadata`` key. The hidden-state values themselves are not read (writes are atomic).
-    """
-    try:
-        from safetensors import safe_open
-
-        path = Path(path)
-        header = _read_header(path)
-        meta = header.get("__metadata__") or {}
-        if meta.get("format") != FORMAT:
-            return False
-        layer_ids = json.loads(meta["target_layer_ids"])
-        hidden_size = int(meta["hidden_size"])
-        num_rows, num_tokens = int(meta["num_rows"]), int(meta["num_tokens"])
-        hidden_code = {v: _DTYPE_CODES[k] for k, v in _DTYPE_NAMES.items()}[meta["dtype"]]
-        expected_shapes = {
-            "cu_seqlens": [num_rows + 1],
-            "row_index": [num_rows],
-            "input_ids": [num_tokens],
-            "loss_mask": [num_tokens],
-            "hidden_states": [num_tokens, len(layer_ids) * hidden_size],
-        }
-        for name, shape in expected_shapes.items():
-            info = header.get(name)
-            if info is None or info["shape"] != shape or info["dtype"] != _FIXED_DTYPES.get(name, hidden_code):
-                return False
-        if expected_rows is not None and num_rows != expected_rows:
-            return False
-        if expected_metadata is not None and any(meta.get(k) != v for k, v in expected_metadata.items()):
-            return False
-        with safe_open(str(path), framework="pt") as f:
-            small = {name: f.get_tensor(name) for name in ("cu_seqlens", "row_index", "input_ids", "loss_mask")}
-        cu = small["cu_seqlens"]
-        if int(cu[0]) != 0 or int(cu[-1]) != num_tokens or bool((cu.diff() < 0).any()):
-            return False
-        if bool(((small["loss_mask"] != 0) & (small["loss_mask"] != 1)).any()):
-            return False
-        if rows_sha256(small["row_index"], cu, small["input_ids"], small["loss_mask"]) != meta.get("rows_sha256"):
-            return False
-        if expected_row_index is not None and small["row_index"].tolist() != [int(i) for i in expected_row_index]:
-            return False
-        return True
-    except Exception:
-        return False
-
-
-def write_index(out_dir: str | os.PathLike, index: dict[str, Any]) -> Path:
-    """Write ``out_dir/index.json`` atomically (sorted keys, so equal content gives equal bytes)."""
-    path = Path(out_dir) / INDEX_NAME
-    data = (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()
-    atomic_write_bytes(path, data)
-    return path
-
-
-def read_index(out_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The partition's ``index.json`` as a dict, or None when absent or unparsable."""
-    try:
-        return json.loads((Path(out_dir) / INDEX_NAME).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 @dataclass
@@ -413,7 +96,17 @@ def plan_shards(rows: Sequence[dict[str, Any]], rows_per_shard: int) -> list[_Pl
         row_index = torch.tensor([int(r["index"]) for r in chunk], dtype=torch.int64)
         cu = lengths.cumsum(0)
         input_ids, loss_mask = torch.cat(ids), torch.cat(masks)
-        plans.append(_PlannedShard(shard_name(k), list(chunk), row_index, cu, input_ids, loss_mask, rows_sha256(row_index, cu, input_ids, loss_mask)))
+        plans.append(
+            _PlannedShard(
+                shard_name(k),
+                list(chunk),
+                row_index,
+                cu,
+                input_ids,
+                loss_mask,
+                rows_sha256(row_index, cu, input_ids, loss_mask),
+            )
+        )
     return plans
 
 
@@ -481,8 +174,8 @@ def extract_partition(
         ValueError: malformed rows (see ``plan_shards``) or an unsupported ``dtype``.
     """
     started = time.perf_counter()
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES)}, got {dtype}")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {dtype}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if model_name is None:
@@ -491,12 +184,17 @@ def extract_partition(
     extractor = TargetFeatureExtractor(model, target_layer_ids)
     hidden_size, n_layers = extractor.hidden_size, len(extractor.target_layer_ids)
     plans = plan_shards(rows, rows_per_shard)
-    expected_meta = {p.name: _shard_metadata(target_layer_ids, hidden_size, model_name, dtype, len(p.rows), p.num_tokens, p.sha) for p in plans}
+    expected_meta = {
+        p.name: shard_metadata(target_layer_ids, hidden_size, model_name, dtype, len(p.rows), p.num_tokens, p.sha)
+        for p in plans
+    }
 
     planned_names = {p.name for p in plans}
     for entry in out.iterdir():
         stale_tmp = entry.name.startswith(".shard-") and entry.name.endswith(".tmp")
-        extra_shard = entry.name.startswith("shard-") and entry.name.endswith(".safetensors") and entry.name not in planned_names
+        extra_shard = (
+            entry.name.startswith("shard-") and entry.name.endswith(".safetensors") and entry.name not in planned_names
+        )
         if entry.is_file() and (stale_tmp or extra_shard or entry.name.startswith(f".{INDEX_NAME}.")):
             entry.unlink(missing_ok=True)
 
@@ -510,7 +208,7 @@ def extract_partition(
             "target_layer_ids": [int(i) for i in target_layer_ids],
             "hidden_size": hidden_size,
             "feature_size": n_layers * hidden_size,
-            "dtype": _DTYPE_NAMES[dtype],
+            "dtype": DTYPE_NAMES[dtype],
             "model_name": model_name,
             "rows_per_shard": rows_per_shard,
             "num_rows": sum(len(p.rows) for p in plans),
@@ -532,10 +230,16 @@ def extract_partition(
             ],
         }
 
-    valid = {p.name for p in plans if validate_shard(out / p.name, len(p.rows), p.row_index.tolist(), expected_metadata=expected_meta[p.name])}
+    valid = {
+        p.name
+        for p in plans
+        if validate_shard(out / p.name, len(p.rows), p.row_index.tolist(), expected_metadata=expected_meta[p.name])
+    }
     todo = [p for p in plans if p.name not in valid]
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-    needed = estimate_bytes(sum(p.num_tokens for p in todo), n_layers, hidden_size, dtype_bytes, sum(len(p.rows) for p in todo), len(todo))
+    needed = estimate_bytes(
+        sum(p.num_tokens for p in todo), n_layers, hidden_size, dtype_bytes, sum(len(p.rows) for p in todo), len(todo)
+    )
     if todo:
         check_free_space(out, needed, free_space_margin)
     write_index(out, index_for({}, complete=False))
@@ -550,7 +254,11 @@ def extract_partition(
         if plan.name in valid:
             sizes[plan.name] = path.stat().st_size
             old = previous.get(plan.name) or {}
-            known = old.get("sha256") if old.get("rows_sha256") == plan.sha and old.get("bytes") == sizes[plan.name] else None
+            known = (
+                old.get("sha256")
+                if old.get("rows_sha256") == plan.sha and old.get("bytes") == sizes[plan.name]
+                else None
+            )
             hashes[plan.name] = known or file_sha256(path)
             skipped.append(plan.name)
         else:
@@ -571,23 +279,33 @@ def extract_partition(
                     hidden[start:end] = features[b, : end - start]
                 del features
             sizes[plan.name] = write_shard(
-                path, hidden, plan.input_ids, plan.loss_mask, plan.cu_seqlens, plan.row_index,
-                target_layer_ids=target_layer_ids, hidden_size=hidden_size, model_name=model_name, digest_out=digest,
+                path,
+                hidden,
+                plan.input_ids,
+                plan.loss_mask,
+                plan.cu_seqlens,
+                plan.row_index,
+                target_layer_ids=target_layer_ids,
+                hidden_size=hidden_size,
+                model_name=model_name,
+                digest_out=digest,
             )
             hashes[plan.name] = digest["sha256"]
             written.append(plan.name)
             del hidden
         if progress_cb is not None:
-            progress_cb({
-                "shard": plan.name,
-                "shard_number": number,
-                "num_shards": len(plans),
-                "rows": len(plan.rows),
-                "tokens": plan.num_tokens,
-                "bytes": sizes[plan.name],
-                "skipped": plan.name in valid,
-                "seconds": time.perf_counter() - shard_started,
-            })
+            progress_cb(
+                {
+                    "shard": plan.name,
+                    "shard_number": number,
+                    "num_shards": len(plans),
+                    "rows": len(plan.rows),
+                    "tokens": plan.num_tokens,
+                    "bytes": sizes[plan.name],
+                    "skipped": plan.name in valid,
+                    "seconds": time.perf_counter() - shard_started,
+                }
+            )
     index = index_for(sizes, complete=True)
     write_index(out, index)
     return PartitionExtraction(index, written, skipped, time.perf_counter() - started)

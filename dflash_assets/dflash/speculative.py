@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -123,7 +123,7 @@ class FeatureCapture:
 
         return hook
 
-    def __enter__(self) -> "FeatureCapture":
+    def __enter__(self) -> FeatureCapture:
         for i in sorted(set(self.target_layer_ids)):
             self._handles.append(self.layers[i].register_forward_hook(self._hook(i)))
         return self
@@ -193,8 +193,9 @@ def _new_cache(target: nn.Module):
 
 def _target_forward(target, ids: torch.Tensor, start: int, cache, cache_kw: str, logits_to_keep: int = 0):
     positions = torch.arange(start, start + ids.shape[-1], device=ids.device)[None]
-    return target(input_ids=ids[None], position_ids=positions, use_cache=True, logits_to_keep=logits_to_keep,
-                  **{cache_kw: cache})
+    return target(
+        input_ids=ids[None], position_ids=positions, use_cache=True, logits_to_keep=logits_to_keep, **{cache_kw: cache}
+    )
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -227,7 +228,10 @@ def _accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[i
 
 
 def _accept_sampling(
-    drafts: torch.Tensor, draft_probs: torch.Tensor, target_logits: torch.Tensor, temperature: float,
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_logits: torch.Tensor,
+    temperature: float,
     generator: torch.Generator | None,
 ) -> tuple[int, int]:
     """Speculative sampling (Leviathan et al. 2023, Alg. 1): accept ``d_k`` w.p. ``min(1, p/q)``."""
@@ -295,8 +299,14 @@ def target_generate(
         generated.append(tok)
         stopped = tok in eos
     _sync(device)
-    return SpecResult(generated, [1] * (forwards - 1), forwards, time.perf_counter() - t0, stopped,
-                      num_target_tokens=prompt.shape[0] + forwards - 1)
+    return SpecResult(
+        generated,
+        [1] * (forwards - 1),
+        forwards,
+        time.perf_counter() - t0,
+        stopped,
+        num_target_tokens=prompt.shape[0] + forwards - 1,
+    )
 
 
 @torch.inference_mode()
@@ -416,7 +426,7 @@ def dflash_generate(
                 j, bonus = 0, int(_choose(logits[-1], temperature, generator))
             else:
                 j, bonus = _accept_greedy(drafts, logits)
-            new, stopped = _eos_cut(drafts[:j].tolist() + [bonus], eos)
+            new, stopped = _eos_cut([*drafts[:j].tolist(), bonus], eos)
             generated.extend(new)
             accepted_lengths.append(len(new))
             # accepted positions start .. start+len(new)-1 hold [last, d_1..d_j]: the next block's context

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_assets.dflash.target_layers import default_target_layer_ids, text_config  # noqa: F401  (one rule, re-exported)
+from dflash_assets.dflash.target_layers import default_target_layer_ids, text_config
 
 __all__ = [
     "InsufficientDiskSpaceError",

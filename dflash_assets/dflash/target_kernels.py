@@ -51,8 +51,11 @@ def linear_attention_kernels(model: nn.Module) -> dict:
         "summary": str}``; ``fast`` is True when every function found runs its GPU package, None (and
         ``functions`` empty) for a model without linear-attention layers (Llama, Qwen3).
     """
-    modules = {type(m).__module__ for m in model.modules()
-               if type(m).__name__.endswith(("GatedDeltaNet", "LinearAttention")) or hasattr(m, "linear_attn")}
+    modules = {
+        type(m).__module__
+        for m in model.modules()
+        if type(m).__name__.endswith(("GatedDeltaNet", "LinearAttention")) or hasattr(m, "linear_attn")
+    }
     functions: dict[str, str] = {}
     for module_name in sorted(modules):
         module = sys.modules.get(module_name)
@@ -63,7 +66,10 @@ def linear_attention_kernels(model: nn.Module) -> dict:
         return {"fast": None, "functions": {}, "summary": "no linear-attention layers"}
     fast = all(functions[kernel] == package for attr, (kernel, package) in _FUNCTIONS.items() if kernel in functions)
     slow = sorted(k for k, v in functions.items() if v == "torch")
-    summary = ("linear attention: fast kernels (flash-linear-attention, causal-conv1d)" if fast else
-               f"linear attention: transformers' reference PyTorch path for {', '.join(slow) or 'some functions'} "
-               "(install the gpu extra: flash-linear-attention, causal-conv1d)")
+    summary = (
+        "linear attention: fast kernels (flash-linear-attention, causal-conv1d)"
+        if fast
+        else f"linear attention: transformers' reference PyTorch path for {', '.join(slow) or 'some functions'} "
+        "(install the gpu extra: flash-linear-attention, causal-conv1d)"
+    )
     return {"fast": fast, "functions": functions, "summary": summary}

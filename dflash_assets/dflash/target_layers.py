@@ -38,7 +38,7 @@ def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
     if num_target_layers < 4:
         raise ValueError(f"need num_target_layers >= 4, got {num_target_layers}")
     span = num_target_layers - 4  # from layer 1 to layer L-3
-    return [int(round(1 + i * span / (n - 1))) for i in range(n)]
+    return [round(1 + i * span / (n - 1)) for i in range(n)]
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -94,5 +94,7 @@ def resolve_target_layer_ids(target: Any, configured: Sequence[int] | None = Non
     ids = [int(i) for i in configured] if configured else default_target_layer_ids(layers, n)
     bad = [i for i in ids if not 0 <= i < layers]
     if bad:
-        raise ValueError(f"target_layer_ids {bad} are outside 0..{layers - 1} for this target ({layers} decoder layers)")
+        raise ValueError(
+            f"target_layer_ids {bad} are outside 0..{layers - 1} for this target ({layers} decoder layers)"
+        )
     return ids

@@ -28,9 +28,17 @@ def tau_from_sums(measured: Sequence[tuple[float, int]]) -> dict:
     se = math.sqrt(sum((x - tau) ** 2 for x in means) / (m - 1) / m) if m > 1 else 0.0
     total_s, total_n = sum(s for s, _ in measured), sum(n for _, n in measured)
     pooled = total_s / total_n if total_n else math.nan
-    pooled_se = (math.sqrt(sum((s - pooled * n) ** 2 for s, n in measured) / (m * (m - 1))) / (total_n / m)) if m > 1 else 0.0
-    return {"tau": tau, "tau_stderr": se, "tau_pooled": pooled, "tau_pooled_stderr": pooled_se,
-            "num_prompts_measured": m, "num_steps": total_n}
+    pooled_se = (
+        (math.sqrt(sum((s - pooled * n) ** 2 for s, n in measured) / (m * (m - 1))) / (total_n / m)) if m > 1 else 0.0
+    )
+    return {
+        "tau": tau,
+        "tau_stderr": se,
+        "tau_pooled": pooled,
+        "tau_pooled_stderr": pooled_se,
+        "num_prompts_measured": m,
+        "num_steps": total_n,
+    }
 
 
 __all__ = ["tau_from_sums"]

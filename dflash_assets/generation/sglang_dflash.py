@@ -54,11 +54,25 @@ MAMBA_STRATEGIES = ("auto", "no_buffer", "extra_buffer", "extra_buffer_lazy")
 MAMBA_STRATEGY_FLAG = "--mamba-radix-cache-strategy"
 #: what /server_info says about speculative decoding: the only fields copied into reports (never the whole
 #: reply, which holds every server argument)
-SERVER_INFO_FIELDS = ("version", "model_path", "speculative_algorithm", "speculative_draft_model_path",
-                      "speculative_num_draft_tokens", "speculative_draft_attention_backend", "attention_backend",
-                      "mamba_radix_cache_strategy", "tp_size", "simulated")
-SPEC_FIELDS = ("spec_accept_length", "spec_verify_ct", "spec_accept_rate", "spec_num_correct_drafts",
-               "spec_num_proposed_drafts")
+SERVER_INFO_FIELDS = (
+    "version",
+    "model_path",
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_draft_tokens",
+    "speculative_draft_attention_backend",
+    "attention_backend",
+    "mamba_radix_cache_strategy",
+    "tp_size",
+    "simulated",
+)
+SPEC_FIELDS = (
+    "spec_accept_length",
+    "spec_verify_ct",
+    "spec_accept_rate",
+    "spec_num_correct_drafts",
+    "spec_num_proposed_drafts",
+)
 
 
 def mamba_strategy_for(target_config: Mapping[str, Any], configured: str | None) -> str | None:
@@ -87,11 +101,19 @@ def dflash_server_flags(
     """
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-    flags = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft_model_path),
-             "--speculative-num-draft-tokens", str(num_draft_tokens)]
+    flags = [
+        "--speculative-algorithm",
+        "DFLASH",
+        "--speculative-draft-model-path",
+        str(draft_model_path),
+        "--speculative-num-draft-tokens",
+        str(num_draft_tokens),
+    ]
     if draft_attention_backend is not None:
         if draft_attention_backend not in DRAFT_ATTENTION_BACKENDS:
-            raise ValueError(f"draft attention backend {draft_attention_backend!r}: use one of {list(DRAFT_ATTENTION_BACKENDS)}")
+            raise ValueError(
+                f"draft attention backend {draft_attention_backend!r}: use one of {list(DRAFT_ATTENTION_BACKENDS)}"
+            )
         flags += ["--speculative-draft-attention-backend", draft_attention_backend]
     if mamba_strategy is not None:
         if mamba_strategy not in MAMBA_STRATEGIES:
@@ -140,8 +162,9 @@ class EngineError(RuntimeError):
     """The engine answered with an error or without the speculative fields; the message names the URL."""
 
 
-async def _one(client: httpx.AsyncClient, url: str, prompt: EnginePrompt, sampling: dict, api_key: str | None,
-               max_attempts: int) -> dict[str, Any]:
+async def _one(
+    client: httpx.AsyncClient, url: str, prompt: EnginePrompt, sampling: dict, api_key: str | None, max_attempts: int
+) -> dict[str, Any]:
     body = {"input_ids": list(prompt.input_ids), "sampling_params": sampling}
     shown = strip_credentials(url)
     for attempt in range(1, max_attempts + 1):
@@ -150,10 +173,10 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: EnginePrompt, sampli
         except httpx.TransportError as exc:
             if attempt == max_attempts:
                 raise EngineError(f"POST {shown}: {type(exc).__name__}: {redact(str(exc), api_key)}") from None
-            await asyncio.sleep(min(30.0, 0.5 * 2 ** attempt) * (0.5 + random.random()))
+            await asyncio.sleep(min(30.0, 0.5 * 2**attempt) * (0.5 + random.random()))
             continue
         if r.status_code >= 500 and attempt < max_attempts:
-            await asyncio.sleep(min(30.0, 0.5 * 2 ** attempt) * (0.5 + random.random()))
+            await asyncio.sleep(min(30.0, 0.5 * 2**attempt) * (0.5 + random.random()))
             continue
         if r.status_code != 200:
             raise EngineError(f"POST {shown} got HTTP {r.status_code}: {redact(r.text, api_key)[:400]}")
@@ -162,21 +185,35 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: EnginePrompt, sampli
         meta = (out or {}).get("meta_info") or {}
         finish = meta.get("finish_reason")
         return {
-            "dataset": prompt.dataset, "position": prompt.position, "input_sha": input_sha(prompt.input_ids),
-            "prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": meta.get("completion_tokens"),
+            "dataset": prompt.dataset,
+            "position": prompt.position,
+            "input_sha": input_sha(prompt.input_ids),
+            "prompt_tokens": meta.get("prompt_tokens"),
+            "completion_tokens": meta.get("completion_tokens"),
             "finish_reason": finish.get("type") if isinstance(finish, dict) else finish,
-            **{k: meta.get(k) for k in SPEC_FIELDS}, "server": strip_credentials(origin(url)),
+            **{k: meta.get(k) for k in SPEC_FIELDS},
+            "server": strip_credentials(origin(url)),
         }
     raise AssertionError("unreachable")
 
 
-async def _generate_all(base_urls: Sequence[str], prompts: Sequence[EnginePrompt], sampling: dict, api_key: str | None,
-                        concurrency: int, timeout_s: float, max_attempts: int) -> list[dict[str, Any]]:
+async def _generate_all(
+    base_urls: Sequence[str],
+    prompts: Sequence[EnginePrompt],
+    sampling: dict,
+    api_key: str | None,
+    concurrency: int,
+    timeout_s: float,
+    max_attempts: int,
+) -> list[dict[str, Any]]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency * len(base_urls), max_keepalive_connections=concurrency * len(base_urls))
+    limits = httpx.Limits(
+        max_connections=concurrency * len(base_urls), max_keepalive_connections=concurrency * len(base_urls)
+    )
     timeout = httpx.Timeout(connect=30.0, read=timeout_s, write=60.0, pool=None)
     gates = [asyncio.Semaphore(concurrency) for _ in base_urls]
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+
         async def run(i: int, prompt: EnginePrompt) -> dict[str, Any]:
             k = i % len(base_urls)  # round robin: each server gets every len(base_urls)-th prompt
             async with gates[k]:
@@ -207,13 +244,23 @@ def engine_generate(
     Raises:
         EngineError: an HTTP error, or a request the engines could not answer; the key is redacted.
     """
-    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-                "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_new_tokens": int(max_new_tokens)}
+    sampling = {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "max_new_tokens": int(max_new_tokens),
+    }
     if stop_token_ids:
         sampling["stop_token_ids"] = [int(t) for t in stop_token_ids]
     if not base_urls:
         raise ValueError("no engine URL")
-    return asyncio.run(_generate_all(list(base_urls), list(prompts), sampling, api_key, concurrency, timeout_s, max_attempts))
+    return asyncio.run(
+        _generate_all(list(base_urls), list(prompts), sampling, api_key, concurrency, timeout_s, max_attempts)
+    )
 
 
 def engine_tau_by_dataset(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -227,13 +274,30 @@ def engine_tau_by_dataset(records: Sequence[Mapping[str, Any]]) -> dict[str, dic
         rows = [r for r in records if r["dataset"] == name]
         measured = [r for r in rows if r.get("spec_verify_ct") and r.get("spec_accept_length") is not None]
         # S_i = spec_accept_length x spec_verify_ct, so the per-prompt mean is the engine's own figure, unrounded
-        sums = tau_from_sums([(float(r["spec_accept_length"]) * int(r["spec_verify_ct"]), int(r["spec_verify_ct"])) for r in measured])
+        sums = tau_from_sums(
+            [(float(r["spec_accept_length"]) * int(r["spec_verify_ct"]), int(r["spec_verify_ct"])) for r in measured]
+        )
         bare = tau_from_sums([(float(r["completion_tokens"]) - 1, int(r["spec_verify_ct"])) for r in measured])
         rates = [float(r["spec_accept_rate"]) for r in measured if r.get("spec_accept_rate") is not None]
-        out[name] = {**sums, "tau_without_prefill_token": bare["tau"], "requests": len(rows), "requests_measured": len(measured),
-                     "mean_accept_rate": sum(rates) / len(rates) if rates else None}
+        out[name] = {
+            **sums,
+            "tau_without_prefill_token": bare["tau"],
+            "requests": len(rows),
+            "requests_measured": len(measured),
+            "mean_accept_rate": sum(rates) / len(rates) if rates else None,
+        }
     return out
 
 
-__all__ = ["DRAFT_ATTENTION_BACKENDS", "EngineError", "EnginePrompt", "MAMBA_STRATEGIES", "dflash_server_flags",
-           "engine_generate", "engine_tau_by_dataset", "input_sha", "mamba_strategy_for", "server_info"]
+__all__ = [
+    "DRAFT_ATTENTION_BACKENDS",
+    "MAMBA_STRATEGIES",
+    "EngineError",
+    "EnginePrompt",
+    "dflash_server_flags",
+    "engine_generate",
+    "engine_tau_by_dataset",
+    "input_sha",
+    "mamba_strategy_for",
+    "server_info",
+]

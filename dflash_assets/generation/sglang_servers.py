@@ -38,11 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-
 import yaml
 
 from dflash_assets.generation.processes import (
-    check_port_free, drain_log, listener_is_ours, log_tail, stop_process_group,
+    check_port_free,
+    drain_log,
+    listener_is_ours,
+    log_tail,
+    stop_process_group,
 )
 from dflash_assets.generation.server_registry import start_process
 from dflash_assets.generation.urls import origin, redact
@@ -107,9 +110,11 @@ def write_key_config(directory: str | os.PathLike, api_key: str) -> Path:
 
 def _refuse_own_config(extra_args: Sequence[str], api_key_env: str | None) -> None:
     if api_key_env and "--config" in extra_args:
-        raise ValueError("inference.extra_args holds --config: with an API key the launcher gives SGLang its own "
-                         "--config file (the key, kept off the command line) and SGLang takes one; put those "
-                         "settings into extra_args as flags")
+        raise ValueError(
+            "inference.extra_args holds --config: with an API key the launcher gives SGLang its own "
+            "--config file (the key, kept off the command line) and SGLang takes one; put those "
+            "settings into extra_args as flags"
+        )
 
 
 def _sglang_flags(
@@ -180,8 +185,15 @@ def build_sglang_commands(
     """
     groups = _gpu_groups(num_servers, tp_size, gpu_ids)
     _refuse_own_config(extra_args, api_key_env)
-    flags = _sglang_flags(model_path, max_running_requests, max_mamba_cache_size, mem_fraction_static,
-                          context_length, tp_size, reasoning_parser)
+    flags = _sglang_flags(
+        model_path,
+        max_running_requests,
+        max_mamba_cache_size,
+        mem_fraction_static,
+        context_length,
+        tp_size,
+        reasoning_parser,
+    )
     commands = []
     for i, group in enumerate(groups):
         port = port_base + i
@@ -225,11 +237,29 @@ def build_router_command(
             "the client spreads requests over them) or run the router yourself and use mode: external"
         )
     groups = _gpu_groups(num_servers, tp_size, gpu_ids)
-    flags = _sglang_flags(model_path, max_running_requests, max_mamba_cache_size, mem_fraction_static,
-                          context_length, tp_size, reasoning_parser)
+    flags = _sglang_flags(
+        model_path,
+        max_running_requests,
+        max_mamba_cache_size,
+        mem_fraction_static,
+        context_length,
+        tp_size,
+        reasoning_parser,
+    )
     argv = (
-        python, "-m", "sglang_router.launch_server", *flags, "--dp-size", str(num_servers),
-        "--host", host, "--port", str(port), "--router-dp-worker-base-port", str(worker_port_base), *extra_args,
+        python,
+        "-m",
+        "sglang_router.launch_server",
+        *flags,
+        "--dp-size",
+        str(num_servers),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--router-dp-worker-base-port",
+        str(worker_port_base),
+        *extra_args,
     )
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for group in groups for g in group)}
     return LaunchCommand(argv, env, host, port, api_key_env)
@@ -332,8 +362,13 @@ class SGLangServers:
         if command.api_key_env:
             env.pop(command.api_key_env, None)  # the server reads its key from the file only
         return start_process(
-            command.launch_argv(key_config), env, self.log_path(i), port=command.port,
-            label=_sglang_label(command, i), parent_death_signal=self.parent_death_signal, secrets=[key] if key else [],
+            command.launch_argv(key_config),
+            env,
+            self.log_path(i),
+            port=command.port,
+            label=_sglang_label(command, i),
+            parent_death_signal=self.parent_death_signal,
+            secrets=[key] if key else [],
         )
 
     def _drop_key_file(self, i: int) -> None:
@@ -395,11 +430,16 @@ class SGLangServers:
                 if proc.poll() is not None:
                     drain_log(proc)
                     tail = redact(log_tail(self.log_path(i)), self._launch_key(command))
-                    hint = ("; this SGLang takes no --config file, which carries the API key (kept off the command "
-                            "line): upgrade SGLang, or run without a key" if "--config" in tail and
-                            command.api_key_env and "unrecognized arguments" in tail else "")
-                    raise RuntimeError(f"SGLang server {i} ({command.base_url}) exited with code {proc.returncode}"
-                                       f"{hint}; log {self.log_path(i)}:\n{tail}")
+                    hint = (
+                        "; this SGLang takes no --config file, which carries the API key (kept off the command "
+                        "line): upgrade SGLang, or run without a key"
+                        if "--config" in tail and command.api_key_env and "unrecognized arguments" in tail
+                        else ""
+                    )
+                    raise RuntimeError(
+                        f"SGLang server {i} ({command.base_url}) exited with code {proc.returncode}"
+                        f"{hint}; log {self.log_path(i)}:\n{tail}"
+                    )
                 # nothing is sent before the listener is provably this server's (raises when another holds it)
                 if not listener_is_ours(command.host, command.port, proc.pid, f"SGLang server {i}"):
                     continue
@@ -412,8 +452,9 @@ class SGLangServers:
                     pass
             if pending and time.monotonic() > deadline:
                 urls = [c.base_url for c in pending.values()]
-                raise TimeoutError(f"SGLang servers {urls} not healthy after {self.startup_timeout_s:.0f} s; "
-                                   f"logs in {self.log_dir}")
+                raise TimeoutError(
+                    f"SGLang servers {urls} not healthy after {self.startup_timeout_s:.0f} s; logs in {self.log_dir}"
+                )
             if pending:
                 # polling is cheap (one GET per pending server); a long pause is idle GPUs after start-up
                 time.sleep(self.health_poll_s)

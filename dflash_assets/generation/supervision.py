@@ -44,8 +44,9 @@ class ProcessSupervisor:
 
     can_restart = True
 
-    def __init__(self, servers: SGLangServers, retry_every_s: float = 30.0, max_restarts: int = 5,
-                 window_s: float = 3600.0) -> None:
+    def __init__(
+        self, servers: SGLangServers, retry_every_s: float = 30.0, max_restarts: int = 5, window_s: float = 3600.0
+    ) -> None:
         self.servers = servers
         self.retry_every_s = retry_every_s
         self.max_restarts, self.window_s = max_restarts, window_s
@@ -77,8 +78,14 @@ class ProbeSupervisor:
 
     can_restart = False
 
-    def __init__(self, base_urls: list[str], model: str, api_key: str | None = None,
-                 retry_every_s: float = 30.0, probe_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        base_urls: list[str],
+        model: str,
+        api_key: str | None = None,
+        retry_every_s: float = 30.0,
+        probe_timeout_s: float = 60.0,
+    ) -> None:
         self.base_urls, self.model, self._api_key = list(base_urls), model, api_key
         self.retry_every_s, self.probe_timeout_s = retry_every_s, probe_timeout_s
 
@@ -88,6 +95,6 @@ class ProbeSupervisor:
     def recover(self, i: int) -> bool:
         try:
             probe_chat(self.base_urls[i], self.model, self._api_key, timeout_s=self.probe_timeout_s)
-        except Exception:  # noqa: BLE001 - any failure means: still out
+        except Exception:
             return False
         return True

@@ -53,8 +53,16 @@ class TailChunker:
     next through the client and the results queue, and is never touched by two at once.
     """
 
-    def __init__(self, settings: GenerationSettings, model: str, adapt_body: Callable[[dict[str, Any]], dict[str, Any]],
-                 opened: bool, chunk_tokens: int, window_rows: int, total_rows: int) -> None:
+    def __init__(
+        self,
+        settings: GenerationSettings,
+        model: str,
+        adapt_body: Callable[[dict[str, Any]], dict[str, Any]],
+        opened: bool,
+        chunk_tokens: int,
+        window_rows: int,
+        total_rows: int,
+    ) -> None:
         self.settings, self.model, self.adapt_body, self.opened = settings, model, adapt_body, opened
         self.chunk_tokens = chunk_tokens
         chunking = 0 < chunk_tokens < settings.max_output_tokens and window_rows > 0
@@ -69,10 +77,22 @@ class TailChunker:
         if position < self.first_chunked:
             return body
         index = int(prompt["index"])
-        self._rows[index] = {"prompt": prompt, "text": "", "tokens": 0, "requests": 0, "latency_s": 0.0,
-                             "attempts": 0, "prompt_tokens": None, "error": None}
+        self._rows[index] = {
+            "prompt": prompt,
+            "text": "",
+            "tokens": 0,
+            "requests": 0,
+            "latency_s": 0.0,
+            "attempts": 0,
+            "prompt_tokens": None,
+            "error": None,
+        }
         self.rows_chunked += 1
-        return {**body, "max_tokens": min(self.chunk_tokens, self.settings.max_output_tokens), "separate_reasoning": False}
+        return {
+            **body,
+            "max_tokens": min(self.chunk_tokens, self.settings.max_output_tokens),
+            "separate_reasoning": False,
+        }
 
     def _raw(self, result: Any, first: bool) -> str:
         """The text ``result`` adds, as the model wrote it. A server that split it anyway (no
@@ -109,8 +129,9 @@ class TailChunker:
             return None
         self.follow_ups += 1
         prompt = state["prompt"]
-        body = continuation_body(self.settings, self.model, prompt["messages"], {"completion_tokens": done},
-                                 state["text"], result.index)
+        body = continuation_body(
+            self.settings, self.model, prompt["messages"], {"completion_tokens": done}, state["text"], result.index
+        )
         body["max_tokens"] = min(self.chunk_tokens, self.settings.max_output_tokens - done)
         return self.adapt_body(body)
 
@@ -128,10 +149,17 @@ class TailChunker:
         error = result.error or state["error"]
         text = (f"{THINK_OPEN}\n" if self.opened else "") + state["text"]
         whole = SimpleNamespace(
-            content=None if error else text, reasoning_content=None, finish_reason=None if error else result.finish_reason,
-            prompt_tokens=state["prompt_tokens"], completion_tokens=None if error else state["tokens"],
+            content=None if error else text,
+            reasoning_content=None,
+            finish_reason=None if error else result.finish_reason,
+            prompt_tokens=state["prompt_tokens"],
+            completion_tokens=None if error else state["tokens"],
             output_token_ids=result.output_token_ids if requests == 1 and not error else None,  # one request: its ids
-            latency_s=state["latency_s"], server=result.server, attempts=state["attempts"], error=error)
+            latency_s=state["latency_s"],
+            server=result.server,
+            attempts=state["attempts"],
+            error=error,
+        )
         row = row_from_result(whole, prompt, self.settings)
         row["tail_chunks"] = requests if requests > 1 else 0
         return row

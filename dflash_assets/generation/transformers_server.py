@@ -53,14 +53,23 @@ import httpx
 
 from dflash_assets.generation.probe import probe_chat
 from dflash_assets.generation.processes import (
-    check_port_free, free_port, listener_is_ours, log_tail, stop_process_group,
+    check_port_free,
+    free_port,
+    listener_is_ours,
+    log_tail,
+    stop_process_group,
 )
 from dflash_assets.generation.server_registry import start_process
 from dflash_assets.generation.servers import TRANSFORMERS_SERVE_REJECTED_FIELDS, ServerPool
 from dflash_assets.settings import GenerationSettings
 
-__all__ = ["CB_PAGE_SIZE", "TRANSFORMERS_SERVE_REJECTED_FIELDS", "LocalTransformersServer",
-           "transformers_executable", "transformers_generation_config"]
+__all__ = [
+    "CB_PAGE_SIZE",
+    "TRANSFORMERS_SERVE_REJECTED_FIELDS",
+    "LocalTransformersServer",
+    "transformers_executable",
+    "transformers_generation_config",
+]
 
 #: Tokens per KV-cache block of transformers' continuous batching (ContinuousBatchingConfig.page_size default).
 CB_PAGE_SIZE = 256
@@ -89,8 +98,10 @@ def continuous_batching_refusal(model_dir: Path | str) -> str | None:
     text = config.get("text_config") or config
     unsupported = sorted(set(text.get("layer_types") or []) - _cb_layer_types())
     if unsupported:
-        return (f"{path}: layer_types {unsupported} have no continuous-batching cache in transformers "
-                "(it answers 'Invalid layer type'); served one request at a time")
+        return (
+            f"{path}: layer_types {unsupported} have no continuous-batching cache in transformers "
+            "(it answers 'Invalid layer type'); served one request at a time"
+        )
     return None
 
 
@@ -143,8 +154,9 @@ class LocalTransformersServer:
         startup_timeout_s: seconds to wait for the first successful generation.
         env: extra environment variables for the server (the hub is always switched off;
             ``OMP_NUM_THREADS`` defaults to 1, override it here).
-        parent_death_signal: kill the server when this process dies (Linux; see :func:`~dflash_assets.generation.processes.spawn_in_new_session`).
-            Off only to let a server outlive its launcher (tests of :func:`reap_orphaned_servers`).
+        parent_death_signal: kill the server when this process dies (Linux; see
+            :func:`~dflash_assets.generation.processes.spawn_in_new_session`). Off only to let a server outlive its
+            launcher (tests of :func:`reap_orphaned_servers`).
         continuous_batching: pass ``--continuous-batching`` (and the ``--cb-*`` sizing); None: unless
             :func:`continuous_batching_refusal` names a reason (hybrid linear-attention models).
 
@@ -178,8 +190,9 @@ class LocalTransformersServer:
         continuous_batching: bool | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
-        self.continuous_batching = (continuous_batching_refusal(model_dir) is None if continuous_batching is None
-                                    else continuous_batching)
+        self.continuous_batching = (
+            continuous_batching_refusal(model_dir) is None if continuous_batching is None else continuous_batching
+        )
         self.parent_death_signal = parent_death_signal
         self.kv_cache_tokens = kv_cache_tokens
         self.max_batch_tokens = max_batch_tokens
@@ -203,8 +216,17 @@ class LocalTransformersServer:
 
     def argv(self) -> list[str]:
         """The full command line (no secrets in it)."""
-        base = [*transformers_executable(), "serve", str(self.model_dir), "--host", self.host, "--port", str(self.port),
-                "--device", "cpu"]
+        base = [
+            *transformers_executable(),
+            "serve",
+            str(self.model_dir),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+        ]
         if not self.continuous_batching:
             return [*base, *self.extra_args]
         sizing = []
@@ -220,8 +242,9 @@ class LocalTransformersServer:
         extra = {}
         if not self.continuous_batching and self.settings is not None:
             extra = {"generation_config": json.dumps(transformers_generation_config(self.model_dir, self.settings))}
-        return ServerPool([self.base_url], self.model_name, None, max_running_requests, "transformers",
-                          extra_body=extra)
+        return ServerPool(
+            [self.base_url], self.model_name, None, max_running_requests, "transformers", extra_body=extra
+        )
 
     def __enter__(self) -> LocalTransformersServer:
         if importlib.util.find_spec("fastapi") is None:
@@ -240,8 +263,14 @@ class LocalTransformersServer:
         # the port must be free now, and the probe (prompts, sampling) goes only to the socket of our own child
         check_port_free(self.host, self.port, "the transformers serve to start there")
         started = time.monotonic()
-        self._proc = start_process(self.argv(), env, self.log_path, port=self.port, label="transformers serve",
-                                    parent_death_signal=self.parent_death_signal)
+        self._proc = start_process(
+            self.argv(),
+            env,
+            self.log_path,
+            port=self.port,
+            label="transformers serve",
+            parent_death_signal=self.parent_death_signal,
+        )
         try:
             self._wait_ready(started)
         except BaseException:
@@ -287,4 +316,3 @@ class LocalTransformersServer:
                 time.sleep(0.5)
             except RuntimeError as e:
                 raise RuntimeError(f"{e}\nlog {self.log_path}:\n{log_tail(self.log_path)}") from None
-

@@ -8,7 +8,7 @@ a log, an exception, metadata or storage: a server may echo the ``Authorization`
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 from urllib.parse import urlsplit, urlunsplit
 
 REDACTED = "***"

@@ -21,13 +21,13 @@ from dflash_assets.generation.replies import MAX_REPLY_BYTES
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.generation.servers import API_KEY_ENV, ServerPool
 from dflash_assets.generation.sglang_servers import (
-    build_router_command,
-    build_sglang_commands,
     LaunchCommand,
     SGLangServers,
+    build_router_command,
+    build_sglang_commands,
 )
-from dflash_assets.generation.transformers_server import LocalTransformersServer
 from dflash_assets.generation.supervision import ProbeSupervisor, ProcessSupervisor
+from dflash_assets.generation.transformers_server import LocalTransformersServer
 from dflash_assets.settings import GenerationSettings
 
 __all__ = ["InferenceServerResource", "ServerPool"]
@@ -61,30 +61,41 @@ class InferenceServerResource(dg.ConfigurableResource):
 
     mode: Literal["local", "sglang", "external"] = Field(default="local")
     # numbers and switches are strict: YAML `true` would otherwise become 1 slot, 1 server or a 1-token chunk
-    api_key: str | None = Field(default=None, description="Server API key; set with EnvVar('DFLASH_SERVER_API_KEY').",
-                                json_schema_extra={SECRET_ENV: API_KEY_ENV})  # a value in the config file is refused
+    api_key: str | None = Field(
+        default=None,
+        description="Server API key; set with EnvVar('DFLASH_SERVER_API_KEY').",
+        json_schema_extra={SECRET_ENV: API_KEY_ENV},
+    )  # a value in the config file is refused
     max_running_requests: int | None = Field(
         strict=True, default=None, ge=1, description="Requests in flight per server; None: 16 local, 40 otherwise."
     )
-    startup_timeout_s: float = Field(strict=True, default=1800.0, gt=0, description="Seconds to wait for servers to generate.")
+    startup_timeout_s: float = Field(
+        strict=True, default=1800.0, gt=0, description="Seconds to wait for servers to generate."
+    )
 
     # local
     local_model: LocalModelName = Field(
-        default=DEFAULT_LOCAL_MODEL, description="local: the model served (made in the cache on first use); "
-        "target_model.local_model must name the same one.")
+        default=DEFAULT_LOCAL_MODEL,
+        description="local: the model served (made in the cache on first use); "
+        "target_model.local_model must name the same one.",
+    )
 
     # sglang
     model_path: str = Field(default="", description="sglang: HF model directory (also the tokenizer).")
     num_servers: int = Field(strict=True, default=1, ge=1, description="sglang: servers (data-parallel replicas).")
     gpu_ids: list[int] | None = Field(default=None, description="sglang: GPUs to use; None = 0..N*tp-1.")
-    port_base: int = Field(strict=True, default=30000, description="sglang: server i listens on port_base + i (router: port_base).")
+    port_base: int = Field(
+        strict=True, default=30000, description="sglang: server i listens on port_base + i (router: port_base)."
+    )
     host: str = Field(default="127.0.0.1", description="sglang: listen address.")
     max_mamba_cache_size: int | None = Field(strict=True, default=None, description="sglang: --max-mamba-cache-size.")
     mem_fraction_static: float | None = Field(strict=True, default=None, description="sglang: --mem-fraction-static.")
     context_length: int | None = Field(strict=True, default=None, description="sglang: --context-length (tokens).")
     tp_size: int = Field(strict=True, default=1, ge=1, description="sglang: --tp-size, GPUs per server.")
     reasoning_parser: str | None = Field(default="qwen3", description="sglang: --reasoning-parser.")
-    use_router: bool = Field(strict=True, default=False, description="sglang: one sglang_router --dp-size N instead of N servers.")
+    use_router: bool = Field(
+        strict=True, default=False, description="sglang: one sglang_router --dp-size N instead of N servers."
+    )
     extra_args: list[str] = Field(default_factory=list, description="sglang/local: extra server flags.")
     launch_module: str = Field(
         default="sglang.launch_server",
@@ -102,36 +113,56 @@ class InferenceServerResource(dg.ConfigurableResource):
 
     # client (all modes)
     request_timeout_s: float = Field(
-        strict=True, default=3600.0, gt=0,
+        strict=True,
+        default=3600.0,
+        gt=0,
         description="Seconds one request may run, connecting to the last byte of its reply (long reasoning); "
-        "a server that trickles its reply is cut off at this bound too.")
+        "a server that trickles its reply is cut off at this bound too.",
+    )
     max_reply_mb: float = Field(
-        strict=True, default=MAX_REPLY_BYTES / (1 << 20), gt=0, allow_inf_nan=False,
+        strict=True,
+        default=MAX_REPLY_BYTES / (1 << 20),
+        gt=0,
+        allow_inf_nan=False,
         description="Largest reply body read, MiB; a larger reply fails its row (a 32K-token reply with its token "
-        "ids is under 1 MB).")
+        "ids is under 1 MB).",
+    )
     max_attempts: int = Field(strict=True, default=5, ge=1, description="HTTP attempts per row for transient failures.")
-    backoff_base_s: float = Field(strict=True, default=1.0, ge=0, description="Retry k waits base * 2**(k-1) + jitter seconds.")
-    max_consecutive_failures: int = Field(strict=True, default=20, ge=1, description="Rows failing in a row before the partition stops.")
+    backoff_base_s: float = Field(
+        strict=True, default=1.0, ge=0, description="Retry k waits base * 2**(k-1) + jitter seconds."
+    )
+    max_consecutive_failures: int = Field(
+        strict=True, default=20, ge=1, description="Rows failing in a row before the partition stops."
+    )
     stall_timeout_s: float | None = Field(
-        strict=True, default=900.0, gt=0,
+        strict=True,
+        default=900.0,
+        gt=0,
         description="A server holding requests that finishes none for this long is hung: taken out, its requests "
         "re-sent to the others, restarted (sglang) or re-probed (external). Above the longest request "
         "(cap / per-request tok/s: 8192 / 87 = ~94 s on the user's GPUs). None: no hang detection.",
     )
-    server_retry_s: float = Field(strict=True, default=30.0, gt=0, description="external: seconds between probes of a server left out.")
+    server_retry_s: float = Field(
+        strict=True, default=30.0, gt=0, description="external: seconds between probes of a server left out."
+    )
     max_server_restarts: int = Field(
-        strict=True, default=5, ge=0,
+        strict=True,
+        default=5,
+        ge=0,
         description="sglang: restarts of one server within an hour before it is left out (its log named) instead of "
         "restarted again: a server that crashes at every start is not restarted forever. 0: never restarted.",
     )
     continue_truncated: bool = Field(
-        strict=True, default=True,
+        strict=True,
+        default=True,
         description="After a cap raise, continue each row the old cap cut from the tokens it has (SGLang "
         "continue_final_message; sglang mode, or external_backend 'sglang') instead of regenerating it whole. "
         "Same distribution when sampling has no penalties and no seed (else rows are regenerated whole).",
     )
     tail_chunk_tokens: int = Field(
-        strict=True, default=0, ge=0,
+        strict=True,
+        default=0,
+        ge=0,
         description="0: off. Else the last tail_prompts_per_slot x slots prompts of a run are generated in chunks of "
         "this many tokens, each continued (continue_final_message, as continue_truncated) once every fresh prompt "
         "has gone out, so the run's last minutes keep the slots busy instead of waiting on its last long requests "
@@ -139,7 +170,11 @@ class InferenceServerResource(dg.ConfigurableResource):
         "seams where SGLang re-tokenizes their text. Needs what continue_truncated needs.",
     )
     tail_prompts_per_slot: float = Field(
-        strict=True, default=4.0, gt=0, allow_inf_nan=False, description="tail_chunk_tokens: prompts generated in chunks, per slot (servers x "
+        strict=True,
+        default=4.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="tail_chunk_tokens: prompts generated in chunks, per slot (servers x "
         "max_running_requests) of the run.",
     )
 
@@ -187,11 +222,18 @@ class InferenceServerResource(dg.ConfigurableResource):
         if not self.model_path:
             raise ValueError("mode 'sglang' needs model_path")
         common = dict(
-            model_path=self.model_path, num_servers=self.num_servers, gpu_ids=self.gpu_ids, host=self.host,
+            model_path=self.model_path,
+            num_servers=self.num_servers,
+            gpu_ids=self.gpu_ids,
+            host=self.host,
             max_running_requests=self.effective_max_running_requests(),
-            max_mamba_cache_size=self.max_mamba_cache_size, mem_fraction_static=self.mem_fraction_static,
-            context_length=self.context_length, tp_size=self.tp_size, reasoning_parser=self.reasoning_parser,
-            api_key_env=API_KEY_ENV if self.api_key else None, extra_args=[*self.extra_args, *extra_args],
+            max_mamba_cache_size=self.max_mamba_cache_size,
+            mem_fraction_static=self.mem_fraction_static,
+            context_length=self.context_length,
+            tp_size=self.tp_size,
+            reasoning_parser=self.reasoning_parser,
+            api_key_env=API_KEY_ENV if self.api_key else None,
+            extra_args=[*self.extra_args, *extra_args],
         )
         if self.use_router if use_router is None else use_router:
             return [build_router_command(port=self.port_base, **common)]
@@ -222,9 +264,11 @@ class InferenceServerResource(dg.ConfigurableResource):
             from dflash_assets.generation.local_model import local_model_dir
 
             with LocalTransformersServer(
-                local_model_dir(self.local_model), log_path=log_dir / "transformers_serve.log",
+                local_model_dir(self.local_model),
+                log_path=log_dir / "transformers_serve.log",
                 extra_args=self.extra_args,
-                settings=settings, startup_timeout_s=self.startup_timeout_s,
+                settings=settings,
+                startup_timeout_s=self.startup_timeout_s,
             ) as server:
                 yield server.pool(mrr)
         elif self.mode == "external":
@@ -233,26 +277,44 @@ class InferenceServerResource(dg.ConfigurableResource):
             for url in self.base_urls:
                 probe_external(url, self.served_model_name, self.api_key, timeout_s=min(self.startup_timeout_s, 300.0))
             supervisor = ProbeSupervisor(self.base_urls, self.served_model_name, self.api_key, self.server_retry_s)
-            yield ServerPool(list(self.base_urls), self.served_model_name, self.api_key, mrr, self.external_backend,
-                             supervisor=supervisor)
+            yield ServerPool(
+                list(self.base_urls),
+                self.served_model_name,
+                self.api_key,
+                mrr,
+                self.external_backend,
+                supervisor=supervisor,
+            )
         else:
             commands = self.sglang_commands()
             with SGLangServers(commands, log_dir, self.api_key, self.startup_timeout_s) as servers:
                 # Behind a router one URL fronts num_servers servers: scale its concurrency to match.
                 per_url = mrr * self.num_servers if self.use_router else mrr
-                yield ServerPool(servers.base_urls, self.model_path, self.api_key, per_url, "sglang",
-                                 supervisor=ProcessSupervisor(servers, self.server_retry_s, self.max_server_restarts))
+                yield ServerPool(
+                    servers.base_urls,
+                    self.model_path,
+                    self.api_key,
+                    per_url,
+                    "sglang",
+                    supervisor=ProcessSupervisor(servers, self.server_retry_s, self.max_server_restarts),
+                )
 
     def client(self, pool: ServerPool):
         """A :class:`CompletionClient` for ``pool``: concurrency = servers x max_running_requests."""
         from dflash_assets.generation.client import CompletionClient
 
         return CompletionClient(
-            pool.base_urls, api_key=pool.api_key, concurrency=pool.max_running_requests * len(pool.base_urls),
-            read_timeout_s=self.request_timeout_s, request_timeout_s=self.request_timeout_s,
-            max_attempts=self.max_attempts, backoff_base_s=self.backoff_base_s,
-            max_consecutive_failures=self.max_consecutive_failures, supervisor=pool.supervisor,
-            stall_timeout_s=self.stall_timeout_s, max_reply_bytes=int(self.max_reply_mb * (1 << 20)),
+            pool.base_urls,
+            api_key=pool.api_key,
+            concurrency=pool.max_running_requests * len(pool.base_urls),
+            read_timeout_s=self.request_timeout_s,
+            request_timeout_s=self.request_timeout_s,
+            max_attempts=self.max_attempts,
+            backoff_base_s=self.backoff_base_s,
+            max_consecutive_failures=self.max_consecutive_failures,
+            supervisor=pool.supervisor,
+            stall_timeout_s=self.stall_timeout_s,
+            max_reply_bytes=int(self.max_reply_mb * (1 << 20)),
             vocab_size=self.vocab_size(),
         )
 

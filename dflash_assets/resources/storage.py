@@ -21,7 +21,11 @@ SESSION_TOKEN_ENV = "AWS_SESSION_TOKEN"
 def s3_credentials_from_env() -> dict[str, Any]:
     """``aws_access_key_id`` / ``aws_secret_access_key`` / ``aws_session_token`` as ``dagster.EnvVar``
     references for the variables that are set (the values never enter config, run storage or logs)."""
-    names = {"aws_access_key_id": ACCESS_KEY_ENV, "aws_secret_access_key": SECRET_KEY_ENV, "aws_session_token": SESSION_TOKEN_ENV}
+    names = {
+        "aws_access_key_id": ACCESS_KEY_ENV,
+        "aws_secret_access_key": SECRET_KEY_ENV,
+        "aws_session_token": SESSION_TOKEN_ENV,
+    }
     return {field: dg.EnvVar(env) for field, env in names.items() if os.environ.get(env)}
 
 
@@ -51,18 +55,30 @@ class StorageResource(dg.ConfigurableResource):
     region: str | None = Field(default=None, description="S3 region; None = from the environment / us-east-1.")
     # secrets: from the environment only (a value in the config file is refused, see dflash_assets.config.secret_env)
     aws_access_key_id: str | None = Field(
-        default=None, description="Set with EnvVar('AWS_ACCESS_KEY_ID'), never literally.",
-        json_schema_extra={SECRET_ENV: ACCESS_KEY_ENV})
+        default=None,
+        description="Set with EnvVar('AWS_ACCESS_KEY_ID'), never literally.",
+        json_schema_extra={SECRET_ENV: ACCESS_KEY_ENV},
+    )
     aws_secret_access_key: str | None = Field(
-        default=None, description="Set with EnvVar('AWS_SECRET_ACCESS_KEY'), never literally.",
-        json_schema_extra={SECRET_ENV: SECRET_KEY_ENV})
+        default=None,
+        description="Set with EnvVar('AWS_SECRET_ACCESS_KEY'), never literally.",
+        json_schema_extra={SECRET_ENV: SECRET_KEY_ENV},
+    )
     aws_session_token: str | None = Field(
-        default=None, description="Set with EnvVar('AWS_SESSION_TOKEN'), never literally.",
-        json_schema_extra={SECRET_ENV: SESSION_TOKEN_ENV})
-    journal_sync_rows: int = Field(default=100, ge=1, description="S3: sync the completions row journal every N rows...")
-    journal_sync_s: float = Field(default=30.0, gt=0, description="...or every this many seconds while rows are pending.")
+        default=None,
+        description="Set with EnvVar('AWS_SESSION_TOKEN'), never literally.",
+        json_schema_extra={SECRET_ENV: SESSION_TOKEN_ENV},
+    )
+    journal_sync_rows: int = Field(
+        default=100, ge=1, description="S3: sync the completions row journal every N rows..."
+    )
+    journal_sync_s: float = Field(
+        default=30.0, gt=0, description="...or every this many seconds while rows are pending."
+    )
     retry_attempts: int = Field(default=6, ge=1, description="S3: tries per call for transient errors.")
-    retry_backoff_s: float = Field(default=0.5, ge=0, description="S3: first backoff wait, seconds (doubles each retry).")
+    retry_backoff_s: float = Field(
+        default=0.5, ge=0, description="S3: first backoff wait, seconds (doubles each retry)."
+    )
     retry_max_wait_s: float = Field(default=30.0, ge=0, description="S3: longest backoff wait, seconds.")
     connect_timeout_s: float = Field(default=10.0, gt=0, description="S3: connect timeout per request, seconds.")
     read_timeout_s: float = Field(default=120.0, gt=0, description="S3: read timeout per request, seconds.")
@@ -78,8 +94,11 @@ class StorageResource(dg.ConfigurableResource):
         from dagster_aws.s3 import S3Resource
 
         return S3Resource(
-            endpoint_url=self.endpoint_url, region_name=self.region, max_attempts=self.retry_attempts,
-            aws_access_key_id=self.aws_access_key_id, aws_secret_access_key=self.aws_secret_access_key,
+            endpoint_url=self.endpoint_url,
+            region_name=self.region,
+            max_attempts=self.retry_attempts,
+            aws_access_key_id=self.aws_access_key_id,
+            aws_secret_access_key=self.aws_secret_access_key,
             aws_session_token=self.aws_session_token,
         )
 
@@ -141,7 +160,9 @@ class StorageResource(dg.ConfigurableResource):
         except StorageError:
             raise
         except Exception as exc:  # botocore ClientError 403/404: permanent
-            raise StorageError(f"storage root {self.root}: bucket {bucket!r} is not usable: {type(exc).__name__}: {exc}") from exc
+            raise StorageError(
+                f"storage root {self.root}: bucket {bucket!r} is not usable: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def local_scratch(self, *parts: str) -> str:
         """A local path for in-flight files; its parent directory exists.
@@ -156,7 +177,9 @@ class StorageResource(dg.ConfigurableResource):
             base = self.root.removeprefix("file://")
         else:
             url = urlparse(self.root)
-            base = os.path.join(self.scratch_dir or str(cache_dir() / "scratch"), url.netloc, *[p for p in url.path.split("/") if p])
+            base = os.path.join(
+                self.scratch_dir or str(cache_dir() / "scratch"), url.netloc, *[p for p in url.path.split("/") if p]
+            )
         path = os.path.join(base, *parts)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return path
@@ -206,5 +229,10 @@ class StorageResource(dg.ConfigurableResource):
             return RowJournal(self.local_scratch(*parts))
         from dflash_assets.generation.journal_sync import SyncedRowJournal
 
-        return SyncedRowJournal(self.local_scratch(*parts), self.open(), tuple(parts),
-                                sync_rows=self.journal_sync_rows, sync_s=self.journal_sync_s)
+        return SyncedRowJournal(
+            self.local_scratch(*parts),
+            self.open(),
+            tuple(parts),
+            sync_rows=self.journal_sync_rows,
+            sync_s=self.journal_sync_s,
+        )

@@ -15,11 +15,11 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 
-from dflash_assets.automation import request_partitions
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.completions_tables import partition_file
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_file, tokenized_sequences
+from dflash_assets.automation import request_partitions
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
@@ -89,7 +89,9 @@ def snapshot(instance: dg.DagsterInstance, root: Path, keys: list[str]) -> Snaps
     for name, key in ASSET_KEYS.items():
         mats[name] = Counter()
         for pk in keys:
-            recs = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[pk]), limit=100).records
+            recs = instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=key, asset_partitions=[pk]), limit=100
+            ).records
             mats[name][pk] = len(recs)
     return Snapshot(
         rows=rows,
@@ -111,13 +113,19 @@ def resources(root: Path, inference: InferenceServerResource, cap: int) -> dict:
 def materialize_partition(instance, root: Path, inference, cap: int, pk: str, tags: dict | None = None) -> None:
     """The per-partition stages this test needs (completions -> tokenized_sequences) for one key."""
     result = dg.materialize(
-        [completions, tokenized_sequences], instance=instance, partition_key=pk, tags=tags or {},
-        resources=resources(root, inference, cap), run_config=TOKENIZE_CONFIG,
+        [completions, tokenized_sequences],
+        instance=instance,
+        partition_key=pk,
+        tags=tags or {},
+        resources=resources(root, inference, cap),
+        run_config=TOKENIZE_CONFIG,
     )
     assert result.success
 
 
-def materialize_partitions(instance, root: Path, inference, cap: int, jobs: list[tuple[str, dict]], timings: dict) -> None:
+def materialize_partitions(
+    instance, root: Path, inference, cap: int, jobs: list[tuple[str, dict]], timings: dict
+) -> None:
     """Run ``(partition_key, tags)`` jobs one after another (in-process runs on threads deadlocked here)."""
     for pk, tags in jobs:
         started = time.monotonic()
@@ -146,8 +154,12 @@ def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: li
     with dg.instance_for_test() as instance:
         started = time.monotonic()
         assert dg.materialize(
-            [prompt_corpus], instance=instance, resources={"storage": StorageResource(root=str(root))},
-            run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(corpus_file)], "partition_size": PARTITION_SIZE}}}},
+            [prompt_corpus],
+            instance=instance,
+            resources={"storage": StorageResource(root=str(root))},
+            run_config={
+                "ops": {"prompt_corpus": {"config": {"sources": [str(corpus_file)], "partition_size": PARTITION_SIZE}}}
+            },
         ).success
         keys = instance.get_dynamic_partitions("prompt_index_ranges")
         timings["corpus_s"] = time.monotonic() - started
@@ -155,7 +167,9 @@ def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: li
         materialize_partitions(instance, root, inference, caps[0], [(pk, {}) for pk in keys], timings)
         initial_requests, _ = requests_since(proxy, before)
         timings["initial_s"] = time.monotonic() - started
-        scenario = Scenario(keys=keys, initial=snapshot(instance, root, keys), initial_requests=initial_requests, timings=timings)
+        scenario = Scenario(
+            keys=keys, initial=snapshot(instance, root, keys), initial_requests=initial_requests, timings=timings
+        )
 
         for cap in caps[1:]:
             started = time.monotonic()
@@ -164,7 +178,11 @@ def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: li
             run_requests = [] if isinstance(result, dg.SkipReason) else list(result)
             before = proxy.requested
             # the sensor requests ranges of touched partitions; run them one partition at a time here
-            jobs = [(pk, {k: v for k, v in rr.tags.items() if k.startswith("dflash/")}) for rr in run_requests for pk in request_partitions(rr, keys)]
+            jobs = [
+                (pk, {k: v for k, v in rr.tags.items() if k.startswith("dflash/")})
+                for rr in run_requests
+                for pk in request_partitions(rr, keys)
+            ]
             materialize_partitions(instance, root, inference, cap, jobs, timings)
             requested, probes = requests_since(proxy, before)
             change = CapChange(cap, run_requests, requested, probes, time.monotonic() - started)
@@ -178,7 +196,11 @@ def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: li
 def proxied_inference(base: InferenceServerResource, proxy_url: str) -> InferenceServerResource:
     """``base`` (external mode) with its URL replaced by the counting proxy's."""
     return InferenceServerResource(
-        mode="external", base_urls=[proxy_url], served_model_name=base.served_model_name,
-        external_backend=base.external_backend, external_tokenizer_path=base.external_tokenizer_path,
-        max_running_requests=base.max_running_requests, max_attempts=1,
+        mode="external",
+        base_urls=[proxy_url],
+        served_model_name=base.served_model_name,
+        external_backend=base.external_backend,
+        external_tokenizer_path=base.external_tokenizer_path,
+        max_running_requests=base.max_running_requests,
+        max_attempts=1,
     )

@@ -25,8 +25,20 @@ import httpx
 from dflash_assets.simulation.http11 import ServerThread, read_request
 
 # Hop-by-hop or recomputed headers: not forwarded in either direction.
-_SKIP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding",
-                           "accept-encoding", "content-encoding", "proxy-connection", "upgrade", "te"})
+_SKIP_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "accept-encoding",
+        "content-encoding",
+        "proxy-connection",
+        "upgrade",
+        "te",
+    }
+)
 
 
 def last_user_message(body: Any) -> str | None:
@@ -102,8 +114,9 @@ class CountingProxy:
         """
 
         def make_client() -> None:  # on the listener's loop, which it belongs to
-            self._http = httpx.AsyncClient(base_url=self._upstream_origin, timeout=None,
-                                           limits=httpx.Limits(max_connections=None))
+            self._http = httpx.AsyncClient(
+                base_url=self._upstream_origin, timeout=None, limits=httpx.Limits(max_connections=None)
+            )
 
         async def close_client() -> None:
             if self._http is not None:

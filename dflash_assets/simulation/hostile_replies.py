@@ -18,8 +18,8 @@ import threading
 from collections import Counter
 from typing import Any
 
+from dflash_assets.simulation.behaviours import Behaviour, Raw, Reply, Trickle
 from dflash_assets.simulation.counting_proxy import last_user_message
-from dflash_assets.simulation.stand_in_server import Behaviour, Raw, Reply, Trickle
 
 PREFIX = "hostile:"
 DEEP = 100_000  # levels: far past the JSON reader's ~1,000
@@ -85,8 +85,9 @@ HOSTILE: dict[str, Any] = {
 
 def normal_reply(prompt: str) -> Reply:
     """The reply a non-hostile prompt gets."""
-    return Reply(content=f"Answer to: {prompt}", reasoning=None, prompt_tokens=9, completion_tokens=5,
-                 token_ids=[1, 2, 3, 4, 5])
+    return Reply(
+        content=f"Answer to: {prompt}", reasoning=None, prompt_tokens=9, completion_tokens=5, token_ids=[1, 2, 3, 4, 5]
+    )
 
 
 def hostile_script() -> Any:
@@ -96,7 +97,7 @@ def hostile_script() -> Any:
 
     def script(n: int, body: dict[str, Any]) -> Behaviour:
         prompt = last_user_message(body) or ""
-        kind = prompt[len(PREFIX):] if prompt.startswith(PREFIX) else None
+        kind = prompt[len(PREFIX) :] if prompt.startswith(PREFIX) else None
         with lock:
             arrivals[prompt] += 1
             first = arrivals[prompt] == 1

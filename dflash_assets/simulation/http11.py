@@ -96,7 +96,10 @@ class ServerThread:
         self._tasks: set[asyncio.Task] = set()
 
     def start(
-        self, handler: Handler, port: int = 0, *,
+        self,
+        handler: Handler,
+        port: int = 0,
+        *,
         on_start: Callable[[], object] | None = None,
         on_exit: Callable[[], Awaitable[object]] | None = None,
     ) -> int:
@@ -132,7 +135,8 @@ class ServerThread:
                 if on_start is not None:
                     on_start()
                 self._server = loop.run_until_complete(
-                    asyncio.start_server(tracked, "127.0.0.1", port, backlog=self.backlog))
+                    asyncio.start_server(tracked, "127.0.0.1", port, backlog=self.backlog)
+                )
                 self.port = self._server.sockets[0].getsockname()[1]
             except BaseException as exc:  # surfaced to start()'s caller
                 errors.append(exc)

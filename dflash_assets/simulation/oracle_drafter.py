@@ -7,7 +7,7 @@ almost never gives), and it records the context it was given.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

@@ -30,6 +30,7 @@ from typing import Any
 
 from dflash_assets.dflash.engine_check import check_dflash_export, is_hybrid_target
 from dflash_assets.generation.sglang_dflash import MAMBA_STRATEGIES, SGLANG_DRAFT_ATTENTION_BACKENDS
+
 REMOVED_FLAGS = ("--mamba-scheduler-strategy", "--speculative-dflash-draft-window-size")
 
 
@@ -47,8 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--pp-size", type=int, default=1)
-    p.add_argument("--sim-accept-p", type=float, default=0.6,
-                   help="simulated: probability that each next draft token is accepted (DFLASH only)")
+    p.add_argument(
+        "--sim-accept-p",
+        type=float,
+        default=0.6,
+        help="simulated: probability that each next draft token is accepted (DFLASH only)",
+    )
 
 
 class DFlashSim:
@@ -68,8 +73,11 @@ class DFlashSim:
         """
         for flag in REMOVED_FLAGS:
             if any(a == flag or a.startswith(flag + "=") for a in argv):
-                _die(f"sglang serve: error: unrecognized arguments: {flag} (removed in SGLang 0.5.20; "
-                     f"{'--mamba-radix-cache-strategy' if 'mamba' in flag else '--speculative-draft-window-size'} replaces it)")
+                _die(
+                    f"sglang serve: error: unrecognized arguments: {flag} (removed in SGLang 0.5.20; "
+                    f"{'--mamba-radix-cache-strategy' if 'mamba' in flag else '--speculative-draft-window-size'} "
+                    "replaces it)"
+                )
         if args.speculative_algorithm is None:
             return None
         if args.speculative_algorithm != "DFLASH":
@@ -83,11 +91,18 @@ class DFlashSim:
             _die(f"--model-path {target_dir}: no config.json (SGLang cannot load the target)")
         n, alias = args.speculative_num_draft_tokens, args.speculative_dflash_block_size
         if alias is not None and n is not None and n != alias:
-            _die("Both --speculative-num-draft-tokens and --speculative-dflash-block-size are set but they differ. "
-                 f"For DFLASH they must match. speculative_num_draft_tokens={n}, speculative_dflash_block_size={alias}.")
+            _die(
+                "Both --speculative-num-draft-tokens and --speculative-dflash-block-size are set but they differ. "
+                f"For DFLASH they must match. speculative_num_draft_tokens={n}, speculative_dflash_block_size={alias}."
+            )
         n = n if n is not None else alias
-        check = check_dflash_export(draft_dir, target_dir=target_dir, tp_size=args.tp_size, num_draft_tokens=n,
-                                    draft_window_size=args.speculative_draft_window_size)
+        check = check_dflash_export(
+            draft_dir,
+            target_dir=target_dir,
+            tp_size=args.tp_size,
+            num_draft_tokens=n,
+            draft_window_size=args.speculative_draft_window_size,
+        )
         for line in check.warnings:
             print(f"WARNING: DFLASH: {line}", flush=True)
         if not check.ok:
@@ -96,9 +111,12 @@ class DFlashSim:
         target = json.loads((target_dir / "config.json").read_text())
         if n is None:
             n = int((draft.get("dflash_config") or {}).get("block_size") or draft.get("block_size") or 16)
-        print(f"DFLASH draft runner ready (simulated acceptance, p={args.sim_accept_p}): block_size={n}, "
-              f"attention_backend={args.speculative_draft_attention_backend or 'flashinfer'}, "
-              f"mamba_radix_cache_strategy={resolved_mamba(args, target)}", flush=True)
+        print(
+            f"DFLASH draft runner ready (simulated acceptance, p={args.sim_accept_p}): block_size={n}, "
+            f"attention_backend={args.speculative_draft_attention_backend or 'flashinfer'}, "
+            f"mamba_radix_cache_strategy={resolved_mamba(args, target)}",
+            flush=True,
+        )
         return cls(args, n, draft, target)
 
     def spec_fields(self, input_ids: list[int], completion_tokens: int) -> dict[str, Any]:
@@ -117,17 +135,27 @@ class DFlashSim:
             steps, correct, left = steps + 1, correct + made - 1, left - made
             histogram[made - 1] += 1
         proposed = steps * (self.block - 1)
-        return {"spec_accept_length": completion_tokens / steps, "spec_verify_ct": steps,
-                "spec_accept_rate": correct / proposed if proposed else 0.0, "spec_num_correct_drafts": correct,
-                "spec_num_proposed_drafts": proposed, "spec_correct_drafts_histogram": histogram}
+        return {
+            "spec_accept_length": completion_tokens / steps,
+            "spec_verify_ct": steps,
+            "spec_accept_rate": correct / proposed if proposed else 0.0,
+            "spec_num_correct_drafts": correct,
+            "spec_num_proposed_drafts": proposed,
+            "spec_correct_drafts_histogram": histogram,
+        }
 
     def server_info(self) -> dict[str, Any]:
         """``/server_info`` fields about speculative decoding, with ``simulated: true``."""
         a = self.args
-        return {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": a.speculative_draft_model_path,
-                "speculative_num_draft_tokens": self.block, "speculative_num_steps": 1, "speculative_eagle_topk": 1,
-                "speculative_draft_attention_backend": a.speculative_draft_attention_backend or "flashinfer",
-                "mamba_radix_cache_strategy": resolved_mamba(a, self.target_config)}
+        return {
+            "speculative_algorithm": "DFLASH",
+            "speculative_draft_model_path": a.speculative_draft_model_path,
+            "speculative_num_draft_tokens": self.block,
+            "speculative_num_steps": 1,
+            "speculative_eagle_topk": 1,
+            "speculative_draft_attention_backend": a.speculative_draft_attention_backend or "flashinfer",
+            "mamba_radix_cache_strategy": resolved_mamba(a, self.target_config),
+        }
 
 
 def resolved_mamba(args: argparse.Namespace, target_config: dict) -> str | None:

@@ -44,13 +44,15 @@ What it simulates, all in *simulated seconds* divided by ``--sim-speed`` to get 
 - DFLASH speculative decoding (:mod:`~dflash_assets.simulation.sglang_dflash`): SGLang's flags, its
   refusals of an export at start-up, and per-request ``spec_*`` fields whose acceptance is simulated.
 
-Faults on demand: ``--sim-ignore-continue`` answers continuations afresh (an SGLang before 0.4.4); SIGUSR1 makes it hang (``/health`` keeps answering 200, no request finishes, and
+Faults on demand: ``--sim-ignore-continue`` answers continuations afresh (an SGLang before 0.4.4);
+SIGUSR1 makes it hang (``/health`` keeps answering 200, no request finishes, and
 ``/health_generate`` never answers, as with a stuck scheduler); ``--sim-hang-after N`` does the same after
 N finished requests; kill -9 is a dead server.
 
 Bookkeeping for benches: every start appends one line to ``--sim-starts-file``; every request arrival
 and finish appends one JSON line to ``--sim-request-log`` (``{"ev": "recv"|"done", "key", "max_tokens",
-"tokens", "t"}``, plus ``continued_from`` (prefix tokens) and ``prefix_head`` (its first characters) on ``recv``; ``key`` = the last user message, which the benches make the prompt's id).
+"tokens", "t"}``, plus ``continued_from`` (prefix tokens) and ``prefix_head`` (its first characters) on
+``recv``; ``key`` = the last user message, which the benches make the prompt's id).
 Admission (the request gets its slot; the cache is looked up then) appends ``{"ev": "prefill", "key",
 "max_tokens", "continued_from", "prefill_tokens" (uncached, charged), "cached_tokens", "t"}``; ``done``
 also carries ``stalled_s``, the simulated seconds its decode waited for other requests' prefills.
@@ -64,22 +66,19 @@ import argparse
 import asyncio
 import hashlib
 import json
-import math
 import os
 import signal
 import sys
 import time
-from collections import OrderedDict
-from statistics import NormalDist
 from typing import Any
 
 import yaml
 
 from dflash_assets.simulation.http11 import read_request
-from dflash_assets.simulation.sglang_dflash import DFlashSim, add_arguments as add_dflash_arguments
-
-REASONING_SHARE = 0.9  # tokens of thinking before the answer starts
-_NORMAL = NormalDist()
+from dflash_assets.simulation.radix_cache import RadixCache
+from dflash_assets.simulation.sglang_dflash import DFlashSim
+from dflash_assets.simulation.sglang_dflash import add_arguments as add_dflash_arguments
+from dflash_assets.simulation.simulated_replies import drawn_length, prompt_tokens_of, reply_fields
 
 
 def process_start_time() -> float:
@@ -93,88 +92,6 @@ def process_start_time() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, StopIteration):
         return time.time()
-
-
-def drawn_length(messages: Any, median: float, sigma: float, seed: str = "") -> int:
-    """Output tokens the simulated model wants for ``messages``: a lognormal draw keyed by their hash.
-
-    ``exp(ln(median) + sigma * z)`` with ``z`` the standard-normal quantile of a uniform taken from
-    sha256(seed + messages JSON); at least 1 token.
-    """
-    digest = hashlib.sha256((seed + json.dumps(messages, sort_keys=True)).encode()).digest()
-    u = (int.from_bytes(digest[:8], "big") + 0.5) / 2**64
-    return max(1, round(math.exp(math.log(median) + sigma * _NORMAL.inv_cdf(u))))
-
-
-def reply_fields(length: int, max_tokens: int, done: int = 0, raw: bool = False) -> dict[str, Any]:
-    """finish_reason, completion_tokens, reasoning_content and content of a request wanting ``length``
-    tokens in all, ``done`` of them already written (a continued prefix), under cap ``max_tokens`` on the
-    new ones. Text is two bytes per token: ``"t "`` while thinking, ``"a "`` after. ``raw``: no reasoning
-    parser: the text as generated, ``<think>`` / ``</think>`` included, in ``content``."""
-    n = max(0, min(length - done, max_tokens))
-    think = max(1, round(length * REASONING_SHARE))
-    start, end = done, done + n
-    thinking, answering = max(0, min(end, think) - start), max(0, end - max(start, think))
-    fields = {"finish_reason": "length" if length - done > max_tokens else "stop", "completion_tokens": n}
-    if raw:
-        opened = "<think>\n" if start == 0 else ""
-        closed = "</think>\n\n" if start <= think < end or (start < think and end == think and fields["finish_reason"] == "stop") else ""
-        return {**fields, "reasoning_content": None, "content": opened + "t " * thinking + closed + "a " * answering}
-    return {**fields, "reasoning_content": "t " * thinking, "content": "a " * answering if answering else None}
-
-
-def prompt_tokens_of(messages: Any) -> int:
-    """``usage.prompt_tokens`` of ``messages``: their contents' words + 5 (the chat template's tokens)."""
-    return sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict)) + 5
-
-
-class RadixCache:
-    """The KV pool of one server as the simulator sees it: finished sequences kept whole, keyed by their
-    conversation (without the continued prefix), evicted least-recently-used when the cached tokens plus
-    the running requests' reserved tokens exceed ``capacity`` tokens.
-
-    No partial matches across conversations (a shared system prompt is not shared): conservative.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.running = 0  # tokens reserved by admitted requests (prompt + prefix + completion_tokens)
-        self._cached = 0
-        self._generated: OrderedDict[str, int] = OrderedDict()  # key -> generated tokens held, oldest first
-        self._prompt: dict[str, int] = {}  # key -> prompt tokens of that sequence
-
-    def admit(self, key: str, prompt_tokens: int, done: int, completion_tokens: int) -> tuple[int, int, int]:
-        """A request of ``prompt_tokens`` + ``done`` prefix tokens, generating ``completion_tokens``, gets
-        its slot: reserves its whole sequence, evicts, and returns ``(cached_tokens, prefill_tokens,
-        held)``: a hit gets ``prompt_tokens + min(done, held)`` cached, ``held`` being the generated tokens
-        of the cached sequence, which it takes out while it runs (SGLang locks it; pass ``held`` back to
-        :meth:`finish`)."""
-        held = self._generated.pop(key, None)
-        if held is None:
-            held, cached = 0, 0
-        else:
-            self._cached -= self._prompt.pop(key) + held
-            cached = prompt_tokens + min(done, held)
-        self.running += prompt_tokens + done + completion_tokens
-        self._evict()
-        return cached, prompt_tokens + done - cached, held
-
-    def finish(self, key: str, prompt_tokens: int, done: int, completion_tokens: int, held: int = 0) -> None:
-        """The admitted request finished: its sequence (or the longer one it took out, ``held``
-        generated tokens) is cached, most recent, and its reservation released."""
-        self.running -= prompt_tokens + done + completion_tokens
-        old = self._generated.pop(key, None)
-        if old is not None:  # the same conversation finished twice at once: keep one
-            self._cached -= self._prompt.pop(key) + old
-        generated = max(done + completion_tokens, held, old or 0)
-        self._generated[key], self._prompt[key] = generated, prompt_tokens
-        self._cached += prompt_tokens + generated
-        self._evict()
-
-    def _evict(self) -> None:
-        while self._generated and self._cached + self.running > self.capacity:
-            key, generated = self._generated.popitem(last=False)
-            self._cached -= self._prompt.pop(key) + generated
 
 
 class Simulator:
@@ -196,7 +113,10 @@ class Simulator:
         self._prefill_s = 0.0  # simulated seconds the running prefill takes
         self._no_prefill = asyncio.Event()
         self._no_prefill.set()
-        self._request_log = open(args.sim_request_log, "a", buffering=1) if args.sim_request_log else None
+        # open for the server's whole life (closed at exit), line-buffered so each event lands whole
+        self._request_log = (
+            open(args.sim_request_log, "a", buffering=1) if args.sim_request_log else None  # noqa: SIM115
+        )
 
     def real(self, sim_seconds: float) -> float:
         return sim_seconds / self.speed
@@ -263,25 +183,39 @@ class Simulator:
             prefix, messages = str(messages[-1].get("content") or ""), messages[:-1]
             done = sum(word in ("t", "a") for word in prefix.split())  # the prefix's tokens
         length = drawn_length(messages, self.args.sim_median_tokens, self.args.sim_sigma, self.args.sim_seed)
-        key = next((m.get("content") for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "user"), "")
-        self.log_request(ev="recv", key=key, max_tokens=max_tokens, continued_from=done,
-                         prefix_head=None if prefix is None else prefix[:12])
+        key = next(
+            (m.get("content") for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "user"), ""
+        )
+        self.log_request(
+            ev="recv",
+            key=key,
+            max_tokens=max_tokens,
+            continued_from=done,
+            prefix_head=None if prefix is None else prefix[:12],
+        )
         fields = reply_fields(length, int(max_tokens), done, raw=body.get("separate_reasoning") is False)
         prompt_tokens = prompt_tokens_of(messages)
         conversation = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
         stalled = await self.occupy(key, max_tokens, (conversation, prompt_tokens, done, fields["completion_tokens"]))
-        self.log_request(ev="done", key=key, max_tokens=max_tokens, tokens=fields["completion_tokens"],
-                         stalled_s=round(stalled, 6))
+        self.log_request(
+            ev="done", key=key, max_tokens=max_tokens, tokens=fields["completion_tokens"], stalled_s=round(stalled, 6)
+        )
         return {
             "id": f"sim-{self.finished}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.args.model_path,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": fields["content"], "reasoning_content": fields["reasoning_content"]},
-                "finish_reason": fields["finish_reason"],
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": fields["content"],
+                        "reasoning_content": fields["reasoning_content"],
+                    },
+                    "finish_reason": fields["finish_reason"],
+                }
+            ],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": fields["completion_tokens"],
@@ -303,27 +237,51 @@ class Simulator:
         spec = self.dflash.spec_fields(ids, n) if self.dflash is not None else {}
         stalled = await self.occupy(key, max_new, (key, len(ids), 0, n), decode_tokens=spec.get("spec_verify_ct", n))
         stops = list(params.get("stop_token_ids") or [])
-        finish = {"type": "length", "length": max_new} if length > max_new else {"type": "stop", "matched": stops[0] if stops else 0}
+        finish = (
+            {"type": "length", "length": max_new}
+            if length > max_new
+            else {"type": "stop", "matched": stops[0] if stops else 0}
+        )
         self.log_request(ev="done", key=key, max_tokens=max_new, tokens=n, stalled_s=round(stalled, 6), **spec)
-        meta = {"id": f"sim-{self.finished}", "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": n,
-                "cached_tokens": 0, **spec}
+        meta = {
+            "id": f"sim-{self.finished}",
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            **spec,
+        }
         return 200, {"text": "a " * n, "output_ids": [0] * n, "meta_info": meta}
 
     def server_info(self) -> dict[str, Any]:
         """``/server_info``: the fields a client reads, and ``simulated: true``."""
-        return {"version": "sglang_stub (simulated)", "simulated": True, "model_path": self.args.model_path,
-                "tp_size": self.args.tp_size, "max_running_requests": self.args.max_running_requests,
-                "speculative_algorithm": None, **(self.dflash.server_info() if self.dflash is not None else {})}
+        return {
+            "version": "sglang_stub (simulated)",
+            "simulated": True,
+            "model_path": self.args.model_path,
+            "tp_size": self.args.tp_size,
+            "max_running_requests": self.args.max_running_requests,
+            "speculative_algorithm": None,
+            **(self.dflash.server_info() if self.dflash is not None else {}),
+        }
 
-    async def occupy(self, key: str, max_tokens: int, sequence: tuple[str, int, int, int], decode_tokens: int | None = None) -> float:
+    async def occupy(
+        self, key: str, max_tokens: int, sequence: tuple[str, int, int, int], decode_tokens: int | None = None
+    ) -> float:
         """Hold a slot for one request: admission, prefill, then ``decode_tokens`` (default the completion)
         steps of decode at the per-slot rate; returns the simulated seconds the decode was stalled."""
         async with self.slots:
             if self.hung.is_set():
                 await asyncio.Event().wait()
             cached, prefill_tokens, held = self.cache.admit(*sequence)
-            self.log_request(ev="prefill", key=key, max_tokens=max_tokens, continued_from=sequence[2],
-                             prefill_tokens=prefill_tokens, cached_tokens=cached)
+            self.log_request(
+                ev="prefill",
+                key=key,
+                max_tokens=max_tokens,
+                continued_from=sequence[2],
+                prefill_tokens=prefill_tokens,
+                cached_tokens=cached,
+            )
             # the slot is held for the prefill, then completion_tokens / per-slot rate of unstalled decode
             decode_s = (sequence[3] if decode_tokens is None else decode_tokens) / self.args.sim_decode_tok_per_s
             work = asyncio.ensure_future(self.run_request(prefill_tokens, decode_s))
@@ -342,7 +300,11 @@ class Simulator:
 
     async def route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any]:
         path = path.split("?", 1)[0]
-        if self.args.api_key and headers.get("authorization") != f"Bearer {self.args.api_key}" and not path.startswith("/health"):
+        if (
+            self.args.api_key
+            and headers.get("authorization") != f"Bearer {self.args.api_key}"
+            and not path.startswith("/health")
+        ):
             return 401, {"error": {"message": "Invalid API key"}}
         if path == "/health":
             return 200, {}
@@ -380,7 +342,8 @@ class Simulator:
                 data = json.dumps(payload).encode()
                 writer.write(
                     f"HTTP/1.1 {status} {'OK' if status == 200 else 'Error'}\r\nContent-Type: application/json\r\n"
-                    f"Content-Length: {len(data)}\r\n\r\n".encode() + data
+                    f"Content-Length: {len(data)}\r\n\r\n".encode()
+                    + data
                 )
                 await writer.drain()
                 if request.wants_close:
@@ -425,7 +388,7 @@ def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[
             flags += [flag, *map(str, value)] if value else []
         else:
             flags += [flag, str(value)]
-    return flags + argv[:at] + argv[at + 2:]
+    return flags + argv[:at] + argv[at + 2 :]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -437,12 +400,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--sim-startup-s", type=float, default=180.0, help="simulated seconds until the port opens")
     p.add_argument("--sim-decode-tok-per-s", type=float, default=87.5, help="decode rate of one slot, simulated tok/s")
-    p.add_argument("--sim-prefill-tok-per-s", type=float, default=9000.0,
-                   help="prefill rate of the server, simulated tok/s (default 9000: a ~27B dense model, 2 x 27e9 FLOP "
-                        "per token, at ~50%% of an H200's ~990 bf16 TFLOPS); decodes stall while it runs; 0: free")
-    p.add_argument("--sim-kv-cache-tokens", type=int, default=270000,
-                   help="KV pool of the radix cache, tokens (default 270000: ~70 GB at ~256 KB per token, a Qwen3-32B-class "
-                        "model: 64 layers x 8 KV heads x 128 x K and V x bf16)")
+    p.add_argument(
+        "--sim-prefill-tok-per-s",
+        type=float,
+        default=9000.0,
+        help="prefill rate of the server, simulated tok/s (default 9000: a ~27B dense model, 2 x 27e9 FLOP "
+        "per token, at ~50%% of an H200's ~990 bf16 TFLOPS); decodes stall while it runs; 0: free",
+    )
+    p.add_argument(
+        "--sim-kv-cache-tokens",
+        type=int,
+        default=270000,
+        help="KV pool of the radix cache, tokens (default 270000: ~70 GB at ~256 KB per token, a Qwen3-32B-class "
+        "model: 64 layers x 8 KV heads x 128 x K and V x bf16)",
+    )
     p.add_argument("--sim-speed", type=float, default=1.0, help="simulated seconds per real second")
     p.add_argument("--sim-median-tokens", type=float, default=1970.0)
     p.add_argument("--sim-sigma", type=float, default=0.8)
@@ -450,8 +421,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-starts-file", default=None, help="append one line per start")
     p.add_argument("--sim-request-log", default=None, help="append one JSON line per request arrival and finish")
     p.add_argument("--sim-hang-after", type=int, default=0, help="hang after this many finished requests (0: never)")
-    p.add_argument("--sim-ignore-continue", action="store_true",
-                   help="ignore continue_final_message (as SGLang < 0.4.4): answer afresh")
+    p.add_argument(
+        "--sim-ignore-continue",
+        action="store_true",
+        help="ignore continue_final_message (as SGLang < 0.4.4): answer afresh",
+    )
     add_dflash_arguments(p)
     return p
 
@@ -477,8 +451,11 @@ async def serve(args: argparse.Namespace, dflash: DFlashSim | None = None) -> No
             f.write(f"{born:.3f} pid={os.getpid()} port={args.port}\n")
     # SGLang logs its whole ServerArgs, API key included, at start-up; so does the stand-in
     print(f"server_args={args!r}", flush=True)
-    print(f"sglang_stub {args.port}: starting (pid {os.getpid()}, {args.sim_startup_s:g} simulated s start-up, "
-          f"speed x{args.sim_speed:g}, {args.max_running_requests} slots)", flush=True)
+    print(
+        f"sglang_stub {args.port}: starting (pid {os.getpid()}, {args.sim_startup_s:g} simulated s start-up, "
+        f"speed x{args.sim_speed:g}, {args.max_running_requests} slots)",
+        flush=True,
+    )
     await asyncio.sleep(max(0.0, born + sim.real(args.sim_startup_s) - time.time()))
     server = await asyncio.start_server(sim.handle, args.host, args.port, reuse_address=True, backlog=4096)
     sim.ready = True

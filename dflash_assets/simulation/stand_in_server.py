@@ -10,8 +10,9 @@ Minimal HTTP/1.1 over asyncio streams (:mod:`~dflash_assets.simulation.http11`),
 loop in a background thread so the client under test can use the main thread's loop. Stdlib only.
 
 Run as a script (a server in its own process): ``python -m dflash_assets.simulation.stand_in_server [--port P]
-[--script instant|hostile]`` prints ``PORT <n>`` and serves until killed: instant replies (the bench), or
-:func:`~dflash_assets.simulation.hostile_replies.hostile_script` (the reply a prompt names, for tests).
+[--script instant|hostile|echo] [--log FILE]`` prints ``PORT <n>`` and serves until killed: instant replies
+(the bench), :func:`~dflash_assets.simulation.hostile_replies.hostile_script` (the reply a prompt names, for
+tests) or :func:`echo_script` (a reply naming its prompt); ``--log`` records every request's prompt.
 """
 
 from __future__ import annotations
@@ -21,117 +22,24 @@ import asyncio
 import json
 import signal
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
+from dflash_assets.simulation.behaviours import Behaviour, Drop, Error, Hang, Raw, Reply, Script, Trickle, fail_first
 from dflash_assets.simulation.http11 import ServerThread, read_request
 
-
-@dataclass(frozen=True)
-class Reply:
-    """A normal 200 chat-completion reply (after ``delay_s`` seconds)."""
-
-    content: str | None = "The answer."
-    reasoning: str | None = "Some thinking."
-    reasoning_field: str = "reasoning_content"  # SGLang name; vLLM >= 0.10 says "reasoning"
-    finish_reason: str | None = "stop"
-    prompt_tokens: int | None = 12
-    completion_tokens: int | None = 7
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    delay_s: float = 0.0
-
-    def payload(self) -> dict[str, Any]:
-        """The reply JSON."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.reasoning is not None:
-            message[self.reasoning_field] = self.reasoning
-        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": self.finish_reason}
-        if self.token_ids is not None:
-            choice["token_ids"] = self.token_ids
-        if self.prompt_token_ids is not None:
-            choice["prompt_token_ids"] = self.prompt_token_ids
-        payload: dict[str, Any] = {
-            "id": "chatcmpl-fake",
-            "object": "chat.completion",
-            "created": 0,
-            "model": "fake",
-            "choices": [choice],
-        }
-        if self.prompt_tokens is not None or self.completion_tokens is not None:
-            payload["usage"] = {
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": (self.prompt_tokens or 0) + (self.completion_tokens or 0),
-            }
-        return payload
-
-
-@dataclass(frozen=True)
-class Error:
-    """An HTTP error reply in SGLang's shape ``{"object": "error", "message", "type", "code"}``.
-
-    ``echo_auth`` appends the request's Authorization header to the message (a leaky server, to
-    prove the client scrubs the API key).
-    """
-
-    status: int = 503
-    message: str = "Service Unavailable"
-    echo_auth: bool = False
-    delay_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Hang:
-    """Read the request, then never answer (sleeps ``seconds``, cancelled when the server stops)."""
-
-    seconds: float = 3600.0
-
-
-@dataclass(frozen=True)
-class Drop:
-    """Send the status line, headers and part of the body, then close the connection mid-reply."""
-
-    delay_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Raw:
-    """A reply with this exact status and body (e.g. a 200 whose body is not JSON). ``headers``: extra
-    header lines (e.g. ``("Content-Encoding", "gzip")``); ``declare_length`` False: no Content-Length, the
-    body ends when the connection closes."""
-
-    status: int = 200
-    payload: bytes = b"not json"
-    headers: tuple[tuple[str, str], ...] = ()
-    declare_length: bool = True
-
-
-@dataclass(frozen=True)
-class Trickle:
-    """A 200 reply whose body is sent ``chunk_bytes`` at a time, one chunk every ``every_s`` seconds (a
-    server, or a proxy, that holds a connection alive without ever finishing its reply)."""
-
-    every_s: float = 0.2
-    chunk_bytes: int = 1
-    payload: bytes = b""
-
-
-Behaviour = Union[Reply, Error, Hang, Drop, Raw, Trickle]
-Script = Callable[[int, dict[str, Any]], Behaviour]
-
-
-def fail_first(k: int, failure: Behaviour | None = None, then: Behaviour | None = None) -> Script:
-    """Script: requests 0..k-1 get ``failure`` (default 503), the rest ``then`` (default a Reply)."""
-    failure = failure if failure is not None else Error(503)
-    then = then if then is not None else Reply()
-    return lambda n, body: failure if n < k else then
-
-
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 408: "Request Timeout",
-            429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway",
-            503: "Service Unavailable", 504: "Gateway Timeout"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    408: "Request Timeout",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
 
 
 def _response(status: int, payload: bytes, headers: tuple[tuple[str, str], ...] = (), length: bool = True) -> bytes:
@@ -252,8 +160,9 @@ class FakeServer:
             if not keep_open or request.wants_close:
                 return
 
-    async def _respond(self, writer: asyncio.StreamWriter, behaviour: Behaviour, body: dict[str, Any],
-                       headers: dict[str, str]) -> bool:
+    async def _respond(
+        self, writer: asyncio.StreamWriter, behaviour: Behaviour, body: dict[str, Any], headers: dict[str, str]
+    ) -> bool:
         """Act out one behaviour; False when the connection must end."""
         if isinstance(behaviour, Hang):
             await asyncio.sleep(behaviour.seconds)
@@ -286,7 +195,7 @@ class FakeServer:
             for at in range(0, len(payload), behaviour.chunk_bytes):
                 await writer.drain()
                 await asyncio.sleep(behaviour.every_s)
-                writer.write(payload[at: at + behaviour.chunk_bytes])
+                writer.write(payload[at : at + behaviour.chunk_bytes])
             await writer.drain()
             return True
         if isinstance(behaviour, Drop):
@@ -298,12 +207,42 @@ class FakeServer:
         raise TypeError(f"unknown behaviour {behaviour!r}")
 
 
+def echo_script(n: int, body: dict[str, Any]) -> Behaviour:
+    """A reply that names its prompt (the last user message): the answer ``Answer to: <prompt>``, no
+    reasoning, so a test can tell from a stored row which prompt it answers."""
+    from dflash_assets.simulation.counting_proxy import last_user_message
+
+    prompt = last_user_message(body) or ""
+    return Reply(content=f"Answer to: {prompt}", reasoning=None, completion_tokens=8)
+
+
+def logged(script: Script | Behaviour, path: str) -> Script:
+    """``script`` that first appends the request's last user message to ``path`` (JSON line, flushed)."""
+    from dflash_assets.simulation.counting_proxy import last_user_message
+
+    lock = threading.Lock()
+
+    def run(n: int, body: dict[str, Any]) -> Behaviour:
+        with lock, open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(last_user_message(body)) + "\n")
+            f.flush()
+        return script(n, body) if callable(script) else script
+
+    return run
+
+
 def main() -> None:
     """Serve until killed; prints ``PORT <n>`` once listening. ``--script instant`` (default, the bench):
     instant replies; ``hostile``: :func:`~dflash_assets.simulation.hostile_replies.hostile_script`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--script", choices=("instant", "hostile"), default="instant")
+    parser.add_argument("--script", choices=("instant", "hostile", "echo"), default="instant")
+    parser.add_argument(
+        "--log",
+        default=None,
+        help="append each request's last user message to this file "
+        "(one JSON string a line, flushed): requests counted at the server, by prompt",
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # an inherited SIG_IGN must not make it unkillable by TERM
     # the package's module, not __main__: the hostile script's behaviours are its classes
@@ -314,9 +253,16 @@ def main() -> None:
         from dflash_assets.simulation.hostile_replies import hostile_script
 
         script = hostile_script()
+    elif args.script == "echo":
+        script = this.echo_script
+    if args.log:
+        script = this.logged(script, args.log)
     server = this.FakeServer(script, record_bodies=False).start(args.port)
     print(f"PORT {server.port}", flush=True)
     threading.Event().wait()
+
+
+__all__ = ["Behaviour", "Drop", "Error", "FakeServer", "Hang", "Raw", "Reply", "Script", "Trickle", "fail_first"]
 
 
 if __name__ == "__main__":

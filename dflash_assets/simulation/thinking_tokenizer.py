@@ -12,11 +12,10 @@ import shutil
 from pathlib import Path
 
 THINK_TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- elif OPENS %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if "
+    "enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- elif "
+    "OPENS %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
 )
 
 

@@ -1,0 +1,3 @@
+"""The drafter's training run around :mod:`dflash_assets.dflash.train`: its identity, settings, data, launcher,
+loss plot and report. These modules import no Dagster themselves (some reach it through the storage resource
+and feature_sources); they raise plain errors that the ``dflash_drafter`` asset turns into failures."""

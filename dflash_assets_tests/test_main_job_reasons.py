@@ -1,0 +1,71 @@
+"""Issue 26, point 4: every partition the main job reports failed carries its reason.
+
+The main job (``python -m dflash_assets run``, a subprocess) against a stand-in server that answers its
+start-up probe and fails every row (HTTP 400, not retried): each partition's run fails, and the output
+names each failed partition with the step's error, not only "partitions failed: [...]".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from dflash_assets.simulation.counting_proxy import last_user_message
+from dflash_assets.simulation.stand_in_server import Error, FakeServer, Reply
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["p-one", "p-two", "p-three"]
+
+
+def test_each_failed_partition_is_reported_with_its_reason(tmp_path):
+    home, data = tmp_path / "home", tmp_path / "data"
+    home.mkdir()
+    shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+
+    def script(n, body):
+        if last_user_message(body) not in PROMPTS:
+            return Reply()  # the start-up probe
+        return Error(400, "the model refuses this prompt")
+
+    with FakeServer(script) as server:
+        config = tmp_path / "config.yaml"
+        config.write_text(
+            json.dumps(
+                {
+                    "resources": {
+                        "inference": {
+                            "mode": "external",
+                            "base_urls": [server.url],
+                            "served_model_name": "fake",
+                            "external_backend": "openai",
+                            "startup_timeout_s": 10,
+                            "max_attempts": 1,
+                        }
+                    },
+                    "ops": {"prompt_corpus": {"config": {"sources": [str(prompts)], "partition_size": 2}}},
+                }
+            )
+        )
+        env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_STORAGE_ROOT": str(data)}
+        proc = subprocess.run(
+            [sys.executable, "-m", "dflash_assets", "run", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "partitions failed: ['0000000-0000001', '0000002-0000002']" in proc.stdout, proc.stdout[-3000:]
+    for pk, rows in (("0000000-0000001", 2), ("0000002-0000002", 1)):
+        line = next((x for x in proc.stdout.splitlines() if x.startswith(f"  {pk}: ")), None)
+        assert line is not None, proc.stdout[-3000:]
+        # the step's error: the partition's rows all failed, quoting the server's message
+        assert f"all {rows} rows ended in error" in line and "the model refuses this prompt" in line, line
