@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ def test_main_job_on_the_hybrid_standin(tmp_path):
         "DAGSTER_HOME": str(tmp_path / "home"),
         "DFLASH_STORAGE_ROOT": str(data),
         "OMP_NUM_THREADS": "1",
+        "DFLASH_PROGRESS_BAR": "1",  # the bars a terminal would show (test_progress checks the terminal rule)
     }
     (tmp_path / "home").mkdir()
     proc = subprocess.run(
@@ -65,6 +67,13 @@ def test_main_job_on_the_hybrid_standin(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "lossless: yes" in out
+    # long stages drew their progress bars: absolute position of the total, with rate and figures
+    assert re.search(r"dflash_drafter training: 100%\|.*\| 30/30 \[.*(step/s|s/step), loss=[\d.]+, tok/s=\d+\]", out), (
+        out[-4000:]
+    )
+    assert re.search(r"drafter_evaluation heldout: 100%\|.*\| 4/4 \[.*(prompt/s|s/prompt), tok/s=[\d.]+\]", out), out[
+        -4000:
+    ]
 
     standin = ensure_hybrid_standin()
     tokenizer = AutoTokenizer.from_pretrained(standin)

@@ -20,6 +20,7 @@ from dflash_assets.dflash.model import load_target_head
 from dflash_assets.dflash.online import OnlineTargetFeatures
 from dflash_assets.evaluation.datasets import HELDOUT
 from dflash_assets.metadata import png_markdown
+from dflash_assets.progress import StageProgressBar
 from dflash_assets.resources.target_model import TargetModelResource
 
 REPORT_DIR = "drafter_evaluation"
@@ -54,8 +55,13 @@ def in_process_evaluation(
         heldout_set.attach(OnlineTargetFeatures(target, drafter.config.target_layer_ids))
     started = time.monotonic()
 
-    def report_progress(label: str):
+    def report_progress(label: str, bar: StageProgressBar):
+        calls = 0
+
         def progress(name: str, done: int, total: int, result) -> None:
+            nonlocal calls
+            calls += 1
+            bar.update_to(calls, tok_s=f"{result.num_new_tokens / max(result.wall_s, 1e-9):.1f}")
             elapsed = time.monotonic() - started
             log.info(
                 f"{label} / {name} drafter: prompt {done}/{total}, {result.num_new_tokens} tokens in "
@@ -74,14 +80,16 @@ def in_process_evaluation(
                 f"dataset {name}: {len(prompts_ids)} prompts, {config.max_new_tokens} new tokens each, plain / "
                 "trained / untrained interleaved"
             )
-            results[name] = evaluate_drafters(
-                target,
-                {"trained": drafter, "untrained": untrained},
-                prompts_ids,
-                config.max_new_tokens,
-                eos_token_ids=eos,
-                progress=report_progress(name),
-            )
+            # one step per drafter and prompt (trained and untrained)
+            with StageProgressBar(f"drafter_evaluation {name}", 2 * len(prompts_ids), unit="prompt") as bar:
+                results[name] = evaluate_drafters(
+                    target,
+                    {"trained": drafter, "untrained": untrained},
+                    prompts_ids,
+                    config.max_new_tokens,
+                    eos_token_ids=eos,
+                    progress=report_progress(name, bar),
+                )
         log.info(f"teacher-forced chain estimate on {len(heldout_set)} held-out rows")
         chain = teacher_forced_chain(drafter, heldout_set, max_new_tokens=config.max_new_tokens)
         chain_base = teacher_forced_chain(untrained, heldout_set, max_new_tokens=config.max_new_tokens)

@@ -11,6 +11,7 @@ from dflash_assets.dflash.export import export_drafter
 from dflash_assets.dflash.target_layers import default_target_layer_ids, num_target_layers
 from dflash_assets.dflash.train import TrainConfig, train
 from dflash_assets.feature_sources import tokenized_inputs
+from dflash_assets.progress import StageProgressBar
 from dflash_assets.shard_access import complete_shards
 from dflash_assets.training.identity import STATE_FILE, choose_run, data_fingerprint, file_sha256
 from dflash_assets.training.launcher import TrainingRunError, run_torchrun
@@ -143,7 +144,11 @@ def train_run(plan: RunPlan, cfg: TrainConfig, config, data: TrainingData, log) 
         start_note = f"warm start from the export {plan.run['parent'][:12]}" if plan.run["parent"] else "from scratch"
         log.info(f"training on {what} from {len(data.used)} partitions ({start_note}); run dir {plan.run_dir}")
 
+        bar = StageProgressBar("dflash_drafter training", None, unit="step")
+
         def progress(rec: dict) -> None:
+            loss, tok_s = f"{rec['loss']:.3f}", f"{rec['tokens_per_s']:.0f}"
+            bar.update_to(rec["step"], rec["total_steps"], loss=loss, tok_s=tok_s)
             if rec["step"] % 20 == 0 or rec["step"] == rec["total_steps"]:
                 eta = (rec["total_steps"] - rec["step"]) * rec["elapsed_s"] / max(rec["step"], 1)
                 log.info(
@@ -151,7 +156,8 @@ def train_run(plan: RunPlan, cfg: TrainConfig, config, data: TrainingData, log) 
                     f"tok/s ETA {eta:.0f}s"
                 )
 
-        result = train(cfg, progress_callback=progress)
+        with bar:
+            result = train(cfg, progress_callback=progress)
         export_drafter(result.model, plan.export_dir)
         summary = result.summary
     else:
