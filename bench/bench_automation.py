@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import dagster as dg
+from headline import headline
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
@@ -142,6 +143,18 @@ def main() -> None:
         print(
             f"sensor statements {n0} -> {n1} partitions: {eq0} -> {eq1} (ratio {eq1 / max(eq0, 1):.2f}; goal <= 1.1, "
             f"bounded, not {n1 / n0:.0f}: {'met' if eq1 <= 1.1 * eq0 else 'NOT met'})"
+        )
+        headline(
+            f"schedule tick SQL statements at {n1} / at {n0} partitions ({sq1} / {sq0})",
+            sq1 / max(sq0, 1),
+            "<= 1.1 (bounded)",
+            sq1 <= 1.1 * sq0,
+        )
+        headline(
+            f"sensor tick SQL statements at {n1} / at {n0} partitions ({eq1} / {eq0})",
+            eq1 / max(eq0, 1),
+            "<= 1.1 (bounded)",
+            eq1 <= 1.1 * eq0,
         )
 
 

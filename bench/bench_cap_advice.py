@@ -28,6 +28,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from headline import headline
+
 from dflash_assets.cap_backtest import (
     USER_CAP,
     USER_NEW_CAP,
@@ -100,6 +102,13 @@ def main() -> None:
     print(
         f"coverage_ratio (all {len(advised(everything))} advised back-tests): {coverage(everything):.3f}   goal >= "
         f"{GOAL:.2f}"
+    )
+    headline(
+        f"share of {len(advised(everything))} cap-advice back-tests whose 90% interval covers the actual "
+        f"truncation rate",
+        coverage(everything),
+        f">= {GOAL:.2f}",
+        coverage(everything) >= GOAL,
     )
     print(f"seconds: {time.monotonic() - started:.0f}")
 

@@ -22,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from headline import headline
+
 from dflash_assets.automation import request_partitions
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.transformers_server import LocalTransformersServer
@@ -96,6 +98,14 @@ def main() -> None:
             if n_touched
             else f"{label}: no touched row"
         )
+        if n_touched:
+            local = f"; {cut} of {n_touched} touched rows cut locally" if label == "lower" else ""
+            headline(
+                f"cap {label} to {change.new_cap}: requests sent / {what} (a full re-run sends {len(PROMPTS)}{local})",
+                f"{sent} / {need}",
+                "equal",
+                sent == need,
+            )
         print(f"{label}_full_rerun_would_send: {len(PROMPTS)} ({len(PROMPTS) / n_touched:.2f} per touched row)")
         print(f"{label}_partition_rerun_would_send: {rows_in_partitions}")
         print(f"{label}_wall_s: {change.wall_s:.1f}")

@@ -22,15 +22,27 @@ from pathlib import Path
 
 import dagster as dg
 import yaml
+from headline import headline
 
 from dflash_assets.assets.drafter import dflash_drafter
 from dflash_assets.assets.evaluation import drafter_evaluation
 from dflash_assets.config import config_path
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench_resources(root: str, resources_cfg: dict) -> dict:
+    """The resources of dflash_drafter and drafter_evaluation: the config file's, storage at ``root``
+    (drafter_evaluation also takes the inference servers' settings, for its engine mode)."""
+    return {
+        "storage": StorageResource(root=root),
+        "target_model": TargetModelResource(**resources_cfg.get("target_model", {})),
+        "inference": InferenceServerResource(**resources_cfg.get("inference", {})),
+    }
 
 
 def main() -> int:
@@ -53,10 +65,7 @@ def main() -> int:
         for name in ("hidden_states", "prompt_corpus"):
             os.symlink(data_root / name, Path(tmp) / name)
         instance.add_dynamic_partitions(prompt_ranges.name, keys)
-        resources = {
-            "storage": StorageResource(root=tmp),
-            "target_model": TargetModelResource(**resources_cfg.get("target_model", {})),
-        }
+        resources = bench_resources(tmp, resources_cfg)
         for seed in args.seeds:
             train_config = dict(ops.get("dflash_drafter", {}).get("config", {}), seed=seed)
             if args.max_steps:
@@ -105,6 +114,14 @@ def main() -> int:
     print(
         f"margin (lowest trained tau - highest untrained tau) {margin:.4f}; margin / spread "
         f"{margin / spread if spread else float('inf'):.1f} (goal > 1: {'met' if margin > spread else 'NOT met'})"
+    )
+    headline(
+        f"tau of {len(taus)} seeds "
+        + ", ".join(f"{t:.2f}" for t in taus)
+        + f" (untrained {max(untrained):.2f}): margin (lowest trained - highest untrained) / spread across seeds",
+        margin / spread if spread else float("inf"),
+        "> 1",
+        margin > spread,
     )
     return 0 if margin > spread else 1
 

@@ -47,6 +47,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from headline import headline
+
 MIB = 2**20
 
 
@@ -289,6 +291,13 @@ def main(argv=None) -> int:
     print(
         f"extraction / same-work plain forward throughput ratio: {ratio:.3f} (goal >= 0.9: "
         f"{'PASS' if ratio >= 0.9 else 'FAIL'})"
+    )
+    headline("extraction / same-work plain forward (same layers) tokens/s", ratio, ">= 0.9", ratio >= 0.9)
+    headline(
+        f"stored bytes per token / (layers x hidden x 2 = {expected})",
+        per_token / expected,
+        "~1.00 (features alone plus a few bytes of ids and mask)",
+        None,
     )
     if args.json:
         print(json.dumps(best))

@@ -62,6 +62,8 @@ sys.path.insert(0, str(ROOT))
 
 import heapq
 
+from headline import headline
+
 from dflash_assets.generation.processes import free_port_block
 from dflash_assets.simulation.sglang_stub import drawn_length
 from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
@@ -367,6 +369,20 @@ def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int 
     print(f"{label}_wall_simulated_s: {wall_s:.1f}")
     eff = r["tokens"] / (capacity * args.tok_per_s * (wall_s - args.startup_s))
     print(f"{label}_efficiency: {eff:.3f} (goal >= {EFFICIENCY_GOAL})")
+    what = f"simulated node, {args.servers} x {args.slots} slots, {args.prompts} prompts, time x{args.speed:g}"
+    headline(
+        f"{what}: server starts of one range run ({label})",
+        r["starts"],
+        f"= {args.servers}",
+        r["starts"] == args.servers,
+    )
+    headline(
+        f"{what}: efficiency, fresh range"
+        + (f", last prompts in {tail_chunk_tokens}-token chunks" if tail_chunk_tokens else ""),
+        eff,
+        f">= {EFFICIENCY_GOAL}",
+        eff >= EFFICIENCY_GOAL,
+    )
     print(
         f"{label}_efficiency_generation_window: {r['tokens'] / (capacity * args.tok_per_s * gen_window):.3f} "
         f"(servers ready -> last row, simulated)"
@@ -379,6 +395,11 @@ def scenario_base(base: Path, args, label: str = "base", tail_chunk_tokens: int 
             "overhead: the bound without knowing lengths in advance)"
         )
         print(f"{label} efficiency / first-come bound ratio: {eff / bound:.3f}")
+        headline(
+            f"{what}: perfect first-come scheduler's efficiency on the same lengths",
+            bound,
+            "none (context: the bound without chunks)",
+        )
     mats = node.materializations(keys)
     run_ids = {m[2] for m in mats.values()}
     print(f"{label}_runs: {len(run_ids)}  partitions_materialized: {len(mats)}/{len(keys)}")
@@ -450,6 +471,12 @@ def scenario_cap_bump(node: Node, args) -> None:
     print("== cap_bump: cap 4096 -> 8192, same range, cut rows continued from their 4,096 tokens ==")
     cont = bump(node, args, "cap_bump")
     print(f"cap_bump_wall_over_ideal: {cont['wall'] / cont['ideal']:.3f} (goal <= 1.2)")
+    headline(
+        f"simulated node, time x{args.speed:g}: cap 4,096 -> 8,192 with cut rows continued, wall / ideal",
+        cont["wall"] / cont["ideal"],
+        "<= 1.2",
+        cont["wall"] / cont["ideal"] <= 1.2,
+    )
     rest = [n - 4096 for n in wanted_lengths(args.prompts, 8192) if n > 4096]
     whole = [n for n in wanted_lengths(args.prompts, 8192) if n > 4096]
     fifo_rest = (fifo_makespan(rest, capacity, args.tok_per_s) + args.startup_s) / cont["ideal"]
@@ -469,6 +496,11 @@ def scenario_cap_bump(node: Node, args) -> None:
     print(
         f"cap_bump continued / whole: wall {cont['wall'] / regen['wall']:.3f}, generated tokens "
         f"{cont['tokens'] / max(1, regen['tokens']):.3f} (one after the other, from copies of the same state)"
+    )
+    headline(
+        "simulated node: cap raise wall, cut rows continued / regenerated whole",
+        cont["wall"] / regen["wall"],
+        "none (context: what continuing saves)",
     )
 
 
@@ -573,6 +605,18 @@ def scenario_kill(base: Path, args) -> None:
     )
     print(f"kill_rows: {len(rows)}/{args.prompts}  each_prompt_once: {sorted(rows) == list(range(args.prompts))}")
     print(f"kill_finished_rows_resent: {len(resent_finished)} (goal 0)")
+    headline(
+        "simulated node: kill -9 mid-range, same command again: seconds to its first server start",
+        round(first_start, 1) if first_start is not None else "none",
+        "< 60",
+        first_start is not None and first_start < 60,
+    )
+    headline(
+        "simulated node: kill -9 mid-range, same command again: finished rows sent again",
+        len(resent_finished),
+        "0",
+        not resent_finished,
+    )
     print(
         f"kill_requests_resent: {len(resent)}  <= in_flight_at_kill {sent_not_durable}: "
         f"{len(resent) <= sent_not_durable}"
@@ -614,6 +658,13 @@ def scenario_server_kill(base: Path, args) -> None:
     print(f"server_kill_requests_resent: {sum(v - 1 for v in recv.values())}")
     print(f"server_kill_faults_in_metadata: {faults}")
     print(f"server_kill_servers_left_running: {len([p for p in _stub_pids(node) if _alive(p)])}")
+    once = proc.returncode == 0 and sorted(rows) == list(range(args.prompts))
+    headline(
+        "simulated node: kill -9 of one server mid-run: run succeeds with every prompt's row once",
+        "yes" if once else "no",
+        "yes",
+        once,
+    )
 
 
 def main() -> None:

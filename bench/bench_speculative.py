@@ -43,6 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from headline import headline
+
 from dflash_assets.dflash.evaluation import (
     acceptance_histogram_png,
     evaluate_drafter,
@@ -274,6 +276,26 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"tau trained {report['train_prompts']['trained']['tau']:.3f} vs untrained "
         f"{report['train_prompts']['untrained']['tau']:.3f} (goal: trained > untrained)"
+    )
+    headline(
+        f"CPU, SmolLM2-135M target: speculative / plain decoding wall-time speedup, side by side on "
+        f"{sbs['prompts']} prompts",
+        sbs["speedup"],
+        "> 1.0 on a GPU (no goal on a CPU)",
+        None,
+    )
+    headline(
+        "greedy speculative output equals plain decoding token for token",
+        "yes" if sbs["lossless"] else "no",
+        "yes",
+        bool(sbs["lossless"]),
+    )
+    tau_t, tau_u = report["train_prompts"]["trained"]["tau"], report["train_prompts"]["untrained"]["tau"]
+    headline(
+        f"tau of the trained drafter on its training prompts (untrained {tau_u:.2f})",
+        tau_t,
+        "> the untrained drafter's",
+        tau_t > tau_u,
     )
     for name in ("trained", "untrained"):
         print(work_line(name, report["train_prompts"][name]))

@@ -36,6 +36,8 @@ from pathlib import Path
 import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from headline import headline
+
 from dflash_assets.assets.tokenized import TokenizeConfig, tokenize_stage
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.records import rows_to_frame
@@ -244,6 +246,9 @@ def main() -> None:
         print(
             f"whole stage / {label} ratio: median {med:.3f}, best-of {best:.2f} "
             f"(goal >= 0.90: {'met' if med >= 0.9 else 'NOT met'})"
+        )
+        headline(
+            f"whole tokenize stage / {label} tokens/s, median of {args.repeats} rounds", med, ">= 0.90", med >= 0.9
         )
     med, best = ratio("stage", "rust")
     print(

@@ -28,6 +28,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from headline import headline
+
 from dflash_assets.dflash.data import HiddenStateShards
 from dflash_assets.dflash.loss import dflash_loss_from_hidden
 from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
@@ -175,6 +177,12 @@ def main() -> None:
     print(
         f"train / bare forward+backward ratio: median {median:.3f} over {len(rounds)} alternating rounds "
         f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}; goal >= 0.85: {'met' if median >= 0.85 else 'NOT met'})"
+    )
+    headline(
+        f"drafter train step / bare forward+backward tokens/s, median of {len(rounds)} alternating rounds",
+        median,
+        ">= 0.85",
+        median >= 0.85,
     )
     print(
         json.dumps(

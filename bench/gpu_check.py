@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_online
+from headline import headline
 from random_targets import layers_that_fit, num_parameters, random_target
 
 from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
@@ -292,6 +293,26 @@ def main(argv: list[str] | None = None) -> int:
         report(r, dtype, device)
     if a.tiny:
         print("  (--tiny: a smoke run of the code path; these figures are not a measurement)")
+    else:
+        for r in results:
+            what = f"{gpu}, random-init {r['target']} ({r['target_layers']} layers, bf16)"
+            ratio = r["ratio_extraction_over_bare_forward"]
+            headline(f"{what}: feature extraction / bare forward tokens/s", ratio, ">= 0.9", ratio >= 0.9)
+            ratio = r["online_ratio_online_over_bare"]
+            headline(
+                f"{what}: online training / bare target forward + drafter step, block tok/s "
+                f"({r['online_online_block_tokens_per_s']:.0f} block tok/s)",
+                ratio,
+                ">= 0.9",
+                ratio >= 0.9,
+            )
+            if "spec_lossless" in r:
+                headline(
+                    f"{what}: speculative decoding lossless with rollbacks ({r['spec_target']})",
+                    "yes" if r["spec_lossless"] else "no",
+                    "yes",
+                    bool(r["spec_lossless"]),
+                )
     print(json.dumps(summary))
     return 0 if all(r.get("spec_lossless", True) for r in results) else 1
 

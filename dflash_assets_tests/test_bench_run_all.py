@@ -1,0 +1,169 @@
+"""bench/run_all writes bench/RESULTS.md from the benches' HEADLINE lines: a row per figure with its goal,
+the date, commit and machine; a failed bench is marked; ``--only`` keeps the other benches' rows; the file
+is replaced atomically (no temp file left)."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_bench(folder: Path, name: str, body: str) -> None:
+    (folder / f"{name}.py").write_text(textwrap.dedent(body))
+
+
+def run_all(benches: Path, results: Path, *only: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "bench" / "run_all"), "--benches", str(benches), "--results", str(results)]
+    if only:
+        cmd += ["--only", *only]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def table(results: Path) -> list[list[str]]:
+    lines = [ln for ln in results.read_text().splitlines() if ln.startswith("| ") and not ln.startswith("| bench |")]
+    return [[c.strip() for c in ln.strip("|").split(" | ")] for ln in lines]
+
+
+def test_rows_from_headline_lines_and_only_keeps_the_rest(tmp_path):
+    benches, results = tmp_path / "benches", tmp_path / "RESULTS.md"
+    benches.mkdir()
+    fake_bench(
+        benches,
+        "bench_a",
+        """
+        print("free text the table ignores: ratio 0.5 (goal >= 9)")
+        print('HEADLINE {"figure": "a / baseline", "value": 0.95, "goal": ">= 0.9", "met": true}')
+        print('HEADLINE {"figure": "context", "value": 12, "goal": "none", "met": null}')
+    """,
+    )
+    fake_bench(
+        benches,
+        "bench_b",
+        """
+        import sys
+        print('HEADLINE {"figure": "b / baseline", "value": 0.5, "goal": ">= 0.9", "met": false}')
+        sys.exit(3)
+    """,
+    )
+    fake_bench(benches, "bench_c", "print('nothing machine-readable')\n")
+    fake_bench(
+        benches,
+        "bench_d",
+        """
+        import sys
+        print('HEADLINE {"figure": "d / baseline", "value": 0.8, "goal": ">= 0.9", "met": false}')
+        sys.exit(1)  # the goal missed: said by the row itself, no extra exit row
+    """,
+    )
+    proc = run_all(benches, results)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # bench_b failed
+    rows = table(results)
+    assert [r[:5] for r in rows] == [
+        ["bench_a", "a / baseline", "0.95", ">= 0.9", "yes"],
+        ["bench_a", "context", "12", "none", "-"],
+        ["bench_b", "exit 3: see bench/results/bench_b.log", "-", "exit 0", "**no**"],
+        ["bench_b", "b / baseline", "0.5", ">= 0.9", "**no**"],
+        ["bench_c", "no HEADLINE printed: see bench/results/bench_c.log", "-", "-", "-"],
+        ["bench_d", "d / baseline", "0.8", ">= 0.9", "**no**"],
+    ]
+    text = results.read_text()
+    machine = rows[0][7].strip("`")
+    assert f"- `{machine}`: " in text and "torch " in text and " cores, " in text
+    assert all(len(r) == 8 and r[5].count("-") == 2 for r in rows)  # date YYYY-MM-DD
+    assert list(tmp_path.glob("**/*.tmp")) == []
+
+    fake_bench(
+        benches,
+        "bench_b",
+        """
+        print('HEADLINE {"figure": "b / baseline", "value": 0.93, "goal": ">= 0.9", "met": true}')
+    """,
+    )
+    assert run_all(benches, results, "bench_b").returncode == 0
+    rows_after = table(results)
+    assert [r for r in rows_after if r[0] != "bench_b"] == [r for r in rows if r[0] != "bench_b"]
+    assert [r[:5] for r in rows_after if r[0] == "bench_b"] == [["bench_b", "b / baseline", "0.93", ">= 0.9", "yes"]]
+
+
+def test_every_bench_prints_a_headline():
+    """Each bench script calls headline(), so run_all never has to scrape free text."""
+    for script in sorted((ROOT / "bench").glob("bench_*.py")):
+        assert "headline(" in script.read_text(), script.name
+
+
+def test_stopping_run_all_stops_the_bench_it_runs(tmp_path):
+    """A bench runs in a session of its own (so a server it leaves behind dies with it); SIGTERM to run_all
+    must take that session down too, not leave the bench running on."""
+    import os
+    import signal
+    import time
+
+    benches = tmp_path / "benches"
+    benches.mkdir()
+    pid_file = tmp_path / "bench.pid"
+    fake_bench(
+        benches,
+        "bench_slow",
+        f"""
+        import os, time
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        time.sleep(300)
+    """,
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "run_all"),
+            "--benches",
+            str(benches),
+            "--results",
+            str(tmp_path / "RESULTS.md"),
+        ]
+    )
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    bench_pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    try:
+        os.kill(bench_pid, 0)
+        with open(f"/proc/{bench_pid}/stat") as stat:
+            alive = stat.read().split(") ")[-1].split()[0] not in ("Z", "X")
+    except (ProcessLookupError, FileNotFoundError):
+        alive = False
+    assert not alive
+
+
+def test_range_plan_bench_builds_its_node(tmp_path):
+    """bench_range_plan builds a bench_node Node from arguments of its own; when bench_node's config writer
+    learned to read prefill_tok_per_s, the range-plan bench crashed at start (AttributeError)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_range_plan
+        from bench_node import Node
+
+        node = Node(tmp_path, "plan", bench_range_plan.plan_node_args(2), 8192)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert "inference" in node.config.read_text()
+
+
+def test_drafter_seeds_bench_gives_the_assets_every_resource(tmp_path):
+    """bench_drafter_seeds crashed at start once drafter_evaluation took the inference resource (engine mode):
+    its resources must cover what both assets require."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_drafter_seeds
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    from dflash_assets.assets.drafter import dflash_drafter
+    from dflash_assets.assets.evaluation import drafter_evaluation
+
+    provided = set(bench_drafter_seeds.bench_resources(str(tmp_path), {}))
+    required = (dflash_drafter.required_resource_keys | drafter_evaluation.required_resource_keys) - {"io_manager"}
+    assert required <= provided  # io_manager: Dagster's default, provided by materialize
