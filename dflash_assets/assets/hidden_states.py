@@ -1,28 +1,24 @@
 """Stage 5: ``hidden_states[pk]``: target-layer features for every tokenized sequence, sharded, resumable."""
 
-import hashlib
-import json
-import os
-import time
-
 import dagster as dg
-import torch
 from pydantic import Field
 
-from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.assets.tokenized import tokenized_file
-from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, read_shard, write_index
-from dflash_assets.dflash.target_features import bytes_per_token
-from dflash_assets.dflash.target_kernels import linear_attention_kernels
-from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
+from dflash_assets.hidden_states_stage import (
+    ExtractionSettings,
+    HiddenStatesError,
+    check_shards,
+    corpus_indexes,
+    extract_stage,
+    layer_ids_or_error,
+)
 from dflash_assets.history import latest_metadata_by_partition
-from dflash_assets.partitions import key_range, prompt_ranges
+from dflash_assets.partitions import prompt_ranges
 from dflash_assets.pools import GPU_POOL
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.runs import partition_busy_message, runs_holding_partitions
-from dflash_assets.shard_access import fetch_shards
-from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
+from dflash_assets.storage_plan import StoragePlan, compute_plan, target_shape
 
 CHECK_IDS = "stored_input_ids_match_tokenized"
 CHECK_FINITE = "hidden_states_finite"
@@ -54,17 +50,6 @@ class HiddenStatesConfig(dg.Config):
             "(free disk space is always checked)."
         ),
     )
-
-
-def prompt_hashes(store, pk: str) -> dict[int, str]:
-    """``{index: content_hash}`` of the corpus's prompts in partition ``pk``'s range (two columns read)."""
-    frame = store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash"], index_ranges=[key_range(pk)])
-    return dict(zip(frame["index"].to_list(), frame["content_hash"].to_list()))
-
-
-def corpus_indexes(store) -> list[int]:
-    """Every prompt index of the corpus (only the ``index`` column chunks are read)."""
-    return store.read_parquet(*CORPUS_FILE, columns=["index"])["index"].to_list()
 
 
 def storage_plan(
@@ -107,22 +92,15 @@ def storage_plan(
 
 
 def resolve_layer_ids(config_ids: list[int], target) -> list[int]:
-    """The target layers to store: :func:`~dflash_assets.dflash.target_layers.resolve_target_layer_ids` of
-    ``config_ids`` (empty = the DFlash rule for 5 layers, arXiv 2602.06036) over ``target`` (model, config
-    or directory; a multimodal wrapper counts its ``text_config`` layers).
+    """:func:`~dflash_assets.hidden_states_stage.layer_ids_or_error` for the asset.
 
     Raises:
         dagster.Failure: an id outside ``0 .. L-1``, naming ``ops.hidden_states.config.target_layer_ids``.
     """
     try:
-        return resolve_target_layer_ids(target, config_ids or None, 5)
-    except ValueError as exc:
-        raise dg.Failure(f"ops.hidden_states.config.target_layer_ids: {exc}") from exc
-
-
-def partition_dir(storage: StorageResource, pk: str) -> str:
-    """Local directory the shards are written to (the storage root itself for local storage)."""
-    return os.path.dirname(storage.local_scratch("hidden_states", pk, INDEX_NAME))
+        return layer_ids_or_error(config_ids, target)
+    except HiddenStatesError as exc:
+        raise dg.Failure(str(exc)) from exc
 
 
 @dg.asset(
@@ -169,147 +147,23 @@ def hidden_states(
         lambda: context.instance.get_dynamic_partitions(prompt_ranges.name),
     ):
         raise dg.Failure(partition_busy_message(context.instance, "hidden_states", holding))
-    store = storage.open()
-    tokenized = store.read_parquet(*tokenized_file(pk))
-    # only rows whose prompt is the corpus's at their index (a table from before an edit is re-made upstream)
-    hashes = prompt_hashes(store, pk)
-    rows = [
-        {
-            "index": r["index"],
-            "input_ids": r["input_ids"],
-            "loss_mask": r["loss_mask"],
-            "prompt_hash": r.get("prompt_hash"),
-        }
-        for r in tokenized.iter_rows(named=True)
-    ]
-    other = [r["index"] for r in rows if r["prompt_hash"] is None or hashes.get(r["index"]) != r["prompt_hash"]]
-    if other:
-        context.log.warning(
-            f"{pk}: {len(other)} tokenized rows answer another prompt than the corpus's at their index "
-            f"(first {other[:5]}): not extracted; re-materialize completions and tokenized_sequences[{pk}]"
-        )
-        rows = [r for r in rows if r["index"] not in set(other)]
-    if not rows:
-        raise dg.Failure(f"{pk}: tokenized_sequences has no row; nothing to extract (see its set-aside rows)")
-    # the plan comes first: over budget, fail before loading the model or writing a byte
-    indexes = corpus_indexes(store)
-    threshold = subset_threshold(indexes, config.max_rows, config.fraction)
-    all_rows = len(rows)
-    rows = [r for r in rows if in_subset(r["index"], threshold)]
-    plan = storage_plan(
-        context.instance,
-        storage,
-        target_model,
-        config,
-        indexes=indexes,
-        exact={pk: (len(rows), sum(len(r["input_ids"]) for r in rows))},
-    )
-    context.log.info(f"{pk}: storage plan: {plan.describe()}")
-    if not plan.fits:
-        raise dg.Failure(plan.failure_message(), metadata={"storage_plan": plan.to_dict()})
-    if len(rows) < all_rows:
-        context.log.info(f"{pk}: subset {plan.subset}: storing {len(rows)} of {all_rows} rows")
-    model = target_model.load_model()
-    kernels = linear_attention_kernels(model)
-    context.log.info(f"{pk}: target {type(model).__name__}: {kernels['summary']}")
-    layer_ids = resolve_layer_ids(config.target_layer_ids, model)
-    per_token = bytes_per_token(len(layer_ids), int(text_config(model).hidden_size), 2)
-    num_tokens = sum(len(r["input_ids"]) for r in rows)
-    corpus_rows = len(indexes)
-    corpus_estimate = per_token * num_tokens / max(1, len(rows)) * corpus_rows
-    context.log.info(
-        f"{pk}: {len(rows)} rows, {num_tokens} tokens, layers {layer_ids}: "
-        f"~{per_token * num_tokens / 1e6:.1f} MB at {per_token} B/token; "
-        f"the whole corpus ({corpus_rows} prompts) at this rate: ~{corpus_estimate / 1e9:.2f} GB"
-    )
-    started = time.monotonic()
+    settings = ExtractionSettings(config.target_layer_ids, config.rows_per_shard, config.max_rows, config.fraction)
 
-    def progress(p: dict) -> None:
-        context.log.info(
-            f"{pk}: shard {p['shard_number'] + 1}/{p['num_shards']} {'kept' if p['skipped'] else 'written'}, "
-            f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)"
-        )
+    def plan_for(indexes: list[int], exact: dict[str, tuple[int, int]]) -> StoragePlan:
+        return storage_plan(context.instance, storage, target_model, config, indexes=indexes, exact=exact)
 
-    out_dir = partition_dir(storage, pk)
-    downloaded = []
-    if storage.is_remote and store.exists("hidden_states", pk, INDEX_NAME):
-        # a fresh machine: shards stored earlier are downloaded (size + sha256 checked), not recomputed;
-        # extract_partition then keeps the ones that still match the tokenized rows
-        _, downloaded = fetch_shards(storage, pk, store.read_json("hidden_states", pk, INDEX_NAME), on_bad="drop")
-        if downloaded:
-            context.log.info(f"{pk}: downloaded {len(downloaded)} stored shards instead of recomputing them")
-    with torch.inference_mode():  # a context, not set_grad_enabled: training may follow in this process
-        result = extract_partition(
-            model,
-            rows,
-            out_dir,
-            layer_ids,
-            rows_per_shard=config.rows_per_shard,
-            max_tokens_per_batch=target_model.max_tokens_per_batch,
-            dtype=torch.bfloat16,
-            progress_cb=progress,
-            model_name=target_model.model_name(),
-        )
-    wall = time.monotonic() - started
-    index = result.index
-    # each row's prompt by content (row_index -> content_hash): the drafter's data fingerprint covers it
-    index["prompt_hashes"] = {str(r["index"]): r["prompt_hash"] for r in rows}
-    write_index(out_dir, index)
-    if not store.is_local:
-        for shard in index["shards"]:  # streamed, not read into memory (shards can be GBs)
-            if shard["name"] in downloaded or (
-                shard["name"] in result.skipped_shards
-                and store.exists("hidden_states", pk, shard["name"])
-                and store.size("hidden_states", pk, shard["name"]) == shard["bytes"]
-            ):
-                continue  # storage already holds this very file
-            store.upload(os.path.join(out_dir, shard["name"]), "hidden_states", pk, shard["name"])
-        store.write_json(index, "hidden_states", pk, INDEX_NAME)  # last: readers trust only a complete index
-    version = hashlib.sha256(
-        json.dumps(
-            [s["rows_sha256"] for s in index["shards"]] + [index["target_layer_ids"], index["model_name"]]
-        ).encode()
-    ).hexdigest()[:20]
-    yield dg.MaterializeResult(
-        metadata={
-            "rows": index["num_rows"],
-            "rows_of_other_prompts": len(other),  # tokenized rows not extracted: their prompt is not the corpus's
-            "tokens": index["num_tokens"],
-            "bytes": index["total_bytes"],
-            "bytes_per_token": round(index["total_bytes"] / max(index["num_tokens"], 1), 1),
-            "bytes_per_token_expected": per_token,
-            "estimated_corpus_bytes": int(corpus_estimate),
-            "storage_plan": plan.to_dict(),
-            "storage_plan_text": plan.describe(),
-            "subset": plan.subset,
-            "rows_in_partition": all_rows,
-            "target_layer_ids": layer_ids,
-            "linear_attention_kernels": kernels["summary"],
-            "shards": len(index["shards"]),
-            "shards_written": len(result.written_shards),
-            "shards_kept": len(result.skipped_shards),
-            "shards_downloaded": len(downloaded),
-            "tokens_per_s": round(num_tokens / max(wall, 1e-9), 1) if result.written_shards else 0.0,
-            "wall_s": round(wall, 2),
-            "path": dg.MetadataValue.path(store.uri("hidden_states", pk)),
-        },
-        data_version=dg.DataVersion(version),
-    )
-    yield from run_checks(out_dir, index, rows)
+    try:
+        done = extract_stage(pk, storage, target_model, settings, tokenized_file(pk), plan_for, context.log)
+    except HiddenStatesError as exc:
+        raise dg.Failure(str(exc), metadata=exc.metadata or None) from None
+    path = dg.MetadataValue.path(done.uri)
+    yield dg.MaterializeResult(metadata={**done.metadata, "path": path}, data_version=dg.DataVersion(done.data_version))
+    yield from run_checks(done.out_dir, done.index, done.rows)
 
 
 def run_checks(out_dir: str, index: dict, rows: list[dict]):
     """Re-read every shard: token ids equal the tokenized rows; features are finite."""
-    expected = {r["index"]: r["input_ids"] for r in rows}
-    mismatched, nonfinite = [], []
-    for shard in index["shards"]:
-        data = read_shard(os.path.join(out_dir, shard["name"]))
-        cu = data.cu_seqlens.tolist()
-        for r, idx in enumerate(data.row_index.tolist()):
-            if data.input_ids[cu[r] : cu[r + 1]].tolist() != expected.get(idx):
-                mismatched.append(idx)
-        if not torch.isfinite(data.hidden_states.float()).all():
-            nonfinite.append(shard["name"])
+    mismatched, nonfinite = check_shards(out_dir, index, rows)
     yield dg.AssetCheckResult(
         check_name=CHECK_IDS,
         passed=not mismatched,

@@ -12,12 +12,10 @@ from dflash_assets.corpus import CorpusError, build_corpus, expand_source
 from dflash_assets.metadata import table_preview
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.pools import ensure_pool_limits
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE, REJECTED_FILE
 from dflash_assets.prompt_index import save_index, stable_corpus
 from dflash_assets.prompt_reader import GiB, MiB, ReadLimits
 from dflash_assets.resources.storage import StorageResource
-
-CORPUS_FILE = ("prompt_corpus", "corpus.parquet")
-REJECTED_FILE = ("prompt_corpus", "rejected.parquet")
 
 
 def default_sources() -> list[str]:
