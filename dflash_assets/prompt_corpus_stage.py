@@ -1,4 +1,127 @@
-"""The ``prompt_corpus`` stage without Dagster: where the corpus is stored."""
+"""The ``prompt_corpus`` stage without Dagster: read the prompt files, give each prompt its stable index, write
+the corpus, the index table and the rejected rows. The asset registers the partitions, logs, and turns
+:class:`CorpusStageError` into a failure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from dflash_assets.corpus import CorpusError, CorpusResult, build_corpus
+from dflash_assets.prompt_index import StableCorpus, save_index, stable_corpus
+from dflash_assets.prompt_reader import ReadLimits
 
 CORPUS_FILE = ("prompt_corpus", "corpus.parquet")
 REJECTED_FILE = ("prompt_corpus", "rejected.parquet")
+
+
+class CorpusStageError(Exception):
+    """The corpus cannot be built; ``metadata`` (plain values) goes with the failure."""
+
+    def __init__(self, message: str, metadata: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.metadata = metadata or {}
+
+
+@dataclass
+class CorpusBuild:
+    """A written corpus: the read ``result`` (files, duplicates, rejected rows), the ``built`` stable corpus
+    (rows, partition keys, edits against the last build), the corpus ``uri`` and the materialization
+    ``metadata`` (plain values; ``path`` is the corpus uri, ``preview`` a frame of the first rows)."""
+
+    result: CorpusResult
+    built: StableCorpus
+    uri: str
+    metadata: dict[str, Any]
+
+    def summary_line(self, partition_size: int) -> str:
+        """One log line: prompts, files, duplicates, rejected, partitions and the edits of this build."""
+        result, built = self.result, self.built
+        return (
+            f"{built.corpus.height} prompts from {len(result.files)} files; "
+            f"{sum(result.duplicates_per_source.values())} duplicates; {result.rejected.height} rejected; "
+            f"{len(built.keys)} partitions of up to {partition_size}; against the last build: {built.edits.new} new, "
+            f"{built.edits.changed} changed, {built.edits.removed} removed prompts"
+        )
+
+
+def build_corpus_stage(
+    store,
+    sources: list[str],
+    storage_options: Callable[[str], dict],
+    limits: ReadLimits,
+    partition_size: int,
+    max_prompts: int | None,
+) -> CorpusBuild:
+    """Build the corpus of ``sources`` and write it (a row group per partition), then the index table and the
+    rejected rows. A prompt keeps its index while its content is unchanged (:func:`stable_corpus`).
+
+    Raises:
+        CorpusStageError: a source cannot be read (rejected rows, if any, written to ``rejected.parquet``
+            first and named), or the stable indexes cannot be assigned.
+    """
+    try:
+        result = build_corpus(sources, storage_options, limits)
+    except CorpusError as exc:
+        if exc.rejected is None:
+            raise CorpusStageError(str(exc)) from None
+        uri = store.write_parquet(exc.rejected, *REJECTED_FILE)  # the rows set aside, with reasons, for the user
+        raise CorpusStageError(
+            f"{exc} Rejected rows with reasons: {uri}", metadata={"rejected": exc.rejected.height}
+        ) from None
+    previous = (
+        store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash", "prompt_id"])
+        if store.exists(*CORPUS_FILE)
+        else None
+    )
+    try:
+        built = stable_corpus(store, result.corpus, partition_size, max_prompts, previous)
+    except ValueError as exc:
+        raise CorpusStageError(str(exc)) from None
+    corpus = built.corpus
+    # a row group per partition: a partition's run reads its own prompts, not the whole corpus
+    corpus_uri = store.write_parquet(corpus, *CORPUS_FILE, row_group_size=partition_size)
+    save_index(store, built.table)  # after the corpus: a failed write leaves the last build whole
+    store.write_parquet(result.rejected, *REJECTED_FILE)
+    return CorpusBuild(result, built, corpus_uri, _metadata(result, built, corpus_uri, partition_size))
+
+
+def _metadata(result: CorpusResult, built: StableCorpus, uri: str, partition_size: int) -> dict[str, Any]:
+    corpus = built.corpus
+    preview = corpus.head(10).select(
+        "index",
+        "prompt_id",
+        "source",
+        first_user=corpus.head(10)["messages"].list.last().struct.field("content").str.slice(0, 120),
+    )
+    rows_per_source = corpus.group_by("source").len().sort("source")
+    return {
+        "num_prompts": corpus.height,
+        "rows_per_source": {r["source"]: r["len"] for r in rows_per_source.iter_rows(named=True)},
+        "duplicates": sum(result.duplicates_per_source.values()),
+        "duplicates_per_source": result.duplicates_per_source,
+        "rejected": result.rejected.height,
+        "rejected_by_reason": result.rejected_by_reason,
+        "num_partitions": len(built.keys),
+        # what this build changed (stable indices: only new or changed prompts need requests)
+        "prompts_new": built.edits.new,
+        "prompts_changed": built.edits.changed,
+        "prompts_removed": built.edits.removed,
+        "prompts_kept": built.edits.kept,
+        "max_index": int(corpus["index"].max()) if corpus.height else -1,
+        # per partition, the hash of its (index, content_hash) pairs: completions records the one it was made for
+        "partition_versions": built.versions,
+        "partition_prompts": built.sizes,  # a range may have gaps (removed prompts): its prompt count
+        "partition_size": partition_size,
+        "files": result.files,
+        "path": uri,
+        "preview": preview,  # the first rows (a frame: the asset shows it as a table)
+    }
+
+
+def rejected_preview(rejected: pl.DataFrame, limit: int = 20) -> list[str]:
+    """Log lines for the first ``limit`` rejected rows: file, line and reason."""
+    return [f"rejected {r['file']}:{r['line']}: {r['reason']}" for r in rejected.head(limit).iter_rows(named=True)]

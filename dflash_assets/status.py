@@ -254,7 +254,7 @@ def collect_status(
             else:
                 prompts = None
                 if freshness.prompts_reason(meta[pk], (versions or {}).get(pk) if versions else None):
-                    from dflash_assets.assets.prompts import CORPUS_FILE
+                    from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 
                     prompts = store.read_parquet(
                         *CORPUS_FILE, columns=["index", "content_hash", "prompt_id"], index_ranges=[key_range(pk)]
@@ -438,9 +438,10 @@ def corpus_preview(instance: dg.DagsterInstance, store) -> str | None:
     the run will request for them (prompts at an index the last corpus did not have; stable indices keep
     every other prompt's rows). Reads the prompt files (as the build does) without writing anything."""
     from dflash_assets import freshness
-    from dflash_assets.assets.prompts import CORPUS_FILE, PromptCorpusConfig, corpus_fingerprint
+    from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
     from dflash_assets.config import op_config, resource_fields
     from dflash_assets.corpus import build_corpus
+    from dflash_assets.prompt_corpus_stage import CORPUS_FILE
     from dflash_assets.prompt_index import stable_corpus
     from dflash_assets.resources.storage import StorageResource, s3_credentials_from_env
 

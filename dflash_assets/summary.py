@@ -19,10 +19,10 @@ from dflash_assets.assets import drafter as drafter_asset
 from dflash_assets.assets import evaluation as evaluation_asset
 from dflash_assets.assets import truncation as truncation_asset
 from dflash_assets.assets.completions_tables import partition_file
-from dflash_assets.assets.prompts import CORPUS_FILE, REJECTED_FILE
 from dflash_assets.assets.tokenized import tokenized_file
 from dflash_assets.dflash.shards import INDEX_NAME, SHARD_PATTERN
 from dflash_assets.history import latest_metadata, plain_metadata
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE, REJECTED_FILE
 
 PK = "<pk>"
 # File and folder names the asset modules write without exporting a constant (kept here, once).

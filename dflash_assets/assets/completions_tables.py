@@ -9,7 +9,6 @@ and at its partition's commit. No Dagster state here beyond the ``Failure`` a mi
 import dagster as dg
 import polars as pl
 
-from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.generation.records import (
     VALIDITY_COLUMNS,
     align_to_schema,
@@ -18,6 +17,7 @@ from dflash_assets.generation.records import (
     set_aside_row,
 )
 from dflash_assets.partitions import key_range
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.truncation import row_counts, token_summary
 
 

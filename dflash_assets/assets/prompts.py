@@ -8,12 +8,13 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from dflash_assets.corpus import CorpusError, build_corpus, expand_source
+from dflash_assets.corpus import expand_source
 from dflash_assets.metadata import table_preview
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.pools import ensure_pool_limits
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE, REJECTED_FILE
-from dflash_assets.prompt_index import save_index, stable_corpus
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE as CORPUS_FILE  # re-exported: the asset's paths
+from dflash_assets.prompt_corpus_stage import REJECTED_FILE as REJECTED_FILE
+from dflash_assets.prompt_corpus_stage import CorpusStageError, build_corpus_stage, rejected_preview
 from dflash_assets.prompt_reader import GiB, MiB, ReadLimits
 from dflash_assets.resources.storage import StorageResource
 
@@ -95,33 +96,18 @@ def prompt_corpus(
     context: dg.AssetExecutionContext, config: PromptCorpusConfig, storage: StorageResource
 ) -> dg.MaterializeResult:
     started = time.monotonic()
-    store = storage.open()
     try:
-        result = build_corpus(config.sources, storage.source_storage_options, config.read_limits())
-    except CorpusError as exc:
-        if exc.rejected is None:
-            raise dg.Failure(str(exc)) from None
-        uri = store.write_parquet(
-            exc.rejected, *REJECTED_FILE
-        )  # the rows set aside, with reasons, for the user to read
-        raise dg.Failure(
-            f"{exc} Rejected rows with reasons: {uri}", metadata={"rejected": exc.rejected.height}
-        ) from None
-    previous = (
-        store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash", "prompt_id"])
-        if store.exists(*CORPUS_FILE)
-        else None
-    )
-    try:
-        built = stable_corpus(store, result.corpus, config.partition_size, config.max_prompts, previous)
-    except ValueError as exc:
-        raise dg.Failure(str(exc)) from None
-    corpus, keys = built.corpus, built.keys
-    # a row group per partition: a partition's run reads its own prompts, not the whole corpus
-    corpus_uri = store.write_parquet(corpus, *CORPUS_FILE, row_group_size=config.partition_size)
-    save_index(store, built.table)  # after the corpus: a failed write leaves the last build whole
-    store.write_parquet(result.rejected, *REJECTED_FILE)
-
+        build = build_corpus_stage(
+            storage.open(),
+            config.sources,
+            storage.source_storage_options,
+            config.read_limits(),
+            config.partition_size,
+            config.max_prompts,
+        )
+    except CorpusStageError as exc:
+        raise dg.Failure(str(exc), metadata=exc.metadata or None) from None
+    keys = build.built.keys
     existing = set(context.instance.get_dynamic_partitions(prompt_ranges.name))
     stale = sorted(existing - set(keys))
     for key in stale:
@@ -132,45 +118,14 @@ def prompt_corpus(
     ensure_pool_limits(context.instance)  # register the pools before runs queue on them
     if stale:
         context.log.warning(f"removed {len(stale)} partition keys no longer in the corpus: {stale[:5]}...")
-    context.log.info(
-        f"{corpus.height} prompts from {len(result.files)} files; "
-        f"{sum(result.duplicates_per_source.values())} duplicates; "
-        f"{result.rejected.height} rejected; {len(keys)} partitions of up to {config.partition_size}; against the last "
-        f"build: {built.edits.new} new, {built.edits.changed} changed, {built.edits.removed} removed prompts"
-    )
-    for row in result.rejected.head(20).iter_rows(named=True):
-        context.log.warning(f"rejected {row['file']}:{row['line']}: {row['reason']}")
-
-    preview = corpus.head(10).select(
-        "index",
-        "prompt_id",
-        "source",
-        first_user=corpus.head(10)["messages"].list.last().struct.field("content").str.slice(0, 120),
-    )
-    rows_per_source = corpus.group_by("source").len().sort("source")
-    return dg.MaterializeResult(
-        metadata={
-            "num_prompts": corpus.height,
-            "rows_per_source": {r["source"]: r["len"] for r in rows_per_source.iter_rows(named=True)},
-            "duplicates": sum(result.duplicates_per_source.values()),
-            "duplicates_per_source": result.duplicates_per_source,
-            "rejected": result.rejected.height,
-            "rejected_by_reason": result.rejected_by_reason,
-            "num_partitions": len(keys),
-            # what this build changed (stable indices: only new or changed prompts need requests)
-            "prompts_new": built.edits.new,
-            "prompts_changed": built.edits.changed,
-            "prompts_removed": built.edits.removed,
-            "prompts_kept": built.edits.kept,
-            "max_index": int(corpus["index"].max()) if corpus.height else -1,
-            # per partition, the hash of its (index, content_hash) pairs: completions records the one it was made for
-            "partition_versions": built.versions,
-            "partition_prompts": built.sizes,  # a range may have gaps (removed prompts): its prompt count
-            "partition_size": config.partition_size,
-            "files": result.files,
-            "path": dg.MetadataValue.path(corpus_uri),
-            "preview": table_preview(preview),
-            "seconds": round(time.monotonic() - started, 2),
-            "config_fingerprint": corpus_fingerprint(config, storage),
-        }
-    )
+    context.log.info(build.summary_line(config.partition_size))
+    for line in rejected_preview(build.result.rejected):
+        context.log.warning(line)
+    metadata = {
+        **build.metadata,
+        "path": dg.MetadataValue.path(build.uri),
+        "preview": table_preview(build.metadata["preview"]),
+        "seconds": round(time.monotonic() - started, 2),
+        "config_fingerprint": corpus_fingerprint(config, storage),
+    }
+    return dg.MaterializeResult(metadata=metadata)

@@ -7,10 +7,11 @@ import json
 import dagster as dg
 import polars as pl
 
-from dflash_assets.assets.prompts import CORPUS_FILE, default_sources
+from dflash_assets.assets.prompts import default_sources
 from dflash_assets.corpus import CorpusError, build_corpus, source_name
 from dflash_assets.dflash.data import HiddenStateShards
 from dflash_assets.feature_sources import heldout_set
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.shard_access import ShardIntegrityError
 from dflash_assets.tokenization import SequenceBuilder
 
