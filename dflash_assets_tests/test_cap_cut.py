@@ -132,17 +132,15 @@ def test_a_continued_row_cut_inside_its_first_part_is_no_longer_continued(builde
 
 def _plan_run(tmp_path, builder_path, keys, settings_):
     import logging
-    from types import SimpleNamespace
 
-    from dflash_assets.assets.completions import _RangeRun
+    from dflash_assets.generation.range_run import RangeRun
     from dflash_assets.resources.inference import InferenceServerResource
     from dflash_assets.storage import Storage
 
-    context = SimpleNamespace(log=logging.getLogger("test"), asset_key="completions", run=SimpleNamespace(run_id="r1"))
     inference = InferenceServerResource(
         mode="external", base_urls=["http://127.0.0.1:9/v1"], external_tokenizer_path=str(builder_path)
     )
-    return _RangeRun(context, Storage(str(tmp_path)), settings_, keys), inference
+    return RangeRun(logging.getLogger("test"), Storage(str(tmp_path)), settings_, keys), inference
 
 
 def test_lowering_a_half_done_partition_cuts_what_it_has_and_journals_nothing(tmp_path):
@@ -179,8 +177,8 @@ def test_lowering_a_half_done_partition_cuts_what_it_has_and_journals_nothing(tm
     empty = RowJournal(tmp_path / "empty.jsonl")
     part = run.plan("0000000-0000003", prompts, empty, inference)
     assert part.cut == 4 and not part.todo and empty.load() == {}
-    (materialization,) = list(run.commit_or_keep(part))
-    assert materialization.metadata["cut_to_lowered_cap"].value == 4
+    (committed,) = list(run.commit_or_keep(part))
+    assert committed.metadata["cut_to_lowered_cap"] == 4
     table = pl.read_parquet(store_root / "completions" / "0000000-0000003.parquet")
     assert table["completion_tokens"].to_list() == [10] * 4 and (table["cut_from_tokens"] > 10).all()
 

@@ -504,9 +504,8 @@ def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
     """A journal row outside its partition's prompts (a corpus re-cut, a stray write) is not written to the
     table, so it must not count as resumed either: 5 such rows read as 'resumed 5' (review)."""
     import logging
-    from types import SimpleNamespace
 
-    from dflash_assets.assets.completions import _RangeRun
+    from dflash_assets.generation.range_run import RangeRun
     from dflash_assets.settings import GenerationSettings
     from dflash_assets.storage import Storage
 
@@ -546,8 +545,7 @@ def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
             "content_hash": [f"h{i}" for i in range(10)],
         }
     )  # the journal rows answer these prompts
-    context = SimpleNamespace(log=logging.getLogger("test"))
-    run = _RangeRun(context, Storage(str(tmp_path)), settings, ["0000000-0000009"])
+    run = RangeRun(logging.getLogger("test"), Storage(str(tmp_path)), settings, ["0000000-0000009"])
     part = run.plan(
         "0000000-0000009",
         prompts,

@@ -367,10 +367,10 @@ def test_an_sglang_older_than_continue_final_message_regenerates_whole_and_says_
     <think>, its fresh reply cannot be told from a continuation, so the installed version decides first."""
     from collections import Counter
 
-    from dflash_assets.assets import completions as asset
     from dflash_assets.assets import completions_continuing
     from dflash_assets.assets.completions_continuing import ContinuationPlanner
     from dflash_assets.generation.continuation import sglang_predates_continuation
+    from dflash_assets.generation.range_plan import Partition
     from dflash_assets.resources.inference import InferenceServerResource
 
     assert [sglang_predates_continuation(v) for v in ("0.4.3.post2", "0.4.4", "0.5.3rc0", None, "weird")] == [
@@ -393,7 +393,7 @@ def test_an_sglang_older_than_continue_final_message_regenerates_whole_and_says_
         "truncated_in_reasoning": True,
     }
     prompt = {"index": 0, "messages": [{"role": "user", "content": "q"}]}
-    part = asset._Partition("0000000-0000000", None, None, {0: cut}, [prompt], Counter({"cap raised": 1}))
+    part = Partition("0000000-0000000", None, None, {0: cut}, [prompt], Counter({"cap raised": 1}))
     inference = InferenceServerResource(mode="sglang", model_path=str(write_thinking_tokenizer(tmp_path / "m", True)))
     monkeypatch.setattr(completions_continuing, "installed_version", lambda name: "0.4.3")
     continuing, _, note, problem = ContinuationPlanner(settings).continuations(inference, [part])

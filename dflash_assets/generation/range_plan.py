@@ -1,0 +1,70 @@
+"""What a range run of ``completions`` plans and reports: the prompts each partition requests
+(:func:`plan_requests`), a partition's state during the run (:class:`Partition`), and the event the run
+yields when a partition is done (:class:`PartitionComplete`). Dagster-free: the asset turns the events into
+materializations."""
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+
+from dflash_assets.generation.records import invalid_reason, prompt_mismatch, row_problem
+from dflash_assets.settings import GenerationSettings
+
+
+class RangeRunError(Exception):
+    """The run must stop: the message names the cause and the fix (the asset's failure)."""
+
+
+@dataclass
+class PartitionComplete:
+    """A partition of the run is done. Committed: ``data_version`` (sha256 of the table written, 20 hex
+    digits) and ``metadata`` (plain values; ``path`` is the table's uri). Not committed because none of its
+    rows succeeded: ``failure`` says so (the run fails at its end, the journal kept)."""
+
+    pk: str
+    data_version: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    failure: str | None = None
+
+
+def plan_requests(
+    prompts: pl.DataFrame, existing: dict[int, dict], settings: GenerationSettings
+) -> tuple[list[dict], Counter]:
+    """Prompts (corpus rows) that need a request, and why, counted by reason. A row made for another
+    prompt than the corpus's at its index (:func:`prompt_mismatch`) is never used: requested again as
+    ``prompt changed`` (or ``prompt unknown``, a row from before rows named their prompt)."""
+    todo, reasons = [], Counter()
+    for prompt in prompts.iter_rows(named=True):
+        row = existing.get(prompt["index"])
+        # a row that cannot be stored as it is (a journal line with a count past its type, say) is redone
+        reason = (
+            "missing"
+            if row is None
+            else prompt_mismatch(row, prompt)
+            or ("unstorable row" if row_problem(row) else invalid_reason(row, settings))
+        )
+        if reason is not None:
+            todo.append(prompt)
+            reasons[reason] += 1
+    return todo, reasons
+
+
+@dataclass
+class Partition:
+    """One partition of the run: its prompts, rows so far, and what is still out. ``existing``: index ->
+    whole row for what its last table lacks or will lose (journal rows, cut rows being continued,
+    this run's rows); the table's other rows are read again only at commit."""
+
+    pk: str
+    prompts: pl.DataFrame
+    journal: object
+    existing: dict
+    todo: list
+    reasons: Counter
+    remaining: int = 0
+    resumed: int = 0  # valid rows taken from the journal an interrupted run left (not requested again)
+    cut: int = 0  # rows cut to a lowered cap in memory (not journaled): the table must be rewritten
+    first_sent: float | None = None
+    by_index: dict = field(default_factory=dict)
