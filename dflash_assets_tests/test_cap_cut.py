@@ -151,17 +151,27 @@ def test_lowering_a_half_done_partition_cuts_what_it_has_and_journals_nothing(tm
     from transformers import AutoTokenizer
 
     from dflash_assets.assets.completions_tables import partition_file
+    from dflash_assets.corpus import content_hash
     from dflash_assets.generation.journal import RowJournal
     from dflash_assets.generation.records import rows_to_frame
 
     path = write_thinking_tokenizer(tmp_path / "tok", opens_think=False)
     builder = SequenceBuilder(AutoTokenizer.from_pretrained(str(path)))
+    # rows name their prompt by content (issue 26): the corpus's content_hash, the rows' prompt_hash
+    hashes = [content_hash([*MESSAGES, {"role": "user", "content": f"variant {i}"}]) for i in range(4)]
     prompts = pl.DataFrame(
-        {"index": [0, 1, 2, 3], "prompt_id": ["p0", "p1", "p2", "p3"], "source": ["s"] * 4, "messages": [MESSAGES] * 4}
+        {
+            "index": [0, 1, 2, 3],
+            "prompt_id": ["p0", "p1", "p2", "p3"],
+            "source": ["s"] * 4,
+            "messages": [MESSAGES] * 4,
+            "content_hash": hashes,
+        }
     )
 
     def rows(indexes):
-        return [dict(made_row(builder, REASONING, ANSWER, "stop", 64), index=i, prompt_id=f"p{i}") for i in indexes]
+        made = made_row(builder, REASONING, ANSWER, "stop", 64)
+        return [dict(made, index=i, prompt_id=f"p{i}", prompt_hash=hashes[i]) for i in indexes]
 
     journal = RowJournal(tmp_path / "j.jsonl")
     journal.append_many(rows([0, 2]))
