@@ -19,6 +19,7 @@ from dflash_assets.dflash.target_features import bytes_per_token
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
 from dflash_assets.partitions import key_range
+from dflash_assets.progress import StageProgressBar
 from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.shard_access import fetch_shards
 from dflash_assets.storage_plan import StoragePlan, in_subset, subset_threshold
@@ -162,7 +163,10 @@ def extract_stage(
     )
     started = time.monotonic()
 
+    bar = StageProgressBar(f"hidden_states {pk}", None, unit="shard")
+
     def progress(p: dict) -> None:
+        bar.update_to(p["shard_number"] + 1, p["num_shards"], tok_s=f"{p['tokens'] / max(p['seconds'], 1e-9):.0f}")
         log.info(
             f"{pk}: shard {p['shard_number'] + 1}/{p['num_shards']} {'kept' if p['skipped'] else 'written'}, "
             f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)"
@@ -176,7 +180,7 @@ def extract_stage(
         _, downloaded = fetch_shards(storage, pk, store.read_json("hidden_states", pk, INDEX_NAME), on_bad="drop")
         if downloaded:
             log.info(f"{pk}: downloaded {len(downloaded)} stored shards instead of recomputing them")
-    with torch.inference_mode():  # a context, not set_grad_enabled: training may follow in this process
+    with bar, torch.inference_mode():  # inference_mode, not set_grad_enabled: training may follow here
         result = extract_partition(
             model,
             rows,

@@ -68,6 +68,11 @@ def test_main_job_on_the_hybrid_standin(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "lossless: yes" in out
     # long stages drew their progress bars: absolute position of the total, with rate and figures
+    rows = r"completions 0000000-0000009\.\.\.0000000-0000009: 100%\|.*\| 10/10 \[.*(row/s|s/row), failed=0, out_tok/s="
+    assert re.search(rows, out), out[-4000:]
+    assert re.search(r"hidden_states 0000000-0000009: 100%\|.*\| 1/1 \[.*(shard/s|s/shard), tok/s=\d+\]", out), out[
+        -4000:
+    ]
     assert re.search(r"dflash_drafter training: 100%\|.*\| 30/30 \[.*(step/s|s/step), loss=[\d.]+, tok/s=\d+\]", out), (
         out[-4000:]
     )

@@ -17,6 +17,7 @@ from dflash_assets.generation.journal import JournalError
 from dflash_assets.generation.range_plan import Partition, PartitionComplete, RangeRunError
 from dflash_assets.generation.records import row_from_result, row_problem, set_aside_row
 from dflash_assets.generation.tail_chunks import TailChunker
+from dflash_assets.progress import StageProgressBar
 
 if TYPE_CHECKING:
     from dflash_assets.generation.range_run import RangeRun
@@ -174,6 +175,7 @@ def stream_partitions(
     writer.start()
     faults_logged = 0
     last_log = time.monotonic()
+    bar = StageProgressBar(f"completions {run.keys[0]}...{run.keys[-1]}", run.rows_total)
     try:
         while True:
             try:
@@ -186,6 +188,13 @@ def stream_partitions(
                     f"({fault['in_flight']} requests in flight re-sent to the others)"
                 )
             faults_logged = len(client.faults)
+            progress = client.progress()
+            bar.update_to(
+                progress.rows_done,
+                failed=progress.rows_failed,
+                out_tok_s=f"{progress.output_tokens_per_s:.0f}",
+                in_flight=progress.in_flight,
+            )
             if time.monotonic() - last_log >= PROGRESS_EVERY_S:
                 log.info(run.progress_line())
                 last_log = time.monotonic()
@@ -203,6 +212,8 @@ def stream_partitions(
         worker.join(timeout=60)
         writer.join(timeout=60)  # rows already received are made durable
         raise
+    finally:
+        bar.close()
     worker.join()
     writer.join()
     log.info(run.progress_line())
