@@ -26,9 +26,10 @@ from dflash_assets.history import latest_records
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.settings import GenerationSettings
+from dflash_assets.stages import PARTITION_STAGES
 
 COMPLETIONS = dg.AssetKey("completions")
-PER_PARTITION_STAGES = ["completions", "tokenized_sequences", "hidden_states"]
+PER_PARTITION_STAGES = PARTITION_STAGES  # from the asset graph (dflash_assets.stages)
 
 
 def partition_job_selection(available: Iterable[str]) -> list[str]:
@@ -63,17 +64,6 @@ def partition_statuses(
     """Dagster's status of each partition (None: never attempted), from its partition status cache."""
     status = instance.get_status_by_partition(asset_key, list(keys), prompt_ranges) or {}
     return {pk: status.get(pk) for pk in keys}
-
-
-def unfinished_partitions(
-    instance: dg.DagsterInstance, asset_key: dg.AssetKey, keys: Sequence[str] | None = None
-) -> tuple[list[str], list[str]]:
-    """``(to_request, in_progress)``: partitions missing or failed, and those running now (skipped)."""
-    keys = instance.get_dynamic_partitions(prompt_ranges.name) if keys is None else keys
-    status = partition_statuses(instance, asset_key, keys)
-    to_request = [pk for pk in keys if status[pk] in (None, dg.AssetPartitionStatus.FAILED)]
-    running = [pk for pk in keys if status[pk] == dg.AssetPartitionStatus.IN_PROGRESS]
-    return to_request, running
 
 
 def run_partitions(run: dg.DagsterRun, position: dict[str, int], keys: Sequence[str]) -> list[str]:

@@ -4,7 +4,6 @@ import os
 
 import dagster as dg
 
-from dflash_assets.assets import completions, drafter, evaluation, hidden_states, prompts, tokenized, truncation
 from dflash_assets.automation import build_backfill_schedule, build_cap_change_sensor
 from dflash_assets.config import build_resources, check_local_model, op_config, validate_ops
 from dflash_assets.generation.servers import API_KEY_ENV
@@ -13,11 +12,12 @@ from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource, s3_credentials_from_env
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.runs import reaping_executor
+from dflash_assets.stages import ASSETS, PARTITION_STAGES
 
 partition_stages_job = dg.define_asset_job(
     "partition_stages",
-    selection=dg.AssetSelection.assets("completions", "tokenized_sequences", "hidden_states"),
-    config=op_config("completions", "tokenized_sequences", "hidden_states"),
+    selection=dg.AssetSelection.assets(*PARTITION_STAGES),
+    config=op_config(*PARTITION_STAGES),
     description="Per-partition stages for one index range: completions, tokenized sequences, hidden states.",
 )
 
@@ -27,15 +27,6 @@ def api_key_from_env() -> dict:
     return {"api_key": dg.EnvVar(API_KEY_ENV)} if os.environ.get(API_KEY_ENV) else {}
 
 
-ASSETS = [
-    prompts.prompt_corpus,
-    completions.completions,
-    truncation.truncation_report,
-    tokenized.tokenized_sequences,
-    hidden_states.hidden_states,
-    drafter.dflash_drafter,
-    evaluation.drafter_evaluation,
-]
 validate_ops(ASSETS)  # unknown op names / config keys in the config file are errors, named with the file
 
 RESOURCES = build_resources(

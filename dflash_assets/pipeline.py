@@ -26,10 +26,7 @@ from dflash_assets.generation.server_registry import orphan_message, reap_orphan
 from dflash_assets.history import latest_record, plain_metadata
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.runs import process_tags, reap_dead_runs
-
-PARTITION_STAGES = ["completions", "tokenized_sequences", "hidden_states"]
-UPSTREAM = {"completions": None, "tokenized_sequences": "completions", "hidden_states": "tokenized_sequences"}
-FINAL_STAGES = ["truncation_report", "dflash_drafter", "drafter_evaluation"]
+from dflash_assets.stages import FINAL_STAGES, PARTITION_STAGES
 
 
 def _latest_record(instance, key: str, pk: str | None = None):

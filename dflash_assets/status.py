@@ -22,8 +22,9 @@ import dagster as dg
 from dflash_assets.history import latest_metadata, latest_records, plain_metadata
 from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.pools import pool_usage
+from dflash_assets.stages import PARTITION_STAGES
 
-STAGES = ("completions", "tokenized_sequences", "hidden_states")
+STAGES = tuple(PARTITION_STAGES)  # from the asset graph (dflash_assets.stages)
 COMPLETIONS = "completions"
 
 

@@ -225,3 +225,36 @@ def test_allow_lists_name_files_that_still_need_them():
         if all(lines <= MAX_ASSET_BODY_LINES for lines in _asset_bodies(PACKAGE / rel).values())
     ]
     assert not stale, f"remove from OVER_ASSET_BODY_LIMIT: {stale}"
+
+
+def test_stage_lists_come_from_the_asset_graph():
+    """The pipeline's order as MISSION.md describes it, derived from the assets' dependencies; a cycle is named."""
+    import dagster as dg
+    import pytest
+
+    from dflash_assets.stages import FINAL_STAGES, PARTITION_STAGES, STAGE_ORDER, stage_order
+
+    assert STAGE_ORDER[0] == "prompt_corpus"
+    assert PARTITION_STAGES == ["completions", "tokenized_sequences", "hidden_states"]
+    assert FINAL_STAGES == ["truncation_report", "dflash_drafter", "drafter_evaluation"]
+    assert STAGE_ORDER.index("truncation_report") > STAGE_ORDER.index("completions")
+
+    @dg.asset(deps=["b"])
+    def a() -> None: ...
+
+    @dg.asset(deps=["a"])
+    def b() -> None: ...
+
+    @dg.asset(deps=["a"])
+    def c() -> None: ...
+
+    with pytest.raises(ValueError, match=r"cycle among \['a', 'b', 'c'\]"):
+        stage_order([a, b, c])
+
+    @dg.asset
+    def root() -> None: ...
+
+    @dg.asset(deps=["root"])
+    def leaf() -> None: ...
+
+    assert stage_order([leaf, c, root]) == ["c", "root", "leaf"]  # upstream first, ties in the given order
