@@ -39,8 +39,10 @@ def project(tmp_path):
     root = tmp_path / "data"
     storage = StorageResource(root=str(root))
     store = storage.open()
-    rows = make_rows(40, first_index=0)
-    store.write_parquet(pl.DataFrame({"index": list(range(40)), "prompt": [f"p{i}" for i in range(40)]}), *CORPUS_FILE)
+    # rows name their prompt by content (issue 26): the corpus's content_hash is each row's prompt_hash
+    rows = [dict(r, prompt_hash=f"hash-{r['index']}") for r in make_rows(40, first_index=0)]
+    corpus = {"index": list(range(40)), "prompt": [f"p{i}" for i in range(40)]}
+    store.write_parquet(pl.DataFrame({**corpus, "content_hash": [f"hash-{i}" for i in range(40)]}), *CORPUS_FILE)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(prompt_ranges.name, KEYS)
         for k, pk in enumerate(KEYS):

@@ -37,6 +37,7 @@ def row(index: int, content: str, output_token_ids=None, completion_tokens: int 
     return {
         "index": index,
         "prompt_id": f"t:{index}",
+        "prompt_hash": f"h{index}",  # the corpus's content_hash of the prompt it answers (issue 26)
         "source": "t",
         "reasoning_content": None,
         "content": content,
@@ -81,7 +82,11 @@ def test_roundtrip_and_length_checks_flag_the_right_rows(tmp_path, tok):
     ]
     completions = rows_to_frame(rows)
     prompts = pl.DataFrame(
-        {"index": list(range(6)), "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(6)]}
+        {
+            "index": list(range(6)),
+            "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(6)],
+            "content_hash": [f"h{i}" for i in range(6)],
+        }
     )
     config = TokenizeConfig(max_length=60, over_max_length="cut")
     store = Storage(str(tmp_path))
