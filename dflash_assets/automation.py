@@ -29,13 +29,12 @@ from dflash_assets.settings import GenerationSettings
 from dflash_assets.stages import PARTITION_STAGES
 
 COMPLETIONS = dg.AssetKey("completions")
-PER_PARTITION_STAGES = PARTITION_STAGES  # from the asset graph (dflash_assets.stages)
 
 
 def partition_job_selection(available: Iterable[str]) -> list[str]:
     """The per-partition stages that exist in these definitions, upstream first."""
     names = set(available)
-    return [s for s in PER_PARTITION_STAGES if s in names]
+    return [s for s in PARTITION_STAGES if s in names]
 
 
 def affected_reason(meta: dict, settings: GenerationSettings) -> str | None:
@@ -265,7 +264,7 @@ def build_backfill_schedule(
         names = (
             {k.to_user_string() for k in job.selection.resolve(context.repository_def.asset_graph)}
             if context.repository_def
-            else set(PER_PARTITION_STAGES)
+            else set(PARTITION_STAGES)
         )
         downstream, waiting = downstream_requests(instance, keys, names, status, records, max_downstream_per_tick)
         requests += downstream

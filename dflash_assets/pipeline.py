@@ -29,10 +29,6 @@ from dflash_assets.runs import process_tags, reap_dead_runs
 from dflash_assets.stages import FINAL_STAGES, PARTITION_STAGES
 
 
-def _latest_record(instance, key: str, pk: str | None = None):
-    return latest_record(instance, key, pk)
-
-
 def run_failure_reason(result: dg.ExecuteInProcessResult) -> str | None:
     """The errors of a run's failed steps (or of the run itself), first line of each, or None when none failed."""
     errors = []
@@ -145,7 +141,7 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})),
         defs.resources["storage"],
     )
-    if why := freshness.corpus_reason(plain_metadata(_latest_record(instance, "prompt_corpus")), fingerprint):
+    if why := freshness.corpus_reason(plain_metadata(latest_record(instance, "prompt_corpus")), fingerprint):
         print(f"prompt_corpus: {why}: building it")
         result = _materialize(["prompt_corpus"], corpus_cfg)
         if not result.success:
@@ -166,7 +162,7 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         span = (generate[0], generate[-1])
         why = dict(Counter(reasons[pk] for pk in generate))
         print(f"completions: {len(generate)} partitions in one run ({span[0]}...{span[1]}): {why}")
-        before = {pk: getattr(_latest_record(instance, "completions", pk), "storage_id", None) for pk in generate}
+        before = {pk: getattr(latest_record(instance, "completions", pk), "storage_id", None) for pk in generate}
         result = _materialize(["completions"], op_config("completions"), partition_range=span)
         # a partition the run did not commit and left not up to date gets no later stages now; say why for
         # each (one committed with error rows goes on: the next run retries those rows)
@@ -175,7 +171,7 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         left = [
             pk
             for pk in generate
-            if after[pk] and getattr(_latest_record(instance, "completions", pk), "storage_id", None) == before[pk]
+            if after[pk] and getattr(latest_record(instance, "completions", pk), "storage_id", None) == before[pk]
         ]
         for pk in left:
             failed[pk] = (
@@ -218,15 +214,15 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
             "drafter_evaluation": "dflash_drafter",
         }[stage]
         upstream = (
-            [_latest_record(instance, upstream_key, pk) for pk in keys]
+            [latest_record(instance, upstream_key, pk) for pk in keys]
             if upstream_key != "dflash_drafter"
-            else [_latest_record(instance, upstream_key)]
+            else [latest_record(instance, upstream_key)]
         )
         settings_cls = {"dflash_drafter": DrafterConfig, "drafter_evaluation": EvaluationConfig}.get(stage)
         changed = settings_cls is not None and config_changed_since_last(
             instance, stage, settings_cls(**((op_config(stage)["ops"].get(stage) or {}).get("config") or {}))
         )
-        if freshness.after_upstream_reason(_latest_record(instance, stage), upstream) is None and not changed:
+        if freshness.after_upstream_reason(latest_record(instance, stage), upstream) is None and not changed:
             continue
         print(f"materializing {stage}")
         result = _materialize([stage], op_config(stage))
