@@ -403,6 +403,7 @@ ENGINE_KEYS = (
     "engine_tau_pooled",
     "simulated_engine_tau",
     "simulated_engine_tau_pooled",
+    "engine_parity_max_difference",
 )
 
 
@@ -418,6 +419,14 @@ def engine_line(s: dict) -> str | None:
             "answered by the "
             f"GPU-node simulator with SGLang's per-request fields (simulated tau {s.get('simulated_engine_tau')}, "
             f"pooled {s.get('simulated_engine_tau_pooled')})"
+        )
+    if s.get("engine_kind") == "vllm":
+        diff = s.get("engine_parity_max_difference")
+        return (
+            f"engine tau (vLLM) {s.get('engine_tau')} +- {s.get('engine_tau_stderr')} beside in-process "
+            f"{s.get('tau')} (mean of per-prompt 1 + accepted / drafts from vLLM's counters; pooled "
+            f"{s.get('engine_tau_pooled')}) on {s.get('engine_requests')} prompts"
+            + ("" if diff is None else f"; largest difference {diff:.3f} (check engine_parity: at most 0.05)")
         )
     return (
         f"engine tau (SGLang) {s.get('engine_tau')} +- {s.get('engine_tau_stderr')} "

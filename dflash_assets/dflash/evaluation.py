@@ -263,5 +263,25 @@ def evaluate_drafters(
             else "warm, interleaved per prompt (order rotating)",
             "lossless": not mismatched,
             "mismatched_prompts": mismatched,
+            "first_mismatch": first_divergence([r.output_ids for r in plain], [r.output_ids for r in runs]),
+            "plain_output_ids": [list(r.output_ids) for r in plain],
         }
     return out
+
+
+def first_divergence(expected: Sequence[Sequence[int]], actual: Sequence[Sequence[int]]) -> dict | None:
+    """Where two decodings of the same prompts first part: ``{"prompt": i, "token": k, "expected": id or None,
+    "actual": id or None}`` (``k``: position among the generated tokens; None past the end of a shorter output),
+    or None when every output is equal. ``expected`` and ``actual`` hold one token-id list per prompt."""
+    for i, (want, got) in enumerate(zip(expected, actual)):
+        want, got = list(want), list(got)
+        if want == got:
+            continue
+        k = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        return {
+            "prompt": i,
+            "token": k,
+            "expected": want[k] if k < len(want) else None,
+            "actual": got[k] if k < len(got) else None,
+        }
+    return None

@@ -28,6 +28,7 @@ before this layout) is moved under ``<out>.versions/`` first, the one moment ``<
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -188,16 +189,22 @@ def load_exported(
     embed_weight: torch.Tensor | None = None,
     lm_head_weight: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
+    overrides: dict | None = None,
 ) -> DFlashDraftModel:
     """Load an exported drafter directory into :class:`DFlashDraftModel` (parameters in ``dtype``).
 
     Optionally attaches the target's embedding / LM head. Strict: missing or unexpected tensors raise.
+    ``overrides`` replaces :class:`DFlashConfig` fields of the export's config.json (the evaluation decodes the
+    drafter with the ``target_layer_ids``, ``block_size`` and ``mask_token_id`` it trained with, so an export
+    that wrote other ones shows as an engine that disagrees).
 
     Raises:
         FileNotFoundError: no config.json / model.safetensors. RuntimeError: tensor names/shapes differ.
     """
     d = resolve_export(model_dir)
     config = config_from_hf_dict(json.loads((d / "config.json").read_text()))
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
     model = DFlashDraftModel(config)
     state = {}
     with safe_open(str(d / "model.safetensors"), framework="pt") as f:

@@ -23,6 +23,7 @@ from typing import Any
 import dagster as dg
 
 from dflash_assets.dflash.engine_check import ExportCheck, check_dflash_export, is_hybrid_target
+from dflash_assets.evaluation.vllm_run import VLLMPlan, plan_vllm
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.generation.sglang_dflash import (
     EngineError,
@@ -65,7 +66,7 @@ class EnginePlan:
         return [self.kind, self.flags, self.launch_lines(), self.base_urls]
 
 
-def plan_engine(config, inference, target_model, export_dir: str, log) -> EnginePlan | None:
+def plan_engine(config, inference, target_model, export_dir: str, log) -> EnginePlan | VLLMPlan | None:
     """The engine run ``config`` asks for, checked; None for ``engine: none``.
 
     Raises:
@@ -75,6 +76,8 @@ def plan_engine(config, inference, target_model, export_dir: str, log) -> Engine
     """
     if config.engine == "none":
         return None
+    if config.engine == "vllm":
+        return plan_vllm(config, target_model, export_dir, log)
     export = json.loads((Path(export_dir) / "config.json").read_text())
     block = int((export.get("dflash_config") or {}).get("block_size") or export.get("block_size") or 16)
     n = config.num_draft_tokens if config.num_draft_tokens is not None else block
@@ -239,7 +242,7 @@ def engine_metadata(section: dict[str, Any], in_process: dict[str, dict] | None)
             "tau_stderr": _r(d["tau_stderr"]),
             "tau_pooled": _r(d["tau_pooled"]),
             "tau_pooled_stderr": _r(d["tau_pooled_stderr"]),
-            "tau_without_prefill_token": _r(d["tau_without_prefill_token"]),
+            "tau_without_prefill_token": _r(d.get("tau_without_prefill_token")),
         }
         for name, d in section["datasets"].items()
     }
@@ -248,6 +251,16 @@ def engine_metadata(section: dict[str, Any], in_process: dict[str, dict] | None)
         table = (
             f"**{SIMULATED_LABEL}.**\n\n| dataset | requests | simulated tau | simulated pooled |\n|---|---|---|---|\n"
             + "".join(f"| {n} | {d['requests']} | {d['tau']} | {d['tau_pooled']} |\n" for n, d in by_dataset.items())
+        )
+    elif section["kind"] == "vllm":
+        table = (
+            "| dataset | requests | vLLM tau (1 + accepted / drafts) | vLLM pooled | in-process tau |\n"
+            "|---|---|---|---|---|\n"
+            + "".join(
+                f"| {n} | {d['requests']} | {d['tau']} +- {d['tau_stderr']} | {d['tau_pooled']} | "
+                f"{(in_process or {}).get(n, {}).get('tau', '-')} |\n"
+                for n, d in by_dataset.items()
+            )
         )
     else:
         table = (
@@ -268,12 +281,12 @@ def engine_metadata(section: dict[str, Any], in_process: dict[str, dict] | None)
         f"{prefix}_tau_pooled": head.get("tau_pooled"),
         f"{prefix}_tau_by_dataset": by_dataset,
         "engine_requests": sum(d["requests"] for d in by_dataset.values()),
-        "engine_server_flags": section["server_flags"] or section["dflash_flags"],
+        "engine_server_flags": section["server_flags"] or section.get("dflash_flags"),
         "engine_table": dg.MetadataValue.md(table),
     }
 
 
-def engine_fingerprint(plan: EnginePlan | None) -> str | None:
+def engine_fingerprint(plan: EnginePlan | VLLMPlan | None) -> str | None:
     """16 hex naming the engine run (flags, commands, URLs), for the evaluation's reuse check."""
     if plan is None:
         return None

@@ -47,7 +47,11 @@ def in_process_evaluation(
     tokenized rows, whose features the frozen target computes here."""
     model_dir = target_model.resolved_path()
     embed, lm_head = load_target_head(model_dir)
-    drafter = load_exported(export_dir, embed_weight=embed, lm_head_weight=lm_head).eval()
+    # decoded as trained: an export that wrote other settings then disagrees with the engine (engine_parity)
+    trained = {
+        k: train_meta[k] for k in ("target_layer_ids", "block_size", "mask_token_id") if train_meta.get(k) is not None
+    }
+    drafter = load_exported(export_dir, embed_weight=embed, lm_head_weight=lm_head, overrides=trained).eval()
     untrained = untrained_drafter_like(drafter, seed=int(train_meta.get("seed", 0)))
     block_size = drafter.config.block_size
     target = target_model.load_model()

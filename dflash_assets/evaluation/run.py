@@ -5,10 +5,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
+
+import dagster as dg
 
 from dflash_assets.evaluation.datasets import HELDOUT
 from dflash_assets.evaluation.engine import engine_metadata, run_engine
 from dflash_assets.evaluation.in_process import in_process_evaluation
+from dflash_assets.evaluation.parity import (
+    CHECK_LOSSLESS,
+    CHECK_PARITY,
+    engine_parity,
+    lossless_summary,
+    parity_table,
+)
+from dflash_assets.evaluation.vllm_run import VLLMPlan, run_vllm
 from dflash_assets.training.run import EXPORT_DIR
 
 
@@ -45,17 +56,12 @@ def run_evaluation(
     }
     metadata: dict = {}
     engine_section = None
-    if plan is not None:
-        engine_section = run_engine(
-            plan,
-            inference,
-            prompts,
-            config.max_new_tokens,
-            eos,
-            storage.local_scratch("server_logs", "drafter_evaluation"),
-            config,
-            log,
-        )
+    log_dir = storage.local_scratch("server_logs", "drafter_evaluation")
+    if isinstance(plan, VLLMPlan):
+        engine_section = run_vllm(plan, prompts, config.max_new_tokens, eos, log_dir, config, inference.api_key, log)
+        report["engine"] = engine_section
+    elif plan is not None:
+        engine_section = run_engine(plan, inference, prompts, config.max_new_tokens, eos, log_dir, config, log)
         report["engine"] = engine_section
     if config.in_process:
         online = train_meta.get("features", "offline") == "online"
@@ -67,11 +73,67 @@ def run_evaluation(
     if engine_section is not None:
         metadata.update(engine_metadata(engine_section, metadata.get("tau_by_dataset")))
         head = engine_section["datasets"][HELDOUT]
-        log.info(
-            f"engine ({engine_section['label']}): heldout tau {head['tau']:.3f} over "
-            f"{head['requests_measured']} requests"
+        tau = "-" if head.get("tau") is None else f"{head['tau']:.3f}"
+        log.info(f"engine ({engine_section['label']}): heldout tau {tau} over {head['requests_measured']} requests")
+    checks = evaluation_checks(report, engine_section, train_meta, export_dir, config.in_process)
+    report["checks"] = checks
+    metadata["checks"] = checks
+    if checks[CHECK_PARITY].get("by_dataset"):
+        metadata["engine_parity"] = dg.MetadataValue.md(
+            parity_table(checks[CHECK_PARITY], _engine_name(engine_section))
         )
+        metadata["engine_parity_max_difference"] = max(
+            (abs(d["difference"]) for d in checks[CHECK_PARITY]["by_dataset"].values() if d["difference"] is not None),
+            default=None,
+        )
+    for name, outcome in checks.items():
+        if not outcome["passed"]:
+            log.error(f"check {name} failed: " + " | ".join(outcome["reasons"]))
     return report, metadata, engine_section
+
+
+def _engine_name(section: dict | None) -> str:
+    return {"vllm": "vLLM"}.get((section or {}).get("kind", ""), "SGLang")
+
+
+def evaluation_checks(
+    report: dict, engine_section: dict | None, train_meta: dict, export_dir: str, in_process: bool
+) -> dict[str, dict]:
+    """The outcome of the ``lossless`` and ``engine_parity`` checks: ``{name: {"passed", "reasons", ...}}``.
+
+    Parity is compared for a real vLLM engine beside an in-process run; otherwise it says why it was not
+    (``compared: False``): a simulated engine's figures are not a measurement, and SGLang's per-request figures
+    count the prefill token differently."""
+    local = report.get("datasets") or {}
+    parity: dict = {"passed": True, "reasons": [], "compared": False}
+    if engine_section is None:
+        parity["why"] = "no engine run (engine: none)"
+    elif not in_process:
+        parity["why"] = "no in-process run to compare with (in_process: false)"
+    elif engine_section["kind"] != "vllm":
+        parity["why"] = f"engine {engine_section['kind']}: parity is compared for engine: vllm"
+    else:
+        export_config = json.loads((Path(export_dir) / "config.json").read_text())
+        parity = {**engine_parity(engine_section, local, train_meta, export_config), "compared": True}
+    lossless = lossless_summary(local, parity if parity["compared"] else None)
+    return {CHECK_LOSSLESS: lossless, CHECK_PARITY: parity}
+
+
+def check_results(checks: dict[str, dict]) -> list[dg.AssetCheckResult]:
+    """Dagster check results for :func:`evaluation_checks`'s outcome (also for a reused evaluation's)."""
+    out = []
+    for name, outcome in checks.items():
+        text = " | ".join(outcome["reasons"]) or outcome.get("why") or "passed"
+        out.append(
+            dg.AssetCheckResult(
+                check_name=name,
+                passed=bool(outcome["passed"]),
+                severity=dg.AssetCheckSeverity.ERROR,
+                description=text[:2000],
+                metadata={"compared": outcome.get("compared", True), "reasons": text[:2000]},
+            )
+        )
+    return out
 
 
 def evaluated_metadata(

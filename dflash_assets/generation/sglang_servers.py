@@ -62,6 +62,10 @@ class LaunchCommand:
         api_key_env: name of the environment variable holding the key the server is started with (it
             reaches the server through the file :meth:`launch_argv` names, see :func:`write_key_config`);
             None for no key.
+        key_env_var: the variable the *server* reads its key from (vLLM: ``VLLM_API_KEY``); set, the key is
+            handed over in the server's environment (readable by this user only, ``/proc/<pid>/environ``)
+            instead of a ``--config`` file. None: SGLang's key file.
+        engine: ``sglang`` or ``vllm``: names the log (``<engine>_<i>.log``), the pidfile label and messages.
     """
 
     argv: tuple[str, ...]
@@ -69,6 +73,8 @@ class LaunchCommand:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key_env: str | None = None
+    key_env_var: str | None = None
+    engine: str = "sglang"
 
     @property
     def base_url(self) -> str:
@@ -82,7 +88,7 @@ class LaunchCommand:
         Raises:
             ValueError: ``api_key_env`` is set but no ``key_config`` file is given.
         """
-        if not self.api_key_env:
+        if not self.api_key_env or self.key_env_var:
             return list(self.argv)
         if not key_config:
             raise ValueError(f"{self.api_key_env}: a server started with an API key needs its key file (--config)")
@@ -92,7 +98,9 @@ class LaunchCommand:
         """A shell-quoted line for logs: env overrides, argv, and the key file as ``--config <api-key: $NAME>``."""
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         cmd = shlex.join(self.argv)
-        if self.api_key_env:
+        if self.api_key_env and self.key_env_var:
+            env = f"{env} {self.key_env_var}=${self.api_key_env}".strip()
+        elif self.api_key_env:
             cmd += f" --config '<0600 file: api-key: ${self.api_key_env}>'"
         return f"{env} {cmd}".strip()
 
@@ -265,9 +273,12 @@ def build_router_command(
     return LaunchCommand(argv, env, host, port, api_key_env)
 
 
+_ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
+
+
 def _sglang_label(command: LaunchCommand, index: int) -> str:
-    """Pidfile label: ``sglang router`` or ``sglang <index>``."""
-    return "sglang router" if "sglang_router.launch_server" in command.argv else f"sglang {index}"
+    """Pidfile label: ``sglang router`` or ``<engine> <index>``."""
+    return "sglang router" if "sglang_router.launch_server" in command.argv else f"{command.engine} {index}"
 
 
 class SGLangServers:
@@ -326,8 +337,8 @@ class SGLangServers:
         return [c.base_url for c in self.commands]
 
     def log_path(self, i: int) -> Path:
-        """Log file of server ``i``."""
-        return self.log_dir / f"sglang_{i}.log"
+        """Log file of server ``i``: ``<engine>_<i>.log`` (``sglang_0.log``, ``vllm_0.log``)."""
+        return self.log_dir / f"{self.commands[i].engine}_{i}.log"
 
     def __enter__(self) -> SGLangServers:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -351,16 +362,18 @@ class SGLangServers:
             log.write(f"# launch: {command.redacted()}\n")
         key = self._launch_key(command)
         key_config = None
+        env = {**os.environ, **command.env}
         if command.api_key_env:
+            env.pop(command.api_key_env, None)  # the server gets its key one way only
             if not key:
                 raise KeyError(f"environment variable {command.api_key_env} (the server API key) is not set")
+        if command.api_key_env and command.key_env_var:
+            env[command.key_env_var] = key
+        elif command.api_key_env:
             if self._key_dir is None:
                 self._key_dir = Path(tempfile.mkdtemp(prefix="dflash-sglang-keys-"))  # mode 0700
             self._drop_key_file(i)
             key_config = self._key_files[i] = write_key_config(self._key_dir, key)
-        env = {**os.environ, **command.env}
-        if command.api_key_env:
-            env.pop(command.api_key_env, None)  # the server reads its key from the file only
         return start_process(
             command.launch_argv(key_config),
             env,
@@ -437,11 +450,13 @@ class SGLangServers:
                         else ""
                     )
                     raise RuntimeError(
-                        f"SGLang server {i} ({command.base_url}) exited with code {proc.returncode}"
+                        f"{_ENGINE_NAMES.get(command.engine, command.engine)} server {i} ({command.base_url}) "
+                        f"exited with code {proc.returncode}"
                         f"{hint}; log {self.log_path(i)}:\n{tail}"
                     )
                 # nothing is sent before the listener is provably this server's (raises when another holds it)
-                if not listener_is_ours(command.host, command.port, proc.pid, f"SGLang server {i}"):
+                engine = _ENGINE_NAMES.get(command.engine, command.engine)
+                if not listener_is_ours(command.host, command.port, proc.pid, f"{engine} server {i}"):
                     continue
                 try:
                     r = httpx.get(origin(command.base_url) + self.health_path, headers=headers, timeout=30)
@@ -452,8 +467,9 @@ class SGLangServers:
                     pass
             if pending and time.monotonic() > deadline:
                 urls = [c.base_url for c in pending.values()]
+                engine = _ENGINE_NAMES.get(self.commands[0].engine, "SGLang")
                 raise TimeoutError(
-                    f"SGLang servers {urls} not healthy after {self.startup_timeout_s:.0f} s; logs in {self.log_dir}"
+                    f"{engine} servers {urls} not healthy after {self.startup_timeout_s:.0f} s; logs in {self.log_dir}"
                 )
             if pending:
                 # polling is cheap (one GET per pending server); a long pause is idle GPUs after start-up
