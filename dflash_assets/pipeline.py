@@ -22,6 +22,7 @@ from dflash_assets.assets.evaluation import EvaluationConfig
 from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
 from dflash_assets.config import config_path, op_config
 from dflash_assets.definitions import defs
+from dflash_assets.evaluation.vllm_run import prepare_in_background
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.history import latest_record, plain_metadata
 from dflash_assets.partitions import prompt_ranges
@@ -134,6 +135,10 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     started = time.monotonic()
     asset_names = {k.to_user_string() for k in defs.resolve_all_asset_keys()}
     print(f"config: {config_path()}\nDAGSTER_HOME: {dagster_home or os.environ.get('DAGSTER_HOME')}")
+    # vLLM's own environment installs (first use only) while the stages before drafter_evaluation run
+    engine_environment = prepare_in_background(
+        EvaluationConfig(**(op_config("drafter_evaluation")["ops"].get("drafter_evaluation") or {}).get("config", {}))
+    )
     did_work = []
 
     corpus_cfg = op_config("prompt_corpus")
@@ -230,6 +235,9 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         if not result.success:
             print(f"{stage} failed; see the run log above")
             return 1
+    if engine_environment is not None and engine_environment.is_alive():
+        print("waiting for the vLLM environment's install to finish (first use only)")
+        engine_environment.join()
     from dflash_assets.summary import collect_summary, format_summary
 
     summary = collect_summary(instance, keys, ran=did_work)

@@ -14,7 +14,9 @@ difference of the two tau values. The untrained drafter's tau is measured in the
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import dagster as dg
 import pytest
@@ -80,8 +82,12 @@ def demo_runs(local_inference, tmp_path_factory):
             ).success
         for seed in (0, 1):
             train_config = dict(ops["dflash_drafter"]["config"], max_steps=TEST_STEPS, seed=seed)
+            # seed 0 also through the real vLLM engine (the demo's engine: vllm), seed 1 in process only
             eval_config = dict(
-                ops["drafter_evaluation"]["config"], num_prompts=EVAL_PROMPTS, max_new_tokens=EVAL_NEW_TOKENS
+                ops["drafter_evaluation"]["config"],
+                num_prompts=EVAL_PROMPTS,
+                max_new_tokens=EVAL_NEW_TOKENS,
+                engine="vllm" if seed == 0 else "none",
             )
             run_config = {
                 "ops": {"dflash_drafter": {"config": train_config}, "drafter_evaluation": {"config": eval_config}}
@@ -92,6 +98,14 @@ def demo_runs(local_inference, tmp_path_factory):
             assert result.success
             out["drafters"].append(_meta(result, "dflash_drafter"))
             out["evaluations"].append(_meta(result, "drafter_evaluation"))
+            if seed == 0:  # what the engine tests below need: the export and report of the vLLM run
+                out["root"], out["eval_config"] = root, eval_config
+                out["report"] = json.loads((root / "drafter_evaluation" / "report.json").read_text())
+                out["export"] = root / "dflash_drafter" / "export"
+                out["checks"] = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+                shutil.copytree(out["export"].resolve(), root / "export_seed0")
+                out["export"] = root / "export_seed0"
+    out["resources"] = resources
     return out
 
 
@@ -121,3 +135,67 @@ def test_trained_drafter_beats_untrained_by_more_than_the_run_to_run_spread(demo
     assert d0["train_tokens"] == d1["train_tokens"] and d0["parameters"] == d1["parameters"]
     assert d0["seed"] == 0 and d1["seed"] == 1
     assert d0["final_loss"] != d1["final_loss"]  # two different drafters, not one run resumed
+
+
+# ----------------------------------------------------------------------------- the real vLLM engine (issue 31)
+
+
+def test_vllm_measures_the_trained_export_as_the_in_process_evaluation_does(demo_runs):
+    """vLLM's CPU build loads the freshly trained export; its tau (from its own Prometheus counters) is within
+    0.05 of the in-process tau on the same prompts, its greedy output equals plain greedy decoding, and both
+    checks pass."""
+    e = demo_runs["evaluations"][0]
+    assert e["engine_kind"] == "vllm" and e["engine_simulated"] is False
+    assert abs(e["engine_tau"] - e["tau"]) <= 0.05, (e["engine_tau"], e["tau"])
+    assert e["engine_parity_max_difference"] <= 0.05
+    assert demo_runs["checks"] == {"lossless": True, "engine_parity": True}, demo_runs["checks"]
+    section = demo_runs["report"]["engine"]
+    assert section["label"].startswith("vLLM 0.32.0") and "SIMULATED" not in section["label"]
+    block = demo_runs["drafters"][0]["block_size"]
+    assert section["datasets"]["heldout"]["num_speculative_tokens"] == block - 1
+    assert len(section["requests"]) == EVAL_PROMPTS and not any("error" in r for r in section["requests"])
+    # vLLM's own accounting: every generated token but the prefill's is a verification step's accepted or bonus one
+    for r in section["requests"]:
+        assert r["drafts"] + r["accepted"] >= r["completion_tokens"] - 1
+    log = demo_runs["root"] / "server_logs" / "drafter_evaluation" / "vllm_0.log"
+    assert "--speculative-config" in log.read_text()
+
+
+BROKEN = {
+    "target_layer_ids": lambda c: {**c, "target_layer_ids": list(reversed(c["target_layer_ids"]))},
+    "mask_token_id": lambda c: {**c, "mask_token_id": 0},
+    "block_size": lambda c: {**c, "block_size": 2 * c["block_size"]},
+}
+
+
+@pytest.mark.parametrize("field", list(BROKEN))
+def test_an_export_that_disagrees_with_training_fails_parity_in_the_real_engine(demo_runs, field, tmp_path):
+    """An export whose config.json names other target layers, mask token or block size than training used
+    loads in vLLM, and the engine_parity check fails naming the difference."""
+    from dflash_assets.assets.evaluation import EvaluationConfig
+    from dflash_assets.evaluation.datasets import HELDOUT
+    from dflash_assets.evaluation.parity import engine_parity
+    from dflash_assets.evaluation.vllm_run import plan_vllm, run_vllm
+
+    export = tmp_path / "export"
+    shutil.copytree(demo_runs["export"], export)
+    config = json.loads((export / "config.json").read_text())
+    config["dflash_config"] = BROKEN[field](config["dflash_config"])
+    config["block_size"] = config["dflash_config"]["block_size"]
+    (export / "config.json").write_text(json.dumps(config))
+    report, trained = demo_runs["report"], demo_runs["drafters"][0]
+    target_model = demo_runs["resources"]["target_model"]
+    eval_config = EvaluationConfig(**demo_runs["eval_config"])
+    log = dg.get_dagster_logger()
+    plan = plan_vllm(eval_config, target_model, str(export), log)
+    prompts = {HELDOUT: report["prompt_input_ids"][HELDOUT]}
+    section = run_vllm(
+        plan, prompts, EVAL_NEW_TOKENS, report["eos_token_ids"], str(tmp_path / "logs"), eval_config, None, log
+    )
+    parity = engine_parity(section, report["datasets"], trained, config)
+    text = " | ".join(parity["reasons"])
+    assert not parity["passed"], parity
+    assert f"the export's {field}" in text, text
+    if field == "block_size":
+        assert f"drafted {2 * trained['block_size'] - 1} tokens per step" in text
+    print(field, parity["by_dataset"])

@@ -168,7 +168,9 @@ def drafter_evaluation(
     export_dir = str(resolve_export(storage.ensure_local_dir(*EXPORT_DIR)))
     export_sha = file_sha256(os.path.join(export_dir, "model.safetensors"))
     plan = plan_engine(config, inference, target_model, export_dir, context.log)  # refuses before anything starts
-    fingerprint = evaluation_fingerprint(config, export_sha, train_meta, engine_fingerprint(plan))
+    # config.json too: an export whose settings changed (layers, mask token, block) is evaluated again
+    export_files_sha = f"{export_sha}:{file_sha256(os.path.join(export_dir, 'config.json'))}"
+    fingerprint = evaluation_fingerprint(config, export_files_sha, train_meta, engine_fingerprint(plan))
     previous = _previous_if_same(context.instance, fingerprint)
     if previous is not None:
         text = (

@@ -50,6 +50,8 @@ def run_evaluation(
     """
     report: dict = {
         "heldout_prompt_indexes": held[: config.num_prompts],
+        "prompt_input_ids": prompts,  # what every decoder was given, per dataset (template applied)
+        "eos_token_ids": list(eos),
         "drafter_export": store.uri(*EXPORT_DIR),
         "drafter_sha256": export_sha,
         "max_new_tokens": config.max_new_tokens,

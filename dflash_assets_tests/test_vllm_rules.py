@@ -1,0 +1,191 @@
+"""vLLM engine mode without a server: the Prometheus counters vLLM 0.32.0 exposed (captured from a real server),
+the parity rule, the export rules read from vLLM's source, the launch command and the engine environment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_assets.dflash.engine_check_vllm import check_vllm_export
+from dflash_assets.dflash.evaluation import first_divergence
+from dflash_assets.dflash.export import export_drafter
+from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
+from dflash_assets.evaluation.parity import engine_parity, lossless_summary
+from dflash_assets.evaluation.vllm_engine import parse_completion, parse_spec_counters, vllm_tau_by_dataset
+from dflash_assets.generation.engine_env import EngineEnvironment, EngineEnvironmentError
+from dflash_assets.generation.replies import ReplyError
+from dflash_assets.generation.vllm_servers import build_vllm_command, dflash_speculative_config
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_counters_from_a_real_vllm_exposition():
+    # captured after one 32-token greedy request with num_speculative_tokens 3: 29 verification steps accepted
+    # 2 drafted tokens, both at the first position; 29 + 2 = 31 = 32 - the prefill's token
+    c = parse_spec_counters((DATA / "vllm_0.32.0_metrics.txt").read_text())
+    assert (c.drafts, c.draft_tokens, c.accepted) == (29.0, 87.0, 2.0)
+    assert c.per_position == [2.0, 0.0, 0.0]
+    assert parse_spec_counters("").per_position == []
+    with pytest.raises(ReplyError):
+        parse_spec_counters("this is { not prometheus")
+
+
+def test_tau_per_dataset_from_counter_differences():
+    records = [
+        {"dataset": "d", "position": 0, "drafts": 10, "accepted": 5, "accepted_per_position": [4, 1, 0]},
+        {"dataset": "d", "position": 1, "drafts": 20, "accepted": 20, "accepted_per_position": [12, 6, 2]},
+        {"dataset": "d", "position": 2, "error": "ReplyError: x"},
+    ]
+    d = vllm_tau_by_dataset(records)["d"]
+    assert d["tau"] == pytest.approx((1.5 + 2.0) / 2)  # per-prompt 1 + accepted / drafts
+    assert d["tau_pooled"] == pytest.approx((15 + 40) / 30)
+    assert d["acceptance_per_position"] == pytest.approx([16 / 30, 7 / 30, 2 / 30])
+    assert (d["requests"], d["requests_measured"], d["errors"], d["num_speculative_tokens"]) == (3, 2, 1, 3)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"choices": []},
+        {"choices": [{"token_ids": ["a"], "finish_reason": "stop"}], "usage": {"completion_tokens": 1}},
+        {"choices": [{"token_ids": [1, 2], "finish_reason": "stop"}], "usage": {"completion_tokens": 3}},
+        {"choices": [{"token_ids": [1, 99], "finish_reason": "stop"}], "usage": {"completion_tokens": 2}},
+        {"choices": [{"token_ids": [1], "finish_reason": 7}], "usage": {"completion_tokens": 1}},
+    ],
+)
+def test_a_malformed_completion_is_a_reply_error(payload):
+    with pytest.raises(ReplyError):
+        parse_completion(payload, vocab_size=50)
+
+
+def test_first_divergence_names_prompt_and_token():
+    assert first_divergence([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) is None
+    assert first_divergence([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == {
+        "prompt": 1,
+        "token": 1,
+        "expected": 5,
+        "actual": 9,
+    }
+    assert first_divergence([[1, 2]], [[1, 2, 3]]) == {"prompt": 0, "token": 2, "expected": None, "actual": 3}
+
+
+def _local(per_prompt, plain):
+    return {"heldout": {"trained": {"per_prompt_tau": per_prompt, "plain_output_ids": plain, "lossless": True}}}
+
+
+def _engine(taus, outputs, drafted=3):
+    return {
+        "requests": [
+            {"dataset": "heldout", "position": i, "tau": t, "output_ids": o}
+            for i, (t, o) in enumerate(zip(taus, outputs))
+        ],
+        "datasets": {"heldout": {"num_speculative_tokens": drafted}},
+    }
+
+
+TRAINED = {"block_size": 4, "target_layer_ids": [1, 8], "mask_token_id": 7}
+EXPORT = {"dflash_config": {"block_size": 4, "target_layer_ids": [1, 8], "mask_token_id": 7}}
+
+
+def test_parity_passes_when_engine_and_in_process_agree():
+    out = engine_parity(_engine([1.5, 2.0], [[1, 2], [3]]), _local([1.5, 2.02], [[1, 2], [3]]), TRAINED, EXPORT)
+    assert out["passed"], out
+    assert out["by_dataset"]["heldout"]["difference"] == pytest.approx(-0.01)
+
+
+def test_parity_fails_on_tau_output_and_block_and_names_the_cause():
+    broken = {"dflash_config": {**EXPORT["dflash_config"], "mask_token_id": 3}}
+    out = engine_parity(
+        _engine([1.0, 1.0], [[1, 2], [3, 5]], drafted=7), _local([1.5, 2.0], [[1, 2], [3, 4]]), TRAINED, broken
+    )
+    text = " | ".join(out["reasons"])
+    assert not out["passed"]
+    assert "tau 1.000 vs in-process 1.750" in text
+    assert "prompt 1, generated token 1 (expected id 4, got 5)" in text
+    assert "drafted 7 tokens per step; the drafter trained on blocks of 4" in text
+    assert "mask_token_id 3 is not the 7" in text
+    summary = lossless_summary(_local([1.5], [[1]]), out)
+    assert not summary["passed"] and "prompt 1, generated token 1" in summary["reasons"][0]
+
+
+def _export(tmp_path, **overrides) -> Path:
+    cfg = DFlashConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=100,
+        mask_token_id=99,
+        target_layer_ids=[0, 2],
+        num_target_layers=4,
+        num_hidden_layers=2,
+        block_size=4,
+        **overrides,
+    )
+    torch.manual_seed(0)
+    return export_drafter(DFlashDraftModel(cfg), tmp_path / "export")
+
+
+def _target(tmp_path, layers=4, hidden=32, vocab=100) -> Path:
+    d = tmp_path / "target"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(
+        json.dumps({"num_hidden_layers": layers, "hidden_size": hidden, "vocab_size": vocab})
+    )
+    return d
+
+
+def test_a_fresh_export_passes_vllms_rules(tmp_path):
+    check = check_vllm_export(_export(tmp_path), target_dir=_target(tmp_path), num_speculative_tokens=3, device="cpu")
+    assert check.ok, check.refusals
+    assert not check.warnings
+
+
+def test_vllm_rules_refuse_what_vllm_refuses(tmp_path):
+    export = _export(tmp_path, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    check = check_vllm_export(export, target_dir=_target(tmp_path, layers=2, hidden=16), device="cpu")
+    text = " | ".join(check.refusals)
+    assert "V2 model runner" in text  # mixed layers on the CPU build
+    assert "target_layer_ids [2]" in text  # layer 2 + 1 beyond a 2-layer target
+    assert "differs from the target's 16" in text
+    on_gpu = check_vllm_export(export, device="cuda")
+    assert on_gpu.ok and any("VLLM_USE_V2_MODEL_RUNNER=1" in w for w in on_gpu.warnings)
+    config = json.loads((export / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [1]
+    del config["dflash_config"]["target_layer_ids"]
+    (export / "config.json").unlink()
+    (export / "config.json").write_text(json.dumps(config))
+    text = " | ".join(check_vllm_export(export, device="cuda").refusals)
+    assert "eagle_aux_hidden_state_layer_ids is set" in text and "target_layer_ids = None" in text
+
+
+def test_the_launch_command_keeps_the_key_in_the_environment(tmp_path):
+    spec = dflash_speculative_config(tmp_path / "export", 16)
+    assert spec == {"method": "dflash", "model": str(tmp_path / "export"), "num_speculative_tokens": 15}
+    cmd = build_vllm_command("/py", "/target", 8123, speculative_config=spec, api_key_env="DFLASH_SERVER_API_KEY")
+    assert "--api-key" not in cmd.argv and cmd.key_env_var == "VLLM_API_KEY"
+    assert cmd.launch_argv() == list(cmd.argv)  # no --config key file for vLLM
+    assert json.loads(cmd.argv[cmd.argv.index("--speculative-config") + 1]) == spec
+    assert "VLLM_API_KEY=$DFLASH_SERVER_API_KEY" in cmd.redacted()
+    with pytest.raises(ValueError, match="block_size 1"):
+        dflash_speculative_config("x", 1)
+
+
+def test_engine_environment_is_made_once_and_a_failed_install_names_its_log(tmp_path):
+    env = EngineEnvironment("plain", (), import_check="import json")
+    lines: list[str] = []
+    python = env.ensure(lines.append, root=tmp_path)
+    assert python.exists() and env.ready(tmp_path)
+    assert env.ensure(lines.append, root=tmp_path) == python
+    assert any("reusing" in line for line in lines)
+    bad = EngineEnvironment("bad", ("dflash-assets-no-such-package==0.0.0",), import_check="import json")
+    with pytest.raises(EngineEnvironmentError, match=r"pip install failed .*install\.log"):
+        bad.ensure(lines.append, root=tmp_path)
+    assert not bad.ready(tmp_path)
+    given = EngineEnvironment("given", (), import_check="import no_such_module_here", python=str(python))
+    with pytest.raises(EngineEnvironmentError, match="no_such_module_here"):
+        given.ensure(lines.append)
