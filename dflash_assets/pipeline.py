@@ -36,7 +36,9 @@ def run_failure_reason(result: dg.ExecuteInProcessResult) -> str | None:
         if event.event_type_value in ("STEP_FAILURE", "RUN_FAILURE"):
             error = getattr(event.event_specific_data, "error", None)
             text = (error.message if error is not None else event.message) or ""
-            text = text.strip().splitlines()[0] if text.strip() else ""
+            lines = text.strip().splitlines()
+            # a first line ending in ":" announces the next (a failed check: "...failed ...:\nasset: check")
+            text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
             if text and text not in errors:
                 errors.append(text)
     return "; ".join(errors) or None
