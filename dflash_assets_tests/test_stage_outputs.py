@@ -20,6 +20,7 @@ from dflash_assets.resources.storage import StorageResource
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.stage_outputs import missing_outputs
 from dflash_assets.storage import Storage
+from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target  # noqa: F401
 from dflash_assets_tests.test_check_gate import PK, QUESTIONS, tokenize, write_completions
 
 
@@ -74,3 +75,33 @@ def test_missing_outputs_reads_the_index_each_partition_wrote(tmp_path):
     assert missing_outputs(Storage(str(tmp_path / "none")), "tokenized_sequences", keys[:1]) == {
         keys[0]: str(tmp_path / "none" / "tokenized_sequences" / f"{keys[0]}.parquet")
     }
+
+
+def test_missing_outputs_on_s3_lists_the_prefix_once(s3_target, tmp_path):  # noqa: F811
+    """On S3 the listing gives ``bucket/prefix/...`` paths: present tables must not read as missing."""
+    resource = StorageResource(
+        root=s3_target.root,
+        scratch_dir=str(tmp_path / "scratch"),
+        endpoint_url=s3_target.endpoint_url,
+        region="us-east-1",
+        aws_access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID"),
+        aws_secret_access_key=dg.EnvVar("AWS_SECRET_ACCESS_KEY"),
+    ).process_config_and_initialize()
+    store = resource.open()
+    keys = ["0000000-0000003", "0000004-0000007"]
+    store.write_bytes(b"table", "completions", f"{keys[0]}.parquet")
+    store.write_bytes(b"segment", "completions", f"{keys[1]}.journal", "seg-000001.jsonl")  # no table yet
+    assert missing_outputs(store, "completions", keys) == {keys[1]: f"{s3_target.root}/completions/{keys[1]}.parquet"}
+    store.write_json({"shards": []}, "hidden_states", keys[1], "index.json")
+    assert missing_outputs(store, "hidden_states", keys) == {
+        keys[0]: f"{s3_target.root}/hidden_states/{keys[0]}/index.json"
+    }
+    # a prefix with nothing under it: all missing, no error
+    other = StorageResource(
+        root=s3_target.root + "-other",
+        endpoint_url=s3_target.endpoint_url,
+        region="us-east-1",
+        aws_access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID"),
+        aws_secret_access_key=dg.EnvVar("AWS_SECRET_ACCESS_KEY"),
+    ).process_config_and_initialize()
+    assert set(missing_outputs(other.open(), "completions", keys)) == set(keys)
