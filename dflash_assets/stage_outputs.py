@@ -25,7 +25,8 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "hidden_states": ("hidden_states", "{pk}", "index.json"),  # written last: readers trust only a complete index
     "truncation_report": ("truncation_report", "report.json"),
     "dflash_drafter": ("dflash_drafter", "export", "model.safetensors"),
-    "drafter_evaluation": ("drafter_evaluation", "report.json"),
+    # drafter_evaluation is left out: its "reused" path (same export, same settings) writes no report, so a
+    # missing report.json would send every run back to it without ever writing one
 }
 
 
@@ -44,7 +45,10 @@ def missing_reason(uri: str | None) -> str | None:
 
 
 def output_missing(store: Storage, stage: str, pk: str | None = None) -> str | None:
-    """The URI of ``stage``'s output (of ``pk``) when it is not in ``store``, else None (one existence check)."""
+    """The URI of ``stage``'s output (of ``pk``) when it is not in ``store``, else None (one existence check;
+    None for a stage without a checked output)."""
+    if stage not in OUTPUTS:
+        return None
     parts = output_parts(stage, pk)
     return None if store.exists(*parts) else store.uri(*parts)
 
@@ -52,7 +56,7 @@ def output_missing(store: Storage, stage: str, pk: str | None = None) -> str | N
 def missing_outputs(store: Storage, stage: str, keys: Sequence[str]) -> dict[str, str]:
     """``{pk: uri}`` of the partitions of ``keys`` whose output of partitioned ``stage`` is not in ``store``,
     from one recursive listing of the stage's folder."""
-    if not keys:
+    if not keys or stage not in OUTPUTS:
         return {}
     folder = OUTPUTS[stage][0]
     base = store.path(folder).rstrip("/")
