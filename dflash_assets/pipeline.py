@@ -143,7 +143,8 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})),
         defs.resources["storage"],
     )
-    store = defs.resources["storage"].open()
+    # EnvVar credentials resolve only in an initialized resource (outside a run, reading one raises)
+    store = defs.resources["storage"].process_config_and_initialize().open()
     corpus_meta = plain_metadata(latest_record(instance, "prompt_corpus"))
     if why := freshness.corpus_reason(corpus_meta, fingerprint) or freshness.output_reason(store, "prompt_corpus"):
         print(f"prompt_corpus: {why}: building it")
