@@ -20,7 +20,7 @@ from dagster._core.storage.tags import (
     PARTITION_NAME_TAG,
 )
 
-from dflash_assets import freshness
+from dflash_assets import check_gate, freshness
 from dflash_assets.freshness import settings_reason
 from dflash_assets.history import latest_records
 from dflash_assets.partitions import prompt_ranges
@@ -169,13 +169,17 @@ def downstream_requests(
     completions_status: dict,
     completions_records: dict,
     limit: int,
-) -> tuple[list[dg.RunRequest], int]:
+) -> tuple[list[dg.RunRequest], int, dict[str, str]]:
     """Per-partition runs of the stages after completions (tokenized_sequences, hidden_states) where
     completions is materialized and a later stage is missing or older than its upstream (not failed or
-    in progress: a failed stage waits for a human). Two queries per stage. Returns (requests, candidates)."""
+    in progress: a failed stage waits for a human). A partition whose stage failed a blocking check
+    (:mod:`dflash_assets.check_gate`) waits too, and nothing after that stage is requested for it. Two
+    queries per stage and one check-history read per blocking check. Returns (requests, candidates,
+    ``{pk: "failed check <asset>.<check>"}`` of the partitions held by a failed check)."""
     stages = [s for s in partition_job_selection(available) if s != "completions"]
     upstream_ids = {pk: r.storage_id for pk, r in completions_records.items()}
     todo: dict[str, str] = {}  # pk -> first stage to run
+    held: dict[str, str] = {}  # pk -> the failed check that holds it
     for stage in stages:
         key = dg.AssetKey(stage)
         status = partition_statuses(instance, key, keys)
@@ -189,7 +193,10 @@ def downstream_requests(
                 continue
             if freshness.after_upstream_reason(ids.get(pk), [upstream_ids[pk]]) is not None:
                 todo[pk] = stage
-        upstream_ids = {pk: ids[pk] for pk in ids if pk not in todo}
+        current = {pk: ids[pk] for pk in keys if pk in ids and pk not in todo and pk not in held}
+        for pk, names in check_gate.failed_blocking_checks(instance, stage, current).items():
+            held[pk] = check_gate.check_reason(stage, names)
+        upstream_ids = {pk: i for pk, i in current.items() if pk not in held}
     requests = [
         dg.RunRequest(
             partition_key=pk,
@@ -199,7 +206,7 @@ def downstream_requests(
         )
         for pk, first in sorted(todo.items())
     ][:limit]
-    return requests, len(todo)
+    return requests, len(todo), held
 
 
 def build_backfill_schedule(
@@ -266,10 +273,16 @@ def build_backfill_schedule(
             if context.repository_def
             else set(PARTITION_STAGES)
         )
-        downstream, waiting = downstream_requests(instance, keys, names, status, records, max_downstream_per_tick)
+        downstream, waiting, held = downstream_requests(instance, keys, names, status, records, max_downstream_per_tick)
+        if held:
+            context.log.warning(check_gate.held_message(held))
         requests += downstream
         if not requests:
-            return dg.SkipReason(f"nothing unfinished to retry ({len(running)} in progress, {len(given_up)} given up)")
+            return dg.SkipReason(
+                f"nothing unfinished to retry ({len(running)} in progress, {len(given_up)} given up"
+                + (f"; {check_gate.held_message(held)}" if held else "")
+                + ")"
+            )
         context.log.info(
             f"{len(wanted)} unfinished completions partitions: requesting {len(ranges)} range run(s) "
             f"{[f'{r[0]}...{r[-1]} ({len(r)})' for r in ranges]}; {waiting} partitions wait for later stages, "
@@ -339,10 +352,14 @@ def build_cap_change_sensor(job, max_runs_per_tick: int = 10, max_partitions_per
                     },
                 )
             )
+        held = check_gate.held_partitions(instance, keys)
+        if held:  # a new completions table makes such a stage stale: the backfill schedule then redoes it
+            context.log.warning(check_gate.held_message(held))
         if not requests:
             return dg.SkipReason(
                 f"no partition is touched by max_output_tokens={settings.max_output_tokens}"
                 + (f" ({len(running)} in progress)" if running else "")
+                + (f"; {check_gate.held_message(held)}" if held else "")
             )
         return requests
 

@@ -14,11 +14,15 @@ asset                             not up to date when
                                   made for; rows the generation settings invalidate (error rows, other
                                   sampling, a cap their length rows or longest row does not fit)
 ``tokenized_sequences[pk]``,      never built, or older than the latest materialization of the stage
-``hidden_states[pk]``             before it (which happens only when that stage's table changed)
+``hidden_states[pk]``             before it (which happens only when that stage's table changed); its
+                                  latest materialization failed a blocking check, or the stage before it
+                                  did (:mod:`dflash_assets.check_gate`): until it is made again and passes
 ``truncation_report``             older than a completions partition
 ``dflash_drafter``,               older than its upstream, or its op config changed since its last
 ``drafter_evaluation``            materialization (the drafter then decides by data content whether to
                                   train, resume or reuse)
+any of them                       its output is not in the configured storage (``output missing: <uri>``,
+                                  :mod:`dflash_assets.stage_outputs`): another root, or files deleted
 ================================  =====================================================================
 
 Why not Dagster's own staleness (``CachingStaleStatusResolver``: code versions plus the data versions the
@@ -36,8 +40,11 @@ from collections.abc import Sequence
 
 import dagster as dg
 
+from dflash_assets.check_gate import check_reason, failed_blocking_checks
 from dflash_assets.history import latest_record, latest_records, plain_metadata
 from dflash_assets.settings import GenerationSettings
+from dflash_assets.stage_outputs import missing_outputs, missing_reason, output_missing
+from dflash_assets.storage import Storage
 
 NOT_MATERIALIZED = "not materialized"
 PROMPTS_CHANGED = "prompts changed"
@@ -156,15 +163,50 @@ def partition_reason(
     pk: str,
     settings: GenerationSettings | None = None,
     upstream: str | None = None,
+    store: Storage | None = None,
 ) -> str | None:
-    """Why ``stage[pk]`` is not up to date (``upstream``: the stage it is built from, for the later stages)."""
+    """Why ``stage[pk]`` is not up to date (``upstream``: the stage it is built from, for the later stages;
+    ``store``: the configured storage, to check the output is there; None: not checked).
+    :func:`partition_reasons` for one key."""
+    return partition_reasons(instance, stage, [pk], settings, upstream, store)[pk]
+
+
+def partition_reasons(
+    instance: dg.DagsterInstance,
+    stage: str,
+    keys: Sequence[str],
+    settings: GenerationSettings | None = None,
+    upstream: str | None = None,
+    store: Storage | None = None,
+) -> dict[str, str | None]:
+    """``{pk: why stage[pk] is not up to date, or None}`` for every key, in this order of reasons: never
+    materialized; (completions) prompts or settings; (later stages) ``upstream`` materialized since, a blocking
+    check of the stage's latest materialization failed (``failed check <asset>.<check>``), or one of
+    ``upstream``'s did (``<upstream> failed check ...``); the output missing from ``store``.
+
+    Instance reads: the latest records of ``stage`` and ``upstream`` (two queries each), one paged check
+    history per blocking check; one listing of ``store`` per stage."""
+    records = latest_records(instance, stage, keys)
     if stage == "completions":
-        versions = corpus_versions(instance)
-        return completions_reason(
-            plain_metadata(latest_record(instance, stage, pk)), settings, (versions or {}).get(pk) if versions else None
-        )
-    return after_upstream_reason(
-        latest_record(instance, stage, pk),
-        [latest_record(instance, upstream, pk)] if upstream else [],
-        upstream or "upstream",
-    )
+        reasons = completions_reasons(instance, keys, settings, records)
+    else:
+        up = latest_records(instance, upstream, keys) if upstream else {}
+        reasons = {pk: after_upstream_reason(records.get(pk), [up.get(pk)], upstream or "upstream") for pk in keys}
+        own = failed_blocking_checks(instance, stage, {pk: r for pk, r in records.items() if not reasons.get(pk)})
+        above = failed_blocking_checks(instance, upstream, up) if upstream else {}
+        for pk in keys:
+            if reasons[pk] is None and (why := check_reason(stage, own.get(pk))):
+                reasons[pk] = why
+            elif reasons[pk] is None and (why := check_reason(upstream or "", above.get(pk))):
+                reasons[pk] = f"{upstream} {why}"
+    if store is not None:
+        fine = [pk for pk in keys if reasons[pk] is None]
+        for pk, uri in missing_outputs(store, stage, fine).items():
+            reasons[pk] = missing_reason(uri)
+    return reasons
+
+
+def output_reason(store: Storage | None, stage: str) -> str | None:
+    """``"output missing: <uri>"`` when an unpartitioned ``stage``'s output is not in ``store`` (None: it is,
+    or no store to check)."""
+    return missing_reason(output_missing(store, stage)) if store is not None else None

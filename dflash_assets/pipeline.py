@@ -37,7 +37,9 @@ def run_failure_reason(result: dg.ExecuteInProcessResult) -> str | None:
         if event.event_type_value in ("STEP_FAILURE", "RUN_FAILURE"):
             error = getattr(event.event_specific_data, "error", None)
             text = (error.message if error is not None else event.message) or ""
-            text = text.strip().splitlines()[0] if text.strip() else ""
+            lines = text.strip().splitlines()
+            # a first line ending in ":" announces the next (a failed check: "...failed ...:\nasset: check")
+            text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
             if text and text not in errors:
                 errors.append(text)
     return "; ".join(errors) or None
@@ -146,7 +148,10 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         PromptCorpusConfig(**(corpus_cfg["ops"].get("prompt_corpus") or {}).get("config", {})),
         defs.resources["storage"],
     )
-    if why := freshness.corpus_reason(plain_metadata(latest_record(instance, "prompt_corpus")), fingerprint):
+    # EnvVar credentials resolve only in an initialized resource (outside a run, reading one raises)
+    store = defs.resources["storage"].process_config_and_initialize().open()
+    corpus_meta = plain_metadata(latest_record(instance, "prompt_corpus"))
+    if why := freshness.corpus_reason(corpus_meta, fingerprint) or freshness.output_reason(store, "prompt_corpus"):
         print(f"prompt_corpus: {why}: building it")
         result = _materialize(["prompt_corpus"], corpus_cfg)
         if not result.success:
@@ -161,7 +166,11 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     failed: dict[str, str] = {}  # partition -> why it failed
     # completions of every partition that needs it in ONE run: the servers start once, requests stream
     # across partitions, each partition is committed as it completes (up-to-date ones in between are kept)
-    reasons = freshness.completions_reasons(instance, keys, settings) if "completions" in asset_names else {}
+    reasons = (
+        freshness.partition_reasons(instance, "completions", keys, settings, store=store)
+        if "completions" in asset_names
+        else {}
+    )
     generate = [pk for pk in keys if reasons.get(pk)]
     if generate:
         span = (generate[0], generate[-1])
@@ -186,19 +195,20 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
                 f"{after[pk]} (see the run log above)"
             )
         did_work += [f"completions[{pk}]" for pk in generate if pk not in failed]
+    later = [s for s in stages if s in asset_names and s != "completions"]  # completions: done above, in one run
+    # one read per stage for every partition: runs of other partitions cannot change a partition's answer
+    stage_reasons = {
+        stage: freshness.partition_reasons(instance, stage, keys, settings, upstream, store)
+        for stage, upstream in zip(later, ["completions", *later])
+    }
     for pk in keys:
         if pk in failed:
             continue  # its completions run failed: the later stages would read stale rows
-        todo, upstream = [], "completions"
-        for stage in stages:
-            if stage not in asset_names or stage == "completions":  # completions: done above, in one run
-                continue
-            if todo or freshness.partition_reason(instance, stage, pk, settings, upstream) is not None:
-                todo.append(stage)
-            upstream = stage
-        if not todo:
+        first = next((i for i, stage in enumerate(later) if stage_reasons[stage][pk]), None)
+        if first is None:
             continue
-        print(f"{pk}: materializing {', '.join(todo)}")
+        todo = later[first:]
+        print(f"{pk}: materializing {', '.join(todo)} ({todo[0]}: {stage_reasons[todo[0]][pk]})")
         result = _materialize(todo, op_config(*todo), partition_key=pk)
         did_work += [f"{s}[{pk}]" for s in todo]
         if not result.success:
@@ -227,9 +237,12 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         changed = settings_cls is not None and config_changed_since_last(
             instance, stage, settings_cls(**((op_config(stage)["ops"].get(stage) or {}).get("config") or {}))
         )
-        if freshness.after_upstream_reason(latest_record(instance, stage), upstream) is None and not changed:
+        why = freshness.after_upstream_reason(latest_record(instance, stage), upstream) or (
+            "its config changed" if changed else freshness.output_reason(store, stage)
+        )
+        if why is None:
             continue
-        print(f"materializing {stage}")
+        print(f"materializing {stage} ({why})")
         result = _materialize([stage], op_config(stage))
         did_work.append(stage)
         if not result.success:

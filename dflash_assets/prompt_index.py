@@ -17,12 +17,20 @@ means the same indices); indices past the last range get new ranges of ``partiti
 left with no prompt is not registered as a partition. Changing ``partition_size`` re-cuts every range
 (every partition key changes, as before this table existed).
 
+The index table also records each index's range (``partition``) and the ``partition_size`` they were cut
+with, so a lost :data:`RANGES_FILE` is rebuilt from it with every key as it was (a range is cut once, by
+the first build that gives an index in it, and a partial last range keeps its bounds: they cannot be
+recomputed from the indices alone). A file that does not read fails the build naming it and the fix.
+
 No Dagster imports.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
+import json
 from dataclasses import dataclass, field
 
 import polars as pl
@@ -31,7 +39,14 @@ from dflash_assets.partitions import KEY_DIGITS, key_range, range_key
 
 INDEX_FILE = ("prompt_corpus", "prompt_index.parquet")
 RANGES_FILE = ("prompt_corpus", "partition_ranges.json")
-INDEX_SCHEMA = {"content_hash": pl.String, "index": pl.Int64, "prompt_id": pl.String}
+INDEX_SCHEMA = {
+    "content_hash": pl.String,
+    "index": pl.Int64,
+    "prompt_id": pl.String,
+    "partition": pl.String,  # the key of the range holding the index (None: written before ranges were kept here)
+    "partition_size": pl.Int64,  # the size the ranges were cut with
+}
+_REQUIRED = ("content_hash", "index", "prompt_id")
 
 
 @dataclass
@@ -54,8 +69,21 @@ class IndexTable:
         return max(self.by_hash.values(), default=-1) + 1
 
     def frame(self) -> pl.DataFrame:
-        """The table as stored (INDEX_SCHEMA), sorted by index."""
-        rows = [{"content_hash": h, "index": i, "prompt_id": self.prompt_ids.get(h)} for h, i in self.by_hash.items()]
+        """The table as stored (INDEX_SCHEMA), sorted by index, each index with the key of its range."""
+        firsts = [first for first, _ in self.ranges]
+        rows = []
+        for h, i in self.by_hash.items():
+            k = bisect.bisect_right(firsts, i) - 1
+            inside = k >= 0 and self.ranges[k][0] <= i <= self.ranges[k][1]
+            rows.append(
+                {
+                    "content_hash": h,
+                    "index": i,
+                    "prompt_id": self.prompt_ids.get(h),
+                    "partition": range_key(*self.ranges[k]) if inside else None,
+                    "partition_size": self.partition_size,
+                }
+            )
         return pl.DataFrame(rows, schema=INDEX_SCHEMA).sort("index") if rows else pl.DataFrame(schema=INDEX_SCHEMA)
 
 
@@ -80,36 +108,101 @@ class EditCounts:
 
 def load_index(store, previous_corpus: pl.DataFrame | None = None) -> IndexTable:
     """The stored table; without one, a table seeded from ``previous_corpus`` (a corpus written before
-    stable indices existed keeps its numbering), else an empty one.
+    stable indices existed keeps its numbering), else an empty one. The ranges come from :data:`RANGES_FILE`,
+    or, when it is gone, from the ranges the stored table records (same keys as before).
 
     Raises:
-        ValueError: the stored table holds one hash twice or one index twice (a damaged file; the message
-            names it and the fix).
+        ValueError: a stored file does not read, lacks a column or a key, holds one hash or one index twice,
+            or the ranges file is gone and the table does not record ranges (an older table); the message
+            names the file and the fix.
     """
     table = IndexTable()
-    if store.exists(*INDEX_FILE):
-        frame = store.read_parquet(*INDEX_FILE)
-        source = "/".join(INDEX_FILE)
+    stored = _read_index(store) if store.exists(*INDEX_FILE) else None
+    if stored is not None:
+        frame = stored
     elif previous_corpus is not None and previous_corpus.height:
         frame = previous_corpus.select("content_hash", "index", "prompt_id")
-        source = None
     else:
         frame = None
     if frame is not None:
-        if source is not None and (
-            frame["content_hash"].n_unique() != frame.height or frame["index"].n_unique() != frame.height
-        ):
-            raise ValueError(
-                f"{source}: a content hash or an index appears twice; the file is damaged. Restore it, or "
-                "delete it to number the current corpus afresh (stored rows are then requested again)"
-            )
         table.by_hash = dict(zip(frame["content_hash"].to_list(), frame["index"].to_list()))
         table.prompt_ids = dict(zip(frame["content_hash"].to_list(), frame["prompt_id"].to_list()))
     if store.exists(*RANGES_FILE):
-        saved = store.read_json(*RANGES_FILE)
-        table.ranges = [(int(a), int(b)) for a, b in saved.get("ranges", [])]
-        table.partition_size = saved.get("partition_size")
+        table.ranges, table.partition_size = _read_ranges(store)
+    elif stored is not None and stored.height:
+        table.ranges, table.partition_size = ranges_from_index(stored, store.uri(*INDEX_FILE), store.uri(*RANGES_FILE))
     return table
+
+
+def _read_index(store) -> pl.DataFrame:
+    """The stored index table, checked.
+
+    Raises:
+        ValueError: it does not read as Parquet, lacks a column, or holds a hash or an index twice.
+    """
+    uri = store.uri(*INDEX_FILE)
+    fix = (
+        "Restore it from a backup, or delete it: the next build numbers the prompts of corpus.parquet as they "
+        "are (prompts removed since lose their old index; their stored rows are requested again if they return)"
+    )
+    try:
+        frame = store.read_parquet(*INDEX_FILE)
+    except Exception as exc:
+        raise ValueError(
+            f"{uri}: not a readable prompt index table ({type(exc).__name__}: {str(exc)[:200]}). {fix}"
+        ) from None
+    if missing := [c for c in _REQUIRED if c not in frame.columns]:
+        raise ValueError(f"{uri}: the prompt index table lacks the column(s) {missing}; the file is damaged. {fix}")
+    if frame["content_hash"].n_unique() != frame.height or frame["index"].n_unique() != frame.height:
+        raise ValueError(f"{uri}: a content hash or an index appears twice; the file is damaged. {fix}")
+    return frame
+
+
+def _read_ranges(store) -> tuple[list[tuple[int, int]], int | None]:
+    """``(ranges, partition_size)`` of :data:`RANGES_FILE`.
+
+    Raises:
+        ValueError: not JSON, or not ``{"partition_size": int, "ranges": [[first, last], ...]}`` with
+            ``0 <= first <= last`` in increasing order.
+    """
+    uri = store.uri(*RANGES_FILE)
+    fix = f"Delete it: the next build rebuilds the ranges from {store.uri(*INDEX_FILE)} (every key as before)"
+    try:
+        saved = json.loads(store.read_bytes(*RANGES_FILE))
+        ranges = [(int(a), int(b)) for a, b in saved["ranges"]]
+        size = saved.get("partition_size")
+        size = None if size is None else int(size)
+    except Exception as exc:
+        raise ValueError(
+            f"{uri}: not a readable partition ranges file ({type(exc).__name__}: {str(exc)[:200]}). {fix}"
+        ) from None
+    if any(a > b or a < 0 for a, b in ranges) or any(b >= c for (_, b), (c, _) in itertools.pairwise(ranges)):
+        raise ValueError(f"{uri}: ranges overlap, are out of order or negative; the file is damaged. {fix}")
+    return ranges, size
+
+
+def ranges_from_index(frame: pl.DataFrame, index_uri: str, ranges_uri: str) -> tuple[list[tuple[int, int]], int]:
+    """``(ranges, partition_size)`` the stored index table records (its ``partition`` keys, in order).
+
+    Raises:
+        ValueError: the table records no ranges (written before it did) or a bad key: the ranges file is then
+            the only record, and the message names both files and the fix.
+    """
+    fix = (
+        f"{ranges_uri} is missing and {index_uri} does not record the partition ranges (written by an older "
+        "version). Restore partition_ranges.json from a backup; or, to cut every range again from index 0 (every "
+        "partition key changes and every partition is generated again), delete prompt_index.parquet too"
+    )
+    if "partition" not in frame.columns or frame["partition"].null_count() or "partition_size" not in frame.columns:
+        raise ValueError(fix)
+    sizes = frame["partition_size"].drop_nulls().unique().to_list()
+    if len(sizes) != 1:
+        raise ValueError(f"{fix} (it records {len(sizes)} partition sizes)")
+    try:
+        ranges = sorted(key_range(k) for k in frame["partition"].unique().to_list())
+    except ValueError as exc:
+        raise ValueError(f"{fix} ({exc})") from None
+    return ranges, int(sizes[0])
 
 
 def save_index(store, table: IndexTable) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import dagster as dg
 
+from dflash_assets.check_gate import held_message, held_partitions
 from dflash_assets.history import latest_metadata, latest_records, plain_metadata
 from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.pools import pool_usage
@@ -303,6 +304,7 @@ def collect_status(
         "prompts": rows_total,
         "corpus_edit": edit,
         "runs_in_progress": runs_in_progress(instance, all_records),
+        "held": held_partitions(instance, keys),  # {pk: "failed check <asset>.<check>"}: nothing after it runs
         "stages": counts,
         "pools": pool_usage(instance),
         "completions": {
@@ -349,6 +351,8 @@ def format_status(status: dict) -> str:
         if c["failed_keys"]:
             shown = ", ".join(c["failed_keys"][:5]) + (" ..." if len(c["failed_keys"]) > 5 else "")
             lines.append(f"  failed: {shown}")
+    if held := status.get("held"):
+        lines.append(held_message(held))
     for pool, p in status.get("pools", {}).items():
         limit = "no limit" if p["limit"] is None else f"limit {p['limit']}"
         lines.append(f"pool {pool}: {limit}, {p['in_use']} in use, {p['waiting']} waiting")

@@ -4,6 +4,7 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.assets.tokenized import tokenized_file
+from dflash_assets.check_gate import CHECK_FINITE, CHECK_IDS
 from dflash_assets.hidden_states_stage import (
     ExtractionSettings,
     HiddenStatesError,
@@ -19,9 +20,6 @@ from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.runs import partition_busy_message, runs_holding_partitions
 from dflash_assets.storage_plan import StoragePlan, compute_plan, target_shape
-
-CHECK_IDS = "stored_input_ids_match_tokenized"
-CHECK_FINITE = "hidden_states_finite"
 
 
 class HiddenStatesConfig(dg.Config):

@@ -62,10 +62,14 @@ _NOT_FINGERPRINTED = {"max_record_mb", "max_file_gb"}
 
 
 def corpus_fingerprint(config: PromptCorpusConfig, storage: StorageResource | None = None) -> str:
-    """Hash of the corpus config and each source file's size and modification time (S3: size and ETag):
-    equal -> the corpus is unchanged. ``storage`` supplies the S3 endpoint and credentials for s3:// sources."""
+    """Hash of the corpus config, the storage root and each source file's size and modification time (S3:
+    size and ETag): equal -> the corpus is unchanged. ``storage`` supplies the root, and the S3 endpoint and
+    credentials for s3:// sources. The asset takes it *before* reading the files, so a file edited while a
+    build reads it differs from the recorded fingerprint and the next run builds again."""
     options = storage.source_storage_options if storage is not None else None
     parts = [config.model_dump_json(exclude=_NOT_FINGERPRINTED)]
+    if storage is not None:  # another root holds another corpus (or none): not this build's
+        parts.append(f"storage root: {storage.root if storage.is_remote else os.path.abspath(storage.root)}")
     for spec in config.sources:
         opts = options(spec) if options else {}
         for path in expand_source(spec, opts):
@@ -96,6 +100,7 @@ def prompt_corpus(
     context: dg.AssetExecutionContext, config: PromptCorpusConfig, storage: StorageResource
 ) -> dg.MaterializeResult:
     started = time.monotonic()
+    fingerprint = corpus_fingerprint(config, storage)  # before reading: an edit made meanwhile shows next time
     try:
         build = build_corpus_stage(
             storage.open(),
@@ -126,6 +131,6 @@ def prompt_corpus(
         "path": dg.MetadataValue.path(build.uri),
         "preview": table_preview(build.metadata["preview"]),
         "seconds": round(time.monotonic() - started, 2),
-        "config_fingerprint": corpus_fingerprint(config, storage),
+        "config_fingerprint": fingerprint,
     }
     return dg.MaterializeResult(metadata=metadata)

@@ -9,6 +9,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from dflash_assets.assets.completions_tables import load_prompts, partition_file
+from dflash_assets.check_gate import CHECK_DEGENERATE, CHECK_NONEMPTY, CHECK_ROUNDTRIP
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource
@@ -16,9 +17,6 @@ from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.storage import parquet_bytes
 from dflash_assets.tokenization import SequenceBuilder, TokenizePolicy, degenerate_mask_mode, tokenize_partition
 
-CHECK_NONEMPTY = "no_empty_loss_mask"
-CHECK_DEGENERATE = "no_degenerate_mask_length_mode"
-CHECK_ROUNDTRIP = "completion_decodes_to_recorded_text"
 CHECK_MAX_LENGTH = "max_length_fits_prompt_plus_cap"
 CHECK_RETOKENIZED = "retokenized_length_matches_server"
 
