@@ -4,9 +4,10 @@ instance (two hosts, each with its own ``DAGSTER_HOME``, on one ``s3://`` root).
 * :func:`writer_identity`: ``<host>-<pid>-<random>``, unique per process, for names of objects that two
   writers could otherwise share (journal segments).
 * :class:`StoreLock`: a lock object created only if absent (S3 ``PutObject`` with ``If-None-Match: *``;
-  a local file with ``O_EXCL``), holding its owner and lease expiry. A second writer waits for it; a
-  lease that expired (its holder was killed) is taken over atomically (S3 ``If-Match`` on the expired
-  object's ETag; locally, a rename that only one taker wins), so a killed build never blocks for ever.
+  a local file written whole, then hard-linked into place, which fails when one exists), holding its
+  owner and lease expiry. A second writer waits for it; a lease that expired (its holder was killed) is
+  taken over atomically (S3 ``If-Match`` on the expired object's ETag; locally, a rename that only one
+  taker wins), so a killed build never blocks for ever.
 
 No Dagster here.
 """
@@ -22,7 +23,7 @@ import time
 import uuid
 from typing import Any
 
-from dflash_assets.atomic import fsync_dir
+from dflash_assets.atomic import atomic_write_bytes, fsync_dir, temp_path
 from dflash_assets.storage import Storage, _error_code
 
 __all__ = ["LockBusyError", "StoreLock", "writer_identity"]
@@ -73,15 +74,15 @@ class StoreLock:
         """Create the lock object if absent (or replace the one with ETag ``if_match``); False if refused."""
         path = self.store.path(*self.parts)
         if self.store.is_local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            # written whole under a temporary name, then linked: a reader never sees an empty lock
+            tmp = temp_path(path)
+            atomic_write_bytes(tmp, self._body())
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                os.link(tmp, path)  # fails if the lock exists: create-if-absent
             except FileExistsError:
                 return False
-            with open(fd, "wb") as f:
-                f.write(self._body())
-                f.flush()
-                os.fsync(f.fileno())
+            finally:
+                os.unlink(tmp)
             fsync_dir(os.path.dirname(path))
             return True
         extra = {"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"}
@@ -97,8 +98,11 @@ class StoreLock:
 
     def _holder(self) -> tuple[dict[str, Any], str | None]:
         """The current lock's content and ETag (S3; None locally); ``{}`` when it is gone or unreadable."""
+        etag = None
         try:
-            etag = None if self.store.is_local else self.store.fs.info(self.store.path(*self.parts)).get("ETag")
+            if not self.store.is_local:
+                path = self.store.path(*self.parts)
+                etag = self.store.call("head", self.parts, lambda: self.store.fs.info(path)).get("ETag")
             held = json.loads(self.store.read_bytes(*self.parts))
             return (held if isinstance(held, dict) else {"owner": "?", "expires": 0}), etag
         except FileNotFoundError:
