@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from typing import IO
 
-__all__ = ["atomic_write_bytes", "fsync_dir", "temp_path"]
+__all__ = ["atomic_write_bytes", "fsync_dir", "fsync_file", "temp_path"]
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -33,6 +33,20 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     except OSError:
         pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """fsync the file at ``path`` (written by another writer: a library's ``save_file``, a download) so
+    that its bytes are on disk before it is renamed into place.
+
+    Raises:
+        OSError: the file cannot be opened or fsynced (e.g. it is gone).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -13,9 +13,11 @@ import polars as pl
 from dflash_assets.corpus import CorpusError, CorpusResult, build_corpus
 from dflash_assets.prompt_index import StableCorpus, save_index, stable_corpus
 from dflash_assets.prompt_reader import ReadLimits
+from dflash_assets.store_lock import LockBusyError, StoreLock
 
 CORPUS_FILE = ("prompt_corpus", "corpus.parquet")
 REJECTED_FILE = ("prompt_corpus", "rejected.parquet")
+LOCK_FILE = ("prompt_corpus", ".build.lock")  # held while a build reads the last one and writes its files
 
 
 class CorpusStageError(Exception):
@@ -55,13 +57,17 @@ def build_corpus_stage(
     limits: ReadLimits,
     partition_size: int,
     max_prompts: int | None,
+    lock_wait_s: float = 900,
 ) -> CorpusBuild:
     """Build the corpus of ``sources`` and write it (a row group per partition), then the index table and the
-    rejected rows. A prompt keeps its index while its content is unchanged (:func:`stable_corpus`).
+    rejected rows. A prompt keeps its index while its content is unchanged (:func:`stable_corpus`). From
+    reading the last build to writing the index table the build holds ``prompt_corpus/.build.lock``
+    (:class:`StoreLock`, exclusive across hosts on one root), waiting up to ``lock_wait_s`` seconds for it.
 
     Raises:
         CorpusStageError: a source cannot be read (rejected rows, if any, written to ``rejected.parquet``
-            first and named), or the stable indexes cannot be assigned.
+            first and named), the stable indexes cannot be assigned, or another build held the lock
+            past ``lock_wait_s`` (naming the lock object and the fix).
     """
     try:
         result = build_corpus(sources, storage_options, limits)
@@ -72,20 +78,26 @@ def build_corpus_stage(
         raise CorpusStageError(
             f"{exc} Rejected rows with reasons: {uri}", metadata={"rejected": exc.rejected.height}
         ) from None
-    previous = (
-        store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash", "prompt_id"])
-        if store.exists(*CORPUS_FILE)
-        else None
-    )
+    # one build at a time on this storage root, across hosts: the indices are assigned from the last build,
+    # so a second build must read only once the first has written its three files
     try:
-        built = stable_corpus(store, result.corpus, partition_size, max_prompts, previous)
-    except ValueError as exc:
+        with StoreLock(store, LOCK_FILE, wait_s=lock_wait_s):
+            previous = (
+                store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash", "prompt_id"])
+                if store.exists(*CORPUS_FILE)
+                else None
+            )
+            try:
+                built = stable_corpus(store, result.corpus, partition_size, max_prompts, previous)
+            except ValueError as exc:
+                raise CorpusStageError(str(exc)) from None
+            corpus = built.corpus
+            # a row group per partition: a partition's run reads its own prompts, not the whole corpus
+            corpus_uri = store.write_parquet(corpus, *CORPUS_FILE, row_group_size=partition_size)
+            save_index(store, built.table)  # after the corpus: a failed write leaves the last build whole
+            store.write_parquet(result.rejected, *REJECTED_FILE)
+    except LockBusyError as exc:
         raise CorpusStageError(str(exc)) from None
-    corpus = built.corpus
-    # a row group per partition: a partition's run reads its own prompts, not the whole corpus
-    corpus_uri = store.write_parquet(corpus, *CORPUS_FILE, row_group_size=partition_size)
-    save_index(store, built.table)  # after the corpus: a failed write leaves the last build whole
-    store.write_parquet(result.rejected, *REJECTED_FILE)
     return CorpusBuild(result, built, corpus_uri, _metadata(result, built, corpus_uri, partition_size))
 
 

@@ -285,6 +285,16 @@ def _run_partitions(run: dg.DagsterRun, ordered: Callable[[], list[str]]) -> set
     return set(keys[keys.index(start) : keys.index(end) + 1])
 
 
+def other_live_runs(instance: dg.DagsterInstance, this_run_id: str) -> list[str]:
+    """Ids of the runs of this instance in progress (STARTED or CANCELING, not provably dead) other than
+    ``this_run_id``: files they may read or write must not be removed now."""
+    return [
+        r.dagster_run.run_id
+        for r in instance.get_run_records(dg.RunsFilter(statuses=RUNNING_STATUSES))
+        if r.dagster_run.run_id != this_run_id and run_process_alive(r.dagster_run, instance) is not False
+    ]
+
+
 def runs_holding_partitions(
     instance: dg.DagsterInstance,
     asset: str,

@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import tenacity
 
-from dflash_assets.atomic import atomic_write_bytes, temp_path
+from dflash_assets.atomic import atomic_write_bytes, fsync_dir, fsync_file, temp_path
 
 __all__ = [
     "IntegrityError",
@@ -354,10 +354,9 @@ class Storage:
                     return local_path
                 with open(self.path(*parts), "rb") as inp, open(tmp, "xb") as out:
                     shutil.copyfileobj(inp, out, 1 << 20)
-                    out.flush()
-                    os.fsync(out.fileno())
             else:
                 self.call("get", parts, lambda: self.fs.get_file(self.path(*parts), tmp))
+            fsync_file(tmp)  # the bytes are on disk before the name is: a crash leaves no empty file in place
             have = os.path.getsize(tmp)
             if size is not None and have != size:
                 raise IntegrityError(f"{self.uri(*parts)}: downloaded {have} bytes, expected {size}; not put in place")
@@ -366,6 +365,7 @@ class Storage:
                     f"{self.uri(*parts)}: downloaded copy's sha256 differs from the expected one; not put in place"
                 )
             os.replace(tmp, local_path)
+            fsync_dir(directory)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -35,6 +35,7 @@ from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.simulation.stand_in_server import FakeServer, Reply
 from dflash_assets.storage import StorageError, is_transient
+from dflash_assets.store_lock import writer_identity
 
 try:
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target
@@ -288,7 +289,8 @@ def test_journal_segments_sync_seed_merge_and_discard(s3_target, tmp_path):
     assert len(s3_target.keys(seg_dir)) == 1  # 2 rows < 3 and 60 s not reached
     journal.close()  # clean stop: pending rows synced
     keys = s3_target.keys(seg_dir)
-    assert keys == [seg_dir + "seg-000001.jsonl", seg_dir + "seg-000002.jsonl"]
+    writer = writer_identity()  # segment names carry the writer: two hosts never share one
+    assert keys == [seg_dir + f"seg-000001-{writer}.jsonl", seg_dir + f"seg-000002-{writer}.jsonl"]
     assert b"".join(s3_target.get(k) for k in keys) == journal.path.read_bytes()
 
     # time trigger
@@ -321,8 +323,9 @@ def test_journal_segments_sync_seed_merge_and_discard(s3_target, tmp_path):
     merged = resource.open_journal(*parts)
     rows = merged.load()
     assert sorted(rows) == [0, 1, 2, 3, 4, 5, 6, 7, 9] and rows[0]["v"] == "local" and rows[7]["v"] == "other"
-    assert s3_target.keys(seg_dir) == [seg_dir + "seg-000006.jsonl"]  # union uploaded, then its parts removed
-    assert s3_target.get(seg_dir + "seg-000006.jsonl") == merged.path.read_bytes()
+    union = seg_dir + f"seg-000006-{writer}.jsonl"
+    assert s3_target.keys(seg_dir) == [union]  # union uploaded, then its parts removed
+    assert s3_target.get(union) == merged.path.read_bytes()
     merged.discard()
     assert s3_target.keys("completions/") == [] and not merged.path.exists()
 

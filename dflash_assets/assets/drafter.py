@@ -2,7 +2,6 @@
 
 The run's steps (identity, data, launcher, loss plot) are in :mod:`dflash_assets.training`."""
 
-import hashlib
 import time
 from typing import Literal
 
@@ -15,7 +14,7 @@ from dflash_assets.pools import GPU_POOL
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.shard_access import ShardIntegrityError
-from dflash_assets.training.identity import config_fingerprint
+from dflash_assets.training.identity import config_fingerprint, file_sha256
 from dflash_assets.training.launcher import TrainingRunError, check_process_layout
 from dflash_assets.training.loss_plot import loss_curve_of_run
 from dflash_assets.training.report import drafter_metadata, outcome_of
@@ -181,7 +180,7 @@ def dflash_drafter(
     # same weights, same version: the evaluation reuses its report
     return dg.MaterializeResult(
         metadata={**metadata, "export_path": dg.MetadataValue.path(store.uri(*EXPORT_DIR))},
-        data_version=dg.DataVersion(hashlib.sha256(weights).hexdigest()[:20]),
+        data_version=dg.DataVersion(file_sha256(weights)[:20]),  # streamed: GBs of weights
     )
 
 

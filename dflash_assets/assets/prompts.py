@@ -17,6 +17,8 @@ from dflash_assets.prompt_corpus_stage import REJECTED_FILE as REJECTED_FILE
 from dflash_assets.prompt_corpus_stage import CorpusStageError, build_corpus_stage, rejected_preview
 from dflash_assets.prompt_reader import GiB, MiB, ReadLimits
 from dflash_assets.resources.storage import StorageResource
+from dflash_assets.runs import other_live_runs
+from dflash_assets.stale_outputs import remove_stale_outputs
 
 
 def default_sources() -> list[str]:
@@ -123,6 +125,9 @@ def prompt_corpus(
     ensure_pool_limits(context.instance)  # register the pools before runs queue on them
     if stale:
         context.log.warning(f"removed {len(stale)} partition keys no longer in the corpus: {stale[:5]}...")
+    tidied = remove_stale_outputs(storage.open(), keys, other_live_runs(context.instance, context.run_id))
+    if tidied.message():
+        context.log.warning(tidied.message())
     context.log.info(build.summary_line(config.partition_size))
     for line in rejected_preview(build.result.rejected):
         context.log.warning(line)
@@ -132,5 +137,7 @@ def prompt_corpus(
         "preview": table_preview(build.metadata["preview"]),
         "seconds": round(time.monotonic() - started, 2),
         "config_fingerprint": fingerprint,
+        "stale_outputs_removed": len(tidied.removed),
+        "stale_outputs_kept": tidied.kept[:20],
     }
     return dg.MaterializeResult(metadata=metadata)

@@ -24,6 +24,10 @@ one ``rename(2)`` of a new link over the old one. ``<out>`` stays a directory pa
 version whole even while the next one is switched in. The version the link pointed to before is kept
 (a reader may still be on it), older ones are removed. An export that is a plain directory (written
 before this layout) is moved under ``<out>.versions/`` first, the one moment ``<out>`` is absent.
+
+Crash safety: the files are fsynced, then their directory, before the version is renamed into place, and
+the directories are fsynced after each rename, so after a power loss ``<out>`` points at a whole export
+(the new one or the one before), never at empty or partial files.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash_assets.atomic import fsync_dir, fsync_file
 from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -146,9 +151,15 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: t
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(module.config, dtype), indent=2) + "\n")
+        # on disk before any rename: a crash after the link switch must not leave empty files behind it
+        for name in ("model.safetensors", "config.json"):
+            fsync_file(tmp / name)
+        fsync_dir(tmp)
         version = versions / f"{time.time_ns()}-{os.getpid()}"
         os.replace(tmp, version)
+        fsync_dir(versions)
         previous = _switch_link(out, version)
+        fsync_dir(out.parent)  # the link switch itself survives a crash
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for old in versions.iterdir():  # keep this version and the one readers may still be on

@@ -1,8 +1,11 @@
 """A :class:`RowJournal` on local scratch whose rows are copied to (S3) storage as they accumulate.
 
 Remote layout: the journal at ``parts = (..., "<name>.jsonl")`` is stored as numbered segment objects
-``(..., "<name>", "seg-000001.jsonl")``, ``seg-000002.jsonl``... Each sync uploads only the lines
-appended since the previous sync, as one whole-object PUT, so:
+``(..., "<name>", "seg-000001-<writer>.jsonl")``, ``seg-000002-<writer>.jsonl``... where ``<writer>`` is
+:func:`~dflash_assets.store_lock.writer_identity` (host, pid, random): two machines on one storage root
+(each with its own Dagster instance, so no shared partition lock) never write the same object, and a
+reader merges every writer's segments. Each sync uploads only the lines appended since the previous
+sync, as one whole-object PUT, so:
 
 * a reader (a resuming machine) never sees a half-written segment, and every segment holds whole lines;
 * nothing synced is ever overwritten or lost: segments are only added (until :meth:`discard`, once the
@@ -10,8 +13,9 @@ appended since the previous sync, as one whole-object PUT, so:
 * the bytes uploaded per partition grow linearly with its rows (re-uploading the whole journal at
   every sync would grow quadratically: ~1000 rows of 8K-token reasoning are tens of MB).
 
-Concatenating the segments in order gives a valid journal: later lines win for the same ``index``,
-as in the local file.
+Concatenating the segments in (number, writer) order gives a valid journal: later lines win for the
+same ``index``, as in the local file. Names without a writer (``seg-000001.jsonl``, older versions)
+are read too.
 
 A sync happens every ``sync_rows`` appended rows or ``sync_s`` seconds (whichever comes first, only
 when rows are pending) from a background thread, so appends never wait on the network, and
@@ -37,11 +41,12 @@ from typing import Any
 from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.generation.journal import FILE_MODE, RowJournal
 from dflash_assets.storage import Storage, StorageError
+from dflash_assets.store_lock import writer_identity
 
 __all__ = ["SyncedRowJournal", "segment_dir"]
 
 log = logging.getLogger(__name__)
-_SEGMENT = re.compile(r"^seg-(\d{6,})\.jsonl$")
+_SEGMENT = re.compile(r"^seg-(\d{6,})(?:-([A-Za-z0-9_.-]+))?\.jsonl$")
 COMPACT_ABOVE = 64  # segments: above this, a fresh run uploads their union as one and deletes them
 
 
@@ -66,7 +71,7 @@ def _rows_from_bytes(data: bytes) -> dict[int, dict[str, Any]]:
 
 
 def _segment_name(seq: int) -> str:
-    return f"seg-{seq:06d}.jsonl"
+    return f"seg-{seq:06d}-{writer_identity()}.jsonl"
 
 
 class SyncedRowJournal(RowJournal):
@@ -125,9 +130,10 @@ class SyncedRowJournal(RowJournal):
     # -- remote segments ------------------------------------------------------------------------
 
     def _segments(self) -> list[tuple[int, str]]:
+        """Every writer's segments as ``(number, name)``, by number then writer."""
         names = self.storage.listdir(*self.remote_dir)
-        found = [(int(m.group(1)), n) for n in names if (m := _SEGMENT.match(n))]
-        return sorted(found)
+        found = [(int(m.group(1)), m.group(2) or "", n) for n in names if (m := _SEGMENT.match(n))]
+        return [(seq, name) for seq, _, name in sorted(found)]
 
     def remote_bytes(self) -> bytes:
         """The synced journal: every segment concatenated in order (b"" when none)."""

@@ -75,15 +75,15 @@ def _relevant(listener: Listener, addresses: set[str] | None) -> bool:
 
 
 def _describe_holder(inode: int) -> str:
-    """``pid N (command)`` of the process holding socket ``inode``, when this user can see it."""
+    """``pid N (program)`` of the process holding socket ``inode``, when this user can see it: the program
+    name only (``/proc/<pid>/comm``), never its arguments, which may hold another process's secrets."""
     for name in os.listdir("/proc"):
         if name.isdigit() and inode in socket_inodes(int(name)):
             try:
-                cmd = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                program = Path(f"/proc/{name}/comm").read_text(errors="replace").strip() or "?"
             except OSError:
-                cmd = "?"
-            cmd = cmd.strip()
-            return f"pid {name} ({cmd[:120]})"
+                program = "?"
+            return f"pid {name} ({program})"
     return "a process this user cannot inspect (another user's)"
 
 

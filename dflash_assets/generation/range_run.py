@@ -45,6 +45,36 @@ if TYPE_CHECKING:
     from dflash_assets.resources.storage import StorageResource
 
 
+def close_journals(journals: list, failing: BaseException | None, log) -> None:
+    """Close every journal (a clean stop syncs it to S3), even when one fails.
+
+    Args:
+        failing: the error that ended the run, if any: it stays the raised error, and a failed sync is
+            logged and added to it as a note (the rows stay in the local journals for the next run).
+        log: has ``error``.
+
+    Raises:
+        Exception: the first close error when nothing else failed (e.g. ``StorageError``; the others are
+            logged).
+    """
+    errors = []
+    for journal in journals:
+        try:
+            journal.close()
+        except Exception as exc:
+            errors.append(exc)
+    if not errors:
+        return
+    text = "; ".join(f"{type(e).__name__}: {e}" for e in errors)
+    if failing is None:
+        if len(errors) > 1:
+            log.error(f"final journal syncs failed (rows kept in the local journals): {text}")
+        raise errors[0]
+    note = f"also, the final journal sync failed (rows kept in the local journals, synced by the next run): {text}"
+    log.error(note)
+    failing.add_note(note)
+
+
 class RangeRun:
     """Generation of the partitions of one run; commits each partition as soon as it is complete."""
 
@@ -88,6 +118,7 @@ class RangeRun:
         ends; :meth:`failure_message` then says whether the run failed."""
         keys, settings = self.keys, self.settings
         parts = self.parts
+        failing: BaseException | None = None
         try:
             for pk, prompts in prompts_by_pk.items():
                 journal = storage.open_journal("completions", f"{pk}.journal.jsonl")
@@ -112,9 +143,13 @@ class RangeRun:
                             if line:
                                 (self.log.warning if warn else self.log.info)(line)
                         yield from self.generate(inference, pool, todo, opened, tail)
+        except GeneratorExit:
+            raise  # the consumer stopped early: a clean stop, a failed sync is the error then
+        except BaseException as exc:
+            failing = exc
+            raise
         finally:
-            for part in parts:
-                part.journal.close()  # a clean stop syncs the journal (S3) whatever ended generation
+            close_journals([p.journal for p in parts], failing, self.log)
 
     def failure_message(self) -> str | None:
         """Why the run failed, once :meth:`run` has ended: partitions none of whose rows succeeded (not

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,6 +82,56 @@ def register_server(
     return path
 
 
+KEY_DIR_PREFIX = "dflash-sglang-keys-"  # the only directories the reaper ever removes
+
+
+def register_key_dir(key_dir: Path | str, registry_dir: Path | str | None = None) -> Path | None:
+    """Record the directory of API-key files a launcher created (``<registry>/<host>_<pid>_<hex>.keydir``,
+    JSON: ``key_dir``, owner pid and start time, machine, boot and pid namespace), so that
+    :func:`reap_orphaned_servers` removes it once the launcher is gone (a ``kill -9`` skips its ``stop``).
+    Returns the record's path, or None when it could not be written (logged: the key dir is still
+    removed by a clean stop)."""
+    owner, here = proc_stat(os.getpid()), identity()
+    entry = {
+        "key_dir": str(key_dir),
+        "owner_pid": os.getpid(),
+        "owner_start_time": owner.start_time if owner else None,
+        "machine_id": here.machine,
+        "boot_id": here.boot,
+        "pid_ns": here.pid_ns,
+    }
+    directory = Path(registry_dir) if registry_dir else server_registry_dir()
+    path = directory / f"{socket.gethostname()}_{os.getpid()}_{os.urandom(4).hex()}.keydir"
+    try:
+        atomic_write_bytes(path, json.dumps(entry).encode(), mode=0o600)
+    except OSError as exc:
+        logger.warning("could not record key directory in %s: %s", directory, exc)
+        return None
+    return path
+
+
+def _reap_key_dirs(directory: Path, here: Identity) -> None:
+    """Remove the key directories (and records) of launchers of this machine that are no longer running."""
+    for path in sorted(directory.glob("*.keydir")):
+        try:
+            entry = json.loads(path.read_text())
+            key_dir = Path(entry["key_dir"])
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("unreadable key-directory record %s: %s", path, exc)
+            continue
+        where = same_machine(Identity(entry.get("machine_id"), entry.get("boot_id"), entry.get("pid_ns")), here)
+        if where not in ("same", "rebooted"):
+            continue  # another machine or pid namespace: its pids mean nothing here
+        if where == "same" and is_running(int(entry.get("owner_pid") or 0), entry.get("owner_start_time")):
+            continue
+        if key_dir.name.startswith(KEY_DIR_PREFIX):  # never anything else a damaged record could name
+            shutil.rmtree(key_dir, ignore_errors=True)
+            logger.info("removed API-key files %s left by a killed launcher (pid %s)", key_dir, entry.get("owner_pid"))
+        path.unlink(missing_ok=True)
+
+
 def reap_orphaned_servers(registry_dir: Path | str | None = None, grace_s: float = 10.0) -> list[dict[str, Any]]:
     """Stop every registered server of this machine whose launching process is gone, and drop stale pidfiles.
 
@@ -89,7 +140,8 @@ def reap_orphaned_servers(registry_dir: Path | str | None = None, grace_s: float
     pid now held by a process with another start time is left alone): ``SIGTERM`` to the group, up to
     ``grace_s`` seconds to exit, then ``SIGKILL``. Pidfiles of dead servers, or from an earlier boot of
     this machine, are removed; those of servers whose owner runs, or of another machine or pid namespace
-    (a shared DAGSTER_HOME; :func:`~dflash_assets.machine.same_machine`), are kept.
+    (a shared DAGSTER_HOME; :func:`~dflash_assets.machine.same_machine`), are kept. The API-key
+    directories of launchers of this machine that are gone (:func:`register_key_dir`) are removed too.
 
     Args:
         registry_dir: pidfile directory; None = :func:`server_registry_dir`.
@@ -103,6 +155,7 @@ def reap_orphaned_servers(registry_dir: Path | str | None = None, grace_s: float
     if not directory.is_dir():
         return []
     here = identity()
+    _reap_key_dirs(directory, here)
     stopped = []
     for path in sorted(directory.glob("*.json")):
         try:

@@ -47,7 +47,8 @@ from dflash_assets.generation.processes import (
     log_tail,
     stop_process_group,
 )
-from dflash_assets.generation.server_registry import start_process
+from dflash_assets.generation.secret_args import refuse_secret_args
+from dflash_assets.generation.server_registry import KEY_DIR_PREFIX, register_key_dir, start_process
 from dflash_assets.generation.urls import origin, redact
 
 
@@ -190,9 +191,11 @@ def build_sglang_commands(
     Raises:
         ValueError: ``gpu_ids`` does not hold exactly ``num_servers * tp_size`` distinct ids, or
             ``extra_args`` holds ``--config`` while a key is named.
+        SecretArgError: ``extra_args`` holds ``--api-key`` (:func:`refuse_secret_args`).
     """
     groups = _gpu_groups(num_servers, tp_size, gpu_ids)
     _refuse_own_config(extra_args, api_key_env)
+    refuse_secret_args(extra_args, "inference.extra_args / drafter_evaluation.engine_extra_args")
     flags = _sglang_flags(
         model_path,
         max_running_requests,
@@ -244,6 +247,7 @@ def build_router_command(
             "its command line, where any local user reads it (ps); use servers without the router (use_router: false, "
             "the client spreads requests over them) or run the router yourself and use mode: external"
         )
+    refuse_secret_args(extra_args, "inference.extra_args")
     groups = _gpu_groups(num_servers, tp_size, gpu_ids)
     flags = _sglang_flags(
         model_path,
@@ -331,6 +335,7 @@ class SGLangServers:
         self._procs: list[subprocess.Popen] = []
         self._key_dir: Path | None = None  # 0700 directory of the key files (removed on stop)
         self._key_files: dict[int, Path] = {}
+        self._key_record: Path | None = None  # its registry entry, for the orphan reaper
 
     @property
     def base_urls(self) -> list[str]:
@@ -371,7 +376,9 @@ class SGLangServers:
             env[command.key_env_var] = key
         elif command.api_key_env:
             if self._key_dir is None:
-                self._key_dir = Path(tempfile.mkdtemp(prefix="dflash-sglang-keys-"))  # mode 0700
+                self._key_dir = Path(tempfile.mkdtemp(prefix=KEY_DIR_PREFIX))  # mode 0700
+                # a kill -9 of this launcher skips stop(): the reaper removes the directory then
+                self._key_record = register_key_dir(self._key_dir)
             self._drop_key_file(i)
             key_config = self._key_files[i] = write_key_config(self._key_dir, key)
         return start_process(
@@ -429,6 +436,9 @@ class SGLangServers:
         if self._key_dir is not None:
             shutil.rmtree(self._key_dir, ignore_errors=True)
             self._key_dir, self._key_files = None, {}
+        if self._key_record is not None:
+            self._key_record.unlink(missing_ok=True)
+            self._key_record = None
 
     def _wait_healthy(self, indices) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

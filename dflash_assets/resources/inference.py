@@ -11,13 +11,14 @@ from typing import Literal
 from urllib.parse import urlparse
 
 import dagster as dg
-from pydantic import Field
+from pydantic import ConfigDict, Field, field_validator
 
 from dflash_assets.config import SECRET_ENV
 from dflash_assets.dflash.target_layers import text_config
 from dflash_assets.generation.local_model import DEFAULT_LOCAL_MODEL, LocalModelName
 from dflash_assets.generation.probe import probe_external
 from dflash_assets.generation.replies import MAX_REPLY_BYTES
+from dflash_assets.generation.secret_args import refuse_secret_args
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.generation.servers import API_KEY_ENV, ServerPool
 from dflash_assets.generation.sglang_servers import (
@@ -58,6 +59,9 @@ class InferenceServerResource(dg.ConfigurableResource):
     ``max_running_requests`` is both the SGLang server flag and the client's concurrency per server;
     None means 16 in local mode (measured best for 2 cores) and 40 otherwise.
     """
+
+    # a refused value (a key in extra_args) is not quoted back into the error, the UI or the logs
+    model_config = ConfigDict(hide_input_in_errors=True)
 
     mode: Literal["local", "sglang", "external"] = Field(default="local")
     # numbers and switches are strict: YAML `true` would otherwise become 1 slot, 1 server or a 1-token chunk
@@ -177,6 +181,12 @@ class InferenceServerResource(dg.ConfigurableResource):
         description="tail_chunk_tokens: prompts generated in chunks, per slot (servers x "
         "max_running_requests) of the run.",
     )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_secret_flags(cls, value: list[str]) -> list[str]:
+        refuse_secret_args(value, "inference.extra_args")  # the key comes from DFLASH_SERVER_API_KEY only
+        return value
 
     def backend(self) -> str:
         """What answers requests in this mode: ``transformers`` (local), ``sglang``, or ``external_backend``."""

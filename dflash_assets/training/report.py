@@ -1,5 +1,9 @@
 """What a drafter run reports: its outcome sentence and its materialization metadata (plain values)."""
 
+import json
+import math
+import os
+
 from dflash_assets.metadata import png_markdown
 
 
@@ -13,11 +17,19 @@ def outcome_of(summary: dict, reused: bool) -> tuple[str, str]:
     return "trained", f"trained {steps} steps on {tokens} tokens"
 
 
-def count_params(safetensors_bytes: bytes) -> int:
-    """Number of parameters in a safetensors file's bytes."""
-    from safetensors.torch import load
+def count_params(safetensors_path: str) -> int:
+    """Number of parameters in a safetensors file, from its header alone (8-byte little-endian header
+    length, then JSON ``{name: {"shape": [...]}}``): the weights are never read.
 
-    return int(sum(t.numel() for t in load(safetensors_bytes).values()))
+    Raises:
+        ValueError: the file is not safetensors (header length past the file, or not JSON).
+    """
+    with open(safetensors_path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > os.fstat(f.fileno()).st_size:
+            raise ValueError(f"{safetensors_path}: not a safetensors file (header of {size} bytes)")
+        header = json.loads(f.read(size))
+    return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
 
 
 def drafter_metadata(
@@ -26,7 +38,7 @@ def drafter_metadata(
     data,
     config,
     outcome: tuple[str, str],
-    weights: bytes,
+    weights: str,
     png: bytes,
     wall_s: float,
     offline_subset: dict,
@@ -34,6 +46,7 @@ def drafter_metadata(
     """The ``dflash_drafter`` materialization's metadata (plain values; the asset adds the export path).
 
     Args:
+        weights: path of the export's ``model.safetensors``.
         plan: the run's :class:`~dflash_assets.training.run.RunPlan`; ``data``: its
             :class:`~dflash_assets.training.run.TrainingData`; ``config``: the asset's ``DrafterConfig``.
     """

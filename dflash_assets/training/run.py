@@ -177,11 +177,12 @@ def train_run(plan: RunPlan, cfg: TrainConfig, config, data: TrainingData, log) 
     return summary
 
 
-def publish_export(store, export_dir: str, png: bytes) -> bytes:
-    """Write the loss curve (when any) and, to remote storage, the export files; return the export's weights."""
+def publish_export(store, export_dir: str, png: bytes) -> str:
+    """Write the loss curve (when any) and, to remote storage, the export files (streamed); return the path of
+    the export's ``model.safetensors`` (GBs at the recipe's size: hash or count it streamed, never read whole)."""
     if png:
         store.write_bytes(png, DRAFTER_DIR, "loss_curve.png")
     if not store.is_local:
         for name in sorted(os.listdir(export_dir)):
             store.upload(os.path.join(export_dir, name), *EXPORT_DIR, name)
-    return open(os.path.join(export_dir, "model.safetensors"), "rb").read()
+    return os.path.join(export_dir, "model.safetensors")

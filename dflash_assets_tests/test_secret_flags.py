@@ -1,0 +1,132 @@
+"""Issue 32 finding 7: an API key given as a server flag is refused, naming the variable to use; a port
+holder's command line never reaches an error; a launcher killed with SIGKILL leaves no key file behind
+once the reaper has run (real processes, real kills)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_assets.generation.processes import PortTakenError, free_port
+from dflash_assets.generation.server_registry import reap_orphaned_servers
+from dflash_assets.resources.inference import InferenceServerResource
+
+SECRET = "sk-i32-never-in-argv-4f1c"
+
+
+@pytest.mark.parametrize(
+    "extra_args",
+    [["--api-key", SECRET], [f"--api-key={SECRET}"], ["--enable-metrics", "--api_key", SECRET], ["--api-ke", SECRET]],
+)
+def test_api_key_in_inference_extra_args_is_refused_naming_the_variable(extra_args):
+    with pytest.raises(Exception) as err:
+        InferenceServerResource(mode="sglang", model_path="/m", extra_args=extra_args)
+    message = str(err.value)
+    assert "inference.extra_args" in message and "DFLASH_SERVER_API_KEY" in message and "--api-key" in message
+    assert SECRET not in message
+
+
+def test_extra_args_without_a_secret_are_accepted_and_launched():
+    server = InferenceServerResource(mode="sglang", model_path="/m", extra_args=["--api-keys-file-not-a-flag-x"])
+    assert server.extra_args == ["--api-keys-file-not-a-flag-x"]  # longer than --api-key: another flag
+    (cmd,) = InferenceServerResource(mode="sglang", model_path="/m", extra_args=["--enable-metrics"]).sglang_commands()
+    assert "--enable-metrics" in cmd.argv
+
+
+def test_refuse_secret_args_helper_for_the_evaluation_engine_args():
+    from dflash_assets.generation.secret_args import SecretArgError, refuse_secret_args
+
+    refuse_secret_args(["--speculative-num-steps", "4"], "drafter_evaluation.engine_extra_args")
+    with pytest.raises(SecretArgError) as err:
+        refuse_secret_args(["--api-key", SECRET], "drafter_evaluation.engine_extra_args")
+    assert "drafter_evaluation.engine_extra_args" in str(err.value) and "DFLASH_SERVER_API_KEY" in str(err.value)
+    assert SECRET not in str(err.value)
+
+
+def test_engine_flags_with_a_key_never_reach_a_launch_command():
+    """The evaluation engine passes engine_extra_args through sglang_commands(extra_args=...)."""
+    server = InferenceServerResource(mode="sglang", model_path="/m")
+    with pytest.raises(ValueError, match="DFLASH_SERVER_API_KEY") as err:
+        server.sglang_commands(extra_args=["--speculative-algorithm", "DFLASH", f"--api-key={SECRET}"])
+    assert SECRET not in str(err.value)
+
+
+LISTENER = (
+    "import socket, sys, time\ns = socket.socket()\ns.bind(('127.0.0.1', int(sys.argv[1])))\ns.listen()\n"
+    "open(sys.argv[2], 'w').close()\ntime.sleep(120)\n"
+)
+
+
+def test_port_taken_message_names_the_pid_and_program_not_the_command_line(tmp_path):
+    from dflash_assets.generation.ports import check_port_free
+
+    port = free_port()
+    ready = tmp_path / "ready"
+    holder = subprocess.Popen([sys.executable, "-c", LISTENER, str(port), str(ready), "--api-key", SECRET])
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert holder.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(PortTakenError) as err:
+            check_port_free("127.0.0.1", port)
+        message = str(err.value)
+        program = Path(f"/proc/{holder.pid}/comm").read_text().strip()
+        assert f"held by pid {holder.pid} ({program})" in message
+        assert SECRET not in message and "--api-key" not in message and "socket" not in message
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+KEY_LAUNCHER = """
+import json, os, sys, threading, time
+from pathlib import Path
+from dflash_assets.generation.sglang_servers import SGLangServers, build_sglang_commands
+from dflash_assets.generation.processes import free_port
+slow = ["--sim-startup-s", "60", "--sim-speed", "1"]
+commands = build_sglang_commands("sim", port_base=free_port(), module="dflash_assets.simulation.sglang_stub",
+                                 extra_args=slow, api_key_env="DFLASH_SERVER_API_KEY")
+servers = SGLangServers(commands, Path(sys.argv[1]), startup_timeout_s=120)
+threading.Thread(target=servers.__enter__, daemon=True).start()
+while not servers._key_files:
+    time.sleep(0.05)
+print(json.dumps({"key_dir": str(servers._key_dir)}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_key_files_of_a_launcher_killed_with_sigkill_are_removed_by_the_reaper(tmp_path, monkeypatch):
+    registry = tmp_path / "registry"
+    env = {
+        **os.environ,
+        "DFLASH_SERVER_REGISTRY": str(registry),
+        "DFLASH_SERVER_API_KEY": SECRET,
+        "TMPDIR": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", KEY_LAUNCHER, str(tmp_path / "logs")], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = launcher.stdout.readline()
+        key_dir = Path(json.loads(line)["key_dir"])
+        assert any(SECRET in p.read_text() for p in key_dir.iterdir())  # the key file SGLang reads
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+    assert key_dir.exists()  # kill -9: no stop(), the key file stays ...
+    monkeypatch.setenv("DFLASH_SERVER_REGISTRY", str(registry))
+    reap_orphaned_servers(grace_s=5)
+    assert not key_dir.exists()  # ... until the reaper runs
+    assert list(registry.glob("*")) == []
+    assert not any(
+        SECRET in p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file() and "logs" not in p.parts
+    )
