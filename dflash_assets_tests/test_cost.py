@@ -1,0 +1,200 @@
+"""What the run costs: per-stage cost metadata, the cost table, the forecast and its report.
+
+The node test runs the real completions asset against the GPU-node simulator (stub SGLang servers in their
+own processes, time-compressed), as test_node_scale does: a pilot of 1 partition of 10, the forecast from
+it, then the other 9 in one range run; the measured whole must fall inside the forecast's intervals, and
+the table's device-seconds must equal servers x the generating wall the servers' own request log shows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+import yaml
+
+from dflash_assets import cost
+from dflash_assets.config import ConfigError
+from dflash_assets.cost_report import REPORT, build_report, format_comparison, write_cost_report
+from dflash_assets.cost_table import format_cost_table, stage_costs
+from dflash_assets.forecast import collect_forecast, format_forecast, mean_interval, rows_done, t975
+from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.resources.storage import StorageResource
+from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim, write_corpus
+
+PROMPTS, PARTITIONS, SERVERS, SLOTS = 400, 10, 2, 4
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_SERVER_REGISTRY", str(tmp_path / "registry"))
+
+
+def stub_events(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+
+
+def test_forecast_from_one_partition_of_ten_holds_the_measured_whole(tmp_path, registry, monkeypatch, capsys):
+    root = tmp_path / "data"
+
+    def servers() -> InferenceServerResource:  # 10x: each request ~0.14 s real, start-up 6 s real
+        return sglang_sim(tmp_path, SERVERS, SLOTS, "--sim-speed", "10")
+
+    with dg.instance_for_test() as instance:
+        keys = write_corpus(instance, root, [f"prompt {i}" for i in range(PROMPTS)], PROMPTS // PARTITIONS)
+        assert len(keys) == PARTITIONS
+        assert range_materialize(instance, root, keys[:1], servers()).success  # the pilot
+        store = StorageResource(root=str(root)).open()
+        forecast = collect_forecast(instance, PROMPTS, servers(), store)
+        assert forecast["from_partitions"] == keys[:1] and forecast["prompts_left"] == PROMPTS - PROMPTS // 10
+        write_cost_report(store, forecast, stage_costs(instance), rows_done(instance))
+
+        pilot_end = max(e["t"] for e in stub_events(tmp_path))
+        assert range_materialize(instance, root, keys[1:], servers()).success  # the other 9, one run
+        costs = stage_costs(instance)
+        report = write_cost_report(store, None, costs, rows_done(instance))
+
+        # every partition's cost is labelled simulated, never GPU
+        assert {m["cost_device"] for m in _latest(instance, keys).values()} == {cost.SIMULATED_GPU}
+        assert costs["completions"]["device"] == cost.SIMULATED_GPU
+        # generated tokens: the tables themselves, read independently
+        tables = pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys])
+        assert costs["completions"]["tokens_out"] == int(tables["completion_tokens"].sum())
+
+        # device-seconds of the range run = servers x its generating wall by the servers' own clock
+        run_events = [e for e in stub_events(tmp_path) if e["t"] > pilot_end and e["key"].startswith("prompt")]
+        stub_wall = max(e["t"] for e in run_events if e["ev"] == "done") - min(e["t"] for e in run_events)
+        range_device_s = sum(float(m["cost_device_s"]) for m in _latest(instance, keys[1:]).values())
+        assert range_device_s == pytest.approx(SERVERS * stub_wall, rel=0.05)
+
+        # the forecast made from the pilot holds the measured whole, and is narrow enough to mean something
+        assert report["complete"] and report["forecast"]["from_partitions"] == keys[:1]
+        rows = {r["figure"]: r for r in report["forecast_vs_actual"]}
+        assert set(rows) == {"device_s", "tokens_out", "generating_s"}
+        for name, r in rows.items():
+            assert r["within"], f"{name}: {r['actual']} outside [{r['forecast_low']}, {r['forecast_high']}]"
+            assert r["forecast_high"] - r["forecast_low"] < 0.6 * r["forecast_point"], f"{name}: interval too wide"
+        assert rows["tokens_out"]["actual"] == costs["completions"]["tokens_out"]
+        assert (root / "cost" / "forecast_vs_actual.png").read_bytes()[:4] == b"\x89PNG"
+        assert "inside" in format_comparison(report) and "OUTSIDE" not in format_comparison(report)
+
+        # status prints the same table and forecast from the config file
+        config = {
+            "resources": {
+                "storage": {"root": str(root)},
+                "inference": {
+                    "mode": "sglang",
+                    "model_path": "simulated",
+                    "num_servers": 7,
+                    "max_running_requests": 4,
+                    "launch_module": "dflash_assets.simulation.sglang_stub",
+                },
+                "cost": {"device_hour_usd": 3.0},
+            }
+        }
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+        monkeypatch.setenv("DFLASH_CONFIG", str(tmp_path / "c.yaml"))
+        from dflash_assets.status import print_status
+
+        print_status(instance, pilot=f"{keys[0]}...{keys[1]}")
+        out = capsys.readouterr().out
+        assert "== cost per stage == (price per device-hour: $3)" in out
+        assert "simulated GPU-h" in out and " GPU-h" not in out.replace("simulated GPU-h", "")
+        assert "from 2 measured partition(s)" in out and "on 7 device(s), 28 slots" in out
+
+
+def _latest(instance, keys: list[str]) -> dict[str, dict]:
+    from dflash_assets.history import latest_metadata_by_partition
+
+    return latest_metadata_by_partition(instance, "completions", keys)
+
+
+def test_mean_interval_row_and_partition_level_by_hand():
+    # one partition, rows 1..5: mean 3, s^2 = 2.5, se = sqrt(2.5 / 5), t(4) = 2.776
+    ys = [1.0, 2.0, 3.0, 4.0, 5.0]
+    mean, half = mean_interval([(5, sum(ys), sum(y * y for y in ys))])
+    assert mean == 3.0 and half == pytest.approx(2.776 * math.sqrt(0.5))
+    # two partitions far apart, each with no spread inside: the between-partition se decides (df 1)
+    mean, half = mean_interval([(10, 10.0, 10.0), (10, 30.0, 90.0)])
+    assert mean == 2.0
+    se_part = math.sqrt(((10 - 2 * 10) ** 2 + (30 - 2 * 10) ** 2) / (2 * 1)) / 10
+    assert half == pytest.approx(12.706 * se_part)
+    assert t975(1000) == 1.96 and t975(0) == math.inf
+
+
+def test_table_prices_device_hours_and_labels_cpu_seconds():
+    gpu = cost.cost_metadata(cost.GPU, 7, "7 servers x wall", 7 * 3600.0, 3600.0, 1000, 90_000)
+    cpu = cost.CpuClock()
+    with cpu:
+        sum(i * i for i in range(200_000))
+    costs = {
+        "completions": _row(gpu),
+        "tokenized_sequences": _row(cpu.metadata(5000)),
+    }
+    text = format_cost_table(costs, 2.5)
+    line = next(x for x in text.splitlines() if x.startswith("completions"))
+    assert "7.0000" in line and "GPU-h" in line and line.rstrip().endswith("17.50")  # 7 GPU-h x $2.5
+    tok_line = next(x for x in text.splitlines() if x.startswith("tokenized_sequences"))
+    assert "CPU-h" in tok_line and "GPU" not in tok_line
+    assert "process CPU time" in text and 0 < cpu.cpu_s <= cpu.wall_s + 0.05
+    assert format_cost_table(costs, None).splitlines()[3].split()[-1] == "-"  # no price: no money
+
+
+def _row(meta: dict) -> dict:
+    return {
+        "device": meta["cost_device"],
+        "basis": meta["cost_basis"],
+        "device_s": meta["cost_device_s"],
+        "wall_s": meta["cost_wall_s"],
+        "tokens_in": meta["cost_tokens_in"],
+        "tokens_out": meta["cost_tokens_out"],
+        "tok_per_device_s": meta["cost_tok_per_device_s"],
+        "materializations": 1,
+    }
+
+
+def test_devices_of_each_inference_mode():
+    sim = InferenceServerResource(mode="sglang", num_servers=3, tp_size=2, launch_module=cost.SIMULATION_PACKAGE + ".x")
+    assert cost.generation_devices(sim)[:2] == (cost.SIMULATED_GPU, 6)
+    real = InferenceServerResource(mode="sglang", num_servers=7)
+    assert cost.generation_devices(real)[:2] == (cost.GPU, 7)
+    local = cost.generation_devices(InferenceServerResource())
+    assert local[0] == cost.CPU and local[1] == cost.cpu_cores() and "cores x wall" in local[2]
+
+
+def test_range_run_shares_add_up_to_devices_x_wall():
+    meter = cost.GenerationMeter(cost.GPU, 7, "b")
+    shares = [meter.share(t, 100.0)[0] for t in (103.0, 104.5, 110.0)]
+    assert shares == [21.0, 10.5, 38.5] and sum(shares) == 7 * 10.0
+    assert meter.share(120.0, None) == (0.0, 0.0)  # nothing generated: nothing charged
+
+
+def test_unknown_cost_key_is_a_config_error(tmp_path, monkeypatch):
+    from dflash_assets.config import build_resources
+    from dflash_assets.resources.cost import CostResource
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"resources": {"cost": {"gpu_hour_usd": 3}}}))
+    monkeypatch.setenv("DFLASH_CONFIG", str(tmp_path / "c.yaml"))
+    with pytest.raises(ConfigError, match=r"resources.cost: unknown key 'gpu_hour_usd'.*device_hour_usd"):
+        build_resources({"cost": CostResource})
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"resources": {"cost": {"device_hour_usd": -1}}}))
+    with pytest.raises(ConfigError, match=r"resources\.cost"):
+        build_resources({"cost": CostResource})
+
+
+def test_report_keeps_the_first_forecast_until_the_corpus_changes():
+    f = {"prompts_total": 10, "completions_whole": {"device_s": {"point": 10.0, "low": 8.0, "high": 12.0}}}
+    costs = {"completions": {"device_s": 11.0, "tokens_out": 5, "wall_s": 1.0}}
+    first = build_report(None, f, costs, prompts_done=4)
+    assert first["forecast_vs_actual"][0]["within"] is None  # a part is not the whole
+    later = build_report(first, {**f, "completions_whole": {"device_s": {"point": 1, "low": 1, "high": 1}}}, costs, 10)
+    assert (
+        later["forecast"]["completions_whole"]["device_s"]["point"] == 10.0 and later["forecast_vs_actual"][0]["within"]
+    )
+    other = build_report(later, {**f, "prompts_total": 20}, costs, 10)
+    assert other["forecast"]["prompts_total"] == 20 and other["previous_forecast"]["prompts_total"] == 10
+    assert format_forecast(None).endswith("run one (a pilot) first") and REPORT == ("cost", "report.json")
