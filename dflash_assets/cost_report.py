@@ -151,7 +151,7 @@ def cost_and_forecast(
     parts = [format_cost_table(costs, device_hour_usd), format_forecast(forecast, device_hour_usd)]
     if store is not None:
         report = write_cost_report(store, forecast, costs, rows_done(instance))
-        parts.append(format_comparison(report) + f"\n(report: {store.uri(*REPORT)})")
+        parts += [format_comparison(report), f"cost report: {store.uri(*REPORT)}"]
     return "\n".join(p for p in parts if p)
 
 

@@ -25,6 +25,7 @@ from dflash_assets.forecast import collect_forecast, format_forecast, mean_inter
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim, write_corpus
+from dflash_assets_tests.test_tokenized import tiny_target  # noqa: F401  (fixture)
 
 PROMPTS, PARTITIONS, SERVERS, SLOTS = 400, 10, 2, 4
 
@@ -198,3 +199,55 @@ def test_report_keeps_the_first_forecast_until_the_corpus_changes():
     other = build_report(later, {**f, "prompts_total": 20}, costs, 10)
     assert other["forecast"]["prompts_total"] == 20 and other["previous_forecast"]["prompts_total"] == 10
     assert format_forecast(None).endswith("run one (a pilot) first") and REPORT == ("cost", "report.json")
+
+
+def test_training_storage_and_cap_change_forecasts_scale_to_the_corpus(tmp_path):
+    from dflash_assets.forecast import cap_change_forecast, storage_forecast, training_forecast
+
+    with dg.instance_for_test() as instance:
+        assert training_forecast(instance, 1000, 0.1) is None  # no drafter trained yet
+        drafter = {"steps": 60, "train_rows": 100, "steps_this_run": 60, "cost_wall_s": 30.0, "cost_devices": 2}
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization("dflash_drafter", metadata={**drafter, "cost_device": "GPU"})
+        )
+        t = training_forecast(instance, 1000, 0.1)
+        # 60 steps for 100 rows -> 600 for 1,000; 0.5 s per step; 2 trainer GPUs
+        assert t["steps"] == {"point": 600.0, "low": 540.0, "high": 660.0}
+        assert t["wall_s"]["point"] == 300.0 and t["device_s"]["point"] == 600.0
+
+        instance.add_dynamic_partitions("prompt_index_ranges", ["0000000-0000009"])
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(
+                "hidden_states", partition="0000000-0000009", metadata={"bytes_per_token_expected": 51205}
+            )
+        )
+        per_row = {"point": 3000.0, "low": 2700.0, "high": 3300.0}
+        hidden = storage_forecast(instance, 902_087, per_row)["hidden_states"]
+        assert hidden["point"] == pytest.approx(902_087 * 3000 * 51205)  # ~139 TB, docs' ~138 TB
+        assert hidden["high"] / hidden["point"] == pytest.approx(1.1)
+
+    report = {"rows": 100, "advice": {"candidates": [{"cap": 8192, "tokens_to_generate": 50_000.0}]}}
+    (c,) = cap_change_forecast(report, 1000, 0.002)
+    assert c == {"cap": 8192, "tokens_to_generate": 500_000.0, "device_s": 1000.0}
+    assert cap_change_forecast(report, 1000, None) == []
+
+
+def test_tokenized_and_hidden_states_record_their_cost(tmp_path, tiny_target):  # noqa: F811 (fixture imported)
+    from dflash_assets.assets.hidden_states import hidden_states
+    from dflash_assets.assets.tokenized import tokenized_sequences
+    from dflash_assets_tests.test_tokenized import QUESTIONS, completion_row, run_stages, write_partition
+
+    rows = [completion_row(i, " ".join(["word"] * (3 + 4 * i)) + ".") for i in QUESTIONS]
+    pk = write_partition(tmp_path, QUESTIONS, rows)
+    result, _, hidden = run_stages(tmp_path, pk, [tokenized_sequences, hidden_states], tiny_target)
+    assert result.success
+    tok = {k: v.value for k, v in result.asset_materializations_for_node("tokenized_sequences")[0].metadata.items()}
+    stored = pl.read_parquet(tmp_path / "tokenized_sequences" / f"{pk}.parquet")
+    assert tok["cost_device"] == cost.CPU and tok["cost_basis"] == cost.PROCESS_CPU
+    assert tok["cost_tokens_in"] == int(stored["input_ids"].list.len().sum()) and tok["cost_tokens_out"] == 0
+    assert tok["cost_device_s"] > 0 and tok["cost_wall_s"] > 0
+    meta = {k: getattr(v, "value", v) for k, v in hidden.asset_materialization.metadata.items()}
+    # on the CPU: the cores this process may use x the extraction's wall
+    assert meta["cost_device"] == cost.CPU and meta["cost_devices"] == cost.cpu_cores()
+    assert meta["cost_device_s"] == pytest.approx(cost.cpu_cores() * meta["wall_s"], abs=0.01)
+    assert meta["cost_tokens_in"] == tok["cost_tokens_in"]
