@@ -251,3 +251,29 @@ def test_tokenized_and_hidden_states_record_their_cost(tmp_path, tiny_target):  
     assert meta["cost_device"] == cost.CPU and meta["cost_devices"] == cost.cpu_cores()
     assert meta["cost_device_s"] == pytest.approx(cost.cpu_cores() * meta["wall_s"], abs=0.01)
     assert meta["cost_tokens_in"] == tok["cost_tokens_in"]
+
+
+def test_training_records_processes_x_wall_and_a_reused_run_costs_nothing(tmp_path, monkeypatch):
+    from dflash_assets.forecast import training_forecast
+    from dflash_assets.partitions import prompt_ranges
+    from dflash_assets_tests import test_drafter_identity as identity
+    from dflash_assets_tests.tiny_target import project_config_with_layers
+
+    monkeypatch.setenv("DFLASH_CONFIG", str(project_config_with_layers(tmp_path / "config", [1, 3, 5])))
+    target, _ = identity.make_tiny_target(tmp_path / "tiny")
+    root = tmp_path / "data"
+    for i, pk in enumerate(identity.KEYS):
+        identity.write_partition(root, pk, seed=i)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, identity.KEYS)
+        first = identity.materialize(instance, root, target)
+        assert first["cost_device"] == cost.CPU and first["cost_devices"] == cost.cpu_cores()
+        assert first["cost_device_s"] == pytest.approx(cost.cpu_cores() * first["cost_wall_s"], abs=0.01)
+        assert first["cost_wall_s"] == pytest.approx(first["wall_s"], abs=0.06)  # wall_s: 0.1 s steps
+        assert first["cost_tokens_in"] == first["train_tokens"] > 0
+        # 6 steps over the rows trained on: 10x the rows, 10x the steps, at the measured seconds per step
+        t = training_forecast(instance, 10 * first["train_rows"], 0.0)
+        assert t["steps"]["point"] == pytest.approx(60.0)
+        assert t["wall_s"]["point"] == pytest.approx(10 * first["cost_wall_s"])
+        again = identity.materialize(instance, root, target)
+        assert again["outcome"] == "reused" and again["cost_device_s"] == 0.0
