@@ -277,3 +277,16 @@ def test_training_records_processes_x_wall_and_a_reused_run_costs_nothing(tmp_pa
         assert t["wall_s"]["point"] == pytest.approx(10 * first["cost_wall_s"])
         again = identity.materialize(instance, root, target)
         assert again["outcome"] == "reused" and again["cost_device_s"] == 0.0
+
+
+def test_evaluation_cost_engine_servers_or_the_target_device():
+    engine = InferenceServerResource(mode="sglang", num_servers=2, launch_module=cost.SIMULATION_PACKAGE + ".stub")
+    served = cost.evaluation_cost(object(), engine, "cpu", 10.0, {"generated_tokens": 500})
+    assert (served["cost_device"], served["cost_device_s"], served["cost_tokens_out"]) == (
+        cost.SIMULATED_GPU,
+        20.0,
+        500,
+    )
+    assert "while generating" not in served["cost_basis"]
+    in_process = cost.evaluation_cost(None, engine, "cuda:0", 10.0)
+    assert (in_process["cost_device"], in_process["cost_devices"], in_process["cost_device_s"]) == (cost.GPU, 1, 10.0)
