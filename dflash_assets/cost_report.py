@@ -7,8 +7,8 @@ table, :mod:`dflash_assets.cost_table`), figure by figure, with whether the meas
 the forecast's 95% interval. A forecast for another corpus size replaces it (the old one moves to
 ``previous_forecast``); delete the report to forecast afresh.
 
-Written by ``status`` and at the end of ``python -m dflash_assets run`` (atomic: the storage's writes
-are temp + rename, or one PUT on S3).
+Written by ``status``, by ``python -m dflash_assets run`` before it generates (:func:`keep_forecast`) and
+at its end (atomic: the storage's writes are temp + rename, or one PUT on S3).
 """
 
 from __future__ import annotations
@@ -62,10 +62,13 @@ def compare(forecast: dict, actual: dict[str, dict[str, float]], complete: bool)
 
 
 def build_report(previous: dict | None, forecast: dict | None, costs: dict[str, dict], prompts_done: int) -> dict:
-    """The report: the kept forecast (``previous``'s, unless none or for another corpus size), the measured
-    cost per stage, and :func:`compare`'s rows (``complete`` when ``prompts_done`` covers the corpus)."""
+    """The report: the kept forecast (``previous``'s, unless none or for another corpus size; a forecast
+    with no prompt left is never kept), the measured cost per stage, and :func:`compare`'s rows
+    (``complete`` when ``prompts_done`` covers the corpus)."""
     kept = (previous or {}).get("forecast")
     report: dict = {"generated_at": time.time(), "stages": costs}
+    if forecast is not None and not forecast.get("prompts_left"):
+        forecast = None  # made with nothing left to run: it would only restate the measurement
     if kept is None or (forecast is not None and kept.get("prompts_total") != forecast.get("prompts_total")):
         if kept is not None:
             report["previous_forecast"] = kept
@@ -190,3 +193,19 @@ def configured_cost_text(instance, store, pilot: str | None = None) -> str:
         note = ""
     text = cost_and_forecast(instance, store, inference, configured_price(), pilot_keys(instance, pilot))
     return "\n".join(p for p in (text, note) if p)
+
+
+def keep_forecast(instance, store, inference) -> str | None:
+    """Before a run generates: keep the forecast from what is measured so far in ``cost/report.json`` when
+    the report keeps none yet (:func:`build_report`), so the run's end compares against a forecast made
+    before it. Returns a note when that failed (the run goes on: a report never stops it), else None."""
+    from dflash_assets.cost_table import stage_costs
+    from dflash_assets.forecast import collect_forecast, rows_done
+
+    try:
+        forecast = collect_forecast(instance, corpus_prompts(instance), inference, store)
+        if forecast is not None:
+            write_cost_report(store, forecast, stage_costs(instance), rows_done(instance))
+    except Exception as exc:
+        return f"note: the cost forecast was not kept ({type(exc).__name__}: {str(exc)[:300]})"
+    return None

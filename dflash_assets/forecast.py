@@ -108,9 +108,10 @@ def generation_forecast(measured: dict[str, dict], prompts_left: int, devices: i
     metas = list(measured.values())
     tok, tok_half = mean_interval([(m["cost_rows"], m["cost_tokens_out"], m["cost_tokens_out_sq"]) for m in metas])
     slot, slot_half = mean_interval([(m["cost_rows"], m["cost_slot_s"], m["cost_slot_s_sq"]) for m in metas])
-    drain = max(run_drains(measured), default=0.0)
+    # nothing left: no start-up, no drain (the whole is then what was measured)
+    drain = max(run_drains(measured), default=0.0) if prompts_left else 0.0
     startups = sorted(float(m.get("cost_startup_s") or 0.0) for m in metas)
-    startup = startups[len(startups) // 2] if startups else 0.0
+    startup = startups[len(startups) // 2] if startups and prompts_left else 0.0
     busy = prompts_left * slot / max(1, slots)
     busy_half = prompts_left * slot_half / max(1, slots)
     low, high = max(0.0, busy - busy_half), busy + busy_half + drain

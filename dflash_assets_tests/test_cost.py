@@ -19,7 +19,7 @@ import yaml
 
 from dflash_assets import cost
 from dflash_assets.config import ConfigError
-from dflash_assets.cost_report import REPORT, build_report, format_comparison, write_cost_report
+from dflash_assets.cost_report import REPORT, build_report, format_comparison, keep_forecast, write_cost_report
 from dflash_assets.cost_table import format_cost_table, stage_costs
 from dflash_assets.forecast import collect_forecast, format_forecast, mean_interval, rows_done, t975
 from dflash_assets.resources.inference import InferenceServerResource
@@ -50,9 +50,10 @@ def test_forecast_from_one_partition_of_ten_holds_the_measured_whole(tmp_path, r
         assert len(keys) == PARTITIONS
         assert range_materialize(instance, root, keys[:1], servers()).success  # the pilot
         store = StorageResource(root=str(root)).open()
-        forecast = collect_forecast(instance, PROMPTS, servers(), store)
+        assert keep_forecast(instance, store, servers()) is None  # as `run` does before it generates
+        forecast = store.read_json(*REPORT)["forecast"]
         assert forecast["from_partitions"] == keys[:1] and forecast["prompts_left"] == PROMPTS - PROMPTS // 10
-        write_cost_report(store, forecast, stage_costs(instance), rows_done(instance))
+        assert forecast == collect_forecast(instance, PROMPTS, servers(), store) | {"made_at": forecast["made_at"]}
 
         pilot_end = max(e["t"] for e in stub_events(tmp_path))
         assert range_materialize(instance, root, keys[1:], servers()).success  # the other 9, one run
@@ -188,8 +189,14 @@ def test_unknown_cost_key_is_a_config_error(tmp_path, monkeypatch):
 
 
 def test_report_keeps_the_first_forecast_until_the_corpus_changes():
-    f = {"prompts_total": 10, "completions_whole": {"device_s": {"point": 10.0, "low": 8.0, "high": 12.0}}}
+    f = {
+        "prompts_total": 10,
+        "prompts_left": 6,
+        "completions_whole": {"device_s": {"point": 10.0, "low": 8.0, "high": 12.0}},
+    }
     costs = {"completions": {"device_s": 11.0, "tokens_out": 5, "wall_s": 1.0}}
+    # a forecast made when nothing is left (the end of a run) only restates the measurement: never kept
+    assert build_report(None, {**f, "prompts_left": 0}, costs, prompts_done=10)["forecast"] is None
     first = build_report(None, f, costs, prompts_done=4)
     assert first["forecast_vs_actual"][0]["within"] is None  # a part is not the whole
     later = build_report(first, {**f, "completions_whole": {"device_s": {"point": 1, "low": 1, "high": 1}}}, costs, 10)
