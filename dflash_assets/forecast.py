@@ -39,6 +39,10 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 _T975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
+#: partitions whose file sizes the storage forecast reads (two requests each on S3), the first in key order
+SIZE_SAMPLE = 20
+
+
 def t975(df: int) -> float:
     """Student's t quantile 0.975 with ``df`` degrees of freedom (table to 30, then 1.96); inf for df < 1."""
     if df < 1:
@@ -140,21 +144,21 @@ def scaled(iv: dict, factor: float) -> dict:
 
 def storage_forecast(instance: dg.DagsterInstance, prompts: int, tokens_per_row: dict, store=None) -> dict:
     """Bytes by stage for ``prompts`` prompts, each ``{point, low, high}``: completions and tokenized tables at
-    their measured bytes per row (file sizes of materialized partitions; needs ``store``; interval: that of
-    tokens per row, relative), hidden states at
-    ``tokens_per_row`` (tokenized tokens per row, prompt + completion) x the storage plan's bytes per token
-    (recorded by ``hidden_states``; missing until a partition is extracted)."""
+    their measured bytes per row (file sizes of up to :data:`SIZE_SAMPLE` materialized partitions; needs
+    ``store``; interval: that of tokens per row, relative), hidden states at ``tokens_per_row`` (tokenized
+    tokens per row, prompt + completion) x the storage plan's bytes per token (recorded by
+    ``hidden_states``; missing until a partition is extracted)."""
     from dflash_assets.assets.completions_tables import partition_file
     from dflash_assets.assets.tokenized import tokenized_file
 
     out: dict[str, dict] = {}
     band = scaled(tokens_per_row, 1 / tokens_per_row["point"]) if tokens_per_row["point"] else tokens_per_row
     for stage, file_of in (("completions", partition_file), ("tokenized_sequences", tokenized_file)):
-        rows = size = 0
-        for pk, meta in latest_records(instance, stage).items():
+        rows = size = sampled = 0
+        for pk, meta in sorted(latest_records(instance, stage).items()):
             m = plain_metadata(meta) or {}
-            if store is not None and m.get("rows") and store.exists(*file_of(pk)):
-                rows, size = rows + int(m["rows"]), size + store.size(*file_of(pk))
+            if sampled < SIZE_SAMPLE and store is not None and m.get("rows") and store.exists(*file_of(pk)):
+                rows, size, sampled = rows + int(m["rows"]), size + store.size(*file_of(pk)), sampled + 1
         if rows:  # text and token columns grow with the tokens per row: the same relative interval
             out[stage] = scaled(band, prompts * size / rows)
     hidden = [m for m in (latest_records(instance, "hidden_states") or {}).values()]

@@ -54,6 +54,8 @@ def test_forecast_from_one_partition_of_ten_holds_the_measured_whole(tmp_path, r
         forecast = store.read_json(*REPORT)["forecast"]
         assert forecast["from_partitions"] == keys[:1] and forecast["prompts_left"] == PROMPTS - PROMPTS // 10
         assert forecast == collect_forecast(instance, PROMPTS, servers(), store) | {"made_at": forecast["made_at"]}
+        pilot_bytes = (root / "completions" / f"{keys[0]}.parquet").stat().st_size
+        assert forecast["storage_bytes"]["completions"]["point"] == pytest.approx(pilot_bytes * PARTITIONS)
 
         pilot_end = max(e["t"] for e in stub_events(tmp_path))
         assert range_materialize(instance, root, keys[1:], servers()).success  # the other 9, one run
