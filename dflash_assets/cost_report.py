@@ -127,15 +127,6 @@ def format_comparison(report: dict) -> str:
     return "\n".join(lines)
 
 
-def corpus_prompts(instance) -> int:
-    """Prompts in the corpus: the sum of ``prompt_corpus``'s ``partition_prompts`` metadata (0 before it)."""
-    from dflash_assets.history import latest_metadata
-
-    return sum(
-        int(v) for v in ((latest_metadata(instance, "prompt_corpus") or {}).get("partition_prompts") or {}).values()
-    )
-
-
 def cost_and_forecast(
     instance, store, inference, device_hour_usd: float | None, pilot_keys: list[str] | None = None
 ) -> str:
@@ -143,7 +134,7 @@ def cost_and_forecast(
     forecast for the whole corpus, and the forecast made before against what was measured; writes
     ``cost/report.json`` and its plot when ``store`` is given."""
     from dflash_assets.cost_table import format_cost_table, stage_costs
-    from dflash_assets.forecast import collect_forecast, format_forecast, rows_done
+    from dflash_assets.forecast import collect_forecast, corpus_prompts, format_forecast, rows_done
 
     costs = stage_costs(instance)
     total = corpus_prompts(instance)
@@ -200,7 +191,7 @@ def keep_forecast(instance, store, inference) -> str | None:
     the report keeps none yet (:func:`build_report`), so the run's end compares against a forecast made
     before it. Returns a note when that failed (the run goes on: a report never stops it), else None."""
     from dflash_assets.cost_table import stage_costs
-    from dflash_assets.forecast import collect_forecast, rows_done
+    from dflash_assets.forecast import collect_forecast, corpus_prompts, rows_done
 
     try:
         forecast = collect_forecast(instance, corpus_prompts(instance), inference, store)

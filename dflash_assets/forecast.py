@@ -218,6 +218,24 @@ def configured_generation(inference) -> tuple[str, int, int]:
     return kind, devices, servers * inference.effective_max_running_requests()
 
 
+def done_generation(instance: dg.DagsterInstance) -> dict:
+    """``device_s``, ``wall_s`` (seconds) and ``tokens_out`` summed over every completions partition's latest
+    materialization (what :func:`~dflash_assets.cost_table.stage_costs` sums for completions)."""
+    metas = [plain_metadata(r) or {} for r in latest_records(instance, "completions").values()]
+    return {
+        "device_s": sum(float(m.get("cost_device_s") or 0.0) for m in metas),
+        "wall_s": sum(float(m.get("cost_wall_s") or 0.0) for m in metas),
+        "tokens_out": sum(int(m.get("cost_tokens_out") or 0) for m in metas),
+    }
+
+
+def measured_generation(measured: dict[str, dict]) -> tuple[str, int, int]:
+    """``(device kind, devices, slots)`` of the latest measured partition's run (when no configured
+    servers are at hand: the forecast is then for the servers that measured)."""
+    meta = measured[max(measured)]
+    return str(meta["cost_device"]), int(meta["cost_devices"]), int(meta.get("run_slots_capacity") or 1)
+
+
 def collect_forecast(
     instance: dg.DagsterInstance,
     prompts_total: int,
@@ -228,15 +246,15 @@ def collect_forecast(
 ) -> dict | None:
     """The whole corpus's forecast: what is done (measured) plus what is left (forecast from the measured
     partitions, or ``pilot_keys`` only), for ``prompts_total`` prompts on the configured ``inference``
-    servers. None before any completions partition recorded its cost. Each figure ``{point, low, high}``
-    (95%; module doc); completions figures are of the whole corpus (done + left)."""
-    from dflash_assets.cost_table import stage_costs
-
+    servers (None: on the servers of the latest measured run). None before any completions partition
+    recorded its cost. Each figure ``{point, low, high}`` (95%; module doc); completions figures are of the
+    whole corpus (done + left)."""
     measured = measured_partitions(instance, pilot_keys)
     if not measured:
         return None
-    kind, devices, slots = configured_generation(inference)
-    done = stage_costs(instance).get("completions") or {"device_s": 0.0, "wall_s": 0.0, "tokens_out": 0}
+    servers = configured_generation(inference) if inference is not None else measured_generation(measured)
+    kind, devices, slots = servers
+    done = done_generation(instance)
     done_rows = rows_done(instance)
     left = max(0, prompts_total - done_rows)
     gen = generation_forecast(measured, left, devices, slots)
@@ -310,3 +328,20 @@ def format_forecast(f: dict | None, device_hour_usd: float | None = None) -> str
     if "simulated" in f["device"]:
         lines.append("  simulated: measured on the GPU-node simulator, not on a GPU")
     return "\n".join(lines)
+
+
+def corpus_prompts(instance) -> int:
+    """Prompts in the corpus: the sum of ``prompt_corpus``'s ``partition_prompts`` metadata (0 before it)."""
+    return sum(
+        int(v) for v in ((latest_metadata(instance, "prompt_corpus") or {}).get("partition_prompts") or {}).values()
+    )
+
+
+def forecast_markdown(instance, store, truncation_report: dict | None = None) -> str:
+    """The forecast (:func:`~dflash_assets.forecast.format_forecast`) on the servers that measured, as
+    Markdown for an asset's UI metadata (``truncation_report`` shows it beside the cap advice it prices)."""
+    try:
+        forecast = collect_forecast(instance, corpus_prompts(instance), None, store, None, truncation_report)
+    except Exception as exc:  # a figure for the UI never fails the asset showing it
+        return f"no forecast: {type(exc).__name__}: {str(exc)[:300]}"
+    return "```\n" + format_forecast(forecast) + "\n```"

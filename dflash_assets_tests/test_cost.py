@@ -86,6 +86,18 @@ def test_forecast_from_one_partition_of_ten_holds_the_measured_whole(tmp_path, r
         assert (root / "cost" / "forecast_vs_actual.png").read_bytes()[:4] == b"\x89PNG"
         assert "inside" in format_comparison(report) and "OUTSIDE" not in format_comparison(report)
 
+        # the UI: truncation_report shows the forecast, on the servers that measured, beside the cap advice
+        from dflash_assets.assets.truncation import truncation_report
+        from dflash_assets.resources.generation import GenerationResource
+
+        report_run = dg.materialize(
+            [truncation_report],
+            instance=instance,
+            resources={"storage": StorageResource(root=str(root)), "generation": GenerationResource()},
+        )
+        shown = report_run.asset_materializations_for_node("truncation_report")[0].metadata["cost_forecast"].value
+        assert f"{PROMPTS:,} prompts ({PROMPTS:,} done, 0 left)" in shown and "on 2 device(s), 8 slots" in shown
+
         # status prints the same table and forecast from the config file
         config = {
             "resources": {
