@@ -143,7 +143,7 @@ def cost_and_forecast(
         truncation = store.read_json("truncation_report", "report.json")
     forecast = collect_forecast(instance, total, inference, store, pilot_keys, truncation) if inference else None
     parts = [format_cost_table(costs, device_hour_usd), format_forecast(forecast, device_hour_usd)]
-    if store is not None:
+    if store is not None and (costs or forecast is not None):  # nothing measured yet: nothing to write
         report = write_cost_report(store, forecast, costs, rows_done(instance))
         parts += [format_comparison(report), f"cost report: {store.uri(*REPORT)}"]
     return "\n".join(p for p in parts if p)
