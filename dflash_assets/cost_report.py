@@ -128,7 +128,12 @@ def format_comparison(report: dict) -> str:
 
 
 def cost_and_forecast(
-    instance, store, inference, device_hour_usd: float | None, pilot_keys: list[str] | None = None
+    instance,
+    store,
+    inference,
+    device_hour_usd: float | None,
+    pilot_keys: list[str] | None = None,
+    bytes_per_token: int | None = None,
 ) -> str:
     """What ``status`` and the run's summary print after their own lines: the per-stage cost table, the
     forecast for the whole corpus, and the forecast made before against what was measured; writes
@@ -141,7 +146,11 @@ def cost_and_forecast(
     truncation = None
     if store is not None and store.exists("truncation_report", "report.json"):
         truncation = store.read_json("truncation_report", "report.json")
-    forecast = collect_forecast(instance, total, inference, store, pilot_keys, truncation) if inference else None
+    forecast = (
+        collect_forecast(instance, total, inference, store, pilot_keys, truncation, bytes_per_token)
+        if inference
+        else None
+    )
     parts = [format_cost_table(costs, device_hour_usd), format_forecast(forecast, device_hour_usd)]
     if store is not None and (costs or forecast is not None):  # nothing measured yet: nothing to write
         report = write_cost_report(store, forecast, costs, rows_done(instance))
@@ -182,7 +191,9 @@ def configured_cost_text(instance, store, pilot: str | None = None) -> str:
         note = f"note: no forecast: the config's inference servers do not load ({type(exc).__name__}: {exc})"
     else:
         note = ""
-    text = cost_and_forecast(instance, store, inference, configured_price(), pilot_keys(instance, pilot))
+    text = cost_and_forecast(
+        instance, store, inference, configured_price(), pilot_keys(instance, pilot), configured_bytes_per_token()
+    )
     return "\n".join(p for p in (text, note) if p)
 
 
@@ -200,3 +211,25 @@ def keep_forecast(instance, store, inference) -> str | None:
     except Exception as exc:
         return f"note: the cost forecast was not kept ({type(exc).__name__}: {str(exc)[:300]})"
     return None
+
+
+def configured_bytes_per_token(model_path: str | None = None) -> int | None:
+    """Hidden-state bytes per token (:func:`~dflash_assets.dflash.target_features.bytes_per_token`: layers x
+    hidden x 2 + 5) of the target at ``model_path`` (default: the active config's ``target_model.model_path``)
+    with ``ops.hidden_states.config.target_layer_ids`` (default: 5 layers); None without a model directory
+    (the local CPU model is not made just for a forecast) or when its config.json does not read."""
+    try:
+        from dflash_assets.config import op_config, resource_fields
+        from dflash_assets.dflash.target_features import bytes_per_token
+        from dflash_assets.storage_plan import target_shape
+
+        path = model_path if model_path is not None else resource_fields("target_model").get("model_path")
+        if not path:
+            return None
+        ids = ((op_config("hidden_states")["ops"].get("hidden_states") or {}).get("config") or {}).get(
+            "target_layer_ids"
+        )
+        layer_ids, hidden = target_shape(path, ids or None)
+        return bytes_per_token(len(layer_ids), hidden, 2)
+    except Exception:
+        return None

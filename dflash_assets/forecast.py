@@ -142,12 +142,14 @@ def scaled(iv: dict, factor: float) -> dict:
     return {k: v * factor for k, v in iv.items()}
 
 
-def storage_forecast(instance: dg.DagsterInstance, prompts: int, tokens_per_row: dict, store=None) -> dict:
+def storage_forecast(
+    instance: dg.DagsterInstance, prompts: int, tokens_per_row: dict, store=None, bytes_per_token: int | None = None
+) -> dict:
     """Bytes by stage for ``prompts`` prompts, each ``{point, low, high}``: completions and tokenized tables at
     their measured bytes per row (file sizes of up to :data:`SIZE_SAMPLE` materialized partitions; needs
     ``store``; interval: that of tokens per row, relative), hidden states at ``tokens_per_row`` (tokenized
     tokens per row, prompt + completion) x the storage plan's bytes per token (recorded by
-    ``hidden_states``; missing until a partition is extracted)."""
+    ``hidden_states``; before any is extracted: ``bytes_per_token``, from the configured target, else none)."""
     from dflash_assets.assets.completions_tables import partition_file
     from dflash_assets.assets.tokenized import tokenized_file
 
@@ -163,7 +165,7 @@ def storage_forecast(instance: dg.DagsterInstance, prompts: int, tokens_per_row:
             out[stage] = scaled(band, prompts * size / rows)
     hidden = [m for m in (latest_records(instance, "hidden_states") or {}).values()]
     per_token = [(plain_metadata(r) or {}).get("bytes_per_token_expected") for r in hidden]
-    per_token = [p for p in per_token if p]
+    per_token = [p for p in per_token if p] or ([bytes_per_token] if bytes_per_token else [])
     if per_token:
         out["hidden_states"] = scaled(tokens_per_row, prompts * per_token[-1])
     return out
@@ -243,12 +245,14 @@ def collect_forecast(
     store=None,
     pilot_keys: list[str] | None = None,
     truncation_report: dict | None = None,
+    bytes_per_token: int | None = None,
 ) -> dict | None:
     """The whole corpus's forecast: what is done (measured) plus what is left (forecast from the measured
     partitions, or ``pilot_keys`` only), for ``prompts_total`` prompts on the configured ``inference``
     servers (None: on the servers of the latest measured run). None before any completions partition
     recorded its cost. Each figure ``{point, low, high}`` (95%; module doc); completions figures are of the
-    whole corpus (done + left)."""
+    whole corpus (done + left). ``bytes_per_token``: hidden-state bytes per token of the configured target
+    (:func:`~dflash_assets.storage_plan.target_shape`), used until a ``hidden_states`` partition records its own."""
     measured = measured_partitions(instance, pilot_keys)
     if not measured:
         return None
@@ -277,7 +281,7 @@ def collect_forecast(
         "device": kind,
         "generation": gen,
         "completions_whole": whole,
-        "storage_bytes": storage_forecast(instance, prompts_total, per_row, store),
+        "storage_bytes": storage_forecast(instance, prompts_total, per_row, store, bytes_per_token),
         "training": training_forecast(instance, prompts_total, relative),
         "cap_changes": cap_change_forecast(truncation_report, prompts_total, gen["device_s_per_token"]),
     }

@@ -21,7 +21,7 @@ from dflash_assets.assets.drafter import DrafterConfig, config_changed_since_las
 from dflash_assets.assets.evaluation import EvaluationConfig
 from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
 from dflash_assets.config import config_path, op_config
-from dflash_assets.cost_report import cost_and_forecast, keep_forecast
+from dflash_assets.cost_report import configured_bytes_per_token, cost_and_forecast, keep_forecast
 from dflash_assets.definitions import defs
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.history import latest_record, plain_metadata
@@ -239,7 +239,8 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     print(format_summary(summary))
     resources = defs.resources
     store, price = resources["storage"].open(), resources["cost"].device_hour_usd
-    print("\n" + cost_and_forecast(instance, store, resources["inference"], price))
+    per_token = configured_bytes_per_token(resources["target_model"].model_path)
+    print("\n" + cost_and_forecast(instance, store, resources["inference"], price, None, per_token))
     if did_work:
         print(f"\nmaterialized {len(did_work)} steps in {time.monotonic() - started:.0f}s")
     else:

@@ -19,7 +19,14 @@ import yaml
 
 from dflash_assets import cost
 from dflash_assets.config import ConfigError
-from dflash_assets.cost_report import REPORT, build_report, format_comparison, keep_forecast, write_cost_report
+from dflash_assets.cost_report import (
+    REPORT,
+    build_report,
+    configured_bytes_per_token,
+    format_comparison,
+    keep_forecast,
+    write_cost_report,
+)
 from dflash_assets.cost_table import format_cost_table, stage_costs
 from dflash_assets.forecast import collect_forecast, format_forecast, mean_interval, rows_done, t975
 from dflash_assets.resources.inference import InferenceServerResource
@@ -98,6 +105,15 @@ def test_forecast_from_one_partition_of_ten_holds_the_measured_whole(tmp_path, r
         shown = report_run.asset_materializations_for_node("truncation_report")[0].metadata["cost_forecast"].value
         assert f"{PROMPTS:,} prompts ({PROMPTS:,} done, 0 left)" in shown and "on 2 device(s), 8 slots" in shown
 
+        # hidden-state storage before any extraction: the storage plan's bytes per token of the configured target
+        target = tmp_path / "target"
+        target.mkdir()
+        (target / "config.json").write_text(json.dumps({"hidden_size": 5120, "num_hidden_layers": 64}))
+        assert configured_bytes_per_token(str(target)) == 51_205
+        with_target = collect_forecast(instance, PROMPTS, servers(), store, bytes_per_token=51_205)
+        per_row = with_target["generation"]["tokens_per_prompt"]["point"] + tables["prompt_tokens"].sum() / PROMPTS
+        assert with_target["storage_bytes"]["hidden_states"]["point"] == pytest.approx(PROMPTS * per_row * 51_205)
+
         # status prints the same table and forecast from the config file
         config = {
             "resources": {
@@ -110,6 +126,7 @@ def test_forecast_from_one_partition_of_ten_holds_the_measured_whole(tmp_path, r
                     "launch_module": "dflash_assets.simulation.sglang_stub",
                 },
                 "cost": {"device_hour_usd": 3.0},
+                "target_model": {"model_path": str(target)},  # Qwen3.6-27B's shape: 5 layers x 5120 x 2 + 5 bytes
             }
         }
         (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
@@ -121,6 +138,7 @@ def test_forecast_from_one_partition_of_ten_holds_the_measured_whole(tmp_path, r
         assert "== cost per stage == (price per device-hour: $3)" in out
         assert "simulated GPU-h" in out and " GPU-h" not in out.replace("simulated GPU-h", "")
         assert "from 2 measured partition(s)" in out and "on 7 device(s), 28 slots" in out
+        assert "storage hidden_states" in out
 
 
 def _latest(instance, keys: list[str]) -> dict[str, dict]:
