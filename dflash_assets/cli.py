@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> None:
     status.add_argument(
         "--config", help="YAML config whose generation settings and storage to judge rows by (default: $DFLASH_CONFIG)"
     )
+    status.add_argument(
+        "--pilot", help="forecast the whole corpus from these completions partitions only: FIRST...LAST or one key"
+    )
     failed = sub.add_parser(
         "mark-failed", help="mark a STARTED run whose machine was lost failed and free its pool slots"
     )
@@ -74,4 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "status":
         from dflash_assets.status import print_status
 
-        sys.exit(print_status())
+        try:
+            sys.exit(print_status(pilot=args.pilot))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)

@@ -7,6 +7,7 @@ import dagster as dg
 from dflash_assets.automation import build_backfill_schedule, build_cap_change_sensor
 from dflash_assets.config import build_resources, check_local_model, op_config, validate_ops
 from dflash_assets.generation.servers import API_KEY_ENV
+from dflash_assets.resources.cost import CostResource
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource, s3_credentials_from_env
@@ -35,6 +36,7 @@ RESOURCES = build_resources(
         "inference": InferenceServerResource,
         "generation": GenerationResource,
         "target_model": TargetModelResource,
+        "cost": CostResource,
     },
     extra={"storage": s3_credentials_from_env(), "inference": api_key_from_env()},
 )

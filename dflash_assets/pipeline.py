@@ -21,6 +21,7 @@ from dflash_assets.assets.drafter import DrafterConfig, config_changed_since_las
 from dflash_assets.assets.evaluation import EvaluationConfig
 from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
 from dflash_assets.config import config_path, op_config
+from dflash_assets.cost_report import configured_bytes_per_token, cost_and_forecast, keep_forecast
 from dflash_assets.definitions import defs
 from dflash_assets.evaluation.vllm_run import prepare_in_background
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
@@ -177,6 +178,8 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         why = dict(Counter(reasons[pk] for pk in generate))
         print(f"completions: {len(generate)} partitions in one run ({span[0]}...{span[1]}): {why}")
         before = {pk: getattr(latest_record(instance, "completions", pk), "storage_id", None) for pk in generate}
+        if note := keep_forecast(instance, defs.resources["storage"].open(), defs.resources["inference"]):
+            print(note)  # the forecast from what is measured so far, for the report at the end (docs/cost.md)
         result = _materialize(["completions"], op_config("completions"), partition_range=span)
         # a partition the run did not commit and left not up to date gets no later stages now; say why for
         # each (one committed with error rows goes on: the next run retries those rows)
@@ -255,6 +258,10 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
 
     summary = collect_summary(instance, keys, ran=did_work)
     print(format_summary(summary))
+    resources = defs.resources
+    store, price = resources["storage"].open(), resources["cost"].device_hour_usd
+    per_token = configured_bytes_per_token(resources["target_model"].model_path)
+    print("\n" + cost_and_forecast(instance, store, resources["inference"], price, None, per_token))
     if did_work:
         print(f"\nmaterialized {len(did_work)} steps in {time.monotonic() - started:.0f}s")
     else:

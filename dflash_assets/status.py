@@ -471,9 +471,10 @@ def corpus_preview(instance: dg.DagsterInstance, store) -> str | None:
     )
 
 
-def print_status(instance: dg.DagsterInstance | None = None) -> int:
+def print_status(instance: dg.DagsterInstance | None = None, pilot: str | None = None) -> int:
     """Print :func:`format_status` for ``instance`` (default: ``DagsterInstance.get()``) under the active
-    config's generation settings; returns exit code 0."""
+    config's generation settings, then the cost table and forecast (from the ``pilot`` range ``FIRST...LAST``
+    when given, :mod:`dflash_assets.cost_report`); returns exit code 0."""
     settings, store, error = current_settings_and_store()
     if error:
         print(
@@ -491,4 +492,7 @@ def print_status(instance: dg.DagsterInstance | None = None) -> int:
             f"note: could not preview the next corpus build ({type(exc).__name__}: {str(exc)[:300]})"
         )
     print(format_status(status))
+    from dflash_assets.cost_report import configured_cost_text
+
+    print(configured_cost_text(instance, store, pilot))
     return 0

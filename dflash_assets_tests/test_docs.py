@@ -11,6 +11,7 @@ from dflash_assets.assets.evaluation import EvaluationConfig
 from dflash_assets.assets.hidden_states import HiddenStatesConfig
 from dflash_assets.assets.prompts import PromptCorpusConfig
 from dflash_assets.assets.tokenized import TokenizeConfig
+from dflash_assets.resources.cost import CostResource
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
@@ -50,6 +51,7 @@ def test_relative_links_resolve(doc):
         ("resources.inference", InferenceServerResource),
         ("resources.generation", GenerationResource),
         ("resources.target_model", TargetModelResource),
+        ("resources.cost", CostResource),
         ("ops.prompt_corpus.config", PromptCorpusConfig),
         ("ops.tokenized_sequences.config", TokenizeConfig),
         ("ops.hidden_states.config", HiddenStatesConfig),

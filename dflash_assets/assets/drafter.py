@@ -8,6 +8,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
+from dflash_assets.cost import device_cost
 from dflash_assets.feature_sources import decide_mode
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.pools import GPU_POOL
@@ -177,6 +178,8 @@ def dflash_drafter(
     weights = publish_export(store, plan.export_dir, png)
     subset = _offline_subset(context.instance, data.used) if data.mode == "offline" else {}
     metadata = drafter_metadata(summary, plan, data, config, outcome, weights, png, wall, subset)
+    trained = 0 if plan.reused else summary["train_tokens"]  # a reused run cost nothing now
+    metadata.update(device_cost(target_model.device, 0.0 if plan.reused else wall, trained, 0, summary["world_size"]))
     # same weights, same version: the evaluation reuses its report
     return dg.MaterializeResult(
         metadata={**metadata, "export_path": dg.MetadataValue.path(store.uri(*EXPORT_DIR))},

@@ -11,6 +11,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
+from dflash_assets.cost import evaluation_cost
 from dflash_assets.dflash.export import config_from_hf_dict, resolve_export
 from dflash_assets.evaluation.datasets import evaluation_fingerprint, evaluation_prompts
 from dflash_assets.evaluation.engine import engine_fingerprint, plan_engine
@@ -204,17 +205,11 @@ def drafter_evaluation(
         export_sha,
     )
     store.write_json(report, REPORT_DIR, "report.json")
+    wall_s = time.monotonic() - started
+    metadata |= evaluation_cost(plan, inference, target_model.device, wall_s, metadata)  # dflash_assets.cost
     yield dg.MaterializeResult(
         metadata=evaluated_metadata(
-            config,
-            plan,
-            engine_section,
-            prompts,
-            export_sha,
-            metadata,
-            block_size,
-            fingerprint,
-            wall_s=time.monotonic() - started,
+            config, plan, engine_section, prompts, export_sha, metadata, block_size, fingerprint, wall_s=wall_s
         )
     )
     yield from check_results(report["checks"])

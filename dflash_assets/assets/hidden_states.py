@@ -5,6 +5,7 @@ from pydantic import Field
 
 from dflash_assets.assets.tokenized import tokenized_file
 from dflash_assets.check_gate import CHECK_FINITE, CHECK_IDS
+from dflash_assets.cost import device_cost
 from dflash_assets.hidden_states_stage import (
     ExtractionSettings,
     HiddenStatesError,
@@ -155,7 +156,10 @@ def hidden_states(
     except HiddenStatesError as exc:
         raise dg.Failure(str(exc), metadata=exc.metadata or None) from None
     path = dg.MetadataValue.path(done.uri)
-    yield dg.MaterializeResult(metadata={**done.metadata, "path": path}, data_version=dg.DataVersion(done.data_version))
+    cost = device_cost(target_model.device, done.metadata.get("wall_s", 0.0), done.metadata.get("tokens", 0))
+    yield dg.MaterializeResult(
+        metadata={**done.metadata, **cost, "path": path}, data_version=dg.DataVersion(done.data_version)
+    )
     yield from run_checks(done.out_dir, done.index, done.rows)
 
 

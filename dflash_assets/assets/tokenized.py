@@ -10,6 +10,7 @@ from pydantic import Field
 
 from dflash_assets.assets.completions_tables import load_prompts, partition_file
 from dflash_assets.check_gate import CHECK_DEGENERATE, CHECK_NONEMPTY, CHECK_ROUNDTRIP
+from dflash_assets.cost import CpuClock
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource
@@ -97,18 +98,21 @@ def tokenized_sequences(
     completions = store.read_parquet(*partition_file(pk))
     prompts = load_prompts(store, pk)
     builder = SequenceBuilder(target_model.load_tokenizer(), end_token=config.end_token or None)
-    tokenized, aside, counts, uri, version, checks = tokenize_stage(
-        store, pk, completions, prompts, builder, config, generation.settings().max_output_tokens
-    )
+    with CpuClock() as clock:
+        tokenized, aside, counts, uri, version, checks = tokenize_stage(
+            store, pk, completions, prompts, builder, config, generation.settings().max_output_tokens
+        )
     for row in aside.head(10).iter_rows(named=True):
         context.log.warning(f"{pk}: row {row['index']} set aside: {row['reason']}")
     lengths = tokenized["num_loss_tokens"].to_list()
+    total_tokens = int(tokenized["input_ids"].list.len().sum() or 0)
     yield dg.MaterializeResult(
         metadata={
             "rows": tokenized.height,
             "counts": dict(counts),
             "loss_tokens": int(sum(lengths)),
-            "total_tokens": int(tokenized["input_ids"].list.len().sum() or 0),
+            "total_tokens": total_tokens,
+            **clock.metadata(total_tokens),
             "num_loss_tokens_min": min(lengths, default=0),
             "num_loss_tokens_median": float(pl.Series(lengths).median() or 0) if lengths else 0.0,
             "end_token": builder.end_token,

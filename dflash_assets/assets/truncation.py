@@ -6,6 +6,7 @@ import dagster as dg
 import polars as pl
 
 from dflash_assets.assets.completions_tables import partition_file
+from dflash_assets.forecast import forecast_markdown
 from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
@@ -120,5 +121,6 @@ def truncation_report(
             "histogram": png_markdown(png, "completion lengths"),
             "histogram_path": dg.MetadataValue.path(png_uri),
             "cap_advice": dg.MetadataValue.md(cap_advice_markdown(advice)),
+            "cost_forecast": dg.MetadataValue.md(forecast_markdown(context.instance, store, report)),
         }
     )

@@ -32,6 +32,7 @@ from dflash_assets.assets.completions_tables import (
     partition_frame,
     table_rows,
 )
+from dflash_assets.cost import GenerationMeter, generation_devices
 from dflash_assets.generation.cap_cut import cut_rows
 from dflash_assets.generation.continuation import continuable
 from dflash_assets.generation.range_plan import Partition, PartitionComplete, plan_requests
@@ -109,6 +110,8 @@ class RangeRun:
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
         self.failed_since_materialized: set[str] = set()  # never "kept": their status must go back to done
         self._builder = None  # the target tokenizer's SequenceBuilder (False: it did not load)
+        self.meter: GenerationMeter | None = None  # device-seconds per partition (dflash_assets.cost)
+        self.serve_started: float | None = None  # monotonic time the servers were asked to start
 
     def run(
         self, prompts_by_pk: dict[str, pl.DataFrame], storage: StorageResource, inference: InferenceServerResource
@@ -119,6 +122,7 @@ class RangeRun:
         keys, settings = self.keys, self.settings
         parts = self.parts
         failing: BaseException | None = None
+        self.meter = GenerationMeter(*generation_devices(inference))
         try:
             for pk, prompts in prompts_by_pk.items():
                 journal = storage.open_journal("completions", f"{pk}.journal.jsonl")
@@ -134,6 +138,7 @@ class RangeRun:
                 # the target's tokenizer (for continuing cut rows) loads while the servers start, not after
                 with ThreadPoolExecutor(1, thread_name_prefix="dflash-continuations") as pool_planner:
                     planned = pool_planner.submit(ContinuationPlanner(settings).plan, inference, todo)
+                    self.serve_started = time.monotonic()
                     with inference.serve(
                         log_dir=storage.local_scratch("server_logs", label), settings=settings
                     ) as pool:
@@ -396,6 +401,11 @@ class RangeRun:
             ]
             if faults:
                 metadata["server_faults"] = [f"{f['server']}: {f['fault']} -> {f['action']}" for f in faults]
+        if self.meter is not None:
+            generating = self.client_started() if self.client is not None else None
+            if generating is not None and self.serve_started is not None and not self.meter.startup_s:
+                self.meter.startup_s = max(0.0, generating - self.serve_started)
+            metadata.update(self.meter.metadata(now, generating, rows))
         if self.exposure:
             metadata["security_warnings"] = self.exposure
         self.committed.append(pk)
