@@ -23,6 +23,7 @@ from dflash_assets.assets.tokenized import tokenized_file
 from dflash_assets.dflash.shards import INDEX_NAME, SHARD_PATTERN
 from dflash_assets.history import latest_metadata, plain_metadata
 from dflash_assets.prompt_corpus_stage import CORPUS_FILE, REJECTED_FILE
+from dflash_assets.summary_engine import ENGINE_KEYS, engine_line
 
 PK = "<pk>"
 # File and folder names the asset modules write without exporting a constant (kept here, once).
@@ -392,47 +393,6 @@ def acceptance_line(s: dict) -> str:
     if s.get("evaluation_ran") is False or s.get("evaluation_outcome") == "reused":
         text += " (reused: drafter unchanged, no decoding)"
     return text
-
-
-ENGINE_KEYS = (
-    "engine_kind",
-    "engine_simulated",
-    "engine_requests",
-    "engine_tau",
-    "engine_tau_stderr",
-    "engine_tau_pooled",
-    "simulated_engine_tau",
-    "simulated_engine_tau_pooled",
-    "engine_parity_max_difference",
-)
-
-
-def engine_line(s: dict) -> str | None:
-    """The serving engine's figure, on a line of its own: SGLang's per-request ``spec_accept_length`` (mean over
-    requests; pooled) for a real engine; for the simulator, a line that says the figure is simulated plumbing,
-    not a measurement. None when no engine ran."""
-    if s.get("engine_kind") is None:
-        return None
-    if s.get("engine_simulated"):
-        return (
-            f"engine (SIMULATED)  plumbing check only, not a measurement: {s.get('engine_requests')} requests "
-            "answered by the "
-            f"GPU-node simulator with SGLang's per-request fields (simulated tau {s.get('simulated_engine_tau')}, "
-            f"pooled {s.get('simulated_engine_tau_pooled')})"
-        )
-    if s.get("engine_kind") == "vllm":
-        diff = s.get("engine_parity_max_difference")
-        return (
-            f"engine tau (vLLM) {s.get('engine_tau')} +- {s.get('engine_tau_stderr')} beside in-process "
-            f"{s.get('tau')} (mean of per-prompt 1 + accepted / drafts from vLLM's counters; pooled "
-            f"{s.get('engine_tau_pooled')}) on {s.get('engine_requests')} prompts"
-            + ("" if diff is None else f"; largest difference {diff:.3f} (check engine_parity: at most 0.05)")
-        )
-    return (
-        f"engine tau (SGLang) {s.get('engine_tau')} +- {s.get('engine_tau_stderr')} "
-        "(mean of per-request spec_accept_length; "
-        f"pooled {s.get('engine_tau_pooled')}) on {s.get('engine_requests')} requests, {s.get('engine_kind')} servers"
-    )
 
 
 def dataset_lines(s: dict) -> list[str]:

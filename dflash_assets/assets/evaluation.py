@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 import dagster as dg
-from pydantic import Field
+from pydantic import ConfigDict, Field, field_validator
 
 from dflash_assets.cost import evaluation_cost
 from dflash_assets.dflash.export import config_from_hf_dict, resolve_export
@@ -18,6 +18,7 @@ from dflash_assets.evaluation.engine import engine_fingerprint, plan_engine
 from dflash_assets.evaluation.in_process import REPORT_DIR
 from dflash_assets.evaluation.parity import CHECK_LOSSLESS, CHECK_PARITY
 from dflash_assets.evaluation.run import check_results, evaluated_metadata, run_evaluation
+from dflash_assets.generation.secret_args import refuse_secret_args
 from dflash_assets.history import plain_metadata
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.pools import GPU_POOL
@@ -31,6 +32,8 @@ from dflash_assets.training.run import EXPORT_DIR
 class EvaluationConfig(dg.Config):
     """How much speculative decoding to run (greedy, temperature 0), on which prompt sets, and where:
     in this process (``in_process``) and/or on a serving engine (``engine``) that loads the export."""
+
+    model_config = ConfigDict(hide_input_in_errors=True)  # a refused --api-key value never reaches the error
 
     num_prompts: int = Field(default=32, ge=1, description="Prompts decoded both ways, per dataset.")
     max_new_tokens: int = Field(default=256, ge=1, description="Tokens generated per prompt.")
@@ -113,6 +116,13 @@ class EvaluationConfig(dg.Config):
     engine_extra_args: list[str] = Field(
         default_factory=list, description="More engine flags for the engine run (SGLang's or vLLM's)."
     )
+
+    @field_validator("engine_extra_args")
+    @classmethod
+    def _no_secret_flags(cls, value: list[str]) -> list[str]:
+        refuse_secret_args(value, "drafter_evaluation.engine_extra_args")  # the key comes from the environment
+        return value
+
     engine_concurrency: int = Field(strict=True, default=16, ge=1, description="Engine requests in flight per server.")
     engine_request_timeout_s: float = Field(
         strict=True, default=3600.0, gt=0, description="Seconds one engine request may take."
