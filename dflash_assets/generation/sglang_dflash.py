@@ -43,6 +43,7 @@ import httpx
 
 from dflash_assets.dflash.engine_check import is_hybrid_target
 from dflash_assets.dflash.tau import tau_from_sums
+from dflash_assets.generation.replies import MAX_REPLY_BYTES, ReplyError, decode_reply, printable
 from dflash_assets.generation.urls import origin, redact, strip_credentials
 
 #: SGLang's ``DRAFT_ATTENTION_BACKEND_CHOICES`` (``arg_groups/choices.py``)
@@ -180,9 +181,16 @@ async def _one(
             continue
         if r.status_code != 200:
             raise EngineError(f"POST {shown} got HTTP {r.status_code}: {redact(r.text, api_key)[:400]}")
-        out = r.json()
-        out = out[0] if isinstance(out, list) and out else out
-        meta = (out or {}).get("meta_info") or {}
+        try:  # a malformed reply costs this prompt, never the evaluation
+            meta = _checked_meta(r.content)
+        except ReplyError as exc:
+            return {
+                "dataset": prompt.dataset,
+                "position": prompt.position,
+                "input_sha": input_sha(prompt.input_ids),
+                "error": redact(f"ReplyError: {exc}", api_key)[:500],
+                "server": strip_credentials(origin(url)),
+            }
         finish = meta.get("finish_reason")
         return {
             "dataset": prompt.dataset,
@@ -195,6 +203,30 @@ async def _one(
             "server": strip_credentials(origin(url)),
         }
     raise AssertionError("unreachable")
+
+
+def _checked_meta(body: bytes) -> dict[str, Any]:
+    """``meta_info`` of a ``/generate`` reply, its counts and speculative fields checked.
+
+    Raises:
+        ReplyError: over :data:`MAX_REPLY_BYTES`, not JSON, not an object, or a field of the wrong type.
+    """
+    if len(body) > MAX_REPLY_BYTES:
+        raise ReplyError(f"the reply is {len(body):,} bytes, over {MAX_REPLY_BYTES:,}")
+    out = decode_reply(body)
+    out = out[0] if isinstance(out, list) and out else out
+    if not isinstance(out, dict) or not isinstance(out.get("meta_info", {}), dict):
+        raise ReplyError("the reply is not an object with a meta_info object")
+    meta = out.get("meta_info") or {}
+    for key in ("prompt_tokens", "completion_tokens", "spec_verify_ct"):
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ReplyError(f"meta_info.{key} is {printable(repr(value))[:40]}, not a count")
+    for key in ("spec_accept_length", "spec_accept_rate"):
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or value != value):
+            raise ReplyError(f"meta_info.{key} is {printable(repr(value))[:40]}, not a number")
+    return meta
 
 
 async def _generate_all(
@@ -279,11 +311,13 @@ def engine_tau_by_dataset(records: Sequence[Mapping[str, Any]]) -> dict[str, dic
         )
         bare = tau_from_sums([(float(r["completion_tokens"]) - 1, int(r["spec_verify_ct"])) for r in measured])
         rates = [float(r["spec_accept_rate"]) for r in measured if r.get("spec_accept_rate") is not None]
+        errors = sum("error" in r for r in rows)
         out[name] = {
             **sums,
             "tau_without_prefill_token": bare["tau"],
             "requests": len(rows),
             "requests_measured": len(measured),
+            "errors": errors,
             "mean_accept_rate": sum(rates) / len(rates) if rates else None,
         }
     return out
