@@ -131,7 +131,7 @@ def test_failed_final_journal_sync_keeps_the_original_error_and_reports_the_sync
     run.plan = plan
     try:
         with pytest.raises(RuntimeError) as err:
-            list(run.run({pk: None}, storage, SimpleNamespace(serve=serve)))
+            list(run.run({pk: None}, storage, SimpleNamespace(serve=serve, mode="local")))
     finally:
         s3_target.proxy.start()
     assert "SGLang server 0 exited with code 1" in str(err.value)
