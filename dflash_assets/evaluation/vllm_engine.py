@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_assets.dflash.tau import tau_from_sums
 from dflash_assets.generation.replies import MAX_TOKEN_VALUE, ReplyError, decode_reply, printable
-from dflash_assets.generation.sglang_dflash import EngineError, EnginePrompt, input_sha
+from dflash_assets.generation.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt, input_sha
 from dflash_assets.generation.urls import origin, redact
 
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -211,13 +211,7 @@ def vllm_decode(
                 "model": model_name,
                 "prompt": list(prompt.input_ids),
                 "max_tokens": int(max_new_tokens),
-                "temperature": 0.0,
-                "top_p": 1.0,
-                "top_k": -1,
-                "min_p": 0.0,
-                "repetition_penalty": 1.0,
-                "presence_penalty": 0.0,
-                "frequency_penalty": 0.0,
+                **GREEDY_SAMPLING,
                 "stop_token_ids": [int(t) for t in stop_token_ids],
                 "skip_special_tokens": False,
                 "return_token_ids": True,

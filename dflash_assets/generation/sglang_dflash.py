@@ -76,6 +76,19 @@ SPEC_FIELDS = (
 )
 
 
+#: Greedy decoding with every sampling field that could differ from it named: SGLang and vLLM fill an omitted
+#: one from the model's generation_config.json.
+GREEDY_SAMPLING = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
+
 def mamba_strategy_for(target_config: Mapping[str, Any], configured: str | None) -> str | None:
     """The ``--mamba-radix-cache-strategy`` to pass: ``configured`` when set, else ``extra_buffer`` for a
     target with linear-attention layers (:func:`~dflash_assets.dflash.engine_check.is_hybrid_target`), else
@@ -276,16 +289,7 @@ def engine_generate(
     Raises:
         EngineError: an HTTP error, or a request the engines could not answer; the key is redacted.
     """
-    sampling = {
-        "temperature": 0.0,
-        "top_p": 1.0,
-        "top_k": -1,
-        "min_p": 0.0,
-        "repetition_penalty": 1.0,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "max_new_tokens": int(max_new_tokens),
-    }
+    sampling = {**GREEDY_SAMPLING, "max_new_tokens": int(max_new_tokens)}
     if stop_token_ids:
         sampling["stop_token_ids"] = [int(t) for t in stop_token_ids]
     if not base_urls:
