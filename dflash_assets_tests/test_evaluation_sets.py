@@ -54,3 +54,43 @@ def test_humaneval_alias_reads_the_packaged_prompts_minus_the_demo_corpus():
         evaluation_datasets(corpus, [3], [HUMANEVAL, "HumanEval"], num_prompts=2)
     with pytest.raises(dg.Failure, match="prompt_files: /nonexistent"):
         evaluation_datasets(corpus, [3], ["/nonexistent/x.jsonl"], num_prompts=2)
+
+
+def test_held_out_prompts_are_read_by_row_group_not_the_whole_corpus(tmp_path):
+    """Issue 32, finding 8: the evaluation read the whole corpus (~750 MB at 902K prompts) to pick a few held-out
+    prompts. Now only the held-out rows' messages are read; other rows' hashes only when prompt files need them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_assets.evaluation.datasets import heldout_corpus
+    from dflash_assets.storage import Storage
+
+    n = 20_000
+    table = pa.table(
+        {
+            "index": list(range(n)),
+            "content_hash": [f"h{i}" for i in range(n)],
+            "messages": [[{"role": "user", "content": "x" * 200 + str(i)}] for i in range(n)],
+        }
+    )
+    (tmp_path / "prompt_corpus").mkdir()
+    pq.write_table(table, tmp_path / "prompt_corpus" / "corpus.parquet", row_group_size=1000)
+    store = Storage(str(tmp_path))
+    reads = []
+    original = store.read_parquet
+
+    def spy(*parts, **kw):
+        out = original(*parts, **kw)
+        reads.append((kw, out.height, "messages" in out.columns))
+        return out
+
+    store.read_parquet = spy
+    held = [5, 17_003, 9_999, 42]
+    rows = heldout_corpus(store, held, num_prompts=3, need_hashes=False)
+    assert sorted(rows["index"].to_list()) == [5, 9_999, 17_003]
+    assert [h for _, h, _ in reads] == [3] and reads[0][0]["index_ranges"] == [(5, 5), (17_003, 17_003), (9_999, 9_999)]
+    reads.clear()
+    both = heldout_corpus(store, held, num_prompts=3, need_hashes=True)
+    assert both.height == n and both["messages"].is_not_null().sum() == 3
+    assert reads[1][2] is False  # the second read: index and hash columns only
+    assert set(evaluation_datasets(both, held, [], num_prompts=3)[HELDOUT][0][0]) == {"role", "content"}
