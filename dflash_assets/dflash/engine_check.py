@@ -401,6 +401,18 @@ def _check_flags(
         )
 
 
+def read_export_config(export_dir: Path, check: ExportCheck) -> dict | None:
+    """``export_dir/config.json`` as a dict, or None with the reason added to ``check.refusals``."""
+    try:
+        config = json.loads((export_dir / "config.json").read_text())
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        check.refusals.append(f"config.json unreadable ({type(exc).__name__}: {exc}); fix: export the drafter again")
+        return None
+    return config
+
+
 def check_dflash_export(
     export_dir: str | os.PathLike,
     *,
@@ -424,12 +436,8 @@ def check_dflash_export(
     """
     check = ExportCheck()
     d = Path(export_dir)
-    try:
-        config = json.loads((d / "config.json").read_text())
-        if not isinstance(config, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as exc:
-        check.refusals.append(f"config.json unreadable ({type(exc).__name__}: {exc}); fix: export the drafter again")
+    config = read_export_config(d, check)
+    if config is None:
         return check
     sizes_ok = _check_config(config, check)
     try:

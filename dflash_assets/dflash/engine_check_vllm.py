@@ -36,6 +36,7 @@ from dflash_assets.dflash.engine_check import (
     ExportCheck,
     _int,
     expected_parameters,
+    read_export_config,
     text_config,
 )
 from dflash_assets.dflash.export_files import safetensors_header
@@ -173,12 +174,8 @@ def check_vllm_export(
     """
     check = ExportCheck()
     d = Path(export_dir)
-    try:
-        config = json.loads((d / "config.json").read_text())
-        if not isinstance(config, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as exc:
-        check.refusals.append(f"config.json unreadable ({type(exc).__name__}: {exc}); fix: export the drafter again")
+    config = read_export_config(d, check)
+    if config is None:
         return check
     _check_config(config, check, device)
     try:
