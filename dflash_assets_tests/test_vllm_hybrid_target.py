@@ -34,9 +34,8 @@ def test_vllm_cpu_refuses_the_hybrid_target_and_says_why(tmp_path):
         memory_fraction=0.2,
         enforce_eager=True,
     )
-    with pytest.raises(RuntimeError) as err:
-        with VLLMServers([command], str(tmp_path / "logs"), None, startup_timeout_s=300):
-            pass
+    with pytest.raises(RuntimeError) as err, VLLMServers([command], str(tmp_path / "logs"), startup_timeout_s=300):
+        pass
     text = str(err.value)
     assert "vLLM server 0" in text and "exited with code" in text, text
     assert TORCHVISION_HINT in text, text

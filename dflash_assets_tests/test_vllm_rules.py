@@ -189,3 +189,25 @@ def test_engine_environment_is_made_once_and_a_failed_install_names_its_log(tmp_
     given = EngineEnvironment("given", (), import_check="import no_such_module_here", python=str(python))
     with pytest.raises(EngineEnvironmentError, match="no_such_module_here"):
         given.ensure(lines.append)
+
+
+def test_a_start_up_cause_far_above_the_log_tail_still_gets_its_hint(tmp_path):
+    """Seen with the Qwen3.6 stand-in in the real pipeline: vLLM logs ``No module named 'torchvision'`` and then
+    ~5 KB of re-raised config errors, so the quoted tail no longer held the cause and the hint was missing."""
+    import sys
+
+    from dflash_assets.generation.ports import free_port_block
+    from dflash_assets.generation.sglang_servers import LaunchCommand
+    from dflash_assets.generation.vllm_servers import TORCHVISION_HINT, VLLMServers
+
+    script = (
+        "import sys; print(\"ModuleNotFoundError: No module named 'torchvision'\"); "
+        "[print('pydantic ValidationError: Model architectures failed to be inspected ' + 'y' * 60) "
+        "for _ in range(80)]; sys.exit(1)"
+    )
+    command = LaunchCommand((sys.executable, "-c", script), {}, "127.0.0.1", free_port_block(1), engine="vllm")
+    with pytest.raises(RuntimeError) as err, VLLMServers([command], str(tmp_path), startup_timeout_s=60):
+        pass
+    text = str(err.value)
+    assert "No module named 'torchvision'" not in text  # beyond the quoted tail
+    assert TORCHVISION_HINT in text and "exited with code 1" in text

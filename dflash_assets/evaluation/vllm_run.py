@@ -111,8 +111,10 @@ def run_vllm(
     longest = max((len(p.input_ids) for p in todo), default=0)
     target = json.loads((plan.target_dir / "config.json").read_text())
     launch = {k: v for k, v in plan.launch.items() if k != "device"}
+    waited = time.monotonic()
     try:
         python = plan.environment.ensure(log.info)
+        environment_wait_s = time.monotonic() - waited  # 0-ish when made ahead (prepare_in_background)
         command = build_vllm_command(
             python,
             plan.target_dir,
@@ -128,7 +130,8 @@ def run_vllm(
             VLLMServers([command], log_dir, api_key, config.engine_startup_timeout_s) as servers,
             StageProgressBar("drafter_evaluation vLLM", len(todo), unit="prompt") as bar,
         ):
-            log.info(f"engine: vLLM up in {time.monotonic() - started:.0f} s; {len(todo)} prompts, one at a time")
+            startup_s = time.monotonic() - started
+            log.info(f"engine: vLLM up in {startup_s:.0f} s; {len(todo)} prompts, one at a time")
 
             def progress(done: int, total: int, record: dict) -> None:
                 bar.update_to(done)
@@ -142,6 +145,7 @@ def run_vllm(
                     )
                 )
 
+            decoding = time.monotonic()
             records = vllm_decode(
                 servers.base_urls[0],
                 str(plan.target_dir),
@@ -153,6 +157,7 @@ def run_vllm(
                 vocab_size=text_config(target).get("vocab_size"),
                 progress=progress,
             )
+            decode_s = time.monotonic() - decoding
     except (EngineEnvironmentError, RuntimeError, TimeoutError, EngineError, PortTakenError) as exc:
         raise dg.Failure(f"drafter_evaluation engine (vLLM): {redact(str(exc), api_key)}") from None
     return {
@@ -166,6 +171,12 @@ def run_vllm(
         "export_check_warnings": plan.check.warnings if plan.check else [],
         "rules_read_from": VLLM_SOURCE,
         "datasets": vllm_tau_by_dataset(records),
+        # seconds: waiting for the environment (its install, when not made ahead), server start-up, decoding
+        "timing_s": {
+            "environment_wait": round(environment_wait_s, 1),
+            "startup": round(startup_s, 1),
+            "decode": round(decode_s, 1),
+        },
         "requests": records,
         "tau_definition": "per prompt 1 + accepted / drafts from vLLM's Prometheus counters "
         "(vllm:spec_decode_num_accepted_tokens, vllm:spec_decode_num_drafts) differenced around the request; per "

@@ -278,6 +278,7 @@ def build_router_command(
 
 
 _ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
+HINT_SCAN_BYTES = 1 << 16  # of a server's log read for a known start-up failure; the message quotes less
 
 
 def _sglang_label(command: LaunchCommand, index: int) -> str:
@@ -463,7 +464,8 @@ class SGLangServers:
                 if proc.poll() is not None:
                     drain_log(proc)
                     tail = redact(log_tail(self.log_path(i)), self._launch_key(command))
-                    hint = self.exit_hint(command, tail)
+                    # the cause can sit far above the last lines (vLLM re-raises it as a config error)
+                    hint = self.exit_hint(command, log_tail(self.log_path(i), HINT_SCAN_BYTES))
                     raise RuntimeError(
                         f"{_ENGINE_NAMES.get(command.engine, command.engine)} server {i} ({command.base_url}) "
                         f"exited with code {proc.returncode}"
