@@ -159,6 +159,8 @@ def test_vllm_measures_the_trained_export_as_the_in_process_evaluation_does(demo
         assert r["drafts"] + r["accepted"] >= r["completion_tokens"] - 1
     log = demo_runs["root"] / "server_logs" / "drafter_evaluation" / "vllm_0.log"
     assert "--speculative-config" in log.read_text()
+    timing = section["timing_s"]  # what the engine adds to the job (bench_main_job's headline)
+    assert set(timing) == {"environment_wait", "startup", "decode"} and timing["startup"] > 0 and timing["decode"] > 0
 
 
 BROKEN = {
