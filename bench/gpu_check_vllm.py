@@ -78,14 +78,20 @@ def run(vllm_python: str | None, device: str, timeout_s: float) -> dict:
         (tmp_path / "home").mkdir()
         env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "DFLASH_STORAGE_ROOT": str(tmp_path / "data")}
         started = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "dflash_assets", "run", "--config", str(hybrid_config(tmp_path, python, device))],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
+        command = [
+            sys.executable,
+            "-m",
+            "dflash_assets",
+            "run",
+            "--config",
+            str(hybrid_config(tmp_path, python, device)),
+        ]
+        try:
+            proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            output = (exc.stdout or b"") + (exc.stderr or b"")
+            output = output.decode(errors="replace") if isinstance(output, bytes) else output
+            return {"exit_code": "timeout", "wall_s": round(timeout_s), "log_tail": output[-3000:]}
         result: dict = {"exit_code": proc.returncode, "wall_s": round(time.perf_counter() - started, 1)}
         report_path = tmp_path / "data" / "drafter_evaluation" / "report.json"
         if not report_path.exists():
