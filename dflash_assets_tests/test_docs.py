@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.assets.drafter import DrafterConfig
-from dflash_assets.assets.evaluation import EvaluationConfig
-from dflash_assets.assets.hidden_states import HiddenStatesConfig
-from dflash_assets.assets.prompts import PromptCorpusConfig
-from dflash_assets.assets.tokenized import TokenizeConfig
+from dflash_assets.evaluation.config import EvaluationConfig
+from dflash_assets.hidden_states_stage import HiddenStatesConfig
+from dflash_assets.prompt_corpus_stage import PromptCorpusConfig
 from dflash_assets.resources.cost import CostResource
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.tokenized_stage import TokenizeConfig
+from dflash_assets.training.config import DrafterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -1,5 +1,6 @@
-"""The package's layout rules (issue 28): no import cycles, no Dagster in ``dflash/``, modules and asset
-bodies of bounded size. Read from the source with ``ast``: nothing is imported."""
+"""The package's layout rules (issues 28, 33): no import cycles (annotation-only imports counted), no Dagster in
+``dflash/``, no config type in an asset module, modules and asset bodies of bounded size. Read from the source
+with ``ast``: nothing is imported."""
 
 from __future__ import annotations
 
@@ -27,30 +28,10 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, at module level or inside functions, except those under ``if TYPE_CHECKING:``
-    (annotations only: never run)."""
-    found = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
+    """Every import statement: at module level, inside functions, and under ``if TYPE_CHECKING:`` (an
+    annotation is a dependency a reader must follow too)."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def _import_graph() -> dict[str, set[str]]:
@@ -128,13 +109,13 @@ def test_cycle_finder_finds_a_cycle_and_no_false_one():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_imports_of_type_checking_blocks_are_not_counted():
+def test_imports_of_type_checking_blocks_are_counted():
     tree = ast.parse(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\nelse:\n    import y\n"
         "def f():\n    import z\n"
     )
     names = sorted(a.name for node in _imports(tree) if isinstance(node, ast.Import) for a in node.names)
-    assert names == ["y", "z"]
+    assert names == ["x", "y", "z"]
 
 
 def test_no_import_cycles():
@@ -150,6 +131,19 @@ def test_dflash_package_has_no_dagster_import():
             if any(n == "dagster" or n.startswith(("dagster.", "dagster_")) for n in names):
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not offenders, f"dflash/ must not import Dagster: {offenders}"
+
+
+def test_config_types_live_outside_asset_modules():
+    """A stage's settings (a ``Config`` subclass) live with the code that reads them, so that code never
+    imports an asset module for a type."""
+    found = []
+    for path in sorted((PACKAGE / "assets").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and any(
+                (b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")) == "Config" for b in node.bases
+            ):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.name}")
+    assert not found, f"config types in asset modules (move them beside the code that uses them): {found}"
 
 
 def test_module_sizes():

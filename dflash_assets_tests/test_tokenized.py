@@ -451,10 +451,10 @@ def test_gpu_config_cuts_long_thinking_rows_instead_of_setting_them_aside(tmp_pa
     supervised tokens intact, and the drafter's training rows keep every one of them."""
     import yaml
 
-    from dflash_assets.assets.drafter import DrafterConfig
-    from dflash_assets.assets.tokenized import TokenizeConfig
     from dflash_assets.config import BUNDLED
     from dflash_assets.dflash.online import TokenizedRows
+    from dflash_assets.tokenized_stage import TokenizeConfig
+    from dflash_assets.training.config import DrafterConfig
 
     ops = yaml.safe_load((BUNDLED / "gpu_qwen36_27b.yaml").read_text())["ops"]
     settings = TokenizeConfig(**ops["tokenized_sequences"]["config"])

@@ -9,9 +9,9 @@ from dflash_assets.dflash.model import DRAFT_SHAPE_FIELDS, DFlashConfig
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
 from dflash_assets.dflash.train import TrainConfig
 from dflash_assets.feature_sources import hidden_states_config
+from dflash_assets.training.config import DrafterConfig
 
-if TYPE_CHECKING:  # annotations only: the asset module imports this one
-    from dflash_assets.assets.drafter import DrafterConfig
+if TYPE_CHECKING:
     from dflash_assets.resources.target_model import TargetModelResource
 
 
