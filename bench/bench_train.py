@@ -16,7 +16,6 @@ line per round, the median ratio beside the goal, and one JSON line.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import tempfile
@@ -137,6 +136,7 @@ def main() -> None:
             batch_size=a.batch_size,
             max_steps=steps,
             checkpoint_every=0,
+            eval_fraction=0.0,
             log_every=10,
             seed=0,
             device=a.device,
@@ -157,7 +157,7 @@ def main() -> None:
         # once read 1.708, impossible: training does strictly more than the bare pass).
         rounds = []
         for r in range(a.rounds):
-            cfg_r = dataclasses.replace(cfg, out_dir=str(Path(tmp) / f"run{r}"))  # a fresh run each round, no resume
+            cfg_r = cfg.model_copy(update={"out_dir": str(Path(tmp) / f"run{r}")})  # a fresh run each round, no resume
             if r % 2 == 0:
                 bare_tps = bare_tokens_per_s(dc, embed, head, batches, device, a.block_size)
                 train_tps = train(cfg_r, draft_config=dc, target_head=(embed, head)).tokens_per_s

@@ -181,6 +181,7 @@ def test_overfit_real_features_reaches_high_accuracy(local_target, tmp_path):
         warmup_ratio=0.05,
         min_lr_ratio=0.1,
         checkpoint_every=0,
+        eval_fraction=0.0,
         log_every=5,
         seed=0,
     )
@@ -265,6 +266,7 @@ def _tiny_cfg(target: Path, shards: list[str], out: Path, **kw) -> TrainConfig:
         lr=1e-2,
         max_steps=12,
         checkpoint_every=3,
+        eval_fraction=0.0,
         log_every=1,
         seed=7,
         device="cpu",
@@ -395,6 +397,8 @@ def _cli_args(target: Path, shards: list[str], out: Path, steps: int) -> list[st
         str(steps),
         "--checkpoint-every",
         "10",
+        "--eval-fraction",
+        "0",
         "--log-every",
         "1",
         "--seed",
@@ -572,6 +576,7 @@ def test_drafter_with_its_own_attention_shape_trains_exports_reloads_and_decodes
         batch_size=2,
         max_steps=2,
         checkpoint_every=0,
+        eval_fraction=0.0,
         device="cpu",
     )
     result = train(cfg)

@@ -232,6 +232,7 @@ def trained(smol, tmp_path_factory):
         warmup_ratio=0.05,
         min_lr_ratio=0.1,
         checkpoint_every=0,
+        eval_fraction=0.0,
         log_every=5,
         seed=0,
         prefetch=1,

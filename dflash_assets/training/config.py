@@ -5,29 +5,14 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
+from dflash_assets.dflash.train_config import TrainSettings
 
-class DrafterConfig(dg.Config):
-    """Training settings (defaults follow the DFlash recipe: 5 layers, block 16, lr 6e-4, 6 epochs, max length 3072)."""
 
-    num_hidden_layers: int = Field(default=5, ge=1, description="Draft decoder layers.")
-    block_size: int = Field(default=16, ge=2)
-    mask_token_id: int | None = Field(
-        default=None,
-        ge=0,
-        description="MASK token filling block positions 1..: an id below the target's vocab_size that it never "
-        "generates; "
-        "None = chosen from the tokenizer (see dflash.model.default_mask_token_id).",
-    )
-    epochs: int = Field(default=6, ge=1)
-    max_steps: int | None = Field(default=None, ge=1, description="Overrides epochs when set.")
-    batch_size: int = Field(default=1, ge=1, description="Sequences per rank per step.")
-    lr: float = 6e-4
-    max_length: int = 3072
-    max_anchors: int = Field(default=512, ge=1, description="Anchors sampled per sequence.")
-    eval_fraction: float = Field(
-        default=0.1, ge=0.0, lt=1.0, description="Held-out share of rows (stable hash of prompt index)."
-    )
-    checkpoint_every: int = Field(default=200, ge=0, description="Steps between checkpoints (0 = end only).")
+class DrafterConfig(dg.Config, TrainSettings):
+    """The training settings (:class:`~dflash_assets.dflash.train_config.TrainSettings`, declared and defaulted
+    there, once, for the asset and the library alike), plus what only the asset decides: the process layout,
+    the feature source, the drafter's shape (None = the target's) and warm starts."""
+
     nproc: int = Field(
         default=1,
         ge=1,
@@ -49,7 +34,6 @@ class DrafterConfig(dg.Config):
         "features from "
         "tokenized_sequences (nothing stored); auto: online when the hidden-state storage plan does not fit.",
     )
-    seed: int = 0
     # the drafter's shape (dflash.model.DRAFT_SHAPE_FIELDS); None = the target's. hidden_size is always the target's.
     num_attention_heads: int | None = Field(
         default=None, ge=1, description="Draft attention query heads (default: the target's)."
