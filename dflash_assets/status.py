@@ -69,7 +69,7 @@ def invalid_rows(store, pk: str, settings, continues: bool = False, prompts=None
     prompts changed since the table was made: a row for another prompt counts as ``prompt changed`` (or
     ``prompt unknown``), a prompt without a row as ``missing``, a row whose prompt is gone as ``removed``
     (no request: the run drops it)."""
-    from dflash_assets.assets.completions_tables import partition_file
+    from dflash_assets.completions_stage.tables import partition_file
     from dflash_assets.generation.continuation import continuable
     from dflash_assets.generation.records import VALIDITY_COLUMNS, invalid_reason, prompt_mismatch
     from dflash_assets.truncation import read_report_columns

@@ -217,8 +217,8 @@ def test_partition_decision_matches_row_decision():
     missed. 400 random partitions against caps below, at and above the caps rows were made with."""
     import random
 
-    from dflash_assets.assets.completions_tables import completion_stats
     from dflash_assets.automation import affected_reason
+    from dflash_assets.completions_stage.tables import completion_stats
     from dflash_assets.generation.records import invalid_reason, rows_to_frame
     from dflash_assets.settings import GenerationSettings
 

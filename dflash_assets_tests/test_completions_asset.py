@@ -441,7 +441,7 @@ def test_commit_overlays_new_rows_on_the_stored_table_and_writes_what_whole_rows
     """The commit no longer holds every stored row in memory: it reads the last table back and lays the
     journal's and this run's rows over it. The file must be the one the whole rows as dicts give, byte
     for byte (the data version is its hash), also over a table written before ``continued_from_tokens``."""
-    from dflash_assets.assets.completions_tables import PLAN_COLUMNS, load_plan_rows, partition_file, partition_frame
+    from dflash_assets.completions_stage.tables import PLAN_COLUMNS, load_plan_rows, partition_file, partition_frame
     from dflash_assets.generation.records import rows_to_frame
     from dflash_assets.storage import Storage, parquet_bytes
 
@@ -505,7 +505,7 @@ def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
     table, so it must not count as resumed either: 5 such rows read as 'resumed 5' (review)."""
     import logging
 
-    from dflash_assets.generation.range_run import RangeRun
+    from dflash_assets.completions_stage.range_run import RangeRun
     from dflash_assets.settings import GenerationSettings
     from dflash_assets.storage import Storage
 

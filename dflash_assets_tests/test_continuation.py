@@ -367,8 +367,8 @@ def test_an_sglang_older_than_continue_final_message_regenerates_whole_and_says_
     <think>, its fresh reply cannot be told from a continuation, so the installed version decides first."""
     from collections import Counter
 
-    from dflash_assets.assets import completions_continuing
-    from dflash_assets.assets.completions_continuing import ContinuationPlanner
+    from dflash_assets.completions_stage import continuing as completions_continuing
+    from dflash_assets.completions_stage.continuing import ContinuationPlanner
     from dflash_assets.generation.continuation import sglang_predates_continuation
     from dflash_assets.generation.range_plan import Partition
     from dflash_assets.resources.inference import InferenceServerResource

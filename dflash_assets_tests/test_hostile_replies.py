@@ -19,8 +19,8 @@ import polars as pl
 import pytest
 
 from dflash_assets.assets.completions import completions
-from dflash_assets.assets.completions_tables import partition_frame
 from dflash_assets.assets.prompts import prompt_corpus
+from dflash_assets.completions_stage.tables import partition_frame
 from dflash_assets.generation.client import CompletionClient
 from dflash_assets.generation.journal import RowJournal
 from dflash_assets.generation.records import COMPLETIONS_SCHEMA, row_from_result, row_problem, rows_to_frame

@@ -1,6 +1,7 @@
-"""The package's layout rules (issues 28, 33): no import cycles (annotation-only imports counted), no Dagster in
-``dflash/``, no config type in an asset module, modules and asset bodies of bounded size. Read from the source
-with ``ast``: nothing is imported."""
+"""The package's layout rules (issues 28, 33): imports go down the layers of docs/design.md (app, assets,
+stages, cores) and never in a circle (annotation-only imports counted), the cores import no Dagster, no config
+type lives in an asset module, modules and asset bodies are of bounded size. Read from the source with
+``ast``: nothing is imported."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dflash_assets"
 MAX_MODULE_LINES = 500
 MAX_ASSET_BODY_LINES = 55
 ASSET_DECORATORS = {"asset", "multi_asset", "graph_asset", "graph_multi_asset"}
+
+# The layers, top to bottom (docs/design.md, "Layers"): a module imports modules of its own layer and of the
+# layers below, never above. A module's layer is named by the first part of its name under dflash_assets/:
+# APP and CORES list theirs, assets/ is the assets layer, everything else is a stage module.
+LAYERS = ("app", "assets", "stages", "cores")
+APP = {"__main__", "cli", "definitions", "pipeline", "stages", "automation", "status", "summary", "summary_engine"}
+APP |= {"cost_report", "cost_table"}
+CORES = {"dflash", "generation", "atomic", "settings", "storage", "store_lock", "tokenization", "truncation"}
+CORES |= {"corpus", "prompt_reader", "machine", "figures", "progress", "cost", "cap_backtest"}
+BENCH_ONLY = {"simulation"}  # stand-ins for tests and benches: above every layer, imported by none
 
 # Files still over a limit, each to be split (issue 28); remove an entry once its file fits. None left.
 OVER_MODULE_LIMIT: set[str] = set()
@@ -123,14 +134,48 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_dflash_package_has_no_dagster_import():
+def layer(module: str) -> str:
+    """The layer of a module of the package (``dflash_assets.x.y``), by ``x``; the package itself (its version)
+    is a core."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "cores"
+    if parts[0] in BENCH_ONLY:
+        return "bench"
+    if parts[0] == "assets":
+        return "assets"
+    return "app" if parts[0] in APP else "cores" if parts[0] in CORES else "stages"
+
+
+def test_layer_finder_names_each_layer():
+    assert layer("dflash_assets.pipeline") == "app"
+    assert layer("dflash_assets.assets.drafter") == "assets"
+    assert layer("dflash_assets.training.settings") == "stages"
+    assert layer("dflash_assets.generation.client") == "cores"
+    assert layer("dflash_assets") == "cores"
+
+
+def test_imports_go_down_the_layers():
+    graph = _import_graph()
+    up = [
+        f"{m} ({layer(m)}) -> {d} ({layer(d)})"
+        for m in sorted(graph)
+        for d in sorted(graph[m])
+        if layer(m) != "bench" and (layer(d) == "bench" or LAYERS.index(layer(d)) < LAYERS.index(layer(m)))
+    ]
+    assert not up, "imports up the layers (docs/design.md, Layers): " + "; ".join(up)
+
+
+def test_cores_import_no_dagster():
     offenders = []
-    for path in sorted((PACKAGE / "dflash").rglob("*.py")):
+    for name, path in _modules().items():
+        if layer(name) != "cores":
+            continue
         for node in _imports(ast.parse(path.read_text(), str(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             if any(n == "dagster" or n.startswith(("dagster.", "dagster_")) for n in names):
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
-    assert not offenders, f"dflash/ must not import Dagster: {offenders}"
+    assert not offenders, f"the cores (dflash/, generation/, ...) must not import Dagster: {offenders}"
 
 
 def test_config_types_live_outside_asset_modules():

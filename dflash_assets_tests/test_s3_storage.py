@@ -214,7 +214,7 @@ def test_a_partitions_prompts_are_read_from_its_row_group_alone(s3_target, tmp_p
     """Range runs read the corpus per partition: a 902K-prompt corpus (~750 MB) was fetched whole, 903
     times, by a run over every partition. Written with a row group per partition, one partition's read
     fetches its group (ranged GETs) and returns exactly the rows a whole read and a filter give."""
-    from dflash_assets.assets.completions_tables import load_range_prompts
+    from dflash_assets.completions_stage.tables import load_range_prompts
 
     store = resolved(storage_resource(s3_target, tmp_path)).open()
     rng = np.random.default_rng(0)

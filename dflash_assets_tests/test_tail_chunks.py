@@ -16,8 +16,8 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from dflash_assets.assets.completions_continuing import ContinuationPlanner
 from dflash_assets.assets.prompts import CORPUS_FILE
+from dflash_assets.completions_stage.continuing import ContinuationPlanner
 from dflash_assets.generation.records import row_from_result
 from dflash_assets.generation.tail_chunks import TailChunker
 from dflash_assets.resources.inference import InferenceServerResource

@@ -3,8 +3,8 @@
 import dagster as dg
 import polars as pl
 
-from dflash_assets.assets.completions_tables import load_prompts, partition_file
 from dflash_assets.check_gate import CHECK_DEGENERATE, CHECK_NONEMPTY, CHECK_ROUNDTRIP
+from dflash_assets.completions_stage.tables import load_prompts, partition_file
 from dflash_assets.cost import CpuClock
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource

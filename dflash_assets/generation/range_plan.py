@@ -72,7 +72,7 @@ class Partition:
 
 
 class StreamedRun(Protocol):
-    """The run as its stream (:func:`~dflash_assets.generation.range_stream.stream_partitions`) sees it: what
+    """The run as its stream (:func:`~dflash_assets.completions_stage.range_stream.stream_partitions`) sees it: what
     the stream reads, sets (``client``, ``capacity``, ``failure``) and calls. The range run is one; declared
     here, beside the types both range modules share, so that neither imports the other for an annotation."""
 
