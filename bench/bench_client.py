@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from headline import headline
 
-from dflash_assets.generation.client import CompletionClient, CompletionResult
+from dflash_assets.generation.client import CompletionClient
+from dflash_assets.generation.results import CompletionResult
 
 
 def _start_server() -> tuple[subprocess.Popen, str]:

@@ -64,8 +64,8 @@ import heapq
 
 from headline import headline
 
-from dflash_assets.generation.processes import free_port_block
-from dflash_assets.simulation.sglang_stub import drawn_length
+from dflash_assets.generation.ports import free_port_block
+from dflash_assets.simulation.simulated_replies import drawn_length
 from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 
 DAGSTER = str(Path(sys.executable).with_name("dagster"))

@@ -45,17 +45,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from headline import headline
 
+from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.evaluation import (
     acceptance_histogram_png,
     evaluate_drafter,
     evaluate_drafters,
-    teacher_forced_acceptance,
     untrained_drafter_like,
 )
-from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, load_target_head
+from dflash_assets.dflash.model import load_target_head
 from dflash_assets.dflash.shards import extract_partition
 from dflash_assets.dflash.speculative import dflash_generate, target_generate
-from dflash_assets.dflash.train import TrainConfig, train
+from dflash_assets.dflash.target_layers import default_target_layer_ids
+from dflash_assets.dflash.teacher_forced import teacher_forced_acceptance
+from dflash_assets.dflash.train import train
+from dflash_assets.dflash.train_config import TrainConfig
 
 TRAIN_QUESTIONS = [
     "What is the capital of France?",

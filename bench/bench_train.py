@@ -29,10 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from headline import headline
 
+from dflash_assets.dflash.batches import StepPlan, build_batch
 from dflash_assets.dflash.data import HiddenStateShards
+from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.loss import dflash_loss_from_hidden
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
-from dflash_assets.dflash.train import StepPlan, TrainConfig, build_batch, train
+from dflash_assets.dflash.model import DFlashDraftModel
+from dflash_assets.dflash.train import train
+from dflash_assets.dflash.train_config import TrainConfig
 
 
 def make_shard(path: Path, rows: int, seq_len: int, prompt_len: int, feat_dim: int, vocab: int, seed: int) -> None:

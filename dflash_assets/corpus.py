@@ -37,18 +37,16 @@ from typing import Any
 import fsspec
 import polars as pl
 
-from dflash_assets.prompt_reader import FileError, PromptFile, ReadLimits, json_error_text, preview
+from dflash_assets.prompt_reader import FileError, PromptFile, ReadLimits, preview
 
 __all__ = [
     "CorpusError",
     "CorpusResult",
-    "ReadLimits",
     "RowError",
     "build_corpus",
     "content_hash",
     "default_sources",
     "expand_source",
-    "json_error_text",
     "normalize_record",
     "source_name",
 ]

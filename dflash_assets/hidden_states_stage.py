@@ -17,7 +17,8 @@ import dagster as dg
 import torch
 from pydantic import Field
 
-from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, read_shard, write_index
+from dflash_assets.dflash.shard_format import INDEX_NAME, read_shard, write_index
+from dflash_assets.dflash.shards import extract_partition
 from dflash_assets.dflash.target_features import bytes_per_token
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config

@@ -17,7 +17,7 @@ import dagster as dg
 
 from dflash_assets.assets import truncation as truncation_asset
 from dflash_assets.completions_stage.tables import partition_file
-from dflash_assets.dflash.shards import INDEX_NAME, SHARD_PATTERN
+from dflash_assets.dflash.shard_format import INDEX_NAME, SHARD_PATTERN
 from dflash_assets.evaluation.in_process import REPORT_DIR as EVALUATION_DIR
 from dflash_assets.history import latest_metadata, plain_metadata
 from dflash_assets.prompt_corpus_stage import CORPUS_FILE, REJECTED_FILE

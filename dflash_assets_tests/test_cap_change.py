@@ -127,7 +127,7 @@ def test_lowering_the_cap_cuts_the_rows_longer_than_it_from_their_own_tokens(sce
     must be what the server itself answers at the lower cap, asked here directly."""
     import httpx
 
-    from dflash_assets.generation.client import parse_chat_completion
+    from dflash_assets.generation.replies import parse_chat_completion
 
     raised, lower = scenario.changes[0].after, scenario.changes[1]
     assert lower.new_cap == CAP_LOWERED
@@ -172,7 +172,7 @@ def test_sensor_skips_once_everything_matches_the_settings(scenario):
 
 
 def _result(index: int, finish_reason: str | None, completion_tokens: int | None, error: str | None = None):
-    from dflash_assets.generation.client import CompletionResult
+    from dflash_assets.generation.results import CompletionResult
 
     text = None if error else "some answer"
     return CompletionResult(

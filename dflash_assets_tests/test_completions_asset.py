@@ -33,8 +33,9 @@ from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
+from dflash_assets.simulation.behaviours import Drop, Error, Hang, Reply
 from dflash_assets.simulation.counting_proxy import CountingProxy, last_user_message
-from dflash_assets.simulation.stand_in_server import Drop, Error, FakeServer, Hang, Reply
+from dflash_assets.simulation.stand_in_server import FakeServer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,6 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.generation.continuation import (
     NOT_CONTINUED,
     continuable,
@@ -24,8 +23,9 @@ from dflash_assets.generation.continuation import (
     prefix_text,
 )
 from dflash_assets.generation.records import completion_layout, row_from_result, split_reasoning
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.simulation.sglang_stub import drawn_length, reply_fields
+from dflash_assets.simulation.simulated_replies import drawn_length, reply_fields
 from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 from dflash_assets_tests.test_completions_asset import write_corpus
 from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim

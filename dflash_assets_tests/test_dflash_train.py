@@ -13,18 +13,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dflash_assets.dflash.checkpoints import CheckpointError, latest_checkpoint, load_checkpoint
 from dflash_assets.dflash.data import HiddenStateShards, collate_training_batch
+from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.masks import sample_anchors
-from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, load_target_head
-from dflash_assets.dflash.train import (
-    CheckpointError,
-    TrainConfig,
-    evaluate,
-    latest_checkpoint,
-    load_checkpoint,
-    lr_lambda,
-    train,
-)
+from dflash_assets.dflash.model import load_target_head
+from dflash_assets.dflash.target_layers import default_target_layer_ids
+from dflash_assets.dflash.train import train
+from dflash_assets.dflash.train_config import TrainConfig
+from dflash_assets.dflash.train_eval import evaluate
+from dflash_assets.dflash.train_setup import lr_lambda
 
 torch.set_num_threads(2)
 
@@ -553,7 +551,8 @@ def test_drafter_with_its_own_attention_shape_trains_exports_reloads_and_decodes
     from tiny_target import VOCAB as TV
 
     from dflash_assets.dflash.export import export_drafter, load_exported
-    from dflash_assets.dflash.shards import extract_partition, read_index
+    from dflash_assets.dflash.shard_format import read_index
+    from dflash_assets.dflash.shards import extract_partition
     from dflash_assets.dflash.speculative import dflash_generate, target_generate
 
     model, target_dir = make_target(tmp_path)

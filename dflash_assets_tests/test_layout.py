@@ -191,6 +191,55 @@ def test_config_types_live_outside_asset_modules():
     assert not found, f"config types in asset modules (move them beside the code that uses them): {found}"
 
 
+def _defined(path: Path) -> set[str]:
+    """Names a module binds itself at top level (functions, classes, assignments, also inside ``if``/``try``),
+    not names it imports."""
+    names = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(sub.name)
+            elif isinstance(sub, (ast.Assign, ast.AnnAssign)):
+                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target]
+                names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def _sources() -> list[Path]:
+    """Every Python file of the project: the package, its tests, the benches."""
+    root = PACKAGE.parent
+    files = [*PACKAGE.rglob("*.py"), *(root / "dflash_assets_tests").rglob("*.py"), *(root / "bench").rglob("*.py")]
+    return [*sorted(files), root / "bench" / "run_all"]
+
+
+def test_names_are_imported_from_the_module_that_defines_them():
+    """No re-exports: a name moved to another module is imported from there, so a reader finds it in the
+    module named, and the old module does not keep it alive."""
+    modules = _modules()
+    defined = {name: _defined(path) for name, path in modules.items()}
+    through = []
+    for path in _sources():
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                through += [
+                    f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name not in defined[node.module] and f"{node.module}.{a.name}" not in modules
+                ]
+    assert not through, f"imported through a module that does not define them: {through}"
+
+
+def test_all_lists_only_names_defined_there():
+    lists = {}
+    for name, path in _modules().items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if not (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)):
+                continue
+            if extra := [e.value for e in node.value.elts if e.value not in _defined(path)]:
+                lists[name] = extra
+    assert not lists, f"__all__ re-exports names defined elsewhere: {lists}"
+
+
 def test_module_sizes():
     over = {}
     for path in sorted(PACKAGE.rglob("*.py")):

@@ -12,8 +12,10 @@ import torch
 from tiny_target import HIDDEN, LAYER_IDS, VOCAB, make_rows, make_target
 
 from dflash_assets.dflash.online import OnlineTargetFeatures, TokenizedRows, read_tokenized_rows
-from dflash_assets.dflash.shards import extract_partition, read_index
-from dflash_assets.dflash.train import TrainConfig, train
+from dflash_assets.dflash.shard_format import read_index
+from dflash_assets.dflash.shards import extract_partition
+from dflash_assets.dflash.train import train
+from dflash_assets.dflash.train_config import TrainConfig
 
 torch.set_num_threads(2)
 

@@ -24,16 +24,18 @@ from botocore.exceptions import ClientError, EndpointConnectionError, NoCredenti
 from dagster._serdes import serialize_value
 
 from dflash_assets.assets.completions import completions
-from dflash_assets.assets.prompts import CORPUS_FILE, prompt_corpus
+from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.corpus import CORPUS_SCHEMA, build_corpus
 from dflash_assets.generation.journal_sync import SyncedRowJournal
 from dflash_assets.partitions import partition_keys, prompt_ranges
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.simulation.stand_in_server import FakeServer, Reply
+from dflash_assets.simulation.behaviours import Reply
+from dflash_assets.simulation.stand_in_server import FakeServer
 from dflash_assets.storage import StorageError, is_transient
 from dflash_assets.store_lock import writer_identity
 

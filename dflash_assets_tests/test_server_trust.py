@@ -22,7 +22,8 @@ import httpx
 import pytest
 
 from dflash_assets.generation import sglang_servers
-from dflash_assets.generation.processes import PortTakenError, free_port, free_port_block, session_members
+from dflash_assets.generation.ports import PortTakenError, free_port, free_port_block
+from dflash_assets.generation.proc_info import session_members
 from dflash_assets.generation.servers import API_KEY_ENV
 from dflash_assets.generation.sglang_servers import SGLangServers, build_sglang_commands
 from dflash_assets.generation.supervision import ProcessSupervisor

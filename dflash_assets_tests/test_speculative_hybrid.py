@@ -17,8 +17,9 @@ import pytest
 import torch
 from tiny_target import VOCAB, make_hybrid_target, make_target
 
+from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.hybrid_cache import VerifyRollback, crop_attention_layers
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
+from dflash_assets.dflash.model import DFlashDraftModel
 from dflash_assets.dflash.speculative import FeatureCapture, dflash_generate, target_generate
 from dflash_assets.dflash.target_features import TargetFeatureExtractor, find_decoder_layers
 from dflash_assets.dflash.target_kernels import linear_attention_kernels

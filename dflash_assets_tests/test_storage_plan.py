@@ -11,9 +11,9 @@ import polars as pl
 import pytest
 
 from dflash_assets.assets.hidden_states import hidden_states
-from dflash_assets.assets.prompts import CORPUS_FILE
-from dflash_assets.dflash.shards import read_index, read_shard
+from dflash_assets.dflash.shard_format import read_index, read_shard
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.tokenized_stage import tokenized_file

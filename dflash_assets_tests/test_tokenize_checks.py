@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_assets.assets.tokenized import CHECK_ROUNDTRIP
+from dflash_assets.check_gate import CHECK_ROUNDTRIP
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.records import rows_to_frame
 from dflash_assets.settings import GenerationSettings

@@ -15,11 +15,13 @@ from transformers import AutoTokenizer
 
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.hidden_states import hidden_states
-from dflash_assets.assets.prompts import CORPUS_FILE, prompt_corpus
-from dflash_assets.assets.tokenized import CHECK_DEGENERATE, tokenized_sequences
+from dflash_assets.assets.prompts import prompt_corpus
+from dflash_assets.assets.tokenized import tokenized_sequences
+from dflash_assets.check_gate import CHECK_DEGENERATE
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.records import rows_to_frame
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource

@@ -11,11 +11,11 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from dflash_assets.generation.client import TooManyFailuresError
 from dflash_assets.generation.continuation import NOT_CONTINUED, continuation_body, merge_continuation, prefix_text
 from dflash_assets.generation.journal import JournalError
 from dflash_assets.generation.range_plan import Partition, PartitionComplete, RangeRunError, StreamedRun
 from dflash_assets.generation.records import row_from_result, row_problem, set_aside_row
+from dflash_assets.generation.results import TooManyFailuresError
 from dflash_assets.generation.tail_chunks import TailChunker
 from dflash_assets.progress import StageProgressBar
 

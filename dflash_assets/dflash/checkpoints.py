@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from dflash_assets.atomic import atomic_write_bytes
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
+from dflash_assets.dflash.draft_config import DFlashConfig
+from dflash_assets.dflash.model import DFlashDraftModel
 
 if TYPE_CHECKING:
     from dflash_assets.dflash.batches import StepPlan

@@ -472,7 +472,5 @@ __all__ = [
     "check_dflash_export",
     "expected_parameters",
     "is_hybrid_target",
-    "safetensors_header",
     "text_config",
-    "tokenizer_vocabulary",
 ]

@@ -31,7 +31,7 @@ from dflash_assets.generation.supervision import ProbeSupervisor, ProcessSupervi
 from dflash_assets.generation.transformers_server import LocalTransformersServer
 from dflash_assets.settings import GenerationSettings
 
-__all__ = ["InferenceServerResource", "ServerPool"]
+__all__ = ["InferenceServerResource"]
 
 LOCAL_MAX_RUNNING_REQUESTS = 16  # measured best on 2 CPU cores (~55 output tok/s with 48-token replies)
 SGLANG_MAX_RUNNING_REQUESTS = 40  # the production setting (16 -> 40 raised throughput on B200s)

@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_assets.simulation.behaviours import Behaviour, Drop, Error, Hang, Raw, Reply, Script, Trickle, fail_first
+from dflash_assets.simulation.behaviours import Behaviour, Drop, Error, Hang, Raw, Reply, Script, Trickle
 from dflash_assets.simulation.http11 import ServerThread, read_request
 
 _REASONS = {
@@ -262,7 +262,7 @@ def main() -> None:
     threading.Event().wait()
 
 
-__all__ = ["Behaviour", "Drop", "Error", "FakeServer", "Hang", "Raw", "Reply", "Script", "Trickle", "fail_first"]
+__all__ = ["FakeServer"]
 
 
 if __name__ == "__main__":

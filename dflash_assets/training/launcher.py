@@ -3,7 +3,7 @@
 import json
 import os
 
-from dflash_assets.dflash.train import TrainConfig
+from dflash_assets.dflash.train_config import TrainConfig
 from dflash_assets.generation.processes import run_streaming
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dflash_assets.dflash.model import DRAFT_SHAPE_FIELDS, DFlashConfig
+from dflash_assets.dflash.draft_config import DRAFT_SHAPE_FIELDS, DFlashConfig
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
 from dflash_assets.dflash.train_config import TrainConfig, TrainSettings
 from dflash_assets.feature_sources import hidden_states_config
