@@ -326,8 +326,8 @@ def mixer_weight_share(target) -> float:
 
 def scripted_run(target, dc, prompts, plain, max_new_tokens: int, seed: int) -> dict:
     """A drafter that knows the greedy continuation and errs at a random draft of each block
-    (``simulation.oracle_drafter``): acceptances of every length, so rollbacks over several tokens."""
-    from dflash_assets.simulation.oracle_drafter import OracleDrafter
+    (``dflash_simulators.oracle_drafter``): acceptances of every length, so rollbacks over several tokens."""
+    from dflash_simulators.oracle_drafter import OracleDrafter
 
     rng = torch.Generator().manual_seed(seed)
     runs = []

@@ -1,7 +1,7 @@
 """A cap change re-runs only what it affects, on the real CPU server (greedy), decided by the
 ``generation_settings_changed`` sensor.
 
-Scenario (``dflash_assets/simulation/cap_change_scenario.py``, also run by ``bench/bench_cap_change.py``): 3
+Scenario (``bench/dflash_simulators/cap_change_scenario.py``, also run by ``bench/bench_cap_change.py``): 3
 partitions of 2 prompts at a small cap, so that one partition holds only quick answers (no truncated row) and
 the others hold long ones. Raising the cap must re-materialize exactly the partitions with ``length`` rows,
 send exactly one request per truncated row (counted by a proxy in front of the server), leave every other row
@@ -22,7 +22,7 @@ import pytest
 
 from dflash_assets.automation import request_partitions
 from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.simulation.cap_change_scenario import (
+from dflash_simulators.cap_change_scenario import (
     ASSET_KEYS,
     CAP_LOWERED,
     CAP_RAISED,
@@ -33,7 +33,7 @@ from dflash_assets.simulation.cap_change_scenario import (
     proxied_inference,
     run_scenario,
 )
-from dflash_assets.simulation.counting_proxy import CountingProxy
+from dflash_simulators.counting_proxy import CountingProxy
 
 
 # Partition i holds PROMPTS[2i], PROMPTS[2i+1]. Greedy SmolLM2 answers the first three quick questions

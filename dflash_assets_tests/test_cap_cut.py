@@ -13,8 +13,8 @@ import pytest
 from dflash_assets.generation.cap_cut import cut_to_cap
 from dflash_assets.generation.records import completion_layout
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 from dflash_assets.tokenization import SequenceBuilder
+from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Sort a list in Python."}]
 REASONING = "The user wants a sorted list. The built-in sorted returns a new list; list.sort sorts in place."

@@ -5,8 +5,8 @@
    metadata equal to counts computed from the written table.
 2. SIGKILL mid-partition (the first run is a subprocess), then a rerun: every prompt once in the table,
    and no row that was in the journal at kill time is requested again, counted at the wire by
-   :class:`~dflash_assets.simulation.counting_proxy.CountingProxy` in front of the real server.
-3. Faults from :class:`~dflash_assets.simulation.stand_in_server.FakeServer` (external mode, backend "openai"):
+   :class:`~dflash_simulators.counting_proxy.CountingProxy` in front of the real server.
+3. Faults from :class:`~dflash_simulators.stand_in_server.FakeServer` (external mode, backend "openai"):
    503 bursts, hung requests, dropped connections, and a server that dies mid-run.
 """
 
@@ -33,9 +33,9 @@ from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
-from dflash_assets.simulation.behaviours import Drop, Error, Hang, Reply
-from dflash_assets.simulation.counting_proxy import CountingProxy, last_user_message
-from dflash_assets.simulation.stand_in_server import FakeServer
+from dflash_simulators.behaviours import Drop, Error, Hang, Reply
+from dflash_simulators.counting_proxy import CountingProxy, last_user_message
+from dflash_simulators.stand_in_server import FakeServer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,10 +25,10 @@ from dflash_assets.generation.continuation import (
 from dflash_assets.generation.records import completion_layout, row_from_result, split_reasoning
 from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.simulation.simulated_replies import drawn_length, reply_fields
-from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 from dflash_assets_tests.test_completions_asset import write_corpus
 from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim
+from dflash_simulators.simulated_replies import drawn_length, reply_fields
+from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 
 OLD_CAP, NEW_CAP = 64, 256
 PROMPT = {"index": 7, "prompt_id": "t:7", "source": "t"}

@@ -57,7 +57,7 @@ def world(tmp_path_factory):
     log = tmp / "requests.jsonl"
     log.touch()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_assets.simulation.stand_in_server", "--script", "echo", "--log", str(log)],
+        [sys.executable, "-m", "dflash_simulators.stand_in_server", "--script", "echo", "--log", str(log)],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -32,7 +32,7 @@ def test_readme_is_short_and_has_no_run_log():
 
 def test_readme_says_once_what_ran_on_a_serving_engine():
     assert README.count("nothing on a real SGLang") == 1
-    assert "dflash_assets/simulation/sglang_stub.py" in README
+    assert "bench/dflash_simulators/sglang_stub.py" in README
 
 
 def test_readme_keeps_the_section_other_changes_merge_into():

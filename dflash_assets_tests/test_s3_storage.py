@@ -34,10 +34,10 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.simulation.behaviours import Reply
-from dflash_assets.simulation.stand_in_server import FakeServer
 from dflash_assets.storage import StorageError, is_transient
 from dflash_assets.store_lock import writer_identity
+from dflash_simulators.behaviours import Reply
+from dflash_simulators.stand_in_server import FakeServer
 
 try:
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target

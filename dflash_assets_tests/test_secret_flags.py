@@ -92,7 +92,7 @@ from pathlib import Path
 from dflash_assets.generation.sglang_servers import SGLangServers, build_sglang_commands
 from dflash_assets.generation.ports import free_port
 slow = ["--sim-startup-s", "60", "--sim-speed", "1"]
-commands = build_sglang_commands("sim", port_base=free_port(), module="dflash_assets.simulation.sglang_stub",
+commands = build_sglang_commands("sim", port_base=free_port(), module="dflash_simulators.sglang_stub",
                                  extra_args=slow, api_key_env="DFLASH_SERVER_API_KEY")
 servers = SGLangServers(commands, Path(sys.argv[1]), startup_timeout_s=120)
 threading.Thread(target=servers.__enter__, daemon=True).start()

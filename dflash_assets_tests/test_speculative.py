@@ -27,7 +27,7 @@ from dflash_assets.dflash.speculative import (
 )
 from dflash_assets.dflash.target_layers import default_target_layer_ids
 from dflash_assets.dflash.teacher_forced import teacher_forced_acceptance, teacher_forced_chain
-from dflash_assets.simulation.oracle_drafter import OracleDrafter
+from dflash_simulators.oracle_drafter import OracleDrafter
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "How many days are in a week?"]
 MAX_NEW = 24

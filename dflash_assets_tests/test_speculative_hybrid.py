@@ -24,7 +24,7 @@ from dflash_assets.dflash.speculative import FeatureCapture, dflash_generate, ta
 from dflash_assets.dflash.target_features import TargetFeatureExtractor, find_decoder_layers
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids
-from dflash_assets.simulation.oracle_drafter import OracleDrafter
+from dflash_simulators.oracle_drafter import OracleDrafter
 
 LAYER_IDS = [1, 3, 7]  # 7 = the last layer: HF reports it after the final norm
 BS = 4

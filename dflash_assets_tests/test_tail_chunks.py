@@ -22,10 +22,10 @@ from dflash_assets.generation.tail_chunks import TailChunker
 from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.simulation.simulated_replies import drawn_length, reply_fields
-from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 from dflash_assets_tests.test_completions_asset import write_corpus
 from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim
+from dflash_simulators.simulated_replies import drawn_length, reply_fields
+from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 
 PROMPT = {"index": 3, "prompt_id": "t:3", "source": "t", "messages": [{"role": "user", "content": "prompt 3"}]}
 FIELDS = (

@@ -26,8 +26,8 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 from dflash_assets.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
+from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 
 END = "<|im_end|>"
 CAP = 32

@@ -176,7 +176,7 @@ def build_sglang_commands(
 ) -> list[LaunchCommand]:
     """One ``python -m sglang.launch_server`` per GPU (or per group of ``tp_size`` GPUs).
 
-    ``module`` replaces ``sglang.launch_server`` (e.g. ``dflash_assets.simulation.sglang_stub``, a
+    ``module`` replaces ``sglang.launch_server`` (e.g. ``dflash_simulators.sglang_stub``, a
     time-faithful stand-in for benches without GPUs); it must take the same flags.
 
     Server ``i`` sees only its GPUs through ``CUDA_VISIBLE_DEVICES`` and listens on ``port_base + i``.

@@ -104,7 +104,7 @@ class InferenceServerResource(dg.ConfigurableResource):
     launch_module: str = Field(
         default="sglang.launch_server",
         description="sglang: module run as `python -m <module>` per server; "
-        "dflash_assets.simulation.sglang_stub simulates a GPU server (benches).",
+        "dflash_simulators.sglang_stub simulates a GPU server (benches).",
     )
 
     # external
