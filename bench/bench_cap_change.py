@@ -1,6 +1,6 @@
 """Requests a cap change sends, per truncated row, against a full re-run.
 
-Runs the scenario of ``dflash_assets/simulation/cap_change_scenario.py`` (also tested by
+Runs the scenario of ``bench/dflash_simulators/cap_change_scenario.py`` (also tested by
 ``dflash_assets_tests/test_cap_change.py``) on the real CPU server (SmolLM2, greedy) behind a counting proxy:
 3 partitions of 2 prompts at a small cap, then the cap is raised and lowered, each time launching only what
 the ``generation_settings_changed`` sensor asks for. Prints one ``name: value`` line per figure. Goal: a raise
@@ -28,8 +28,8 @@ from dflash_assets.automation import request_partitions
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.transformers_server import LocalTransformersServer
 from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.simulation.cap_change_scenario import PROMPTS, run_scenario
-from dflash_assets.simulation.counting_proxy import CountingProxy
+from dflash_simulators.cap_change_scenario import PROMPTS, run_scenario
+from dflash_simulators.counting_proxy import CountingProxy
 
 
 def main() -> None:

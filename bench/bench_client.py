@@ -1,6 +1,6 @@
 """Requests per second the generation client sustains against an instant fake server.
 
-The fake server (dflash_assets/simulation/stand_in_server.py) runs in its own process so client and server do
+The fake server (bench/dflash_simulators/stand_in_server.py) runs in its own process so client and server do
 not share one Python interpreter. The same-work baseline is ``openai.AsyncOpenAI`` driven by the same number
 of workers (same concurrency, same request body, JSON parsed, no retries, journal or accounting); the two are
 timed in alternating rounds and the median ratio is printed beside the goal (>= 0.9), with the absolute rate
@@ -27,12 +27,13 @@ sys.path.insert(0, str(ROOT))
 
 from headline import headline
 
-from dflash_assets.generation.client import CompletionClient, CompletionResult
+from dflash_assets.generation.client import CompletionClient
+from dflash_assets.generation.results import CompletionResult
 
 
 def _start_server() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_assets.simulation.stand_in_server"],
+        [sys.executable, "-m", "dflash_simulators.stand_in_server"],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -9,7 +9,7 @@
       (from before the server probe to after the table write).
     ratio = pipeline output tok/s / bare output tok/s, over all rounds (goal >= 0.97, issue 15). Rounds run in
     ABBA order so a drift of the server's speed (other load on the machine) cancels out.
-(b) Instant stand-in server (``dflash_assets/simulation/stand_in_server.py`` in its own process, as in
+(b) Instant stand-in server (``bench/dflash_simulators/stand_in_server.py`` in its own process, as in
     bench/bench_client.py): requests/s the generation client sustains, and rows/s of the whole asset (probe,
     journal, table and metadata included) over a partition of ``--fake-prompts`` prompts beside the bare
     generation client (CompletionClient alone) on as many rows at the same concurrency, alternating for
@@ -45,10 +45,12 @@ import polars as pl
 from headline import headline
 
 from dflash_assets.assets.completions import completions
-from dflash_assets.assets.prompts import CORPUS_FILE, default_sources, prompt_corpus
+from dflash_assets.assets.prompts import prompt_corpus
+from dflash_assets.corpus import default_sources
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.transformers_server import LocalTransformersServer
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource

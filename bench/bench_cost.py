@@ -1,7 +1,7 @@
 """What the run costs, on the simulated GPU node: the forecast from a pilot partition against the measured whole.
 
 Reuses ``bench_node``'s node (the real ``dagster asset materialize`` CLI in ``sglang`` mode against
-``dflash_assets.simulation.sglang_stub`` servers in their own processes: start-up, slots, per-slot decode
+``dflash_simulators.sglang_stub`` servers in their own processes: start-up, slots, per-slot decode
 rate, user-like lengths, time compressed ``--speed`` times). Steps:
 
 1. ``prompt_corpus`` with ``--prompts`` prompts in ``--partitions`` partitions.

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from headline import headline
 
 from dflash_assets.generation.follow_ups import FollowUpLanes
-from dflash_assets.simulation.sglang_stub import drawn_length
+from dflash_simulators.simulated_replies import drawn_length
 
 
 def makespan(lengths: list[int], slots: int, tok_per_s: float, window: int = 0, chunk: int = 0) -> tuple[float, int]:

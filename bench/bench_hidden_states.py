@@ -98,11 +98,8 @@ def measure(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from dflash_assets.dflash.shards import extract_partition
-    from dflash_assets.dflash.target_features import (
-        TargetFeatureExtractor,
-        default_target_layer_ids,
-        iter_batches_by_token_budget,
-    )
+    from dflash_assets.dflash.target_features import TargetFeatureExtractor, iter_batches_by_token_budget
+    from dflash_assets.dflash.target_layers import default_target_layer_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)

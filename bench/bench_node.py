@@ -1,6 +1,6 @@
 """The real pipeline on a simulated GPU node: servers started once per run, slots kept busy across partitions.
 
-Only the GPU is simulated: N ``dflash_assets.simulation.sglang_stub`` processes stand in for
+Only the GPU is simulated: N ``dflash_simulators.sglang_stub`` processes stand in for
 ``python -m sglang.launch_server`` (start-up time, slots, per-slot decode rate, user-like output
 lengths, time-compressed by ``--speed``). Everything else is the real thing: ``sglang`` mode of the
 inference resource launching them, the completions asset, client, journal, and Dagster itself through
@@ -64,9 +64,9 @@ import heapq
 
 from headline import headline
 
-from dflash_assets.generation.processes import free_port_block
-from dflash_assets.simulation.sglang_stub import drawn_length
-from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
+from dflash_assets.generation.ports import free_port_block
+from dflash_simulators.simulated_replies import drawn_length
+from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 
 DAGSTER = str(Path(sys.executable).with_name("dagster"))
 EFFICIENCY_GOAL = 0.90
@@ -105,7 +105,8 @@ class Node:
             **os.environ,
             "DAGSTER_HOME": str(self.home),
             "DFLASH_CONFIG": str(self.config),
-            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            # this checkout's package and simulators (bench/dflash_simulators) before any installed copy
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]),
         }
 
     @property
@@ -140,7 +141,7 @@ class Node:
                     "tail_prompts_per_slot": a.tail_prompts_per_slot,
                     "max_running_requests": a.slots,
                     "port_base": self.port_base,
-                    "launch_module": "dflash_assets.simulation.sglang_stub",
+                    "launch_module": "dflash_simulators.sglang_stub",
                     "extra_args": sim,
                     "startup_timeout_s": a.startup_s / a.speed + 120,
                 },

@@ -39,11 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from headline import headline
 from random_targets import ALL_SIZES, num_parameters, random_target
 
+from dflash_assets.dflash.batches import StepPlan, build_batch
+from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.loss import dflash_loss_from_hidden
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from dflash_assets.dflash.model import DFlashDraftModel
 from dflash_assets.dflash.online import TokenizedRows
-from dflash_assets.dflash.shards import extract_partition, read_index
-from dflash_assets.dflash.train import StepPlan, TrainConfig, build_batch, train
+from dflash_assets.dflash.shard_format import read_index
+from dflash_assets.dflash.shards import extract_partition
+from dflash_assets.dflash.target_layers import default_target_layer_ids
+from dflash_assets.dflash.train import train
+from dflash_assets.dflash.train_config import TrainConfig
 
 
 def sync(device: torch.device) -> None:

@@ -45,17 +45,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from headline import headline
 
+from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.evaluation import (
     acceptance_histogram_png,
     evaluate_drafter,
     evaluate_drafters,
-    teacher_forced_acceptance,
     untrained_drafter_like,
 )
-from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, load_target_head
+from dflash_assets.dflash.model import load_target_head
 from dflash_assets.dflash.shards import extract_partition
 from dflash_assets.dflash.speculative import dflash_generate, target_generate
-from dflash_assets.dflash.train import TrainConfig, train
+from dflash_assets.dflash.target_layers import default_target_layer_ids
+from dflash_assets.dflash.teacher_forced import teacher_forced_acceptance
+from dflash_assets.dflash.train import train
+from dflash_assets.dflash.train_config import TrainConfig
 
 TRAIN_QUESTIONS = [
     "What is the capital of France?",
@@ -194,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             warmup_ratio=0.05,
             min_lr_ratio=0.1,
             checkpoint_every=0,
+            eval_fraction=0.0,
             log_every=10,
             seed=a.seed,
             device=a.device,
@@ -322,8 +326,8 @@ def mixer_weight_share(target) -> float:
 
 def scripted_run(target, dc, prompts, plain, max_new_tokens: int, seed: int) -> dict:
     """A drafter that knows the greedy continuation and errs at a random draft of each block
-    (``simulation.oracle_drafter``): acceptances of every length, so rollbacks over several tokens."""
-    from dflash_assets.simulation.oracle_drafter import OracleDrafter
+    (``dflash_simulators.oracle_drafter``): acceptances of every length, so rollbacks over several tokens."""
+    from dflash_simulators.oracle_drafter import OracleDrafter
 
     rng = torch.Generator().manual_seed(seed)
     runs = []
@@ -391,6 +395,7 @@ def hybrid_main(a) -> int:
         warmup_ratio=0.05,
         min_lr_ratio=0.1,
         checkpoint_every=0,
+        eval_fraction=0.0,
         log_every=10,
         seed=a.seed,
         device=a.device,

@@ -3,7 +3,7 @@
 Builds a realistic partition (default 1000 synthetic completions of a few hundred tokens each, one- or
 three-turn prompts), then times, in the same process and alternating:
 
-* ``stage``: the asset's whole work, :func:`dflash_assets.assets.tokenized.tokenize_stage`: tokenization
+* ``stage``: the asset's whole work, :func:`dflash_assets.tokenized_stage.tokenize_stage`: tokenization
   (chat template, prompt and completion ids, loss masks, end tokens, polars table), the Parquet writes
   (table and set-aside rows) and the data-version hash, and the checks (the round-trip decode of every
   row); tokens/s over every output ``input_ids`` token. The headline ratio.
@@ -38,12 +38,12 @@ import polars as pl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from headline import headline
 
-from dflash_assets.assets.tokenized import TokenizeConfig, tokenize_stage
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.records import rows_to_frame
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.storage import Storage
 from dflash_assets.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
+from dflash_assets.tokenized_stage import TokenizeConfig, tokenize_stage
 
 WORDS = [
     "the",

@@ -16,7 +16,6 @@ line per round, the median ratio beside the goal, and one JSON line.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import tempfile
@@ -30,10 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from headline import headline
 
+from dflash_assets.dflash.batches import StepPlan, build_batch
 from dflash_assets.dflash.data import HiddenStateShards
+from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.loss import dflash_loss_from_hidden
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
-from dflash_assets.dflash.train import StepPlan, TrainConfig, build_batch, train
+from dflash_assets.dflash.model import DFlashDraftModel
+from dflash_assets.dflash.train import train
+from dflash_assets.dflash.train_config import TrainConfig
 
 
 def make_shard(path: Path, rows: int, seq_len: int, prompt_len: int, feat_dim: int, vocab: int, seed: int) -> None:
@@ -137,6 +139,7 @@ def main() -> None:
             batch_size=a.batch_size,
             max_steps=steps,
             checkpoint_every=0,
+            eval_fraction=0.0,
             log_every=10,
             seed=0,
             device=a.device,
@@ -157,7 +160,7 @@ def main() -> None:
         # once read 1.708, impossible: training does strictly more than the bare pass).
         rounds = []
         for r in range(a.rounds):
-            cfg_r = dataclasses.replace(cfg, out_dir=str(Path(tmp) / f"run{r}"))  # a fresh run each round, no resume
+            cfg_r = cfg.model_copy(update={"out_dir": str(Path(tmp) / f"run{r}")})  # a fresh run each round, no resume
             if r % 2 == 0:
                 bare_tps = bare_tokens_per_s(dc, embed, head, batches, device, a.block_size)
                 train_tps = train(cfg_r, draft_config=dc, target_head=(embed, head)).tokens_per_s

@@ -18,7 +18,7 @@ Prints, with the GPU's name and the date, per shape:
    block/context tokens/s, its ratio to bare target forward + drafter forward/backward, and the peak GPU memory.
 3. Hybrid only: the lossless check of speculative decoding (``dflash_generate`` against ``target_generate``,
    greedy) on the same shape cut to 8 layers, in float32 so that a bf16 rounding tie cannot pass for a rollback
-   error: an untrained drafter (every step rejects) and a scripted one (``simulation/oracle_drafter.py``:
+   error: an untrained drafter (every step rejects) and a scripted one (``bench/dflash_simulators/oracle_drafter.py``:
    partial acceptances of chosen lengths); outputs equal, and the rollbacks' extra target work.
 
 4. ``--shape vllm-hybrid`` (apart: a whole main job): the engine parity check on the Qwen3.6 stand-in in the CUDA
@@ -51,12 +51,14 @@ import gpu_check_vllm
 from headline import headline
 from random_targets import layers_that_fit, num_parameters, random_target
 
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from dflash_assets.dflash.draft_config import DFlashConfig
+from dflash_assets.dflash.model import DFlashDraftModel
 from dflash_assets.dflash.shards import extract_partition
 from dflash_assets.dflash.speculative import dflash_generate, target_generate
 from dflash_assets.dflash.target_features import TargetFeatureExtractor
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
-from dflash_assets.simulation.oracle_drafter import OracleDrafter
+from dflash_assets.dflash.target_layers import default_target_layer_ids
+from dflash_simulators.oracle_drafter import OracleDrafter
 
 # the published Qwen3.6-27B drafter's attention shape (TARGET.md); the dense shape's drafter follows its target
 RECIPE_DRAFT = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408}

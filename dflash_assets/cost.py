@@ -6,7 +6,7 @@ shape whatever the stage. The device and how its seconds were counted are record
 (``cost_device``, ``cost_basis``), never guessed later:
 
 - ``GPU``: GPUs x wall seconds (SGLang servers x their GPUs each; trainer processes; the extraction's one GPU).
-- ``simulated GPU``: the same count on the GPU-node simulator (:mod:`dflash_assets.simulation`): not measured
+- ``simulated GPU``: the same count on the GPU-node simulator (:mod:`dflash_simulators`): not measured
   on a GPU.
 - ``CPU``: CPU cores this process may use x wall seconds (``cores x wall``), or the process's own CPU time
   (``process CPU time``) for stages that run in-process on a CPU only (tokenization).
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 GPU, SIMULATED_GPU, CPU, SERVER = "GPU", "simulated GPU", "CPU", "server"
 CORES_X_WALL, PROCESS_CPU = "cores x wall", "process CPU time"
-SIMULATION_PACKAGE = "dflash_assets.simulation"
+SIMULATION_PACKAGE = "dflash_simulators"
 #: the keys :func:`cost_metadata` writes
 KEYS = (
     "cost_device",

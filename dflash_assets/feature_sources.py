@@ -11,14 +11,14 @@ import os
 
 import dagster as dg
 
-from dflash_assets.assets.tokenized import tokenized_file
 from dflash_assets.config import op_config
+from dflash_assets.hidden_states_stage import HiddenStatesConfig, storage_plan
+from dflash_assets.storage_plan import resolve_features
+from dflash_assets.tokenized_stage import tokenized_file
 
 
-def hidden_states_config():
+def hidden_states_config() -> HiddenStatesConfig:
     """The project's ``ops.hidden_states.config`` as a ``HiddenStatesConfig``."""
-    from dflash_assets.assets.hidden_states import HiddenStatesConfig
-
     return HiddenStatesConfig(**((op_config("hidden_states")["ops"].get("hidden_states") or {}).get("config") or {}))
 
 
@@ -35,9 +35,6 @@ def decide_mode(
     """``(offline|online, reason)`` for a ``features`` setting; ``auto`` computes the storage plan."""
     if mode in ("offline", "online"):
         return mode, f"features: {mode} (configured)"
-    from dflash_assets.assets.hidden_states import storage_plan
-    from dflash_assets.storage_plan import resolve_features
-
     try:
         plan = storage_plan(
             instance, storage, target_model, hidden_states_config(), fallback_tokens_per_row=fallback_tokens_per_row

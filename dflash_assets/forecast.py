@@ -150,8 +150,8 @@ def storage_forecast(
     ``store``; interval: that of tokens per row, relative), hidden states at ``tokens_per_row`` (tokenized
     tokens per row, prompt + completion) x the storage plan's bytes per token (recorded by
     ``hidden_states``; before any is extracted: ``bytes_per_token``, from the configured target, else none)."""
-    from dflash_assets.assets.completions_tables import partition_file
-    from dflash_assets.assets.tokenized import tokenized_file
+    from dflash_assets.completions_stage.tables import partition_file
+    from dflash_assets.tokenized_stage import tokenized_file
 
     out: dict[str, dict] = {}
     band = scaled(tokens_per_row, 1 / tokens_per_row["point"]) if tokens_per_row["point"] else tokens_per_row

@@ -1,5 +1,6 @@
-"""The ``hidden_states`` stage without Dagster: pick the rows of a partition, check the storage plan, run the
-target over them into shards, upload, and re-read the shards for the checks. The asset turns the result into
+"""The ``hidden_states`` stage, outside any Dagster run: its settings (:class:`HiddenStatesConfig`) and storage
+plan over every partition; pick the rows of a partition, check the storage plan, run the target over them into
+shards, upload, and re-read the shards for the checks. The asset turns the result into
 a materialization and :class:`HiddenStatesError` into a failure."""
 
 from __future__ import annotations
@@ -12,17 +13,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import dagster as dg
 import torch
+from pydantic import Field
 
-from dflash_assets.dflash.shards import INDEX_NAME, extract_partition, read_shard, write_index
+from dflash_assets.dflash.shard_format import INDEX_NAME, read_shard, write_index
+from dflash_assets.dflash.shards import extract_partition
 from dflash_assets.dflash.target_features import bytes_per_token
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
-from dflash_assets.partitions import key_range
+from dflash_assets.history import latest_metadata_by_partition
+from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.progress import StageProgressBar
 from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.shard_access import fetch_shards
-from dflash_assets.storage_plan import StoragePlan, in_subset, subset_threshold
+from dflash_assets.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
 
 if TYPE_CHECKING:
     from dflash_assets.resources.storage import StorageResource
@@ -37,14 +42,32 @@ class HiddenStatesError(Exception):
         self.metadata = metadata or {}
 
 
-@dataclass
-class ExtractionSettings:
-    """The ``hidden_states`` config values the stage reads (see ``HiddenStatesConfig``)."""
+class HiddenStatesConfig(dg.Config):
+    """Which target layers to keep and how to shard them."""
 
-    target_layer_ids: list[int]
-    rows_per_shard: int
-    max_rows: int | None
-    fraction: float | None
+    target_layer_ids: list[int] = Field(
+        default_factory=list, description="Decoder layer ids; empty = DFlash rule for 5 layers."
+    )
+    rows_per_shard: int = Field(default=64, ge=1, description="Sequences per safetensors shard.")
+    max_rows: int | None = Field(
+        default=None,
+        ge=0,
+        description="Store features for at most this many rows of the corpus (stable-hash subset); None = all.",
+    )
+    fraction: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="Store features for this share of the rows (stable-hash subset); None = all.",
+    )
+    storage_budget_gb: float | None = Field(
+        default=None,
+        gt=0.0,
+        description=(
+            "Bytes (GB, 1e9) all hidden states may take; needed to enforce the plan on S3, optional locally "
+            "(free disk space is always checked)."
+        ),
+    )
 
 
 @dataclass
@@ -59,6 +82,45 @@ class Extraction:
     uri: str
     metadata: dict[str, Any]
     data_version: str
+
+
+def storage_plan(
+    instance: dg.DagsterInstance,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    config: HiddenStatesConfig,
+    *,
+    exact: dict[str, tuple[int, int]] | None = None,
+    fallback_tokens_per_row: float = 0.0,
+    indexes: list[int] | None = None,
+) -> StoragePlan:
+    """The storage plan of ``config`` over every partition (see :mod:`dflash_assets.storage_plan`):
+    tokens from tokenized_sequences metadata, bytes stored from hidden_states metadata (partitions in
+    ``exact`` excluded: they are being rewritten), free space at the local root or scratch."""
+    keys = instance.get_dynamic_partitions(prompt_ranges.name)
+    exact = exact or {}
+    # two instance queries per asset whatever the partition count (a run per partition would make ~1,800 at 903)
+    tokenized = latest_metadata_by_partition(instance, "tokenized_sequences", keys)
+    partitions = {pk: tokenized.get(pk, {}) for pk in keys}
+    hidden = latest_metadata_by_partition(instance, "hidden_states", [pk for pk in keys if pk not in exact])
+    stored = {pk: int(hidden.get(pk, {}).get("bytes") or 0) for pk in keys if pk not in exact}
+    model_dir = target_model.resolved_path()
+    layer_ids, hidden = target_shape(model_dir, config.target_layer_ids or None)
+    budget = int(config.storage_budget_gb * 1e9) if config.storage_budget_gb else None
+    root = None if storage.is_remote else storage.root.removeprefix("file://")
+    return compute_plan(
+        corpus_indexes=indexes if indexes is not None else corpus_indexes(storage.open()),
+        partitions=partitions,
+        hidden_state_bytes=stored,
+        layer_ids=layer_ids,
+        hidden_size=hidden,
+        max_rows=config.max_rows,
+        fraction=config.fraction,
+        budget_bytes=budget,
+        local_root=root,
+        fallback_tokens_per_row=fallback_tokens_per_row,
+        exact=exact,
+    )
 
 
 def prompt_hashes(store, pk: str) -> dict[int, str]:
@@ -121,7 +183,7 @@ def extract_stage(
     pk: str,
     storage: StorageResource,
     target_model: TargetModelResource,
-    settings: ExtractionSettings,
+    config: HiddenStatesConfig,
     tokenized_path: tuple[str, str],
     plan_for: Callable[[list[int], dict[str, tuple[int, int]]], StoragePlan],
     log,
@@ -140,7 +202,7 @@ def extract_stage(
     rows, other = _rows_of_corpus_prompts(store, tokenized_path, pk, log)
     # the plan comes first: over budget, fail before loading the model or writing a byte
     indexes = corpus_indexes(store)
-    threshold = subset_threshold(indexes, settings.max_rows, settings.fraction)
+    threshold = subset_threshold(indexes, config.max_rows, config.fraction)
     all_rows = len(rows)
     rows = [r for r in rows if in_subset(r["index"], threshold)]
     plan = plan_for(indexes, {pk: (len(rows), sum(len(r["input_ids"]) for r in rows))})
@@ -152,7 +214,7 @@ def extract_stage(
     model = target_model.load_model()
     kernels = linear_attention_kernels(model)
     log.info(f"{pk}: target {type(model).__name__}: {kernels['summary']}")
-    layer_ids = layer_ids_or_error(settings.target_layer_ids, model)
+    layer_ids = layer_ids_or_error(config.target_layer_ids, model)
     per_token = bytes_per_token(len(layer_ids), int(text_config(model).hidden_size), 2)
     num_tokens = sum(len(r["input_ids"]) for r in rows)
     corpus_estimate = per_token * num_tokens / max(1, len(rows)) * len(indexes)
@@ -186,7 +248,7 @@ def extract_stage(
             rows,
             out_dir,
             layer_ids,
-            rows_per_shard=settings.rows_per_shard,
+            rows_per_shard=config.rows_per_shard,
             max_tokens_per_batch=target_model.max_tokens_per_batch,
             dtype=torch.bfloat16,
             progress_cb=progress,

@@ -24,12 +24,12 @@ import uuid
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-from dflash_assets.generation.processes import boot_id
+from dflash_assets.generation.proc_info import boot_id
 
 MACHINE_ID_FILE = "/etc/machine-id"
 HOME_ID_FILE = ".dflash_machine_id"  # in DAGSTER_HOME, when there is no /etc/machine-id
 
-__all__ = ["Identity", "boot_id", "identity", "machine_id", "pid_namespace", "same_machine"]
+__all__ = ["Identity", "identity", "machine_id", "pid_namespace", "same_machine"]
 
 
 class Identity(NamedTuple):

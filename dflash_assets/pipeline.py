@@ -17,18 +17,20 @@ import dagster as dg
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from dflash_assets import freshness
-from dflash_assets.assets.drafter import DrafterConfig, config_changed_since_last
-from dflash_assets.assets.evaluation import EvaluationConfig
-from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
+from dflash_assets.assets.drafter import config_changed_since_last
+from dflash_assets.assets.prompts import corpus_fingerprint
 from dflash_assets.config import config_path, op_config
 from dflash_assets.cost_report import configured_bytes_per_token, cost_and_forecast, keep_forecast
 from dflash_assets.definitions import defs
+from dflash_assets.evaluation.config import EvaluationConfig
 from dflash_assets.evaluation.vllm_run import prepare_in_background
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.history import latest_record, plain_metadata
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.prompt_corpus_stage import PromptCorpusConfig
 from dflash_assets.runs import process_tags, reap_dead_runs
 from dflash_assets.stages import FINAL_STAGES, PARTITION_STAGES
+from dflash_assets.training.config import DrafterConfig
 
 
 def run_failure_reason(result: dg.ExecuteInProcessResult) -> str | None:

@@ -1,6 +1,6 @@
-"""The ``prompt_corpus`` stage without Dagster: read the prompt files, give each prompt its stable index, write
-the corpus, the index table and the rejected rows. The asset registers the partitions, logs, and turns
-:class:`CorpusStageError` into a failure."""
+"""The ``prompt_corpus`` stage, outside any Dagster run: its settings (:class:`PromptCorpusConfig`); read the
+prompt files, give each prompt its stable index, write the corpus, the index table and the rejected rows. The
+asset registers the partitions, logs, and turns :class:`CorpusStageError` into a failure."""
 
 from __future__ import annotations
 
@@ -8,16 +8,49 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import dagster as dg
 import polars as pl
+from pydantic import Field
 
-from dflash_assets.corpus import CorpusError, CorpusResult, build_corpus
+from dflash_assets.corpus import CorpusError, CorpusResult, build_corpus, default_sources
 from dflash_assets.prompt_index import StableCorpus, save_index, stable_corpus
-from dflash_assets.prompt_reader import ReadLimits
+from dflash_assets.prompt_reader import GiB, MiB, ReadLimits
 from dflash_assets.store_lock import LockBusyError, StoreLock
 
 CORPUS_FILE = ("prompt_corpus", "corpus.parquet")
 REJECTED_FILE = ("prompt_corpus", "rejected.parquet")
 LOCK_FILE = ("prompt_corpus", ".build.lock")  # held while a build reads the last one and writes its files
+
+
+class PromptCorpusConfig(dg.Config):
+    """Where prompts come from and how they are split into partitions."""
+
+    sources: list[str] = Field(
+        default_factory=default_sources,
+        description="Files, globs or directories (local or s3://) of JSONL / JSON arrays / Parquet, .gz allowed.",
+    )
+    partition_size: int = Field(default=1000, ge=1, description="Prompts per index-range partition.")
+    max_prompts: int | None = Field(
+        default=None,
+        ge=1,
+        description="Keep only the first N prompts in sources order (demo runs); each keeps its stable index.",
+    )
+    max_record_mb: float = Field(
+        default=ReadLimits.max_record_bytes / MiB,
+        gt=0,
+        description="Longest JSONL line / JSON-array element accepted, MiB: a longer one fails its file (a damaged "
+        "file or a decompression bomb, never a prompt).",
+    )
+    max_file_gb: float = Field(
+        default=ReadLimits.max_file_bytes / GiB,
+        gt=0,
+        description="Most content one prompt file may hold after gunzip, GiB (Parquet: the uncompressed size its "
+        "footer declares); split larger corpora into several files.",
+    )
+
+    def read_limits(self) -> ReadLimits:
+        """The bounds each prompt file is read under."""
+        return ReadLimits(max_record_bytes=int(self.max_record_mb * MiB), max_file_bytes=int(self.max_file_gb * GiB))
 
 
 class CorpusStageError(Exception):

@@ -33,7 +33,7 @@ import dagster as dg
 # the return type of RunLauncher.check_run_worker_health, which dagster does not export
 from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
 
-from dflash_assets.generation.processes import is_running, proc_stat
+from dflash_assets.generation.proc_info import is_running, proc_stat
 from dflash_assets.machine import Identity, identity, same_machine
 
 PID_TAG, START_TAG, BOOT_TAG, HOST_TAG = "dflash/pid", "dflash/pid_start_time", "dflash/boot_id", "dflash/host"

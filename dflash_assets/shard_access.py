@@ -5,7 +5,7 @@ import json
 import os
 
 from dflash_assets.atomic import atomic_write_bytes
-from dflash_assets.dflash.shards import INDEX_NAME
+from dflash_assets.dflash.shard_format import INDEX_NAME
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.storage import IntegrityError, UnsafeNameError, check_name, file_sha256
 

@@ -69,7 +69,7 @@ def invalid_rows(store, pk: str, settings, continues: bool = False, prompts=None
     prompts changed since the table was made: a row for another prompt counts as ``prompt changed`` (or
     ``prompt unknown``), a prompt without a row as ``missing``, a row whose prompt is gone as ``removed``
     (no request: the run drops it)."""
-    from dflash_assets.assets.completions_tables import partition_file
+    from dflash_assets.completions_stage.tables import partition_file
     from dflash_assets.generation.continuation import continuable
     from dflash_assets.generation.records import VALIDITY_COLUMNS, invalid_reason, prompt_mismatch
     from dflash_assets.truncation import read_report_columns
@@ -443,10 +443,10 @@ def corpus_preview(instance: dg.DagsterInstance, store) -> str | None:
     the run will request for them (prompts at an index the last corpus did not have; stable indices keep
     every other prompt's rows). Reads the prompt files (as the build does) without writing anything."""
     from dflash_assets import freshness
-    from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
+    from dflash_assets.assets.prompts import corpus_fingerprint
     from dflash_assets.config import op_config, resource_fields
     from dflash_assets.corpus import build_corpus
-    from dflash_assets.prompt_corpus_stage import CORPUS_FILE
+    from dflash_assets.prompt_corpus_stage import CORPUS_FILE, PromptCorpusConfig
     from dflash_assets.prompt_index import stable_corpus
     from dflash_assets.resources.storage import StorageResource, s3_credentials_from_env
 

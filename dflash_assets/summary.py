@@ -15,24 +15,24 @@ from pathlib import Path
 
 import dagster as dg
 
-from dflash_assets.assets import drafter as drafter_asset
-from dflash_assets.assets import evaluation as evaluation_asset
 from dflash_assets.assets import truncation as truncation_asset
-from dflash_assets.assets.completions_tables import partition_file
-from dflash_assets.assets.tokenized import tokenized_file
-from dflash_assets.dflash.shards import INDEX_NAME, SHARD_PATTERN
+from dflash_assets.completions_stage.tables import partition_file
+from dflash_assets.dflash.shard_format import INDEX_NAME, SHARD_PATTERN
+from dflash_assets.evaluation.in_process import REPORT_DIR as EVALUATION_DIR
 from dflash_assets.history import latest_metadata, plain_metadata
 from dflash_assets.prompt_corpus_stage import CORPUS_FILE, REJECTED_FILE
 from dflash_assets.summary_engine import ENGINE_KEYS, engine_line
+from dflash_assets.tokenized_stage import tokenized_file
+from dflash_assets.training.run import DRAFTER_DIR, EXPORT_DIR
 
 PK = "<pk>"
 # File and folder names the asset modules write without exporting a constant (kept here, once).
 TRUNCATION_REPORT = (truncation_asset.REPORT_DIR, "report.json")
 TRUNCATION_PNG = (truncation_asset.REPORT_DIR, "completion_lengths.png")
-EVALUATION_REPORT = (evaluation_asset.REPORT_DIR, "report.json")
-EVALUATION_PNG = (evaluation_asset.REPORT_DIR, "acceptance.png")
-LOSS_CURVE = (drafter_asset.DRAFTER_DIR, "loss_curve.png")
-TRAINING_RUNS = (drafter_asset.DRAFTER_DIR, "runs")
+EVALUATION_REPORT = (EVALUATION_DIR, "report.json")
+EVALUATION_PNG = (EVALUATION_DIR, "acceptance.png")
+LOSS_CURVE = (DRAFTER_DIR, "loss_curve.png")
+TRAINING_RUNS = (DRAFTER_DIR, "runs")
 SERVER_LOGS_DIR = "server_logs"
 HIDDEN_STATES_DIR = "hidden_states"
 UI_PORT = 3000
@@ -304,7 +304,7 @@ def output_locations(storage, keys: list[str]) -> list[tuple[str, str, str]]:
         ),
         (
             "drafter export",
-            folder(at(*drafter_asset.EXPORT_DIR)) + "  (config.json + model.safetensors for SGLang)",
+            folder(at(*EXPORT_DIR)) + "  (config.json + model.safetensors for SGLang)",
             "dflash_drafter",
         ),
         ("  loss curve", at(*LOSS_CURVE), "dflash_drafter"),

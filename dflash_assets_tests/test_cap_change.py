@@ -1,7 +1,7 @@
 """A cap change re-runs only what it affects, on the real CPU server (greedy), decided by the
 ``generation_settings_changed`` sensor.
 
-Scenario (``dflash_assets/simulation/cap_change_scenario.py``, also run by ``bench/bench_cap_change.py``): 3
+Scenario (``bench/dflash_simulators/cap_change_scenario.py``, also run by ``bench/bench_cap_change.py``): 3
 partitions of 2 prompts at a small cap, so that one partition holds only quick answers (no truncated row) and
 the others hold long ones. Raising the cap must re-materialize exactly the partitions with ``length`` rows,
 send exactly one request per truncated row (counted by a proxy in front of the server), leave every other row
@@ -22,7 +22,7 @@ import pytest
 
 from dflash_assets.automation import request_partitions
 from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.simulation.cap_change_scenario import (
+from dflash_simulators.cap_change_scenario import (
     ASSET_KEYS,
     CAP_LOWERED,
     CAP_RAISED,
@@ -33,7 +33,7 @@ from dflash_assets.simulation.cap_change_scenario import (
     proxied_inference,
     run_scenario,
 )
-from dflash_assets.simulation.counting_proxy import CountingProxy
+from dflash_simulators.counting_proxy import CountingProxy
 
 
 # Partition i holds PROMPTS[2i], PROMPTS[2i+1]. Greedy SmolLM2 answers the first three quick questions
@@ -127,7 +127,7 @@ def test_lowering_the_cap_cuts_the_rows_longer_than_it_from_their_own_tokens(sce
     must be what the server itself answers at the lower cap, asked here directly."""
     import httpx
 
-    from dflash_assets.generation.client import parse_chat_completion
+    from dflash_assets.generation.replies import parse_chat_completion
 
     raised, lower = scenario.changes[0].after, scenario.changes[1]
     assert lower.new_cap == CAP_LOWERED
@@ -172,7 +172,7 @@ def test_sensor_skips_once_everything_matches_the_settings(scenario):
 
 
 def _result(index: int, finish_reason: str | None, completion_tokens: int | None, error: str | None = None):
-    from dflash_assets.generation.client import CompletionResult
+    from dflash_assets.generation.results import CompletionResult
 
     text = None if error else "some answer"
     return CompletionResult(
@@ -217,8 +217,8 @@ def test_partition_decision_matches_row_decision():
     missed. 400 random partitions against caps below, at and above the caps rows were made with."""
     import random
 
-    from dflash_assets.assets.completions_tables import completion_stats
     from dflash_assets.automation import affected_reason
+    from dflash_assets.completions_stage.tables import completion_stats
     from dflash_assets.generation.records import invalid_reason, rows_to_frame
     from dflash_assets.settings import GenerationSettings
 

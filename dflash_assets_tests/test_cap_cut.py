@@ -13,8 +13,8 @@ import pytest
 from dflash_assets.generation.cap_cut import cut_to_cap
 from dflash_assets.generation.records import completion_layout
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 from dflash_assets.tokenization import SequenceBuilder
+from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Sort a list in Python."}]
 REASONING = "The user wants a sorted list. The built-in sorted returns a new list; list.sort sorts in place."
@@ -133,7 +133,7 @@ def test_a_continued_row_cut_inside_its_first_part_is_no_longer_continued(builde
 def _plan_run(tmp_path, builder_path, keys, settings_):
     import logging
 
-    from dflash_assets.generation.range_run import RangeRun
+    from dflash_assets.completions_stage.range_run import RangeRun
     from dflash_assets.resources.inference import InferenceServerResource
     from dflash_assets.storage import Storage
 
@@ -150,7 +150,7 @@ def test_lowering_a_half_done_partition_cuts_what_it_has_and_journals_nothing(tm
     import polars as pl
     from transformers import AutoTokenizer
 
-    from dflash_assets.assets.completions_tables import partition_file
+    from dflash_assets.completions_stage.tables import partition_file
     from dflash_assets.corpus import content_hash
     from dflash_assets.generation.journal import RowJournal
     from dflash_assets.generation.records import rows_to_frame
@@ -196,7 +196,7 @@ def test_lowering_a_half_done_partition_cuts_what_it_has_and_journals_nothing(tm
 def test_a_tokenizer_directory_that_is_not_there_is_called_that(tmp_path):
     """New-user trial: a wrong external_tokenizer_path warned with transformers' 'Repo id must be in the
     form ...' rather than saying the directory is missing."""
-    from dflash_assets.assets.completions_continuing import missing_directory
+    from dflash_assets.completions_stage.continuing import missing_directory
 
     with pytest.raises(FileNotFoundError, match="no such directory: /nowhere/tokenizer"):
         missing_directory("/nowhere/tokenizer")

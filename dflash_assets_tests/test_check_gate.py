@@ -18,8 +18,8 @@ import polars as pl
 
 from dflash_assets import freshness
 from dflash_assets.assets.hidden_states import hidden_states
-from dflash_assets.assets.tokenized import CHECK_DEGENERATE, tokenized_sequences
-from dflash_assets.check_gate import BLOCKING_CHECKS, failed_blocking_checks
+from dflash_assets.assets.tokenized import tokenized_sequences
+from dflash_assets.check_gate import BLOCKING_CHECKS, CHECK_DEGENERATE, failed_blocking_checks
 from dflash_assets.generation.records import rows_to_frame
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource

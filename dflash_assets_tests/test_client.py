@@ -1,6 +1,6 @@
 """Fault tests of the async generation client against a scriptable fake OpenAI-compatible server.
 
-The stand-in server (dflash_assets/simulation/stand_in_server.py) stands in only for faults a real server
+The stand-in server (bench/dflash_simulators/stand_in_server.py) stands in only for faults a real server
 cannot be made to show on demand: 503 bursts, hangs, connections dropped mid-reply, a server dying mid-run.
 """
 
@@ -14,14 +14,11 @@ from collections import Counter
 
 import pytest
 
-from dflash_assets.generation.client import (
-    CompletionClient,
-    CompletionResult,
-    GenerationProgress,
-    TooManyFailuresError,
-    parse_chat_completion,
-)
-from dflash_assets.simulation.stand_in_server import Drop, Error, FakeServer, Hang, Raw, Reply, fail_first
+from dflash_assets.generation.client import CompletionClient
+from dflash_assets.generation.replies import parse_chat_completion
+from dflash_assets.generation.results import CompletionResult, GenerationProgress, TooManyFailuresError
+from dflash_simulators.behaviours import Drop, Error, Hang, Raw, Reply, fail_first
+from dflash_simulators.stand_in_server import FakeServer
 
 SECRET = "sk-test-SECRET-0123456789"
 FAST = dict(backoff_base_s=0.01, backoff_max_s=0.05)  # keep retries quick in tests

@@ -17,7 +17,8 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import signal, sys, threading, time
     sys.path.insert(0, {tests!r})
-    from dflash_assets.simulation.stand_in_server import FakeServer, Hang
+    from dflash_simulators.behaviours import Hang
+    from dflash_simulators.stand_in_server import FakeServer
     from dflash_assets.generation.client import CompletionClient
 
     class Interrupted(Exception):  # what Dagster's handler raises (DagsterExecutionInterruptedError)

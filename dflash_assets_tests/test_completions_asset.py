@@ -5,8 +5,8 @@
    metadata equal to counts computed from the written table.
 2. SIGKILL mid-partition (the first run is a subprocess), then a rerun: every prompt once in the table,
    and no row that was in the journal at kill time is requested again, counted at the wire by
-   :class:`~dflash_assets.simulation.counting_proxy.CountingProxy` in front of the real server.
-3. Faults from :class:`~dflash_assets.simulation.stand_in_server.FakeServer` (external mode, backend "openai"):
+   :class:`~dflash_simulators.counting_proxy.CountingProxy` in front of the real server.
+3. Faults from :class:`~dflash_simulators.stand_in_server.FakeServer` (external mode, backend "openai"):
    503 bursts, hung requests, dropped connections, and a server that dies mid-run.
 """
 
@@ -33,8 +33,9 @@ from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
-from dflash_assets.simulation.counting_proxy import CountingProxy, last_user_message
-from dflash_assets.simulation.stand_in_server import Drop, Error, FakeServer, Hang, Reply
+from dflash_simulators.behaviours import Drop, Error, Hang, Reply
+from dflash_simulators.counting_proxy import CountingProxy, last_user_message
+from dflash_simulators.stand_in_server import FakeServer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -441,7 +442,7 @@ def test_commit_overlays_new_rows_on_the_stored_table_and_writes_what_whole_rows
     """The commit no longer holds every stored row in memory: it reads the last table back and lays the
     journal's and this run's rows over it. The file must be the one the whole rows as dicts give, byte
     for byte (the data version is its hash), also over a table written before ``continued_from_tokens``."""
-    from dflash_assets.assets.completions_tables import PLAN_COLUMNS, load_plan_rows, partition_file, partition_frame
+    from dflash_assets.completions_stage.tables import PLAN_COLUMNS, load_plan_rows, partition_file, partition_frame
     from dflash_assets.generation.records import rows_to_frame
     from dflash_assets.storage import Storage, parquet_bytes
 
@@ -505,7 +506,7 @@ def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
     table, so it must not count as resumed either: 5 such rows read as 'resumed 5' (review)."""
     import logging
 
-    from dflash_assets.generation.range_run import RangeRun
+    from dflash_assets.completions_stage.range_run import RangeRun
     from dflash_assets.settings import GenerationSettings
     from dflash_assets.storage import Storage
 

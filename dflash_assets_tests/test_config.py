@@ -35,7 +35,7 @@ def project_assets():
     return ASSETS
 
 
-from dflash_assets.definitions import ASSETS  # noqa: E402  (with the bundled config)
+from dflash_assets.stages import ASSETS  # noqa: E402  (with the bundled config)
 
 
 def test_typo_in_a_resource_field_is_an_error_naming_key_place_valid_keys_and_file(tmp_path, monkeypatch):

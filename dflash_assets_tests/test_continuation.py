@@ -15,7 +15,6 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from dflash_assets.assets.prompts import CORPUS_FILE
 from dflash_assets.generation.continuation import (
     NOT_CONTINUED,
     continuable,
@@ -24,11 +23,12 @@ from dflash_assets.generation.continuation import (
     prefix_text,
 )
 from dflash_assets.generation.records import completion_layout, row_from_result, split_reasoning
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.simulation.sglang_stub import drawn_length, reply_fields
-from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 from dflash_assets_tests.test_completions_asset import write_corpus
 from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim
+from dflash_simulators.simulated_replies import drawn_length, reply_fields
+from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 
 OLD_CAP, NEW_CAP = 64, 256
 PROMPT = {"index": 7, "prompt_id": "t:7", "source": "t"}
@@ -367,8 +367,8 @@ def test_an_sglang_older_than_continue_final_message_regenerates_whole_and_says_
     <think>, its fresh reply cannot be told from a continuation, so the installed version decides first."""
     from collections import Counter
 
-    from dflash_assets.assets import completions_continuing
-    from dflash_assets.assets.completions_continuing import ContinuationPlanner
+    from dflash_assets.completions_stage import continuing as completions_continuing
+    from dflash_assets.completions_stage.continuing import ContinuationPlanner
     from dflash_assets.generation.continuation import sglang_predates_continuation
     from dflash_assets.generation.range_plan import Partition
     from dflash_assets.resources.inference import InferenceServerResource

@@ -9,9 +9,10 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_assets.assets.prompts import CORPUS_FILE, default_sources, prompt_corpus
-from dflash_assets.corpus import CorpusError, build_corpus
+from dflash_assets.assets.prompts import prompt_corpus
+from dflash_assets.corpus import CorpusError, build_corpus, default_sources
 from dflash_assets.partitions import key_range, partition_keys, prompt_ranges
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.resources.storage import StorageResource
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"

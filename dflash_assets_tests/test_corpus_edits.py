@@ -34,11 +34,12 @@ from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PART
 from dflash_assets import freshness
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.hidden_states import hidden_states
-from dflash_assets.assets.prompts import CORPUS_FILE, prompt_corpus
+from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.dflash.data import heldout_fraction_of
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
@@ -56,7 +57,7 @@ def world(tmp_path_factory):
     log = tmp / "requests.jsonl"
     log.touch()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_assets.simulation.stand_in_server", "--script", "echo", "--log", str(log)],
+        [sys.executable, "-m", "dflash_simulators.stand_in_server", "--script", "echo", "--log", str(log)],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -123,7 +123,7 @@ def test_forecast_from_one_partition_of_ten_holds_the_measured_whole(tmp_path, r
                     "model_path": "simulated",
                     "num_servers": 7,
                     "max_running_requests": 4,
-                    "launch_module": "dflash_assets.simulation.sglang_stub",
+                    "launch_module": "dflash_simulators.sglang_stub",
                 },
                 "cost": {"device_hour_usd": 3.0},
                 "target_model": {"model_path": str(target)},  # Qwen3.6-27B's shape: 5 layers x 5120 x 2 + 5 bytes

@@ -110,7 +110,7 @@ def test_count_params_names_a_file_that_is_not_safetensors(tmp_path):
 def test_failed_final_journal_sync_keeps_the_original_error_and_reports_the_sync(s3_target, tmp_path):
     """The servers fail to start while S3 is down and the journal holds unsynced rows: the run's error
     is the servers' one, and the failed sync is logged and noted on it."""
-    from dflash_assets.generation.range_run import RangeRun
+    from dflash_assets.completions_stage.range_run import RangeRun
     from dflash_assets.settings import GenerationSettings
 
     storage = s3_storage(s3_target, tmp_path / "scratch")

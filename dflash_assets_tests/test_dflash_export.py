@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.export import (
     config_from_hf_dict,
     export_drafter,
@@ -15,7 +16,7 @@ from dflash_assets.dflash.export import (
     load_exported,
     resolve_export,
 )
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
+from dflash_assets.dflash.model import DFlashDraftModel
 
 torch.set_num_threads(1)
 

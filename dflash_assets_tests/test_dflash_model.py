@@ -8,14 +8,11 @@ import math
 import pytest
 import torch
 
+from dflash_assets.dflash.draft_config import DFlashConfig, default_mask_token_id
 from dflash_assets.dflash.loss import dflash_loss, dflash_loss_from_hidden, position_weights
 from dflash_assets.dflash.masks import block_inputs, dflash_training_mask, sample_anchors, valid_anchor_positions
-from dflash_assets.dflash.model import (
-    DFlashConfig,
-    DFlashDraftModel,
-    default_mask_token_id,
-    default_target_layer_ids,
-)
+from dflash_assets.dflash.model import DFlashDraftModel
+from dflash_assets.dflash.target_layers import default_target_layer_ids
 
 torch.set_num_threads(1)
 
@@ -241,7 +238,7 @@ def test_from_target_config_local_model_shape():
 
 
 def test_drafter_shape_overrides_and_their_checks():
-    from dflash_assets.dflash.model import DRAFT_SHAPE_FIELDS
+    from dflash_assets.dflash.draft_config import DRAFT_SHAPE_FIELDS
 
     target = {
         "hidden_size": 32,

@@ -13,18 +13,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dflash_assets.dflash.checkpoints import CheckpointError, latest_checkpoint, load_checkpoint
 from dflash_assets.dflash.data import HiddenStateShards, collate_training_batch
+from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.masks import sample_anchors
-from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, load_target_head
-from dflash_assets.dflash.train import (
-    CheckpointError,
-    TrainConfig,
-    evaluate,
-    latest_checkpoint,
-    load_checkpoint,
-    lr_lambda,
-    train,
-)
+from dflash_assets.dflash.model import load_target_head
+from dflash_assets.dflash.target_layers import default_target_layer_ids
+from dflash_assets.dflash.train import train
+from dflash_assets.dflash.train_config import TrainConfig
+from dflash_assets.dflash.train_eval import evaluate
+from dflash_assets.dflash.train_setup import lr_lambda
 
 torch.set_num_threads(2)
 
@@ -181,6 +179,7 @@ def test_overfit_real_features_reaches_high_accuracy(local_target, tmp_path):
         warmup_ratio=0.05,
         min_lr_ratio=0.1,
         checkpoint_every=0,
+        eval_fraction=0.0,
         log_every=5,
         seed=0,
     )
@@ -265,6 +264,7 @@ def _tiny_cfg(target: Path, shards: list[str], out: Path, **kw) -> TrainConfig:
         lr=1e-2,
         max_steps=12,
         checkpoint_every=3,
+        eval_fraction=0.0,
         log_every=1,
         seed=7,
         device="cpu",
@@ -395,6 +395,8 @@ def _cli_args(target: Path, shards: list[str], out: Path, steps: int) -> list[st
         str(steps),
         "--checkpoint-every",
         "10",
+        "--eval-fraction",
+        "0",
         "--log-every",
         "1",
         "--seed",
@@ -549,7 +551,8 @@ def test_drafter_with_its_own_attention_shape_trains_exports_reloads_and_decodes
     from tiny_target import VOCAB as TV
 
     from dflash_assets.dflash.export import export_drafter, load_exported
-    from dflash_assets.dflash.shards import extract_partition, read_index
+    from dflash_assets.dflash.shard_format import read_index
+    from dflash_assets.dflash.shards import extract_partition
     from dflash_assets.dflash.speculative import dflash_generate, target_generate
 
     model, target_dir = make_target(tmp_path)
@@ -572,6 +575,7 @@ def test_drafter_with_its_own_attention_shape_trains_exports_reloads_and_decodes
         batch_size=2,
         max_steps=2,
         checkpoint_every=0,
+        eval_fraction=0.0,
         device="cpu",
     )
     result = train(cfg)

@@ -18,9 +18,12 @@ import polars as pl
 import pytest
 import torch
 
+from dflash_assets.dflash.checkpoints import latest_checkpoint
 from dflash_assets.dflash.distributed import torchrun_argv, write_node_script
-from dflash_assets.dflash.shards import extract_partition, read_index
-from dflash_assets.dflash.train import TrainConfig, latest_checkpoint, train
+from dflash_assets.dflash.shard_format import read_index
+from dflash_assets.dflash.shards import extract_partition
+from dflash_assets.dflash.train import train
+from dflash_assets.dflash.train_config import TrainConfig
 
 try:
     from dflash_assets_tests.tiny_target import LAYER_IDS, VOCAB, make_rows, make_target
@@ -77,6 +80,8 @@ def train_args(d: dict, out: Path, features: str, steps: int, batch_size: int, c
         str(steps),
         "--checkpoint-every",
         str(checkpoint_every),
+        "--eval-fraction",
+        "0",
         "--log-every",
         "1",
         "--seed",
@@ -108,6 +113,7 @@ def reference(d: dict, out: Path, features: str, steps: int) -> dict:
         lr=3e-3,
         max_steps=steps,
         checkpoint_every=0,
+        eval_fraction=0.0,
         log_every=1,
         seed=11,
         device="cpu",

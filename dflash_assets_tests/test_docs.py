@@ -1,21 +1,23 @@
 """The README stays a README for users (short, no run logs, links that resolve) and docs/configuration.md
-names every config key the resources and assets accept."""
+names every config key the resources and assets accept, with the default the code declares (once)."""
 
+import inspect
 import re
 from pathlib import Path
 
 import pytest
 
-from dflash_assets.assets.drafter import DrafterConfig
-from dflash_assets.assets.evaluation import EvaluationConfig
-from dflash_assets.assets.hidden_states import HiddenStatesConfig
-from dflash_assets.assets.prompts import PromptCorpusConfig
-from dflash_assets.assets.tokenized import TokenizeConfig
+from dflash_assets.dflash.train_config import TrainConfig, TrainSettings
+from dflash_assets.evaluation.config import EvaluationConfig
+from dflash_assets.hidden_states_stage import HiddenStatesConfig
+from dflash_assets.prompt_corpus_stage import PromptCorpusConfig
 from dflash_assets.resources.cost import CostResource
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.tokenized_stage import TokenizeConfig
+from dflash_assets.training.config import DrafterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -30,7 +32,7 @@ def test_readme_is_short_and_has_no_run_log():
 
 def test_readme_says_once_what_ran_on_a_serving_engine():
     assert README.count("nothing on a real SGLang") == 1
-    assert "dflash_assets/simulation/sglang_stub.py" in README
+    assert "bench/dflash_simulators/sglang_stub.py" in README
 
 
 def test_readme_keeps_the_section_other_changes_merge_into():
@@ -44,25 +46,29 @@ def test_relative_links_resolve(doc):
             assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
 
 
-@pytest.mark.parametrize(
-    "section, cls",
-    [
-        ("resources.storage", StorageResource),
-        ("resources.inference", InferenceServerResource),
-        ("resources.generation", GenerationResource),
-        ("resources.target_model", TargetModelResource),
-        ("resources.cost", CostResource),
-        ("ops.prompt_corpus.config", PromptCorpusConfig),
-        ("ops.tokenized_sequences.config", TokenizeConfig),
-        ("ops.hidden_states.config", HiddenStatesConfig),
-        ("ops.dflash_drafter.config", DrafterConfig),
-        ("ops.drafter_evaluation.config", EvaluationConfig),
-    ],
-)
-def test_configuration_reference_names_every_key(section, cls):
+SECTIONS = [
+    ("resources.storage", StorageResource),
+    ("resources.inference", InferenceServerResource),
+    ("resources.generation", GenerationResource),
+    ("resources.target_model", TargetModelResource),
+    ("resources.cost", CostResource),
+    ("ops.prompt_corpus.config", PromptCorpusConfig),
+    ("ops.tokenized_sequences.config", TokenizeConfig),
+    ("ops.hidden_states.config", HiddenStatesConfig),
+    ("ops.dflash_drafter.config", DrafterConfig),
+    ("ops.drafter_evaluation.config", EvaluationConfig),
+]
+
+
+def _section(section: str) -> str:
     text = (ROOT / "docs" / "configuration.md").read_text()
     start = text.index(f"## `{section}`")
-    body = text[start : text.find("\n## ", start + 1)]
+    return text[start : text.find("\n## ", start + 1)]
+
+
+@pytest.mark.parametrize("section, cls", SECTIONS)
+def test_configuration_reference_names_every_key(section, cls):
+    body = _section(section)
     documented = set(re.findall(r"^\| `([a-z_0-9]+)`", body, re.MULTILINE))
     documented |= {
         k
@@ -70,3 +76,28 @@ def test_configuration_reference_names_every_key(section, cls):
         for k in re.findall(r"`([a-z_0-9]+)`", row)
     }
     assert documented == set(cls.model_fields), f"docs/configuration.md, {section}: add or remove keys"
+
+
+@pytest.mark.parametrize("section, cls", SECTIONS)
+def test_configuration_reference_states_each_numeric_default_as_declared(section, cls):
+    """A default written as a number in the table is the field's default."""
+    wrong = {}
+    for key, cell in re.findall(r"^\| `([a-z_0-9]+)` \| ([^|]+) \|", _section(section), re.MULTILINE):
+        field = cls.model_fields.get(key)
+        number = cell.strip().replace(",", "")
+        if field is None or not re.fullmatch(r"-?\d+(\.\d+)?(e-?\d+)?", number):
+            continue
+        if isinstance(field.default, bool) or float(number) != float(field.default):
+            wrong[key] = (cell.strip(), field.default)
+    assert not wrong, f"docs/configuration.md, {section}: documented vs declared default: {wrong}"
+
+
+def test_training_settings_are_declared_once():
+    """The asset's config and the library's run config (what torchrun's worker reads) take every training
+    setting from TrainSettings: neither declares one again, so each has one default."""
+    shared = set(TrainSettings.model_fields)
+    for cls in (DrafterConfig, TrainConfig):
+        assert not shared & set(inspect.get_annotations(cls)), f"{cls.__name__} redeclares a setting"
+    asset = DrafterConfig().model_dump(include=shared)
+    library = TrainConfig(shards=[], out_dir="run").model_dump(include=shared)
+    assert asset == library == TrainSettings().model_dump()

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from dflash_assets.assets.drafter import dflash_drafter
+from dflash_assets.dflash.batches import StepPlan, build_batch
 from dflash_assets.dflash.data import HiddenStateShards
 from dflash_assets.dflash.export import export_drafter, load_exported
 from dflash_assets.dflash.model import load_target_head
-from dflash_assets.dflash.shards import INDEX_NAME
-from dflash_assets.dflash.train import StepPlan, build_batch, train
+from dflash_assets.dflash.shard_format import INDEX_NAME
+from dflash_assets.dflash.train import train
 from dflash_assets.dflash.train_eval import batch_loss
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource

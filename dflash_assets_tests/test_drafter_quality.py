@@ -175,7 +175,7 @@ BROKEN = {
 def test_an_export_that_disagrees_with_training_fails_parity_in_the_real_engine(demo_runs, field, tmp_path):
     """An export whose config.json names other target layers, mask token or block size than training used
     loads in vLLM, and the engine_parity check fails naming the difference."""
-    from dflash_assets.assets.evaluation import EvaluationConfig
+    from dflash_assets.evaluation.config import EvaluationConfig
     from dflash_assets.evaluation.datasets import HELDOUT
     from dflash_assets.evaluation.parity import engine_parity
     from dflash_assets.evaluation.vllm_run import plan_vllm, run_vllm

@@ -1,4 +1,4 @@
-"""``drafter_evaluation`` in engine mode against the GPU-node simulator (``simulation.sglang_stub``, its own
+"""``drafter_evaluation`` in engine mode against the GPU-node simulator (``dflash_simulators.sglang_stub``, its own
 process speaking HTTP, started by the real SGLang launcher code): tau per dataset is what the engine's
 per-request fields say (checked against the simulator's own request log), the server flags are SGLang's
 DFLASH flags and land in the metadata without the API key, a simulated engine is labelled so and kept apart
@@ -24,15 +24,15 @@ import pytest
 
 from dflash_assets.assets.evaluation import drafter_evaluation
 from dflash_assets.dflash.data import heldout_fraction_of
-from dflash_assets.generation.processes import free_port_block
+from dflash_assets.generation.ports import free_port_block
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.summary import engine_line
+from dflash_assets.summary_engine import engine_line
 from dflash_assets_tests.test_completions_asset import write_corpus
 from dflash_assets_tests.test_engine_check import edit_tensors, make_export, write_target_config
 
-STUB = "dflash_assets.simulation.sglang_stub"
+STUB = "dflash_simulators.sglang_stub"
 KEY = "sk-engine-test-4242"
 SIM = [
     "--sim-startup-s",
@@ -53,7 +53,7 @@ PROMPTS = [f"prompt {i}: write a function number {i}" for i in range(16)]
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory) -> Path:
     """A real tokenizer (SmolLM2's, with <think> and a thinking template) beside a Qwen3.6-shaped config."""
-    from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
+    from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 
     directory = tmp_path_factory.mktemp("engine") / "target"
     write_thinking_tokenizer(directory, opens_think=True)

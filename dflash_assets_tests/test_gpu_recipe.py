@@ -44,12 +44,12 @@ def qwen36_27b_target(path):
 
 
 def test_gpu_config_drafter_is_the_published_recipe(tmp_path, monkeypatch):
-    from dflash_assets.assets.drafter import DrafterConfig
+    from dflash_assets.dflash.draft_config import DFlashConfig
     from dflash_assets.dflash.engine_check import check_dflash_export
     from dflash_assets.dflash.export import hf_config_dict
-    from dflash_assets.dflash.model import DFlashConfig
     from dflash_assets.dflash.target_layers import text_config
     from dflash_assets.resources.target_model import TargetModelResource
+    from dflash_assets.training.config import DrafterConfig
     from dflash_assets.training.settings import resolved_settings
 
     monkeypatch.setenv("DFLASH_CONFIG", str(GPU_CONFIG))

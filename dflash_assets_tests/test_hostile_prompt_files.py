@@ -13,8 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_assets.assets.prompts import REJECTED_FILE, PromptCorpusConfig, corpus_fingerprint, prompt_corpus
+from dflash_assets.assets.prompts import corpus_fingerprint, prompt_corpus
 from dflash_assets.corpus import CorpusError, build_corpus
+from dflash_assets.prompt_corpus_stage import REJECTED_FILE, PromptCorpusConfig
 from dflash_assets.prompt_reader import MiB, ReadLimits
 from dflash_assets.resources.storage import StorageResource
 

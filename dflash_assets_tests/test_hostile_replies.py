@@ -3,7 +3,7 @@ row's error with the reason and never reaches storage as data; a row the store c
 partition's commit; a trickled reply is cut off by the whole-request deadline.
 
 One stand-in server process for the module (``stand_in_server --script hostile``, a real socket): the prompt
-names the reply (:mod:`dflash_assets.simulation.hostile_replies`). It stands in for what no real server can be
+names the reply (:mod:`dflash_simulators.hostile_replies`). It stands in for what no real server can be
 made to send on demand."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import polars as pl
 import pytest
 
 from dflash_assets.assets.completions import completions
-from dflash_assets.assets.completions_tables import partition_frame
 from dflash_assets.assets.prompts import prompt_corpus
+from dflash_assets.completions_stage.tables import partition_frame
 from dflash_assets.generation.client import CompletionClient
 from dflash_assets.generation.journal import RowJournal
 from dflash_assets.generation.records import COMPLETIONS_SCHEMA, row_from_result, row_problem, rows_to_frame
@@ -29,7 +29,7 @@ from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.simulation.hostile_replies import HOSTILE, PREFIX, TEST_VOCAB_SIZE
+from dflash_simulators.hostile_replies import HOSTILE, PREFIX, TEST_VOCAB_SIZE
 
 CAP = 16
 
@@ -38,7 +38,7 @@ CAP = 16
 def hostile_url():
     """``http://127.0.0.1:<port>`` of a hostile stand-in server in its own process (one per module)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_assets.simulation.stand_in_server", "--script", "hostile"],
+        [sys.executable, "-m", "dflash_simulators.stand_in_server", "--script", "hostile"],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -17,8 +17,9 @@ import dagster as dg
 import pytest
 
 from dflash_assets import freshness, prompt_corpus_stage
-from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint, prompt_corpus
+from dflash_assets.assets.prompts import corpus_fingerprint, prompt_corpus
 from dflash_assets.corpus import build_corpus
+from dflash_assets.prompt_corpus_stage import PromptCorpusConfig
 from dflash_assets.prompt_index import INDEX_FILE, RANGES_FILE, load_index, save_index, stable_corpus
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.storage import Storage

@@ -36,8 +36,9 @@ from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
-from dflash_assets.simulation.counting_proxy import last_user_message
-from dflash_assets.simulation.stand_in_server import Error, FakeServer, Raw, Reply
+from dflash_simulators.behaviours import Error, Raw, Reply
+from dflash_simulators.counting_proxy import last_user_message
+from dflash_simulators.stand_in_server import FakeServer
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-h16-0123456789-THE-SECRET"

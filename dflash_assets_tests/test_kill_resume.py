@@ -20,7 +20,7 @@ import pytest
 import yaml
 from dagster._core.test_utils import create_run_for_test
 
-from dflash_assets.generation.processes import proc_stat
+from dflash_assets.generation.proc_info import proc_stat
 from dflash_assets.pools import INFERENCE_POOL
 from dflash_assets.runs import (
     BOOT_TAG,

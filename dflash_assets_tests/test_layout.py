@@ -1,5 +1,7 @@
-"""The package's layout rules (issue 28): no import cycles, no Dagster in ``dflash/``, modules and asset
-bodies of bounded size. Read from the source with ``ast``: nothing is imported."""
+"""The package's layout rules (issues 28, 33): imports go down the layers of docs/design.md (app, assets,
+stages, cores) and never in a circle (annotation-only imports counted), the cores import no Dagster, no config
+type lives in an asset module, modules and asset bodies are of bounded size. Read from the source with
+``ast``: nothing is imported."""
 
 from __future__ import annotations
 
@@ -7,9 +9,19 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash_assets"
+SIMULATORS = PACKAGE.parent / "bench" / "dflash_simulators"  # import package dflash_simulators
 MAX_MODULE_LINES = 500
 MAX_ASSET_BODY_LINES = 55
 ASSET_DECORATORS = {"asset", "multi_asset", "graph_asset", "graph_multi_asset"}
+
+# The layers, top to bottom (docs/design.md, "Layers"): a module imports modules of its own layer and of the
+# layers below, never above. A module's layer is named by the first part of its name under dflash_assets/:
+# APP and CORES list theirs, assets/ is the assets layer, everything else is a stage module.
+LAYERS = ("app", "assets", "stages", "cores")
+APP = {"__main__", "cli", "definitions", "pipeline", "stages", "automation", "status", "summary", "summary_engine"}
+APP |= {"cost_report", "cost_table"}
+CORES = {"dflash", "generation", "atomic", "settings", "storage", "store_lock", "tokenization", "truncation"}
+CORES |= {"corpus", "prompt_reader", "machine", "figures", "progress", "cost", "cap_backtest"}
 
 # Files still over a limit, each to be split (issue 28); remove an entry once its file fits. None left.
 OVER_MODULE_LIMIT: set[str] = set()
@@ -17,40 +29,21 @@ OVER_ASSET_BODY_LIMIT: set[str] = set()
 
 
 def _modules() -> dict[str, Path]:
-    """``{dotted module name: path}`` of every module in the package."""
+    """``{dotted module name: path}`` of every module in the package and in the simulators' package."""
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = path
+    for root in (PACKAGE, SIMULATORS):
+        for path in sorted(root.rglob("*.py")):
+            parts = list(path.relative_to(root.parent).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
     return out
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, at module level or inside functions, except those under ``if TYPE_CHECKING:``
-    (annotations only: never run)."""
-    found = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
+    """Every import statement: at module level, inside functions, and under ``if TYPE_CHECKING:`` (an
+    annotation is a dependency a reader must follow too)."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def _import_graph() -> dict[str, set[str]]:
@@ -128,13 +121,13 @@ def test_cycle_finder_finds_a_cycle_and_no_false_one():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_imports_of_type_checking_blocks_are_not_counted():
+def test_imports_of_type_checking_blocks_are_counted():
     tree = ast.parse(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\nelse:\n    import y\n"
         "def f():\n    import z\n"
     )
     names = sorted(a.name for node in _imports(tree) if isinstance(node, ast.Import) for a in node.names)
-    assert names == ["y", "z"]
+    assert names == ["x", "y", "z"]
 
 
 def test_no_import_cycles():
@@ -142,14 +135,111 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_dflash_package_has_no_dagster_import():
+def layer(module: str) -> str:
+    """The layer of a module of the package (``dflash_assets.x.y``), by ``x``; the package itself (its version)
+    is a core. The simulators (``dflash_simulators``) are for tests and benches: "bench", above every layer."""
+    if module.split(".")[0] == "dflash_simulators":
+        return "bench"
+    parts = module.split(".")[1:]
+    if not parts:
+        return "cores"
+    if parts[0] == "assets":
+        return "assets"
+    return "app" if parts[0] in APP else "cores" if parts[0] in CORES else "stages"
+
+
+def test_layer_finder_names_each_layer():
+    assert layer("dflash_assets.pipeline") == "app"
+    assert layer("dflash_assets.assets.drafter") == "assets"
+    assert layer("dflash_assets.training.settings") == "stages"
+    assert layer("dflash_assets.generation.client") == "cores"
+    assert layer("dflash_assets") == "cores"
+    assert layer("dflash_simulators.sglang_stub") == "bench"
+
+
+def test_imports_go_down_the_layers():
+    graph = _import_graph()
+    up = [
+        f"{m} ({layer(m)}) -> {d} ({layer(d)})"
+        for m in sorted(graph)
+        for d in sorted(graph[m])
+        if layer(m) != "bench" and (layer(d) == "bench" or LAYERS.index(layer(d)) < LAYERS.index(layer(m)))
+    ]
+    assert not up, "imports up the layers (docs/design.md, Layers): " + "; ".join(up)
+
+
+def test_cores_import_no_dagster():
     offenders = []
-    for path in sorted((PACKAGE / "dflash").rglob("*.py")):
+    for name, path in _modules().items():
+        if layer(name) != "cores":
+            continue
         for node in _imports(ast.parse(path.read_text(), str(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             if any(n == "dagster" or n.startswith(("dagster.", "dagster_")) for n in names):
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
-    assert not offenders, f"dflash/ must not import Dagster: {offenders}"
+    assert not offenders, f"the cores (dflash/, generation/, ...) must not import Dagster: {offenders}"
+
+
+def test_config_types_live_outside_asset_modules():
+    """A stage's settings (a ``Config`` subclass) live with the code that reads them, so that code never
+    imports an asset module for a type."""
+    found = []
+    for path in sorted((PACKAGE / "assets").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and any(
+                (b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")) == "Config" for b in node.bases
+            ):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.name}")
+    assert not found, f"config types in asset modules (move them beside the code that uses them): {found}"
+
+
+def _defined(path: Path) -> set[str]:
+    """Names a module binds itself at top level (functions, classes, assignments, also inside ``if``/``try``),
+    not names it imports."""
+    names = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(sub.name)
+            elif isinstance(sub, (ast.Assign, ast.AnnAssign)):
+                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target]
+                names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def _sources() -> list[Path]:
+    """Every Python file of the project: the package, its tests, the benches."""
+    root = PACKAGE.parent
+    files = [*PACKAGE.rglob("*.py"), *(root / "dflash_assets_tests").rglob("*.py"), *(root / "bench").rglob("*.py")]
+    return [*sorted(files), root / "bench" / "run_all"]
+
+
+def test_names_are_imported_from_the_module_that_defines_them():
+    """No re-exports: a name moved to another module is imported from there, so a reader finds it in the
+    module named, and the old module does not keep it alive."""
+    modules = _modules()
+    defined = {name: _defined(path) for name, path in modules.items()}
+    through = []
+    for path in _sources():
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                through += [
+                    f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name not in defined[node.module] and f"{node.module}.{a.name}" not in modules
+                ]
+    assert not through, f"imported through a module that does not define them: {through}"
+
+
+def test_all_lists_only_names_defined_there():
+    lists = {}
+    for name, path in _modules().items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if not (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)):
+                continue
+            if extra := [e.value for e in node.value.elts if e.value not in _defined(path)]:
+                lists[name] = extra
+    assert not lists, f"__all__ re-exports names defined elsewhere: {lists}"
 
 
 def test_module_sizes():

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from dflash_assets.generation.local_model import ensure_local_model
-from dflash_assets.simulation.stand_in_server import FakeServer, Reply
+from dflash_simulators.behaviours import Reply
+from dflash_simulators.stand_in_server import FakeServer
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = "failed check tokenized_sequences.no_degenerate_mask_length_mode"

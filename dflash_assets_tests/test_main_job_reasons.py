@@ -14,8 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_assets.simulation.counting_proxy import last_user_message
-from dflash_assets.simulation.stand_in_server import Error, FakeServer, Reply
+from dflash_simulators.behaviours import Error, Reply
+from dflash_simulators.counting_proxy import last_user_message
+from dflash_simulators.stand_in_server import FakeServer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["p-one", "p-two", "p-three"]

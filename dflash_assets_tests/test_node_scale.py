@@ -1,4 +1,4 @@
-"""Node-scale generation against the GPU-node simulator (``dflash_assets.simulation.sglang_stub``, real
+"""Node-scale generation against the GPU-node simulator (``dflash_simulators.sglang_stub``, real
 processes speaking HTTP on 127.0.0.x): a partition range is one run with one server start, each
 partition is committed (table + its own materialization and data version) before the run ends, a
 server killed or hung mid-run loses and duplicates no row, and external mode balances two "nodes".
@@ -27,13 +27,13 @@ import pytest
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from dflash_assets.assets.completions import completions
-from dflash_assets.generation.processes import free_port, free_port_block
+from dflash_assets.generation.ports import free_port, free_port_block
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets_tests.test_completions_asset import write_corpus
 
-STUB = "dflash_assets.simulation.sglang_stub"
+STUB = "dflash_simulators.sglang_stub"
 # 60 simulated s of start-up, median 120 tokens at 87.5 tok/s per slot, 50x faster than real
 SIM = ["--sim-startup-s", "60", "--sim-median-tokens", "120", "--sim-sigma", "0.5", "--sim-speed", "50"]
 

@@ -12,8 +12,10 @@ import torch
 from tiny_target import HIDDEN, LAYER_IDS, VOCAB, make_rows, make_target
 
 from dflash_assets.dflash.online import OnlineTargetFeatures, TokenizedRows, read_tokenized_rows
-from dflash_assets.dflash.shards import extract_partition, read_index
-from dflash_assets.dflash.train import TrainConfig, train
+from dflash_assets.dflash.shard_format import read_index
+from dflash_assets.dflash.shards import extract_partition
+from dflash_assets.dflash.train import train
+from dflash_assets.dflash.train_config import TrainConfig
 
 torch.set_num_threads(2)
 
@@ -155,11 +157,11 @@ def test_online_and_offline_runs_of_the_drafter_asset_use_the_configured_layers(
     """ops.hidden_states.config.target_layer_ids set to non-default ids: the drafter asset's training config
     (``train_config_for``) takes them for both feature sources, so online training (which runs the target
     itself) learns from the layers the offline shards store. Before, online fell back to the default ids."""
-    from dflash_assets.assets.drafter import DrafterConfig
     from dflash_assets.assets.hidden_states import resolve_layer_ids
     from dflash_assets.dflash.target_layers import resolve_target_layer_ids
     from dflash_assets.feature_sources import hidden_states_config
     from dflash_assets.resources.target_model import TargetModelResource
+    from dflash_assets.training.config import DrafterConfig
     from dflash_assets.training.settings import train_config_for
 
     configured = [0, 2, 4]
@@ -212,8 +214,8 @@ def test_online_and_offline_runs_of_the_drafter_asset_use_the_configured_layers(
 
 
 def test_drafter_settings_are_checked_against_the_target_before_any_work(tmp_path, monkeypatch):
-    from dflash_assets.assets.drafter import DrafterConfig
     from dflash_assets.resources.target_model import TargetModelResource
+    from dflash_assets.training.config import DrafterConfig
     from dflash_assets.training.settings import resolved_settings
 
     monkeypatch.setenv("DFLASH_CONFIG", str(tmp_path / "project.yaml"))

@@ -22,7 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dflash_assets.generation.processes import free_port, stop_process_group
+from dflash_assets.generation.ports import free_port
+from dflash_assets.generation.processes import stop_process_group
 from dflash_assets.generation.server_registry import (
     REGISTRY_ENV,
     orphan_message,
@@ -58,7 +59,7 @@ if mode == "transformers":
     time.sleep(1.0)
 else:
     import httpx
-    from dflash_assets.generation.processes import free_port
+    from dflash_assets.generation.ports import free_port
     from dflash_assets.generation.server_registry import start_process
     port = free_port()
     proc = start_process([sys.executable, "-c", sys.argv[4], str(port)], dict(os.environ), log, port=port,
@@ -283,7 +284,8 @@ def test_an_interrupted_torchrun_launch_stops_its_whole_process_group(how):
     """The drafter's torchrun was started without its own process group and not stopped when the step was
     interrupted: it trained on beside the next run. run_streaming (what _run_torchrun uses) stops the
     launched process and its children whatever ends the wait."""
-    from dflash_assets.generation.processes import run_streaming, session_members
+    from dflash_assets.generation.proc_info import session_members
+    from dflash_assets.generation.processes import run_streaming
 
     seen: list[str] = []
 

@@ -11,14 +11,9 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from dflash_assets.assets.prompts import (
-    CORPUS_FILE,
-    REJECTED_FILE,
-    PromptCorpusConfig,
-    corpus_fingerprint,
-    prompt_corpus,
-)
+from dflash_assets.assets.prompts import corpus_fingerprint, prompt_corpus
 from dflash_assets.corpus import CorpusError, build_corpus, normalize_record
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE, REJECTED_FILE, PromptCorpusConfig
 from dflash_assets.resources.storage import StorageResource
 
 try:

@@ -24,18 +24,20 @@ from botocore.exceptions import ClientError, EndpointConnectionError, NoCredenti
 from dagster._serdes import serialize_value
 
 from dflash_assets.assets.completions import completions
-from dflash_assets.assets.prompts import CORPUS_FILE, prompt_corpus
+from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.corpus import CORPUS_SCHEMA, build_corpus
 from dflash_assets.generation.journal_sync import SyncedRowJournal
 from dflash_assets.partitions import partition_keys, prompt_ranges
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.simulation.stand_in_server import FakeServer, Reply
 from dflash_assets.storage import StorageError, is_transient
 from dflash_assets.store_lock import writer_identity
+from dflash_simulators.behaviours import Reply
+from dflash_simulators.stand_in_server import FakeServer
 
 try:
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target
@@ -214,7 +216,7 @@ def test_a_partitions_prompts_are_read_from_its_row_group_alone(s3_target, tmp_p
     """Range runs read the corpus per partition: a 902K-prompt corpus (~750 MB) was fetched whole, 903
     times, by a run over every partition. Written with a row group per partition, one partition's read
     fetches its group (ranged GETs) and returns exactly the rows a whole read and a filter give."""
-    from dflash_assets.assets.completions_tables import load_range_prompts
+    from dflash_assets.completions_stage.tables import load_range_prompts
 
     store = resolved(storage_resource(s3_target, tmp_path)).open()
     rng = np.random.default_rng(0)

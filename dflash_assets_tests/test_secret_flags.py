@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.generation.processes import PortTakenError, free_port
+from dflash_assets.generation.ports import PortTakenError, free_port
 from dflash_assets.generation.server_registry import reap_orphaned_servers
 from dflash_assets.resources.inference import InferenceServerResource
 
@@ -90,9 +90,9 @@ KEY_LAUNCHER = """
 import json, os, sys, threading, time
 from pathlib import Path
 from dflash_assets.generation.sglang_servers import SGLangServers, build_sglang_commands
-from dflash_assets.generation.processes import free_port
+from dflash_assets.generation.ports import free_port
 slow = ["--sim-startup-s", "60", "--sim-speed", "1"]
-commands = build_sglang_commands("sim", port_base=free_port(), module="dflash_assets.simulation.sglang_stub",
+commands = build_sglang_commands("sim", port_base=free_port(), module="dflash_simulators.sglang_stub",
                                  extra_args=slow, api_key_env="DFLASH_SERVER_API_KEY")
 servers = SGLangServers(commands, Path(sys.argv[1]), startup_timeout_s=120)
 threading.Thread(target=servers.__enter__, daemon=True).start()

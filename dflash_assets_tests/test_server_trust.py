@@ -2,7 +2,7 @@
 trusted only once it is provably our child, crash-looping servers not restarted forever, and settings
 that expose the servers or the key said out loud.
 
-The servers are the GPU-node simulator (``dflash_assets.simulation.sglang_stub``, a real process
+The servers are the GPU-node simulator (``dflash_simulators.sglang_stub``, a real process
 speaking SGLang's protocol and taking its flags, ``--config`` included); the squatter is a real process
 listening on the port and recording every byte it receives.
 """
@@ -22,14 +22,15 @@ import httpx
 import pytest
 
 from dflash_assets.generation import sglang_servers
-from dflash_assets.generation.processes import PortTakenError, free_port, free_port_block, session_members
+from dflash_assets.generation.ports import PortTakenError, free_port, free_port_block
+from dflash_assets.generation.proc_info import session_members
 from dflash_assets.generation.servers import API_KEY_ENV
 from dflash_assets.generation.sglang_servers import SGLangServers, build_sglang_commands
 from dflash_assets.generation.supervision import ProcessSupervisor
 from dflash_assets.resources.inference import InferenceServerResource
 
 KEY = "sk-i27-ps-must-not-show-0b5e"
-STUB = "dflash_assets.simulation.sglang_stub"
+STUB = "dflash_simulators.sglang_stub"
 FAST = ["--sim-startup-s", "0.3", "--sim-speed", "1", "--sim-median-tokens", "4", "--sim-sigma", "0.1"]
 
 SQUATTER = """
@@ -114,7 +115,7 @@ def test_key_file_is_private_and_holds_what_sglang_reads(tmp_path):
     """The file SGLang's --config reads: mode 0600, new (O_EXCL), `api-key: <key>`, a .yaml name."""
     import yaml
 
-    from dflash_assets.simulation.sglang_stub import parse_args
+    from dflash_simulators.sglang_stub import parse_args
 
     path = sglang_servers.write_key_config(tmp_path, KEY)
     assert path.suffix == ".yaml" and (path.stat().st_mode & 0o777) == 0o600

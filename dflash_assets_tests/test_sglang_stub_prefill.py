@@ -1,4 +1,4 @@
-"""The GPU-server simulator (``dflash_assets.simulation.sglang_stub``) charges prefill time: a cold
+"""The GPU-server simulator (``dflash_simulators.sglang_stub``) charges prefill time: a cold
 continuation pays for its re-sent prefix, one the radix cache still holds does not, decodes stall while
 another request's prefill runs, and the cache evicts least-recently-used sequences when its pool is full.
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dflash_assets.generation.processes import free_port_block
+from dflash_assets.generation.ports import free_port_block
 
-STUB = "dflash_assets.simulation.sglang_stub"
+STUB = "dflash_simulators.sglang_stub"
 SPEED = 10.0  # simulated seconds per real second
 PREFILL = 1000.0  # --sim-prefill-tok-per-s: 1,000 tokens = 0.1 s real
 PROMPT_TOKENS = 1 + 5  # a one-word user message: its words + the 5 template tokens the stub counts

@@ -15,24 +15,19 @@ import math
 import pytest
 import torch
 
-from dflash_assets.dflash.evaluation import (
-    acceptance_histogram,
-    acceptance_histogram_png,
-    acceptance_length,
-    evaluate_drafter,
-    tau_statistics,
-    teacher_forced_acceptance,
-    teacher_forced_chain,
-    untrained_drafter_like,
-)
-from dflash_assets.dflash.model import DFlashConfig, default_target_layer_ids, load_target_head
+from dflash_assets.dflash.acceptance import acceptance_histogram, acceptance_length, tau_statistics
+from dflash_assets.dflash.draft_config import DFlashConfig
+from dflash_assets.dflash.evaluation import acceptance_histogram_png, evaluate_drafter, untrained_drafter_like
+from dflash_assets.dflash.model import load_target_head
 from dflash_assets.dflash.speculative import (
     FeatureCapture,
     _accept_sampling,
     dflash_generate,
     target_generate,
 )
-from dflash_assets.simulation.oracle_drafter import OracleDrafter
+from dflash_assets.dflash.target_layers import default_target_layer_ids
+from dflash_assets.dflash.teacher_forced import teacher_forced_acceptance, teacher_forced_chain
+from dflash_simulators.oracle_drafter import OracleDrafter
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "How many days are in a week?"]
 MAX_NEW = 24
@@ -212,7 +207,8 @@ def test_untrained_drafter_is_lossless_with_tau_one(smol):
 def trained(smol, tmp_path_factory):
     """A 1-layer drafter overfit (<= 40 steps) on shards of the target's own greedy completions."""
     from dflash_assets.dflash.shards import extract_partition
-    from dflash_assets.dflash.train import TrainConfig, train
+    from dflash_assets.dflash.train import train
+    from dflash_assets.dflash.train_config import TrainConfig
 
     tmp = tmp_path_factory.mktemp("spec")
     rows = [
@@ -232,6 +228,7 @@ def trained(smol, tmp_path_factory):
         warmup_ratio=0.05,
         min_lr_ratio=0.1,
         checkpoint_every=0,
+        eval_fraction=0.0,
         log_every=5,
         seed=0,
         prefetch=1,

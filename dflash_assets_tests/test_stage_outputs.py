@@ -14,8 +14,9 @@ import shutil
 import dagster as dg
 
 from dflash_assets import freshness
-from dflash_assets.assets.prompts import PromptCorpusConfig, corpus_fingerprint
+from dflash_assets.assets.prompts import corpus_fingerprint
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.prompt_corpus_stage import PromptCorpusConfig
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.stage_outputs import missing_outputs

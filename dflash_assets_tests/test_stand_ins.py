@@ -1,4 +1,4 @@
-"""The stand-in servers' shared HTTP/1.1 layer (``dflash_assets.simulation.http11``) and their process
+"""The stand-in servers' shared HTTP/1.1 layer (``dflash_simulators.http11``) and their process
 behaviour: requests parsed as sent over a real socket, keep-alive, and a stand-in that dies on SIGTERM
 even when its parent left SIGTERM ignored (a bench's cleanup waited on one that did not)."""
 
@@ -11,7 +11,7 @@ import sys
 
 import httpx
 
-from dflash_assets.simulation.http11 import ServerThread, read_request
+from dflash_simulators.http11 import ServerThread, read_request
 
 
 def test_read_request_over_a_socket_keep_alive_then_close():
@@ -49,7 +49,7 @@ def test_read_request_over_a_socket_keep_alive_then_close():
 
 def test_stand_in_server_dies_on_sigterm_even_when_inherited_ignored():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_assets.simulation.stand_in_server"],
+        [sys.executable, "-m", "dflash_simulators.stand_in_server"],
         stdout=subprocess.PIPE,
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),

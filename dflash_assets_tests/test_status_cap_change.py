@@ -17,7 +17,7 @@ import dagster as dg
 import pytest
 import yaml
 
-from dflash_assets.assets.completions_tables import completion_stats, partition_file
+from dflash_assets.completions_stage.tables import completion_stats, partition_file
 from dflash_assets.generation.records import rows_to_frame
 from dflash_assets.partitions import partition_keys, prompt_ranges
 from dflash_assets.resources.generation import GenerationResource

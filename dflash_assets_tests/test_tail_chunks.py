@@ -16,16 +16,16 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from dflash_assets.assets.completions_continuing import ContinuationPlanner
-from dflash_assets.assets.prompts import CORPUS_FILE
+from dflash_assets.completions_stage.continuing import ContinuationPlanner
 from dflash_assets.generation.records import row_from_result
 from dflash_assets.generation.tail_chunks import TailChunker
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.simulation.sglang_stub import drawn_length, reply_fields
-from dflash_assets.simulation.thinking_tokenizer import write_thinking_tokenizer
 from dflash_assets_tests.test_completions_asset import write_corpus
 from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim
+from dflash_simulators.simulated_replies import drawn_length, reply_fields
+from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 
 PROMPT = {"index": 3, "prompt_id": "t:3", "source": "t", "messages": [{"role": "user", "content": "prompt 3"}]}
 FIELDS = (
@@ -277,7 +277,7 @@ def corpus_index(corpus: dict[int, dict], prompt_number: int) -> int:
 
 
 def test_follow_up_lanes_keep_a_row_on_its_server_and_balance_by_stealing_the_cheapest_prefix():
-    from dflash_assets.generation.client import FollowUpLanes
+    from dflash_assets.generation.follow_ups import FollowUpLanes
 
     lanes = FollowUpLanes(steal_margin=2)
     assert lanes.take("a") is None and not lanes

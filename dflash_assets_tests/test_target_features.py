@@ -20,21 +20,16 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from dflash_assets.dflash import target_features as tf
-from dflash_assets.dflash.shards import (
-    extract_partition,
-    read_index,
-    read_shard,
-    validate_shard,
-    write_shard,
-)
+from dflash_assets.dflash.shard_format import read_index, read_shard, validate_shard, write_shard
+from dflash_assets.dflash.shards import extract_partition
 from dflash_assets.dflash.target_features import (
     InsufficientDiskSpaceError,
     TargetFeatureExtractor,
     check_free_space,
-    default_target_layer_ids,
     estimate_bytes,
     iter_batches_by_token_budget,
 )
+from dflash_assets.dflash.target_layers import default_target_layer_ids
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_LAYER_IDS = [1, 3, 5]

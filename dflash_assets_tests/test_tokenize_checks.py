@@ -11,18 +11,13 @@ import polars as pl
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_assets.assets.tokenized import (
-    CHECK_RETOKENIZED,
-    CHECK_ROUNDTRIP,
-    TokenizeConfig,
-    run_checks,
-    tokenize_stage,
-)
+from dflash_assets.check_gate import CHECK_ROUNDTRIP
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.records import rows_to_frame
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.storage import Storage
 from dflash_assets.tokenization import SequenceBuilder
+from dflash_assets.tokenized_stage import CHECK_RETOKENIZED, TokenizeConfig, run_checks, tokenize_stage
 
 PK = "0000000-0000005"
 

@@ -14,8 +14,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from dflash_assets.assets.completions_tables import partition_file
 from dflash_assets.assets.truncation import REPORT_DIR, truncation_report
+from dflash_assets.completions_stage.tables import partition_file
 from dflash_assets.generation.records import rows_to_frame
 from dflash_assets.partitions import partition_keys, prompt_ranges
 from dflash_assets.resources.generation import GenerationResource

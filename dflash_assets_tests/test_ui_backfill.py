@@ -3,7 +3,7 @@
 ``dagster-webserver`` and ``dagster-daemon`` (as a deployment runs them; ``dagster dev`` is the two
 together) over a temporary DAGSTER_HOME holding the project's dagster.yaml, loading the real
 ``dflash_assets.definitions`` with a config file in ``sglang`` mode whose ``launch_module`` is the
-GPU-server simulator (``dflash_assets.simulation.sglang_stub``: its own processes on 127.0.0.1,
+GPU-server simulator (``dflash_simulators.sglang_stub``: its own processes on 127.0.0.1,
 time-compressed). The backfill is created by the GraphQL mutation the UI's "Launch backfill" button
 sends (``launchPartitionBackfill`` with ``assetSelection`` and ``partitionNames``, as in Dagster's
 LaunchAssetChoosePartitionsDialog.tsx); the backfill daemon, run queue, run launcher, executor, asset,
@@ -31,7 +31,8 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-from dflash_assets.generation.processes import free_port, free_port_block, proc_stat
+from dflash_assets.generation.ports import free_port, free_port_block
+from dflash_assets.generation.proc_info import proc_stat
 from dflash_assets_tests.test_ui import (
     ARTIFACTS,
     CHROMIUM,
@@ -43,7 +44,7 @@ from dflash_assets_tests.test_ui import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-STUB = "dflash_assets.simulation.sglang_stub"
+STUB = "dflash_simulators.sglang_stub"
 NUM_SERVERS, SLOTS = 2, 3
 PARTITION_SIZE, NUM_PROMPTS = 4, 16  # 4 partitions
 # 60 simulated s of start-up and ~1.4 s per request, 50x faster than real

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_assets.assets.evaluation import EvaluationConfig
+from dflash_assets.evaluation.config import EvaluationConfig
 from dflash_assets.generation.engine_env import vllm_environment
 from dflash_assets.generation.hybrid_standin import ensure_hybrid_standin
 from dflash_assets.generation.ports import free_port_block

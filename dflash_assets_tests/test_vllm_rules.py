@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.engine_check_vllm import check_vllm_export
 from dflash_assets.dflash.evaluation import first_divergence
 from dflash_assets.dflash.export import export_drafter
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
+from dflash_assets.dflash.model import DFlashDraftModel
 from dflash_assets.evaluation.parity import engine_parity, lossless_summary
 from dflash_assets.evaluation.vllm_engine import parse_completion, parse_spec_counters, vllm_tau_by_dataset
 from dflash_assets.generation.engine_env import EngineEnvironment, EngineEnvironmentError

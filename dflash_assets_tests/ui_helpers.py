@@ -13,9 +13,10 @@ import time
 import dagster as dg
 import polars as pl
 
-from dflash_assets.assets.prompts import CORPUS_FILE, prompt_corpus
+from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.partitions import key_range, prompt_ranges
 from dflash_assets.pools import GPU_POOL, INFERENCE_POOL
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.resources.storage import StorageResource
 
 TOKENS_PER_ROW = 100  # fake completion_tokens per prompt

@@ -1,7 +1,7 @@
 """Stage 2: ``completions[pk]``: regenerate every prompt of an index range with the target model.
 
 One run covers one partition or a range of them (single-run backfill policy: a range from the shell, a UI
-backfill, ``python -m dflash_assets run``); :class:`~dflash_assets.generation.range_run.RangeRun` does the
+backfill, ``python -m dflash_assets run``); :class:`~dflash_assets.completions_stage.range_run.RangeRun` does the
 work and yields an event per partition as it is committed. The asset records each as that partition's
 materialization while the run goes on, and no output, so nothing is recorded twice at the end (assets after
 it in the same range run are therefore skipped: later stages run per partition). A one-partition run ends
@@ -21,9 +21,9 @@ from dagster._core.definitions.data_version import (
 )
 
 from dflash_assets import freshness
-from dflash_assets.assets.completions_tables import load_range_prompts
+from dflash_assets.completions_stage.range_run import RangeRun
+from dflash_assets.completions_stage.tables import load_range_prompts
 from dflash_assets.generation.range_plan import PartitionComplete, RangeRunError
-from dflash_assets.generation.range_run import RangeRun
 from dflash_assets.history import plain_metadata
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.pools import INFERENCE_POOL

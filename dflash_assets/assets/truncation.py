@@ -5,7 +5,7 @@ import time
 import dagster as dg
 import polars as pl
 
-from dflash_assets.assets.completions_tables import partition_file
+from dflash_assets.completions_stage.tables import partition_file
 from dflash_assets.forecast import forecast_markdown
 from dflash_assets.metadata import png_markdown
 from dflash_assets.partitions import prompt_ranges

@@ -7,7 +7,6 @@ import json
 import pickle
 import random
 import re
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +14,8 @@ import numpy as np
 import torch
 
 from dflash_assets.atomic import atomic_write_bytes
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel
+from dflash_assets.dflash.draft_config import DFlashConfig
+from dflash_assets.dflash.model import DFlashDraftModel
 
 if TYPE_CHECKING:
     from dflash_assets.dflash.batches import StepPlan
@@ -158,7 +158,7 @@ def save_checkpoint(
         "data_position": {"epoch": epoch, "step_in_epoch": in_epoch, "rows_per_step": plan.rows_per_step},
         "tokens_seen": tokens,
         "world_size": world,
-        "train_config": asdict(cfg),
+        "train_config": cfg.model_dump(),
         "draft_config": dc.to_dict(),
     }
     atomic_write_bytes(d / name, lambda f: torch.save(state, f))

@@ -1,7 +1,7 @@
 """Would SGLang load this export as a DFlash drafter? The loader's rules, checked before any server starts.
 
 One place for the rules, shared by ``drafter_evaluation``'s engine mode (which refuses before it spends
-GPU time) and the GPU-node simulator (:mod:`dflash_assets.simulation.sglang_dflash`, which refuses at
+GPU time) and the GPU-node simulator (:mod:`dflash_simulators.sglang_dflash`, which refuses at
 start-up as SGLang would). Stdlib only: the simulator imports it without torch.
 
 Read from SGLang 0.5.23's source (the PyPI wheel; its ``_version.py`` records no commit):
@@ -472,7 +472,5 @@ __all__ = [
     "check_dflash_export",
     "expected_parameters",
     "is_hybrid_target",
-    "safetensors_header",
     "text_config",
-    "tokenizer_vocabulary",
 ]

@@ -33,25 +33,12 @@ from torch import nn
 from dflash_assets.dflash.acceptance import (
     acceptance_histogram,
     acceptance_length,
-    acceptance_per_position,
     tau_statistics,
 )
 from dflash_assets.dflash.speculative import SpecResult, dflash_generate, target_generate
-from dflash_assets.dflash.teacher_forced import teacher_forced_acceptance, teacher_forced_chain
 from dflash_assets.figures import figure_png_bytes, new_figure
 
-__all__ = [
-    "acceptance_histogram",
-    "acceptance_histogram_png",
-    "acceptance_length",
-    "acceptance_per_position",
-    "evaluate_drafter",
-    "evaluate_drafters",
-    "tau_statistics",
-    "teacher_forced_acceptance",
-    "teacher_forced_chain",
-    "untrained_drafter_like",
-]
+__all__ = ["acceptance_histogram_png", "evaluate_drafter", "evaluate_drafters", "untrained_drafter_like"]
 
 
 def acceptance_histogram_png(

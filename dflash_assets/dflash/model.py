@@ -32,12 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_assets.dflash.draft_config import (  # the config lived here; imported from here by many
-    DRAFT_SHAPE_FIELDS,
-    LAYER_TYPES,
     DFlashConfig,
-    default_mask_token_id,
 )
-from dflash_assets.dflash.target_layers import default_target_layer_ids
 
 
 def sliding_window_mask(position_ids: torch.Tensor, num_queries: int, window: int) -> torch.Tensor:
@@ -398,15 +394,10 @@ def count_parameters(model: nn.Module) -> int:
 
 
 __all__ = [
-    "DRAFT_SHAPE_FIELDS",
-    "LAYER_TYPES",
     "ContextCache",
-    "DFlashConfig",
     "DFlashDraftModel",
     "RMSNorm",
     "count_parameters",
-    "default_mask_token_id",
-    "default_target_layer_ids",
     "load_target_head",
     "rope_cos_sin",
     "sliding_window_mask",

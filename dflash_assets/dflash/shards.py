@@ -16,11 +16,8 @@ from dflash_assets.dflash.shard_format import (  # the format lived here; import
     DTYPE_NAMES,
     FORMAT,
     INDEX_NAME,
-    SHARD_PATTERN,
-    ShardData,
     file_sha256,
     read_index,
-    read_shard,
     rows_sha256,
     shard_metadata,
     shard_name,
@@ -36,23 +33,7 @@ from dflash_assets.dflash.target_features import (
     iter_batches_by_token_budget,
 )
 
-__all__ = [
-    "FORMAT",
-    "INDEX_NAME",
-    "SHARD_PATTERN",
-    "PartitionExtraction",
-    "ShardData",
-    "extract_partition",
-    "file_sha256",
-    "plan_shards",
-    "read_index",
-    "read_shard",
-    "rows_sha256",
-    "shard_name",
-    "validate_shard",
-    "write_index",
-    "write_shard",
-]
+__all__ = ["PartitionExtraction", "extract_partition", "plan_shards"]
 
 
 @dataclass

@@ -17,14 +17,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_assets.dflash.target_layers import default_target_layer_ids, text_config
+from dflash_assets.dflash.target_layers import text_config
 
 __all__ = [
     "InsufficientDiskSpaceError",
     "TargetFeatureExtractor",
     "bytes_per_token",
     "check_free_space",
-    "default_target_layer_ids",
     "estimate_bytes",
     "find_decoder_layers",
     "iter_batches_by_token_budget",

@@ -39,14 +39,10 @@ from pathlib import Path
 
 import torch
 
-from dflash_assets.dflash.batches import StepPlan, build_batch
-from dflash_assets.dflash.checkpoints import CheckpointError, latest_checkpoint, load_checkpoint, load_init_weights
-from dflash_assets.dflash.model import DFlashConfig
+from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.process_group import Distributed
 from dflash_assets.dflash.train_config import TrainConfig, TrainResult
-from dflash_assets.dflash.train_eval import evaluate
 from dflash_assets.dflash.train_loop import run_training
-from dflash_assets.dflash.train_setup import lr_lambda, resolve_draft_config
 
 
 def train(
@@ -159,18 +155,4 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = [
-    "CheckpointError",
-    "StepPlan",
-    "TrainConfig",
-    "TrainResult",
-    "build_batch",
-    "evaluate",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "load_init_weights",
-    "lr_lambda",
-    "main",
-    "resolve_draft_config",
-    "train",
-]
+__all__ = ["main", "train"]

@@ -20,7 +20,8 @@ from dflash_assets.dflash.checkpoints import (
     truncate_log,
 )
 from dflash_assets.dflash.data import HiddenStateShards
-from dflash_assets.dflash.model import DFlashConfig, DFlashDraftModel, default_mask_token_id, load_target_head
+from dflash_assets.dflash.draft_config import DFlashConfig, default_mask_token_id
+from dflash_assets.dflash.model import DFlashDraftModel, load_target_head
 from dflash_assets.dflash.process_group import Distributed
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids
 from dflash_assets.dflash.train_config import LOG_FILE, TrainConfig

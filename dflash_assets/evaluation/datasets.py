@@ -7,8 +7,7 @@ import json
 import dagster as dg
 import polars as pl
 
-from dflash_assets.assets.prompts import default_sources
-from dflash_assets.corpus import CorpusError, build_corpus, source_name
+from dflash_assets.corpus import CorpusError, build_corpus, default_sources, source_name
 from dflash_assets.dflash.data import HiddenStateShards
 from dflash_assets.feature_sources import heldout_set
 from dflash_assets.prompt_corpus_stage import CORPUS_FILE

@@ -7,17 +7,12 @@ import time
 import dagster as dg
 import torch
 
-from dflash_assets.dflash.evaluation import (
-    acceptance_histogram_png,
-    acceptance_length,
-    evaluate_drafters,
-    teacher_forced_acceptance,
-    teacher_forced_chain,
-    untrained_drafter_like,
-)
+from dflash_assets.dflash.acceptance import acceptance_length
+from dflash_assets.dflash.evaluation import acceptance_histogram_png, evaluate_drafters, untrained_drafter_like
 from dflash_assets.dflash.export import load_exported
 from dflash_assets.dflash.model import load_target_head
 from dflash_assets.dflash.online import OnlineTargetFeatures
+from dflash_assets.dflash.teacher_forced import teacher_forced_acceptance, teacher_forced_chain
 from dflash_assets.evaluation.datasets import HELDOUT
 from dflash_assets.metadata import png_markdown
 from dflash_assets.progress import StageProgressBar

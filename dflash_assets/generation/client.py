@@ -50,18 +50,11 @@ from dflash_assets.generation.client_attempts import RequestAttempts
 from dflash_assets.generation.client_servers import ServerRouting, ServerState
 from dflash_assets.generation.follow_ups import FollowUpLanes
 from dflash_assets.generation.interrupts import run_interruptibly
-from dflash_assets.generation.replies import MAX_REPLY_BYTES, parse_chat_completion
+from dflash_assets.generation.replies import MAX_REPLY_BYTES
 from dflash_assets.generation.results import CompletionResult, GenerationProgress, TooManyFailuresError
 from dflash_assets.generation.urls import redact
 
-__all__ = [
-    "CompletionClient",
-    "CompletionResult",
-    "FollowUpLanes",
-    "GenerationProgress",
-    "TooManyFailuresError",
-    "parse_chat_completion",
-]
+__all__ = ["CompletionClient"]
 
 logger = logging.getLogger(__name__)
 

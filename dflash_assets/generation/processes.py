@@ -28,25 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # what lived here before the split, imported from here by servers, tests and benches
-from dflash_assets.generation.ports import (
-    Listener,
-    PortTakenError,
-    check_port_free,
-    free_port,
-    free_port_block,
-    listener_is_ours,
-    tcp_listeners,
-)
-from dflash_assets.generation.proc_info import (
-    ProcStat,
-    boot_id,
-    exited,
-    group_members,
-    is_running,
-    proc_stat,
-    session_members,
-    socket_inodes,
-)
 
 
 def log_tail(path: Path | str | None, max_bytes: int = 4000) -> str:
@@ -257,24 +238,9 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> int | N
 
 __all__ = [
     "PARENT_DEATH_SIGNAL",
-    "Listener",
-    "PortTakenError",
-    "ProcStat",
-    "boot_id",
-    "check_port_free",
     "drain_log",
-    "exited",
-    "free_port",
-    "free_port_block",
-    "group_members",
-    "is_running",
-    "listener_is_ours",
     "log_tail",
-    "proc_stat",
     "run_streaming",
-    "session_members",
-    "socket_inodes",
     "spawn_in_new_session",
     "stop_process_group",
-    "tcp_listeners",
 ]

@@ -1,11 +1,12 @@
 """What a range run of ``completions`` plans and reports: the prompts each partition requests
-(:func:`plan_requests`), a partition's state during the run (:class:`Partition`), and the event the run
-yields when a partition is done (:class:`PartitionComplete`). Dagster-free: the asset turns the events into
-materializations."""
+(:func:`plan_requests`), a partition's state during the run (:class:`Partition`), the event the run
+yields when a partition is done (:class:`PartitionComplete`), and what the run's stream reads and sets on the
+run (:class:`StreamedRun`). Dagster-free: the asset turns the events into materializations."""
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import polars as pl
 
@@ -68,3 +69,22 @@ class Partition:
     cut: int = 0  # rows cut to a lowered cap in memory (not journaled): the table must be rewritten
     first_sent: float | None = None
     by_index: dict = field(default_factory=dict)
+
+
+class StreamedRun(Protocol):
+    """The run as its stream (:func:`~dflash_assets.completions_stage.range_stream.stream_partitions`) sees it: what
+    the stream reads, sets (``client``, ``capacity``, ``failure``) and calls. The range run is one; declared
+    here, beside the types both range modules share, so that neither imports the other for an annotation."""
+
+    settings: GenerationSettings
+    log: Any  # info / warning
+    keys: list[str]
+    rows_total: int
+    continuing_rows: dict[int, dict]
+    client: Any
+    capacity: int
+    failure: Exception | None
+
+    def progress_line(self) -> str: ...
+
+    def commit(self, part: Partition) -> Iterator[PartitionComplete]: ...

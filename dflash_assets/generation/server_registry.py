@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_assets.atomic import atomic_write_bytes
-from dflash_assets.generation.processes import group_members, is_running, proc_stat, spawn_in_new_session
+from dflash_assets.generation.proc_info import group_members, is_running, proc_stat
+from dflash_assets.generation.processes import spawn_in_new_session
 from dflash_assets.machine import Identity, identity, same_machine
 from dflash_assets.settings import dagster_home
 

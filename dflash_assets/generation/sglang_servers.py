@@ -40,13 +40,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from dflash_assets.generation.processes import (
-    check_port_free,
-    drain_log,
-    listener_is_ours,
-    log_tail,
-    stop_process_group,
-)
+from dflash_assets.generation.ports import check_port_free, listener_is_ours
+from dflash_assets.generation.processes import drain_log, log_tail, stop_process_group
 from dflash_assets.generation.secret_args import refuse_secret_args
 from dflash_assets.generation.server_registry import KEY_DIR_PREFIX, register_key_dir, start_process
 from dflash_assets.generation.urls import origin, redact
@@ -181,7 +176,7 @@ def build_sglang_commands(
 ) -> list[LaunchCommand]:
     """One ``python -m sglang.launch_server`` per GPU (or per group of ``tp_size`` GPUs).
 
-    ``module`` replaces ``sglang.launch_server`` (e.g. ``dflash_assets.simulation.sglang_stub``, a
+    ``module`` replaces ``sglang.launch_server`` (e.g. ``dflash_simulators.sglang_stub``, a
     time-faithful stand-in for benches without GPUs); it must take the same flags.
 
     Server ``i`` sees only its GPUs through ``CUDA_VISIBLE_DEVICES`` and listens on ``port_base + i``.

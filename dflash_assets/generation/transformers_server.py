@@ -51,25 +51,14 @@ from typing import Any
 
 import httpx
 
+from dflash_assets.generation.ports import check_port_free, free_port, listener_is_ours
 from dflash_assets.generation.probe import probe_chat
-from dflash_assets.generation.processes import (
-    check_port_free,
-    free_port,
-    listener_is_ours,
-    log_tail,
-    stop_process_group,
-)
+from dflash_assets.generation.processes import log_tail, stop_process_group
 from dflash_assets.generation.server_registry import start_process
-from dflash_assets.generation.servers import TRANSFORMERS_SERVE_REJECTED_FIELDS, ServerPool
+from dflash_assets.generation.servers import ServerPool
 from dflash_assets.settings import GenerationSettings
 
-__all__ = [
-    "CB_PAGE_SIZE",
-    "TRANSFORMERS_SERVE_REJECTED_FIELDS",
-    "LocalTransformersServer",
-    "transformers_executable",
-    "transformers_generation_config",
-]
+__all__ = ["CB_PAGE_SIZE", "LocalTransformersServer", "transformers_executable", "transformers_generation_config"]
 
 #: Tokens per KV-cache block of transformers' continuous batching (ContinuousBatchingConfig.page_size default).
 CB_PAGE_SIZE = 256

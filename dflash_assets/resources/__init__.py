@@ -1,5 +1,1 @@
-"""Dagster resources: inference servers, generation settings, storage, target model."""
-
-from dflash_assets.resources.inference import InferenceServerResource, ServerPool
-
-__all__ = ["InferenceServerResource", "ServerPool"]
+"""Dagster resources: inference servers, generation settings, storage, target model (import each from its module)."""

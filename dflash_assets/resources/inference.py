@@ -31,7 +31,7 @@ from dflash_assets.generation.supervision import ProbeSupervisor, ProcessSupervi
 from dflash_assets.generation.transformers_server import LocalTransformersServer
 from dflash_assets.settings import GenerationSettings
 
-__all__ = ["InferenceServerResource", "ServerPool"]
+__all__ = ["InferenceServerResource"]
 
 LOCAL_MAX_RUNNING_REQUESTS = 16  # measured best on 2 CPU cores (~55 output tok/s with 48-token replies)
 SGLANG_MAX_RUNNING_REQUESTS = 40  # the production setting (16 -> 40 raised throughput on B200s)
@@ -104,7 +104,7 @@ class InferenceServerResource(dg.ConfigurableResource):
     launch_module: str = Field(
         default="sglang.launch_server",
         description="sglang: module run as `python -m <module>` per server; "
-        "dflash_assets.simulation.sglang_stub simulates a GPU server (benches).",
+        "dflash_simulators.sglang_stub simulates a GPU server (benches).",
     )
 
     # external

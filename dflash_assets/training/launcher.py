@@ -1,10 +1,9 @@
 """Training with ``torchrun`` (several processes or nodes), the same code path as in-process training."""
 
-import dataclasses
 import json
 import os
 
-from dflash_assets.dflash.train import TrainConfig
+from dflash_assets.dflash.train_config import TrainConfig
 from dflash_assets.generation.processes import run_streaming
 
 
@@ -52,11 +51,7 @@ def run_torchrun(log, cfg: TrainConfig, config, export_dir: str) -> None:
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(cfg_path, "w") as f:
         json.dump(
-            {
-                k: v
-                for k, v in dataclasses.asdict(cfg).items()
-                if k not in ("shards", "tokenized", "out_dir", "target_model_path")
-            },
+            cfg.model_dump(exclude={"shards", "tokenized", "out_dir", "target_model_path"}),
             f,
         )
     train_args = [

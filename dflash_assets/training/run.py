@@ -9,7 +9,8 @@ from pathlib import Path
 from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.dflash.export import export_drafter
 from dflash_assets.dflash.target_layers import default_target_layer_ids, num_target_layers
-from dflash_assets.dflash.train import TrainConfig, train
+from dflash_assets.dflash.train import train
+from dflash_assets.dflash.train_config import TrainConfig
 from dflash_assets.feature_sources import tokenized_inputs
 from dflash_assets.progress import StageProgressBar
 from dflash_assets.shard_access import complete_shards

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dflash_assets.dflash.model import DRAFT_SHAPE_FIELDS, DFlashConfig
+from dflash_assets.dflash.draft_config import DRAFT_SHAPE_FIELDS, DFlashConfig
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
-from dflash_assets.dflash.train import TrainConfig
+from dflash_assets.dflash.train_config import TrainConfig, TrainSettings
 from dflash_assets.feature_sources import hidden_states_config
+from dflash_assets.training.config import DrafterConfig
 
-if TYPE_CHECKING:  # annotations only: the asset module imports this one
-    from dflash_assets.assets.drafter import DrafterConfig
+if TYPE_CHECKING:
     from dflash_assets.resources.target_model import TargetModelResource
 
 
@@ -78,27 +78,16 @@ def train_config_for(
     layer_ids, overrides = resolved_settings(config, target_model)
     model_path = target_model.resolved_path()
     return TrainConfig(
+        **config.model_dump(include=set(TrainSettings.model_fields)),  # the settings both declare, once
         shards=shards,
         out_dir=out_dir,
         features=mode,
         tokenized=tokenized,
         target_dtype=target_model.dtype,
         target_model_path=str(model_path),
-        num_hidden_layers=config.num_hidden_layers,
         num_context_features=len(layer_ids),
         target_layer_ids=layer_ids,
-        block_size=config.block_size,
-        mask_token_id=config.mask_token_id,
         draft_overrides=overrides,
-        max_length=config.max_length,
-        max_anchors=config.max_anchors,
-        eval_fraction=config.eval_fraction,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        epochs=config.epochs,
-        max_steps=config.max_steps,
-        seed=config.seed,
-        checkpoint_every=config.checkpoint_every,
         device=target_model.device,
         init_from=init_from,
     )

@@ -1,6 +1,6 @@
 """A stand-in for ``python -m sglang.launch_server`` that behaves in *time* like one GPU server.
 
-Run it exactly where SGLang would run (``inference.launch_module: dflash_assets.simulation.sglang_stub``):
+Run it exactly where SGLang would run (``inference.launch_module: dflash_simulators.sglang_stub``):
 it takes SGLang's flags (``--model-path --host --port --max-running-requests --api-key``; others are
 accepted and ignored) plus its own ``--sim-*`` flags (pass them through ``inference.extra_args``), and
 SGLang's ``--config FILE.yaml`` (:func:`merge_config_file`: each ``key: value`` becomes ``--key value``
@@ -41,7 +41,7 @@ What it simulates, all in *simulated seconds* divided by ``--sim-speed`` to get 
   ``sampling_params``, the reply's ``meta_info``), ``GET /v1/models``, ``/server_info`` (and the older
   ``/get_server_info``: ``"simulated": true``), ``/health``, ``/health_generate``; with ``--api-key``
   every route but ``/health*`` wants the bearer token, as SGLang's middleware does;
-- DFLASH speculative decoding (:mod:`~dflash_assets.simulation.sglang_dflash`): SGLang's flags, its
+- DFLASH speculative decoding (:mod:`~dflash_simulators.sglang_dflash`): SGLang's flags, its
   refusals of an export at start-up, and per-request ``spec_*`` fields whose acceptance is simulated.
 
 Faults on demand: ``--sim-ignore-continue`` answers continuations afresh (an SGLang before 0.4.4);
@@ -74,11 +74,11 @@ from typing import Any
 
 import yaml
 
-from dflash_assets.simulation.http11 import read_request
-from dflash_assets.simulation.radix_cache import RadixCache
-from dflash_assets.simulation.sglang_dflash import DFlashSim
-from dflash_assets.simulation.sglang_dflash import add_arguments as add_dflash_arguments
-from dflash_assets.simulation.simulated_replies import drawn_length, prompt_tokens_of, reply_fields
+from dflash_simulators.http11 import read_request
+from dflash_simulators.radix_cache import RadixCache
+from dflash_simulators.sglang_dflash import DFlashSim
+from dflash_simulators.sglang_dflash import add_arguments as add_dflash_arguments
+from dflash_simulators.simulated_replies import drawn_length, prompt_tokens_of, reply_fields
 
 
 def process_start_time() -> float:

@@ -1,7 +1,7 @@
 """A run of ``completions`` over one partition or a range of them (single-run backfill policy): the servers
 start once for the whole run, the prompts of all its partitions go to the client as one stream
-(:mod:`~dflash_assets.generation.range_stream`), and each partition is committed as soon as its last row is
-in: its table written atomically to ``completions/<pk>.parquet``, its journal removed, and a
+(:mod:`~dflash_assets.completions_stage.range_stream`), and each partition is committed as soon as its last
+row is in: its table written atomically to ``completions/<pk>.parquet``, its journal removed, and a
 :class:`~dflash_assets.generation.range_plan.PartitionComplete` yielded, which the asset records as the
 partition's materialization while the run goes on.
 
@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from dflash_assets.assets.completions_continuing import ContinuationPlanner, load_target_builder
-from dflash_assets.assets.completions_tables import (
+from dflash_assets.completions_stage.continuing import ContinuationPlanner, load_target_builder
+from dflash_assets.completions_stage.range_stream import stream_partitions
+from dflash_assets.completions_stage.tables import (
     completion_stats,
     load_plan_rows,
     partition_file,
@@ -36,7 +37,6 @@ from dflash_assets.cost import GenerationMeter, generation_devices
 from dflash_assets.generation.cap_cut import cut_rows
 from dflash_assets.generation.continuation import continuable
 from dflash_assets.generation.range_plan import Partition, PartitionComplete, plan_requests
-from dflash_assets.generation.range_stream import stream_partitions
 from dflash_assets.generation.records import invalid_reason, no_good_row_message, prompt_mismatch, row_problem
 from dflash_assets.prompt_index import prompt_version
 from dflash_assets.settings import GenerationSettings
@@ -186,7 +186,7 @@ class RangeRun:
         opened: bool,
         tail: tuple[int, bool] | None = None,
     ) -> Iterator[PartitionComplete]:
-        """Stream every todo prompt of ``parts`` through one client (:func:`~dflash_assets.generation.
+        """Stream every todo prompt of ``parts`` through one client (:func:`~dflash_assets.completions_stage.
         range_stream.stream_partitions`), yielding each partition's event as its last row lands."""
         yield from stream_partitions(self, inference, pool, parts, opened, tail)
 

@@ -11,23 +11,22 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from dflash_assets.generation.client import TooManyFailuresError
 from dflash_assets.generation.continuation import NOT_CONTINUED, continuation_body, merge_continuation, prefix_text
 from dflash_assets.generation.journal import JournalError
-from dflash_assets.generation.range_plan import Partition, PartitionComplete, RangeRunError
+from dflash_assets.generation.range_plan import Partition, PartitionComplete, RangeRunError, StreamedRun
 from dflash_assets.generation.records import row_from_result, row_problem, set_aside_row
+from dflash_assets.generation.results import TooManyFailuresError
 from dflash_assets.generation.tail_chunks import TailChunker
 from dflash_assets.progress import StageProgressBar
 
 if TYPE_CHECKING:
-    from dflash_assets.generation.range_run import RangeRun
     from dflash_assets.resources.inference import InferenceServerResource
 
 PROGRESS_EVERY_S = 5.0
 
 
 def stream_partitions(
-    run: RangeRun,
+    run: StreamedRun,
     inference: InferenceServerResource,
     pool,
     parts: list[Partition],

@@ -6,12 +6,12 @@ death) and for a client throughput bench (instant replies).
 Behaviour is scripted per request: ``script(n, body) -> Behaviour`` where ``n`` is the 0-based arrival
 number of the request and ``body`` its decoded JSON.
 
-Minimal HTTP/1.1 over asyncio streams (:mod:`~dflash_assets.simulation.http11`), run on its own event
+Minimal HTTP/1.1 over asyncio streams (:mod:`~dflash_simulators.http11`), run on its own event
 loop in a background thread so the client under test can use the main thread's loop. Stdlib only.
 
-Run as a script (a server in its own process): ``python -m dflash_assets.simulation.stand_in_server [--port P]
+Run as a script (a server in its own process): ``python -m dflash_simulators.stand_in_server [--port P]
 [--script instant|hostile|echo] [--log FILE]`` prints ``PORT <n>`` and serves until killed: instant replies
-(the bench), :func:`~dflash_assets.simulation.hostile_replies.hostile_script` (the reply a prompt names, for
+(the bench), :func:`~dflash_simulators.hostile_replies.hostile_script` (the reply a prompt names, for
 tests) or :func:`echo_script` (a reply naming its prompt); ``--log`` records every request's prompt.
 """
 
@@ -25,8 +25,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_assets.simulation.behaviours import Behaviour, Drop, Error, Hang, Raw, Reply, Script, Trickle, fail_first
-from dflash_assets.simulation.http11 import ServerThread, read_request
+from dflash_simulators.behaviours import Behaviour, Drop, Error, Hang, Raw, Reply, Script, Trickle
+from dflash_simulators.http11 import ServerThread, read_request
 
 _REASONS = {
     200: "OK",
@@ -210,7 +210,7 @@ class FakeServer:
 def echo_script(n: int, body: dict[str, Any]) -> Behaviour:
     """A reply that names its prompt (the last user message): the answer ``Answer to: <prompt>``, no
     reasoning, so a test can tell from a stored row which prompt it answers."""
-    from dflash_assets.simulation.counting_proxy import last_user_message
+    from dflash_simulators.counting_proxy import last_user_message
 
     prompt = last_user_message(body) or ""
     return Reply(content=f"Answer to: {prompt}", reasoning=None, completion_tokens=8)
@@ -218,7 +218,7 @@ def echo_script(n: int, body: dict[str, Any]) -> Behaviour:
 
 def logged(script: Script | Behaviour, path: str) -> Script:
     """``script`` that first appends the request's last user message to ``path`` (JSON line, flushed)."""
-    from dflash_assets.simulation.counting_proxy import last_user_message
+    from dflash_simulators.counting_proxy import last_user_message
 
     lock = threading.Lock()
 
@@ -233,7 +233,7 @@ def logged(script: Script | Behaviour, path: str) -> Script:
 
 def main() -> None:
     """Serve until killed; prints ``PORT <n>`` once listening. ``--script instant`` (default, the bench):
-    instant replies; ``hostile``: :func:`~dflash_assets.simulation.hostile_replies.hostile_script`."""
+    instant replies; ``hostile``: :func:`~dflash_simulators.hostile_replies.hostile_script`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--script", choices=("instant", "hostile", "echo"), default="instant")
@@ -246,11 +246,11 @@ def main() -> None:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # an inherited SIG_IGN must not make it unkillable by TERM
     # the package's module, not __main__: the hostile script's behaviours are its classes
-    from dflash_assets.simulation import stand_in_server as this
+    from dflash_simulators import stand_in_server as this
 
     script: Script | Behaviour = this.Reply()
     if args.script == "hostile":
-        from dflash_assets.simulation.hostile_replies import hostile_script
+        from dflash_simulators.hostile_replies import hostile_script
 
         script = hostile_script()
     elif args.script == "echo":
@@ -262,7 +262,7 @@ def main() -> None:
     threading.Event().wait()
 
 
-__all__ = ["Behaviour", "Drop", "Error", "FakeServer", "Hang", "Raw", "Reply", "Script", "Trickle", "fail_first"]
+__all__ = ["FakeServer"]
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ normal reply naming it (``"Answer to: <prompt>"``, 5 completion tokens, ids ``[1
 in ``-once`` are hostile on a prompt's first arrival only (a transient fault: the retry gets a normal reply);
 ``gzipped`` is a well-formed reply that is merely gzip-encoded.
 
-Served from its own process: ``python -m dflash_assets.simulation.stand_in_server --script hostile``.
+Served from its own process: ``python -m dflash_simulators.stand_in_server --script hostile``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import threading
 from collections import Counter
 from typing import Any
 
-from dflash_assets.simulation.behaviours import Behaviour, Raw, Reply, Trickle
-from dflash_assets.simulation.counting_proxy import last_user_message
+from dflash_simulators.behaviours import Behaviour, Raw, Reply, Trickle
+from dflash_simulators.counting_proxy import last_user_message
 
 PREFIX = "hostile:"
 DEEP = 100_000  # levels: far past the JSON reader's ~1,000

@@ -1,6 +1,6 @@
 """The GPU-node simulator's DFLASH part: SGLang's speculative-decoding flags, its refusals, its per-request fields.
 
-:mod:`~dflash_assets.simulation.sglang_stub` takes the flags SGLang 0.5.23 takes for a DFlash drafter
+:mod:`~dflash_simulators.sglang_stub` takes the flags SGLang 0.5.23 takes for a DFlash drafter
 (``--speculative-algorithm DFLASH --speculative-draft-model-path --speculative-num-draft-tokens``
 / ``--speculative-dflash-block-size``, ``--speculative-draft-attention-backend``,
 ``--mamba-radix-cache-strategy``, ``--speculative-draft-window-size``, ``--tp-size``, ``--pp-size``) and,

@@ -6,7 +6,7 @@ counted *at the server side of the client*, i.e. what actually went over the wir
 that a resumed run does not request a finished row again, even when the run that sent the first
 requests was killed with SIGKILL (its counters died with it; the proxy's did not).
 
-Minimal HTTP/1.1 on asyncio streams (:mod:`~dflash_assets.simulation.http11`), run on its own event
+Minimal HTTP/1.1 on asyncio streams (:mod:`~dflash_simulators.http11`), run on its own event
 loop in a background thread. The upstream leg uses ``httpx.AsyncClient`` with no timeout.
 """
 
@@ -22,7 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from dflash_assets.simulation.http11 import ServerThread, read_request
+from dflash_simulators.http11 import ServerThread, read_request
 
 # Hop-by-hop or recomputed headers: not forwarded in either direction.
 _SKIP_HEADERS = frozenset(

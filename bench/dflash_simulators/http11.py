@@ -3,8 +3,8 @@ listener on its own event loop in a background thread.
 
 What the stand-ins need and no more: keep-alive, ``Content-Length`` bodies (what
 :class:`~dflash_assets.generation.client.CompletionClient`, ``httpx`` and ``openai`` send; no chunked
-uploads). Used by :mod:`~dflash_assets.simulation.stand_in_server`,
-:mod:`~dflash_assets.simulation.counting_proxy` and :mod:`~dflash_assets.simulation.sglang_stub`. Stdlib only.
+uploads). Used by :mod:`~dflash_simulators.stand_in_server`,
+:mod:`~dflash_simulators.counting_proxy` and :mod:`~dflash_simulators.sglang_stub`. Stdlib only.
 """
 
 from __future__ import annotations
