@@ -2,7 +2,7 @@
 
 Compares plain greedy decoding with greedy speculative decoding for (a) an untrained drafter and
 (b) a drafter trained in this script on the target's own greedy completions of the prompts (hidden
-states extracted with ``extract_partition``, trained with ``dflash.train``), or (b') an exported drafter
+states extracted and trained by ``dflash_simulators.overfit_drafter``), or (b') an exported drafter
 directory given with ``--drafter``. Lossless is checked for every prompt. Evaluated on the training
 prompts (the drafter was fit to them: this measures the machinery and the ceiling) and, if given, on
 held-out prompts.
@@ -57,8 +57,7 @@ from dflash_assets.dflash.shards import extract_partition
 from dflash_assets.dflash.speculative import dflash_generate, target_generate
 from dflash_assets.dflash.target_layers import default_target_layer_ids
 from dflash_assets.dflash.teacher_forced import teacher_forced_acceptance
-from dflash_assets.dflash.train import train
-from dflash_assets.dflash.train_config import TrainConfig
+from dflash_simulators.overfit_drafter import greedy_rows, overfit
 
 TRAIN_QUESTIONS = [
     "What is the capital of France?",
@@ -165,50 +164,29 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"max_new_tokens": a.max_new_tokens, "device": str(device), "threads": torch.get_num_threads()}
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_spec_"))
-    rows = [
-        {"index": i, "input_ids": p + r.output_ids, "loss_mask": [0] * len(p) + [1] * len(r.output_ids)}
-        for i, (p, r) in enumerate(zip(train_prompts, plain))
-    ]
+    rows = greedy_rows(train_prompts, plain)  # the target's own greedy completions
     if a.drafter:
         from dflash_assets.dflash.export import load_exported
 
         drafter = load_exported(a.drafter, embed_weight=embed, lm_head_weight=head).to(device).eval()
         layer_ids = drafter.config.target_layer_ids
         report["drafter"] = a.drafter
+        # the rows' shards: the teacher-forced proxy's input
+        extract_partition(target, rows, tmp / "shards", layer_ids, rows_per_shard=64)
+        shards = sorted(str(p) for p in (tmp / "shards").glob("*.safetensors"))
     else:
         config = json.loads((model_dir / "config.json").read_text())
         layer_ids = default_target_layer_ids(config["num_hidden_layers"])
-    # shards of the target's own greedy completions: training data and the teacher-forced proxy's input
-    extract_partition(target, rows, tmp / "shards", layer_ids, rows_per_shard=64)
-    shards = sorted(str(p) for p in (tmp / "shards").glob("*.safetensors"))
-    if not a.drafter:
         dc = DFlashConfig.from_target_config(
             config, mask_token_id=16, num_hidden_layers=a.layers, block_size=a.block_size, target_layer_ids=layer_ids
         )
-        t0 = time.perf_counter()
-        cfg = TrainConfig(
-            shards=shards,
-            out_dir=str(tmp / "run"),
-            block_size=a.block_size,
-            max_anchors=128,
-            batch_size=len(rows),
-            lr=2e-3,
-            max_steps=a.steps,
-            warmup_ratio=0.05,
-            min_lr_ratio=0.1,
-            checkpoint_every=0,
-            eval_fraction=0.0,
-            log_every=10,
-            seed=a.seed,
-            device=a.device,
-            prefetch=1,
-        )
-        result = train(cfg, draft_config=dc, target_head=(embed, head))
+        t0 = time.perf_counter()  # the shards: the training data and the teacher-forced proxy's input
+        result, shards = overfit(target, rows, layer_ids, tmp, dc, (embed, head), steps=a.steps, **_recipe(a))
         drafter = result.model.eval()
         report["train"] = {
             "steps": result.step,
             "final_loss": result.summary["final_loss"],
-            "seconds": time.perf_counter() - t0,
+            "seconds": time.perf_counter() - t0,  # feature extraction and training
             "rows": len(rows),
             "tokens": sum(len(r["input_ids"]) for r in rows),
         }
@@ -306,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _recipe(a) -> dict:
+    """The bench's settings of the overfit recipe (:func:`dflash_simulators.overfit_drafter.overfit_config`)."""
+    return {"max_anchors": 128, "seed": a.seed, "log_every": 10, "device": a.device}
+
+
 def work_line(name: str, ev: dict, mixer_share: float | None = None) -> str:
     """Target work of one evaluation: plain vs speculative forwards and tokens, and what the rollbacks added."""
     share = f" (each reads {mixer_share:.1%} of the target's weights)" if mixer_share is not None else ""
@@ -369,13 +352,7 @@ def hybrid_main(a) -> int:
     prompts = [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in (12, 20, 28, 36, 44, 52)]
     plain = [target_generate(target, p, a.max_new_tokens) for p in prompts]
     layer_ids = default_target_layer_ids(target.config.num_hidden_layers)
-    rows = [
-        {"index": i, "input_ids": p + r.output_ids, "loss_mask": [0] * len(p) + [1] * len(r.output_ids)}
-        for i, (p, r) in enumerate(zip(prompts, plain))
-    ]
-    tmp = Path(tempfile.mkdtemp(prefix="bench_spec_hybrid_"))
-    extract_partition(target, rows, tmp / "shards", layer_ids, rows_per_shard=64)
-    shards = sorted(str(p) for p in (tmp / "shards").glob("*.safetensors"))
+    rows = greedy_rows(prompts, plain)
     dc = DFlashConfig.from_target_config(
         target.config,
         mask_token_id=vocab - 1,
@@ -384,24 +361,8 @@ def hybrid_main(a) -> int:
         target_layer_ids=layer_ids,
     )
     head = (target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach())
-    cfg = TrainConfig(
-        shards=shards,
-        out_dir=str(tmp / "run"),
-        block_size=a.block_size,
-        max_anchors=128,
-        batch_size=len(rows),
-        lr=2e-3,
-        max_steps=a.steps,
-        warmup_ratio=0.05,
-        min_lr_ratio=0.1,
-        checkpoint_every=0,
-        eval_fraction=0.0,
-        log_every=10,
-        seed=a.seed,
-        device=a.device,
-        prefetch=1,
-    )
-    drafter = train(cfg, draft_config=dc, target_head=head).model.eval()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_spec_hybrid_"))
+    drafter = overfit(target, rows, layer_ids, tmp, dc, head, steps=a.steps, **_recipe(a))[0].model.eval()
     # held-out prompts: the trained drafter is right only part of the way, so partial acceptances (rollbacks) happen
     heldout = [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in (16, 24, 32, 40)]
     drafters = {"trained": drafter, "untrained": untrained_drafter_like(drafter, seed=a.seed)}

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +19,8 @@ import torch
 # before any server is spawned, so its processes inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +53,58 @@ def local_inference(local_server):
         external_tokenizer_path=str(ensure_local_model()),
         max_running_requests=8,
     )
+
+
+@dataclass
+class MainJob:
+    """The main job of one project: its DAGSTER_HOME (``home``, with the repository's dagster.yaml), storage
+    root (``data``), config file and environment."""
+
+    home: Path
+    data: Path
+    config: Path
+    env: dict
+
+    def run(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        """``python -m dflash_assets run --config <config>`` once, in a subprocess; its output captured."""
+        return subprocess.run(
+            [sys.executable, "-m", "dflash_assets", "run", "--config", str(self.config)],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+
+@pytest.fixture
+def main_job(tmp_path):
+    """Make the main job answer ``prompts`` from a stand-in server: the setup of the tests whose partitions
+    fail. ``main_job(url, prompts, partition_size=2, inference={...}, resources={...}, env={...})`` writes the
+    prompt file and a config whose ``resources.inference`` is the OpenAI-shaped server at ``url`` (external
+    mode, 10 s to answer the probe; ``inference`` adds fields, ``resources`` other resources) and returns
+    the :class:`MainJob`."""
+
+    def make(url: str, prompts: list[str], *, partition_size=2, inference=None, resources=None, env=None) -> MainJob:
+        home, data = tmp_path / "home", tmp_path / "data"
+        home.mkdir(exist_ok=True)
+        shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
+        source = tmp_path / "prompts.jsonl"
+        source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        server = {"mode": "external", "base_urls": [url], "served_model_name": "fake", "external_backend": "openai"}
+        config = tmp_path / "config.yaml"
+        config.write_text(
+            json.dumps(
+                {
+                    "resources": {
+                        "inference": {**server, "startup_timeout_s": 10, **(inference or {})},
+                        **(resources or {}),
+                    },
+                    "ops": {"prompt_corpus": {"config": {"sources": [str(source)], "partition_size": partition_size}}},
+                }
+            )
+        )
+        job_env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_STORAGE_ROOT": str(data), **(env or {})}
+        return MainJob(home, data, config, job_env)
+
+    return make

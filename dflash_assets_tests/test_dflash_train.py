@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from dflash_assets.dflash.checkpoints import CheckpointError, latest_checkpoint, load_checkpoint
 from dflash_assets.dflash.data import HiddenStateShards, collate_training_batch
@@ -23,6 +22,14 @@ from dflash_assets.dflash.train import train
 from dflash_assets.dflash.train_config import TrainConfig
 from dflash_assets.dflash.train_eval import evaluate
 from dflash_assets.dflash.train_setup import lr_lambda
+from dflash_assets_tests.tiny_target import (
+    N_FEATS,
+    VOCAB,
+    make_feature_target,
+    tiny_train_config,
+    write_rows_shard,
+)
+from dflash_simulators.overfit_drafter import overfit_config
 
 torch.set_num_threads(2)
 
@@ -44,23 +51,6 @@ CONVERSATIONS = [
         "There are seven days in a week: Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday.",
     ),
 ]
-
-
-def write_shard(path: Path, rows: list[dict], row_index: list[int] | None = None, metadata: dict | None = None) -> Path:
-    """Write rows ({input_ids, loss_mask, hidden_states}) in the hidden-state shard format."""
-    lengths = [len(r["input_ids"]) for r in rows]
-    cu = torch.zeros(len(rows) + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    tensors = {
-        "hidden_states": torch.cat([r["hidden_states"] for r in rows]).to(torch.bfloat16).contiguous(),
-        "input_ids": torch.cat([torch.as_tensor(r["input_ids"]) for r in rows]).to(torch.int32),
-        "loss_mask": torch.cat([torch.as_tensor(r["loss_mask"]) for r in rows]).to(torch.int8),
-        "cu_seqlens": cu,
-    }
-    if row_index is not None:
-        tensors["row_index"] = torch.tensor(row_index, dtype=torch.int64)
-    save_file(tensors, str(path), metadata=metadata)
-    return path
 
 
 def build_local_target(out_dir: Path) -> dict:
@@ -97,8 +87,8 @@ def build_local_target(out_dir: Path) -> dict:
         feats = torch.cat([out.hidden_states[i + 1][b, : len(ids)] for i in layer_ids], dim=-1)
         rows.append({"input_ids": ids, "loss_mask": loss_mask, "hidden_states": feats})
     shards = [
-        write_shard(out_dir / "part-0.safetensors", rows[:2], [0, 1]),
-        write_shard(out_dir / "part-1.safetensors", rows[2:], [2, 3]),
+        write_rows_shard(out_dir / "part-0.safetensors", rows[:2], [0, 1]),
+        write_rows_shard(out_dir / "part-1.safetensors", rows[2:], [2, 3]),
     ]
     embed, head = load_target_head(str(model_dir))
     config = json.loads((model_dir / "config.json").read_text())
@@ -168,21 +158,7 @@ def test_overfit_real_features_reaches_high_accuracy(local_target, tmp_path):
     def stop_when_fit(rec):  # the in-loop accuracy is measured before each update
         return all(a >= 0.97 for a in rec["acc_per_position"][1:4])
 
-    cfg = TrainConfig(
-        shards=shards,
-        out_dir=str(tmp_path / "run"),
-        block_size=4,
-        max_anchors=64,
-        batch_size=2,
-        lr=1.5e-3,
-        max_steps=150,
-        warmup_ratio=0.05,
-        min_lr_ratio=0.1,
-        checkpoint_every=0,
-        eval_fraction=0.0,
-        log_every=5,
-        seed=0,
-    )
+    cfg = overfit_config(shards, tmp_path / "run", block_size=4, batch_size=2, steps=150, lr=1.5e-3)
     result = train(
         cfg,
         draft_config=_tiny_drafter_config(local_target),
@@ -201,76 +177,7 @@ def test_overfit_real_features_reaches_high_accuracy(local_target, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
-# tiny synthetic target for the fast resume / DDP tests
-
-VOCAB, HIDDEN, N_FEATS = 96, 32, 3
-
-
-def make_tiny_target(root: Path) -> tuple[Path, list[str]]:
-    """A fake target dir (config.json + embedding/LM head) and 2 shards of random features."""
-    g = torch.Generator().manual_seed(0)
-    target = root / "target"
-    target.mkdir(parents=True)
-    (target / "config.json").write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "hidden_size": HIDDEN,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 8,
-                "intermediate_size": 64,
-                "vocab_size": VOCAB,
-                "num_hidden_layers": 8,
-                "rms_norm_eps": 1e-6,
-                "rope_theta": 10000.0,
-                "max_position_embeddings": 512,
-            }
-        )
-    )
-    save_file(
-        {
-            "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
-            "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g),
-        },
-        str(target / "model.safetensors"),
-    )
-    shards = []
-    for s in range(2):
-        rows = []
-        for r in range(5):
-            t = 30 + 7 * r
-            ids = torch.randint(0, VOCAB - 1, (t,), generator=g)
-            mask = torch.zeros(t, dtype=torch.int8)
-            mask[10:] = 1
-            rows.append(
-                {"input_ids": ids, "loss_mask": mask, "hidden_states": torch.randn(t, N_FEATS * HIDDEN, generator=g)}
-            )
-        shards.append(str(write_shard(root / f"shard-{s}.safetensors", rows, [s * 5 + r for r in range(5)])))
-    return target, shards
-
-
-def _tiny_cfg(target: Path, shards: list[str], out: Path, **kw) -> TrainConfig:
-    values = dict(
-        shards=shards,
-        out_dir=str(out),
-        target_model_path=str(target),
-        num_hidden_layers=2,
-        num_context_features=N_FEATS,
-        block_size=4,
-        mask_token_id=VOCAB - 1,
-        max_anchors=6,
-        batch_size=2,
-        lr=1e-2,
-        max_steps=12,
-        checkpoint_every=3,
-        eval_fraction=0.0,
-        log_every=1,
-        seed=7,
-        device="cpu",
-    )  # CPU kernels are deterministic: resume must match exactly
-    values.update(kw)
-    return TrainConfig(**values)
+# tiny synthetic target (tiny_target.make_feature_target) for the fast resume / DDP tests
 
 
 class Crash(RuntimeError):
@@ -278,8 +185,8 @@ class Crash(RuntimeError):
 
 
 def test_kill_and_resume_reproduces_uninterrupted_curve(tmp_path):
-    target, shards = make_tiny_target(tmp_path)
-    full = train(_tiny_cfg(target, shards, tmp_path / "full"))
+    target, shards = make_feature_target(tmp_path)
+    full = train(tiny_train_config(target, shards, tmp_path / "full"))
     full_losses = [r["loss"] for r in full.records]
     assert len(full_losses) == 12
 
@@ -289,9 +196,9 @@ def test_kill_and_resume_reproduces_uninterrupted_curve(tmp_path):
 
     out = tmp_path / "resumed"
     with pytest.raises(Crash):
-        train(_tiny_cfg(target, shards, out), progress_callback=crash_at_8)
+        train(tiny_train_config(target, shards, out), progress_callback=crash_at_8)
     assert latest_checkpoint(out).name == "step_00000006.pt"  # steps 7-8 ran after the last checkpoint
-    resumed = train(_tiny_cfg(target, shards, out))
+    resumed = train(tiny_train_config(target, shards, out))
     assert resumed.summary["resumed_from_step"] == 6
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(1, 13))  # steps 7-8 logged once, not twice
@@ -321,18 +228,18 @@ def test_resume_never_runs_code_from_a_checkpoint_nor_loads_one_outside_the_run(
     """Issue 27: resume did torch.load(weights_only=False) of the file latest.json named. A pickle that
     runs code is refused unexecuted; latest.json naming a file outside checkpoints/ (a path, or a
     symlink) is refused; a checkpoint written before the change (numpy RNG state) still resumes."""
-    target, shards = make_tiny_target(tmp_path)
+    target, shards = make_feature_target(tmp_path)
     marker = tmp_path / "marker"
     out = tmp_path / "hostile"
     _point_latest(out, "step_00000003.pt")
     torch.save({"step": 3, "model": RunsCode(marker)}, out / "checkpoints" / "step_00000003.pt")
     with pytest.raises(CheckpointError) as err:
-        train(_tiny_cfg(target, shards, out, max_steps=3))
+        train(tiny_train_config(target, shards, out, max_steps=3))
     assert "step_00000003.pt: not loaded, it refers to exec" in str(err.value)
     assert "nothing in it ran" in str(err.value) and not marker.exists()
 
     good = tmp_path / "good"
-    train(_tiny_cfg(target, shards, good, max_steps=3))  # a real checkpoint at step 3, outside the next run
+    train(tiny_train_config(target, shards, good, max_steps=3))  # a real checkpoint at step 3, outside the next run
     outside = good / "checkpoints" / "step_00000003.pt"
     for name in ("../../good/checkpoints/step_00000003.pt", str(outside), "step_3.pt"):
         away = tmp_path / f"away-{len(name)}"
@@ -343,14 +250,14 @@ def test_resume_never_runs_code_from_a_checkpoint_nor_loads_one_outside_the_run(
     _point_latest(linked, "step_00000003.pt")
     (linked / "checkpoints" / "step_00000003.pt").symlink_to(outside)
     with pytest.raises(CheckpointError, match="outside"):
-        train(_tiny_cfg(target, shards, linked, max_steps=3))
+        train(tiny_train_config(target, shards, linked, max_steps=3))
 
     # a checkpoint as written before issue 27 (np.random.get_state() pickled as an ndarray) still resumes
     import numpy as np
 
     old = tmp_path / "old"
     with pytest.raises(Crash):
-        train(_tiny_cfg(target, shards, old, max_steps=6), progress_callback=lambda r: _crash_after(r, 4))
+        train(tiny_train_config(target, shards, old, max_steps=6), progress_callback=lambda r: _crash_after(r, 4))
     path = latest_checkpoint(old)
     state = torch.load(path, weights_only=True)
     n = state["rng"]["numpy"]
@@ -363,7 +270,7 @@ def test_resume_never_runs_code_from_a_checkpoint_nor_loads_one_outside_the_run(
     )
     torch.save(state, path)
     assert load_checkpoint(path)["step"] == 3
-    assert train(_tiny_cfg(target, shards, old, max_steps=6)).summary["resumed_from_step"] == 3
+    assert train(tiny_train_config(target, shards, old, max_steps=6)).summary["resumed_from_step"] == 3
 
 
 def _crash_after(rec: dict, step: int) -> None:
@@ -416,7 +323,7 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
     import signal
     import time
 
-    target, shards = make_tiny_target(tmp_path)
+    target, shards = make_feature_target(tmp_path)
     steps = 200
     out = tmp_path / "killed"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -443,7 +350,7 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # same reduction order as the subprocesses
     try:
-        full = train(_tiny_cfg(target, shards, tmp_path / "full", max_steps=steps, checkpoint_every=0))
+        full = train(tiny_train_config(target, shards, tmp_path / "full", max_steps=steps, checkpoint_every=0))
     finally:
         torch.set_num_threads(threads)
     for a, b in zip([r["loss"] for r in full.records], [r["loss"] for r in killed_log]):
@@ -452,14 +359,14 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
 
 
 def test_shard_metadata_target_layer_ids_are_used_and_checked(tmp_path):
-    target, shards = make_tiny_target(tmp_path)
+    target, shards = make_feature_target(tmp_path)
     rows = [HiddenStateShards([sh], split="all", block_size=4)[0] for sh in shards]
-    tagged = [str(write_shard(tmp_path / "tagged.safetensors", rows, [0, 1], {"target_layer_ids": "[1, 2, 6]"}))]
-    result = train(_tiny_cfg(target, tagged, tmp_path / "ok", max_steps=1))
+    tagged = [str(write_rows_shard(tmp_path / "tagged.safetensors", rows, [0, 1], {"target_layer_ids": "[1, 2, 6]"}))]
+    result = train(tiny_train_config(target, tagged, tmp_path / "ok", max_steps=1))
     assert result.model.config.target_layer_ids == [1, 2, 6]  # from the shards, not the default [1, 3, 5]
     with pytest.raises(ValueError, match="target layers"):
-        train(_tiny_cfg(target, tagged, tmp_path / "bad", max_steps=1, target_layer_ids=[1, 3, 5]))
-    other = str(write_shard(tmp_path / "other.safetensors", rows, [2, 3], {"target_layer_ids": "[1, 3, 5]"}))
+        train(tiny_train_config(target, tagged, tmp_path / "bad", max_steps=1, target_layer_ids=[1, 3, 5]))
+    other = str(write_rows_shard(tmp_path / "other.safetensors", rows, [2, 3], {"target_layer_ids": "[1, 3, 5]"}))
     with pytest.raises(ValueError, match="target_layer_ids"):
         HiddenStateShards([*tagged, other], split="all", block_size=4)
 
@@ -478,7 +385,7 @@ def _free_port() -> int:
 
 
 def test_torchrun_two_processes_gloo_identical_weights(tmp_path):
-    target, shards = make_tiny_target(tmp_path)
+    target, shards = make_feature_target(tmp_path)
     out = tmp_path / "ddp"
     export_dir = tmp_path / "export"
     cmd = [

@@ -1,6 +1,6 @@
 """Issue 17 acceptance 1 and 2 at the asset level: the drafter's run id follows its training data by content.
 
-A tiny synthetic target (config + embedding/LM head, see ``test_dflash_train.make_tiny_target``) and
+A tiny synthetic target (config + embedding/LM head, see ``tiny_target.make_feature_target``) and
 hand-written hidden-state partitions (shards + index.json in the hidden_states layout) stand in for the
 upstream stages, so every case trains for seconds: first materialization trains; the same data again is
 reused without a training step; an interrupted run resumes at its checkpoint; changed shard content trains
@@ -29,7 +29,14 @@ from dflash_assets.partitions import prompt_ranges
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.training.identity import STATE_FILE, file_sha256
-from dflash_assets_tests.test_dflash_train import HIDDEN, N_FEATS, VOCAB, _tiny_cfg, make_tiny_target, write_shard
+from dflash_assets_tests.tiny_target import (
+    HIDDEN,
+    N_FEATS,
+    VOCAB,
+    make_feature_target,
+    tiny_train_config,
+    write_rows_shard,
+)
 
 torch.set_num_threads(1)
 
@@ -75,7 +82,9 @@ def write_partition(root: Path, pk: str, seed: int) -> None:
                 "hidden_states": torch.randn(t, N_FEATS * HIDDEN, generator=g),
             }
         )
-    shard = write_shard(d / "shard-00000.safetensors", rows, list(range(5)), metadata={"target_layer_ids": "[1, 3, 5]"})
+    shard = write_rows_shard(
+        d / "shard-00000.safetensors", rows, list(range(5)), metadata={"target_layer_ids": "[1, 3, 5]"}
+    )
     sha = hashlib.sha256(shard.read_bytes()).hexdigest()
     (d / INDEX_NAME).write_text(
         json.dumps(
@@ -107,7 +116,7 @@ def materialize(instance, root: Path, target: Path, **overrides) -> dict:
 
 
 def test_drafter_trains_reuses_resumes_and_retrains_when_its_data_changes(tmp_path):
-    target, _ = make_tiny_target(tmp_path / "tiny")
+    target, _ = make_feature_target(tmp_path / "tiny")
     root = tmp_path / "data"
     for i, pk in enumerate(KEYS):
         write_partition(root, pk, seed=i)
@@ -154,8 +163,8 @@ def test_drafter_trains_reuses_resumes_and_retrains_when_its_data_changes(tmp_pa
 
 def test_warm_start_first_step_loss_equals_the_first_exports_loss_on_that_batch(tmp_path):
     """Acceptance 2: the second training starts from the first export (not from a random init)."""
-    target, shards = make_tiny_target(tmp_path / "a")
-    first = train(_tiny_cfg(target, shards, tmp_path / "run_a", max_steps=10))
+    target, shards = make_feature_target(tmp_path / "a")
+    first = train(tiny_train_config(target, shards, tmp_path / "run_a", max_steps=10))
     export = export_drafter(first.model, tmp_path / "export")
     g = torch.Generator().manual_seed(11)
     new_shards = []
@@ -169,9 +178,9 @@ def test_warm_start_first_step_loss_equals_the_first_exports_loss_on_that_batch(
             for _ in range(4)
         ]
         new_shards.append(
-            str(write_shard(tmp_path / f"new-{s}.safetensors", rows, [100 + 4 * s + r for r in range(4)]))
+            str(write_rows_shard(tmp_path / f"new-{s}.safetensors", rows, [100 + 4 * s + r for r in range(4)]))
         )
-    cfg = _tiny_cfg(target, new_shards, tmp_path / "run_b", max_steps=3, init_from=str(export))
+    cfg = tiny_train_config(target, new_shards, tmp_path / "run_b", max_steps=3, init_from=str(export))
     second = train(cfg)
     first_loss = second.records[0]["loss"]
 
@@ -188,5 +197,5 @@ def test_warm_start_first_step_loss_equals_the_first_exports_loss_on_that_batch(
         expected = float(batch_loss(reloaded, reloaded, batch, cfg.loss_gamma)["loss"])
     assert abs(first_loss - expected) < 1e-4 * max(1.0, abs(expected)), (first_loss, expected)
     # and not what a random init gives on the same batch
-    scratch = train(_tiny_cfg(target, new_shards, tmp_path / "run_c", max_steps=1))
+    scratch = train(tiny_train_config(target, new_shards, tmp_path / "run_c", max_steps=1))
     assert abs(scratch.records[0]["loss"] - expected) > 0.05

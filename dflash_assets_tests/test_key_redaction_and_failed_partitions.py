@@ -15,10 +15,7 @@ server cannot be made to do on demand (echo the key, fail every row).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,7 +37,6 @@ from dflash_simulators.behaviours import Error, Raw, Reply
 from dflash_simulators.counting_proxy import last_user_message
 from dflash_simulators.stand_in_server import FakeServer
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-h16-0123456789-THE-SECRET"
 PROMPTS = ["Write a function that adds two numbers.", "Write a function that reverses a list."]
 
@@ -154,46 +150,17 @@ def test_sglang_log_that_prints_the_key_is_redacted_in_the_file_and_the_error(tm
 # ------------------------------------------------------------------ 4. the key never leaves through the probe
 
 
-def test_key_echoed_by_the_probe_reply_is_in_no_file_and_no_output(tmp_path):
-    home, data = tmp_path / "home", tmp_path / "data"
-    home.mkdir()
-    shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+def test_key_echoed_by_the_probe_reply_is_in_no_file_and_no_output(main_job):
     with FakeServer(Error(401, "invalid token", echo_auth=True)) as server:
-        config = tmp_path / "config.yaml"
-        config.write_text(
-            json.dumps(
-                {
-                    "resources": {
-                        "inference": {
-                            "mode": "external",
-                            "base_urls": [server.url],
-                            "served_model_name": "fake",
-                            "external_backend": "openai",
-                            "startup_timeout_s": 10,
-                        }
-                    },
-                    "ops": {"prompt_corpus": {"config": {"sources": [str(prompts)], "partition_size": 2}}},
-                }
-            )
-        )
-        env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_STORAGE_ROOT": str(data), API_KEY_ENV: KEY}
-        proc = subprocess.run(
-            [sys.executable, "-m", "dflash_assets", "run", "--config", str(config)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        job = main_job(server.url, PROMPTS, env={API_KEY_ENV: KEY})
+        proc = job.run()
         assert any(KEY in (h or "") for h in server.auth_headers)  # the server did get (and echo) the key
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output[-3000:]
     assert f"probe POST {server.url}/v1/chat/completions got HTTP 401" in output and "Bearer ***" in output
     assert KEY not in output
-    assert files_holding(KEY, home, data) == []
-    assert any(home.rglob("*.db"))  # the run database exists and was searched
+    assert files_holding(KEY, job.home, job.data) == []
+    assert any(job.home.rglob("*.db"))  # the run database exists and was searched
 
 
 # ---------------------------------------------- 5. every row fails: a failed run; rows redacted and checkpointed

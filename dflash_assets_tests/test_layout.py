@@ -6,6 +6,8 @@ type lives in an asset module, modules and asset bodies are of bounded size. Rea
 from __future__ import annotations
 
 import ast
+import re
+import textwrap
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash_assets"
@@ -214,6 +216,22 @@ def _sources() -> list[Path]:
     return [*sorted(files), root / "bench" / "run_all"]
 
 
+def _script_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Imports of the Python scripts a file holds as string literals (run with ``python -c`` or written out
+    for a subprocess); ``{...}`` fields of a script filled by ``str.format`` are read as ``None``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "import " in node.value:
+            text = textwrap.dedent(node.value)
+            for source in (text, re.sub(r"\{[^{}]*\}", "None", text)):
+                try:
+                    found += _imports(ast.parse(source))
+                    break
+                except SyntaxError:
+                    continue
+    return found
+
+
 def test_names_are_imported_from_the_module_that_defines_them():
     """No re-exports: a name moved to another module is imported from there, so a reader finds it in the
     module named, and the old module does not keep it alive."""
@@ -221,7 +239,8 @@ def test_names_are_imported_from_the_module_that_defines_them():
     defined = {name: _defined(path) for name, path in modules.items()}
     through = []
     for path in _sources():
-        for node in _imports(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in _imports(tree) + _script_imports(tree):
             if isinstance(node, ast.ImportFrom) and node.module in modules:
                 through += [
                     f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.module}.{a.name}"
@@ -229,6 +248,12 @@ def test_names_are_imported_from_the_module_that_defines_them():
                     if a.name not in defined[node.module] and f"{node.module}.{a.name}" not in modules
                 ]
     assert not through, f"imported through a module that does not define them: {through}"
+
+
+def test_script_imports_are_read():
+    script = '"""\n    import os\n    from a import b\n    x = {name!r}\n"""'
+    tree = ast.parse(f"S = {script}\nT = 'not code: import this'\n")
+    assert [type(n).__name__ for n in _script_imports(tree)] == ["Import", "ImportFrom"]
 
 
 def test_all_lists_only_names_defined_there():

@@ -9,61 +9,24 @@ wrongly goes on to ``hidden_states`` fails there at once instead of training for
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_simulators.behaviours import Reply
 from dflash_simulators.stand_in_server import FakeServer
 
-ROOT = Path(__file__).resolve().parents[1]
 CHECK = "failed check tokenized_sequences.no_degenerate_mask_length_mode"
 
 
-def test_the_next_run_makes_the_failed_stage_again_and_goes_no_further(tmp_path):
-    home, data, target = tmp_path / "home", tmp_path / "data", tmp_path / "target"
-    home.mkdir()
+def test_the_next_run_makes_the_failed_stage_again_and_goes_no_further(main_job, tmp_path):
+    target = tmp_path / "target"
     target.mkdir()
-    shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(ensure_local_model() / name, target / name)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: say something."}) + "\n" for i in range(4)))
+    prompts = [f"Question {i}: say something." for i in range(4)]
     with FakeServer(Reply(content="", reasoning=None, completion_tokens=1)) as server:
-        config = tmp_path / "config.yaml"
-        config.write_text(
-            json.dumps(
-                {
-                    "resources": {
-                        "inference": {
-                            "mode": "external",
-                            "base_urls": [server.url],
-                            "served_model_name": "fake",
-                            "external_backend": "openai",
-                            "startup_timeout_s": 10,
-                        },
-                        "target_model": {"model_path": str(target)},
-                    },
-                    "ops": {"prompt_corpus": {"config": {"sources": [str(prompts)], "partition_size": 4}}},
-                }
-            )
-        )
-        env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_STORAGE_ROOT": str(data)}
-        runs = [
-            subprocess.run(
-                [sys.executable, "-m", "dflash_assets", "run", "--config", str(config)],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            for _ in range(2)
-        ]
+        job = main_job(server.url, prompts, partition_size=4, resources={"target_model": {"model_path": str(target)}})
+        runs = [job.run(timeout=600) for _ in range(2)]
     first, second = runs
     assert first.returncode == 1 and "no_degenerate_mask_length_mode" in first.stdout, first.stdout[-3000:]
     out = second.stdout

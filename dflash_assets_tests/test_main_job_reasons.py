@@ -7,61 +7,21 @@ names each failed partition with the step's error, not only "partitions failed: 
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 from dflash_simulators.behaviours import Error, Reply
 from dflash_simulators.counting_proxy import last_user_message
 from dflash_simulators.stand_in_server import FakeServer
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["p-one", "p-two", "p-three"]
 
 
-def test_each_failed_partition_is_reported_with_its_reason(tmp_path):
-    home, data = tmp_path / "home", tmp_path / "data"
-    home.mkdir()
-    shutil.copy(ROOT / "dagster.yaml", home / "dagster.yaml")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-
+def test_each_failed_partition_is_reported_with_its_reason(main_job):
     def script(n, body):
         if last_user_message(body) not in PROMPTS:
             return Reply()  # the start-up probe
         return Error(400, "the model refuses this prompt")
 
     with FakeServer(script) as server:
-        config = tmp_path / "config.yaml"
-        config.write_text(
-            json.dumps(
-                {
-                    "resources": {
-                        "inference": {
-                            "mode": "external",
-                            "base_urls": [server.url],
-                            "served_model_name": "fake",
-                            "external_backend": "openai",
-                            "startup_timeout_s": 10,
-                            "max_attempts": 1,
-                        }
-                    },
-                    "ops": {"prompt_corpus": {"config": {"sources": [str(prompts)], "partition_size": 2}}},
-                }
-            )
-        )
-        env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_STORAGE_ROOT": str(data)}
-        proc = subprocess.run(
-            [sys.executable, "-m", "dflash_assets", "run", "--config", str(config)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        proc = main_job(server.url, PROMPTS, inference={"max_attempts": 1}).run()
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output[-3000:]
     assert "partitions failed: ['0000000-0000001', '0000002-0000002']" in proc.stdout, proc.stdout[-3000:]

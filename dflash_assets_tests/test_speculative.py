@@ -28,6 +28,7 @@ from dflash_assets.dflash.speculative import (
 from dflash_assets.dflash.target_layers import default_target_layer_ids
 from dflash_assets.dflash.teacher_forced import teacher_forced_acceptance, teacher_forced_chain
 from dflash_simulators.oracle_drafter import OracleDrafter
+from dflash_simulators.overfit_drafter import greedy_rows, overfit
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "How many days are in a week?"]
 MAX_NEW = 24
@@ -206,38 +207,15 @@ def test_untrained_drafter_is_lossless_with_tau_one(smol):
 @pytest.fixture(scope="module")
 def trained(smol, tmp_path_factory):
     """A 1-layer drafter overfit (<= 40 steps) on shards of the target's own greedy completions."""
-    from dflash_assets.dflash.shards import extract_partition
-    from dflash_assets.dflash.train import train
-    from dflash_assets.dflash.train_config import TrainConfig
-
-    tmp = tmp_path_factory.mktemp("spec")
-    rows = [
-        {"index": i, "input_ids": p + r.output_ids, "loss_mask": [0] * len(p) + [1] * len(r.output_ids)}
-        for i, (p, r) in enumerate(zip(smol["prompts"], smol["plain"]))
-    ]
-    extract_partition(smol["target"], rows, tmp / "shards", smol["layer_ids"], rows_per_shard=8)
-    shards = sorted(str(p) for p in (tmp / "shards").glob("*.safetensors"))
-    cfg = TrainConfig(
-        shards=shards,
-        out_dir=str(tmp / "run"),
-        block_size=BS,
-        max_anchors=64,
-        batch_size=3,
-        lr=2e-3,
-        max_steps=40,
-        warmup_ratio=0.05,
-        min_lr_ratio=0.1,
-        checkpoint_every=0,
-        eval_fraction=0.0,
-        log_every=5,
-        seed=0,
-        prefetch=1,
-    )
-    result = train(
-        cfg,
-        draft_config=drafter_config(smol),
-        target_head=(smol["embed"], smol["head"]),
-        progress_callback=lambda rec: all(a >= 0.95 for a in rec["acc_per_position"][1:]),
+    result, shards = overfit(
+        smol["target"],
+        greedy_rows(smol["prompts"], smol["plain"]),
+        smol["layer_ids"],
+        tmp_path_factory.mktemp("spec"),
+        drafter_config(smol),
+        (smol["embed"], smol["head"]),
+        steps=40,
+        stop=lambda rec: all(a >= 0.95 for a in rec["acc_per_position"][1:]),
     )
     return {"drafter": result.model.eval(), "shards": shards}
 

@@ -1,10 +1,15 @@
-"""A random-init tiny Llama target saved as an HF directory (no weights from anywhere), for fast tests."""
+"""A random-init tiny Llama target saved as an HF directory (no weights from anywhere), for fast tests; and a
+fake target with shards of random features, for training tests that need no decoder."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
+from dflash_assets.dflash.train_config import TrainConfig
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 6
 LAYER_IDS = [1, 3, 5]
@@ -106,3 +111,96 @@ def project_config_with_layers(directory: Path, layer_ids: list[int]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"ops:\n  hidden_states:\n    config:\n      target_layer_ids: {list(layer_ids)}\n")
     return path
+
+
+# A fake target for training alone: config.json and the embedding / LM head, no decoder weights, and shards
+# of random features of N_FEATS layers (the resume, DDP and drafter-identity tests).
+
+N_FEATS = len(LAYER_IDS)
+
+
+def write_rows_shard(
+    path: Path, rows: list[dict], row_index: list[int] | None = None, metadata: dict | None = None
+) -> Path:
+    """Write rows ({input_ids, loss_mask, hidden_states}) in the hidden-state shard format."""
+    lengths = [len(r["input_ids"]) for r in rows]
+    cu = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    tensors = {
+        "hidden_states": torch.cat([r["hidden_states"] for r in rows]).to(torch.bfloat16).contiguous(),
+        "input_ids": torch.cat([torch.as_tensor(r["input_ids"]) for r in rows]).to(torch.int32),
+        "loss_mask": torch.cat([torch.as_tensor(r["loss_mask"]) for r in rows]).to(torch.int8),
+        "cu_seqlens": cu,
+    }
+    if row_index is not None:
+        tensors["row_index"] = torch.tensor(row_index, dtype=torch.int64)
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+def make_feature_target(root: Path) -> tuple[Path, list[str]]:
+    """A fake target dir (config.json + embedding/LM head) and 2 shards of random features."""
+    g = torch.Generator().manual_seed(0)
+    target = root / "target"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": HIDDEN,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 8,
+                "intermediate_size": 64,
+                "vocab_size": VOCAB,
+                "num_hidden_layers": 8,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0,
+                "max_position_embeddings": 512,
+            }
+        )
+    )
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+            "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+        },
+        str(target / "model.safetensors"),
+    )
+    shards = []
+    for s in range(2):
+        rows = []
+        for r in range(5):
+            t = 30 + 7 * r
+            ids = torch.randint(0, VOCAB - 1, (t,), generator=g)
+            mask = torch.zeros(t, dtype=torch.int8)
+            mask[10:] = 1
+            rows.append(
+                {"input_ids": ids, "loss_mask": mask, "hidden_states": torch.randn(t, N_FEATS * HIDDEN, generator=g)}
+            )
+        shards.append(str(write_rows_shard(root / f"shard-{s}.safetensors", rows, [s * 5 + r for r in range(5)])))
+    return target, shards
+
+
+def tiny_train_config(target: Path, shards: list[str], out: Path, **kw) -> TrainConfig:
+    """A short deterministic run on :func:`make_feature_target`'s shards; ``kw`` overrides any field."""
+    values = dict(
+        shards=shards,
+        out_dir=str(out),
+        target_model_path=str(target),
+        num_hidden_layers=2,
+        num_context_features=N_FEATS,
+        block_size=4,
+        mask_token_id=VOCAB - 1,
+        max_anchors=6,
+        batch_size=2,
+        lr=1e-2,
+        max_steps=12,
+        checkpoint_every=3,
+        eval_fraction=0.0,
+        log_every=1,
+        seed=7,
+        device="cpu",
+    )  # CPU kernels are deterministic: resume must match exactly
+    values.update(kw)
+    return TrainConfig(**values)
