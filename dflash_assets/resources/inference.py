@@ -15,7 +15,9 @@ from pydantic import ConfigDict, Field, field_validator
 
 from dflash_assets.config import SECRET_ENV
 from dflash_assets.dflash.target_layers import text_config
+from dflash_assets.generation.engine_env import EngineEnvironment, vllm_environment
 from dflash_assets.generation.local_model import DEFAULT_LOCAL_MODEL, LocalModelName
+from dflash_assets.generation.ports import free_port_block
 from dflash_assets.generation.probe import probe_external
 from dflash_assets.generation.replies import MAX_REPLY_BYTES
 from dflash_assets.generation.secret_args import refuse_secret_args
@@ -29,6 +31,8 @@ from dflash_assets.generation.sglang_servers import (
 )
 from dflash_assets.generation.supervision import ProbeSupervisor, ProcessSupervisor
 from dflash_assets.generation.transformers_server import LocalTransformersServer
+from dflash_assets.generation.vllm_servers import VLLMServers, build_vllm_commands
+from dflash_assets.resources.inference_sections import VLLMSettings
 from dflash_assets.settings import GenerationSettings
 
 __all__ = ["InferenceServerResource", "ServerPool"]
@@ -46,6 +50,10 @@ class InferenceServerResource(dg.ConfigurableResource):
             cache for its linear-attention layers).
         ``sglang``: ``num_servers`` SGLang servers, one per GPU (``tp_size`` GPUs each), or one
             ``sglang_router`` with ``--dp-size num_servers`` when ``use_router``.
+        ``vllm``: ``vllm.num_servers`` vLLM OpenAI servers (section ``vllm``,
+            :class:`~dflash_assets.resources.inference_sections.VLLMSettings`) from vLLM's own environment, made
+            on first use; on CPU over ``local_model`` unless ``vllm.model_path`` is set. Replies carry the
+            generated token ids (``return_token_ids``), so rows are exact, as with SGLang.
         ``external``: servers already running at ``base_urls`` serving ``served_model_name``: any number of
             URLs on any number of hosts (requests go to the one with the fewest in flight; each row records
             its server), or one ``sglang_router`` URL with ``max_running_requests`` set to the total slots
@@ -56,14 +64,15 @@ class InferenceServerResource(dg.ConfigurableResource):
     in a ``--config`` file only this user can read (never on a command line, where ``ps`` shows it to
     every local user; see :mod:`~dflash_assets.generation.sglang_servers`).
 
-    ``max_running_requests`` is both the SGLang server flag and the client's concurrency per server;
-    None means 16 in local mode (measured best for 2 cores) and 40 otherwise.
+    ``max_running_requests`` is both the server's limit (SGLang ``--max-running-requests``, vLLM
+    ``--max-num-seqs``) and the client's concurrency per server; None means 16 in local mode and vLLM on CPU
+    (measured best for 2 cores) and 40 otherwise.
     """
 
     # a refused value (a key in extra_args) is not quoted back into the error, the UI or the logs
     model_config = ConfigDict(hide_input_in_errors=True)
 
-    mode: Literal["local", "sglang", "external"] = Field(default="local")
+    mode: Literal["local", "sglang", "vllm", "external"] = Field(default="local")
     # numbers and switches are strict: YAML `true` would otherwise become 1 slot, 1 server or a 1-token chunk
     api_key: str | None = Field(
         default=None,
@@ -71,7 +80,10 @@ class InferenceServerResource(dg.ConfigurableResource):
         json_schema_extra={SECRET_ENV: API_KEY_ENV},
     )  # a value in the config file is refused
     max_running_requests: int | None = Field(
-        strict=True, default=None, ge=1, description="Requests in flight per server; None: 16 local, 40 otherwise."
+        strict=True,
+        default=None,
+        ge=1,
+        description="Requests in flight per server; None: 16 local and vLLM on CPU, 40 otherwise.",
     )
     startup_timeout_s: float = Field(
         strict=True, default=1800.0, gt=0, description="Seconds to wait for servers to generate."
@@ -107,11 +119,17 @@ class InferenceServerResource(dg.ConfigurableResource):
         "dflash_assets.simulation.sglang_stub simulates a GPU server (benches).",
     )
 
+    # vllm
+    vllm: VLLMSettings = Field(
+        default_factory=VLLMSettings,
+        description="vllm: how the vLLM servers are launched (model_path, num_servers, device, packages, ...).",
+    )
+
     # external
     base_urls: list[str] = Field(default_factory=list, description="external: OpenAI base URLs ending in /v1.")
     served_model_name: str = Field(default="", description="external: the model name requests carry.")
     external_tokenizer_path: str = Field(default="", description="external: the served model's dir, for tokenizing.")
-    external_backend: Literal["openai", "sglang", "transformers"] = Field(
+    external_backend: Literal["openai", "sglang", "vllm", "transformers"] = Field(
         default="openai", description="external: what serves the URLs (decides which request fields are sent)."
     )
 
@@ -189,14 +207,15 @@ class InferenceServerResource(dg.ConfigurableResource):
         return value
 
     def backend(self) -> str:
-        """What answers requests in this mode: ``transformers`` (local), ``sglang``, or ``external_backend``."""
-        return {"local": "transformers", "sglang": "sglang"}.get(self.mode, self.external_backend)
+        """What answers requests in this mode: ``transformers`` (local), ``sglang``, ``vllm``, or
+        ``external_backend``."""
+        return {"local": "transformers", "sglang": "sglang", "vllm": "vllm"}.get(self.mode, self.external_backend)
 
     def exposure_warnings(self) -> list[str]:
         """What these settings expose, one line each (never the key's value); empty when nothing:
 
-        - ``sglang`` mode, ``host`` not loopback (``0.0.0.0``, a LAN address) and no API key: anyone who
-          reaches the port can send requests (and read or spend the GPUs);
+        - ``sglang`` or ``vllm`` mode, the servers' host not loopback (``0.0.0.0``, a LAN address) and no API
+          key: anyone who reaches the port can send requests (and read or spend the GPUs);
         - an API key sent over ``http://`` to a host that is not loopback (``external`` mode): it travels in
           clear text, readable by anyone on the path.
 
@@ -207,6 +226,11 @@ class InferenceServerResource(dg.ConfigurableResource):
             warnings.append(
                 f"inference.host {self.host!r} with no API key: the servers take requests from anyone who can reach "
                 f"port {self.port_base}; set {API_KEY_ENV}, or host: 127.0.0.1"
+            )
+        if self.mode == "vllm" and not self.api_key and not _is_loopback(self.vllm.host):
+            warnings.append(
+                f"inference.vllm.host {self.vllm.host!r} with no API key: the servers take requests from anyone who "
+                f"can reach their ports; set {API_KEY_ENV}, or host: 127.0.0.1"
             )
         if self.mode == "external" and self.api_key:
             for url in self.base_urls:
@@ -219,10 +243,11 @@ class InferenceServerResource(dg.ConfigurableResource):
         return warnings
 
     def effective_max_running_requests(self) -> int:
-        """Requests in flight per server: the configured value, else 16 (local) or 40."""
+        """Requests in flight per server: the configured value, else 16 (local, vLLM on CPU) or 40."""
         if self.max_running_requests is not None:
             return self.max_running_requests
-        return LOCAL_MAX_RUNNING_REQUESTS if self.mode == "local" else SGLANG_MAX_RUNNING_REQUESTS
+        on_cpu = self.mode == "local" or (self.mode == "vllm" and self.vllm.device == "cpu")
+        return LOCAL_MAX_RUNNING_REQUESTS if on_cpu else SGLANG_MAX_RUNNING_REQUESTS
 
     def sglang_commands(self, extra_args: Sequence[str] = (), use_router: bool | None = None) -> list[LaunchCommand]:
         """The launch commands ``serve`` uses in sglang mode (key by variable name, never by value).
@@ -249,18 +274,59 @@ class InferenceServerResource(dg.ConfigurableResource):
             return [build_router_command(port=self.port_base, **common)]
         return build_sglang_commands(port_base=self.port_base, module=self.launch_module, **common)
 
+    def vllm_environment(self) -> EngineEnvironment:
+        """The environment mode ``vllm`` runs its servers from (``vllm.packages`` minus ``vllm.remove_packages``,
+        or ``vllm.python``); the same one ``drafter_evaluation``'s ``engine: vllm`` uses for the same pins."""
+        v = self.vllm
+        return vllm_environment(v.packages, v.remove_packages, v.python)
+
+    def vllm_commands(self, python: str | Path, port_base: int | None = None) -> list[LaunchCommand]:
+        """The launch commands ``serve`` uses in vllm mode: ``vllm.num_servers`` servers of the model
+        :meth:`tokenizer_path` names, ``max_running_requests`` each (``--max-num-seqs``); the key by variable
+        name, never by value.
+
+        Args:
+            python: the engine environment's interpreter.
+            port_base: server i listens on ``port_base + i``; None: ``vllm.port_base``, else a free block.
+
+        Raises:
+            ValueError: ``gpu_ids`` that do not fit ``num_servers x tp_size``; SecretArgError: ``--api-key`` in
+                ``vllm.extra_args``.
+        """
+        v = self.vllm
+        if port_base is None:
+            port_base = v.port_base if v.port_base is not None else free_port_block(v.num_servers, v.host)
+        return build_vllm_commands(
+            python,
+            self.tokenizer_path(),
+            v.num_servers,
+            port_base,
+            host=v.host,
+            device=v.device,
+            dtype=v.dtype,
+            max_model_len=v.max_model_len,
+            memory_fraction=v.memory_fraction,
+            max_num_seqs=self.effective_max_running_requests(),
+            tp_size=v.tp_size,
+            gpu_ids=v.gpu_ids,
+            reasoning_parser=v.reasoning_parser,
+            api_key_env=API_KEY_ENV if self.api_key else None,
+            extra_args=v.extra_args,
+        )
+
     @contextlib.contextmanager
     def serve(self, log_dir: Path | str, settings: GenerationSettings | None = None) -> Iterator[ServerPool]:
         """Make servers ready, yield a :class:`ServerPool`, and stop what was started on exit.
 
         Args:
-            log_dir: directory for server logs (``transformers_serve.log``, ``sglang_<i>.log``).
+            log_dir: directory for server logs (``transformers_serve.log``, ``sglang_<i>.log``, ``vllm_<i>.log``).
             settings: local mode only: the sampling ``transformers serve`` is frozen with at startup
                 (its continuous batcher keeps the first request's sampling); None = model defaults
-                (greedy for SmolLM2). SGLang honours per-request sampling, so it needs none.
+                (greedy for SmolLM2). SGLang and vLLM honour per-request sampling, so they need none.
 
         Raises:
             RuntimeError, TimeoutError: a server did not start or failed the generation probe.
+            EngineEnvironmentError (a RuntimeError): vllm mode, vLLM's environment could not be made.
             ValueError: the mode's required fields are missing.
         """
         for entry in reap_orphaned_servers():  # left by a killed run (UI, daemon or `run`) on this host
@@ -295,6 +361,19 @@ class InferenceServerResource(dg.ConfigurableResource):
                 self.external_backend,
                 supervisor=supervisor,
             )
+        elif self.mode == "vllm":
+            python = self.vllm_environment().ensure(dg.get_dagster_logger().info)  # first use: a few minutes
+            commands = self.vllm_commands(python)
+            dg.get_dagster_logger().info(f"starting {len(commands)} vLLM server(s): {commands[0].redacted()}")
+            with VLLMServers(commands, log_dir, self.api_key, self.startup_timeout_s) as servers:
+                yield ServerPool(
+                    servers.base_urls,
+                    str(self.tokenizer_path()),
+                    self.api_key,
+                    mrr,
+                    "vllm",
+                    supervisor=ProcessSupervisor(servers, self.server_retry_s, self.max_server_restarts),
+                )
         else:
             commands = self.sglang_commands()
             with SGLangServers(commands, log_dir, self.api_key, self.startup_timeout_s) as servers:
@@ -343,15 +422,18 @@ class InferenceServerResource(dg.ConfigurableResource):
 
         local: ``local_model``'s directory (:func:`~dflash_assets.generation.local_model.local_model_dir`);
         sglang: ``model_path``;
+        vllm: ``vllm.model_path``, else ``local_model``'s directory;
         external: ``external_tokenizer_path``.
 
         Raises:
             ValueError: the mode's path is not configured.
         """
-        if self.mode == "local":
+        if self.mode == "local" or (self.mode == "vllm" and not self.vllm.model_path):
             from dflash_assets.generation.local_model import local_model_dir
 
             return local_model_dir(self.local_model)
+        if self.mode == "vllm":
+            return Path(self.vllm.model_path)
         if self.mode == "sglang":
             if not self.model_path:
                 raise ValueError("mode 'sglang' needs model_path")
