@@ -86,9 +86,13 @@ def test_the_vllm_section_is_checked_key_by_key(tmp_path, monkeypatch):
     path.write_text("resources:\n  inference: {mode: vllm, vllm: {num_servers: true}}\n")
     with pytest.raises(cfg.ConfigError, match=r"resources\.inference\.vllm: .*num_servers"):
         cfg.build_resources({"inference": InferenceServerResource})
-    path.write_text("resources:\n  inference: {mode: vllm, vllm: {extra_args: [--api-key, x]}}\n")
-    with pytest.raises(cfg.ConfigError, match="DFLASH_SERVER_API_KEY"):
+    path.write_text(f"resources:\n  inference: {{mode: vllm, vllm: {{extra_args: [--api-key, {SECRET}]}}}}\n")
+    with pytest.raises(cfg.ConfigError, match="DFLASH_SERVER_API_KEY") as err:
         cfg.build_resources({"inference": InferenceServerResource})
+    assert SECRET not in str(err.value)
+    with pytest.raises(Exception) as err:
+        InferenceServerResource(mode="vllm", vllm={"extra_args": [f"--api-key={SECRET}"]})
+    assert "DFLASH_SERVER_API_KEY" in str(err.value) and SECRET not in str(err.value)
 
 
 def test_vllm_mode_on_the_local_model_must_match_the_target(tmp_path, monkeypatch):

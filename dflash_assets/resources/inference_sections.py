@@ -23,7 +23,8 @@ class VLLMSettings(dg.Config):
     An unknown key is an error (YAML ``true`` is not 1 either: numbers and switches are strict).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    # an unknown key is an error; a refused value (a key in extra_args) is not quoted back into the error
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     model_path: str = Field(
         default="",
