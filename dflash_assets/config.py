@@ -101,8 +101,11 @@ def build_resources(
 
     Raises:
         ConfigError: an unknown resource name or field (which Dagster's ConfigurableResource would
-            silently accept), a secret field given a value in the file (:func:`secret_env`), or a value
-            the class rejects; the message names the file and the key.
+            silently accept), a secret field given a value in the file (:func:`secret_env`), a key of an earlier
+            release given with its new key, or a value the class rejects; the message names the file and the key.
+
+    A resource class with a ``migrate_config(fields, where)`` classmethod (``inference``) first moves the keys of
+    an earlier release to their new place, warning about each (a ``FutureWarning`` naming the new key).
     """
     path = config_path()
     sections = project_config()["resources"]
@@ -112,6 +115,11 @@ def build_resources(
     built = {}
     for name, cls in classes.items():
         fields = resource_fields(name)
+        if hasattr(cls, "migrate_config"):  # keys of an earlier release moved to their new place, with a warning
+            try:
+                fields = cls.migrate_config(fields, f"resources.{name}")
+            except ValueError as exc:
+                raise ConfigError(f"{path}: {exc}") from None
         _check_keys(str(path), f"resources.{name}", cls, fields)
         try:
             built[name] = cls(**fields, **dict((extra or {}).get(name) or {}))
@@ -168,17 +176,18 @@ def check_local_model(built: Mapping[str, Any]) -> None:
     evaluation would otherwise read another model than the one that wrote the completions).
 
     Raises:
-        ConfigError: ``inference.mode`` is local (or vllm without ``vllm.model_path``), ``target_model.model_path``
-            is empty and the two ``local_model`` fields differ; the message names both keys and the file.
+        ConfigError: ``inference`` serves a local model (``local.model``, or ``vllm.local_model`` without
+            ``vllm.model_path``), ``target_model.model_path`` is empty and ``target_model.local_model`` names another
+            one; the message names both keys and the file.
     """
     inference, target = built.get("inference"), built.get("target_model")
     if inference is None or target is None or target.model_path:
         return
-    if not (inference.mode == "local" or (inference.mode == "vllm" and not inference.vllm.model_path)):
-        return
-    if inference.local_model != target.local_model:
+    served = inference.local_model_name()
+    if served is not None and served != target.local_model:
+        key = "local.model" if inference.mode == "local" else "vllm.local_model"
         raise ConfigError(
-            f"{config_path()}: resources.inference.local_model is {inference.local_model!r} but "
+            f"{config_path()}: resources.inference.{key} is {served!r} but "
             f"resources.target_model.local_model is {target.local_model!r}: the local server and the target model "
             "must be the same model; set both to one name"
         )

@@ -217,9 +217,9 @@ def configured_generation(inference) -> tuple[str, int, int]:
 
     kind, devices, _ = generation_devices(inference)
     servers = {
-        "sglang": inference.num_servers,
+        "sglang": inference.sglang.num_servers,
         "vllm": inference.vllm.num_servers,
-        "external": max(1, len(inference.base_urls)),
+        "external": max(1, len(inference.external.base_urls)),
     }.get(inference.mode, 1)
     return kind, devices, servers * inference.effective_max_running_requests()
 

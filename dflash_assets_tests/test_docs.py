@@ -14,7 +14,13 @@ from dflash_assets.assets.tokenized import TokenizeConfig
 from dflash_assets.resources.cost import CostResource
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.inference_sections import VLLMSettings
+from dflash_assets.resources.inference_sections import (
+    ClientSettings,
+    ExternalSettings,
+    LocalSettings,
+    SGLangSettings,
+    VLLMSettings,
+)
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 
@@ -50,7 +56,11 @@ def test_relative_links_resolve(doc):
     [
         ("resources.storage", StorageResource),
         ("resources.inference", InferenceServerResource),
+        ("resources.inference.local", LocalSettings),
+        ("resources.inference.sglang", SGLangSettings),
         ("resources.inference.vllm", VLLMSettings),
+        ("resources.inference.external", ExternalSettings),
+        ("resources.inference.client", ClientSettings),
         ("resources.generation", GenerationResource),
         ("resources.target_model", TargetModelResource),
         ("resources.cost", CostResource),

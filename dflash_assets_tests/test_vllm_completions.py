@@ -101,11 +101,11 @@ def test_vllm_mode_on_the_local_model_must_match_the_target(tmp_path, monkeypatc
     path = tmp_path / "c.yaml"
     monkeypatch.setenv("DFLASH_CONFIG", str(path))
     path.write_text(
-        "resources:\n  inference: {mode: vllm, local_model: qwen3.6-hybrid-standin}\n"
+        "resources:\n  inference: {mode: vllm, vllm: {local_model: qwen3.6-hybrid-standin}}\n"
         "  target_model: {local_model: smollm2-135m-instruct}\n"
     )
     built = cfg.build_resources({"inference": InferenceServerResource, "target_model": TargetModelResource})
-    with pytest.raises(cfg.ConfigError, match="same model"):
+    with pytest.raises(cfg.ConfigError, match=r"resources\.inference\.vllm\.local_model is .*same model"):
         cfg.check_local_model(built)
 
 
