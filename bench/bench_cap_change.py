@@ -47,12 +47,14 @@ def main() -> None:
             with CountingProxy(server.base_url) as proxy:
                 inference = InferenceServerResource(
                     mode="external",
-                    base_urls=[proxy.base_url],
-                    served_model_name=server.model_name,
-                    external_backend="transformers",
-                    external_tokenizer_path=str(model_dir),
+                    external={
+                        "base_urls": [proxy.base_url],
+                        "served_model_name": server.model_name,
+                        "backend": "transformers",
+                        "tokenizer_path": str(model_dir),
+                    },
                     max_running_requests=8,
-                    max_attempts=1,
+                    client={"max_attempts": 1},
                 )
                 scenario = run_scenario(Path(tmp), proxy, inference, [args.small, args.raised, args.lowered])
                 upstream_errors = proxy.upstream_errors

@@ -128,9 +128,11 @@ def bench_real_server(args, work: Path) -> None:
         ]
         inference = InferenceServerResource(
             mode="external",
-            base_urls=[server.base_url],
-            served_model_name=server.model_name,
-            external_backend="transformers",
+            external={
+                "base_urls": [server.base_url],
+                "served_model_name": server.model_name,
+                "backend": "transformers",
+            },
             max_running_requests=args.concurrency,
         )
         asyncio.run(run_bare(server.base_url, bodies[: args.concurrency], args.concurrency))  # warm-up
@@ -199,9 +201,7 @@ def bench_instant_server(args, work: Path) -> None:
             pk, _ = make_corpus(instance, root, [str(source)], args.fake_prompts)
             inference = InferenceServerResource(
                 mode="external",
-                base_urls=[url + "/v1"],
-                served_model_name="fake",
-                external_backend="openai",
+                external={"base_urls": [url + "/v1"], "served_model_name": "fake", "backend": "openai"},
                 max_running_requests=args.fake_concurrency,
             )
             # the whole asset (probe, journal with fsync per row, table write, metadata) and the bare

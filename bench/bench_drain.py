@@ -9,7 +9,7 @@ sigma 0.8, cut at the cap). Prints the efficiency (tokens / (capacity x makespan
 - first-come, then the last ``window`` prompts generated in chunks of ``chunk`` tokens, a cut sequence
   continued later behind every fresh prompt. Beside each: the prefix tokens those continuations send
   again, per generated token (prefill the GPU must redo unless the prefix cache still holds them);
-- the same with the pipeline's own queues (``inference.tail_chunk_tokens``; the client's
+- the same with the pipeline's own queues (``inference.client.tail_chunk_tokens``; the client's
   ``FollowUpLanes``, called here): one FIFO per server, a continuation queued on the server that wrote
   its prefix; a slot takes its own server's oldest, unless that queue is shorter than the longest by
   more than slots per server // 8: then the longest queue's continuation with the fewest tokens so far,

@@ -12,7 +12,7 @@ Scenarios (each prints ``name: value`` lines):
    (wall - one start-up)), each partition's materialization time against the run's end. Beside it,
    ``ideal_fifo_efficiency``: the same lengths through a perfect first-come scheduler with zero
    overhead (the bound any client that cannot know lengths in advance has: slots drain at the end).
-   ``tail``: the same fresh range with ``inference.tail_chunk_tokens`` (``--tail-chunk-tokens``, 512) on:
+   ``tail``: the same fresh range with ``inference.client.tail_chunk_tokens`` (``--tail-chunk-tokens``, 512) on:
    the last ``--tail-prompts-per-slot`` x slots prompts generated in chunks, each continued after every
    fresh prompt (:mod:`dflash_assets.generation.tail_chunks`); besides efficiency: the follow-ups, the
    prefix tokens they re-send, how many of those the servers' prefix cache held and how many it charged
@@ -134,16 +134,20 @@ class Node:
                 "storage": {"root": str(self.data)},
                 "inference": {
                     "mode": "sglang",
-                    "model_path": str(self.model_path),
-                    "num_servers": a.servers,
-                    "continue_truncated": self.continue_truncated,
-                    "tail_chunk_tokens": self.tail_chunk_tokens,
-                    "tail_prompts_per_slot": a.tail_prompts_per_slot,
                     "max_running_requests": a.slots,
-                    "port_base": self.port_base,
-                    "launch_module": "dflash_simulators.sglang_stub",
-                    "extra_args": sim,
                     "startup_timeout_s": a.startup_s / a.speed + 120,
+                    "sglang": {
+                        "model_path": str(self.model_path),
+                        "num_servers": a.servers,
+                        "port_base": self.port_base,
+                        "launch_module": "dflash_simulators.sglang_stub",
+                        "extra_args": sim,
+                    },
+                    "client": {
+                        "continue_truncated": self.continue_truncated,
+                        "tail_chunk_tokens": self.tail_chunk_tokens,
+                        "tail_prompts_per_slot": a.tail_prompts_per_slot,
+                    },
                 },
                 "generation": {
                     "max_output_tokens": cap,
@@ -685,9 +689,11 @@ def main() -> None:
     parser.add_argument("--speed", type=float, default=10.0, help="simulated seconds per real second")
     parser.add_argument("--resume-wait-s", type=float, default=90.0)
     parser.add_argument("--scenarios", default="base,tail,cap_bump,kill,server_kill")
-    parser.add_argument("--tail-chunk-tokens", type=int, default=512, help="scenario tail: inference.tail_chunk_tokens")
     parser.add_argument(
-        "--tail-prompts-per-slot", type=float, default=4.0, help="scenario tail: inference.tail_prompts_per_slot"
+        "--tail-chunk-tokens", type=int, default=512, help="scenario tail: inference.client.tail_chunk_tokens"
+    )
+    parser.add_argument(
+        "--tail-prompts-per-slot", type=float, default=4.0, help="scenario tail: inference.client.tail_prompts_per_slot"
     )
     parser.add_argument("--keep", action="store_true", help="keep the bench directory")
     parser.add_argument(

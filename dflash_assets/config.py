@@ -101,8 +101,11 @@ def build_resources(
 
     Raises:
         ConfigError: an unknown resource name or field (which Dagster's ConfigurableResource would
-            silently accept), a secret field given a value in the file (:func:`secret_env`), or a value
-            the class rejects; the message names the file and the key.
+            silently accept), a secret field given a value in the file (:func:`secret_env`), a key of an earlier
+            release given with its new key, or a value the class rejects; the message names the file and the key.
+
+    A resource class with a ``migrate_config(fields, where)`` classmethod (``inference``) first moves the keys of
+    an earlier release to their new place, warning about each (a ``FutureWarning`` naming the new key).
     """
     path = config_path()
     sections = project_config()["resources"]
@@ -112,20 +115,52 @@ def build_resources(
     built = {}
     for name, cls in classes.items():
         fields = resource_fields(name)
-        valid = [f for f in cls.model_fields if not f.startswith("_")]
-        for key in fields:
-            if key not in valid:
-                raise _unknown(str(path), f"resources.{name}", "key", str(key), valid)
-            if env := secret_env(cls, key):
-                raise ConfigError(
-                    f"{path}: resources.{name}.{key}: a secret cannot be set in the config file (Dagster would show "
-                    f"it in the UI and over GraphQL); remove the key and set the environment variable {env} instead"
-                )
+        if hasattr(cls, "migrate_config"):  # keys of an earlier release moved to their new place, with a warning
+            try:
+                fields = cls.migrate_config(fields, f"resources.{name}")
+            except ValueError as exc:
+                raise ConfigError(f"{path}: {exc}") from None
+        _check_keys(str(path), f"resources.{name}", cls, fields)
         try:
             built[name] = cls(**fields, **dict((extra or {}).get(name) or {}))
         except Exception as exc:  # pydantic ValidationError, Dagster config errors
             raise ConfigError(f"{path}: resources.{name}: {_first_lines(exc)}") from None
     return built
+
+
+def _check_keys(path: str, where: str, cls: type, fields: Mapping[str, Any]) -> None:
+    """Every key of ``fields`` is a field of ``cls`` and no secret; a section (a field whose type is a pydantic
+    model, e.g. ``inference.vllm``) given as a mapping is checked the same way, key by key, then its values.
+
+    Raises:
+        ConfigError: an unknown key (naming its place, the valid keys and the closest one), a secret, or a value
+            the section's class rejects.
+    """
+    valid = [f for f in cls.model_fields if not f.startswith("_")]
+    for key in fields:
+        if key not in valid:
+            raise _unknown(path, where, "key", str(key), valid)
+        if env := secret_env(cls, key):
+            raise ConfigError(
+                f"{path}: {where}.{key}: a secret cannot be set in the config file (Dagster would show "
+                f"it in the UI and over GraphQL); remove the key and set the environment variable {env} instead"
+            )
+        section = section_class(cls, key)
+        if section is not None and isinstance(fields[key], Mapping):
+            _check_keys(path, f"{where}.{key}", section, fields[key])
+            try:  # Dagster drops a section's value equal to its default before pydantic sees it (YAML true == 1)
+                section(**fields[key])
+            except Exception as exc:  # pydantic ValidationError
+                raise ConfigError(f"{path}: {where}.{key}: {_first_lines(exc)}") from None
+
+
+def section_class(cls: type, field: str) -> type | None:
+    """The pydantic model class of field ``field`` of ``cls`` when it is a section (a nested config such as
+    ``inference.vllm``), else None."""
+    from pydantic import BaseModel
+
+    annotation = getattr(getattr(cls, "model_fields", {}).get(field), "annotation", None)
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def secret_env(cls: type, field: str) -> str | None:
@@ -141,15 +176,18 @@ def check_local_model(built: Mapping[str, Any]) -> None:
     evaluation would otherwise read another model than the one that wrote the completions).
 
     Raises:
-        ConfigError: ``inference.mode`` is local, ``target_model.model_path`` is empty and the two
-            ``local_model`` fields differ; the message names both keys and the file.
+        ConfigError: ``inference`` serves a local model (``local.model``, or ``vllm.local_model`` without
+            ``vllm.model_path``), ``target_model.model_path`` is empty and ``target_model.local_model`` names another
+            one; the message names both keys and the file.
     """
     inference, target = built.get("inference"), built.get("target_model")
-    if inference is None or target is None or inference.mode != "local" or target.model_path:
+    if inference is None or target is None or target.model_path:
         return
-    if inference.local_model != target.local_model:
+    served = inference.local_model_name()
+    if served is not None and served != target.local_model:
+        key = "local.model" if inference.mode == "local" else "vllm.local_model"
         raise ConfigError(
-            f"{config_path()}: resources.inference.local_model is {inference.local_model!r} but "
+            f"{config_path()}: resources.inference.{key} is {served!r} but "
             f"resources.target_model.local_model is {target.local_model!r}: the local server and the target model "
             "must be the same model; set both to one name"
         )

@@ -58,13 +58,21 @@ def generation_devices(inference) -> tuple[str, int, str]:
 
     sglang: ``num_servers x tp_size`` GPUs (``simulated GPU`` when ``launch_module`` is the simulator);
     external: one device per URL (``server``: the devices behind it are unknown; a router counts
-    ``num_servers``); local: the CPU cores (``transformers serve`` on this machine)."""
+    ``num_servers``); vllm: ``num_servers x tp_size`` GPUs on cuda, the CPU cores on cpu; local: the CPU cores
+    (``transformers serve`` on this machine)."""
+    if inference.mode == "vllm" and inference.vllm.device == "cuda":
+        v = inference.vllm
+        return GPU, v.num_servers * v.tp_size, f"{v.num_servers} server(s) x {v.tp_size} GPU(s) x wall while generating"
     if inference.mode == "sglang":
-        kind = SIMULATED_GPU if inference.launch_module.startswith(SIMULATION_PACKAGE) else GPU
-        n = inference.num_servers * inference.tp_size
-        return kind, n, f"{inference.num_servers} server(s) x {inference.tp_size} GPU(s) x wall while generating"
+        g = inference.sglang
+        kind = SIMULATED_GPU if g.launch_module.startswith(SIMULATION_PACKAGE) else GPU
+        return (
+            kind,
+            g.num_servers * g.tp_size,
+            f"{g.num_servers} server(s) x {g.tp_size} GPU(s) x wall while generating",
+        )
     if inference.mode == "external":
-        n = max(1, len(inference.base_urls))
+        n = max(1, len(inference.external.base_urls))
         return SERVER, n, f"{n} server URL(s) x wall while generating"
     return CPU, cpu_cores(), CORES_X_WALL + " while generating"
 

@@ -216,7 +216,11 @@ def configured_generation(inference) -> tuple[str, int, int]:
     from dflash_assets.cost import generation_devices
 
     kind, devices, _ = generation_devices(inference)
-    servers = {"sglang": inference.num_servers, "external": max(1, len(inference.base_urls))}.get(inference.mode, 1)
+    servers = {
+        "sglang": inference.sglang.num_servers,
+        "vllm": inference.vllm.num_servers,
+        "external": max(1, len(inference.external.base_urls)),
+    }.get(inference.mode, 1)
     return kind, devices, servers * inference.effective_max_running_requests()
 
 

@@ -23,7 +23,8 @@ from dflash_assets.config import config_path, op_config
 from dflash_assets.cost_report import configured_bytes_per_token, cost_and_forecast, keep_forecast
 from dflash_assets.definitions import defs
 from dflash_assets.evaluation.config import EvaluationConfig
-from dflash_assets.evaluation.vllm_run import prepare_in_background
+from dflash_assets.evaluation.vllm_run import evaluation_environment, prepare_in_background
+from dflash_assets.generation.engine_env import make_in_background
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.history import latest_record, plain_metadata
 from dflash_assets.partitions import prompt_ranges
@@ -140,10 +141,17 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     started = time.monotonic()
     asset_names = {k.to_user_string() for k in defs.resolve_all_asset_keys()}
     print(f"config: {config_path()}\nDAGSTER_HOME: {dagster_home or os.environ.get('DAGSTER_HOME')}")
-    # vLLM's own environment installs (first use only) while the stages before drafter_evaluation run
-    engine_environment = prepare_in_background(
-        EvaluationConfig(**(op_config("drafter_evaluation")["ops"].get("drafter_evaluation") or {}).get("config", {}))
+    # vLLM's own environment installs (first use only) while the stages before its user run: completions in
+    # inference mode vllm (which waits for it on the environment's file lock), else drafter_evaluation
+    inference = defs.resources["inference"]
+    evaluation = EvaluationConfig(
+        **(op_config("drafter_evaluation")["ops"].get("drafter_evaluation") or {}).get("config", {})
     )
+    engine_environments = []
+    if inference.mode == "vllm":
+        engine_environments.append(make_in_background(inference.vllm_environment(), print, "(completions will retry)"))
+    if not (inference.mode == "vllm" and evaluation_environment(evaluation) == inference.vllm_environment()):
+        engine_environments.append(prepare_in_background(evaluation))
     did_work = []
 
     corpus_cfg = op_config("prompt_corpus")
@@ -253,9 +261,10 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         if not result.success:
             print(f"{stage} failed; see the run log above")
             return 1
-    if engine_environment is not None and engine_environment.is_alive():
-        print("waiting for the vLLM environment's install to finish (first use only)")
-        engine_environment.join()
+    for thread in engine_environments:
+        if thread is not None and thread.is_alive():
+            print("waiting for the vLLM environment's install to finish (first use only)")
+            thread.join()
     from dflash_assets.summary import collect_summary, format_summary
 
     summary = collect_summary(instance, keys, ran=did_work)

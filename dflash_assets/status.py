@@ -432,7 +432,7 @@ def config_continues_cut_rows() -> bool:
         from dflash_assets.resources.inference import InferenceServerResource
 
         inference = InferenceServerResource(**resource_fields("inference"))
-        return inference.continue_truncated and inference.backend() == "sglang"
+        return inference.client.continue_truncated and inference.backend() == "sglang"
     except Exception:
         return False
 

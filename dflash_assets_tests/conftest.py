@@ -47,10 +47,12 @@ def local_inference(local_server):
 
     return InferenceServerResource(
         mode="external",
-        base_urls=[local_server.base_url],
-        served_model_name=local_server.model_name,
-        external_backend="transformers",
-        external_tokenizer_path=str(ensure_local_model()),
+        external={
+            "base_urls": [local_server.base_url],
+            "served_model_name": local_server.model_name,
+            "backend": "transformers",
+            "tokenizer_path": str(ensure_local_model()),
+        },
         max_running_requests=8,
     )
 

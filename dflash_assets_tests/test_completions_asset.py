@@ -246,7 +246,7 @@ def test_kill_9_mid_partition_then_resume_requests_only_unfinished_rows(tmp_path
             "served_model_name": local_server.model_name,
             "external_backend": "transformers",
             "max_running_requests": 2,
-            "external_tokenizer_path": local_inference.external_tokenizer_path,
+            "external_tokenizer_path": local_inference.external.tokenizer_path,
         }
         args = {"home": str(home), "root": str(root), "pk": pk, "cap": CAP, "inference": fields}
         child = subprocess.Popen(

@@ -226,7 +226,7 @@ CASES = {  # name: (tokenizer written, its generation prompt opens <think>, cont
     "qwen3_layout": (True, False, True),
     "prompt_opens_think": (True, True, True),
     "no_tokenizer": (False, False, True),  # model_path holds no tokenizer: regenerated whole, with a warning
-    "continue_off": (True, False, False),  # inference.continue_truncated: false: regenerated whole
+    "continue_off": (True, False, False),  # inference.client.continue_truncated: false: regenerated whole
 }
 
 

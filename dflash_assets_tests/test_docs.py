@@ -14,6 +14,13 @@ from dflash_assets.prompt_corpus_stage import PromptCorpusConfig
 from dflash_assets.resources.cost import CostResource
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.resources.inference_sections import (
+    ClientSettings,
+    ExternalSettings,
+    LocalSettings,
+    SGLangSettings,
+    VLLMSettings,
+)
 from dflash_assets.resources.storage import StorageResource
 from dflash_assets.resources.target_model import TargetModelResource
 from dflash_assets.tokenized_stage import TokenizeConfig
@@ -49,6 +56,11 @@ def test_relative_links_resolve(doc):
 SECTIONS = [
     ("resources.storage", StorageResource),
     ("resources.inference", InferenceServerResource),
+    ("resources.inference.local", LocalSettings),
+    ("resources.inference.sglang", SGLangSettings),
+    ("resources.inference.vllm", VLLMSettings),
+    ("resources.inference.external", ExternalSettings),
+    ("resources.inference.client", ClientSettings),
     ("resources.generation", GenerationResource),
     ("resources.target_model", TargetModelResource),
     ("resources.cost", CostResource),
@@ -63,7 +75,8 @@ SECTIONS = [
 def _section(section: str) -> str:
     text = (ROOT / "docs" / "configuration.md").read_text()
     start = text.index(f"## `{section}`")
-    return text[start : text.find("\n## ", start + 1)]
+    ends = [i for i in (text.find("\n## ", start + 1), text.find("\n### ", start + 1)) if i > 0]
+    return text[start : min(ends, default=len(text))]
 
 
 @pytest.mark.parametrize("section, cls", SECTIONS)

@@ -137,7 +137,7 @@ def test_local_server_and_target_model_must_name_the_same_model(tmp_path, monkey
     with pytest.raises(
         ConfigError,
         match=re.escape(
-            "resources.inference.local_model is 'qwen3.6-hybrid-standin' but "
+            "resources.inference.local.model is 'qwen3.6-hybrid-standin' but "
             "resources.target_model.local_model is 'smollm2-135m-instruct'"
         ),
     ):

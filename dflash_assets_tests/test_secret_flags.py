@@ -29,13 +29,13 @@ def test_api_key_in_inference_extra_args_is_refused_naming_the_variable(extra_ar
     with pytest.raises(Exception) as err:
         InferenceServerResource(mode="sglang", model_path="/m", extra_args=extra_args)
     message = str(err.value)
-    assert "inference.extra_args" in message and "DFLASH_SERVER_API_KEY" in message and "--api-key" in message
+    assert "inference.sglang.extra_args" in message and "DFLASH_SERVER_API_KEY" in message and "--api-key" in message
     assert SECRET not in message
 
 
 def test_extra_args_without_a_secret_are_accepted_and_launched():
     server = InferenceServerResource(mode="sglang", model_path="/m", extra_args=["--api-keys-file-not-a-flag-x"])
-    assert server.extra_args == ["--api-keys-file-not-a-flag-x"]  # longer than --api-key: another flag
+    assert server.sglang.extra_args == ["--api-keys-file-not-a-flag-x"]  # longer than --api-key: another flag
     (cmd,) = InferenceServerResource(mode="sglang", model_path="/m", extra_args=["--enable-metrics"]).sglang_commands()
     assert "--enable-metrics" in cmd.argv
 

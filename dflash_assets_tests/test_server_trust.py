@@ -148,7 +148,7 @@ def test_a_squatter_on_the_port_before_launch_is_refused_and_sent_nothing(tmp_pa
         elapsed = time.monotonic() - started
         message = str(err.value)
         assert f"port {port} on 127.0.0.1 is held by pid {squatter.pid}" in message
-        assert "nothing was sent to it (no request, no API key)" in message and "inference.port_base" in message
+        assert "nothing was sent to it (no request, no API key)" in message and "inference.sglang.port_base" in message
         assert not (tmp_path / "logs" / "sglang_0.log").exists()  # refused before anything started
         assert (tmp_path / "received").read_bytes() == b""
         print(f"squatter before launch: refused in {elapsed:.2f} s")
@@ -235,7 +235,7 @@ def test_a_server_that_crashes_at_every_start_is_restarted_a_bounded_number_of_t
 @pytest.mark.parametrize(
     "fields, expected",
     [
-        ({"mode": "sglang", "host": "0.0.0.0"}, "inference.host '0.0.0.0' with no API key"),
+        ({"mode": "sglang", "host": "0.0.0.0"}, "inference.sglang.host '0.0.0.0' with no API key"),
         ({"mode": "sglang", "host": "0.0.0.0", "api_key": KEY}, None),
         ({"mode": "sglang", "host": "127.0.0.1"}, None),
         (
@@ -270,7 +270,7 @@ def test_an_exposed_server_is_warned_about_in_the_run_log_and_the_completions_me
         warnings = materialization.metadata["security_warnings"].value
         logged = [e.user_message for e in instance.all_logs(result.run_id) if e.level >= 30]
     assert warnings == inference.exposure_warnings()
-    assert warnings[0].startswith("inference.host '0.0.0.0' with no API key")
+    assert warnings[0].startswith("inference.sglang.host '0.0.0.0' with no API key")
     assert any(warnings[0] in line for line in logged)
 
 

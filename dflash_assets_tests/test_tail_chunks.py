@@ -1,4 +1,4 @@
-"""The end of a run generated in chunks (``inference.tail_chunk_tokens``): each chunked row is the row one
+"""The end of a run generated in chunks (``inference.client.tail_chunk_tokens``): each chunked row is the row one
 request at the cap makes, the follow-ups go out only after every fresh prompt, and the metadata says
 which rows were chunked.
 
@@ -202,7 +202,9 @@ def test_tail_chunking_is_off_for_sampling_that_is_not_history_free(change, why,
         None,
         False,
     )
-    no_continue = inference.model_copy(update={"continue_truncated": False})
+    no_continue = inference.model_copy(
+        update={"client": inference.client.model_copy(update={"continue_truncated": False})}
+    )
     plan, note, problem = ContinuationPlanner(GenerationSettings(max_output_tokens=256)).tail(no_continue, [part], {})
     assert plan is None and "continue_truncated is false" in note and problem
 

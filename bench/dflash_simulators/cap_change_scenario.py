@@ -198,10 +198,7 @@ def proxied_inference(base: InferenceServerResource, proxy_url: str) -> Inferenc
     """``base`` (external mode) with its URL replaced by the counting proxy's."""
     return InferenceServerResource(
         mode="external",
-        base_urls=[proxy_url],
-        served_model_name=base.served_model_name,
-        external_backend=base.external_backend,
-        external_tokenizer_path=base.external_tokenizer_path,
+        external={**base.external.model_dump(), "base_urls": [proxy_url]},
         max_running_requests=base.max_running_requests,
-        max_attempts=1,
+        client={"max_attempts": 1},
     )

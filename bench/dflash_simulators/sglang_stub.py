@@ -1,8 +1,8 @@
 """A stand-in for ``python -m sglang.launch_server`` that behaves in *time* like one GPU server.
 
-Run it exactly where SGLang would run (``inference.launch_module: dflash_simulators.sglang_stub``):
+Run it exactly where SGLang would run (``inference.sglang.launch_module: dflash_simulators.sglang_stub``):
 it takes SGLang's flags (``--model-path --host --port --max-running-requests --api-key``; others are
-accepted and ignored) plus its own ``--sim-*`` flags (pass them through ``inference.extra_args``), and
+accepted and ignored) plus its own ``--sim-*`` flags (pass them through ``inference.sglang.extra_args``), and
 SGLang's ``--config FILE.yaml`` (:func:`merge_config_file`: each ``key: value`` becomes ``--key value``
 ahead of the command line, which wins), the way the launcher hands over the API key.
 

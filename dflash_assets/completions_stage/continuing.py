@@ -108,13 +108,13 @@ class ContinuationPlanner:
         if self._gate is not None:
             return self._gate
         why_not, problem, opened = None, False, False
-        if not inference.continue_truncated:
-            why_not = "inference.continue_truncated is false"
+        if not inference.client.continue_truncated:
+            why_not = "inference.client.continue_truncated is false"
         elif inference.backend() != "sglang":
             why_not = f"continue_final_message is SGLang's and these servers are {inference.backend()!r}"
         elif (
             inference.mode == "sglang"
-            and inference.launch_module.startswith("sglang.")
+            and inference.sglang.launch_module.startswith("sglang.")
             and sglang_predates_continuation(installed := installed_version("sglang"))
         ):
             # the servers run with this interpreter, so its SGLang is theirs
@@ -139,25 +139,28 @@ class ContinuationPlanner:
     def tail(
         self, inference: InferenceServerResource, parts: list, continuing: dict[int, dict]
     ) -> tuple[tuple[int, bool] | None, str | None, bool]:
-        """Whether the end of this run is generated in chunks (``inference.tail_chunk_tokens``,
+        """Whether the end of this run is generated in chunks (``inference.client.tail_chunk_tokens``,
         :mod:`dflash_assets.generation.tail_chunks`): ``((chunk_tokens, opened) or None, note, problem)``.
         Off (None) when not configured or the sampling is not history-free; not possible (a warning)
         when the servers cannot continue. ``continuing``: :meth:`continuations`' rows (not chunked: they
         are continued whole). Safe to run in a thread: it logs nothing."""
-        settings, chunk = self.settings, inference.tail_chunk_tokens
+        settings, chunk = self.settings, inference.client.tail_chunk_tokens
         if not chunk:
             return None, None, False
         if chunk >= settings.max_output_tokens:
             return (
                 None,
-                (f"inference.tail_chunk_tokens is not used: {chunk} is not below the cap {settings.max_output_tokens}"),
+                (
+                    f"inference.client.tail_chunk_tokens is not used: {chunk} is not below the cap "
+                    f"{settings.max_output_tokens}"
+                ),
                 False,
             )
         if not history_free(settings):
             return (
                 None,
                 (
-                    "inference.tail_chunk_tokens is ignored: a seed or a presence/repetition penalty makes a "
+                    "inference.client.tail_chunk_tokens is ignored: a seed or a presence/repetition penalty makes a "
                     "continued row differ from one generated whole"
                 ),
                 False,
@@ -167,5 +170,5 @@ class ContinuationPlanner:
             return None, None, False
         why_not, _problem, opened = self.gate(inference, fresh[0]["messages"])
         if why_not is not None:
-            return None, f"inference.tail_chunk_tokens is not used: {why_not}", True
+            return None, f"inference.client.tail_chunk_tokens is not used: {why_not}", True
         return (chunk, opened), None, False

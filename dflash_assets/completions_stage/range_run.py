@@ -167,7 +167,7 @@ class RangeRun:
             return None
         hint = (
             "; the run was continuing rows cut by a lower cap: if the servers reject continue_final_message, "
-            "set inference.continue_truncated: false"
+            "set inference.client.continue_truncated: false"
             if self.failure is not None and self.continuing
             else ""
         )
@@ -370,7 +370,7 @@ class RangeRun:
             "cut_to_lowered_cap": part.cut,
             # rows the table could not take as they were (a count past its type, a lone surrogate): error rows now
             "rows_set_aside": len(set_aside),
-            # rows of the run's end generated in chunks (inference.tail_chunk_tokens), and their requests
+            # rows of the run's end generated in chunks (inference.client.tail_chunk_tokens), and their requests
             "tail_chunked": sum(1 for r in rows if r.get("tail_chunks")),
             "tail_chunk_requests": sum(r.get("tail_chunks") or 0 for r in rows),
             "tail_chunked_in_table": int((frame["tail_chunks"] > 0).sum()),  # whichever run made them

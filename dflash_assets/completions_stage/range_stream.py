@@ -43,7 +43,7 @@ def stream_partitions(
     continuations in a row answered afresh (:data:`NOT_CONTINUED`) stop the run (:class:`RangeRunError`): a
     server that ignores ``continue_final_message`` would waste every one."""
     settings, log, continuing = run.settings, run.log, run.continuing_rows
-    client = run.client = inference.client(pool)
+    client = run.client = inference.completion_client(pool)
     run.capacity = client.concurrency
     owner = {i: part for part in parts for i in part.by_index}
     commits: queue.Queue = queue.Queue()
@@ -51,23 +51,24 @@ def stream_partitions(
     chunker = None
     if tail is not None:
         # the first `concurrency` prompts start at once whatever is done: chunking them gains nothing
-        window = min(fresh_total - client.concurrency, round(inference.tail_prompts_per_slot * client.concurrency))
+        per_slot = inference.client.tail_prompts_per_slot
+        window = min(fresh_total - client.concurrency, round(per_slot * client.concurrency))
         if window > 0:
             chunker = TailChunker(settings, pool.model, pool.adapt_body, tail[1], tail[0], window, fresh_total)
             log.info(
                 f"the last {window} of {fresh_total} fresh prompts are generated in chunks of {tail[0]} "
-                f"tokens ({inference.tail_prompts_per_slot:g} per slot), each continued once every fresh "
+                f"tokens ({per_slot:g} per slot), each continued once every fresh "
                 "prompt has gone out"
             )
         elif fresh_total <= client.concurrency:
             log.info(
-                f"inference.tail_chunk_tokens: not used, the {fresh_total} fresh prompts fit in the "
+                f"inference.client.tail_chunk_tokens: not used, the {fresh_total} fresh prompts fit in the "
                 f"{client.concurrency} slots at once"
             )
         else:
             log.info(
-                f"inference.tail_chunk_tokens: not used, tail_prompts_per_slot "
-                f"{inference.tail_prompts_per_slot:g} x {client.concurrency} slots rounds to no prompt"
+                f"inference.client.tail_chunk_tokens: not used, tail_prompts_per_slot "
+                f"{per_slot:g} x {client.concurrency} slots rounds to no prompt"
             )
 
     def items():
@@ -142,7 +143,7 @@ def stream_partitions(
                     part.remaining -= len(rows)
                     if part.remaining == 0:
                         commits.put(("commit", part))
-                if afresh_in_a_row >= inference.max_consecutive_failures and not stopped:
+                if afresh_in_a_row >= inference.client.max_consecutive_failures and not stopped:
                     stopped = True  # the rows so far are durable (each keeps its cut text); stop sending
                     client.abort()
                     commits.put(
@@ -152,7 +153,7 @@ def stream_partitions(
                                 f"{afresh_in_a_row} continuations in a row were answered afresh "
                                 "instead of continued: "
                                 + NOT_CONTINUED
-                                + (" (or inference.tail_chunk_tokens: 0)" if chunker is not None else "")
+                                + (" (or inference.client.tail_chunk_tokens: 0)" if chunker is not None else "")
                                 + "; rows cut by a lower cap keep their text"
                                 + (
                                     ", rows of the run's end made in chunks are requested again whole"

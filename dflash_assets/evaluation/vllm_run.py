@@ -22,15 +22,23 @@ import dagster as dg
 from dflash_assets.dflash.engine_check import ExportCheck, text_config
 from dflash_assets.dflash.engine_check_vllm import VLLM_SOURCE, check_vllm_export, mixes_sliding_and_full
 from dflash_assets.evaluation.vllm_engine import vllm_decode, vllm_tau_by_dataset
-from dflash_assets.generation.engine_env import EngineEnvironment, EngineEnvironmentError, vllm_environment
+from dflash_assets.generation.engine_env import (
+    EngineEnvironment,
+    EngineEnvironmentError,
+    make_in_background,
+    vllm_environment,
+)
 from dflash_assets.generation.ports import PortTakenError, free_port_block
 from dflash_assets.generation.servers import API_KEY_ENV
 from dflash_assets.generation.sglang_dflash import EngineError, EnginePrompt
 from dflash_assets.generation.urls import redact
-from dflash_assets.generation.vllm_servers import VLLMServers, build_vllm_command, dflash_speculative_config
+from dflash_assets.generation.vllm_servers import (
+    CPU_MEMORY_FRACTION,
+    VLLMServers,
+    build_vllm_command,
+    dflash_speculative_config,
+)
 from dflash_assets.progress import StageProgressBar
-
-CPU_MEMORY_FRACTION = 0.2  # of one NUMA node: vLLM's CPU build refuses to start when its default 0.92 is not free
 
 
 @dataclass
@@ -185,27 +193,20 @@ def run_vllm(
     }
 
 
+def evaluation_environment(config) -> EngineEnvironment | None:
+    """The vLLM environment ``config`` (an ``EvaluationConfig``) measures tau in; None when its engine is not vllm."""
+    if config.engine != "vllm":
+        return None
+    return vllm_environment(config.vllm_packages, config.vllm_remove_packages, config.engine_python)
+
+
 def prepare_in_background(config, log: Callable[[str], None] = print) -> threading.Thread | None:
     """Start making the vLLM environment ``config`` (an ``EvaluationConfig``) names on a thread of its own, so
     its install (minutes, first use only) overlaps the stages before ``drafter_evaluation``. None when the
     engine is not vllm or the environment is ready. A failure here is only logged: the evaluation makes the
     environment again itself (the file lock makes it wait for this thread first) and raises there."""
-    if config.engine != "vllm":
-        return None
-    environment = vllm_environment(config.vllm_packages, config.vllm_remove_packages, config.engine_python)
-    if environment.ready():
-        return None
-
-    def make() -> None:
-        try:
-            environment.ensure(log)
-        except EngineEnvironmentError as exc:
-            log(f"{exc}\n(drafter_evaluation will try again)")
-
-    # not a daemon: the process waits for it at exit (a pip cut off mid-install would have to start over)
-    thread = threading.Thread(target=make, name="vllm-environment", daemon=False)
-    thread.start()
-    return thread
+    environment = evaluation_environment(config)
+    return make_in_background(environment, log, "(drafter_evaluation will try again)") if environment else None
 
 
 _VERSION_SCRIPT = """
@@ -225,4 +226,4 @@ def _version(python: Path) -> str:
     return proc.stdout.strip() or "?"
 
 
-__all__ = ["VLLMPlan", "plan_vllm", "prepare_in_background", "run_vllm"]
+__all__ = ["VLLMPlan", "evaluation_environment", "plan_vllm", "prepare_in_background", "run_vllm"]

@@ -33,7 +33,7 @@ from dflash_assets.settings import GenerationSettings
 #: Error of a continuation the server answered afresh (it ignored ``continue_final_message``).
 NOT_CONTINUED = (
     "the server did not continue the final assistant message (its reply opens a new <think>): "
-    "continue_final_message needs SGLang >= 0.4.4; or set inference.continue_truncated: false"
+    "continue_final_message needs SGLang >= 0.4.4; or set inference.client.continue_truncated: false"
 )
 
 

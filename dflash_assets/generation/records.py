@@ -43,7 +43,8 @@ COMPLETIONS_SCHEMA = {
     "continued_from_tokens": pl.Int64,
     # tokens this row had before a lower cap cut it locally to its first max_output_tokens (0: not cut)
     "cut_from_tokens": pl.Int64,
-    # requests that made this row when the end of a run generated it in chunks (inference.tail_chunk_tokens; 0: one)
+    # requests that made this row when the end of a run generated it in chunks
+    # (inference.client.tail_chunk_tokens; 0: one)
     "tail_chunks": pl.Int64,
 }
 #: Counts that rows made before the column existed read as 0.

@@ -1,6 +1,6 @@
 """Secrets never go on a server's command line: a flag that carries one in an ``extra_args`` list is refused.
 
-A value given as ``--api-key VALUE`` (or ``--api-key=VALUE``) in ``inference.extra_args`` or
+A value given as ``--api-key VALUE`` (or ``--api-key=VALUE``) in ``inference.sglang.extra_args`` (or another mode's) or
 ``drafter_evaluation.engine_extra_args`` would land in the server's argv (``ps`` shows it to every local
 user), the config file, the Dagster UI and the ``# launch:`` log line. The key comes from the
 environment instead (``DFLASH_SERVER_API_KEY``), which the launcher hands to SGLang in a private file.
@@ -35,8 +35,8 @@ def refuse_secret_args(args: Sequence[str], setting: str) -> None:
     ``--api-key VALUE``, ``--api-key=VALUE``, ``--api_key`` or an argparse prefix such as ``--api-ke``).
 
     Args:
-        args: the flags, e.g. ``inference.extra_args``.
-        setting: where they were set, for the message (e.g. ``"inference.extra_args"``).
+        args: the flags, e.g. ``inference.sglang.extra_args``.
+        setting: where they were set, for the message (e.g. ``"inference.sglang.extra_args"``).
 
     Raises:
         SecretArgError: naming ``setting``, the flag and the environment variable to set instead.

@@ -1,7 +1,8 @@
 """Where the completions client sends requests (:class:`ServerPool`), and names shared by every kind of server.
 
 The servers themselves: :mod:`~dflash_assets.generation.transformers_server` (``transformers serve`` on
-CPU, the embedded default) and :mod:`~dflash_assets.generation.sglang_servers` (SGLang on GPUs); their
+CPU), :mod:`~dflash_assets.generation.sglang_servers` (SGLang on GPUs) and
+:mod:`~dflash_assets.generation.vllm_servers` (vLLM, CPU or GPUs); their
 processes and pidfiles: :mod:`~dflash_assets.generation.processes` and
 :mod:`~dflash_assets.generation.server_registry`; start-up probes: :mod:`~dflash_assets.generation.probe`.
 No Dagster here: ``dflash_assets.resources.inference`` wraps these for the pipeline.
@@ -19,7 +20,7 @@ TRANSFORMERS_SERVE_REJECTED_FIELDS = frozenset({"top_k", "min_p", "repetition_pe
 #: Environment variable that holds the inference servers' API key (its value never goes into logs).
 API_KEY_ENV = "DFLASH_SERVER_API_KEY"
 
-Backend = Literal["transformers", "sglang", "openai"]
+Backend = Literal["transformers", "sglang", "vllm", "openai"]
 
 
 @dataclass(frozen=True)
@@ -55,14 +56,15 @@ class ServerPool:
         For ``transformers serve``: minus :data:`TRANSFORMERS_SERVE_REJECTED_FIELDS` (HTTP 422 otherwise);
         with continuous batching its sampling was fixed at startup by the probe, without it each request carries
         it in :attr:`extra_body` (see :mod:`~dflash_assets.generation.transformers_server`).
-        For SGLang: plus ``return_token_ids`` (``choices[0].token_ids``: the model's own tokens, which
-        tokenization trains on and a lowered cap cuts exactly; an SGLang without the field ignores it).
+        For SGLang and vLLM: plus ``return_token_ids`` (``choices[0].token_ids``: the model's own tokens, which
+        tokenization trains on and a lowered cap cuts exactly; an SGLang without the field ignores it; vLLM
+        0.32 also returns ``prompt_token_ids``).
         Others: unchanged copy. Every backend: plus :attr:`extra_body`.
         """
         body = {**body, **self.extra_body}
         if self.backend == "transformers":
             return {k: v for k, v in body.items() if k not in TRANSFORMERS_SERVE_REJECTED_FIELDS}
-        if self.backend == "sglang":
+        if self.backend in ("sglang", "vllm"):
             return {**body, "return_token_ids": True}
         return dict(body)
 

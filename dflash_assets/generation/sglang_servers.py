@@ -115,7 +115,7 @@ def write_key_config(directory: str | os.PathLike, api_key: str) -> Path:
 def _refuse_own_config(extra_args: Sequence[str], api_key_env: str | None) -> None:
     if api_key_env and "--config" in extra_args:
         raise ValueError(
-            "inference.extra_args holds --config: with an API key the launcher gives SGLang its own "
+            "inference.sglang.extra_args holds --config: with an API key the launcher gives SGLang its own "
             "--config file (the key, kept off the command line) and SGLang takes one; put those "
             "settings into extra_args as flags"
         )
@@ -190,7 +190,7 @@ def build_sglang_commands(
     """
     groups = _gpu_groups(num_servers, tp_size, gpu_ids)
     _refuse_own_config(extra_args, api_key_env)
-    refuse_secret_args(extra_args, "inference.extra_args / drafter_evaluation.engine_extra_args")
+    refuse_secret_args(extra_args, "inference.sglang.extra_args / drafter_evaluation.engine_extra_args")
     flags = _sglang_flags(
         model_path,
         max_running_requests,
@@ -238,11 +238,12 @@ def build_router_command(
     """
     if api_key_env:
         raise ValueError(
-            f"inference.use_router with an API key ({api_key_env}): sglang_router.launch_server takes the key only on "
-            "its command line, where any local user reads it (ps); use servers without the router (use_router: false, "
-            "the client spreads requests over them) or run the router yourself and use mode: external"
+            f"inference.sglang.use_router with an API key ({api_key_env}): sglang_router.launch_server takes the key "
+            "only on its command line, where any local user reads it (ps); use servers without the router "
+            "(use_router: false, the client spreads requests over them) or run the router yourself and use mode: "
+            "external"
         )
-    refuse_secret_args(extra_args, "inference.extra_args")
+    refuse_secret_args(extra_args, "inference.sglang.extra_args")
     groups = _gpu_groups(num_servers, tp_size, gpu_ids)
     flags = _sglang_flags(
         model_path,

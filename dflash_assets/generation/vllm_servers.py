@@ -19,13 +19,20 @@ sliding and full attention layers need the V2 model runner, which the CPU build 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from dflash_assets.generation.sglang_servers import LaunchCommand, SGLangServers
+from dflash_assets.generation.secret_args import refuse_secret_args
+from dflash_assets.generation.sglang_servers import LaunchCommand, SGLangServers, _gpu_groups
 
 VLLM_KEY_VARIABLE = "VLLM_API_KEY"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: vLLM's CPU build reserves this fraction of one NUMA node's memory; its 0.92 default is refused when that
+#: much is not free (any machine running other work).
+CPU_MEMORY_FRACTION = 0.2
+#: the variable vLLM's CPU build reads the cores of its compute threads from ("auto": one NUMA node's)
+CPU_BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def dflash_speculative_config(export_dir: str | Path, block_size: int) -> dict:
@@ -97,6 +104,115 @@ def build_vllm_command(
     )
 
 
+def cpu_core_groups(num_servers: int, cores: Sequence[int] | None = None) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` values splitting ``cores`` (default: the cores this process may run on)
+    into ``num_servers`` contiguous groups, the first groups one core larger when they do not divide evenly;
+    with fewer cores than servers, server ``i`` gets core ``i mod cores`` (they share).
+
+    Raises:
+        ValueError: ``num_servers`` below 1.
+    """
+    if num_servers < 1:
+        raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+    ids = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if len(ids) < num_servers:
+        return [str(ids[i % len(ids)]) for i in range(num_servers)]
+    size, extra = divmod(len(ids), num_servers)
+    groups, start = [], 0
+    for i in range(num_servers):
+        n = size + (1 if i < extra else 0)
+        groups.append(",".join(map(str, ids[start : start + n])))
+        start += n
+    return groups
+
+
+def build_vllm_commands(
+    python: str | Path,
+    model_path: str | Path,
+    num_servers: int,
+    port_base: int,
+    *,
+    host: str = "127.0.0.1",
+    device: str = "cpu",
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    memory_fraction: float | None = None,
+    max_num_seqs: int | None = None,
+    tp_size: int = 1,
+    gpu_ids: Sequence[int] | None = None,
+    reasoning_parser: str | None = None,
+    api_key_env: str | None = None,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> list[LaunchCommand]:
+    """``num_servers`` plain vLLM servers (no drafter) for the completions stage, server ``i`` on
+    ``port_base + i``.
+
+    On ``device`` ``cpu`` (vLLM's CPU build): ``--enforce-eager``, ``--dtype`` float32 unless given,
+    ``--gpu-memory-utilization`` :data:`CPU_MEMORY_FRACTION` of one NUMA node unless given, and with several
+    servers each one bound to its own cores (:func:`cpu_core_groups`, unless ``VLLM_CPU_OMP_THREADS_BIND`` is
+    set in this environment or ``env``). On ``cuda``: server ``i`` sees its ``tp_size`` GPUs of ``gpu_ids``
+    (default ``0..num_servers*tp_size-1``) through ``CUDA_VISIBLE_DEVICES``, ``--tensor-parallel-size`` when
+    above 1, and vLLM's own defaults for what is not given (dtype from the model, CUDA graphs, 0.92 of each GPU).
+
+    Args:
+        python: the engine environment's interpreter.
+        model_path: the model's HF directory (also the served model name).
+        max_model_len: ``--max-model-len``, tokens (None: the model's context).
+        max_num_seqs: ``--max-num-seqs``, requests each server runs at once.
+        reasoning_parser: ``--reasoning-parser`` (e.g. ``qwen3``); None: the reply's text stays whole in
+            ``content``.
+        api_key_env: the variable holding the key (handed to vLLM as ``VLLM_API_KEY``); None: no key.
+        extra_args: more ``vllm serve`` flags, after these.
+        env: variables set for every server on top of the parent's.
+
+    Raises:
+        ValueError: a device other than cpu / cuda, or ``gpu_ids`` not ``num_servers * tp_size`` distinct ids.
+        SecretArgError: ``extra_args`` holds ``--api-key``.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: use 'cpu' or 'cuda'")
+    refuse_secret_args(extra_args, "inference.vllm.extra_args")
+    base_env = dict(env or {})
+    on_cpu = device == "cpu"
+    bind: list[str] | None = None
+    groups: list[list[int] | None] = [None] * num_servers
+    if not on_cpu:
+        groups = list(_gpu_groups(num_servers, tp_size, gpu_ids))
+    elif num_servers > 1 and CPU_BIND_VARIABLE not in base_env and CPU_BIND_VARIABLE not in os.environ:
+        bind = cpu_core_groups(num_servers)  # else every server binds the same cores ("auto": one NUMA node's)
+    if memory_fraction is None and on_cpu:
+        memory_fraction = CPU_MEMORY_FRACTION
+    flags = list(extra_args)
+    if tp_size > 1:
+        flags = ["--tensor-parallel-size", str(tp_size), *flags]
+    if reasoning_parser:
+        flags = ["--reasoning-parser", reasoning_parser, *flags]
+    commands = []
+    for i in range(num_servers):
+        server_env = dict(base_env)
+        if bind is not None:
+            server_env[CPU_BIND_VARIABLE] = bind[i]
+        commands.append(
+            build_vllm_command(
+                python,
+                model_path,
+                port_base + i,
+                host=host,
+                dtype=dtype or ("float32" if on_cpu else "auto"),
+                max_model_len=max_model_len,
+                memory_fraction=memory_fraction,
+                max_num_seqs=max_num_seqs,
+                enforce_eager=on_cpu,
+                api_key_env=api_key_env,
+                extra_args=flags,
+                env=server_env,
+                gpu_ids=groups[i],
+            )
+        )
+    return commands
+
+
 class VLLMServers(SGLangServers):
     """vLLM servers from :func:`build_vllm_command` commands: started, supervised and stopped as
     :class:`~dflash_assets.generation.sglang_servers.SGLangServers` does (free port first, listener proven
@@ -131,4 +247,12 @@ TORCHVISION_HINT = (
 )
 
 
-__all__ = ["VLLM_KEY_VARIABLE", "VLLMServers", "build_vllm_command", "dflash_speculative_config"]
+__all__ = [
+    "CPU_MEMORY_FRACTION",
+    "VLLM_KEY_VARIABLE",
+    "VLLMServers",
+    "build_vllm_command",
+    "build_vllm_commands",
+    "cpu_core_groups",
+    "dflash_speculative_config",
+]

@@ -20,7 +20,7 @@ class TargetModelResource(dg.ConfigurableResource):
     model_path: str = Field(default="", description="HF model directory; empty = the local CPU model local_model.")
     local_model: LocalModelName = Field(
         default=DEFAULT_LOCAL_MODEL,
-        description="With model_path empty: the local model (inference.local_model "
+        description="With model_path empty: the local model (inference.local.model "
         "must name the same one in local mode).",
     )
     dtype: str = Field(default="float32", description="float32 | bfloat16 | float16 for the forward pass.")

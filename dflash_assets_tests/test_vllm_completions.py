@@ -1,0 +1,189 @@
+"""``inference.mode: vllm`` (issue 31 item 4): the completions stage on real vLLM servers, rows exact.
+
+The launch commands and the config's ``inference.vllm`` section are checked without a server; one test runs the
+real thing: vLLM's CPU build (its cached environment, made on first use) serving the local SmolLM2 model with an
+API key, the completions stage over a few prompts with the demo's sampling, then ``tokenized_sequences``: every
+row carries the ids vLLM generated, and the tokenized row is exactly the rendered prompt (as long as vLLM's
+``prompt_tokens``) followed by those ids.
+"""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from dflash_assets import config as cfg
+from dflash_assets.generation.servers import ServerPool
+from dflash_assets.generation.vllm_servers import CPU_BIND_VARIABLE, build_vllm_commands, cpu_core_groups
+from dflash_assets.resources.inference import InferenceServerResource
+
+SECRET = "vllm-test-key-7f3a9c"
+
+
+def _flag(argv, name):
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_cpu_servers_are_eager_float32_on_their_own_cores(monkeypatch):
+    monkeypatch.delenv(CPU_BIND_VARIABLE, raising=False)
+    commands = build_vllm_commands(
+        "/env/bin/python", "/m", 2, 21000, max_num_seqs=16, api_key_env="DFLASH_SERVER_API_KEY"
+    )
+    assert [c.port for c in commands] == [21000, 21001]
+    for c in commands:
+        argv = list(c.argv)
+        assert argv[:3] == ["/env/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+        assert _flag(argv, "--dtype") == "float32" and "--enforce-eager" in argv
+        assert _flag(argv, "--gpu-memory-utilization") == "0.2" and _flag(argv, "--max-num-seqs") == "16"
+        assert "--speculative-config" not in argv  # completions servers run no drafter
+        assert c.key_env_var == "VLLM_API_KEY" and "CUDA_VISIBLE_DEVICES" not in c.env
+    binds = [c.env[CPU_BIND_VARIABLE] for c in commands]
+    assert len(set(binds)) == 2  # two servers never share their compute cores when there are two
+    assert cpu_core_groups(2, [0, 1, 2, 3, 4]) == ["0,1,2", "3,4"]
+    assert cpu_core_groups(3, [5]) == ["5", "5", "5"]
+    one = build_vllm_commands("/py", "/m", 1, 21000)[0]
+    assert CPU_BIND_VARIABLE not in one.env  # one server: vLLM's own binding
+
+
+def test_gpu_servers_get_their_gpus_and_vllm_defaults():
+    commands = build_vllm_commands(
+        "/py", "/m", 2, 30000, device="cuda", tp_size=2, gpu_ids=[4, 5, 6, 7], reasoning_parser="qwen3"
+    )
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in commands] == ["4,5", "6,7"]
+    argv = list(commands[0].argv)
+    assert _flag(argv, "--tensor-parallel-size") == "2" and _flag(argv, "--reasoning-parser") == "qwen3"
+    assert _flag(argv, "--dtype") == "auto" and "--enforce-eager" not in argv and "--gpu-memory-utilization" not in argv
+    with pytest.raises(ValueError, match="need 4 GPUs"):
+        build_vllm_commands("/py", "/m", 2, 30000, device="cuda", tp_size=2, gpu_ids=[0, 1])
+
+
+def test_vllm_mode_asks_for_token_ids_and_serves_the_local_model_by_default(tmp_path):
+    inference = InferenceServerResource(mode="vllm")
+    assert inference.backend() == "vllm" and inference.effective_max_running_requests() == 16
+    assert inference.tokenizer_path().name == "SmolLM2-135M-Instruct"
+    assert InferenceServerResource(mode="vllm", vllm={"model_path": str(tmp_path)}).tokenizer_path() == tmp_path
+    gpu = InferenceServerResource(mode="vllm", vllm={"device": "cuda", "model_path": str(tmp_path)})
+    assert gpu.effective_max_running_requests() == 40
+    body = ServerPool(["http://h/v1"], "m", backend="vllm").adapt_body({"model": "m", "top_k": 20})
+    assert body == {"model": "m", "top_k": 20, "return_token_ids": True}  # every sampling field kept
+    commands = inference.vllm_commands("/py", port_base=25000)
+    assert _flag(list(commands[0].argv), "--model") == str(inference.tokenizer_path())
+    exposed = InferenceServerResource(mode="vllm", vllm={"host": "0.0.0.0"}).exposure_warnings()
+    assert exposed and "inference.vllm.host" in exposed[0]
+
+
+def test_the_vllm_section_is_checked_key_by_key(tmp_path, monkeypatch):
+    path = tmp_path / "c.yaml"
+    monkeypatch.setenv("DFLASH_CONFIG", str(path))
+    path.write_text("resources:\n  inference: {mode: vllm, vllm: {num_server: 2}}\n")
+    with pytest.raises(cfg.ConfigError) as err:
+        cfg.build_resources({"inference": InferenceServerResource})
+    assert f"{path}: resources.inference.vllm: unknown key 'num_server'" in str(err.value)
+    assert "did you mean 'num_servers'?" in str(err.value)
+    path.write_text("resources:\n  inference: {mode: vllm, vllm: {num_servers: true}}\n")
+    with pytest.raises(cfg.ConfigError, match=r"resources\.inference\.vllm: .*num_servers"):
+        cfg.build_resources({"inference": InferenceServerResource})
+    path.write_text(f"resources:\n  inference: {{mode: vllm, vllm: {{extra_args: [--api-key, {SECRET}]}}}}\n")
+    with pytest.raises(cfg.ConfigError, match="DFLASH_SERVER_API_KEY") as err:
+        cfg.build_resources({"inference": InferenceServerResource})
+    assert SECRET not in str(err.value)
+    with pytest.raises(Exception) as err:
+        InferenceServerResource(mode="vllm", vllm={"extra_args": [f"--api-key={SECRET}"]})
+    assert "DFLASH_SERVER_API_KEY" in str(err.value) and SECRET not in str(err.value)
+
+
+def test_vllm_mode_on_the_local_model_must_match_the_target(tmp_path, monkeypatch):
+    from dflash_assets.resources.target_model import TargetModelResource
+
+    path = tmp_path / "c.yaml"
+    monkeypatch.setenv("DFLASH_CONFIG", str(path))
+    path.write_text(
+        "resources:\n  inference: {mode: vllm, vllm: {local_model: qwen3.6-hybrid-standin}}\n"
+        "  target_model: {local_model: smollm2-135m-instruct}\n"
+    )
+    built = cfg.build_resources({"inference": InferenceServerResource, "target_model": TargetModelResource})
+    with pytest.raises(cfg.ConfigError, match=r"resources\.inference\.vllm\.local_model is .*same model"):
+        cfg.check_local_model(built)
+
+
+# ------------------------------------------------------------------------------------- the real vLLM server
+
+PROMPTS = [
+    "What is 2+2? Answer with just the number.",
+    "Explain how a hash table works.",
+    "Translate 'hello' to Spanish. One word.",
+    "Write a Python function that reverses a string.",
+    "What is the capital of France? Answer in one word.",
+]
+CAP = 24
+
+
+def test_completions_on_real_vllm_servers_are_exact(tmp_path):
+    from dflash_assets.assets.completions import completions
+    from dflash_assets.assets.prompts import prompt_corpus
+    from dflash_assets.assets.tokenized import tokenized_sequences
+    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.partitions import prompt_ranges
+    from dflash_assets.resources.generation import GenerationResource
+    from dflash_assets.resources.storage import StorageResource
+    from dflash_assets.resources.target_model import TargetModelResource
+    from dflash_assets.tokenization import SequenceBuilder
+
+    root = tmp_path / "data"
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    generation = GenerationResource(max_output_tokens=CAP)  # the demo's sampling: temperature 0.6, top_p, top_k
+    resources = {
+        "storage": StorageResource(root=str(root)),
+        "inference": InferenceServerResource(mode="vllm", api_key=SECRET, max_running_requests=4),
+        "generation": generation,
+        "target_model": TargetModelResource(),
+    }
+    with dg.instance_for_test() as instance:
+        assert dg.materialize(
+            [prompt_corpus],
+            instance=instance,
+            resources=resources,
+            run_config={"ops": {"prompt_corpus": {"config": {"sources": [str(source)], "partition_size": 8}}}},
+        ).success
+        (pk,) = instance.get_dynamic_partitions(prompt_ranges.name)
+        result = dg.materialize(
+            [completions, tokenized_sequences],
+            instance=instance,
+            resources=resources,
+            partition_key=pk,
+            run_config={"ops": {"tokenized_sequences": {"config": {"truncated": "keep"}}}},
+        )
+        assert result.success
+        checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+        meta = result.asset_materializations_for_node("completions")[0].metadata
+        assert SECRET not in repr(meta)
+    assert checks and all(checks.values()), checks
+
+    rows = pl.read_parquet(root / "completions" / f"{pk}.parquet").sort("index")
+    assert rows.height == len(PROMPTS) and rows["error"].null_count() == rows.height
+    model_dir = ensure_local_model()
+    builder = SequenceBuilder(TargetModelResource().load_tokenizer())
+    eos = builder.end_token_id
+    assert set(rows["finish_reason"]) == {"stop", "length"}, rows["finish_reason"].to_list()
+    settings = generation.settings()
+    tokenized = pl.read_parquet(root / "tokenized_sequences" / f"{pk}.parquet").sort("index")
+    assert tokenized.height == rows.height
+    for row, tok in zip(rows.iter_rows(named=True), tokenized.iter_rows(named=True)):
+        ids = row["output_token_ids"]
+        assert ids is not None and len(ids) == row["completion_tokens"] <= CAP
+        assert row["server"].startswith("http://127.0.0.1:") and row["settings"] == settings.settings_json
+        if row["finish_reason"] == "stop":
+            assert ids[-1] == eos  # vLLM returns the end-of-turn token it stopped on
+        else:
+            assert len(ids) == CAP
+        text = builder.tokenizer.decode(ids, skip_special_tokens=True)
+        assert text.strip() == (row["content"] or "").strip()
+        # exact: the tokenized row is the rendered prompt (as long as vLLM's own) then vLLM's ids
+        assert tok["prompt_len"] == row["prompt_tokens"]
+        assert tok["input_ids"][tok["prompt_len"] :] == ids
+    log = next((root / "server_logs").rglob("vllm_0.log")).read_text()
+    assert "--max-num-seqs 4" in log and str(model_dir) in log and SECRET not in log
