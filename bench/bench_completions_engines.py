@@ -45,9 +45,11 @@ import yaml
 from headline import headline
 
 from dflash_assets.assets.completions import completions
-from dflash_assets.assets.prompts import CORPUS_FILE, default_sources, prompt_corpus
+from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.config import DEFAULT_CONFIG
+from dflash_assets.corpus import default_sources
 from dflash_assets.partitions import prompt_ranges
+from dflash_assets.prompt_corpus_stage import CORPUS_FILE
 from dflash_assets.resources.generation import GenerationResource
 from dflash_assets.resources.inference import InferenceServerResource
 from dflash_assets.resources.storage import StorageResource
