@@ -296,10 +296,10 @@ def test_training_records_processes_x_wall_and_a_reused_run_costs_nothing(tmp_pa
     from dflash_assets.forecast import training_forecast
     from dflash_assets.partitions import prompt_ranges
     from dflash_assets_tests import test_drafter_identity as identity
-    from dflash_assets_tests.tiny_target import project_config_with_layers
+    from dflash_assets_tests.tiny_target import make_feature_target, project_config_with_layers
 
     monkeypatch.setenv("DFLASH_CONFIG", str(project_config_with_layers(tmp_path / "config", [1, 3, 5])))
-    target, _ = identity.make_tiny_target(tmp_path / "tiny")
+    target, _ = make_feature_target(tmp_path / "tiny")
     root = tmp_path / "data"
     for i, pk in enumerate(identity.KEYS):
         identity.write_partition(root, pk, seed=i)
