@@ -295,9 +295,15 @@ def test_an_interrupted_torchrun_launch_stops_its_whole_process_group(how):
             raise RuntimeError("step failed")
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C / Dagster's interrupt
 
+    # Python's own Ctrl-C handler, whatever an earlier test in this process left installed (seen in the whole
+    # suite: the SIGINT was swallowed and the launch ran to its end)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt if how.startswith("SIGINT") else RuntimeError):
-        run_streaming([sys.executable, "-c", TREE], on_line, grace_s=5.0)
+    try:
+        with pytest.raises(KeyboardInterrupt if how.startswith("SIGINT") else RuntimeError):
+            run_streaming([sys.executable, "-c", TREE], on_line, grace_s=5.0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     agent, worker = int(seen[0].split()[1]), int(seen[0].rsplit(" ", 1)[1])
     assert proc_gone(agent) and proc_gone(worker), f"agent {agent} or worker {worker} still runs"
     assert session_members(agent) == []  # nothing left in the launched session
