@@ -132,7 +132,7 @@ def engine_headlines(report: dict, cache: Path | None) -> None:
             "<= 120",
             added <= 120,
         )
-    ready = sorted((cache or Path()).glob("engines/*/ready.json")) if cache else []
+    ready = sorted(cache.glob("engines/*/ready.json")) if cache else []
     for path in ready:  # made by this run, in the background while the earlier stages ran
         install_s = json.loads(path.read_text()).get("install_s")
         if install_s is not None:

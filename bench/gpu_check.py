@@ -283,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-steps", type=int, default=10)
     a = p.parse_args(argv)
     device = torch.device(a.device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     if a.shape == "vllm-hybrid":  # its own step, any device (on a CPU vLLM refuses the stand-in, saying why)
-        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
         result = gpu_check_vllm.run(a.vllm_python, str(device), timeout_s=500)
         print(f"{datetime.date.today().isoformat()} {gpu}:")
         ok = gpu_check_vllm.print_result(result, gpu)
@@ -296,7 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.tiny:
         a.batch, a.seq_len, a.repeats, a.train_steps = 2, 128, 2, 2
     started = time.perf_counter()
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = ["dense", "hybrid"] if a.shape == "all" else [a.shape]
     results = [check(s, a, device, dtype) for s in shapes]
