@@ -40,7 +40,10 @@ def find_vllm_python(given: str | None) -> tuple[str | None, str]:
         if not candidate:
             continue
         tried.append(candidate)
-        ok = subprocess.run([candidate, "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
+        try:
+            ok = subprocess.run([candidate, "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):  # not an interpreter here, or one that hangs: try the next
+            ok = False
         if ok:
             return candidate, ", ".join(tried)
     return None, ", ".join(tried)
