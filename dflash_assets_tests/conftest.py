@@ -24,58 +24,66 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # The inner loop's subset is `pytest -m "not slow"` (docs/design.md, "Tests"); CI runs everything. These modules
-# each took over 10 s in a whole-suite run on the 2-core machine (--durations=0, 2026-12-03): real servers, real
-# engines, a browser, torchrun, training, main jobs. Their tests are marked slow as they are collected.
-SLOW_MODULES = frozenset(
-    [
-        "test_automation_ticks",
-        "test_backfill_schedule",
-        "test_cap_change",
-        "test_cli_output",
-        "test_completions_asset",
-        "test_continuation",
-        "test_corpus_edits",
-        "test_cost",
-        "test_dflash_train",
-        "test_distributed_train",
-        "test_drafter_quality",
-        "test_engine_evaluation",
-        "test_hidden_states_s3",
-        "test_hybrid_standin_main_job",
-        "test_key_redaction_and_failed_partitions",
-        "test_kill_resume",
-        "test_main_job_failed_check",
-        "test_node_scale",
-        "test_orphan_servers",
-        "test_s3_storage",
-        "test_server_trust",
-        "test_servers",
-        "test_shared_store",
-        "test_speculative",
-        "test_speculative_hybrid",
-        "test_status",
-        "test_status_cap_change",
-        "test_storage_plan",
-        "test_summary",
-        "test_tail_chunks",
-        "test_target_features",
-        "test_tokenized",
-        "test_truncation_memory",
-        "test_truncation_report",
-        "test_ui",
-        "test_ui_backfill",
-        "test_vllm_completions",
-        "test_vllm_hybrid_target",
-    ]
-)
+# each took over 10 s in a whole-suite run on the 2-core machine (seconds, --durations=0, one process,
+# 2026-12-03): real servers, real engines, a browser, torchrun, training, main jobs. Their tests are marked
+# slow as they are collected, and run first, longest first: pytest-xdist (`-n 2 --dist loadfile
+# --no-loadscope-reorder` in pyproject) hands out modules in collection order, so the longest module starts at
+# once instead of ending the run alone.
+SLOW_MODULE_SECONDS = {
+    "test_drafter_quality": 650,
+    "test_status": 128,
+    "test_server_trust": 73,
+    "test_ui": 69,
+    "test_backfill_schedule": 68,
+    "test_kill_resume": 66,
+    "test_vllm_completions": 60,
+    "test_ui_backfill": 60,
+    "test_s3_storage": 58,
+    "test_truncation_memory": 52,
+    "test_orphan_servers": 51,
+    "test_speculative": 49,
+    "test_hybrid_standin_main_job": 46,
+    "test_corpus_edits": 46,
+    "test_cap_change": 43,
+    "test_dflash_train": 40,
+    "test_distributed_train": 37,
+    "test_tokenized": 36,
+    "test_completions_asset": 36,
+    "test_node_scale": 34,
+    "test_vllm_hybrid_target": 32,
+    "test_continuation": 29,
+    "test_vllm_rules": 28,
+    "test_main_job_failed_check": 26,
+    "test_cost": 25,
+    "test_automation_ticks": 24,
+    "test_truncation_report": 23,
+    "test_tail_chunks": 23,
+    "test_status_cap_change": 23,
+    "test_target_features": 21,
+    "test_storage_plan": 21,
+    "test_speculative_hybrid": 15,
+    "test_shared_store": 14,
+    "test_cli_output": 14,
+    "test_hidden_states_s3": 13,
+    "test_key_redaction_and_failed_partitions": 12,
+    "test_engine_evaluation": 12,
+    "test_servers": 11,
+    "test_summary": 10,
+}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every test of a :data:`SLOW_MODULES` module, or one using the shared model server, ``slow``."""
+    """Mark every test of a :data:`SLOW_MODULE_SECONDS` module, or one using the shared model server, ``slow``;
+    order the modules longest first (a stable sort: tests keep their order within a module)."""
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if module in SLOW_MODULES or "local_server" in item.fixturenames or "local_inference" in item.fixturenames:
+        shared_server = "local_server" in item.fixturenames or "local_inference" in item.fixturenames
+        if _module_name(item) in SLOW_MODULE_SECONDS or shared_server:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: -SLOW_MODULE_SECONDS.get(_module_name(item), 0))
+
+
+def _module_name(item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
 
 
 @pytest.fixture(scope="session")
