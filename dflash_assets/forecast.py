@@ -319,10 +319,10 @@ def format_forecast(f: dict | None, device_hour_usd: float | None = None) -> str
         f"device-hours, whole        {_fmt_iv(whole['device_s'], dh)} {unit}",
         f"generated tokens, whole    {_fmt_iv(whole['tokens_out'], lambda v: f'{v:,.0f}')}",
     ]
-    for stage, iv in f["storage_bytes"].items():
-        from dflash_assets.storage_plan import gb
+    from dflash_assets.storage_plan import gb
 
-        lines.append(f"storage {stage:<19}{_fmt_iv(iv, gb)}")
+    for stage, iv in f["storage_bytes"].items():  # a space even after the longest name, tokenized_sequences
+        lines.append(f"storage {stage:<18} {_fmt_iv(iv, gb)}")
     if t := f.get("training"):
         lines.append(
             f"training steps             {_fmt_iv(t['steps'], lambda v: f'{v:,.0f}')}, "

@@ -329,3 +329,30 @@ def test_evaluation_cost_engine_servers_or_the_target_device():
     assert "while generating" not in served["cost_basis"]
     in_process = cost.evaluation_cost(None, engine, "cuda:0", 10.0)
     assert (in_process["cost_device"], in_process["cost_devices"], in_process["cost_device_s"]) == (cost.GPU, 1, 10.0)
+
+
+def test_forecast_storage_lines_keep_the_stage_apart_from_its_figure():
+    """The input that showed it (bench_main_job, 2026-12-03): ``storage tokenized_sequences34.47 KB``."""
+    iv = {"point": 34_470, "low": 33_590, "high": 35_340}
+    f = {
+        "generation": {
+            "tokens_to_generate": {"point": 0, "low": 0, "high": 0},
+            "wall_s": {"point": 0, "low": 0, "high": 0},
+            "devices": 1,
+            "slots": 8,
+            "startup_s": 0,
+            "drain_s": 0,
+        },
+        "completions_whole": {"device_s": iv, "tokens_out": iv},
+        "device": "CPU",
+        "prompts_total": 64,
+        "prompts_done": 64,
+        "prompts_left": 0,
+        "from_partitions": ["0000000-0000015"],
+        "rows_measured": 16,
+        "storage_bytes": {"completions": iv, "tokenized_sequences": iv},
+        "cap_changes": [],
+    }
+    lines = format_forecast(f).splitlines()
+    assert "storage completions        34.47 KB [33.59 KB .. 35.34 KB]" in lines
+    assert "storage tokenized_sequences 34.47 KB [33.59 KB .. 35.34 KB]" in lines

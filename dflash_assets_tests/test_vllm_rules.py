@@ -212,3 +212,24 @@ def test_a_start_up_cause_far_above_the_log_tail_still_gets_its_hint(tmp_path):
     text = str(err.value)
     assert "No module named 'torchvision'" not in text  # beyond the quoted tail
     assert TORCHVISION_HINT in text and "exited with code 1" in text
+
+
+def test_an_in_process_lossless_mismatch_alone_is_a_failed_check(tmp_path):
+    """Issue 32 finding 6: with no engine, a speculative output that differs from plain greedy decoding in this
+    process was only logged and the evaluation passed; it is now the failed check ``lossless``, naming the
+    dataset, the drafter, the prompt and the generated token."""
+    from dflash_assets.evaluation.parity import CHECK_LOSSLESS, CHECK_PARITY
+    from dflash_assets.evaluation.run import check_results, evaluation_checks
+
+    local = _local([1.5], [[1, 2, 3]])
+    local["heldout"]["untrained"] = {"lossless": False, "first_mismatch": {"prompt": 0, "token": 2}}
+    checks = evaluation_checks({"datasets": local}, None, TRAINED, str(tmp_path), in_process=True)
+    assert not checks[CHECK_LOSSLESS]["passed"]
+    assert checks[CHECK_LOSSLESS]["reasons"] == [
+        "heldout: in-process speculative decoding with the untrained drafter differs from plain greedy decoding at "
+        "prompt 0, generated token 2"
+    ]
+    assert checks[CHECK_PARITY]["passed"] and checks[CHECK_PARITY]["why"] == "no engine run (engine: none)"
+    results = {r.check_name: r for r in check_results(checks)}
+    lossless = results[CHECK_LOSSLESS]
+    assert lossless.passed is False and "prompt 0, generated token 2" in lossless.description
