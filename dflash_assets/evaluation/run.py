@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 import dagster as dg
@@ -41,12 +39,8 @@ def run_evaluation(
     held: list[int],
     export_sha: str,
 ) -> tuple[dict, dict, dict | None]:
-    """Decode ``prompts`` on the engine when ``plan`` is set, and in this process when ``config.in_process``.
-
-    On a GPU the engine goes first: its servers need the GPUs the in-process target would hold. On a CPU, vLLM runs
-    on a thread of its own beside the in-process decoding, so its start-up (about a minute, mostly one core
-    importing) and its decoding overlap the in-process decoding instead of adding to it; neither figure depends on
-    the timing (vLLM's tau comes from its counters).
+    """Decode ``prompts`` on the engine when ``plan`` is set (first: its servers need the GPUs the in-process
+    target would hold), then in this process when ``config.in_process``.
 
     Returns:
         ``(report.json's content, metadata, the engine section or None)``.
@@ -65,31 +59,19 @@ def run_evaluation(
     metadata: dict = {}
     engine_section = None
     log_dir = storage.local_scratch("server_logs", "drafter_evaluation")
-    beside = None  # the engine's run on its own thread, while this one decodes in process
     if isinstance(plan, VLLMPlan):
-        measure = partial(run_vllm, plan, prompts, config.max_new_tokens, eos, log_dir, config, inference.api_key, log)
-        if plan.launch.get("device") == "cpu" and config.in_process:
-            beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-evaluation")
-            engine_future = beside.submit(measure)
-        else:
-            engine_section = measure()
+        engine_section = run_vllm(plan, prompts, config.max_new_tokens, eos, log_dir, config, inference.api_key, log)
+        report["engine"] = engine_section
     elif plan is not None:
         engine_section = run_engine(plan, inference, prompts, config.max_new_tokens, eos, log_dir, config, log)
-    try:
-        if config.in_process:
-            online = train_meta.get("features", "offline") == "online"
-            parts = in_process_evaluation(
-                log, config, store, target_model, export_dir, train_meta, prompts, eos, rows_only, online=online
-            )
-            report.update(parts["report"])
-            metadata.update(parts["metadata"])
-        if beside is not None:
-            engine_section = engine_future.result()  # its dagster.Failure, if any, raised here
-    finally:
-        if beside is not None:
-            beside.shutdown(wait=True)  # never leave its server running past this step
-    if engine_section is not None:
         report["engine"] = engine_section
+    if config.in_process:
+        online = train_meta.get("features", "offline") == "online"
+        parts = in_process_evaluation(
+            log, config, store, target_model, export_dir, train_meta, prompts, eos, rows_only, online=online
+        )
+        report.update(parts["report"])
+        metadata.update(parts["metadata"])
     if engine_section is not None:
         metadata.update(engine_metadata(engine_section, metadata.get("tau_by_dataset")))
         head = engine_section["datasets"][HELDOUT]
