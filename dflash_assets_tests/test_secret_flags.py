@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dflash_assets.generation.ports import PortTakenError, free_port
-from dflash_assets.generation.server_registry import reap_orphaned_servers
+from dflash_assets.generation.server_registry import reap_orphaned_servers, register_server
 from dflash_assets.resources.inference import InferenceServerResource
 
 SECRET = "sk-i32-never-in-argv-4f1c"
@@ -130,3 +130,31 @@ def test_key_files_of_a_launcher_killed_with_sigkill_are_removed_by_the_reaper(t
     assert not any(
         SECRET in p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file() and "logs" not in p.parts
     )
+
+
+def test_a_record_a_killed_launcher_left_under_its_temporary_name_is_still_reaped(tmp_path):
+    """The input that showed it (a whole-suite run, 2026-12-03): the launcher above was killed while it registered
+    its server, and ``.vm_14908_3367057.json.14905.8d8d21d9.tmp`` stayed in the registry, read by no reaper. A
+    whole record of a dead writer is now put in place and acted on; a part of one is removed once abandoned."""
+    registry = tmp_path / "registry"
+    server = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    writer = subprocess.Popen([sys.executable, "-c", "pass"])
+    writer.wait()  # the launcher, gone
+    try:
+        path = register_server(server, ["sleep", "600"], None, "left behind", registry)
+        entry = {**json.loads(path.read_text()), "owner_pid": writer.pid}
+        (registry / f".{path.name}.{writer.pid}.0123abcd.tmp").write_text(json.dumps(entry))  # written, not renamed
+        path.unlink()
+        old_part = registry / f".other_1_2.json.{writer.pid}.00000000.tmp"
+        old_part.write_text('{"pid": 12')
+        os.utime(old_part, (time.time() - 120, time.time() - 120))
+        young_part = registry / f".young_1_2.json.{writer.pid}.11111111.tmp"  # its writer may be on another host
+        young_part.write_text('{"pid"')
+        stopped = reap_orphaned_servers(registry, grace_s=5)
+        assert [e["pid"] for e in stopped] == [server.pid]
+        assert server.wait(timeout=10) == -signal.SIGTERM
+        assert sorted(p.name for p in registry.iterdir()) == [young_part.name]
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

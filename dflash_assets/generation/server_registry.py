@@ -133,6 +133,42 @@ def _reap_key_dirs(directory: Path, here: Identity) -> None:
         path.unlink(missing_ok=True)
 
 
+#: A registry temporary file this old (seconds) is abandoned whatever wrote it: a record is written in milliseconds.
+ABANDONED_TEMP_S = 60.0
+
+
+def _finish_abandoned_writes(directory: Path, here: Identity) -> None:
+    """Put in place the records whose writer was killed between writing and renaming them.
+
+    A ``kill -9`` of a launcher while it registers a server leaves the record under its temporary name
+    (:func:`~dflash_assets.atomic.temp_path`: ``.<name>.<pid>.<hex8>.tmp``), where no reaper would read it, and
+    the server unrecorded. A whole record of this machine whose writer is gone is renamed to its name, so the
+    reaper acts on it; one that does not read is removed once :data:`ABANDONED_TEMP_S` old.
+    """
+    for tmp in directory.glob(".*.tmp"):
+        writer = tmp.name[1 : -len(".tmp")].rsplit(".", 2)
+        if len(writer) != 3 or not writer[1].isdigit() or not writer[0].endswith((".json", ".keydir")):
+            continue
+        name, writer_pid = writer[0], int(writer[1])
+        try:
+            entry = json.loads(tmp.read_text())
+            where = same_machine(Identity(entry.get("machine_id"), entry.get("boot_id"), entry.get("pid_ns")), here)
+        except FileNotFoundError:
+            continue  # its writer renamed it after all
+        except (OSError, ValueError, AttributeError):
+            try:
+                if time.time() - tmp.stat().st_mtime > ABANDONED_TEMP_S:
+                    tmp.unlink(missing_ok=True)
+            except FileNotFoundError:
+                pass
+            continue
+        if where == "rebooted" or (where == "same" and not is_running(writer_pid, None)):
+            try:
+                os.replace(tmp, directory / name)
+            except FileNotFoundError:
+                pass
+
+
 def reap_orphaned_servers(registry_dir: Path | str | None = None, grace_s: float = 10.0) -> list[dict[str, Any]]:
     """Stop every registered server of this machine whose launching process is gone, and drop stale pidfiles.
 
@@ -142,7 +178,8 @@ def reap_orphaned_servers(registry_dir: Path | str | None = None, grace_s: float
     ``grace_s`` seconds to exit, then ``SIGKILL``. Pidfiles of dead servers, or from an earlier boot of
     this machine, are removed; those of servers whose owner runs, or of another machine or pid namespace
     (a shared DAGSTER_HOME; :func:`~dflash_assets.machine.same_machine`), are kept. The API-key
-    directories of launchers of this machine that are gone (:func:`register_key_dir`) are removed too.
+    directories of launchers of this machine that are gone (:func:`register_key_dir`) are removed too, and a
+    record a killed launcher left under its temporary name is read as well (:func:`_finish_abandoned_writes`).
 
     Args:
         registry_dir: pidfile directory; None = :func:`server_registry_dir`.
@@ -156,6 +193,7 @@ def reap_orphaned_servers(registry_dir: Path | str | None = None, grace_s: float
     if not directory.is_dir():
         return []
     here = identity()
+    _finish_abandoned_writes(directory, here)
     _reap_key_dirs(directory, here)
     stopped = []
     for path in sorted(directory.glob("*.json")):
