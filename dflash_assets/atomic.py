@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from typing import IO
 
-__all__ = ["atomic_write_bytes", "fsync_dir", "fsync_file", "temp_path"]
+__all__ = ["atomic_write_bytes", "fsync_dir", "fsync_file", "temp_name_parts", "temp_path"]
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -55,6 +55,16 @@ def temp_path(path: str | os.PathLike[str]) -> str:
     """The temporary name :func:`atomic_write_bytes` uses for ``path``: ``<dir>/.<name>.<pid>.<hex8>.tmp``."""
     directory, name = os.path.split(os.fspath(path))
     return os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def temp_name_parts(temp_name: str) -> tuple[str, int] | None:
+    """The destination's file name and the writer's pid of a :func:`temp_path` file name; None for another name."""
+    if not (temp_name.startswith(".") and temp_name.endswith(".tmp")):
+        return None
+    parts = temp_name[1 : -len(".tmp")].rsplit(".", 2)
+    if len(parts) != 3 or not parts[0] or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
 
 
 def atomic_write_bytes(

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.atomic import atomic_write_bytes
+from dflash_assets.atomic import atomic_write_bytes, temp_name_parts
 from dflash_assets.generation.proc_info import group_members, is_running, proc_stat
 from dflash_assets.generation.processes import spawn_in_new_session
 from dflash_assets.machine import Identity, identity, same_machine
@@ -146,10 +146,10 @@ def _finish_abandoned_writes(directory: Path, here: Identity) -> None:
     reaper acts on it; one that does not read is removed once :data:`ABANDONED_TEMP_S` old.
     """
     for tmp in directory.glob(".*.tmp"):
-        writer = tmp.name[1 : -len(".tmp")].rsplit(".", 2)
-        if len(writer) != 3 or not writer[1].isdigit() or not writer[0].endswith((".json", ".keydir")):
+        parts = temp_name_parts(tmp.name)
+        if parts is None or not parts[0].endswith((".json", ".keydir")):
             continue
-        name, writer_pid = writer[0], int(writer[1])
+        name, writer_pid = parts
         try:
             entry = json.loads(tmp.read_text())
             where = same_machine(Identity(entry.get("machine_id"), entry.get("boot_id"), entry.get("pid_ns")), here)
