@@ -29,9 +29,10 @@ from headline import headline
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
-from dflash_assets.partitions import partition_keys, prompt_ranges
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.settings import GenerationSettings
+from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.data.ranges import partition_keys
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.resources.generation import GenerationResource
 
 
 class StatementCounter:

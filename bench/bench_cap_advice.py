@@ -1,7 +1,7 @@
 """Back-tests of the cap advice: does its 90% interval cover what a run at the larger cap shows?
 
 Each back-test censors known completion lengths at a cap c, asks the advice (truncation_report's
-:func:`~dflash_assets.truncation.cap_advice`) for cap 2c, and checks whether the 90% interval holds the
+:func:`~dflash_assets.data.truncation.cap_advice`) for cap 2c, and checks whether the 90% interval holds the
 share of the same rows that a run at 2c truncates. Data sets:
 - ``demo``: the embedded demo's completions (HumanEval x SmolLM2-135M-Instruct, 64 prompts, cap 128,
   bench/data/demo_completion_lengths_cap128.json): predict cap 128 from the rows at cap 64 (48-row draws);
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from headline import headline
 
-from dflash_assets.cap_backtest import (
+from dflash_assets.data.cap_backtest import (
     USER_CAP,
     USER_NEW_CAP,
     advised,

@@ -5,7 +5,7 @@ Runs the scenario of ``bench/dflash_simulators/cap_change_scenario.py`` (also te
 3 partitions of 2 prompts at a small cap, then the cap is raised and lowered, each time launching only what
 the ``generation_settings_changed`` sensor asks for. Prints one ``name: value`` line per figure. Goal: a raise
 sends one request per truncated row; a lowering cuts the rows longer than the new cap to it from their own
-tokens (:mod:`dflash_assets.generation.cap_cut`) and sends a request only for a row whose tokens do not match
+tokens (:mod:`dflash_assets.data.cap_cut`) and sends a request only for a row whose tokens do not match
 its text.
 
     python bench/bench_cap_change.py [--small 10] [--raised 14] [--lowered 11]
@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT))
 
 from headline import headline
 
-from dflash_assets.automation import request_partitions
+from dflash_assets.app.automation import request_partitions
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.transformers_server import LocalTransformersServer
-from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_simulators.cap_change_scenario import PROMPTS, run_scenario
 from dflash_simulators.counting_proxy import CountingProxy
 

@@ -46,14 +46,14 @@ from headline import headline
 
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.corpus import default_sources
+from dflash_assets.data.shapes import default_sources
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.transformers_server import LocalTransformersServer
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.prompts import CORPUS_FILE
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
 
 
 def make_corpus(instance: dg.DagsterInstance, root: Path, sources: list[str], n: int) -> tuple[str, pl.DataFrame]:

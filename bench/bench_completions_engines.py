@@ -46,15 +46,15 @@ from headline import headline
 
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.config import DEFAULT_CONFIG
-from dflash_assets.corpus import default_sources
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.tokenization import SequenceBuilder
+from dflash_assets.data.shapes import default_sources
+from dflash_assets.data.tokenization import SequenceBuilder
+from dflash_assets.orchestration.config import DEFAULT_CONFIG
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.prompts import CORPUS_FILE
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 
 ENGINES = {"transformers serve": "local", "vLLM": "vllm"}
 

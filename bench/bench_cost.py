@@ -6,8 +6,8 @@ rate, user-like lengths, time compressed ``--speed`` times). Steps:
 
 1. ``prompt_corpus`` with ``--prompts`` prompts in ``--partitions`` partitions.
 2. Pilot: the first partition alone (one run).
-3. Forecast (:func:`dflash_assets.forecast.collect_forecast`) of the whole corpus from the pilot, kept in
-   ``cost/report.json`` (:mod:`dflash_assets.cost_report`).
+3. Forecast (:func:`dflash_assets.stages.forecast.collect_forecast`) of the whole corpus from the pilot, kept in
+   ``cost/report.json`` (:mod:`dflash_assets.app.cost_report`).
 4. The other partitions as one range run; the report again: the forecast beside what was measured.
 
 Figures (HEADLINE lines; every one is **simulated**: no GPU):
@@ -78,12 +78,12 @@ def run(base: Path, args) -> int:
     os.environ["DFLASH_CONFIG"] = str(base / "cost" / "config.yaml")  # the node's config, for the resources below
     node = Node(base, "cost", args, cap=4096)
     keys = node.make_corpus()
-    from dflash_assets.config import resource_fields
-    from dflash_assets.cost_report import format_comparison, write_cost_report
-    from dflash_assets.cost_table import format_cost_table, stage_costs
-    from dflash_assets.forecast import collect_forecast, format_forecast, rows_done
-    from dflash_assets.resources.inference import InferenceServerResource
-    from dflash_assets.resources.storage import StorageResource
+    from dflash_assets.app.cost_report import format_comparison, write_cost_report
+    from dflash_assets.app.cost_table import format_cost_table, stage_costs
+    from dflash_assets.orchestration.config import resource_fields
+    from dflash_assets.stages.forecast import collect_forecast, format_forecast, rows_done
+    from dflash_assets.stages.resources.inference import InferenceServerResource
+    from dflash_assets.stages.resources.storage import StorageResource
 
     inference = InferenceServerResource(**resource_fields("inference"))
     store = StorageResource(root=str(node.data)).open()

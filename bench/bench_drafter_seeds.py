@@ -26,11 +26,11 @@ from headline import headline
 
 from dflash_assets.assets.drafter import dflash_drafter
 from dflash_assets.assets.evaluation import drafter_evaluation
-from dflash_assets.config import config_path
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.orchestration.config import config_path
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -42,11 +42,11 @@ import polars as pl
 from bench_node import Node
 from headline import headline
 
-from dflash_assets.corpus import CORPUS_SCHEMA
+from dflash_assets.data.ranges import partition_keys
+from dflash_assets.data.shapes import CORPUS_SCHEMA
 from dflash_assets.generation.records import rows_to_frame
-from dflash_assets.partitions import partition_keys
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.storage import Storage
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.storage.store import Storage
 
 OLD_CAP, NEW_CAP = 4096, 8192
 

@@ -3,11 +3,11 @@
 Builds a realistic partition (default 1000 synthetic completions of a few hundred tokens each, one- or
 three-turn prompts), then times, in the same process and alternating:
 
-* ``stage``: the asset's whole work, :func:`dflash_assets.tokenized_stage.tokenize_stage`: tokenization
+* ``stage``: the asset's whole work, :func:`dflash_assets.stages.tokenized.tokenize_stage`: tokenization
   (chat template, prompt and completion ids, loss masks, end tokens, polars table), the Parquet writes
   (table and set-aside rows) and the data-version hash, and the checks (the round-trip decode of every
   row); tokens/s over every output ``input_ids`` token. The headline ratio.
-* ``tokenize``: :func:`dflash_assets.tokenization.tokenize_partition` alone (the part the old figure timed);
+* ``tokenize``: :func:`dflash_assets.data.tokenization.tokenize_partition` alone (the part the old figure timed);
 * ``plain``: the same work done the plain way (the same-work baseline): render each prompt's chat
   template (``apply_chat_template``), one batched ``tokenizer(prompt + completion)`` call, and write the
   ids as a Parquet table (no loss masks, no checks);
@@ -38,12 +38,12 @@ import polars as pl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from headline import headline
 
+from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.records import rows_to_frame
-from dflash_assets.settings import GenerationSettings
-from dflash_assets.storage import Storage
-from dflash_assets.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
-from dflash_assets.tokenized_stage import TokenizeConfig, tokenize_stage
+from dflash_assets.stages.tokenized import TokenizeConfig, tokenize_stage
+from dflash_assets.storage.store import Storage
 
 WORDS = [
     "the",

@@ -1,4 +1,4 @@
-from dflash_assets.cli import main
+from dflash_assets.app.cli import main
 
 if __name__ == "__main__":
     main()

@@ -4,16 +4,16 @@ import os
 
 import dagster as dg
 
-from dflash_assets.automation import build_backfill_schedule, build_cap_change_sensor
-from dflash_assets.config import build_resources, check_local_model, op_config, validate_ops
+from dflash_assets.app.automation import build_backfill_schedule, build_cap_change_sensor
+from dflash_assets.app.stage_order import ASSETS, PARTITION_STAGES
 from dflash_assets.generation.servers import API_KEY_ENV
-from dflash_assets.resources.cost import CostResource
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource, s3_credentials_from_env
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.runs import reaping_executor
-from dflash_assets.stages import ASSETS, PARTITION_STAGES
+from dflash_assets.orchestration.config import build_resources, check_local_model, op_config, validate_ops
+from dflash_assets.orchestration.runs import reaping_executor
+from dflash_assets.stages.resources.cost import CostResource
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource, s3_credentials_from_env
+from dflash_assets.stages.resources.target_model import TargetModelResource
 
 partition_stages_job = dg.define_asset_job(
     "partition_stages",

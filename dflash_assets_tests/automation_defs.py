@@ -1,5 +1,5 @@
 """Stand-in definitions for ticking the project's schedule and sensor through Dagster's daemon path:
-the real builders (dflash_assets/automation.py) over stand-in per-partition stages that carry the real
+the real builders (dflash_assets/app/automation.py) over stand-in per-partition stages that carry the real
 asset keys, partitions, pool and single-run backfill policy. Runs are only created and queued, never
 executed. The sensor's cap comes from ``$AUTOMATION_TEST_CAP`` (default 4096), standing in for the
 config file."""
@@ -8,10 +8,10 @@ import os
 
 import dagster as dg
 
-from dflash_assets.automation import build_backfill_schedule, build_cap_change_sensor
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.pools import INFERENCE_POOL
-from dflash_assets.resources.generation import GenerationResource
+from dflash_assets.app.automation import build_backfill_schedule, build_cap_change_sensor
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.pools import INFERENCE_POOL
+from dflash_assets.stages.resources.generation import GenerationResource
 
 
 @dg.asset(

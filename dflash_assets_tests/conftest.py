@@ -106,7 +106,7 @@ def local_server(tmp_path_factory):
 def local_inference(local_server):
     """An ``InferenceServerResource`` in external mode pointed at the shared ``local_server`` (greedy)."""
     from dflash_assets.generation.local_model import ensure_local_model
-    from dflash_assets.resources.inference import InferenceServerResource
+    from dflash_assets.stages.resources.inference import InferenceServerResource
 
     return InferenceServerResource(
         mode="external",

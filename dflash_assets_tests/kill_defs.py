@@ -1,6 +1,6 @@
 """Stand-in definitions for the kill-and-resume tests: one partitioned asset in the ``dflash_inference``
 pool that hangs (like a long generation) while ``$KILL_TEST_DIR/hang`` exists, with the project's
-executor (:data:`dflash_assets.runs.reaping_executor`). Loaded by a real ``dagster asset materialize``."""
+executor (:data:`dflash_assets.orchestration.runs.reaping_executor`). Loaded by a real ``dagster asset materialize``."""
 
 import os
 import time
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from dflash_assets.pools import INFERENCE_POOL
-from dflash_assets.runs import reaping_executor
+from dflash_assets.orchestration.pools import INFERENCE_POOL
+from dflash_assets.orchestration.runs import reaping_executor
 
 
 @dg.asset(partitions_def=dg.StaticPartitionsDefinition(["p0", "p1"]), pool=INFERENCE_POOL)

@@ -1,4 +1,4 @@
-"""dflash_assets.atomic: old content survives a failing writer and a kill -9 mid-write; fsync order;
+"""dflash_assets.storage.atomic: old content survives a failing writer and a kill -9 mid-write; fsync order;
 concurrent writers never share a temp file."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets import atomic
-from dflash_assets.atomic import atomic_write_bytes, fsync_dir
+from dflash_assets.storage import atomic
+from dflash_assets.storage.atomic import atomic_write_bytes, fsync_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,7 +97,7 @@ def test_concurrent_writers_do_not_collide(tmp_path):
 CHILD = textwrap.dedent(
     """
     import sys, time
-    from dflash_assets.atomic import atomic_write_bytes
+    from dflash_assets.storage.atomic import atomic_write_bytes
 
     def writer(f):
         chunk = b"N" * (1 << 20)

@@ -25,9 +25,10 @@ from dagster._core.storage.tags import (
 from dagster._core.test_utils import create_test_daemon_workspace_context, load_remote_repo
 from dagster._core.workspace.load_target import ModuleTarget
 
-from dflash_assets.automation import request_partitions
-from dflash_assets.partitions import partition_keys, prompt_ranges
-from dflash_assets.settings import GenerationSettings
+from dflash_assets.app.automation import request_partitions
+from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.data.ranges import partition_keys
+from dflash_assets.orchestration.partitions import prompt_ranges
 
 N = 1000
 KEYS = partition_keys(N * 10, 10)
@@ -115,7 +116,7 @@ def test_states_are_what_the_set_up_made(instance):
 
 
 def test_schedule_evaluate_tick_requests_ranges_with_run_keys(instance):
-    from dflash_assets.automation import build_backfill_schedule
+    from dflash_assets.app.automation import build_backfill_schedule
     from dflash_assets_tests import automation_defs
 
     repo = automation_defs.defs.get_repository_def()
@@ -149,8 +150,8 @@ def test_schedule_evaluate_tick_requests_ranges_with_run_keys(instance):
 
 
 def test_sensor_evaluate_tick_after_a_cap_raise(instance):
-    from dflash_assets.automation import build_cap_change_sensor
-    from dflash_assets.resources.generation import GenerationResource
+    from dflash_assets.app.automation import build_cap_change_sensor
+    from dflash_assets.stages.resources.generation import GenerationResource
     from dflash_assets_tests import automation_defs
 
     sensor = build_cap_change_sensor(automation_defs.partition_stages, max_runs_per_tick=10)

@@ -19,8 +19,9 @@ from dagster._core.storage.tags import (
     PARTITION_NAME_TAG,
 )
 
-from dflash_assets.automation import build_backfill_schedule
-from dflash_assets.partitions import partition_keys, prompt_ranges
+from dflash_assets.app.automation import build_backfill_schedule
+from dflash_assets.data.ranges import partition_keys
+from dflash_assets.orchestration.partitions import prompt_ranges
 
 KEYS = partition_keys(90, 10)  # 9 keys: 0000000-0000009 ... 0000080-0000089
 MATERIALIZED = [KEYS[0], KEYS[4]]
@@ -155,7 +156,7 @@ def test_schedule_skips_when_nothing_is_unfinished():
 
 def test_schedule_gives_up_on_a_partition_after_max_failed_attempts():
     """A partition failing every time used to be requested on every tick forever."""
-    from dflash_assets.automation import failed_attempts
+    from dflash_assets.app.automation import failed_attempts
 
     fail = {"on": True}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_assets.cap_backtest import (
+from dflash_assets.data.cap_backtest import (
     USER_CAP,
     USER_NEW_CAP,
     advised,
@@ -18,7 +18,7 @@ from dflash_assets.cap_backtest import (
     run_backtest,
     subsample_backtests,
 )
-from dflash_assets.truncation import cap_advice
+from dflash_assets.data.truncation import cap_advice
 
 DEMO = Path(__file__).resolve().parents[1] / "bench" / "data" / "demo_completion_lengths_cap128.json"
 

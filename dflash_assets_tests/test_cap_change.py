@@ -20,8 +20,8 @@ from collections import Counter
 import dagster as dg
 import pytest
 
-from dflash_assets.automation import request_partitions
-from dflash_assets.resources.generation import GenerationResource
+from dflash_assets.app.automation import request_partitions
+from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_simulators.cap_change_scenario import (
     ASSET_KEYS,
     CAP_LOWERED,
@@ -217,10 +217,10 @@ def test_partition_decision_matches_row_decision():
     missed. 400 random partitions against caps below, at and above the caps rows were made with."""
     import random
 
-    from dflash_assets.automation import affected_reason
-    from dflash_assets.completions_stage.tables import completion_stats
+    from dflash_assets.app.automation import affected_reason
+    from dflash_assets.common.settings import GenerationSettings
     from dflash_assets.generation.records import invalid_reason, rows_to_frame
-    from dflash_assets.settings import GenerationSettings
+    from dflash_assets.stages.completions.tables import completion_stats
 
     rng = random.Random(7)
     made = [GenerationSettings(max_output_tokens=c, temperature=0.0) for c in (8, 12, 16)]
@@ -250,13 +250,13 @@ def test_sensor_relaunches_a_partition_when_a_cap_comes_back():
     sampling) would be skipped by the daemon the second time. A partition with a run not yet finished
     is not requested."""
     from dflash_assets.definitions import defs
-    from dflash_assets.partitions import prompt_ranges
+    from dflash_assets.orchestration.partitions import prompt_ranges
 
     sensor = defs.get_sensor_def("generation_settings_changed")
     pk = "0000000-0000001"
 
     def materialized(cap: int, length_rows: bool) -> None:
-        from dflash_assets.settings import GenerationSettings
+        from dflash_assets.common.settings import GenerationSettings
 
         fp = GenerationSettings(max_output_tokens=cap, temperature=0.0).sampling_fingerprint()
         instance.report_runless_asset_event(

@@ -1,4 +1,4 @@
-"""Cutting a row to a lowered cap from its own tokens (``dflash_assets.generation.cap_cut``).
+"""Cutting a row to a lowered cap from its own tokens (``dflash_assets.data.cap_cut``).
 
 The property checked for every layout: the cut row, rendered back the way tokenization renders it and
 encoded, is exactly the first ``cap`` tokens of the original row's completion, with the flags a server
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_assets.generation.cap_cut import cut_to_cap
+from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.data.cap_cut import cut_to_cap
+from dflash_assets.data.tokenization import SequenceBuilder
 from dflash_assets.generation.records import completion_layout
-from dflash_assets.settings import GenerationSettings
-from dflash_assets.tokenization import SequenceBuilder
 from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Sort a list in Python."}]
@@ -133,9 +133,9 @@ def test_a_continued_row_cut_inside_its_first_part_is_no_longer_continued(builde
 def _plan_run(tmp_path, builder_path, keys, settings_):
     import logging
 
-    from dflash_assets.completions_stage.range_run import RangeRun
-    from dflash_assets.resources.inference import InferenceServerResource
-    from dflash_assets.storage import Storage
+    from dflash_assets.stages.completions.range_run import RangeRun
+    from dflash_assets.stages.resources.inference import InferenceServerResource
+    from dflash_assets.storage.store import Storage
 
     inference = InferenceServerResource(
         mode="external", base_urls=["http://127.0.0.1:9/v1"], external_tokenizer_path=str(builder_path)
@@ -150,10 +150,10 @@ def test_lowering_a_half_done_partition_cuts_what_it_has_and_journals_nothing(tm
     import polars as pl
     from transformers import AutoTokenizer
 
-    from dflash_assets.completions_stage.tables import partition_file
-    from dflash_assets.corpus import content_hash
+    from dflash_assets.data.shapes import content_hash
     from dflash_assets.generation.journal import RowJournal
     from dflash_assets.generation.records import rows_to_frame
+    from dflash_assets.stages.completions.tables import partition_file
 
     path = write_thinking_tokenizer(tmp_path / "tok", opens_think=False)
     builder = SequenceBuilder(AutoTokenizer.from_pretrained(str(path)))
@@ -196,7 +196,7 @@ def test_lowering_a_half_done_partition_cuts_what_it_has_and_journals_nothing(tm
 def test_a_tokenizer_directory_that_is_not_there_is_called_that(tmp_path):
     """New-user trial: a wrong external_tokenizer_path warned with transformers' 'Repo id must be in the
     form ...' rather than saying the directory is missing."""
-    from dflash_assets.completions_stage.continuing import missing_directory
+    from dflash_assets.stages.completions.continuing import missing_directory
 
     with pytest.raises(FileNotFoundError, match="no such directory: /nowhere/tokenizer"):
         missing_directory("/nowhere/tokenizer")

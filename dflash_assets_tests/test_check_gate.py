@@ -16,17 +16,17 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 
-from dflash_assets import freshness
+from dflash_assets.app.status import collect_status, format_status
 from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.tokenized import tokenized_sequences
-from dflash_assets.check_gate import BLOCKING_CHECKS, CHECK_DEGENERATE, failed_blocking_checks
+from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.records import rows_to_frame
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.settings import GenerationSettings
-from dflash_assets.status import collect_status, format_status
+from dflash_assets.orchestration import freshness
+from dflash_assets.orchestration.check_gate import BLOCKING_CHECKS, CHECK_DEGENERATE, failed_blocking_checks
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_assets_tests import automation_defs
 
 QUESTIONS = {i: f"Question number {i}: tell me something." for i in range(8)}

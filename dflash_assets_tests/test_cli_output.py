@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import sys
-from dflash_assets import pipeline
+from dflash_assets.app import main_job as pipeline
 pipeline.CONSOLE_LOG_LEVEL["level"] = sys.argv[2]
 cfg = {"ops": {"prompt_corpus": {"config": {"sources": [sys.argv[1]], "partition_size": 2}}}}
 result = pipeline._materialize(["prompt_corpus"], cfg)

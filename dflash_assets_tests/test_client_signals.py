@@ -101,7 +101,7 @@ def test_run_loop_stops_on_an_interrupted_run_but_not_on_a_failed_one():
     import dagster as dg
     from dagster._core.errors import DagsterExecutionInterruptedError
 
-    from dflash_assets.pipeline import was_interrupted
+    from dflash_assets.app.main_job import was_interrupted
 
     @dg.asset
     def interrupted_asset():

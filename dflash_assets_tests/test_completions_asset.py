@@ -29,10 +29,10 @@ import pytest
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.generation.journal import RowJournal
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
 from dflash_simulators.behaviours import Drop, Error, Hang, Reply
 from dflash_simulators.counting_proxy import CountingProxy, last_user_message
 from dflash_simulators.stand_in_server import FakeServer
@@ -219,10 +219,10 @@ _CHILD = """
 import json, sys
 import dagster as dg
 from dflash_assets.assets.completions import completions
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.runs import process_tags
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.orchestration.runs import process_tags
 a = json.loads(sys.argv[1])
 with dg.instance_for_test(temp_dir=a["home"]) as instance:  # tagged with its process, as every product run is
     dg.materialize([completions], instance=instance, partition_key=a["pk"], tags=process_tags(), resources={
@@ -442,9 +442,9 @@ def test_commit_overlays_new_rows_on_the_stored_table_and_writes_what_whole_rows
     """The commit no longer holds every stored row in memory: it reads the last table back and lays the
     journal's and this run's rows over it. The file must be the one the whole rows as dicts give, byte
     for byte (the data version is its hash), also over a table written before ``continued_from_tokens``."""
-    from dflash_assets.completions_stage.tables import PLAN_COLUMNS, load_plan_rows, partition_file, partition_frame
     from dflash_assets.generation.records import rows_to_frame
-    from dflash_assets.storage import Storage, parquet_bytes
+    from dflash_assets.stages.completions.tables import PLAN_COLUMNS, load_plan_rows, partition_file, partition_frame
+    from dflash_assets.storage.store import Storage, parquet_bytes
 
     def row(i: int, text: str, tokens: int, **extra) -> dict:
         return {
@@ -506,9 +506,9 @@ def test_resumed_from_journal_counts_only_the_partitions_own_rows(tmp_path):
     table, so it must not count as resumed either: 5 such rows read as 'resumed 5' (review)."""
     import logging
 
-    from dflash_assets.completions_stage.range_run import RangeRun
-    from dflash_assets.settings import GenerationSettings
-    from dflash_assets.storage import Storage
+    from dflash_assets.common.settings import GenerationSettings
+    from dflash_assets.stages.completions.range_run import RangeRun
+    from dflash_assets.storage.store import Storage
 
     settings = GenerationSettings(max_output_tokens=64)
 
@@ -560,7 +560,7 @@ def test_a_range_run_commits_again_a_partition_whose_last_run_failed_with_its_ta
     """New-user trial: a run of one partition failed at start-up (server down), leaving its table as it
     was; a range run over it then said 'complete and unchanged: kept', recorded nothing, and the UI and
     `status` kept showing the partition failed. Such a partition must be committed again."""
-    from dflash_assets.status import stage_counts
+    from dflash_assets.app.status import stage_counts
     from dflash_assets_tests.test_node_scale import range_materialize
 
     root = tmp_path / "store"

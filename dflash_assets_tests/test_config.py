@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets import config as cfg
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.orchestration import config as cfg
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.storage import StorageResource
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = {"generation": GenerationResource, "storage": StorageResource}
@@ -35,7 +35,7 @@ def project_assets():
     return ASSETS
 
 
-from dflash_assets.stages import ASSETS  # noqa: E402  (with the bundled config)
+from dflash_assets.app.stage_order import ASSETS  # noqa: E402  (with the bundled config)
 
 
 def test_typo_in_a_resource_field_is_an_error_naming_key_place_valid_keys_and_file(tmp_path, monkeypatch):
@@ -46,8 +46,8 @@ def test_typo_in_a_resource_field_is_an_error_naming_key_place_valid_keys_and_fi
 
 
 def test_every_project_resource_rejects_an_unknown_field(tmp_path, monkeypatch):
-    from dflash_assets.resources.inference import InferenceServerResource
-    from dflash_assets.resources.target_model import TargetModelResource
+    from dflash_assets.stages.resources.inference import InferenceServerResource
+    from dflash_assets.stages.resources.target_model import TargetModelResource
 
     classes = {**CLASSES, "inference": InferenceServerResource, "target_model": TargetModelResource}
     for name in classes:
@@ -89,7 +89,7 @@ def test_a_cap_that_only_looks_like_a_number_is_an_error(tmp_path, monkeypatch, 
 def test_an_inference_number_or_switch_that_only_looks_like_one_is_an_error(tmp_path, monkeypatch, key, value, kind):
     """`tail_chunk_tokens: true` was taken as 1-token chunks (as `max_output_tokens: true` was a cap of 1);
     `tail_prompts_per_slot: .inf` passed and crashed the run after the servers had started."""
-    from dflash_assets.resources.inference import InferenceServerResource
+    from dflash_assets.stages.resources.inference import InferenceServerResource
 
     write(tmp_path, f"resources:\n  inference: {{{key}: {value}}}\n", monkeypatch)
     msg = error_of(cfg.build_resources, {"inference": InferenceServerResource})
@@ -108,7 +108,7 @@ def test_an_inference_number_or_switch_that_only_looks_like_one_is_an_error(tmp_
 def test_a_secret_in_the_config_file_is_refused_naming_the_variable_to_use(tmp_path, monkeypatch, resource, key, env):
     """Issue 27: a literal key in the YAML was accepted, and Dagster shows resource values that are not
     EnvVars in the UI and over GraphQL. The value itself is not repeated in the message."""
-    from dflash_assets.resources.inference import InferenceServerResource
+    from dflash_assets.stages.resources.inference import InferenceServerResource
 
     path = write(tmp_path, f"resources:\n  {resource}: {{{key}: sk-literal-0451}}\n", monkeypatch)
     msg = error_of(cfg.build_resources, {**CLASSES, "inference": InferenceServerResource})
@@ -165,8 +165,8 @@ def test_bundled_configs_are_valid(monkeypatch):
 
 
 def _other_classes():
-    from dflash_assets.resources.inference import InferenceServerResource
-    from dflash_assets.resources.target_model import TargetModelResource
+    from dflash_assets.stages.resources.inference import InferenceServerResource
+    from dflash_assets.stages.resources.target_model import TargetModelResource
 
     return {"inference": InferenceServerResource, "target_model": TargetModelResource}
 
@@ -191,7 +191,7 @@ def test_cli_run_with_a_typo_stops_before_any_work(tmp_path):
 def test_fingerprint_cache_follows_a_copy_with_other_values():
     """The fingerprint and settings JSON are cached per distinct settings (not recomputed per row);
     a copy with another temperature must not reuse the original's."""
-    from dflash_assets.settings import GenerationSettings
+    from dflash_assets.common.settings import GenerationSettings
 
     base = GenerationSettings()
     assert base.sampling_fingerprint() == GenerationSettings(max_output_tokens=8192).sampling_fingerprint()

@@ -15,6 +15,7 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.continuation import (
     NOT_CONTINUED,
     continuable,
@@ -23,8 +24,7 @@ from dflash_assets.generation.continuation import (
     prefix_text,
 )
 from dflash_assets.generation.records import completion_layout, row_from_result, split_reasoning
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE
-from dflash_assets.settings import GenerationSettings
+from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets_tests.test_completions_asset import write_corpus
 from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim
 from dflash_simulators.simulated_replies import drawn_length, reply_fields
@@ -337,7 +337,7 @@ def test_servers_that_answer_continuations_afresh_stop_the_run_and_the_cut_rows_
         message = failure.event_specific_data.error.message
         assert "answered afresh" in message and "continue_truncated: false" in message
         # whatever landed (journal or table) kept the cut text; nothing was appended to it
-        from dflash_assets.resources.storage import StorageResource
+        from dflash_assets.stages.resources.storage import StorageResource
 
         storage = StorageResource(root=str(root))
         rows = {}
@@ -367,11 +367,11 @@ def test_an_sglang_older_than_continue_final_message_regenerates_whole_and_says_
     <think>, its fresh reply cannot be told from a continuation, so the installed version decides first."""
     from collections import Counter
 
-    from dflash_assets.completions_stage import continuing as completions_continuing
-    from dflash_assets.completions_stage.continuing import ContinuationPlanner
     from dflash_assets.generation.continuation import sglang_predates_continuation
     from dflash_assets.generation.range_plan import Partition
-    from dflash_assets.resources.inference import InferenceServerResource
+    from dflash_assets.stages.completions import continuing as completions_continuing
+    from dflash_assets.stages.completions.continuing import ContinuationPlanner
+    from dflash_assets.stages.resources.inference import InferenceServerResource
 
     assert [sglang_predates_continuation(v) for v in ("0.4.3.post2", "0.4.4", "0.5.3rc0", None, "weird")] == [
         True,

@@ -10,10 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.corpus import CorpusError, build_corpus, default_sources
-from dflash_assets.partitions import key_range, partition_keys, prompt_ranges
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.data.ranges import key_range, partition_keys
+from dflash_assets.data.shapes import CorpusError, build_corpus, default_sources
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.prompts import CORPUS_FILE
+from dflash_assets.stages.resources.storage import StorageResource
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 CODEALPACA = SHARED / "codealpaca" / "new_codealpaca.json"

@@ -3,7 +3,7 @@
 One Dagster instance and storage root go through a series of edits of the prompt files (the tests run in
 file order, each on the state the one before left): a file added after, before and between the others, a
 prompt's text edited, the sources reordered, the same prompt in two files, a file removed. After each, the
-stages run as the main job runs them (what :mod:`dflash_assets.freshness` says is not up to date:
+stages run as the main job runs them (what :mod:`dflash_assets.orchestration.freshness` says is not up to date:
 completions as one range run, then tokenized_sequences and hidden_states per partition), and the test checks:
 
 - on the STORED tables, every completions, tokenized and hidden-state row answers the corpus's prompt at
@@ -31,20 +31,20 @@ import polars as pl
 import pytest
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-from dflash_assets import freshness
+from dflash_assets.app.status import collect_status, format_status
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.dflash.data import heldout_fraction_of
 from dflash_assets.generation.local_model import ensure_local_model
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.status import collect_status, format_status
+from dflash_assets.orchestration import freshness
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.prompts import CORPUS_FILE
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 
 SIZE = 2  # prompts per partition: several partitions from a few prompts
 EVAL_FRACTION = 0.5  # a large held-out share, so the split has members on both sides
@@ -342,7 +342,7 @@ def test_a_row_from_before_rows_named_their_prompt_is_requested_again(world):
 def test_status_previews_an_edit_of_the_prompt_files_before_the_corpus_is_built(world, monkeypatch):
     """`status` after the user edits the prompt files, before any run: it builds the next corpus in memory (writing
     nothing) and says what it will cost; the run then sends exactly that."""
-    from dflash_assets.status import corpus_preview
+    from dflash_assets.app.status import corpus_preview
 
     sources = [
         world["a"],

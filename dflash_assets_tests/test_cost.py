@@ -17,9 +17,7 @@ import polars as pl
 import pytest
 import yaml
 
-from dflash_assets import cost
-from dflash_assets.config import ConfigError
-from dflash_assets.cost_report import (
+from dflash_assets.app.cost_report import (
     REPORT,
     build_report,
     configured_bytes_per_token,
@@ -27,10 +25,12 @@ from dflash_assets.cost_report import (
     keep_forecast,
     write_cost_report,
 )
-from dflash_assets.cost_table import format_cost_table, stage_costs
-from dflash_assets.forecast import collect_forecast, format_forecast, mean_interval, rows_done, t975
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.app.cost_table import format_cost_table, stage_costs
+from dflash_assets.common import cost
+from dflash_assets.orchestration.config import ConfigError
+from dflash_assets.stages.forecast import collect_forecast, format_forecast, mean_interval, rows_done, t975
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim, write_corpus
 from dflash_assets_tests.test_tokenized import tiny_target  # noqa: F401  (fixture)
 
@@ -95,7 +95,7 @@ def test_forecast_from_one_partition_of_ten_holds_the_measured_whole(tmp_path, r
 
         # the UI: truncation_report shows the forecast, on the servers that measured, beside the cap advice
         from dflash_assets.assets.truncation import truncation_report
-        from dflash_assets.resources.generation import GenerationResource
+        from dflash_assets.stages.resources.generation import GenerationResource
 
         report_run = dg.materialize(
             [truncation_report],
@@ -131,7 +131,7 @@ def test_forecast_from_one_partition_of_ten_holds_the_measured_whole(tmp_path, r
         }
         (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
         monkeypatch.setenv("DFLASH_CONFIG", str(tmp_path / "c.yaml"))
-        from dflash_assets.status import print_status
+        from dflash_assets.app.status import print_status
 
         print_status(instance, pilot=f"{keys[0]}...{keys[1]}")
         out = capsys.readouterr().out
@@ -142,7 +142,7 @@ def test_forecast_from_one_partition_of_ten_holds_the_measured_whole(tmp_path, r
 
 
 def _latest(instance, keys: list[str]) -> dict[str, dict]:
-    from dflash_assets.history import latest_metadata_by_partition
+    from dflash_assets.orchestration.history import latest_metadata_by_partition
 
     return latest_metadata_by_partition(instance, "completions", keys)
 
@@ -208,8 +208,8 @@ def test_range_run_shares_add_up_to_devices_x_wall():
 
 
 def test_unknown_cost_key_is_a_config_error(tmp_path, monkeypatch):
-    from dflash_assets.config import build_resources
-    from dflash_assets.resources.cost import CostResource
+    from dflash_assets.orchestration.config import build_resources
+    from dflash_assets.stages.resources.cost import CostResource
 
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({"resources": {"cost": {"gpu_hour_usd": 3}}}))
     monkeypatch.setenv("DFLASH_CONFIG", str(tmp_path / "c.yaml"))
@@ -241,7 +241,7 @@ def test_report_keeps_the_first_forecast_until_the_corpus_changes():
 
 
 def test_training_storage_and_cap_change_forecasts_scale_to_the_corpus(tmp_path):
-    from dflash_assets.forecast import cap_change_forecast, storage_forecast, training_forecast
+    from dflash_assets.stages.forecast import cap_change_forecast, storage_forecast, training_forecast
 
     with dg.instance_for_test() as instance:
         assert training_forecast(instance, 1000, 0.1) is None  # no drafter trained yet
@@ -293,8 +293,8 @@ def test_tokenized_and_hidden_states_record_their_cost(tmp_path, tiny_target):  
 
 
 def test_training_records_processes_x_wall_and_a_reused_run_costs_nothing(tmp_path, monkeypatch):
-    from dflash_assets.forecast import training_forecast
-    from dflash_assets.partitions import prompt_ranges
+    from dflash_assets.orchestration.partitions import prompt_ranges
+    from dflash_assets.stages.forecast import training_forecast
     from dflash_assets_tests import test_drafter_identity as identity
     from dflash_assets_tests.tiny_target import make_feature_target, project_config_with_layers
 

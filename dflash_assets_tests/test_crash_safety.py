@@ -76,10 +76,10 @@ def test_s3_download_fsyncs_the_file_before_the_rename_and_the_directory_after(s
 
 def test_drafter_weights_are_counted_and_hashed_without_reading_them_whole(tmp_path):
     """64 MB of weights: publishing and counting them must not hold them in memory (the recipe's are 3.5 GB)."""
-    from dflash_assets.storage import Storage
-    from dflash_assets.training.identity import file_sha256
-    from dflash_assets.training.report import count_params
-    from dflash_assets.training.run import publish_export
+    from dflash_assets.stages.drafter.identity import file_sha256
+    from dflash_assets.stages.drafter.report import count_params
+    from dflash_assets.stages.drafter.run import publish_export
+    from dflash_assets.storage.store import Storage
 
     export = tmp_path / "run" / "export"
     export.mkdir(parents=True)
@@ -99,7 +99,7 @@ def test_drafter_weights_are_counted_and_hashed_without_reading_them_whole(tmp_p
 
 
 def test_count_params_names_a_file_that_is_not_safetensors(tmp_path):
-    from dflash_assets.training.report import count_params
+    from dflash_assets.stages.drafter.report import count_params
 
     bad = tmp_path / "model.safetensors"
     bad.write_bytes(b"\xff" * 16)
@@ -110,8 +110,8 @@ def test_count_params_names_a_file_that_is_not_safetensors(tmp_path):
 def test_failed_final_journal_sync_keeps_the_original_error_and_reports_the_sync(s3_target, tmp_path):
     """The servers fail to start while S3 is down and the journal holds unsynced rows: the run's error
     is the servers' one, and the failed sync is logged and noted on it."""
-    from dflash_assets.completions_stage.range_run import RangeRun
-    from dflash_assets.settings import GenerationSettings
+    from dflash_assets.common.settings import GenerationSettings
+    from dflash_assets.stages.completions.range_run import RangeRun
 
     storage = s3_storage(s3_target, tmp_path / "scratch")
     pk = "0000000-0000009"

@@ -8,23 +8,23 @@ from pathlib import Path
 import pytest
 
 from dflash_assets.dflash.train_config import TrainConfig, TrainSettings
-from dflash_assets.evaluation.config import EvaluationConfig
-from dflash_assets.hidden_states_stage import HiddenStatesConfig
-from dflash_assets.prompt_corpus_stage import PromptCorpusConfig
-from dflash_assets.resources.cost import CostResource
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.inference_sections import (
+from dflash_assets.stages.drafter.config import DrafterConfig
+from dflash_assets.stages.evaluation.config import EvaluationConfig
+from dflash_assets.stages.hidden_states import HiddenStatesConfig
+from dflash_assets.stages.prompts import PromptCorpusConfig
+from dflash_assets.stages.resources.cost import CostResource
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.inference_sections import (
     ClientSettings,
     ExternalSettings,
     LocalSettings,
     SGLangSettings,
     VLLMSettings,
 )
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.tokenized_stage import TokenizeConfig
-from dflash_assets.training.config import DrafterConfig
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets.stages.tokenized import TokenizeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

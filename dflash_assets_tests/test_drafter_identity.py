@@ -25,10 +25,10 @@ from dflash_assets.dflash.model import load_target_head
 from dflash_assets.dflash.shard_format import INDEX_NAME
 from dflash_assets.dflash.train import train
 from dflash_assets.dflash.train_eval import batch_loss
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.training.identity import STATE_FILE, file_sha256
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.drafter.identity import STATE_FILE, file_sha256
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_assets_tests.tiny_target import (
     HIDDEN,
     N_FEATS,

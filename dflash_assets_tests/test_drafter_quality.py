@@ -28,11 +28,11 @@ from dflash_assets.assets.evaluation import drafter_evaluation
 from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
-from dflash_assets.config import DEFAULT_CONFIG
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
+from dflash_assets.orchestration.config import DEFAULT_CONFIG
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 
 NUM_PROMPTS = 16
 TEST_STEPS = 200
@@ -175,10 +175,10 @@ BROKEN = {
 def test_an_export_that_disagrees_with_training_fails_parity_in_the_real_engine(demo_runs, field, tmp_path):
     """An export whose config.json names other target layers, mask token or block size than training used
     loads in vLLM, and the engine_parity check fails naming the difference."""
-    from dflash_assets.evaluation.config import EvaluationConfig
-    from dflash_assets.evaluation.datasets import HELDOUT
-    from dflash_assets.evaluation.parity import engine_parity
-    from dflash_assets.evaluation.vllm_run import plan_vllm, run_vllm
+    from dflash_assets.stages.evaluation.config import EvaluationConfig
+    from dflash_assets.stages.evaluation.datasets import HELDOUT
+    from dflash_assets.stages.evaluation.parity import engine_parity
+    from dflash_assets.stages.evaluation.vllm_run import plan_vllm, run_vllm
 
     export = tmp_path / "export"
     shutil.copytree(demo_runs["export"], export)

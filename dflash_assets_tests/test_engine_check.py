@@ -249,12 +249,12 @@ def test_an_unreadable_export_is_refused_not_raised(tmp_path):
 def test_the_configs_choices_are_the_flag_builders():
     from typing import get_args
 
-    from dflash_assets.evaluation.config import EvaluationConfig
     from dflash_assets.generation.sglang_dflash import (
         DRAFT_ATTENTION_BACKENDS,
         MAMBA_STRATEGIES,
         SGLANG_DRAFT_ATTENTION_BACKENDS,
     )
+    from dflash_assets.stages.evaluation.config import EvaluationConfig
 
     fields = EvaluationConfig.model_fields
     assert get_args(fields["draft_attention_backend"].annotation) == ("sglang_default", *DRAFT_ATTENTION_BACKENDS)

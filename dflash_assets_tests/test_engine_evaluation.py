@@ -22,13 +22,13 @@ import httpx
 import polars as pl
 import pytest
 
+from dflash_assets.app.summary_engine import engine_line
 from dflash_assets.assets.evaluation import drafter_evaluation
 from dflash_assets.dflash.data import heldout_fraction_of
 from dflash_assets.generation.ports import free_port_block
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.summary_engine import engine_line
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_assets_tests.test_completions_asset import write_corpus
 from dflash_assets_tests.test_engine_check import edit_tensors, make_export, write_target_config
 

@@ -9,8 +9,8 @@ import json
 import dagster as dg
 import pytest
 
-from dflash_assets.corpus import build_corpus
-from dflash_assets.evaluation.datasets import HELDOUT, HUMANEVAL, evaluation_datasets
+from dflash_assets.data.shapes import build_corpus
+from dflash_assets.stages.evaluation.datasets import HELDOUT, HUMANEVAL, evaluation_datasets
 
 
 def _jsonl(path, rows):
@@ -62,8 +62,8 @@ def test_held_out_prompts_are_read_by_row_group_not_the_whole_corpus(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflash_assets.evaluation.datasets import heldout_corpus
-    from dflash_assets.storage import Storage
+    from dflash_assets.stages.evaluation.datasets import heldout_corpus
+    from dflash_assets.storage.store import Storage
 
     n = 20_000
     table = pa.table(

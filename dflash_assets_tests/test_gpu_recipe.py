@@ -13,7 +13,7 @@ import json
 
 import yaml
 
-from dflash_assets.config import BUNDLED
+from dflash_assets.orchestration.config import BUNDLED
 
 GPU_CONFIG = BUNDLED / "gpu_qwen36_27b.yaml"
 
@@ -48,9 +48,9 @@ def test_gpu_config_drafter_is_the_published_recipe(tmp_path, monkeypatch):
     from dflash_assets.dflash.engine_check import check_dflash_export
     from dflash_assets.dflash.export import hf_config_dict
     from dflash_assets.dflash.target_layers import text_config
-    from dflash_assets.resources.target_model import TargetModelResource
-    from dflash_assets.training.config import DrafterConfig
-    from dflash_assets.training.settings import resolved_settings
+    from dflash_assets.stages.drafter.config import DrafterConfig
+    from dflash_assets.stages.drafter.settings import resolved_settings
+    from dflash_assets.stages.resources.target_model import TargetModelResource
 
     monkeypatch.setenv("DFLASH_CONFIG", str(GPU_CONFIG))
     ops = yaml.safe_load(GPU_CONFIG.read_text())["ops"]

@@ -11,12 +11,12 @@ import polars as pl
 
 from dflash_assets.assets.drafter import dflash_drafter
 from dflash_assets.assets.hidden_states import hidden_states
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.tokenized_stage import tokenized_file
-from dflash_assets.training.run import EXPORT_DIR
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.drafter.run import EXPORT_DIR
+from dflash_assets.stages.prompts import CORPUS_FILE
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets.stages.tokenized import tokenized_file
 
 try:
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target

@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_assets.assets.prompts import corpus_fingerprint, prompt_corpus
-from dflash_assets.corpus import CorpusError, build_corpus
-from dflash_assets.prompt_corpus_stage import REJECTED_FILE, PromptCorpusConfig
-from dflash_assets.prompt_reader import MiB, ReadLimits
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.data.reader import MiB, ReadLimits
+from dflash_assets.data.shapes import CorpusError, build_corpus
+from dflash_assets.stages.prompts import REJECTED_FILE, PromptCorpusConfig
+from dflash_assets.stages.resources.storage import StorageResource
 
 DEEP = 100_000  # far past the JSON reader's ~1,000 levels
 GOOD = ['{"prompt": "Sort a list in Go."}', '{"prompt": "Reverse a string in C."}']
@@ -162,7 +162,7 @@ def test_the_record_bound_is_a_prompt_corpus_setting_and_not_part_of_its_fingerp
 def test_records_cut_across_read_chunks_read_the_same(tmp_path, monkeypatch, name):
     """The stream reader keeps a record whole whatever read chunk its bytes arrive in (5-byte chunks here):
     BOM, blank and CRLF lines, U+2028 inside strings, brackets, quotes and backslashes inside strings."""
-    import dflash_assets.prompt_reader as reader
+    import dflash_assets.data.reader as reader
 
     records = [
         {"prompt": "one\u2028two"},

@@ -20,15 +20,15 @@ import pytest
 
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.completions_stage.tables import partition_frame
+from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.client import CompletionClient
 from dflash_assets.generation.journal import RowJournal
 from dflash_assets.generation.records import COMPLETIONS_SCHEMA, row_from_result, row_problem, rows_to_frame
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.settings import GenerationSettings
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.completions.tables import partition_frame
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
 from dflash_simulators.hostile_replies import HOSTILE, PREFIX, TEST_VOCAB_SIZE
 
 CAP = 16
@@ -272,7 +272,7 @@ def test_a_range_run_over_hostile_replies_and_unstorable_journal_rows_commits_th
 
 def test_a_row_the_table_cannot_take_is_set_aside_at_commit_and_the_rest_is_written(tmp_path):
     """The commit's own floor: whatever a row holds, the partition's table is written."""
-    from dflash_assets.storage import Storage
+    from dflash_assets.storage.store import Storage
 
     prompts = pl.DataFrame({"index": [0, 1, 2, 3, 4], "prompt_id": [f"p{i}" for i in range(5)], "source": ["s"] * 5})
     row = {

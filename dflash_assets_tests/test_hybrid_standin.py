@@ -110,8 +110,8 @@ def test_sampled_replies_think_answer_and_stop(standin, tokenizer):
 
 
 def test_served_without_continuous_batching_and_sampling_sent_per_request(standin, tmp_path):
+    from dflash_assets.common.settings import GenerationSettings
     from dflash_assets.generation.transformers_server import LocalTransformersServer, continuous_batching_refusal
-    from dflash_assets.settings import GenerationSettings
 
     assert "linear_attention" in continuous_batching_refusal(standin)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
@@ -126,9 +126,9 @@ def test_served_without_continuous_batching_and_sampling_sent_per_request(standi
 
 
 def test_local_server_and_target_model_must_name_the_same_model(tmp_path, monkeypatch):
-    from dflash_assets.config import ConfigError, check_local_model
-    from dflash_assets.resources.inference import InferenceServerResource
-    from dflash_assets.resources.target_model import TargetModelResource
+    from dflash_assets.orchestration.config import ConfigError, check_local_model
+    from dflash_assets.stages.resources.inference import InferenceServerResource
+    from dflash_assets.stages.resources.target_model import TargetModelResource
 
     config = tmp_path / "c.yaml"
     config.write_text("resources: {}\n")

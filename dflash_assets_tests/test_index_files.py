@@ -16,13 +16,14 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from dflash_assets import freshness, prompt_corpus_stage
 from dflash_assets.assets.prompts import corpus_fingerprint, prompt_corpus
-from dflash_assets.corpus import build_corpus
-from dflash_assets.prompt_corpus_stage import PromptCorpusConfig
-from dflash_assets.prompt_index import INDEX_FILE, RANGES_FILE, load_index, save_index, stable_corpus
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.storage import Storage
+from dflash_assets.data.prompt_index import INDEX_FILE, RANGES_FILE, load_index, save_index, stable_corpus
+from dflash_assets.data.shapes import build_corpus
+from dflash_assets.orchestration import freshness
+from dflash_assets.stages import prompts as prompt_corpus_stage
+from dflash_assets.stages.prompts import PromptCorpusConfig
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.storage.store import Storage
 
 
 def write(path: Path, prompts: list[str]) -> str:

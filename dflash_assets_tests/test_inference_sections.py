@@ -8,9 +8,9 @@ import warnings
 import dagster as dg
 import pytest
 
-from dflash_assets import config as cfg
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.inference_sections import FLAT_KEYS, ConfigKeyDeprecationWarning
+from dflash_assets.orchestration import config as cfg
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.inference_sections import FLAT_KEYS, ConfigKeyDeprecationWarning
 
 # a value for every flat key of the earlier release, and where it must land
 FLAT = {
@@ -121,10 +121,10 @@ def test_the_config_file_takes_flat_keys_with_a_warning_and_refuses_both_ways(tm
 
 
 def test_the_bundled_configs_use_the_sections(monkeypatch):
-    from dflash_assets.resources.cost import CostResource
-    from dflash_assets.resources.generation import GenerationResource
-    from dflash_assets.resources.storage import StorageResource
-    from dflash_assets.resources.target_model import TargetModelResource
+    from dflash_assets.stages.resources.cost import CostResource
+    from dflash_assets.stages.resources.generation import GenerationResource
+    from dflash_assets.stages.resources.storage import StorageResource
+    from dflash_assets.stages.resources.target_model import TargetModelResource
 
     classes = {
         "storage": StorageResource,

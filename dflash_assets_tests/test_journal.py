@@ -237,7 +237,7 @@ def test_a_partial_line_that_cannot_be_cut_off_is_never_read_as_a_row(tmp_path, 
 def test_the_journal_is_owner_only_also_when_rebuilt_from_storage(tmp_path):
     """Issue 27: the journal (prompts and generated text) was created world-readable (0644)."""
     from dflash_assets.generation.journal_sync import SyncedRowJournal
-    from dflash_assets.storage import Storage
+    from dflash_assets.storage.store import Storage
 
     old = tmp_path / "old.jsonl"
     old.write_bytes(json.dumps(row(0)).encode() + b"\n")

@@ -29,10 +29,10 @@ from dflash_assets.generation.probe import probe_chat, probe_external
 from dflash_assets.generation.servers import API_KEY_ENV
 from dflash_assets.generation.sglang_servers import LaunchCommand, SGLangServers
 from dflash_assets.generation.urls import api_root, chat_completions_url, redact
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
 from dflash_simulators.behaviours import Error, Raw, Reply
 from dflash_simulators.counting_proxy import last_user_message
 from dflash_simulators.stand_in_server import FakeServer

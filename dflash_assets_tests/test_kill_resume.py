@@ -1,6 +1,6 @@
 """Kill and resume from the shell: kill -9 of a real ``dagster asset materialize`` holding the
 ``dflash_inference`` pool slot, then the same command again with no clean-up: it must start at once
-(the killed run is marked failed and its slot freed by the new run's executor, dflash_assets/runs.py).
+(the killed run is marked failed and its slot freed by the new run's executor, dflash_assets/orchestration/runs.py).
 
 The asset is a stand-in (dflash_assets_tests/kill_defs.py) that hangs like a long generation; the CLI,
 executor, instance (SQLite under a temp DAGSTER_HOME with the project's pool settings) and processes are
@@ -21,8 +21,8 @@ import yaml
 from dagster._core.test_utils import create_run_for_test
 
 from dflash_assets.generation.proc_info import proc_stat
-from dflash_assets.pools import INFERENCE_POOL
-from dflash_assets.runs import (
+from dflash_assets.orchestration.pools import INFERENCE_POOL
+from dflash_assets.orchestration.runs import (
     BOOT_TAG,
     HOST_TAG,
     MACHINE_TAG,
@@ -257,7 +257,7 @@ def test_two_instances_sharing_one_run_storage_under_one_host_name_never_reap_a_
 def test_a_home_machine_id_never_proves_a_reboot(tmp_path, monkeypatch):
     """Without /etc/machine-id the id lives in DAGSTER_HOME, which machines may share: a different boot
     id with that id may be another machine, so it proves nothing; separate homes give separate ids."""
-    from dflash_assets import machine
+    from dflash_assets.generation import machine
 
     monkeypatch.setattr(machine, "MACHINE_ID_FILE", str(tmp_path / "no-machine-id"))
     (tmp_path / "h1").mkdir()

@@ -28,9 +28,9 @@ from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PART
 
 from dflash_assets.assets.completions import completions
 from dflash_assets.generation.ports import free_port, free_port_block
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets_tests.test_completions_asset import write_corpus
 
 STUB = "dflash_simulators.sglang_stub"
@@ -166,7 +166,7 @@ def test_range_is_one_run_one_start_each_partition_committed_with_own_data_versi
 def test_downstream_sees_the_partition_data_version(tmp_path, registry):
     """tokenized_sequences[pk] records completions[pk]'s own data version as its input version."""
     from dflash_assets.assets.tokenized import tokenized_sequences
-    from dflash_assets.resources.target_model import TargetModelResource
+    from dflash_assets.stages.resources.target_model import TargetModelResource
 
     root = tmp_path / "data"
     with dg.instance_for_test() as instance:

@@ -159,10 +159,10 @@ def test_online_and_offline_runs_of_the_drafter_asset_use_the_configured_layers(
     itself) learns from the layers the offline shards store. Before, online fell back to the default ids."""
     from dflash_assets.assets.hidden_states import resolve_layer_ids
     from dflash_assets.dflash.target_layers import resolve_target_layer_ids
-    from dflash_assets.feature_sources import hidden_states_config
-    from dflash_assets.resources.target_model import TargetModelResource
-    from dflash_assets.training.config import DrafterConfig
-    from dflash_assets.training.settings import train_config_for
+    from dflash_assets.stages.drafter.config import DrafterConfig
+    from dflash_assets.stages.drafter.features import hidden_states_config
+    from dflash_assets.stages.drafter.settings import train_config_for
+    from dflash_assets.stages.resources.target_model import TargetModelResource
 
     configured = [0, 2, 4]
     project = tmp_path / "project.yaml"
@@ -214,9 +214,9 @@ def test_online_and_offline_runs_of_the_drafter_asset_use_the_configured_layers(
 
 
 def test_drafter_settings_are_checked_against_the_target_before_any_work(tmp_path, monkeypatch):
-    from dflash_assets.resources.target_model import TargetModelResource
-    from dflash_assets.training.config import DrafterConfig
-    from dflash_assets.training.settings import resolved_settings
+    from dflash_assets.stages.drafter.config import DrafterConfig
+    from dflash_assets.stages.drafter.settings import resolved_settings
+    from dflash_assets.stages.resources.target_model import TargetModelResource
 
     monkeypatch.setenv("DFLASH_CONFIG", str(tmp_path / "project.yaml"))
     (tmp_path / "project.yaml").write_text("ops: {}\n")

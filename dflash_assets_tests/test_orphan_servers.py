@@ -248,7 +248,7 @@ def test_server_started_from_a_worker_thread_outlives_the_thread(tmp_path):
 
 def test_inference_resource_reaps_before_serving(tmp_path, monkeypatch):
     # a UI- or daemon-launched run stops what a killed run left before it starts its own servers
-    from dflash_assets.resources.inference import InferenceServerResource
+    from dflash_assets.stages.resources.inference import InferenceServerResource
 
     registry = tmp_path / "registry"
     launcher, info = _launch("standin", False, tmp_path, registry)

@@ -16,9 +16,9 @@ from dagster._core.storage.tags import (
 )
 from dagster._core.test_utils import create_run_for_test
 
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.runs import MACHINE_TAG, PID_TAG, process_tags, runs_holding_partitions
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.runs import MACHINE_TAG, PID_TAG, process_tags, runs_holding_partitions
+from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets_tests.test_completions_asset import materialize, write_corpus
 
 NEVER_CALLED = InferenceServerResource(

@@ -13,7 +13,7 @@ import termios
 
 SCRIPT = """
 import time
-from dflash_assets.progress import StageProgressBar
+from dflash_assets.common.progress import StageProgressBar
 with StageProgressBar("completions 0000000-0000099", 100) as bar:
     active = bar.active
     for done in (10, 50, 100):

@@ -13,7 +13,8 @@ import dagster as dg
 import pytest
 from test_corpus import independent_count
 
-from dflash_assets.partitions import partition_keys, prompt_ranges
+from dflash_assets.data.ranges import partition_keys
+from dflash_assets.orchestration.partitions import prompt_ranges
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"

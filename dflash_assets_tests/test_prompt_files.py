@@ -12,9 +12,9 @@ import polars as pl
 import pytest
 
 from dflash_assets.assets.prompts import corpus_fingerprint, prompt_corpus
-from dflash_assets.corpus import CorpusError, build_corpus, normalize_record
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE, REJECTED_FILE, PromptCorpusConfig
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.data.shapes import CorpusError, build_corpus, normalize_record
+from dflash_assets.stages.prompts import CORPUS_FILE, REJECTED_FILE, PromptCorpusConfig
+from dflash_assets.stages.resources.storage import StorageResource
 
 try:
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target

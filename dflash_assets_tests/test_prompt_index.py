@@ -1,4 +1,4 @@
-"""Issue 26: stable prompt indices (:mod:`dflash_assets.prompt_index`), on real prompt files and a real
+"""Issue 26: stable prompt indices (:mod:`dflash_assets.data.prompt_index`), on real prompt files and a real
 local storage root; no Dagster. Expected indices are written out by hand from the rule: a prompt keeps
 its index while its content is unchanged, new content gets indices after the largest ever given."""
 
@@ -10,8 +10,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from dflash_assets.corpus import build_corpus
-from dflash_assets.prompt_index import (
+from dflash_assets.data.prompt_index import (
     INDEX_FILE,
     RANGES_FILE,
     load_index,
@@ -19,7 +18,8 @@ from dflash_assets.prompt_index import (
     save_index,
     stable_corpus,
 )
-from dflash_assets.storage import Storage
+from dflash_assets.data.shapes import build_corpus
+from dflash_assets.storage.store import Storage
 
 
 def write(path: Path, prompts: list[str]) -> str:

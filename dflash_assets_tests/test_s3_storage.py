@@ -26,16 +26,17 @@ from dagster._serdes import serialize_value
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
-from dflash_assets.corpus import CORPUS_SCHEMA, build_corpus
+from dflash_assets.data.ranges import partition_keys
+from dflash_assets.data.shapes import CORPUS_SCHEMA, build_corpus
 from dflash_assets.generation.journal_sync import SyncedRowJournal
-from dflash_assets.partitions import partition_keys, prompt_ranges
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.storage import StorageError, is_transient
-from dflash_assets.store_lock import writer_identity
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.prompts import CORPUS_FILE
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets.storage.lock import writer_identity
+from dflash_assets.storage.store import StorageError, is_transient
 from dflash_simulators.behaviours import Reply
 from dflash_simulators.stand_in_server import FakeServer
 
@@ -216,7 +217,7 @@ def test_a_partitions_prompts_are_read_from_its_row_group_alone(s3_target, tmp_p
     """Range runs read the corpus per partition: a 902K-prompt corpus (~750 MB) was fetched whole, 903
     times, by a run over every partition. Written with a row group per partition, one partition's read
     fetches its group (ranged GETs) and returns exactly the rows a whole read and a filter give."""
-    from dflash_assets.completions_stage.tables import load_range_prompts
+    from dflash_assets.stages.completions.tables import load_range_prompts
 
     store = resolved(storage_resource(s3_target, tmp_path)).open()
     rng = np.random.default_rng(0)
@@ -394,10 +395,11 @@ CHILD = r"""
 import json, sys
 import dagster as dg
 from dflash_assets.assets.completions import completions
-from dflash_assets.partitions import partition_keys, prompt_ranges
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.data.ranges import partition_keys
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
 cfg = json.loads(sys.argv[1])
 instance = dg.DagsterInstance.ephemeral()
 instance.add_dynamic_partitions(prompt_ranges.name, [cfg["pk"]])
@@ -550,8 +552,8 @@ def test_endpoint_outage_mid_run(s3_target, s3_env, tmp_path, outage, caplog):
 def test_drafter_inputs_download_to_empty_scratch(s3_target, tmp_path):
     """complete_shards / ensure_local_dir fetch what a fresh machine lacks: complete partitions' shards
     (by the sizes their index records), the drafter export; incomplete or absent partitions are skipped."""
-    from dflash_assets.shard_access import complete_shards
-    from dflash_assets.training.run import EXPORT_DIR
+    from dflash_assets.stages.drafter.run import EXPORT_DIR
+    from dflash_assets.stages.shard_access import complete_shards
 
     resource = resolved(storage_resource(s3_target, tmp_path / "scratch"))
     store = resource.open()

@@ -16,7 +16,7 @@ import pytest
 
 from dflash_assets.generation.ports import PortTakenError, free_port
 from dflash_assets.generation.server_registry import reap_orphaned_servers, register_server
-from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
 
 SECRET = "sk-i32-never-in-argv-4f1c"
 

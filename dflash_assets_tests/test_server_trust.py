@@ -27,7 +27,7 @@ from dflash_assets.generation.proc_info import session_members
 from dflash_assets.generation.servers import API_KEY_ENV
 from dflash_assets.generation.sglang_servers import SGLangServers, build_sglang_commands
 from dflash_assets.generation.supervision import ProcessSupervisor
-from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
 
 KEY = "sk-i27-ps-must-not-show-0b5e"
 STUB = "dflash_simulators.sglang_stub"

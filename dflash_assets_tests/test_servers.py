@@ -12,6 +12,7 @@ import sys
 import httpx
 import pytest
 
+from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.ports import free_port
 from dflash_assets.generation.servers import ServerPool
 from dflash_assets.generation.sglang_servers import LaunchCommand, build_router_command, build_sglang_commands
@@ -19,8 +20,7 @@ from dflash_assets.generation.transformers_server import (
     LocalTransformersServer,
     transformers_generation_config,
 )
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.settings import GenerationSettings
+from dflash_assets.stages.resources.inference import InferenceServerResource
 
 STOP_PROMPT = [{"role": "user", "content": "What is 2+2? Answer with just the number."}]
 LENGTH_PROMPT = [{"role": "user", "content": "Write a long story about a dragon."}]

@@ -12,8 +12,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.shard_access import complete_shards
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.shard_access import complete_shards
 
 try:
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target
@@ -72,7 +72,7 @@ def test_scratch_shard_of_the_right_size_but_other_content_is_replaced(s3_target
 
 
 def test_verified_scratch_shard_is_not_downloaded_again(s3_target, tmp_path):
-    from dflash_assets.shard_access import fetch_shards
+    from dflash_assets.stages.shard_access import fetch_shards
 
     storage = s3_storage(s3_target, tmp_path / "scratch")
     store_partition(s3_target, "0-9", b"x" * 1000)
@@ -85,7 +85,7 @@ def test_two_hosts_journal_segments_keep_both_writers_rows(s3_target, tmp_path, 
     """Two hosts (own scratch, own Dagster instance) run one partition on one root: both sync their
     first segment; the rows of both are on storage and a third machine resumes with all of them."""
     try:
-        import dflash_assets.store_lock as store_lock
+        import dflash_assets.storage.lock as store_lock
     except ImportError:  # 8870c9f: no writer identity
         store_lock = None
 
@@ -120,8 +120,8 @@ def test_two_interleaved_corpus_builds_keep_the_first_builds_indices(s3_target, 
     B must wait for A, then keep A's index for x1: x1 -> 10, x2 -> 11, both in the final corpus."""
     import threading
 
-    import dflash_assets.prompt_corpus_stage as stage
-    from dflash_assets.prompt_reader import ReadLimits
+    import dflash_assets.stages.prompts as stage
+    from dflash_assets.data.reader import ReadLimits
 
     store = s3_storage(s3_target, tmp_path / "scratch").open()
     base = prompts_file(tmp_path / "base.jsonl", [f"base prompt {i}" for i in range(10)])
@@ -170,8 +170,8 @@ def test_two_interleaved_corpus_builds_keep_the_first_builds_indices(s3_target, 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_store_lock_refuses_a_second_writer_and_takes_over_an_expired_lease(where, s3_target, tmp_path):
-    from dflash_assets.storage import Storage
-    from dflash_assets.store_lock import LockBusyError, StoreLock
+    from dflash_assets.storage.lock import LockBusyError, StoreLock
+    from dflash_assets.storage.store import Storage
 
     store = Storage(str(tmp_path / "root")) if where == "local" else s3_storage(s3_target, tmp_path / "s").open()
     parts = ("prompt_corpus", ".build.lock")

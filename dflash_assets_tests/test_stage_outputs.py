@@ -13,14 +13,14 @@ import shutil
 
 import dagster as dg
 
-from dflash_assets import freshness
 from dflash_assets.assets.prompts import corpus_fingerprint
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.prompt_corpus_stage import PromptCorpusConfig
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.settings import GenerationSettings
-from dflash_assets.stage_outputs import missing_outputs
-from dflash_assets.storage import Storage
+from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.orchestration import freshness
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.prompts import PromptCorpusConfig
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.storage.stage_outputs import missing_outputs
+from dflash_assets.storage.store import Storage
 from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target  # noqa: F401
 from dflash_assets_tests.test_check_gate import PK, QUESTIONS, tokenize, write_completions
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import dagster as dg
 
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.resources.storage import StorageResource
 
 try:
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target
@@ -77,8 +77,8 @@ def test_outputs_of_a_key_gone_from_the_corpus_are_removed_and_nothing_else(tmp_
 
 
 def test_nothing_is_removed_while_another_run_is_in_progress(tmp_path):
-    from dflash_assets.stale_outputs import remove_stale_outputs
-    from dflash_assets.storage import Storage
+    from dflash_assets.storage.stale_outputs import remove_stale_outputs
+    from dflash_assets.storage.store import Storage
 
     root = tmp_path / "root"
     gone = outputs_of(root, GONE)
@@ -88,7 +88,7 @@ def test_nothing_is_removed_while_another_run_is_in_progress(tmp_path):
 
 
 def test_on_s3_recent_outputs_are_kept_and_older_ones_removed(s3_target, tmp_path):
-    from dflash_assets.stale_outputs import remove_stale_outputs
+    from dflash_assets.storage.stale_outputs import remove_stale_outputs
 
     store = s3_storage(s3_target, tmp_path / "scratch").open()
     for key in (

@@ -12,9 +12,10 @@ import dagster as dg
 import pytest
 import yaml
 
-from dflash_assets.partitions import partition_keys, prompt_ranges
-from dflash_assets.pools import INFERENCE_POOL, ensure_pool_limits
-from dflash_assets.status import collect_status, format_status, print_status
+from dflash_assets.app.status import collect_status, format_status, print_status
+from dflash_assets.data.ranges import partition_keys
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.pools import INFERENCE_POOL, ensure_pool_limits
 
 PROJECT_CONCURRENCY = yaml.safe_load((Path(__file__).resolve().parent.parent / "dagster.yaml").read_text())[
     "concurrency"
@@ -231,7 +232,7 @@ def test_generation_time_leaves_out_partitions_whose_rows_were_cut_without_a_req
     (24788.6 output tok/s)': the cut partitions' table tokens counted as generated in no time."""
     from types import SimpleNamespace
 
-    from dflash_assets.status import generation_time
+    from dflash_assets.app.status import generation_time
 
     records = {
         "a": SimpleNamespace(run_id="r1", timestamp=100.0),

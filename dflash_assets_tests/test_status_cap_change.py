@@ -17,11 +17,12 @@ import dagster as dg
 import pytest
 import yaml
 
-from dflash_assets.completions_stage.tables import completion_stats, partition_file
+from dflash_assets.data.ranges import partition_keys
 from dflash_assets.generation.records import rows_to_frame
-from dflash_assets.partitions import partition_keys, prompt_ranges
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.storage import Storage
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.completions.tables import completion_stats, partition_file
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.storage.store import Storage
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "dflash_assets" / "configs" / "local_demo.yaml"
@@ -192,7 +193,7 @@ def test_status_counts_rows_to_be_continued_at_what_their_continuation_makes(pro
     integral."""
     import numpy as np
 
-    from dflash_assets.status import collect_status
+    from dflash_assets.app.status import collect_status
 
     tmp, home, store_root = project
     store = Storage(str(store_root))

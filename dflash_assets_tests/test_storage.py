@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from dflash_assets.storage import Storage, finite_json
+from dflash_assets.storage.store import Storage, finite_json
 
 
 def _reject(constant: str):
@@ -41,7 +41,7 @@ def test_index_ranges_select_the_rows_and_row_groups_a_brute_force_check_does(tm
     import polars as pl
     import pyarrow.parquet as pq
 
-    from dflash_assets.storage import in_ranges, merged_ranges, row_groups_overlapping
+    from dflash_assets.storage.store import in_ranges, merged_ranges, row_groups_overlapping
 
     rng = np.random.default_rng(3)
     values = np.arange(-5, 400)

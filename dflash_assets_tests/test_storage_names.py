@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.shard_access import ShardIntegrityError, fetch_shards
-from dflash_assets.storage import IntegrityError, UnsafeNameError, check_name
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.shard_access import ShardIntegrityError, fetch_shards
+from dflash_assets.storage.store import IntegrityError, UnsafeNameError, check_name
 
 try:
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target

@@ -12,11 +12,11 @@ import pytest
 
 from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.dflash.shard_format import read_index, read_shard
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.tokenized_stage import tokenized_file
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.prompts import CORPUS_FILE
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets.stages.tokenized import tokenized_file
 
 try:
     from dflash_assets_tests.tiny_target import HIDDEN, LAYER_IDS, make_rows, make_target
@@ -141,8 +141,8 @@ def test_free_space_is_checked_locally_without_a_budget(project, monkeypatch):
 
 def test_auto_features_follow_the_plan(project):
     """features: auto -> online exactly when the plan does not fit (what the main job and the drafter use)."""
-    from dflash_assets.hidden_states_stage import HiddenStatesConfig, storage_plan
-    from dflash_assets.storage_plan import resolve_features
+    from dflash_assets.stages.hidden_states import HiddenStatesConfig, storage_plan
+    from dflash_assets.stages.storage_plan import resolve_features
 
     needed = project["tokens"] * PER_TOKEN
     args = (project["instance"], project["storage"], project["target"])

@@ -10,9 +10,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.summary import collect_summary, format_summary
+from dflash_assets.app.summary import collect_summary, format_summary
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.resources.storage import StorageResource
 
 KEYS = ["0000000-0000003", "0000004-0000007"]
 README = Path(__file__).resolve().parent.parent / "README.md"

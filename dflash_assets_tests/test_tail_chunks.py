@@ -16,12 +16,12 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from dflash_assets.completions_stage.continuing import ContinuationPlanner
+from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.records import row_from_result
 from dflash_assets.generation.tail_chunks import TailChunker
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.settings import GenerationSettings
+from dflash_assets.stages.completions.continuing import ContinuationPlanner
+from dflash_assets.stages.prompts import CORPUS_FILE
+from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets_tests.test_completions_asset import write_corpus
 from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim
 from dflash_simulators.simulated_replies import drawn_length, reply_fields

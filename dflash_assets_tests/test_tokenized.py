@@ -17,16 +17,16 @@ from dflash_assets.assets.completions import completions
 from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
-from dflash_assets.check_gate import CHECK_DEGENERATE
+from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
 from dflash_assets.generation.local_model import ensure_local_model
 from dflash_assets.generation.records import rows_to_frame
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.settings import GenerationSettings
-from dflash_assets.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
+from dflash_assets.orchestration.check_gate import CHECK_DEGENERATE
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.prompts import CORPUS_FILE
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 
 END = "<|im_end|>"
@@ -453,10 +453,10 @@ def test_gpu_config_cuts_long_thinking_rows_instead_of_setting_them_aside(tmp_pa
     supervised tokens intact, and the drafter's training rows keep every one of them."""
     import yaml
 
-    from dflash_assets.config import BUNDLED
     from dflash_assets.dflash.online import TokenizedRows
-    from dflash_assets.tokenized_stage import TokenizeConfig
-    from dflash_assets.training.config import DrafterConfig
+    from dflash_assets.orchestration.config import BUNDLED
+    from dflash_assets.stages.drafter.config import DrafterConfig
+    from dflash_assets.stages.tokenized import TokenizeConfig
 
     ops = yaml.safe_load((BUNDLED / "gpu_qwen36_27b.yaml").read_text())["ops"]
     settings = TokenizeConfig(**ops["tokenized_sequences"]["config"])

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_assets.partitions import partition_keys
+from dflash_assets.data.ranges import partition_keys
 
 PARTITIONS, ROWS = 100, 1000
 REASONING_CHARS, ANSWER_CHARS = 5000, 1000
@@ -150,9 +150,9 @@ def _measure(root: str, cap: int, keys: list[str]) -> None:
     import dagster as dg
 
     from dflash_assets.assets.truncation import truncation_report
-    from dflash_assets.partitions import prompt_ranges
-    from dflash_assets.resources.generation import GenerationResource
-    from dflash_assets.resources.storage import StorageResource
+    from dflash_assets.orchestration.partitions import prompt_ranges
+    from dflash_assets.stages.resources.generation import GenerationResource
+    from dflash_assets.stages.resources.storage import StorageResource
 
     resources = {"storage": StorageResource(root=root), "generation": GenerationResource(max_output_tokens=cap)}
     with dg.instance_for_test() as warm:

@@ -15,12 +15,13 @@ import polars as pl
 import pytest
 
 from dflash_assets.assets.truncation import REPORT_DIR, truncation_report
-from dflash_assets.completions_stage.tables import partition_file
+from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.data.ranges import partition_keys
 from dflash_assets.generation.records import rows_to_frame
-from dflash_assets.partitions import partition_keys, prompt_ranges
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.settings import GenerationSettings
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.completions.tables import partition_file
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.storage import StorageResource
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -234,7 +235,7 @@ def lognormal_rows(lengths: np.ndarray, cap: int, previous_cap: int | None = Non
 def test_cap_advice_90pct_interval_covers_the_truth():
     """Over 15 independent censored samples (45 intervals), the 90% intervals cover what re-running at the
     larger cap would show in >= 90% of cases, and they are not vacuous."""
-    from dflash_assets.truncation import cap_advice
+    from dflash_assets.data.truncation import cap_advice
 
     n, covered, widths = 600, [], []
     for seed in range(100, 115):
@@ -335,7 +336,7 @@ def test_cap_advice_keeps_doubling_until_a_cap_fixes_heavy_truncation():
     predicted truncation is under 10%; that prediction equals observed * S(C) / S(128) under the fitted
     log-normal (recomputed here with math.erfc), the fit maximizes the censored likelihood, and the
     prediction matches what the true distribution gives."""
-    from dflash_assets.truncation import cap_advice
+    from dflash_assets.data.truncation import cap_advice
 
     cap, sigma, n = 128, 0.6, 2000
     mu = math.log(cap) + 0.6745 * sigma  # P(L > 128) = P(Z > -0.6745) = 0.75
@@ -381,7 +382,7 @@ def test_cap_advice_keeps_doubling_until_a_cap_fixes_heavy_truncation():
 def test_truncation_stats_with_a_row_missing_completion_tokens():
     """A finished row without completion_tokens (server returned no usage) crashed truncation_stats with
     "cannot convert float NaN to integer"; it is now left out of the percentiles and counted as missing."""
-    from dflash_assets.truncation import truncation_stats
+    from dflash_assets.data.truncation import truncation_stats
 
     frame = pl.DataFrame(
         {

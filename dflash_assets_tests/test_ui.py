@@ -81,9 +81,9 @@ def materialize_corpus(home: Path, partition_size: int) -> list[str]:
     import dagster as dg
 
     from dflash_assets.assets.prompts import prompt_corpus
-    from dflash_assets.partitions import prompt_ranges
-    from dflash_assets.pools import ensure_pool_limits
-    from dflash_assets.resources.storage import StorageResource
+    from dflash_assets.orchestration.partitions import prompt_ranges
+    from dflash_assets.orchestration.pools import ensure_pool_limits
+    from dflash_assets.stages.resources.storage import StorageResource
 
     with dg.DagsterInstance.from_config(str(home)) as instance:
         result = dg.materialize(
@@ -268,8 +268,8 @@ def test_prompt_corpus_registers_the_pools(tmp_path):
     import dagster as dg
 
     from dflash_assets.assets.prompts import prompt_corpus
-    from dflash_assets.pools import POOLS, pool_usage
-    from dflash_assets.resources.storage import StorageResource
+    from dflash_assets.orchestration.pools import POOLS, pool_usage
+    from dflash_assets.stages.resources.storage import StorageResource
 
     project_concurrency = yaml.safe_load((REPO / "dagster.yaml").read_text())["concurrency"]
     with dg.instance_for_test(temp_dir=str(tmp_path), overrides={"concurrency": project_concurrency}) as instance:
@@ -282,7 +282,7 @@ def test_prompt_corpus_registers_the_pools(tmp_path):
         )
         assert result.success
         assert set(POOLS) <= instance.event_log_storage.get_concurrency_keys(), (
-            "prompt_corpus must call dflash_assets.pools.ensure_pool_limits(context.instance)"
+            "prompt_corpus must call dflash_assets.orchestration.pools.ensure_pool_limits(context.instance)"
         )
         assert {pool: u["limit"] for pool, u in pool_usage(instance).items()} == {pool: 1 for pool in POOLS}
 
@@ -293,7 +293,7 @@ def test_ui_launches_partitions_one_at_a_time_under_the_inference_pool(tmp_path)
     chromium = chromium_or_skip()
     from playwright.sync_api import expect, sync_playwright
 
-    from dflash_assets.status import collect_status
+    from dflash_assets.app.status import collect_status
 
     started = time.monotonic()
     shutil.rmtree(ARTIFACTS, ignore_errors=True)

@@ -139,8 +139,8 @@ def make_corpus(home: Path, tmp: Path) -> list[str]:
     """The real prompt_corpus over a JSONL of NUM_PROMPTS prompts, in-process on the same instance
     (which also creates its SQLite storages before the daemon and webserver open them)."""
     from dflash_assets.assets.prompts import prompt_corpus
-    from dflash_assets.partitions import prompt_ranges
-    from dflash_assets.resources.storage import StorageResource
+    from dflash_assets.orchestration.partitions import prompt_ranges
+    from dflash_assets.stages.resources.storage import StorageResource
 
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}) + "\n" for i in range(NUM_PROMPTS)))

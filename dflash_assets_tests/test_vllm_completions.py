@@ -15,10 +15,10 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from dflash_assets import config as cfg
 from dflash_assets.generation.servers import ServerPool
 from dflash_assets.generation.vllm_servers import CPU_BIND_VARIABLE, build_vllm_commands, cpu_core_groups
-from dflash_assets.resources.inference import InferenceServerResource
+from dflash_assets.orchestration import config as cfg
+from dflash_assets.stages.resources.inference import InferenceServerResource
 
 SECRET = "vllm-test-key-7f3a9c"
 
@@ -96,7 +96,7 @@ def test_the_vllm_section_is_checked_key_by_key(tmp_path, monkeypatch):
 
 
 def test_vllm_mode_on_the_local_model_must_match_the_target(tmp_path, monkeypatch):
-    from dflash_assets.resources.target_model import TargetModelResource
+    from dflash_assets.stages.resources.target_model import TargetModelResource
 
     path = tmp_path / "c.yaml"
     monkeypatch.setenv("DFLASH_CONFIG", str(path))
@@ -125,12 +125,12 @@ def test_completions_on_real_vllm_servers_are_exact(tmp_path):
     from dflash_assets.assets.completions import completions
     from dflash_assets.assets.prompts import prompt_corpus
     from dflash_assets.assets.tokenized import tokenized_sequences
+    from dflash_assets.data.tokenization import SequenceBuilder
     from dflash_assets.generation.local_model import ensure_local_model
-    from dflash_assets.partitions import prompt_ranges
-    from dflash_assets.resources.generation import GenerationResource
-    from dflash_assets.resources.storage import StorageResource
-    from dflash_assets.resources.target_model import TargetModelResource
-    from dflash_assets.tokenization import SequenceBuilder
+    from dflash_assets.orchestration.partitions import prompt_ranges
+    from dflash_assets.stages.resources.generation import GenerationResource
+    from dflash_assets.stages.resources.storage import StorageResource
+    from dflash_assets.stages.resources.target_model import TargetModelResource
 
     root = tmp_path / "data"
     source = tmp_path / "prompts.jsonl"

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_assets.evaluation.config import EvaluationConfig
 from dflash_assets.generation.engine_env import vllm_environment
 from dflash_assets.generation.hybrid_standin import ensure_hybrid_standin
 from dflash_assets.generation.ports import free_port_block
 from dflash_assets.generation.vllm_servers import TORCHVISION_HINT, VLLMServers, build_vllm_command
+from dflash_assets.stages.evaluation.config import EvaluationConfig
 
 pytestmark = pytest.mark.slow
 

@@ -14,11 +14,11 @@ from dflash_assets.dflash.engine_check_vllm import check_vllm_export
 from dflash_assets.dflash.evaluation import first_divergence
 from dflash_assets.dflash.export import export_drafter
 from dflash_assets.dflash.model import DFlashDraftModel
-from dflash_assets.evaluation.parity import engine_parity, lossless_summary
-from dflash_assets.evaluation.vllm_engine import parse_completion, parse_spec_counters, vllm_tau_by_dataset
 from dflash_assets.generation.engine_env import EngineEnvironment, EngineEnvironmentError
 from dflash_assets.generation.replies import ReplyError
 from dflash_assets.generation.vllm_servers import build_vllm_command, dflash_speculative_config
+from dflash_assets.stages.evaluation.parity import engine_parity, lossless_summary
+from dflash_assets.stages.evaluation.vllm_engine import parse_completion, parse_spec_counters, vllm_tau_by_dataset
 
 DATA = Path(__file__).parent / "data"
 
@@ -218,8 +218,8 @@ def test_an_in_process_lossless_mismatch_alone_is_a_failed_check(tmp_path):
     """Issue 32 finding 6: with no engine, a speculative output that differs from plain greedy decoding in this
     process was only logged and the evaluation passed; it is now the failed check ``lossless``, naming the
     dataset, the drafter, the prompt and the generated token."""
-    from dflash_assets.evaluation.parity import CHECK_LOSSLESS, CHECK_PARITY
-    from dflash_assets.evaluation.run import check_results, evaluation_checks
+    from dflash_assets.stages.evaluation.parity import CHECK_LOSSLESS, CHECK_PARITY
+    from dflash_assets.stages.evaluation.run import check_results, evaluation_checks
 
     local = _local([1.5], [[1, 2, 3]])
     local["heldout"]["untrained"] = {"lossless": False, "first_mismatch": {"prompt": 0, "token": 2}}

@@ -14,10 +14,11 @@ import dagster as dg
 import polars as pl
 
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.partitions import key_range, prompt_ranges
-from dflash_assets.pools import GPU_POOL, INFERENCE_POOL
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE
-from dflash_assets.resources.storage import StorageResource
+from dflash_assets.data.ranges import key_range
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.pools import GPU_POOL, INFERENCE_POOL
+from dflash_assets.stages.prompts import CORPUS_FILE
+from dflash_assets.stages.resources.storage import StorageResource
 
 TOKENS_PER_ROW = 100  # fake completion_tokens per prompt
 

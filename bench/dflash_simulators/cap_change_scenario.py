@@ -15,16 +15,16 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 
+from dflash_assets.app.automation import request_partitions
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
-from dflash_assets.automation import request_partitions
-from dflash_assets.completions_stage.tables import partition_file
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.tokenized_stage import tokenized_file
+from dflash_assets.stages.completions.tables import partition_file
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets.stages.tokenized import tokenized_file
 
 PROMPTS = [
     "What is 2+2? Answer with just the number.",

@@ -1,7 +1,7 @@
 """Stage 2: ``completions[pk]``: regenerate every prompt of an index range with the target model.
 
 One run covers one partition or a range of them (single-run backfill policy: a range from the shell, a UI
-backfill, ``python -m dflash_assets run``); :class:`~dflash_assets.completions_stage.range_run.RangeRun` does the
+backfill, ``python -m dflash_assets run``); :class:`~dflash_assets.stages.completions.range_run.RangeRun` does the
 work and yields an event per partition as it is committed. The asset records each as that partition's
 materialization while the run goes on, and no output, so nothing is recorded twice at the end (assets after
 it in the same range run are therefore skipped: later stages run per partition). A one-partition run ends
@@ -20,18 +20,18 @@ from dagster._core.definitions.data_version import (
     extract_data_version_from_entry,
 )
 
-from dflash_assets import freshness
-from dflash_assets.completions_stage.range_run import RangeRun
-from dflash_assets.completions_stage.tables import load_range_prompts
+from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.range_plan import PartitionComplete, RangeRunError
-from dflash_assets.history import plain_metadata
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.pools import INFERENCE_POOL
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.runs import partition_busy_message, runs_holding_partitions
-from dflash_assets.settings import GenerationSettings
+from dflash_assets.orchestration import freshness
+from dflash_assets.orchestration.history import plain_metadata
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.pools import INFERENCE_POOL
+from dflash_assets.orchestration.runs import partition_busy_message, runs_holding_partitions
+from dflash_assets.stages.completions.range_run import RangeRun
+from dflash_assets.stages.completions.tables import load_range_prompts
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
 
 
 def failed_since_materialized(
@@ -65,7 +65,7 @@ def failed_since_materialized(
 
 def kept_versions(context: dg.AssetExecutionContext, settings: GenerationSettings):
     """``kept_version(pk)`` for :class:`RangeRun`: the data version of the partition's latest materialization
-    when it is up to date by :mod:`dflash_assets.freshness` (made for the corpus's prompts of the range,
+    when it is up to date by :mod:`dflash_assets.orchestration.freshness` (made for the corpus's prompts of the range,
     under ``settings``), else None. The corpus's partition versions are read once, when first needed."""
     corpus: list = []
 

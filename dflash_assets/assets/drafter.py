@@ -1,31 +1,31 @@
 """Stage 6: ``dflash_drafter``: train the DFlash drafter on every materialized hidden-state partition and export it.
 
-The run's steps (identity, data, launcher, loss plot) are in :mod:`dflash_assets.training`."""
+The run's steps (identity, data, launcher, loss plot) are in :mod:`dflash_assets.stages.drafter`."""
 
 import time
 
 import dagster as dg
 
-from dflash_assets.cost import device_cost
-from dflash_assets.feature_sources import decide_mode
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.pools import GPU_POOL
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.shard_access import ShardIntegrityError
-from dflash_assets.training.config import DrafterConfig
-from dflash_assets.training.identity import config_fingerprint, file_sha256
-from dflash_assets.training.launcher import TrainingRunError, check_process_layout
-from dflash_assets.training.loss_plot import loss_curve_of_run
-from dflash_assets.training.report import drafter_metadata, outcome_of
-from dflash_assets.training.run import (
+from dflash_assets.common.cost import device_cost
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.pools import GPU_POOL
+from dflash_assets.stages.drafter.config import DrafterConfig
+from dflash_assets.stages.drafter.features import decide_mode
+from dflash_assets.stages.drafter.identity import config_fingerprint, file_sha256
+from dflash_assets.stages.drafter.launcher import TrainingRunError, check_process_layout
+from dflash_assets.stages.drafter.loss_plot import loss_curve_of_run
+from dflash_assets.stages.drafter.report import drafter_metadata, outcome_of
+from dflash_assets.stages.drafter.run import (
     EXPORT_DIR,
     gather_training_data,
     plan_run,
     publish_export,
     train_run,
 )
-from dflash_assets.training.settings import resolved_settings, train_config_for
+from dflash_assets.stages.drafter.settings import resolved_settings, train_config_for
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets.stages.shard_access import ShardIntegrityError
 
 
 def config_changed_since_last(instance: dg.DagsterInstance, key: str, config: dg.Config) -> bool:
@@ -112,7 +112,7 @@ def dflash_drafter(
 
 def _offline_subset(instance: dg.DagsterInstance, used: list[str]) -> dict:
     """Subset setting and rows stored by the hidden_states partitions trained on (their latest metadata)."""
-    from dflash_assets.history import latest_metadata
+    from dflash_assets.orchestration.history import latest_metadata
 
     stored = total = 0
     subset: dict = {}

@@ -1,6 +1,6 @@
 """Stage 7: ``drafter_evaluation``: acceptance length from real speculative decoding on held-out prompts.
 
-The prompt sets, the in-process decoding and the engine mode are in :mod:`dflash_assets.evaluation`."""
+The prompt sets, the in-process decoding and the engine mode are in :mod:`dflash_assets.stages.evaluation`."""
 
 import json
 import os
@@ -9,22 +9,22 @@ from pathlib import Path
 
 import dagster as dg
 
-from dflash_assets.cost import evaluation_cost
+from dflash_assets.common.cost import evaluation_cost
 from dflash_assets.dflash.export import config_from_hf_dict, resolve_export
-from dflash_assets.evaluation.config import EvaluationConfig
-from dflash_assets.evaluation.datasets import evaluation_fingerprint, evaluation_prompts
-from dflash_assets.evaluation.engine import engine_fingerprint, plan_engine
-from dflash_assets.evaluation.in_process import REPORT_DIR
-from dflash_assets.evaluation.parity import CHECK_LOSSLESS, CHECK_PARITY
-from dflash_assets.evaluation.run import check_results, evaluated_metadata, run_evaluation
-from dflash_assets.history import plain_metadata
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.pools import GPU_POOL
-from dflash_assets.resources.inference import InferenceServerResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.training.identity import file_sha256
-from dflash_assets.training.run import EXPORT_DIR
+from dflash_assets.orchestration.history import plain_metadata
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.pools import GPU_POOL
+from dflash_assets.stages.drafter.identity import file_sha256
+from dflash_assets.stages.drafter.run import EXPORT_DIR
+from dflash_assets.stages.evaluation.config import EvaluationConfig
+from dflash_assets.stages.evaluation.datasets import evaluation_fingerprint, evaluation_prompts
+from dflash_assets.stages.evaluation.engine import engine_fingerprint, plan_engine
+from dflash_assets.stages.evaluation.in_process import REPORT_DIR
+from dflash_assets.stages.evaluation.parity import CHECK_LOSSLESS, CHECK_PARITY
+from dflash_assets.stages.evaluation.run import check_results, evaluated_metadata, run_evaluation
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 
 
 @dg.asset(
@@ -114,7 +114,7 @@ def drafter_evaluation(
     )
     store.write_json(report, REPORT_DIR, "report.json")
     wall_s = time.monotonic() - started
-    metadata |= evaluation_cost(plan, inference, target_model.device, wall_s, metadata)  # dflash_assets.cost
+    metadata |= evaluation_cost(plan, inference, target_model.device, wall_s, metadata)  # dflash_assets.common.cost
     yield dg.MaterializeResult(
         metadata=evaluated_metadata(
             config, plan, engine_section, prompts, export_sha, metadata, block_size, fingerprint, wall_s=wall_s

@@ -2,9 +2,12 @@
 
 import dagster as dg
 
-from dflash_assets.check_gate import CHECK_FINITE, CHECK_IDS
-from dflash_assets.cost import device_cost
-from dflash_assets.hidden_states_stage import (
+from dflash_assets.common.cost import device_cost
+from dflash_assets.orchestration.check_gate import CHECK_FINITE, CHECK_IDS
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.pools import GPU_POOL
+from dflash_assets.orchestration.runs import partition_busy_message, runs_holding_partitions
+from dflash_assets.stages.hidden_states import (
     HiddenStatesConfig,
     HiddenStatesError,
     check_shards,
@@ -12,17 +15,14 @@ from dflash_assets.hidden_states_stage import (
     layer_ids_or_error,
     storage_plan,
 )
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.pools import GPU_POOL
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.runs import partition_busy_message, runs_holding_partitions
-from dflash_assets.storage_plan import StoragePlan
-from dflash_assets.tokenized_stage import tokenized_file
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets.stages.storage_plan import StoragePlan
+from dflash_assets.stages.tokenized import tokenized_file
 
 
 def resolve_layer_ids(config_ids: list[int], target) -> list[int]:
-    """:func:`~dflash_assets.hidden_states_stage.layer_ids_or_error` for the asset.
+    """:func:`~dflash_assets.stages.hidden_states.layer_ids_or_error` for the asset.
 
     Raises:
         dagster.Failure: an id outside ``0 .. L-1``, naming ``ops.hidden_states.config.target_layer_ids``.

@@ -6,16 +6,16 @@ import time
 
 import dagster as dg
 
-from dflash_assets.corpus import expand_source
-from dflash_assets.metadata import table_preview
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.pools import ensure_pool_limits
-from dflash_assets.prompt_corpus_stage import CORPUS_FILE as CORPUS_FILE  # re-exported: the asset's paths
-from dflash_assets.prompt_corpus_stage import REJECTED_FILE as REJECTED_FILE
-from dflash_assets.prompt_corpus_stage import CorpusStageError, PromptCorpusConfig, build_corpus_stage, rejected_preview
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.runs import other_live_runs
-from dflash_assets.stale_outputs import remove_stale_outputs
+from dflash_assets.data.shapes import expand_source
+from dflash_assets.orchestration.metadata import table_preview
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.pools import ensure_pool_limits
+from dflash_assets.orchestration.runs import other_live_runs
+from dflash_assets.stages.prompts import CORPUS_FILE as CORPUS_FILE  # re-exported: the asset's paths
+from dflash_assets.stages.prompts import REJECTED_FILE as REJECTED_FILE
+from dflash_assets.stages.prompts import CorpusStageError, PromptCorpusConfig, build_corpus_stage, rejected_preview
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.storage.stale_outputs import remove_stale_outputs
 
 #: Bounds on reading: they refuse a file or not, never change what a corpus that builds holds.
 _NOT_FINGERPRINTED = {"max_record_mb", "max_file_gb"}

@@ -3,15 +3,15 @@
 import dagster as dg
 import polars as pl
 
-from dflash_assets.check_gate import CHECK_DEGENERATE, CHECK_NONEMPTY, CHECK_ROUNDTRIP
-from dflash_assets.completions_stage.tables import load_prompts, partition_file
-from dflash_assets.cost import CpuClock
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.resources.target_model import TargetModelResource
-from dflash_assets.tokenization import SequenceBuilder
-from dflash_assets.tokenized_stage import CHECK_MAX_LENGTH, CHECK_RETOKENIZED, TokenizeConfig, tokenize_stage
+from dflash_assets.common.cost import CpuClock
+from dflash_assets.data.tokenization import SequenceBuilder
+from dflash_assets.orchestration.check_gate import CHECK_DEGENERATE, CHECK_NONEMPTY, CHECK_ROUNDTRIP
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.completions.tables import load_prompts, partition_file
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets.stages.tokenized import CHECK_MAX_LENGTH, CHECK_RETOKENIZED, TokenizeConfig, tokenize_stage
 
 
 @dg.asset(

@@ -5,13 +5,7 @@ import time
 import dagster as dg
 import polars as pl
 
-from dflash_assets.completions_stage.tables import partition_file
-from dflash_assets.forecast import forecast_markdown
-from dflash_assets.metadata import png_markdown
-from dflash_assets.partitions import prompt_ranges
-from dflash_assets.resources.generation import GenerationResource
-from dflash_assets.resources.storage import StorageResource
-from dflash_assets.truncation import (
+from dflash_assets.data.truncation import (
     cap_advice,
     cap_advice_markdown,
     fit_from_dict,
@@ -20,12 +14,18 @@ from dflash_assets.truncation import (
     read_report_columns,
     truncation_stats,
 )
+from dflash_assets.orchestration.metadata import png_markdown
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.completions.tables import partition_file
+from dflash_assets.stages.forecast import forecast_markdown
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.storage import StorageResource
 
 REPORT_DIR = "truncation_report"
 
 
 def load_all_completions(store, keys: list[str]) -> tuple[pl.DataFrame, list[str]]:
-    """The report's columns (:data:`~dflash_assets.truncation.REPORT_COLUMNS`, never the text) of every
+    """The report's columns (:data:`~dflash_assets.data.truncation.REPORT_COLUMNS`, never the text) of every
     materialized completions partition stacked, with a ``partition`` column, and the missing keys."""
     frames, missing = [], []
     for pk in keys:

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.model import DFlashDraftModel
+from dflash_assets.storage.atomic import atomic_write_bytes
 
 if TYPE_CHECKING:
     from dflash_assets.dflash.batches import StepPlan

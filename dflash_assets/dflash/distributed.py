@@ -58,7 +58,7 @@ def torchrun_argv(
 
 def write_node_script(path: str | os.PathLike, argv: Sequence[str], env: dict[str, str] | None = None) -> str:
     """Write a shell script that runs ``argv`` (the command every other node runs); returns its path."""
-    from dflash_assets.atomic import atomic_write_bytes
+    from dflash_assets.storage.atomic import atomic_write_bytes
 
     lines = [
         "#!/bin/sh",

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from torch import nn
 
+from dflash_assets.common.figures import figure_png_bytes, new_figure
+
 # the statistics and the teacher-forced estimates lived here; imported from here by their callers
 from dflash_assets.dflash.acceptance import (
     acceptance_histogram,
@@ -36,7 +38,6 @@ from dflash_assets.dflash.acceptance import (
     tau_statistics,
 )
 from dflash_assets.dflash.speculative import SpecResult, dflash_generate, target_generate
-from dflash_assets.figures import figure_png_bytes, new_figure
 
 __all__ = ["acceptance_histogram_png", "evaluate_drafter", "evaluate_drafters", "untrained_drafter_like"]
 
@@ -53,7 +54,7 @@ def acceptance_histogram_png(
             trained vs untrained), drawn as grouped bars with tau in the legend.
         block_size: x axis runs 1 .. block_size.
 
-    Rendered off-screen by :func:`dflash_assets.figures.figure_png_bytes` (Agg, no display needed,
+    Rendered off-screen by :func:`dflash_assets.common.figures.figure_png_bytes` (Agg, no display needed,
     no ``Software`` text chunk, so equal inputs give equal bytes).
     """
     if not isinstance(series, Mapping):

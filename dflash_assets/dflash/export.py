@@ -45,9 +45,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_assets.atomic import fsync_dir, fsync_file
 from dflash_assets.dflash.draft_config import DFlashConfig
 from dflash_assets.dflash.model import DFlashDraftModel
+from dflash_assets.storage.atomic import fsync_dir, fsync_file
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 FORBIDDEN_TENSOR_MARKERS = ("embed_tokens", "lm_head", "target_")

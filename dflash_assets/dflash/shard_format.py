@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from dflash_assets.atomic import atomic_write_bytes
+from dflash_assets.storage.atomic import atomic_write_bytes
 
 FORMAT = "dflash-hidden-states/1"
 INDEX_NAME = "index.json"
@@ -168,7 +168,7 @@ def write_shard(
     model_name: str = "",
     digest_out: dict | None = None,
 ) -> int:
-    """Write one shard atomically (:func:`dflash_assets.atomic.atomic_write_bytes`: temp file in the same
+    """Write one shard atomically (:func:`dflash_assets.storage.atomic.atomic_write_bytes`: temp file in the same
     directory, fsync, ``os.replace``, fsync of the directory).
 
     Args:

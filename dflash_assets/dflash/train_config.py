@@ -16,7 +16,7 @@ SUMMARY_FILE = "summary.json"
 class TrainSettings(BaseModel):
     """The training settings a user sets: declared once, here, with one default each (the DFlash recipe: 5
     layers, block 16, lr 6e-4, 6 epochs, max length 3072). The ``dflash_drafter`` asset's config
-    (:class:`~dflash_assets.training.config.DrafterConfig`, ``ops.dflash_drafter.config``) and the library's
+    (:class:`~dflash_assets.stages.drafter.config.DrafterConfig`, ``ops.dflash_drafter.config``) and the library's
     :class:`TrainConfig`, which torchrun's worker reads back from JSON, both derive from it."""
 
     model_config = ConfigDict(extra="forbid")

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.dflash.batches import Prefetcher, StepPlan, build_batch
 from dflash_assets.dflash.checkpoints import save_checkpoint
 from dflash_assets.dflash.data import TrainingBatch
@@ -31,6 +30,7 @@ from dflash_assets.dflash.train_setup import (
     training_datasets,
     wrap_ddp,
 )
+from dflash_assets.storage.atomic import atomic_write_bytes
 
 
 def param_checksum(model: torch.nn.Module) -> str:

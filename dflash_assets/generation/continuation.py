@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.records import THINK_CLOSE, THINK_OPEN, completion_layout, row_from_result
-from dflash_assets.settings import GenerationSettings
 
 #: Error of a continuation the server answered afresh (it ignored ``continue_final_message``).
 NOT_CONTINUED = (

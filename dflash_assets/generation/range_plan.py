@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 import polars as pl
 
+from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.records import invalid_reason, prompt_mismatch, row_problem
-from dflash_assets.settings import GenerationSettings
 
 
 class RangeRunError(Exception):
@@ -72,7 +72,7 @@ class Partition:
 
 
 class StreamedRun(Protocol):
-    """The run as its stream (:func:`~dflash_assets.completions_stage.range_stream.stream_partitions`) sees it: what
+    """The run as its stream (:func:`~dflash_assets.stages.completions.range_stream.stream_partitions`) sees it: what
     the stream reads, sets (``client``, ``capacity``, ``failure``) and calls. The range run is one; declared
     here, beside the types both range modules share, so that neither imports the other for an annotation."""
 

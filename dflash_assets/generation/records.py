@@ -13,7 +13,7 @@ from typing import Any
 
 import polars as pl
 
-from dflash_assets.settings import GenerationSettings
+from dflash_assets.common.settings import GenerationSettings
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

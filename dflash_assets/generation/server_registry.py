@@ -3,7 +3,7 @@
 Each server started through :func:`start_process` writes a pidfile into :func:`server_registry_dir`;
 :func:`reap_orphaned_servers` (called by ``run`` and by the inference resource before starting
 servers) stops the servers whose launching process is gone. A pid names a process only with its start
-time, in one boot and pid namespace of one machine (proc(5); :mod:`dflash_assets.machine`), so all of
+time, in one boot and pid namespace of one machine (proc(5); :mod:`dflash_assets.generation.machine`), so all of
 them are recorded, and a pidfile of another machine or namespace is never acted on, whatever its host name.
 """
 
@@ -21,11 +21,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.atomic import atomic_write_bytes, temp_name_parts
+from dflash_assets.common.settings import dagster_home
+from dflash_assets.generation.machine import Identity, identity, same_machine
 from dflash_assets.generation.proc_info import group_members, is_running, proc_stat
 from dflash_assets.generation.processes import spawn_in_new_session
-from dflash_assets.machine import Identity, identity, same_machine
-from dflash_assets.settings import dagster_home
+from dflash_assets.storage.atomic import atomic_write_bytes, temp_name_parts
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def register_server(
 
     JSON fields: ``pid`` (= ``pgid``, the session leader), ``start_time`` (``/proc/<pid>/stat`` field 22,
     clock ticks after boot: a recycled pid never matches), ``machine_id``, ``boot_id``, ``pid_ns``
-    (:func:`~dflash_assets.machine.identity`), ``host`` (for messages), ``argv0``, ``label``,
+    (:func:`~dflash_assets.generation.machine.identity`), ``host`` (for messages), ``argv0``, ``label``,
     ``port``, ``owner_pid``/``owner_start_time`` (this process) and ``created_at`` (Unix seconds).
     Written atomically (temporary file + rename). A failure is logged, not raised: the server runs
     unprotected rather than not at all.
@@ -141,7 +141,7 @@ def _finish_abandoned_writes(directory: Path, here: Identity) -> None:
     """Put in place the records whose writer was killed between writing and renaming them.
 
     A ``kill -9`` of a launcher while it registers a server leaves the record under its temporary name
-    (:func:`~dflash_assets.atomic.temp_path`: ``.<name>.<pid>.<hex8>.tmp``), where no reaper would read it, and
+    (:func:`~dflash_assets.storage.atomic.temp_path`: ``.<name>.<pid>.<hex8>.tmp``), where no reaper would read it, and
     the server unrecorded. A whole record of this machine whose writer is gone is renamed to its name, so the
     reaper acts on it; one that does not read is removed once :data:`ABANDONED_TEMP_S` old.
     """
@@ -177,7 +177,7 @@ def reap_orphaned_servers(registry_dir: Path | str | None = None, grace_s: float
     pid now held by a process with another start time is left alone): ``SIGTERM`` to the group, up to
     ``grace_s`` seconds to exit, then ``SIGKILL``. Pidfiles of dead servers, or from an earlier boot of
     this machine, are removed; those of servers whose owner runs, or of another machine or pid namespace
-    (a shared DAGSTER_HOME; :func:`~dflash_assets.machine.same_machine`), are kept. The API-key
+    (a shared DAGSTER_HOME; :func:`~dflash_assets.generation.machine.same_machine`), are kept. The API-key
     directories of launchers of this machine that are gone (:func:`register_key_dir`) are removed too, and a
     record a killed launcher left under its temporary name is read as well (:func:`_finish_abandoned_writes`).
 

@@ -5,7 +5,7 @@ CPU), :mod:`~dflash_assets.generation.sglang_servers` (SGLang on GPUs) and
 :mod:`~dflash_assets.generation.vllm_servers` (vLLM, CPU or GPUs); their
 processes and pidfiles: :mod:`~dflash_assets.generation.processes` and
 :mod:`~dflash_assets.generation.server_registry`; start-up probes: :mod:`~dflash_assets.generation.probe`.
-No Dagster here: ``dflash_assets.resources.inference`` wraps these for the pipeline.
+No Dagster here: ``dflash_assets.stages.resources.inference`` wraps these for the pipeline.
 """
 
 from __future__ import annotations

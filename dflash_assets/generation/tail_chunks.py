@@ -30,9 +30,9 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.continuation import NOT_CONTINUED, continuation_body
 from dflash_assets.generation.records import THINK_CLOSE, THINK_OPEN, row_from_result
-from dflash_assets.settings import GenerationSettings
 
 
 class TailChunker:

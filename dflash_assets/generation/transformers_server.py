@@ -51,12 +51,12 @@ from typing import Any
 
 import httpx
 
+from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.ports import check_port_free, free_port, listener_is_ours
 from dflash_assets.generation.probe import probe_chat
 from dflash_assets.generation.processes import log_tail, stop_process_group
 from dflash_assets.generation.server_registry import start_process
 from dflash_assets.generation.servers import ServerPool
-from dflash_assets.settings import GenerationSettings
 
 __all__ = ["CB_PAGE_SIZE", "LocalTransformersServer", "transformers_executable", "transformers_generation_config"]
 

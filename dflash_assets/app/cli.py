@@ -1,0 +1,84 @@
+"""Shell entry point: ``python -m dflash_assets run | status | mark-failed RUN_ID``.
+
+Every command sets ``DAGSTER_HOME`` to the project root (where ``dagster.yaml`` lives) unless it is
+already set, so run history persists and the Dagster UI shows the same runs.
+"""
+
+import argparse
+import os
+import sys
+
+from dflash_assets.common.settings import PROJECT_ROOT
+
+
+def _ensure_dagster_home() -> str:
+    home = os.environ.setdefault("DAGSTER_HOME", str(PROJECT_ROOT))
+    os.makedirs(home, exist_ok=True)
+    return home
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments and dispatch; exits non-zero with a one-line error on failure."""
+    parser = argparse.ArgumentParser(prog="python -m dflash_assets", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="materialize the whole pipeline on the configured (default: embedded) setup")
+    run.add_argument("--config", help="YAML run config for the assets (see README)")
+    run.add_argument(
+        "--verbose", action="store_true", help="also print Dagster's DEBUG events (always kept in the run storage)"
+    )
+    status = sub.add_parser(
+        "status", help="per-stage partition counts, rows done / remaining under the config's settings, rate and ETA"
+    )
+    status.add_argument(
+        "--config", help="YAML config whose generation settings and storage to judge rows by (default: $DFLASH_CONFIG)"
+    )
+    status.add_argument(
+        "--pilot", help="forecast the whole corpus from these completions partitions only: FIRST...LAST or one key"
+    )
+    failed = sub.add_parser(
+        "mark-failed", help="mark a STARTED run whose machine was lost failed and free its pool slots"
+    )
+    failed.add_argument("run_id")
+    args = parser.parse_args(argv)
+    home = _ensure_dagster_home()
+    if args.command == "mark-failed":  # needs no config and no definitions
+        import dagster as dg
+
+        from dflash_assets.orchestration.runs import mark_run_failed
+
+        try:
+            with dg.DagsterInstance.get() as instance:
+                print(mark_run_failed(instance, args.run_id, by="`python -m dflash_assets mark-failed`"))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        sys.exit(0)
+    if getattr(args, "config", None):
+        # before the definitions are imported: they build the resources from this file
+        os.environ["DFLASH_CONFIG"] = os.path.abspath(args.config)
+    from dflash_assets.orchestration.config import ConfigError
+
+    try:
+        from dflash_assets.app import main_job as pipeline
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    if args.command == "run":
+        try:
+            code = pipeline.run_all(config_path_arg=args.config, dagster_home=home, verbose=args.verbose)
+        except KeyboardInterrupt:
+            print(
+                "\ninterrupted: stopped. Rows already generated are kept; run the same command again to resume.",
+                flush=True,
+            )
+            code = 130
+        sys.exit(code)
+    if args.command == "status":
+        from dflash_assets.app.status import print_status
+
+        try:
+            sys.exit(print_status(pilot=args.pilot))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)

@@ -1,0 +1,499 @@
+"""``python -m dflash_assets status``: per-stage partition counts, completions progress, rate and ETA.
+
+Partition statuses come from ``DagsterInstance.get_status_by_partition`` (the same source as the UI's
+partition bars), completions numbers from the metadata of each partition's latest materialization.
+With the current config's generation settings, a materialized partition that is not up to date by
+:mod:`dflash_assets.orchestration.freshness` (the settings touch it, or the corpus's prompts of its range changed) has
+the few columns the decision needs read from its table, and every row
+:func:`dflash_assets.generation.records.invalid_reason` or
+:func:`~dflash_assets.generation.records.prompt_mismatch` would request again counts as remaining: after
+a cap change or a corpus edit, status shows what the run will do before anything runs. When the prompt
+files changed since the corpus was built, it previews the next build (new, changed, removed prompts).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import dagster as dg
+
+from dflash_assets.app.stage_order import PARTITION_STAGES
+from dflash_assets.data.ranges import key_range
+from dflash_assets.orchestration.check_gate import held_message, held_partitions
+from dflash_assets.orchestration.history import latest_metadata, latest_records, plain_metadata
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.pools import pool_usage
+
+STAGES = tuple(PARTITION_STAGES)  # from the asset graph (dflash_assets.app.stage_order)
+COMPLETIONS = "completions"
+
+
+def partition_rows(partition_key: str) -> int:
+    """Prompts in an index-range partition (both ends inclusive)."""
+    first, last = key_range(partition_key)
+    return last - first + 1
+
+
+def stage_counts(instance: dg.DagsterInstance, asset_name: str, keys: Sequence[str]) -> dict:
+    """Partition keys of one partitioned asset grouped by status.
+
+    Returns ``{"done", "failed", "in_progress", "missing"}`` counts plus the keys of each group under
+    ``"<group>_keys"`` (in partition-key order). ``done`` means the UI's "materialized": the latest
+    attempt succeeded. A partition whose latest attempt failed counts as failed even if an older one
+    succeeded; one with a run in flight counts as in progress whatever came before (Dagster's order).
+    """
+    by_status = instance.get_status_by_partition(dg.AssetKey(asset_name), list(keys), prompt_ranges) or {}
+    groups: dict[str, list[str]] = {"done": [], "failed": [], "in_progress": [], "missing": []}
+    name_of = {
+        dg.AssetPartitionStatus.MATERIALIZED: "done",
+        dg.AssetPartitionStatus.FAILED: "failed",
+        dg.AssetPartitionStatus.IN_PROGRESS: "in_progress",
+    }
+    for pk in keys:
+        groups[name_of.get(by_status.get(pk), "missing")].append(pk)
+    out: dict = {name: len(pks) for name, pks in groups.items()}
+    out.update({f"{name}_keys": pks for name, pks in groups.items()})
+    return out
+
+
+def invalid_rows(store, pk: str, settings, continues: bool = False, prompts=None) -> tuple[Counter, int, Counter, int]:
+    """``(reasons, tokens, continued, cut)``: rows of completions partition ``pk`` that ``settings``
+    regenerate, counted by :func:`~dflash_assets.generation.records.invalid_reason`; the current
+    completion tokens of those regenerated whole; when ``continues`` (the servers continue cut rows, see
+    :mod:`~dflash_assets.generation.continuation`), the rows to be continued counted by their cap; and
+    the rows longer than a lowered cap, which the run cuts to it locally
+    (:mod:`~dflash_assets.data.cap_cut`: no request, no token generated).
+
+    ``prompts``: the corpus's rows of the partition (``index``, ``content_hash``, ``prompt_id``), when its
+    prompts changed since the table was made: a row for another prompt counts as ``prompt changed`` (or
+    ``prompt unknown``), a prompt without a row as ``missing``, a row whose prompt is gone as ``removed``
+    (no request: the run drops it)."""
+    from dflash_assets.data.truncation import read_report_columns
+    from dflash_assets.generation.continuation import continuable
+    from dflash_assets.generation.records import VALIDITY_COLUMNS, invalid_reason, prompt_mismatch
+    from dflash_assets.stages.completions.tables import partition_file
+
+    frame = read_report_columns(store, *partition_file(pk), columns=("index", *VALIDITY_COLUMNS))
+    reasons, tokens, continued, cut = Counter(), 0, Counter(), 0
+    by_index = None
+    if prompts is not None:
+        by_index = {p["index"]: p for p in prompts.select("index", "content_hash", "prompt_id").iter_rows(named=True)}
+        reasons["missing"] += len(set(by_index) - set(frame["index"].to_list()))
+    for row in frame.iter_rows(named=True):
+        if by_index is not None:
+            if row["index"] not in by_index:
+                reasons["removed"] += 1
+                continue
+            if (reason := prompt_mismatch(row, by_index[row["index"]])) is not None:
+                reasons[reason] += 1
+                continue
+        if (reason := invalid_reason(row, settings)) is not None:
+            reasons[reason] += 1
+            if reason == "cap lowered":
+                cut += 1
+            elif continues and continuable(row, settings, check_text=False):
+                continued[int(row["max_output_tokens"])] += 1
+            else:
+                tokens += row.get("completion_tokens") or 0
+    return +reasons, tokens, continued, cut
+
+
+def continuation_tokens(report: dict | None, continued: Counter, new_cap: int) -> float | None:
+    """Tokens the continuations of ``continued`` ({old cap: rows}) will generate up to ``new_cap``: each
+    row E[min(L, new_cap) - cap | L > cap] under the truncation report's length fit (the
+    ``extra_output_tokens`` of :func:`~dflash_assets.data.truncation.predict_cap`). None without a report
+    fit, or for a cap the report was not made at."""
+    from dflash_assets.data.truncation import fit_from_dict, predict_cap
+
+    fit = (report or {}).get("advice", {}).get("fit")
+    if not fit or not continued or set(continued) != {report.get("cap")}:
+        return None
+    cap, n = report["cap"], sum(continued.values())
+    return predict_cap(fit_from_dict(fit), cap, float(report.get("truncation_rate") or 0.0), n, new_cap)[
+        "extra_output_tokens"
+    ]
+
+
+def generation_time(records: dict[str, dg.EventLogRecord], meta: dict[str, dict]) -> tuple[float, float, int]:
+    """``(seconds, output_tokens, requests)`` of the generation that made the current completions.
+
+    A partition's generation is ``[t - wall_s, t]`` (``t``: its materialization time); the partitions of
+    one run (a range run generates them side by side) count as the run's span from its first start to
+    its last commit, and runs add up (the ``dflash_inference`` pool runs one at a time). Tokens are the
+    ones generated in that run (``output_tokens_generated``; ``output_tok_per_s * wall_s`` or
+    ``completion_tokens_total`` for older metadata), requests the ``requested`` rows (``rows`` without it):
+    a partition whose rows were all cut to a lowered cap adds neither time nor tokens.
+    """
+    spans: dict[str, list[float]] = {}
+    tokens = requests = 0.0
+    for pk, record in records.items():
+        m = meta[pk]
+        wall = float(m.get("wall_s", 0.0) or 0.0)
+        span = spans.setdefault(record.run_id or pk, [record.timestamp - wall, record.timestamp])
+        span[0], span[1] = min(span[0], record.timestamp - wall), max(span[1], record.timestamp)
+        rate = m.get("output_tok_per_s")
+        if (
+            m.get("output_tokens_generated") is not None
+        ):  # a run that cut or continued rows made fewer than its table holds
+            tokens += float(m["output_tokens_generated"])
+        else:
+            tokens += float(rate) * wall if rate else float(m.get("completion_tokens_total", 0) or 0)
+        requests += int(m.get("requested", m.get("rows", 0)) or 0)
+    return sum(end - start for start, end in spans.values()), tokens, int(requests)
+
+
+def runs_in_progress(instance: dg.DagsterInstance, records: dict[str, dg.EventLogRecord]) -> list[dict]:
+    """Progress of each STARTED run that has committed a completions partition, from the ``run_*``
+    metadata of its newest commit (rows done / total over its range, req/s, output tok/s, slots in
+    flight / capacity, ETA): ``[{"run_id", "range", "as_of", ...}]``, ``as_of`` the commit's Unix time."""
+
+    started = {
+        r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
+    }
+    newest: dict[str, dg.EventLogRecord] = {}
+    for record in records.values():
+        if record.run_id in started and (
+            record.run_id not in newest or record.storage_id > newest[record.run_id].storage_id
+        ):
+            newest[record.run_id] = record
+    out = []
+    for run_id, record in sorted(newest.items()):
+        m = plain_metadata(record)
+        if "run_rows_total" not in m:
+            continue
+        out.append(
+            {
+                "run_id": run_id,
+                "range": m.get("run_partition_range"),
+                "as_of": record.timestamp,
+                **{
+                    k: m.get(f"run_{k}")
+                    for k in (
+                        "rows_done",
+                        "rows_total",
+                        "req_per_s",
+                        "output_tok_per_s",
+                        "slots_in_flight",
+                        "slots_capacity",
+                        "eta_s",
+                    )
+                },
+            }
+        )
+    return out
+
+
+def collect_status(
+    instance: dg.DagsterInstance, stages: Sequence[str] = STAGES, settings=None, store=None, continues: bool = False
+) -> dict:
+    """Everything the status command prints, as plain values.
+
+    Args:
+        instance: the Dagster instance.
+        stages: partitioned stages to count.
+        settings: the current generation settings (:class:`~dflash_assets.common.settings.GenerationSettings`);
+            None leaves out what they would regenerate.
+        store: the :class:`~dflash_assets.storage.store.Storage` holding the completions tables; needed with
+            ``settings`` to count rows exactly (without it a touched partition counts wholly).
+        continues: the configured servers continue rows a lower cap cut (SGLang, ``continue_truncated``):
+            such rows count at the tokens their continuation is expected to make (truncation report fit).
+
+    Returns a dict:
+
+    - ``partitions``: number of registered ``prompt_index_ranges`` keys; ``prompts``: prompts they cover.
+    - ``corpus_edit``: what the corpus's last build changed, ``new`` / ``changed`` / ``removed`` prompts, and
+      ``to_request``: completions still to request for prompts new or changed and for partitions not done
+      (empty for a corpus built before stable indices); ``completions.regenerate.removed``: stored rows of
+      removed prompts the run drops (no request).
+    - ``stages``: ``{asset_name: stage_counts(...)}`` for each partitioned stage.
+    - ``pools``: :func:`pool_usage` of the inference and GPU pools.
+    - ``completions``: ``rows_total`` (prompts), ``rows_done`` (rows of *done* partitions valid under
+      ``settings``), ``rows_remaining`` = rows_total - rows_done (prompts of every failed, in-progress or
+      missing partition, plus the rows ``settings`` regenerate), ``regenerate`` = ``{"rows", "partitions",
+      "by_reason"}`` (those rows, in done partitions), ``tokens_done`` (``completion_tokens_total`` of done
+      partitions), ``generation_s`` / ``tokens_generated`` / ``requests`` of :func:`generation_time`,
+      ``tokens_per_s`` and ``requests_per_s`` (over generation_s; None when no time was recorded),
+      ``tokens_remaining_est`` (tokens; a remaining prompt at the mean tokens per done row, a row to
+      regenerate at no less than its current length, a row to continue at
+      :func:`continuation_tokens`, a row longer than a lowered cap at 0; None without a done row),
+      ``regenerate["continued"]`` (rows to be continued), ``regenerate["cut_locally"]`` (rows to be cut to
+      a lowered cap, no request) and ``eta_s`` =
+      tokens_remaining_est / tokens_per_s (seconds; None when either is unknown).
+    """
+    from dflash_assets.orchestration import freshness
+
+    keys = list(instance.get_dynamic_partitions(prompt_ranges.name))
+    corpus_meta = latest_metadata(instance, "prompt_corpus") or {}
+    versions = corpus_meta.get("partition_versions")
+    sizes = corpus_meta.get("partition_prompts") or {}
+
+    def partition_prompt_count(pk: str) -> int:  # stable indices leave gaps: the corpus's count, else the range's
+        return int(sizes.get(pk, partition_rows(pk)))
+
+    def reason_of(pk: str) -> str | None:
+        return freshness.completions_reason(meta[pk], settings, (versions or {}).get(pk) if versions else None)
+
+    counts = {name: stage_counts(instance, name, keys) for name in stages}
+    comp = counts.get(COMPLETIONS) or stage_counts(instance, COMPLETIONS, keys)
+    done = comp["done_keys"]
+    all_records = latest_records(instance, COMPLETIONS, keys)
+    records = {pk: all_records[pk] for pk in done if pk in all_records}
+    meta = {pk: plain_metadata(r) for pk, r in records.items()}
+    rows_of = {pk: int(meta.get(pk, {}).get("rows", partition_prompt_count(pk)) or 0) for pk in done}
+    tokens_done = sum(int(m.get("completion_tokens_total", 0) or 0) for m in meta.values())
+    generation_s, tokens_generated, requests = generation_time(records, meta)
+    mean_tokens = tokens_done / sum(rows_of.values()) if sum(rows_of.values()) else None
+
+    regen, regen_parts, regen_tokens, to_continue, to_cut = Counter(), [], 0.0, Counter(), 0
+    removed = 0
+    if settings is not None:
+        for pk in done:
+            if pk not in meta or (reason := reason_of(pk)) is None:
+                continue
+            if store is None:
+                reasons, tokens, continued, cut = Counter({reason: rows_of[pk]}), 0, Counter(), 0
+            else:
+                prompts = None
+                if freshness.prompts_reason(meta[pk], (versions or {}).get(pk) if versions else None):
+                    from dflash_assets.stages.prompts import CORPUS_FILE
+
+                    prompts = store.read_parquet(
+                        *CORPUS_FILE, columns=["index", "content_hash", "prompt_id"], index_ranges=[key_range(pk)]
+                    )
+                reasons, tokens, continued, cut = invalid_rows(store, pk, settings, continues, prompts)
+                removed += reasons.pop("removed", 0)
+            if reasons:
+                regen.update(reasons)
+                regen_parts.append(pk)
+                n = sum(reasons.values()) - sum(continued.values()) - cut
+                regen_tokens += max(tokens, n * (mean_tokens or 0.0))
+                to_continue.update(continued)
+                to_cut += cut
+    if to_continue:
+        from dflash_assets.assets.truncation import REPORT_DIR
+
+        report = None
+        try:
+            if store.exists(REPORT_DIR, "report.json"):
+                report = store.read_json(REPORT_DIR, "report.json")
+        except Exception:
+            report = None
+        estimate = continuation_tokens(report, to_continue, settings.max_output_tokens)
+        # without a fit: each continued row at its current length (what a whole regeneration would cost at least)
+        regen_tokens += estimate if estimate is not None else sum(cap * n for cap, n in to_continue.items())
+    rows_total = sum(partition_prompt_count(pk) for pk in keys)
+    not_done = comp["failed_keys"] + comp["in_progress_keys"] + comp["missing_keys"]
+    regen_rows = sum(regen.values())
+    rows_remaining = sum(partition_prompt_count(pk) for pk in not_done) + regen_rows
+    tokens_per_s = tokens_generated / generation_s if generation_s > 0 else None
+    requests_per_s = requests / generation_s if generation_s > 0 else None
+    new_rows = rows_remaining - regen_rows
+    tokens_remaining = new_rows * mean_tokens + regen_tokens if mean_tokens is not None else None
+    eta_s = tokens_remaining / tokens_per_s if tokens_remaining is not None and tokens_per_s else None
+    if rows_remaining == 0:
+        tokens_remaining, eta_s = 0.0, 0.0
+    edit = {k: int(corpus_meta[f"prompts_{k}"]) for k in ("new", "changed", "removed") if f"prompts_{k}" in corpus_meta}
+    if edit:  # what the corpus's last build changed, and what it costs: prompts still without a valid row for them
+        new_rows = sum(partition_prompt_count(pk) for pk in not_done)
+        edit["to_request"] = new_rows + sum(
+            v for k, v in regen.items() if k in ("missing", "prompt changed", "prompt unknown")
+        )
+    return {
+        "partitions": len(keys),
+        "prompts": rows_total,
+        "corpus_edit": edit,
+        "runs_in_progress": runs_in_progress(instance, all_records),
+        "held": held_partitions(instance, keys),  # {pk: "failed check <asset>.<check>"}: nothing after it runs
+        "stages": counts,
+        "pools": pool_usage(instance),
+        "completions": {
+            "rows_total": rows_total,
+            "rows_done": sum(rows_of.values()) - regen_rows - removed,
+            "tokens_done": tokens_done,
+            "generation_s": round(generation_s, 3),
+            "tokens_generated": round(tokens_generated),
+            "requests": requests,
+            "tokens_per_s": tokens_per_s,
+            "requests_per_s": requests_per_s,
+            "rows_remaining": rows_remaining,
+            "regenerate": {
+                "rows": regen_rows,
+                "partitions": regen_parts,
+                "by_reason": dict(sorted(regen.items())),
+                "continued": sum(to_continue.values()),
+                "cut_locally": to_cut,
+                "removed": removed,
+            },
+            "cap": settings.max_output_tokens if settings is not None else None,
+            "tokens_remaining_est": tokens_remaining,
+            "eta_s": eta_s,
+        },
+    }
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
+
+
+def format_status(status: dict) -> str:
+    """Human-readable text of :func:`collect_status`'s dict: a stage table, then throughput and ETA."""
+    lines = [f"partitions: {status['partitions']} ({prompt_ranges.name}, {status['prompts']} prompts)"]
+    header = f"{'stage':<22}{'done':>7}{'failed':>8}{'in progress':>13}{'missing':>9}"
+    lines += [header, "-" * len(header)]
+    for name, c in status["stages"].items():
+        lines.append(f"{name:<22}{c['done']:>7}{c['failed']:>8}{c['in_progress']:>13}{c['missing']:>9}")
+        if c["failed_keys"]:
+            shown = ", ".join(c["failed_keys"][:5]) + (" ..." if len(c["failed_keys"]) > 5 else "")
+            lines.append(f"  failed: {shown}")
+    if held := status.get("held"):
+        lines.append(held_message(held))
+    for pool, p in status.get("pools", {}).items():
+        limit = "no limit" if p["limit"] is None else f"limit {p['limit']}"
+        lines.append(f"pool {pool}: {limit}, {p['in_use']} in use, {p['waiting']} waiting")
+    comp = status["completions"]
+    rate = f"{comp['tokens_per_s']:.1f} output tok/s" if comp["tokens_per_s"] is not None else "rate unknown"
+    if comp.get("requests_per_s") is not None:
+        rate += f", {comp['requests_per_s']:.2f} req/s"
+    lines.append(
+        f"completions done: {comp['rows_done']} / {comp.get('rows_total', status['prompts'])} rows valid"
+        + (f" under cap {comp['cap']}" if comp.get("cap") is not None else "")
+        + f"; {comp['tokens_done']} completion tokens; generation {comp['generation_s']:.1f} s ({rate})"
+    )
+    regen = comp.get("regenerate") or {}
+    if edit := status.get("corpus_edit"):
+        lines.append(
+            f"corpus, last build: {edit['new']} new, {edit['changed']} changed, {edit['removed']} removed prompts "
+            f"(stable indices: unchanged prompts keep their rows); completions still to request for new or "
+            f"changed prompts and partitions not done: {edit['to_request']}"
+            + (
+                f"; {regen['removed']} stored rows of removed prompts are dropped, no request"
+                if regen.get("removed")
+                else ""
+            )
+        )
+    if preview := status.get("corpus_preview"):
+        lines.append(preview)
+    if regen.get("rows"):
+        reasons = ", ".join(f"{k}: {v}" for k, v in regen["by_reason"].items())
+        lines.append(
+            f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} "
+            f"partitions ({reasons})"
+            + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else "")
+            + (
+                f"; up to {regen['cut_locally']} of them cut to the lower cap from their own tokens, no request "
+                "(those whose tokens match their text; the estimate counts them at 0 tokens)"
+                if regen.get("cut_locally")
+                else ""
+            )
+        )
+    for run in status.get("runs_in_progress", []):
+        eta = run["eta_s"] if run["eta_s"] is not None and run["eta_s"] >= 0 else None
+        lines.append(
+            f"run {run['run_id'][:8]} in progress ({run['range']}): {run['rows_done']} / {run['rows_total']} rows, "
+            f"{run['req_per_s']} req/s, {run['output_tok_per_s']} output tok/s, slots {run['slots_in_flight']} / "
+            f"{run['slots_capacity']}, ETA {_duration(eta)} "
+            f"(at its last partition commit, {time.time() - run['as_of']:.0f} s ago)"
+        )
+    remaining = comp["tokens_remaining_est"]
+    lines.append(
+        f"completions remaining: {comp['rows_remaining']} prompts, ~{remaining:.0f} tokens"
+        if remaining is not None
+        else f"completions remaining: {comp['rows_remaining']} prompts, tokens unknown (no partition done yet)"
+    )
+    lines[-1] += f", ETA {_duration(comp['eta_s'])}"
+    return "\n".join(lines)
+
+
+def current_settings_and_store():
+    """The active config's generation settings and storage (``$DFLASH_CONFIG``), or ``(None, None, error)``."""
+    try:
+        from dflash_assets.orchestration.config import resource_fields
+        from dflash_assets.stages.resources.generation import GenerationResource
+        from dflash_assets.stages.resources.storage import StorageResource, s3_credentials_from_env
+
+        settings = GenerationResource(**resource_fields("generation")).settings()
+        store = StorageResource(**resource_fields("storage"), **s3_credentials_from_env()).open()
+        return settings, store, None
+    except Exception as exc:
+        return None, None, f"{type(exc).__name__}: {exc}"
+
+
+def config_continues_cut_rows() -> bool:
+    """Whether the active config's inference servers continue rows a lower cap cut (SGLang and
+    ``continue_truncated``); False when the config does not load."""
+    try:
+        from dflash_assets.orchestration.config import resource_fields
+        from dflash_assets.stages.resources.inference import InferenceServerResource
+
+        inference = InferenceServerResource(**resource_fields("inference"))
+        return inference.client.continue_truncated and inference.backend() == "sglang"
+    except Exception:
+        return False
+
+
+def corpus_preview(instance: dg.DagsterInstance, store) -> str | None:
+    """A line previewing the next corpus build when the prompt files or the corpus config changed since the
+    last one (None when unchanged or never built): new, changed and removed prompts, and the completions
+    the run will request for them (prompts at an index the last corpus did not have; stable indices keep
+    every other prompt's rows). Reads the prompt files (as the build does) without writing anything."""
+    from dflash_assets.assets.prompts import corpus_fingerprint
+    from dflash_assets.data.prompt_index import stable_corpus
+    from dflash_assets.data.shapes import build_corpus
+    from dflash_assets.orchestration import freshness
+    from dflash_assets.orchestration.config import op_config, resource_fields
+    from dflash_assets.stages.prompts import CORPUS_FILE, PromptCorpusConfig
+    from dflash_assets.stages.resources.storage import StorageResource, s3_credentials_from_env
+
+    meta = latest_metadata(instance, "prompt_corpus")
+    if meta is None or store is None or not store.exists(*CORPUS_FILE):
+        return None
+    config = PromptCorpusConfig(**((op_config("prompt_corpus")["ops"].get("prompt_corpus") or {}).get("config") or {}))
+    resource = StorageResource(**resource_fields("storage"), **s3_credentials_from_env())
+    reason = freshness.corpus_reason(meta, corpus_fingerprint(config, resource))
+    if reason is None:
+        return None
+    previous = store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash", "prompt_id"])
+    result = build_corpus(config.sources, resource.source_storage_options, config.read_limits())
+    built = stable_corpus(store, result.corpus, config.partition_size, config.max_prompts, previous)
+    had = set(previous["index"].to_list())
+    to_request = sum(1 for i in built.corpus["index"].to_list() if i not in had)
+    e = built.edits
+    return (
+        f"{reason}: the next run builds the corpus again: {e.new} new, {e.changed} changed, {e.removed} removed "
+        f"prompts, {e.kept} unchanged (they keep their index and rows); it will request {to_request} completions "
+        f"for them, in {len(built.keys)} partitions"
+    )
+
+
+def print_status(instance: dg.DagsterInstance | None = None, pilot: str | None = None) -> int:
+    """Print :func:`format_status` for ``instance`` (default: ``DagsterInstance.get()``) under the active
+    config's generation settings, then the cost table and forecast (from the ``pilot`` range ``FIRST...LAST``
+    when given, :mod:`dflash_assets.app.cost_report`); returns exit code 0."""
+    settings, store, error = current_settings_and_store()
+    if error:
+        print(
+            f"note: could not load the config's generation settings and storage ({error}); rows the settings "
+            "would regenerate are not counted"
+        )
+    instance = instance or dg.DagsterInstance.get()
+    status = collect_status(
+        instance, settings=settings, store=store, continues=settings is not None and config_continues_cut_rows()
+    )
+    try:
+        status["corpus_preview"] = corpus_preview(instance, store)
+    except Exception as exc:
+        status["corpus_preview"] = (
+            f"note: could not preview the next corpus build ({type(exc).__name__}: {str(exc)[:300]})"
+        )
+    print(format_status(status))
+    from dflash_assets.app.cost_report import configured_cost_text
+
+    print(configured_cost_text(instance, store, pilot))
+    return 0

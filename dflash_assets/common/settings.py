@@ -1,0 +1,106 @@
+"""One source of truth for generation settings and project paths."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def dagster_home() -> Path:
+    """The Dagster instance directory: ``$DAGSTER_HOME``, else the project root (holds dagster.yaml)."""
+    return Path(os.environ.get("DAGSTER_HOME") or PROJECT_ROOT)
+
+
+def default_storage_root() -> str:
+    """Storage root for every asset's files: ``$DFLASH_STORAGE_ROOT`` (a directory or s3://bucket/prefix),
+    else ``<DAGSTER_HOME>/dflash_data``."""
+    return os.environ.get("DFLASH_STORAGE_ROOT") or str(dagster_home() / "dflash_data")
+
+
+def cache_dir() -> Path:
+    """Cache for converted local models: ``$DFLASH_CACHE_DIR``, else ``~/.cache/dflash_assets``."""
+    return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash_assets")
+
+
+class GenerationFields(BaseModel):
+    """The generation settings' fields, declared once: :class:`GenerationSettings` (the immutable value rows
+    record) and :class:`~dflash_assets.stages.resources.generation.GenerationResource` (the Dagster resource users
+    configure) both inherit them. Strict: YAML ``true`` or ``"20"`` would otherwise become a cap of 1 or 20,
+    and a lowered cap cuts rows for good."""
+
+    max_output_tokens: int = Field(default=4096, ge=1, strict=True, description="Generation cap, in tokens.")
+    temperature: float = Field(default=0.6, ge=0.0, strict=True)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0, strict=True)
+    top_k: int = Field(default=20, ge=-1, strict=True, description="-1 or 0 disables top-k.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, strict=True)
+    presence_penalty: float = Field(default=0.0, strict=True)
+    repetition_penalty: float = Field(default=1.0, strict=True)
+    seed: int | None = Field(default=None, strict=True, description="Per-request seed = seed + prompt index, when set.")
+    enable_thinking: bool = Field(default=True, strict=True, description="chat_template_kwargs.enable_thinking")
+
+
+class GenerationSettings(GenerationFields):
+    """Everything that decides what a completion is: the cap, sampling and the chat-template flags.
+
+    Every completions row stores these settings (as JSON) so a later cap change can decide which rows
+    are still valid. ``max_output_tokens`` is in tokens. Sampling defaults follow Qwen3's recommended
+    thinking-mode settings (temperature 0.6, top_p 0.95, top_k 20); greedy decoding makes reasoning
+    models loop until the cap.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # no bool-as-int, no numeric strings
+
+    def sampling_fingerprint(self) -> str:
+        """Hash of every setting except ``max_output_tokens``: rows with another fingerprint are stale."""
+        return _fingerprint(self)
+
+    @property
+    def settings_json(self) -> str:
+        """All settings as sorted JSON: what every row stores in its ``settings`` column."""
+        return _settings_json(self)
+
+    def request_body(self, model: str, messages: list[dict[str, str]], index: int | None = None) -> dict[str, Any]:
+        """Body for ``POST /v1/chat/completions`` (OpenAI schema plus SGLang/vLLM extras).
+
+        Every sampling field is sent, neutral values included (``top_k`` -1, ``min_p`` 0,
+        ``repetition_penalty`` 1): SGLang fills a field the request leaves out from the model's
+        ``generation_config.json`` (``ChatCompletionRequest.to_sampling_params``: "user value > model
+        generation_config > OpenAI defaults"), so an omitted 1.0 could be sampled as a shipped 1.05 while
+        every row's settings say 1.0.
+        """
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k > 0 else -1,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "chat_template_kwargs": {"enable_thinking": self.enable_thinking},
+        }
+        if self.seed is not None:
+            body["seed"] = self.seed + (index or 0)
+        return body
+
+
+# Once per distinct settings, not once per row (~8 us a row otherwise). Keyed by the frozen model, whose
+# hash and equality are its field values, so a copy with other values gets its own entry.
+@functools.lru_cache(maxsize=256)
+def _fingerprint(settings: GenerationSettings) -> str:
+    payload = settings.model_dump(exclude={"max_output_tokens"})
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=256)
+def _settings_json(settings: GenerationSettings) -> str:
+    return json.dumps(settings.model_dump(), sort_keys=True)

@@ -1,0 +1,444 @@
+"""Truncation statistics and cap advice over completions tables (no Dagster imports).
+
+Lengths of truncated rows are right-censored: a ``length`` row only says ``L >= cap``. The tail beyond
+the cap is estimated by a log-normal fitted by maximum likelihood to the censored sample (uncensored
+rows contribute the density, censored rows the survival function; e.g. Klein & Moeschberger,
+*Survival Analysis*, 2nd ed., sec. 3.5). The prediction at a candidate cap C' > cap is anchored to the
+observed truncation rate: P(L > C') = P(L > cap)_observed * S(C') / S(cap), so the fit only decides how
+the tail thins out.
+
+The tail beyond the cap is never observed, so the family matters: a log-normal and a Weibull are both
+fitted; the one with the higher censored likelihood (same number of parameters) gives the prediction.
+The 90% interval is a predictive interval for what re-running the same prompts at C' shows: a Poisson
+bootstrap of the rows in which each replicate refits BOTH families and contributes both (the data below
+the cap rarely rules either out, e.g. when most rows are truncated), then draws how many of the
+truncated rows run past C' (binomial, the replicate's S(C')/S(cap) each). Its 2.5-97.5 percentiles are
+reported as the 90% interval: the 5-95 percentiles covered only 0.83 in back-tests. Back-tests (predict cap 2c from
+the rows at cap c, bench/bench_cap_advice.py) check that it covers the actual >= 90% of the time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from dflash_assets.common.figures import figure_png_bytes, new_figure
+
+SQRT2 = math.sqrt(2.0)
+# Percentiles of the bootstrap predictive taken as the "90%" interval: the plain 5/95 covered 0.83 of
+# the back-tests (bench/bench_cap_advice.py; bootstrap intervals of a tail extrapolation run narrow).
+INTERVAL_PERCENTILES = (2.5, 97.5)
+# Fewer rows that stopped below the cap than this and no family is fitted (2-3 points fit anything).
+MIN_FINISHED_ROWS = 4
+
+#: The completions columns the report and the cap advice read: never the reasoning / answer text or the
+#: token ids, which are nearly all of a partition's bytes (about 6 KB of text per row for the user's model).
+REPORT_COLUMNS = (
+    "source",
+    "finish_reason",
+    "completion_tokens",
+    "max_output_tokens",
+    "error",
+    "truncated_in_reasoning",
+    "empty_answer",
+)
+
+
+def read_report_columns(store, *parts: str, columns: tuple[str, ...] = REPORT_COLUMNS) -> pl.DataFrame:
+    """Only ``columns`` of a Parquet file under a :class:`~dflash_assets.storage.store.Storage` (those present).
+
+    Reads the column chunks of those columns alone (on S3: ranged GETs), so memory and transfer scale
+    with the few small columns, not the text. Remote reads are retried like every storage call.
+    Raises FileNotFoundError when the file is missing.
+    """
+    return store.read_parquet(*parts, columns=columns)
+
+
+@dataclass(frozen=True)
+class LogNormalFit:
+    """Parameters of ln L ~ Normal(mu, sigma^2), L in tokens."""
+
+    mu: float
+    sigma: float
+
+    def survival(self, tokens: float) -> float:
+        """P(L > tokens)."""
+        return 0.5 * math.erfc((math.log(max(tokens, 1e-9)) - self.mu) / (self.sigma * SQRT2))
+
+
+def _log_survival(z: np.ndarray) -> np.ndarray:
+    erfc = np.vectorize(math.erfc)
+    return np.log(np.maximum(0.5 * erfc(z / SQRT2), 1e-300))
+
+
+def fit_censored_lognormal(
+    tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray, weights: np.ndarray | None = None
+) -> LogNormalFit | None:
+    """Maximum-likelihood log-normal fit to right-censored lengths, by coarse-to-fine grid search.
+
+    Args:
+        tokens: completion_tokens per row (float, >= 1).
+        censored: bool per row, True where the row hit its cap (finish_reason ``length``).
+        caps: the cap (tokens) each censored row hit.
+        weights: optional row weights (for the bootstrap).
+
+    Returns:
+        The fit, or None with fewer than 2 uncensored rows.
+    """
+    w = np.ones(len(tokens)) if weights is None else weights
+    unc = ~censored
+    logs = np.log(np.maximum(tokens[unc], 1.0))
+    wu = w[unc]
+    n_u = wu.sum()
+    if n_u < 2:
+        return None
+    s1, s2 = (wu * logs).sum(), (wu * logs**2).sum()
+    cap_counts: Counter = Counter()
+    for cap, weight in zip(np.log(caps[censored]), w[censored]):
+        cap_counts[float(cap)] += float(weight)
+    log_caps = np.array(list(cap_counts.keys()))
+    cap_w = np.array(list(cap_counts.values()))
+    mean, std = s1 / n_u, math.sqrt(max(s2 / n_u - (s1 / n_u) ** 2, 1e-6))
+    mu_lo, mu_hi, ls_lo, ls_hi = mean - 2, mean + 4, math.log(std) - 2, math.log(std) + 2
+    best = (mean, std)
+    for _ in range(5):
+        mus = np.linspace(mu_lo, mu_hi, 41)[:, None]
+        sigmas = np.exp(np.linspace(ls_lo, ls_hi, 41))[None, :]
+        ll = -n_u * np.log(sigmas) - (s2 - 2 * mus * s1 + n_u * mus**2) / (2 * sigmas**2)
+        for lc, cw in zip(log_caps, cap_w):
+            ll = ll + cw * _log_survival((lc - mus) / sigmas)
+        i, j = np.unravel_index(np.argmax(ll), ll.shape)
+        best = (float(mus[i, 0]), float(sigmas[0, j]))
+        mu_step, ls_step = (mu_hi - mu_lo) / 40, (ls_hi - ls_lo) / 40
+        mu_lo, mu_hi = best[0] - 2 * mu_step, best[0] + 2 * mu_step
+        ls_lo, ls_hi = math.log(best[1]) - 2 * ls_step, math.log(best[1]) + 2 * ls_step
+    return LogNormalFit(*best)
+
+
+@dataclass(frozen=True)
+class WeibullFit:
+    """Weibull lengths: P(L > t) = exp(-(t / scale)^shape), L in tokens."""
+
+    scale: float
+    shape: float
+
+    def survival(self, tokens: float) -> float:
+        """P(L > tokens)."""
+        return math.exp(-((max(tokens, 1e-9) / self.scale) ** self.shape))
+
+
+def _censored_parts(tokens, censored, caps, weights):
+    w = np.ones(len(tokens)) if weights is None else weights
+    unc = ~censored
+    logs = np.log(np.maximum(tokens[unc], 1.0))
+    cap_counts: Counter = Counter()
+    for cap, weight in zip(np.log(caps[censored]), w[censored]):
+        cap_counts[float(cap)] += float(weight)
+    return logs, w[unc], np.array(list(cap_counts.keys())), np.array(list(cap_counts.values()))
+
+
+def fit_censored_weibull(
+    tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray, weights: np.ndarray | None = None
+) -> tuple[WeibullFit, float] | None:
+    """Maximum-likelihood Weibull fit to right-censored lengths (grid search on log scale and log shape).
+
+    In log length y = ln L the Weibull is a minimum-Gumbel: with z = shape * (y - ln scale), an uncensored
+    row adds ln(shape) + z - e^z and a row censored at cap adds -e^z(cap).
+
+    Returns:
+        ``(fit, loglik)`` (loglik of ln L, comparable with :func:`censored_loglik` of a log-normal), or
+        None with fewer than 2 uncensored rows.
+    """
+    logs, wu, log_caps, cap_w = _censored_parts(tokens, censored, caps, weights)
+    if wu.sum() < 2:
+        return None
+    mean = float((wu * logs).sum() / wu.sum())
+    std = math.sqrt(max(float((wu * logs**2).sum() / wu.sum()) - mean**2, 1e-6))
+    loc_lo, loc_hi = mean - 2, mean + 4
+    ls_lo, ls_hi = math.log(math.pi / (std * math.sqrt(6))) - 2, math.log(math.pi / (std * math.sqrt(6))) + 2
+    best, best_ll = (mean, 1.0), -math.inf
+    n_u, s1 = float(wu.sum()), float((wu * logs).sum())
+    for _ in range(5):
+        locs = np.linspace(loc_lo, loc_hi, 41)[:, None]
+        shapes = np.exp(np.linspace(ls_lo, ls_hi, 41))[None, :]
+        # sum_i w_i e^{z_i} = e^{-k (loc - mean)} * sum_i w_i e^{k (y_i - mean)}:
+        # O(shapes x rows), not O(locs x shapes x rows)
+        with np.errstate(over="ignore", invalid="ignore"):  # far grid corners overflow to -inf: never the argmax
+            moments = (wu[None, :] * np.exp(np.minimum(shapes[0, :, None] * (logs[None, :] - mean), 700))).sum(-1)[
+                None, :
+            ]
+            ll = (
+                n_u * np.log(shapes)
+                + shapes * (s1 - locs * n_u)
+                - np.exp(np.minimum(-shapes * (locs - mean), 700)) * moments
+            )
+            for lc, cw in zip(log_caps, cap_w):
+                ll = ll - cw * np.exp(np.minimum(shapes * (lc - locs), 700))
+            ll = np.where(np.isnan(ll), -np.inf, ll)
+        i, j = np.unravel_index(np.argmax(ll), ll.shape)
+        best, best_ll = (float(locs[i, 0]), float(shapes[0, j])), float(ll[i, j])
+        loc_step, ls_step = (loc_hi - loc_lo) / 40, (ls_hi - ls_lo) / 40
+        loc_lo, loc_hi = best[0] - 2 * loc_step, best[0] + 2 * loc_step
+        ls_lo, ls_hi = math.log(best[1]) - 2 * ls_step, math.log(best[1]) + 2 * ls_step
+    return WeibullFit(scale=math.exp(best[0]), shape=best[1]), best_ll
+
+
+def censored_loglik(
+    fit: LogNormalFit, tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray, weights: np.ndarray | None = None
+) -> float:
+    """Log-likelihood of ln L under a log-normal ``fit`` for right-censored rows (normal density of the
+    log length for uncensored rows, survival at the cap for censored ones)."""
+    logs, wu, log_caps, cap_w = _censored_parts(tokens, censored, caps, weights)
+    z = (logs - fit.mu) / fit.sigma
+    ll = float((wu * (-math.log(fit.sigma) - 0.5 * math.log(2 * math.pi) - 0.5 * z**2)).sum())
+    if len(log_caps):
+        ll += float((cap_w * _log_survival((log_caps - fit.mu) / fit.sigma)).sum())
+    return ll
+
+
+def fit_families(
+    tokens: np.ndarray, censored: np.ndarray, caps: np.ndarray, weights: np.ndarray | None = None
+) -> list[tuple[LogNormalFit | WeibullFit, float]]:
+    """Log-normal and Weibull fits with their likelihood weights (``exp(loglik)`` normalized; both
+    families have 2 parameters, so these are also their Akaike weights). Empty with < 2 uncensored rows."""
+    lognormal = fit_censored_lognormal(tokens, censored, caps, weights)
+    weibull = fit_censored_weibull(tokens, censored, caps, weights)
+    if lognormal is None or weibull is None:
+        return []
+    lls = np.array([censored_loglik(lognormal, tokens, censored, caps, weights), weibull[1]])
+    p = np.exp(lls - lls.max())
+    p /= p.sum()
+    return [(lognormal, float(p[0])), (weibull[0], float(p[1]))]
+
+
+def fit_from_dict(fit: dict) -> LogNormalFit | WeibullFit:
+    """The fit stored in a report's ``advice.fit`` (a report written before Weibull existed has no family)."""
+    fields = {k: v for k, v in fit.items() if k != "family"}
+    return WeibullFit(**fields) if fit.get("family") == "weibull" else LogNormalFit(**fields)
+
+
+def predict_cap(fit: LogNormalFit | WeibullFit, cap: int, observed_rate: float, n_truncated: int, new_cap: int) -> dict:
+    """Predicted truncation rate and token cost of regenerating the truncated rows at ``new_cap``.
+
+    The rate is ``observed_rate * S(new_cap) / S(cap)`` (at most 1) in both directions: below the cap the
+    fit rests on uncensored lengths, so a lowered cap is predicted too (the cost fields then describe no
+    regeneration: ``tokens_to_generate = n_truncated * cap``, ``extra_output_tokens = 0``).
+
+    Returns a dict with ``truncation_rate``, ``tokens_to_generate`` (the truncated rows regenerated in
+    full, each costing E[min(L, new_cap) | L > cap]) and ``extra_output_tokens`` (growth of the dataset).
+    """
+    s_cap = max(fit.survival(cap), 1e-12)
+    rate = min(observed_rate * fit.survival(new_cap) / s_cap, 1.0) if new_cap != cap else observed_rate
+    grid = np.linspace(cap, max(new_cap, cap), 256)
+    surv = np.array([fit.survival(t) for t in grid]) / s_cap
+    mean_len = cap + float(np.sum((surv[1:] + surv[:-1]) / 2 * np.diff(grid)))
+    return {
+        "cap": int(new_cap),
+        "truncation_rate": float(rate),
+        "requests": int(n_truncated),
+        "tokens_to_generate": float(n_truncated * mean_len),
+        "extra_output_tokens": float(n_truncated * (mean_len - cap)),
+    }
+
+
+def cap_advice(
+    frame: pl.DataFrame,
+    cap: int,
+    multipliers=(1.25, 1.5, 2.0),
+    bootstrap: int = 100,
+    seed: int = 0,
+    target_rate: float = 0.05,
+    max_cap: int = 32768,
+) -> dict:
+    """Advice for candidate caps: predicted truncation rate (with 90% bootstrap interval) and tokens.
+
+    Candidates are ``cap * m`` for each multiplier; while the largest one's predicted truncation rate is
+    still above ``target_rate``, the cap is doubled again (the last step clipped to ``max_cap``), so a
+    heavily truncated run (say 75% at 128 tokens) is shown a cap that fixes it, not only 2x.
+
+    Args:
+        frame: completions rows without errors (``completion_tokens``, ``finish_reason``, ``max_output_tokens``).
+        cap: the current cap (tokens).
+        target_rate: stop doubling once a candidate's predicted truncation rate is at or below this share.
+        max_cap: largest cap offered by doubling (tokens; e.g. the model's context length).
+
+    Returns:
+        ``current_cap``, ``observed_truncation_rate``, ``truncated_rows``, ``method``, ``fit`` ({family, mu, sigma} or
+        {family, scale, shape}, or None), ``candidates`` (dicts of :func:`predict_cap` plus ``truncation_rate_90ci``),
+        and ``note`` when there is nothing to advise or ``max_cap`` still leaves more than ``target_rate`` truncated.
+    """
+    tokens = frame["completion_tokens"].to_numpy().astype(float)
+    censored = (frame["finish_reason"] == "length").to_numpy()
+    caps = frame["max_output_tokens"].to_numpy().astype(float)
+    n, n_trunc = len(tokens), int(censored.sum())
+    observed = n_trunc / n if n else 0.0
+    families = fit_families(tokens, censored, caps)
+    result = {
+        "current_cap": cap,
+        "observed_truncation_rate": observed,
+        "truncated_rows": n_trunc,
+        "method": (
+            "censored MLE of a log-normal and a Weibull, the likelier one predicts, tail anchored at the "
+            "observed rate; 90% predictive interval: Poisson bootstrap refitting both families, and a "
+            "binomial draw of the truncated rows"
+        ),
+        "fit": None,
+        "candidates": [],
+    }
+    if not families or n_trunc == 0 or n - n_trunc < MIN_FINISHED_ROWS:
+        result["note"] = (
+            "no truncated rows: every completion stopped on its own"
+            if n_trunc == 0
+            else f"too few finished rows to fit ({n - n_trunc}; at least {MIN_FINISHED_ROWS} needed): "
+            f"at a larger cap truncation is somewhere in 0-{observed:.0%}"
+        )
+        return result
+    fit = max(families, key=lambda fw: fw[1])[0]
+    result["fit"] = (
+        {"family": "lognormal", "mu": fit.mu, "sigma": fit.sigma}
+        if isinstance(fit, LogNormalFit)
+        else {"family": "weibull", "scale": fit.scale, "shape": fit.shape}
+    )
+    result["family_weights"] = {"lognormal": families[0][1], "weibull": families[1][1]}
+    rng = np.random.default_rng(seed)
+    boot_fits = []
+    for _ in range(bootstrap):
+        w = rng.poisson(1.0, n).astype(float)
+        fams = fit_families(tokens, censored, caps, w) if w.sum() > 0 else []
+        for f, _ in fams:  # both families in every replicate: the data below the cap rarely rules one out
+            boot_fits.append((f, float((w * censored).sum() / w.sum())))
+    draws = rng.random((len(boot_fits), n_trunc))  # one uniform per truncated row and replicate: binomial draws
+
+    def candidate(new_cap: int) -> dict:
+        pred = predict_cap(fit, cap, observed, n_trunc, new_cap)
+        rates = []
+        for (f, r), u in zip(boot_fits, draws):
+            if new_cap > cap:
+                # of the n_trunc rows cut at cap, each runs past new_cap with the replicate's S(new_cap)/S(cap)
+                q = min(f.survival(new_cap) / max(f.survival(cap), 1e-12), 1.0)
+                rates.append(float((u < q).sum()) / n)
+            else:
+                rates.append(predict_cap(f, cap, r, n_trunc, new_cap)["truncation_rate"])
+        if rates:
+            pred["truncation_rate_90ci"] = [
+                float(np.percentile(rates, INTERVAL_PERCENTILES[0])),
+                float(np.percentile(rates, INTERVAL_PERCENTILES[1])),
+            ]
+        return pred
+
+    for m in multipliers:
+        result["candidates"].append(candidate(round(cap * m)))
+    last = result["candidates"][-1]
+    while last["truncation_rate"] > target_rate and last["cap"] < max_cap:
+        last = candidate(min(2 * last["cap"], max_cap))
+        result["candidates"].append(last)
+    if last["truncation_rate"] > target_rate:
+        result["note"] = f"even at {last['cap']} tokens about {last['truncation_rate']:.1%} would still be cut"
+    return result
+
+
+def row_counts(frame: pl.DataFrame) -> tuple[pl.DataFrame, dict]:
+    """The rows without an error, and the counts both the completions metadata and the truncation report give.
+
+    Returns:
+        ``(ok, counts)``: ``ok`` is ``frame`` filtered to ``error`` null; ``counts`` holds, in this order,
+        ``rows`` (all rows), ``finish_reasons`` (finish_reason -> rows among ``ok``, sorted by reason, a
+        missing one counted as ``"none"``), ``errors`` (rows with an error), ``truncated_in_reasoning``
+        and ``empty_answer`` (rows of ``ok`` flagged so).
+    """
+    ok = frame.filter(pl.col("error").is_null())
+    return ok, {
+        "rows": frame.height,
+        "finish_reasons": dict(sorted(Counter(ok["finish_reason"].fill_null("none").to_list()).items())),
+        "errors": frame.height - ok.height,
+        "truncated_in_reasoning": int(ok["truncated_in_reasoning"].sum()),
+        "empty_answer": int(ok["empty_answer"].sum()),
+    }
+
+
+def token_summary(tokens: np.ndarray) -> dict:
+    """``p50``/``p90``/``p99`` (``np.percentile``, linear interpolation), ``max``, ``mean`` and ``total`` of
+    completion lengths in tokens; for an empty array every value is None except ``total`` = 0.
+
+    Raises:
+        ValueError: ``tokens`` holds NaN (a null completion_tokens read as float): ``max`` cannot be an int.
+    """
+    if not tokens.size:
+        return {"p50": None, "p90": None, "p99": None, "max": None, "mean": None, "total": 0}
+    return {
+        "p50": float(np.percentile(tokens, 50)),
+        "p90": float(np.percentile(tokens, 90)),
+        "p99": float(np.percentile(tokens, 99)),
+        "max": int(tokens.max()),
+        "mean": float(tokens.mean()),
+        "total": int(tokens.sum()),
+    }
+
+
+def truncation_stats(frame: pl.DataFrame) -> dict:
+    """Counts and percentiles over completions rows (errors counted apart).
+
+    Returns the :func:`row_counts` counts, ``truncation_rate`` (share of ``length`` among finished rows),
+    ``per_partition``/``per_source`` rates and ``completion_tokens`` (:func:`token_summary`).
+    """
+    ok, counts = row_counts(frame)
+    n = ok.height
+
+    def rates(by: str) -> dict:
+        g = ok.group_by(by).agg(rows=pl.len(), truncated=(pl.col("finish_reason") == "length").sum()).sort(by)
+        return {
+            r[by]: {"rows": r["rows"], "truncated": r["truncated"], "rate": r["truncated"] / r["rows"]}
+            for r in g.iter_rows(named=True)
+        }
+
+    return {
+        **counts,
+        "truncation_rate": float((ok["finish_reason"] == "length").sum() / n) if n else 0.0,
+        "per_partition": rates("partition") if "partition" in ok.columns else {},
+        "per_source": rates("source"),
+        # a row an old server returned without usage has no token count: left out of the percentiles, not NaN
+        "completion_tokens": token_summary(ok["completion_tokens"].drop_nulls().to_numpy()),
+        "completion_tokens_missing": int(ok["completion_tokens"].is_null().sum()),
+    }
+
+
+def length_histogram_png(tokens: np.ndarray, cap: int, title: str) -> bytes:
+    """PNG bytes of a completion-length histogram with the cap drawn as a vertical line."""
+    fig, ax = new_figure(figsize=(7, 3.5), dpi=100)
+    ax.hist(tokens, bins=min(60, max(5, len(set(tokens.tolist())))), color="#4a7ab5")
+    ax.axvline(cap, color="#c0392b", linestyle="--", label=f"cap = {cap} tokens")
+    ax.set_xlabel("completion tokens")
+    ax.set_ylabel("rows")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    return figure_png_bytes(fig)
+
+
+def cap_advice_markdown(advice: dict) -> str:
+    """The cap advice (:func:`cap_advice`) as a markdown table for the UI: per candidate cap, the predicted
+    truncation rate and its 90% interval, requests, tokens to generate and extra tokens; the note when
+    there is no candidate."""
+    if not advice["candidates"]:
+        return advice.get("note", "")
+
+    def interval(c: dict) -> str:
+        if "truncation_rate_90ci" not in c:
+            return "-"
+        low, high = (100 * x for x in c["truncation_rate_90ci"])
+        return f"{low:.2f}%\u2013{high:.2f}%"  # an en dash between the bounds, as the report writes them
+
+    rows = "\n".join(
+        f"| {c['cap']} | {c['truncation_rate']:.2%} | {interval(c)} | "
+        f"{c['requests']} | {c['tokens_to_generate']:.0f} | {c['extra_output_tokens']:.0f} |"
+        for c in advice["candidates"]
+    )
+    return (
+        f"Method: {advice['method']}.\n\n| cap | predicted truncation | 90% interval | requests | tokens to generate, "
+        "whole | extra tokens (to generate, continued) |\n"
+        "|---|---|---|---|---|---|\n" + rows
+    )

