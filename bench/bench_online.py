@@ -108,7 +108,8 @@ def _bare_timed(target, drafter, batches, layer_ids, device) -> tuple[float, int
     return time.perf_counter() - start, block, ctx
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, headlines: bool = True) -> dict:
+    """Measure and print; ``headlines=False`` when a caller (gpu_check) prints its own, named ones."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=ALL_SIZES, default="cpu")
     p.add_argument("--num-layers", type=int, default=None, help="target depth (default: the size's)")
@@ -274,6 +275,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"(features read from shards; extraction ran at {res['extraction_tokens_per_s']:.1f} tok/s)"
         )
         print(f"ratio online / offline = {res['ratio_online_over_offline']:.3f}   (the price of not storing features)")
+    if not headlines:
+        print(json.dumps(res))
+        return res
     headline(
         f"online training / bare target forward + drafter step, block tok/s, median of {a.rounds} alternating rounds",
         res["ratio_online_over_bare"],

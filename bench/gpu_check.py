@@ -138,7 +138,7 @@ def online(size: str, a, device, num_layers: int | None, overrides: dict, rounds
         args += ["--num-layers", str(num_layers)]
     if overrides:
         args += ["--draft-overrides", json.dumps(overrides)]
-    res = bench_online.main(args)
+    res = bench_online.main(args, headlines=False)  # gpu_check prints them named by GPU and shape
     out = {
         f"online_{k}": v
         for k, v in res.items()
