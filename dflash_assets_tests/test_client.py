@@ -57,13 +57,15 @@ def test_parse_chat_completion_fields_and_token_id_sources():
     f = parse_chat_completion(base)
     assert (f["content"], f["reasoning_content"], f["finish_reason"]) == ("A", "R", "length")
     assert (f["prompt_tokens"], f["completion_tokens"], f["output_token_ids"]) == (3, 9, None)
+    assert f["output_token_ids_source"] == "none"
 
+    # SGLang 0.5.23's chat endpoint (issue 38: read as token_ids, every SGLang row lost its ids)
     sglang = {
         "choices": [
             {
                 "message": {"content": "A", "reasoning_content": "R2"},
                 "finish_reason": "stop",
-                "token_ids": [5, 6, 7],
+                "response_token_ids": [5, 6, 7],
                 "prompt_token_ids": [1, 2],
             }
         ]
@@ -71,10 +73,20 @@ def test_parse_chat_completion_fields_and_token_id_sources():
     f = parse_chat_completion(sglang)
     assert f["reasoning_content"] == "R2"
     assert f["output_token_ids"] == [5, 6, 7] and f["prompt_token_ids"] == [1, 2]
+    assert f["output_token_ids_source"] == "response_token_ids"
     assert f["prompt_tokens"] is None and f["completion_tokens"] is None  # no usage block
 
+    vllm = {"choices": [{"message": {"content": "A"}, "token_ids": [4, 3]}]}
+    assert (
+        parse_chat_completion(vllm)["output_token_ids"],
+        parse_chat_completion(vllm)["output_token_ids_source"],
+    ) == (
+        [4, 3],
+        "token_ids",
+    )
     old = {"choices": [{"message": {"content": "A"}, "output_ids": [9, 8]}]}
     assert parse_chat_completion(old)["output_token_ids"] == [9, 8]
+    assert parse_chat_completion(old)["output_token_ids_source"] == "output_ids"
 
     logprobs = {
         "choices": [
@@ -90,6 +102,7 @@ def test_parse_chat_completion_fields_and_token_id_sources():
         ]
     }
     assert parse_chat_completion(logprobs)["output_token_ids"] == [11, 12]
+    assert parse_chat_completion(logprobs)["output_token_ids_source"] == "logprobs"
     partial = {"choices": [{"message": {}, "logprobs": {"content": [{"token": "a", "logprob": -0.1}]}}]}
     assert parse_chat_completion(partial)["output_token_ids"] is None
 

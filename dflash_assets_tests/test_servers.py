@@ -292,9 +292,9 @@ def test_free_port_block_skips_a_block_with_a_taken_port_and_stays_below_the_eph
 
 
 def test_sglang_requests_ask_for_the_models_token_ids_and_others_do_not():
-    """SGLang's chat endpoint returns ``choices[0].token_ids`` when asked (``return_token_ids``, its
-    ChatCompletionRequest): the model's own tokens, which tokenization trains on and a lowered cap cuts
-    exactly. transformers serve rejects unknown fields with 422, so it is not asked."""
+    """SGLang's chat endpoint returns ``choices[0].response_token_ids`` when asked (``return_token_ids``, its
+    ChatCompletionRequest; vLLM: ``token_ids``): the model's own tokens, which tokenization trains on and a
+    lowered cap cuts exactly. transformers serve rejects unknown fields with 422, so it is not asked."""
     from dflash_assets.generation.replies import parse_chat_completion
 
     body = {"model": "m", "messages": [], "top_k": 20}
@@ -302,7 +302,7 @@ def test_sglang_requests_ask_for_the_models_token_ids_and_others_do_not():
     assert "return_token_ids" not in ServerPool(["http://x/v1"], "m", None, 1, "transformers").adapt_body(body)
     assert "return_token_ids" not in ServerPool(["http://x/v1"], "m", None, 1, "openai").adapt_body(body)
     reply = {
-        "choices": [{"message": {"content": "hi"}, "finish_reason": "stop", "token_ids": [5, 6, 2]}],
+        "choices": [{"message": {"content": "hi"}, "finish_reason": "stop", "response_token_ids": [5, 6, 2]}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 3},
     }
     assert parse_chat_completion(reply)["output_token_ids"] == [5, 6, 2]

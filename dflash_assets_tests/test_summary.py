@@ -32,7 +32,13 @@ CORPUS_META = {
 }
 # completions[pk] as first made (a stale version) and as made again; only the second may be counted
 COMPLETIONS_STALE = {
-    KEYS[0]: {"rows": 4, "finish_reasons": {"length": 4}, "errors": 0, "completion_tokens_total": 512},
+    KEYS[0]: {
+        "rows": 4,
+        "finish_reasons": {"length": 4},
+        "errors": 0,
+        "completion_tokens_total": 512,
+        "output_ids_missing": 4,
+    },
 }
 COMPLETIONS = {
     KEYS[0]: {
@@ -46,6 +52,7 @@ COMPLETIONS = {
         "length_row_caps": [128],
         "settings_fingerprints": ["abc"],
         "completion_tokens_max": 128,
+        "output_ids_missing": 1,
         "requested": 4,
         "carried_over": 0,
         "max_output_tokens": 128,
@@ -61,6 +68,7 @@ COMPLETIONS = {
         "length_row_caps": [128],
         "settings_fingerprints": ["abc"],
         "completion_tokens_max": 128,
+        "output_ids_missing": 2,
         "requested": 4,
         "carried_over": 0,
         "max_output_tokens": 128,
@@ -265,6 +273,7 @@ def test_summary_numbers_equal_the_latest_metadata_per_partition(tmp_path):
     # expected numbers from the metadata above, summed over the latest version of each partition
     completions = sum(COMPLETIONS[pk]["rows"] for pk in KEYS)
     errors = sum(COMPLETIONS[pk]["errors"] for pk in KEYS)
+    without_ids = sum(COMPLETIONS[pk]["output_ids_missing"] for pk in KEYS)
     finish: dict[str, int] = {}
     for pk in KEYS:
         for reason, n in COMPLETIONS[pk]["finish_reasons"].items():
@@ -281,6 +290,7 @@ def test_summary_numbers_equal_the_latest_metadata_per_partition(tmp_path):
     # the dict
     assert (s["prompts"], s["duplicates"], s["rejected"], s["partitions"]) == (8, 2, 3, 2)
     assert (s["completions"], s["completion_errors"], s["finish_reasons"]) == (completions, errors, finish)
+    assert s["completions_without_ids"] == without_ids == 3
     assert (s["tokenized_rows"], s["loss_tokens"]) == (tok_rows, loss_tokens)
     assert (s["hidden_state_bytes"], s["hidden_state_tokens"]) == (hs_bytes, hs_tokens)
     assert (s["truncation_rate"], s["cap"], s["cap_advice"]) == (0.4286, 128, CAP_ADVICE_MD)
@@ -295,7 +305,8 @@ def test_summary_numbers_equal_the_latest_metadata_per_partition(tmp_path):
         len(KEYS),
     ]
     comp = line(text, "completions")
-    assert ints(comp.split(";")[0]) == [completions, errors]
+    assert ints(comp.split(";")[0]) == [completions, errors, without_ids]
+    assert comp.split(";")[0].endswith(f"{without_ids} without the model's own token ids")
     printed_finish = {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", comp.split("finish_reason:")[1])}
     assert printed_finish == finish and sum(finish.values()) == completions - errors
     trunc = line(text, "truncation")

@@ -29,6 +29,7 @@ from typing import Any
 
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.records import THINK_CLOSE, THINK_OPEN, completion_layout, row_from_result
+from dflash_assets.generation.replies import NO_OUTPUT_IDS
 
 #: Error of a continuation the server answered afresh (it ignored ``continue_final_message``).
 NOT_CONTINUED = (
@@ -170,6 +171,7 @@ def merge_continuation(
         prompt_tokens=row.get("prompt_tokens"),
         completion_tokens=old_tokens + int(result.completion_tokens or 0),
         output_token_ids=None,
+        output_token_ids_source=NO_OUTPUT_IDS,
         truncated_in_reasoning=bool(result.finish_reason == "length" and reasoning is not None and not closed),
         empty_answer=not answer.strip(),
         continued_from_tokens=old_tokens,

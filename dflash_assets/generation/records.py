@@ -30,6 +30,9 @@ COMPLETIONS_SCHEMA = {
     "prompt_tokens": pl.Int64,
     "completion_tokens": pl.Int64,
     "output_token_ids": pl.List(pl.Int32),
+    # the reply field output_token_ids came from (response_token_ids: SGLang chat; token_ids: vLLM; output_ids;
+    # logprobs), "none" when the row keeps no ids of the model's own; null: a row made before the column existed
+    "output_token_ids_source": pl.String,
     "truncated_in_reasoning": pl.Boolean,
     "empty_answer": pl.Boolean,
     "max_output_tokens": pl.Int64,
@@ -169,9 +172,11 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
 
     ``truncated_in_reasoning``: cut by the cap before the thinking closed (the answer is empty).
     ``empty_answer``: a finished request whose answer text is empty or whitespace.
+    ``output_token_ids_source``: the result's, ``none`` when it holds no ids.
     """
     ok = result.error is None
     reasoning, answer, closed = split_reasoning(result.content, result.reasoning_content) if ok else (None, None, True)
+    ids = result.output_token_ids
     return {
         "index": int(prompt["index"]),
         "prompt_id": prompt["prompt_id"],
@@ -182,7 +187,8 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
         "finish_reason": result.finish_reason,
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
-        "output_token_ids": result.output_token_ids,
+        "output_token_ids": ids,
+        "output_token_ids_source": getattr(result, "output_token_ids_source", None) if ids is not None else "none",
         "truncated_in_reasoning": bool(
             ok and result.finish_reason == "length" and reasoning is not None and not closed
         ),

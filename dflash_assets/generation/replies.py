@@ -19,6 +19,12 @@ _MAX_ERROR_CHARS = 500
 MAX_REPLY_BYTES = 8 << 20
 #: Token counts and ids above this cannot be real (no context is 2**31 tokens) nor stored as Int32 ids.
 MAX_TOKEN_VALUE = 2**31 - 1
+#: Where a chat reply's ``choices[0]`` holds the generated ids, in the order read: SGLang's chat endpoint
+#: (``response_token_ids``, with ``return_token_ids``), vLLM's and ``/v1/completions``' ``token_ids``, an
+#: older SGLang's ``output_ids`` (the name ``/generate`` uses under ``meta_info``).
+OUTPUT_ID_FIELDS = ("response_token_ids", "token_ids", "output_ids")
+#: ``output_token_ids_source`` of a row that keeps no ids of the model's own (tokenization re-encodes its text).
+NO_OUTPUT_IDS = "none"
 
 
 class ReplyError(ValueError):
@@ -94,7 +100,9 @@ def parse_chat_completion(payload: Any, vocab_size: int | None = None) -> dict[s
 
     Returns:
         dict with reasoning_content, content, finish_reason, prompt_tokens, completion_tokens,
-        output_token_ids, prompt_token_ids (each None when the reply lacks it or gives another type).
+        output_token_ids, prompt_token_ids (each None when the reply lacks it or gives another type), and
+        output_token_ids_source: the field the ids came from (one of :data:`OUTPUT_ID_FIELDS`, ``logprobs``)
+        or ``none``.
 
     Raises:
         ReplyError (a ValueError): the reply has no ``choices[0]`` object (not a chat completion), a text
@@ -113,17 +121,21 @@ def parse_chat_completion(payload: Any, vocab_size: int | None = None) -> dict[s
         reasoning = message.get("reasoning")  # vLLM >= 0.10 name
     usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else {}
 
-    # Generated ids: SGLang/vLLM `return_token_ids` -> choices[0].token_ids; older SGLang output_ids;
-    # last resort, logprobs entries that carry an integer token_id.
-    output_ids = _int_list_or_none(choice.get("token_ids"), "choices[0].token_ids", vocab_size)
-    if output_ids is None:
-        output_ids = _int_list_or_none(choice.get("output_ids"), "choices[0].output_ids", vocab_size)
+    # Generated ids, from where each engine puts them (OUTPUT_ID_FIELDS); last resort, logprobs entries that
+    # carry an integer token_id. The first field that holds a list of ids wins.
+    output_ids, source = None, NO_OUTPUT_IDS
+    for name in OUTPUT_ID_FIELDS:
+        output_ids = _int_list_or_none(choice.get(name), f"choices[0].{name}", vocab_size)
+        if output_ids is not None:
+            source = name
+            break
     if output_ids is None:
         logprobs = choice.get("logprobs")
         entries = logprobs.get("content") if isinstance(logprobs, dict) else None
         if isinstance(entries, list) and entries:
             ids = [e.get("token_id") if isinstance(e, dict) else None for e in entries]
             output_ids = _int_list_or_none(ids, "choices[0].logprobs.content[].token_id", vocab_size)
+            source = "logprobs" if output_ids is not None else NO_OUTPUT_IDS
     prompt_ids = _int_list_or_none(choice.get("prompt_token_ids"), "choices[0].prompt_token_ids", vocab_size)
     if prompt_ids is None:
         prompt_ids = _int_list_or_none(payload.get("prompt_token_ids"), "prompt_token_ids", vocab_size)
@@ -135,6 +147,7 @@ def parse_chat_completion(payload: Any, vocab_size: int | None = None) -> dict[s
         "prompt_tokens": _int_or_none(usage.get("prompt_tokens"), "usage.prompt_tokens"),
         "completion_tokens": _int_or_none(usage.get("completion_tokens"), "usage.completion_tokens"),
         "output_token_ids": output_ids,
+        "output_token_ids_source": source,
         "prompt_token_ids": prompt_ids,
     }
 

@@ -39,9 +39,10 @@ class CompletionResult:
         finish_reason: ``choices[0].finish_reason`` as the server said it ("stop", "length", "abort", ...).
         prompt_tokens: ``usage.prompt_tokens`` (tokens), None when absent.
         completion_tokens: ``usage.completion_tokens`` (tokens, reasoning + answer), None when absent.
-        output_token_ids: generated token ids when the server returns them (``choices[0].token_ids``
-            with SGLang/vLLM ``return_token_ids: true``; also ``choices[0].output_ids`` or integer
-            ``token_id`` entries in ``choices[0].logprobs.content``), else None.
+        output_token_ids: generated token ids when the server returns them (with ``return_token_ids: true``:
+            SGLang's chat ``choices[0].response_token_ids``, vLLM's ``choices[0].token_ids``; also
+            ``choices[0].output_ids`` or integer ``token_id`` entries in ``choices[0].logprobs.content``),
+            else None.
         latency_s: wall seconds from the first attempt's start to this result, retries and backoff included.
         server: label (URL without credentials) of the server that answered the last attempt.
         attempts: HTTP attempts made (1 = no retry).
@@ -49,6 +50,8 @@ class CompletionResult:
             text fields are None.
         prompt_token_ids: prompt token ids when the server returns them (``choices[0].prompt_token_ids``
             or top-level ``prompt_token_ids``; SGLang ``return_prompt_token_ids``), else None.
+        output_token_ids_source: the reply field ``output_token_ids`` came from (``response_token_ids``,
+            ``token_ids``, ``output_ids``, ``logprobs``), ``none`` when it is None.
     """
 
     index: int
@@ -63,6 +66,7 @@ class CompletionResult:
     attempts: int
     error: str | None
     prompt_token_ids: list[int] | None = None
+    output_token_ids_source: str = "none"
 
     @property
     def ok(self) -> bool:

@@ -56,7 +56,8 @@ class ServerPool:
         For ``transformers serve``: minus :data:`TRANSFORMERS_SERVE_REJECTED_FIELDS` (HTTP 422 otherwise);
         with continuous batching its sampling was fixed at startup by the probe, without it each request carries
         it in :attr:`extra_body` (see :mod:`~dflash_assets.generation.transformers_server`).
-        For SGLang and vLLM: plus ``return_token_ids`` (``choices[0].token_ids``: the model's own tokens, which
+        For SGLang and vLLM: plus ``return_token_ids`` (SGLang ``choices[0].response_token_ids``, vLLM
+        ``choices[0].token_ids``: the model's own tokens, which
         tokenization trains on and a lowered cap cuts exactly; an SGLang without the field ignores it; vLLM
         0.32 also returns ``prompt_token_ids``).
         Others: unchanged copy. Every backend: plus :attr:`extra_body`.

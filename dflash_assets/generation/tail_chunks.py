@@ -155,6 +155,7 @@ class TailChunker:
             prompt_tokens=state["prompt_tokens"],
             completion_tokens=None if error else state["tokens"],
             output_token_ids=result.output_token_ids if requests == 1 and not error else None,  # one request: its ids
+            output_token_ids_source=getattr(result, "output_token_ids_source", None),
             latency_s=state["latency_s"],
             server=result.server,
             attempts=state["attempts"],

@@ -6,6 +6,8 @@ each stored table is read for its validity columns, and whole only for the rows 
 and at its partition's commit. No Dagster state here beyond the ``Failure`` a missing range raises.
 """
 
+from collections import Counter
+
 import dagster as dg
 import polars as pl
 
@@ -128,7 +130,8 @@ def partition_frame(
 
 
 def completion_stats(frame: pl.DataFrame) -> dict:
-    """Metadata numbers: finish_reason counts and completion-token mean/P50/P90/P99/max."""
+    """Metadata numbers: finish_reason counts, completion-token mean/P50/P90/P99/max, and the rows without
+    exact output ids (``output_ids_missing``) with the count per ``output_token_ids_source``."""
     ok, counts = row_counts(frame)
     tokens = ok["completion_tokens"].drop_nulls().to_numpy()
     summary = token_summary(tokens)
@@ -142,6 +145,12 @@ def completion_stats(frame: pl.DataFrame) -> dict:
         ),
         "settings_fingerprints": sorted(set(ok["settings_fingerprint"].to_list())),
         "completion_tokens_max": summary["max"] if tokens.size else 0,
+        # rows without the model's own token ids (tokenization re-encodes their text; a lowered cap cuts them by
+        # re-encoded text), and where the others' ids came from (records.COMPLETIONS_SCHEMA)
+        "output_ids_missing": int(ok["output_token_ids"].is_null().sum()),
+        "output_token_ids_sources": dict(
+            sorted(Counter(ok["output_token_ids_source"].fill_null("unrecorded").to_list()).items())
+        ),
     }
     if tokens.size:
         stats.update(
