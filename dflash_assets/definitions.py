@@ -7,7 +7,13 @@ import dagster as dg
 from dflash_assets.app.automation import build_backfill_schedule, build_cap_change_sensor
 from dflash_assets.app.stage_order import ASSETS, PARTITION_STAGES
 from dflash_assets.generation.servers import API_KEY_ENV
-from dflash_assets.orchestration.config import build_resources, check_local_model, op_config, validate_ops
+from dflash_assets.orchestration.config import (
+    build_resources,
+    check_local_model,
+    check_seed,
+    op_config,
+    validate_ops,
+)
 from dflash_assets.orchestration.runs import reaping_executor
 from dflash_assets.stages.resources.cost import CostResource
 from dflash_assets.stages.resources.generation import GenerationResource
@@ -41,6 +47,7 @@ RESOURCES = build_resources(
     extra={"storage": s3_credentials_from_env(), "inference": api_key_from_env()},
 )
 check_local_model(RESOURCES)  # the local server and the target model are one model
+check_seed(RESOURCES)  # a seed SGLang would ignore is refused, never recorded as used
 
 defs = dg.Definitions(
     assets=ASSETS,

@@ -199,3 +199,46 @@ def test_fingerprint_cache_follows_a_copy_with_other_values():
     fresh = GenerationSettings(temperature=0.1)
     assert copied.sampling_fingerprint() == fresh.sampling_fingerprint() != base.sampling_fingerprint()
     assert '"temperature": 0.1' in copied.settings_json and '"temperature": 0.6' in base.settings_json
+
+
+def test_a_seed_sglang_would_ignore_is_refused_before_any_work(tmp_path):
+    """Issue 38: SGLang drops a request's seed unless its servers run with --enable-deterministic-inference, yet
+    every row recorded the seed as used. The run stops at config time naming both keys and the fix."""
+    path = tmp_path / "seeded.yaml"
+    path.write_text(
+        "resources:\n  inference: {mode: sglang, sglang: {model_path: /models/m}}\n  generation: {seed: 7}\n"
+    )
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "DFLASH_STORAGE_ROOT": str(tmp_path / "data")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_assets", "run", "--config", str(path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"config error: {path}: resources.generation.seed is 7 but SGLang ignores" in proc.stderr
+    assert "add --enable-deterministic-inference to resources.inference.sglang.extra_args" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize(
+    "inference, seed, refused",
+    [
+        ("{mode: sglang, sglang: {model_path: /m}}", 7, True),
+        ("{mode: sglang, sglang: {model_path: /m, extra_args: [--enable-deterministic-inference]}}", 7, False),
+        ("{mode: sglang, sglang: {model_path: /m}}", None, False),
+        ("{mode: local}", 7, False),  # only SGLang is known to drop it
+    ],
+)
+def test_the_seed_check_refuses_only_an_sglang_without_deterministic_inference(
+    tmp_path, monkeypatch, inference, seed, refused
+):
+    generation = "{}" if seed is None else f"{{seed: {seed}}}"
+    write(tmp_path, f"resources:\n  inference: {inference}\n  generation: {generation}\n", monkeypatch)
+    built = cfg.build_resources({"generation": GenerationResource, **_other_classes()})
+    if refused:
+        assert "--enable-deterministic-inference" in error_of(cfg.check_seed, built)
+    else:
+        cfg.check_seed(built)

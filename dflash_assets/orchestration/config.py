@@ -193,6 +193,31 @@ def check_local_model(built: Mapping[str, Any]) -> None:
         )
 
 
+#: The SGLang server flag without which it ignores a request's ``seed`` (SGLang 0.5.23: batch-invariant kernels).
+SGLANG_DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+
+
+def check_seed(built: Mapping[str, Any]) -> None:
+    """A configured ``generation.seed`` must take effect: SGLang drops a request's ``seed`` unless its servers
+    run with ``--enable-deterministic-inference`` (issue 38), and every row would record a seed no sampling used.
+
+    Raises:
+        ConfigError: ``inference.mode`` is ``sglang``, ``generation.seed`` is set and
+            ``inference.sglang.extra_args`` lacks the flag; the message names both keys, the file and the fix.
+    """
+    inference, generation = built.get("inference"), built.get("generation")
+    if inference is None or generation is None or generation.seed is None or inference.mode != "sglang":
+        return
+    if SGLANG_DETERMINISTIC_FLAG in inference.sglang.extra_args:
+        return
+    raise ConfigError(
+        f"{config_path()}: resources.generation.seed is {generation.seed} but SGLang ignores a request's seed unless "
+        f"its servers run with {SGLANG_DETERMINISTIC_FLAG}, so no row would be sampled with it: add "
+        f"{SGLANG_DETERMINISTIC_FLAG} to resources.inference.sglang.extra_args (batch-invariant kernels: slower "
+        "decoding), or remove resources.generation.seed"
+    )
+
+
 def validate_ops(assets_defs: Iterable[Any]) -> None:
     """Check the ``ops`` section against the project's assets and their config schemas.
 
