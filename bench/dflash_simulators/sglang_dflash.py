@@ -7,7 +7,10 @@
 at start-up, does what SGLang's loader would: reads the target's and the export's ``config.json`` and the
 export's safetensors header and refuses, exiting before the port opens, what SGLang would refuse or load
 wrongly. The rules are :func:`dflash_assets.dflash.engine_check.check_dflash_export`, the same the
-evaluation applies before it starts anything. Flags SGLang dropped (``--mamba-scheduler-strategy``,
+evaluation applies before it starts anything (stricter than SGLang's loader in places: a missing
+``mask_token_id``, which SGLang looks up, or tensor names it skips, are refused here). The draft attention
+backend is resolved as SGLang does (:func:`draft_backend`: a free string, an unsupported one warned about and
+replaced by ``flashinfer``; unset, the target's). Flags SGLang dropped (``--mamba-scheduler-strategy``,
 ``--speculative-dflash-draft-window-size``; gone in 0.5.20) are refused as SGLang's argparse refuses them.
 
 Its acceptance lengths are **simulated**, not measured: per verify step the accepted drafts are a run of
@@ -42,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-dflash-block-size", type=int, default=None)
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
-    p.add_argument("--speculative-draft-attention-backend", choices=SGLANG_DRAFT_ATTENTION_BACKENDS, default=None)
+    # a free string in SGLang: an unsupported one warns and falls back (draft_backend below)
+    p.add_argument("--speculative-draft-attention-backend", default=None)
     p.add_argument("--speculative-draft-window-size", type=int, default=None)
     p.add_argument("--mamba-radix-cache-strategy", choices=MAMBA_STRATEGIES, default="auto")
     p.add_argument("--attention-backend", default=None)
@@ -111,9 +115,16 @@ class DFlashSim:
         target = json.loads((target_dir / "config.json").read_text())
         if n is None:
             n = int((draft.get("dflash_config") or {}).get("block_size") or draft.get("block_size") or 16)
+        backend = draft_backend(args)
+        if backend != (args.speculative_draft_attention_backend or backend):
+            print(
+                f"WARNING: DFLASH draft worker only supports attention_backend in {SGLANG_DRAFT_ATTENTION_BACKENDS} "
+                f"for now, but got {args.speculative_draft_attention_backend!r}. Falling back to '{backend}'.",
+                flush=True,
+            )
         print(
             f"DFLASH draft runner ready (simulated acceptance, p={args.sim_accept_p}): block_size={n}, "
-            f"attention_backend={args.speculative_draft_attention_backend or 'flashinfer'}, "
+            f"attention_backend={backend}, "
             f"mamba_radix_cache_strategy={resolved_mamba(args, target)}",
             flush=True,
         )
@@ -153,9 +164,17 @@ class DFlashSim:
             "speculative_num_draft_tokens": self.block,
             "speculative_num_steps": 1,
             "speculative_eagle_topk": 1,
-            "speculative_draft_attention_backend": a.speculative_draft_attention_backend or "flashinfer",
+            "speculative_draft_attention_backend": draft_backend(a),
             "mamba_radix_cache_strategy": resolved_mamba(a, self.target_config),
         }
+
+
+def draft_backend(args: argparse.Namespace) -> str:
+    """The draft worker's attention backend as SGLang 0.5.23 resolves it (``resolve_draft_worker_attention_backend``):
+    the one named, else the target's (``--attention-backend``; SGLang picks one per GPU when it is unset, the
+    simulator says ``flashinfer``), and ``flashinfer`` (CUDA's fallback) for one the draft worker does not take."""
+    named = args.speculative_draft_attention_backend or args.attention_backend or "flashinfer"
+    return named if named in SGLANG_DRAFT_ATTENTION_BACKENDS else "flashinfer"
 
 
 def resolved_mamba(args: argparse.Namespace, target_config: dict) -> str | None:

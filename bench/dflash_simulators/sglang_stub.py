@@ -15,7 +15,8 @@ What it simulates, all in *simulated seconds* divided by ``--sim-speed`` to get 
   above 4,096, ~4% above 8,192), drawn from a hash of the request's messages, so one prompt has one
   length whatever the cap (a cap raise regenerates consistently and only the cut rows grow);
 - the reply of an SGLang server with ``--reasoning-parser``: ``message.reasoning_content`` (first 90% of
-  the tokens) and ``message.content`` (the rest; None when the cap cuts inside the thinking),
+  the tokens; null when the part written holds none) and ``message.content`` (the rest; ``""`` when the
+  cap cuts inside the thinking),
   ``finish_reason`` ``length`` when the drawn length exceeds ``max_tokens`` (``completion_tokens`` =
   the cap), else ``stop``; ``usage.prompt_tokens``/``completion_tokens``;
 - SGLang's ``continue_final_message``: a final assistant message is a prefix the model already wrote; it
@@ -57,6 +58,18 @@ Admission (the request gets its slot; the cache is looked up then) appends ``{"e
 "max_tokens", "continued_from", "prefill_tokens" (uncached, charged), "cached_tokens", "t"}``; ``done``
 also carries ``stalled_s``, the simulated seconds its decode waited for other requests' prefills.
 
+Where it differs from SGLang 0.5.23 (whose own models judge the project's requests and replies in
+``dflash_assets_tests/test_sglang_contract.py``): generated ids come back as ``choices[0].response_token_ids``
+only with ``--sim-token-ids`` (SGLang: whenever ``return_token_ids`` is asked), so tests that tokenize the
+stub's text keep their references; the ids are :data:`~dflash_simulators.simulated_replies.THINK_TOKEN_ID` /
+``ANSWER_TOKEN_ID`` per token, no real vocabulary. ``/generate``'s ``output_ids`` are zeros. No context limit
+(SGLang: HTTP 400 when prompt + ``max_new_tokens`` exceed ``--context-length``), and ``seed`` is neither used
+nor refused. A continuation past the thinking gets its text as ``content`` with ``reasoning_content`` null;
+SGLang's reasoning parser, which never sees the prefix's ``</think>`` and is forced on by a template that opens
+the thinking, labels that text ``reasoning_content`` (``content: ""``). As in SGLang: ``content`` is ``""`` on
+a cut inside thinking, ``reasoning_content`` null with no reasoning, and a ``/generate`` sampling key
+``SamplingParams`` does not take is HTTP 400.
+
 Stdlib (asyncio streams, HTTP/1.1 keep-alive with Content-Length bodies) plus PyYAML for ``--config``.
 """
 
@@ -78,7 +91,19 @@ from dflash_simulators.http11 import read_request
 from dflash_simulators.radix_cache import RadixCache
 from dflash_simulators.sglang_dflash import DFlashSim
 from dflash_simulators.sglang_dflash import add_arguments as add_dflash_arguments
-from dflash_simulators.simulated_replies import drawn_length, prompt_tokens_of, reply_fields
+
+#: the API fields of SGLang 0.5.23's ``SamplingParams`` (``srt/sampling/sampling_params.py``): ``/generate``
+#: answers 400 to any other ``sampling_params`` key
+SAMPLING_PARAMS = frozenset(
+    {
+        "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+        "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "beam_width",
+        "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+        "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
+        "custom_params", "watermark",
+    }
+)  # fmt: skip
+from dflash_simulators.simulated_replies import drawn_length, prompt_tokens_of, reply_fields, reply_token_ids
 
 
 def process_start_time() -> float:
@@ -200,22 +225,23 @@ class Simulator:
         self.log_request(
             ev="done", key=key, max_tokens=max_tokens, tokens=fields["completion_tokens"], stalled_s=round(stalled, 6)
         )
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": fields["content"],
+                "reasoning_content": fields["reasoning_content"],
+            },
+            "finish_reason": fields["finish_reason"],
+        }
+        if self.args.sim_token_ids and body.get("return_token_ids"):  # SGLang's chat name for the generated ids
+            choice["response_token_ids"] = reply_token_ids(length, int(max_tokens), done)
         return {
             "id": f"sim-{self.finished}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.args.model_path,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": fields["content"],
-                        "reasoning_content": fields["reasoning_content"],
-                    },
-                    "finish_reason": fields["finish_reason"],
-                }
-            ],
+            "choices": [choice],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": fields["completion_tokens"],
@@ -229,6 +255,8 @@ class Simulator:
         ids, params = body.get("input_ids"), body.get("sampling_params") or {}
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             return 400, {"error": {"message": "the simulator's /generate takes input_ids (a list of ints)"}}
+        if unknown := sorted(set(params) - SAMPLING_PARAMS):  # SGLang: SamplingParams(**params) raises, HTTP 400
+            return 400, {"error": {"message": f"SamplingParams got unexpected keyword arguments {unknown}"}}
         max_new = int(params.get("max_new_tokens") or 128)
         length = drawn_length(ids, self.args.sim_median_tokens, self.args.sim_sigma, self.args.sim_seed)
         n = min(length, max_new)
@@ -418,6 +446,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-median-tokens", type=float, default=1970.0)
     p.add_argument("--sim-sigma", type=float, default=0.8)
     p.add_argument("--sim-seed", default="")
+    p.add_argument(
+        "--sim-token-ids",
+        action="store_true",
+        help="answer return_token_ids with choices[0].response_token_ids, as SGLang does (off: no ids)",
+    )
     p.add_argument("--sim-starts-file", default=None, help="append one line per start")
     p.add_argument("--sim-request-log", default=None, help="append one JSON line per request arrival and finish")
     p.add_argument("--sim-hang-after", type=int, default=0, help="hang after this many finished requests (0: never)")

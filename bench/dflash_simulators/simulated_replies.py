@@ -10,6 +10,8 @@ from statistics import NormalDist
 from typing import Any
 
 REASONING_SHARE = 0.9  # tokens of thinking before the answer starts
+#: the simulated model's token ids for a thinking token (text ``"t "``) and an answer token (``"a "``)
+THINK_TOKEN_ID, ANSWER_TOKEN_ID = 83, 64
 _NORMAL = NormalDist()
 
 
@@ -28,11 +30,13 @@ def reply_fields(length: int, max_tokens: int, done: int = 0, raw: bool = False)
     """finish_reason, completion_tokens, reasoning_content and content of a request wanting ``length``
     tokens in all, ``done`` of them already written (a continued prefix), under cap ``max_tokens`` on the
     new ones. Text is two bytes per token: ``"t "`` while thinking, ``"a "`` after. ``raw``: no reasoning
-    parser: the text as generated, ``<think>`` / ``</think>`` included, in ``content``."""
-    n = max(0, min(length - done, max_tokens))
-    think = max(1, round(length * REASONING_SHARE))
-    start, end = done, done + n
-    thinking, answering = max(0, min(end, think) - start), max(0, end - max(start, think))
+    parser: the text as generated, ``<think>`` / ``</think>`` included, in ``content``.
+
+    As SGLang 0.5.23's reasoning parser sends them: ``content`` is ``""`` (not None) when the cap cut inside
+    the thinking, ``reasoning_content`` None when the part written holds no thinking."""
+    thinking, answering = _split(length, max_tokens, done)
+    n = thinking + answering
+    start, end, think = done, done + n, max(1, round(length * REASONING_SHARE))
     fields = {"finish_reason": "length" if length - done > max_tokens else "stop", "completion_tokens": n}
     if raw:
         opened = "<think>\n" if start == 0 else ""
@@ -42,7 +46,22 @@ def reply_fields(length: int, max_tokens: int, done: int = 0, raw: bool = False)
             else ""
         )
         return {**fields, "reasoning_content": None, "content": opened + "t " * thinking + closed + "a " * answering}
-    return {**fields, "reasoning_content": "t " * thinking, "content": "a " * answering if answering else None}
+    return {**fields, "reasoning_content": "t " * thinking if thinking else None, "content": "a " * answering}
+
+
+def reply_token_ids(length: int, max_tokens: int, done: int = 0) -> list[int]:
+    """The ids of the tokens :func:`reply_fields` writes (same arguments): :data:`THINK_TOKEN_ID` per thinking
+    token, then :data:`ANSWER_TOKEN_ID` per answer token; ``completion_tokens`` of them."""
+    thinking, answering = _split(length, max_tokens, done)
+    return [THINK_TOKEN_ID] * thinking + [ANSWER_TOKEN_ID] * answering
+
+
+def _split(length: int, max_tokens: int, done: int) -> tuple[int, int]:
+    """(thinking, answering) tokens written by a request continuing ``done`` tokens under ``max_tokens``."""
+    n = max(0, min(length - done, max_tokens))
+    think = max(1, round(length * REASONING_SHARE))
+    start, end = done, done + n
+    return max(0, min(end, think) - start), max(0, end - max(start, think))
 
 
 def prompt_tokens_of(messages: Any) -> int:
