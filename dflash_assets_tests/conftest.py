@@ -38,6 +38,7 @@ SLOW_MODULE_SECONDS = {
     "test_backfill_schedule": 68,
     "test_kill_resume": 66,
     "test_vllm_completions": 60,
+    "test_vllm_contract": 30,
     "test_ui_backfill": 60,
     "test_s3_storage": 58,
     "test_truncation_memory": 52,

