@@ -209,7 +209,7 @@ def test_an_export_that_disagrees_with_training_fails_parity_in_the_real_engine(
     (export / "config.json").write_text(json.dumps(config))
     report, trained = demo_runs["report"], demo_runs["drafters"][0]
     target_model = demo_runs["resources"]["target_model"]
-    eval_config = EvaluationConfig(**demo_runs["eval_config"])
+    eval_config = EvaluationConfig(**{**demo_runs["eval_config"], "ngram_baseline": False})  # parity only
     log = dg.get_dagster_logger()
     plan = plan_vllm(eval_config, target_model, str(export), log)
     prompts = {HELDOUT: report["prompt_input_ids"][HELDOUT]}

@@ -63,6 +63,8 @@ from dflash_assets.stages.resources.target_model import TargetModelResource
         "estimate along the decoder's own anchor chain on held-out features. With engine: sglang | external, also the "
         "acceptance length SGLang reports per request with the export loaded by --speculative-algorithm DFLASH (the "
         "export is checked against SGLang's loader rules before any server starts; a simulated engine is labelled so). "
+        "With engine: vllm, also vLLM's n-gram lookup (no training) on the same prompts with as many draft tokens, "
+        "compared with the drafter and plain decoding in generated tokens per target forward. "
         "Reuses the last report when the drafter's weights did not change. Writes drafter_evaluation/report.json and "
         "acceptance.png."
     ),

@@ -102,7 +102,7 @@ def _per_position_panel(ax, per_position: Mapping[str, Sequence[float]]) -> None
     ax.set_ylabel("accepted, share of decode steps")
     ax.set_xticks(list(range(1, width + 1)))
     ax.set_ylim(0, 1)
-    ax.set_title("acceptance per draft position (a step without a draft counts as not accepted)")
+    ax.set_title("acceptance per draft position (a step without a draft: not accepted)", fontsize=10)
     ax.legend(fontsize=8)
 
 
