@@ -113,7 +113,8 @@ def main() -> int:
 
 def engine_headlines(report: dict, cache: Path | None) -> float | None:
     """The vLLM measurement's headlines (issue 31): its tau beside the in-process one, what the engine added to
-    the job's time, and the environment's install time when this run made it (returned, seconds; else None)."""
+    the job's time, the n-gram baseline's time and the drafter against it (issue 42), and the environment's
+    install time when this run made it (returned, seconds; else None)."""
     engine, checks = report.get("engine"), report.get("checks") or {}
     if not engine:
         print("no engine section: the config measures in process only")
@@ -139,6 +140,23 @@ def engine_headlines(report: dict, cache: Path | None) -> float | None:
             "<= 120",
             added <= 120,
         )
+    ngram_timing = (engine.get("ngram") or {}).get("timing_s") or {}
+    if ngram_timing:
+        headline(
+            f"main job: seconds the n-gram baseline's vLLM run adds (start-up {ngram_timing['startup']}, decoding "
+            f"{ngram_timing['decode']})",
+            round(ngram_timing["startup"] + ngram_timing["decode"]),
+            "none (context: issue 42)",
+        )
+    for name, row in (report.get("tokens_per_forward") or {}).items():
+        if row.get("winner") is not None:  # issue 42: the trained drafter against the free baseline
+            headline(
+                f"main job: {name} tokens per target forward, DFlash ({row['drafter_source']}) / n-gram lookup "
+                f"(no training): {row['verdict']}",
+                row["drafter"] / row["ngram_tokens_per_forward"],
+                "> 1 (issue 42)",
+                row["winner"] == "drafter",
+            )
     made = None
     ready = sorted(cache.glob("engines/*/ready.json")) if cache else []
     for path in ready:  # made by this run, in the background while the earlier stages ran

@@ -53,6 +53,7 @@ SLOW_MODULE_SECONDS = {
     "test_completions_asset": 36,
     "test_node_scale": 34,
     "test_vllm_hybrid_target": 32,
+    "test_vllm_ngram": 200,
     "test_continuation": 29,
     "test_vllm_rules": 28,
     "test_main_job_failed_check": 26,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from dflash_assets.app.summary_engine import ENGINE_KEYS, engine_line
+from dflash_assets.app.summary_engine import ENGINE_KEYS, baseline_line, engine_line
 from dflash_assets.assets import truncation as truncation_asset
 from dflash_assets.dflash.shard_format import INDEX_NAME, SHARD_PATTERN
 from dflash_assets.orchestration.history import latest_metadata, plain_metadata
@@ -450,6 +450,7 @@ def format_summary(s: dict) -> str:
         acceptance_line(s),
         *[" " * 19 + row.strip() for row in dataset_lines(s)],
         *([engine_line(s)] if engine_line(s) else []),
+        *([baseline_line(s)] if baseline_line(s) else []),
         *failed_check_lines(s.get("failed_checks") or []),
         "",
         "== where the outputs are ==",

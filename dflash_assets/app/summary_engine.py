@@ -1,5 +1,5 @@
-"""The summary's serving-engine line: vLLM's or SGLang's tau beside the in-process figure, or the simulator's
-figure marked as plumbing."""
+"""The summary's serving-engine lines: vLLM's or SGLang's tau beside the in-process figure, or the simulator's
+figure marked as plumbing; and who wins against the free baseline, n-gram lookup, in tokens per target forward."""
 
 from __future__ import annotations
 
@@ -13,6 +13,13 @@ ENGINE_KEYS = (
     "simulated_engine_tau",
     "simulated_engine_tau_pooled",
     "engine_parity_max_difference",
+    "ngram_tokens_per_forward",
+    "ngram_tokens_per_forward_stderr",
+    "drafter_tokens_per_forward",
+    "drafter_tokens_per_forward_source",
+    "drafter_in_process_tokens_per_forward",
+    "baseline_verdict",
+    "ngram_baseline_not_compared",
 )
 
 
@@ -44,4 +51,26 @@ def engine_line(s: dict) -> str | None:
     )
 
 
-__all__ = ["ENGINE_KEYS", "engine_line"]
+def baseline_line(s: dict) -> str | None:
+    """``vs n-gram lookup   DFlash D vs n-gram lookup N tokens per forward (no training): the drafter wins|loses on
+    these prompts (plain decoding 1.00; ...)``: the held-out prompts' figures from the evaluation's metadata, the
+    drafter's from the same engine run as the n-gram one (else in process). Says why when n-gram was not measured;
+    None when the evaluation measured neither."""
+    if s.get("baseline_verdict"):
+        source = s.get("drafter_tokens_per_forward_source")
+        local = s.get("drafter_in_process_tokens_per_forward")
+        where = "both from the same vLLM run" if source == "engine" else f"DFlash {source}"
+        return (
+            f"vs n-gram lookup   {s['baseline_verdict']} (plain decoding 1.00; {where}"
+            + (f"; DFlash in process {local:.2f}" if source == "engine" and local is not None else "")
+            + f"; n-gram +- {s.get('ngram_tokens_per_forward_stderr')})"
+        )
+    if s.get("drafter_tokens_per_forward") is None:
+        return None
+    return (
+        f"vs n-gram lookup   DFlash {s['drafter_tokens_per_forward']:.2f} tokens per forward (plain decoding 1.00); "
+        f"n-gram lookup not measured: {s.get('ngram_baseline_not_compared') or '-'}"
+    )
+
+
+__all__ = ["ENGINE_KEYS", "baseline_line", "engine_line"]

@@ -46,6 +46,7 @@ def acceptance_histogram_png(
     series: Sequence[int] | Mapping[str, Sequence[int]],
     block_size: int,
     title: str = "DFlash acceptance length per verification step",
+    per_position: Mapping[str, Sequence[float]] | None = None,
 ) -> bytes:
     """PNG (bytes) of the distribution of accepted lengths, as fractions of steps per length.
 
@@ -53,13 +54,20 @@ def acceptance_histogram_png(
         series: accepted lengths of one drafter, or ``{label: accepted_lengths}`` for several (e.g.
             trained vs untrained), drawn as grouped bars with tau in the legend.
         block_size: x axis runs 1 .. block_size.
+        per_position: ``{label: rates}``, drawn in a second panel below: per draft position k (1 ..), the share
+            of decode steps whose k-th drafted token was accepted (a step that drafted nothing counts as not
+            accepted), e.g. the drafter and n-gram lookup on the engine. None or empty: one panel.
 
     Rendered off-screen by :func:`dflash_assets.common.figures.figure_png_bytes` (Agg, no display needed,
     no ``Software`` text chunk, so equal inputs give equal bytes).
     """
     if not isinstance(series, Mapping):
         series = {"drafter": series}
-    fig, ax = new_figure(figsize=(7, 3.6), dpi=100)
+    per_position = {k: list(v) for k, v in (per_position or {}).items() if len(v)}
+    fig, ax = new_figure(figsize=(7, 6.4 if per_position else 3.6), dpi=100)
+    if per_position:
+        ax.set_subplotspec(fig.add_gridspec(2, 1)[0, 0])
+        _per_position_panel(fig.add_subplot(2, 1, 2), per_position)
     xs = list(range(1, block_size + 1))
     n = max(1, len(series))
     width = 0.8 / n
@@ -81,6 +89,21 @@ def acceptance_histogram_png(
     ax.legend(fontsize=8)
     fig.tight_layout()
     return figure_png_bytes(fig)
+
+
+def _per_position_panel(ax, per_position: Mapping[str, Sequence[float]]) -> None:
+    width = max(len(v) for v in per_position.values())
+    n = len(per_position)
+    bar = 0.8 / n
+    for i, (label, rates) in enumerate(per_position.items()):
+        offset = (i - (n - 1) / 2) * bar
+        ax.bar([k + 1 + offset for k in range(len(rates))], list(rates), width=bar, label=label)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted, share of decode steps")
+    ax.set_xticks(list(range(1, width + 1)))
+    ax.set_ylim(0, 1)
+    ax.set_title("acceptance per draft position (a step without a draft: not accepted)", fontsize=10)
+    ax.legend(fontsize=8)
 
 
 def untrained_drafter_like(drafter: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:

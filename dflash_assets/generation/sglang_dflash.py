@@ -138,6 +138,22 @@ def dflash_server_flags(
     return flags
 
 
+def ngram_server_flags(num_draft_tokens: int) -> list[str]:
+    """SGLang flags for its n-gram speculation with ``num_draft_tokens`` tokens per verification (the same count
+    ``--speculative-num-draft-tokens`` gives DFLASH: the last accepted token and ``num_draft_tokens - 1``
+    drafted). Read from SGLang 0.5.23's ``ServerArgs`` (``arg_groups/fields/spec.py``, ``_handle_ngram``): NGRAM
+    takes no draft model; it drafts from a trie of recent tokens of every request (``--speculative-ngram-*``
+    left at SGLang's defaults: BFS breadth 1-10, trie depth 18), pads a step without a match and verifies it all
+    the same, so its ``spec_verify_ct`` counts every decode forward. CUDA only; untested on a GPU here.
+
+    Raises:
+        ValueError: ``num_draft_tokens`` below 2 (nothing would be drafted).
+    """
+    if num_draft_tokens < 2:
+        raise ValueError(f"num_draft_tokens must be >= 2 for n-gram drafts, got {num_draft_tokens}")
+    return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(num_draft_tokens)]
+
+
 def input_sha(input_ids: Sequence[int]) -> str:
     """16 hex of SHA-256 over the JSON list of ``input_ids``: names a request in logs and reports."""
     return hashlib.sha256(json.dumps([int(i) for i in input_ids]).encode()).hexdigest()[:16]
@@ -337,5 +353,6 @@ __all__ = [
     "engine_tau_by_dataset",
     "input_sha",
     "mamba_strategy_for",
+    "ngram_server_flags",
     "server_info",
 ]

@@ -48,6 +48,27 @@ def dflash_speculative_config(export_dir: str | Path, block_size: int) -> dict:
     return {"method": "dflash", "model": str(export_dir), "num_speculative_tokens": int(block_size) - 1}
 
 
+def ngram_speculative_config(num_speculative_tokens: int, prompt_lookup_max: int, prompt_lookup_min: int) -> dict:
+    """The ``--speculative-config`` of vLLM's n-gram (prompt lookup) speculation: at each step the longest suffix of
+    the context, ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens, is looked up earlier in the context and the
+    up to ``num_speculative_tokens`` tokens that followed it are drafted (none when nothing matches). Keys and
+    rules as vLLM 0.32's ``SpeculativeConfig`` reads them (``vllm/config/speculative.py``; ``NgramProposer``).
+
+    Raises:
+        ValueError: a count below 1, or ``prompt_lookup_min`` above ``prompt_lookup_max`` (vLLM refuses it too).
+    """
+    if min(num_speculative_tokens, prompt_lookup_max, prompt_lookup_min) < 1:
+        raise ValueError("num_speculative_tokens, prompt_lookup_max and prompt_lookup_min must be >= 1")
+    if prompt_lookup_min > prompt_lookup_max:
+        raise ValueError(f"prompt_lookup_min {prompt_lookup_min} is above prompt_lookup_max {prompt_lookup_max}")
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": int(num_speculative_tokens),
+        "prompt_lookup_max": int(prompt_lookup_max),
+        "prompt_lookup_min": int(prompt_lookup_min),
+    }
+
+
 def build_vllm_command(
     python: str | Path,
     model_path: str | Path,

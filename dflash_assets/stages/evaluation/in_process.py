@@ -15,6 +15,7 @@ from dflash_assets.dflash.model import load_target_head
 from dflash_assets.dflash.online import OnlineTargetFeatures
 from dflash_assets.dflash.teacher_forced import teacher_forced_acceptance, teacher_forced_chain
 from dflash_assets.orchestration.metadata import png_markdown
+from dflash_assets.stages.evaluation.baseline import in_process_forward_figures
 from dflash_assets.stages.evaluation.datasets import HELDOUT
 from dflash_assets.stages.resources.target_model import TargetModelResource
 
@@ -36,10 +37,13 @@ def in_process_evaluation(
     eos: list[int],
     heldout_set,
     online: bool,
+    engine_positions: dict[str, list[float]] | None = None,
 ) -> dict:
     """Speculative vs plain decoding here, the untrained drafter and the teacher-forced chain: the report's and
     the metadata's in-process parts (``{"report": ..., "metadata": ...}``). ``online``: ``heldout_set`` holds
-    tokenized rows, whose features the frozen target computes here."""
+    tokenized rows, whose features the frozen target computes here. ``engine_positions``: the engine's acceptance
+    per draft position per decode step on the held-out prompts, by label, drawn beside the trained drafter's in
+    ``acceptance.png``."""
     model_dir = target_model.resolved_path()
     embed, lm_head = load_target_head(model_dir)
     # decoded as trained: an export that wrote other settings then disagrees with the engine (engine_parity)
@@ -95,12 +99,19 @@ def in_process_evaluation(
         uniform = teacher_forced_acceptance(drafter, heldout_set, max_anchors=config.teacher_forced_anchors)
     head, base = results[HELDOUT]["trained"], results[HELDOUT]["untrained"]
 
+    positions = {
+        "DFlash (in process)": in_process_forward_figures(head["accepted_lengths"], block_size)[
+            "accepted_per_decode_step"
+        ],
+        **(engine_positions or {}),
+    }
     png = acceptance_histogram_png(
         {
             "trained": [n for lengths in head["accepted_lengths"] for n in lengths],
             "untrained": [n for lengths in base["accepted_lengths"] for n in lengths],
         },
         block_size,
+        per_position=positions,
     )
     png_uri = store.write_bytes(png, REPORT_DIR, "acceptance.png")
     report = {

@@ -9,6 +9,14 @@ next token, so a prompt's tau is ``(accepted + drafts) / drafts = 1 + accepted /
 verification step with the bonus token counted and the prefill's token left out, as the in-process evaluation
 counts it. Prompts are sent one at a time so the difference of the counters around a request is that request's.
 
+Target forwards, the unit that compares methods (:mod:`~dflash_assets.stages.evaluation.baseline`): vLLM counts a
+draft only for a step that had one, so a method that sometimes proposes nothing (n-gram lookup) has decode steps
+the spec counters never see. The forwards are read from the count of ``vllm:iteration_tokens_total`` (a histogram
+vLLM observes once per engine step that returned tokens: the prefill step and every decode step, one request at a
+time here); ``generated - accepted`` is not exact, as vLLM counts a final step's accepted drafts before it trims
+the tokens past the stop (read in vLLM 0.32's ``Scheduler.update_from_output``; seen: 33 forwards where
+``generated - accepted`` said 30).
+
 A reply is checked before it counts (size cap, JSON, field types); a bad reply costs its prompt, never the run.
 """
 
@@ -27,11 +35,14 @@ from dflash_assets.dflash.tau import tau_from_sums
 from dflash_assets.generation.replies import MAX_TOKEN_VALUE, ReplyError, decode_reply, printable
 from dflash_assets.generation.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt, input_sha
 from dflash_assets.generation.urls import origin, redact
+from dflash_assets.stages.evaluation.baseline import engine_forward_figures
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+GENERATION_TOKENS = "vllm:generation_tokens"
+ITERATIONS = "vllm:iteration_tokens_total_count"  # the histogram's sample count: engine steps that returned tokens
 MAX_METRICS_BYTES = 4 << 20
 MAX_REPLY_BYTES = 8 << 20
 
@@ -42,13 +53,17 @@ class SpecCounters:
 
     Attributes:
         drafts: verification steps that checked a draft; draft_tokens: tokens drafted; accepted: drafted tokens
-        accepted; per_position: accepted count per draft position (index 0 = the first drafted token).
+        accepted; per_position: accepted count per draft position (index 0 = the first drafted token);
+        generation_tokens: tokens returned to requests; iterations: engine steps that returned tokens (target
+        forwards: the prefill's and every decode step's, drafted or not).
     """
 
     drafts: float = 0.0
     draft_tokens: float = 0.0
     accepted: float = 0.0
     per_position: list[float] = field(default_factory=list)
+    generation_tokens: float = 0.0
+    iterations: float = 0.0
 
     def minus(self, before: SpecCounters) -> SpecCounters:
         """The counts since ``before`` (positions padded to the longer list)."""
@@ -60,6 +75,8 @@ class SpecCounters:
             self.draft_tokens - before.draft_tokens,
             self.accepted - before.accepted,
             [a - b for a, b in zip(mine, theirs)],
+            self.generation_tokens - before.generation_tokens,
+            self.iterations - before.iterations,
         )
 
 
@@ -75,6 +92,9 @@ def parse_spec_counters(text: str) -> SpecCounters:
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                if sample.name == ITERATIONS:
+                    out.iterations += sample.value
+                    continue
                 if not sample.name.endswith("_total"):
                     continue  # the _created gauges beside each counter
                 name = sample.name[: -len("_total")]
@@ -84,6 +104,8 @@ def parse_spec_counters(text: str) -> SpecCounters:
                     out.draft_tokens += sample.value
                 elif name == ACCEPTED:
                     out.accepted += sample.value
+                elif name == GENERATION_TOKENS:
+                    out.generation_tokens += sample.value
                 elif name == ACCEPTED_PER_POSITION:
                     k = int(sample.labels.get("position", "-1"))
                     if k >= 0:
@@ -153,13 +175,20 @@ def parse_completion(payload: Any, vocab_size: int | None = None) -> dict[str, A
 def _settled(
     before: SpecCounters, read: Callable[[], SpecCounters], completion_tokens: int, wait_s: float
 ) -> SpecCounters:
-    """The counters once they account for the request's tokens (drafts + accepted >= tokens - 1: vLLM records a
-    step's stats just after it sends the step's tokens), or as they are after ``wait_s``."""
+    """The counters once they account for the request's tokens, or as they are after ``wait_s``: vLLM records a
+    step's stats just after it sends the step's tokens, the spec counters first, then the generated tokens and the
+    step count in one call, so ``generation_tokens`` reaching the reply's count means all of them are in. Without
+    that counter (an older vLLM): drafts + accepted >= tokens - 1, true when every decode step drafted."""
     deadline = time.monotonic() + wait_s
     while True:
         now = read()
         delta = now.minus(before)
-        if delta.drafts + delta.accepted >= completion_tokens - 1 or time.monotonic() > deadline:
+        done = (
+            delta.generation_tokens >= completion_tokens
+            if now.generation_tokens > 0
+            else delta.drafts + delta.accepted >= completion_tokens - 1
+        )
+        if done or time.monotonic() > deadline:
             return now
         time.sleep(0.02)
 
@@ -178,8 +207,10 @@ def vllm_decode(
 ) -> list[dict[str, Any]]:
     """Decode each prompt greedily, one at a time, on the vLLM server at ``base_url`` and return one record per
     prompt, in order: ``dataset``, ``position``, ``input_sha``, ``output_ids``, ``completion_tokens``,
-    ``finish_reason``, ``drafts``, ``accepted``, ``accepted_per_position`` (this request's counter differences)
-    and ``tau`` (``1 + accepted / drafts``; None without a verification step), or ``error`` (a reply that was
+    ``finish_reason``, ``drafts``, ``draft_tokens``, ``accepted``, ``accepted_per_position``, ``forwards`` (target
+    forwards, prefill included: the engine steps that returned tokens; None when vLLM exposes no step count)
+    (this request's counter differences) and ``tau`` (``1 + accepted / drafts``; None without a verification
+    step), or ``error`` (a reply that was
     not a valid completion, an HTTP error: that prompt alone is lost).
 
     Every sampling field that could differ from greedy is sent (vLLM fills an omitted one from the model's
@@ -225,7 +256,9 @@ def vllm_decode(
                 delta, before = after.minus(before), after
                 record.update(
                     drafts=int(delta.drafts),
+                    draft_tokens=int(delta.draft_tokens),
                     accepted=int(delta.accepted),
+                    forwards=int(delta.iterations) if after.iterations > 0 else None,
                     accepted_per_position=[int(x) for x in delta.per_position],
                     tau=(1.0 + delta.accepted / delta.drafts) if delta.drafts > 0 else None,
                 )
@@ -247,7 +280,8 @@ def vllm_tau_by_dataset(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[
     """Per dataset: :func:`~dflash_assets.dflash.tau.tau_from_sums` over ``(accepted + drafts, drafts)`` per
     prompt (``tau``: the mean of per-prompt means, z-lab's figure; ``tau_pooled``: all tokens over all steps),
     ``acceptance_per_position`` (accepted / drafts at each draft position, pooled), ``requests``,
-    ``requests_measured`` (with a verification step) and ``errors``."""
+    ``requests_measured`` (with a verification step), ``errors`` and ``forwards`` (tokens per target forward and
+    acceptance per decode step: :func:`~dflash_assets.stages.evaluation.baseline.engine_forward_figures`)."""
     out: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(r["dataset"] for r in records):
         rows = [r for r in records if r["dataset"] == name]
@@ -266,6 +300,7 @@ def vllm_tau_by_dataset(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[
             "requests": len(rows),
             "requests_measured": len(measured),
             "errors": sum("error" in r for r in rows),
+            "forwards": engine_forward_figures(rows),
         }
     return out
 

@@ -37,6 +37,7 @@ from dflash_assets.generation.vllm_servers import (
     VLLMServers,
     build_vllm_command,
     dflash_speculative_config,
+    ngram_speculative_config,
 )
 from dflash_assets.stages.evaluation.vllm_engine import vllm_decode, vllm_tau_by_dataset
 
@@ -52,13 +53,15 @@ class VLLMPlan:
     launch: dict = field(default_factory=dict)
     check: ExportCheck | None = None
     kind: str = "vllm"
+    ngram_config: dict | None = None  # the n-gram baseline's --speculative-config; None: not measured
 
     @property
     def num_draft_tokens(self) -> int:
         return int(self.speculative_config["num_speculative_tokens"])
 
     def fingerprint_parts(self) -> list:
-        return ["vllm", list(self.environment.requirements), self.environment.python, self.launch]
+        parts = ["vllm", list(self.environment.requirements), self.environment.python, self.launch]
+        return parts + ([self.ngram_config] if self.ngram_config else [])
 
 
 def plan_vllm(config, target_model, export_dir: str, log) -> VLLMPlan:
@@ -95,7 +98,12 @@ def plan_vllm(config, target_model, export_dir: str, log) -> VLLMPlan:
     }
     environment = vllm_environment(config.vllm_packages, config.vllm_remove_packages, config.engine_python)
     spec = dflash_speculative_config(export_dir, tokens + 1)
-    return VLLMPlan(environment, Path(target_dir), export_dir, spec, launch, check)
+    ngram = (
+        ngram_speculative_config(tokens, config.ngram_prompt_lookup_max, config.ngram_prompt_lookup_min)
+        if config.ngram_baseline
+        else None
+    )
+    return VLLMPlan(environment, Path(target_dir), export_dir, spec, launch, check, ngram_config=ngram)
 
 
 def run_vllm(
@@ -109,87 +117,127 @@ def run_vllm(
     log,
 ) -> dict[str, Any]:
     """Make (or reuse) the engine environment, start one vLLM server with the export, decode every prompt greedily
-    one at a time, stop the server, and return the report's ``engine`` section.
+    one at a time, stop the server; then, when ``plan.ngram_config`` is set, the same on a second server running
+    vLLM's n-gram speculation with as many draft tokens (the ``ngram`` key). Returns the report's ``engine``
+    section.
 
     Raises:
-        dagster.Failure: the environment could not be made, the server did not come up (its log tail says why), or
+        dagster.Failure: the environment could not be made, a server did not come up (its log tail says why), or
             every request failed; the API key is never in the message.
     """
     todo = [EnginePrompt(name, i, tuple(ids)) for name, rows in prompts.items() for i, ids in enumerate(rows)]
-    longest = max((len(p.input_ids) for p in todo), default=0)
-    target = json.loads((plan.target_dir / "config.json").read_text())
-    launch = {k: v for k, v in plan.launch.items() if k != "device"}
     waited = time.monotonic()
     try:
         python = plan.environment.ensure(log.info)
         environment_wait_s = time.monotonic() - waited  # 0-ish when made ahead (prepare_in_background)
-        command = build_vllm_command(
-            python,
-            plan.target_dir,
-            free_port_block(1),
-            speculative_config=plan.speculative_config,
-            max_model_len=longest + max_new_tokens + plan.num_draft_tokens + 16,
-            api_key_env=API_KEY_ENV if api_key else None,
-            **launch,
+        drafter = _serve_and_decode(
+            plan, plan.speculative_config, "", python, todo, max_new_tokens, eos, log_dir, config, api_key, log
         )
-        log.info(f"engine: starting {command.redacted()}")
-        started = time.monotonic()
-        with (
-            VLLMServers([command], log_dir, api_key, config.engine_startup_timeout_s) as servers,
-            StageProgressBar("drafter_evaluation vLLM", len(todo), unit="prompt") as bar,
-        ):
-            startup_s = time.monotonic() - started
-            log.info(f"engine: vLLM up in {startup_s:.0f} s; {len(todo)} prompts, one at a time")
-
-            def progress(done: int, total: int, record: dict) -> None:
-                bar.update_to(done)
-                tau = record.get("tau")
-                log.info(
-                    f"engine: prompt {done}/{total} ({record['dataset']}): "
-                    + (
-                        f"error {record['error']}"
-                        if "error" in record
-                        else f"tau {tau if tau is None else round(tau, 3)}"
-                    )
-                )
-
-            decoding = time.monotonic()
-            records = vllm_decode(
-                servers.base_urls[0],
-                str(plan.target_dir),
-                todo,
-                max_new_tokens,
-                stop_token_ids=eos,
-                api_key=api_key,
-                timeout_s=config.engine_request_timeout_s,
-                vocab_size=text_config(target).get("vocab_size"),
-                progress=progress,
+        ngram = (
+            _serve_and_decode(
+                plan, plan.ngram_config, "ngram", python, todo, max_new_tokens, eos, log_dir, config, api_key, log
             )
-            decode_s = time.monotonic() - decoding
+            if plan.ngram_config
+            else None
+        )
     except (EngineEnvironmentError, RuntimeError, TimeoutError, EngineError, PortTakenError) as exc:
         raise dg.Failure(f"drafter_evaluation engine (vLLM): {redact(str(exc), api_key)}") from None
-    return {
+    label = f"vLLM {_version(python)} (real engine)"
+    section = {
         "kind": "vllm",
         "simulated": False,
-        "label": f"vLLM {_version(python)} (real engine)",
-        "server_flags": [command.redacted()],
+        "label": label,
+        "server_flags": [drafter["command"]],
         "speculative_config": plan.speculative_config,
         "num_draft_tokens": plan.num_draft_tokens,
         "environment": str(python),
         "export_check_warnings": plan.check.warnings if plan.check else [],
         "rules_read_from": VLLM_SOURCE,
-        "datasets": vllm_tau_by_dataset(records),
+        "datasets": vllm_tau_by_dataset(drafter["records"]),
         # seconds: waiting for the environment (its install, when not made ahead), server start-up, decoding
-        "timing_s": {
-            "environment_wait": round(environment_wait_s, 1),
-            "startup": round(startup_s, 1),
-            "decode": round(decode_s, 1),
-        },
-        "requests": records,
+        "timing_s": {"environment_wait": round(environment_wait_s, 1), **drafter["timing_s"]},
+        "requests": drafter["records"],
         "tau_definition": "per prompt 1 + accepted / drafts from vLLM's Prometheus counters "
         "(vllm:spec_decode_num_accepted_tokens, vllm:spec_decode_num_drafts) differenced around the request; per "
         "dataset the mean of per-prompt values (z-lab's figure) and pooled (all tokens / all verification steps); "
         "the prefill's token is not counted, as in the in-process figure",
+        "forwards_definition": "target forwards per request = the engine steps that returned its tokens (the count "
+        "of vllm:iteration_tokens_total, one request at a time), prefill included; tokens per forward = "
+        "completion tokens / forwards (plain decoding 1.0)",
+    }
+    if ngram is not None:
+        section["ngram"] = {
+            "label": f"{label}, n-gram (prompt lookup) speculation, no training",
+            "server_flags": [ngram["command"]],
+            "speculative_config": plan.ngram_config,
+            "num_draft_tokens": int(plan.ngram_config["num_speculative_tokens"]),
+            "datasets": vllm_tau_by_dataset(ngram["records"]),
+            "timing_s": ngram["timing_s"],
+            "requests": ngram["records"],
+        }
+    return section
+
+
+def _serve_and_decode(
+    plan: VLLMPlan, spec: dict, name: str, python, todo, max_new_tokens, eos, log_dir, config, api_key, log
+) -> dict[str, Any]:
+    """One vLLM server with ``spec`` as its ``--speculative-config``: up, every prompt decoded, down. ``name``
+    labels the log lines; the server log is ``<log_dir>/<name>/vllm_0.log`` (unnamed: ``<log_dir>/vllm_0.log``).
+    Returns ``command`` (redacted), ``records`` and ``timing_s`` (``startup``, ``decode``)."""
+    longest = max((len(p.input_ids) for p in todo), default=0)
+    target = json.loads((plan.target_dir / "config.json").read_text())
+    launch = {k: v for k, v in plan.launch.items() if k != "device"}
+    command = build_vllm_command(
+        python,
+        plan.target_dir,
+        free_port_block(1),
+        speculative_config=spec,
+        max_model_len=longest + max_new_tokens + int(spec["num_speculative_tokens"]) + 16,
+        api_key_env=API_KEY_ENV if api_key else None,
+        **launch,
+    )
+    what = f"vLLM ({name})" if name else "vLLM"
+    log.info(f"engine: starting {command.redacted()}")
+    started = time.monotonic()
+    with (
+        VLLMServers(
+            [command], str(Path(log_dir) / name) if name else log_dir, api_key, config.engine_startup_timeout_s
+        ) as servers,
+        StageProgressBar(f"drafter_evaluation {what}", len(todo), unit="prompt") as bar,
+    ):
+        startup_s = time.monotonic() - started
+        log.info(f"engine: {what} up in {startup_s:.0f} s; {len(todo)} prompts, one at a time")
+
+        def progress(done: int, total: int, record: dict) -> None:
+            bar.update_to(done)
+            tau = record.get("tau")
+            log.info(
+                f"engine: {what} prompt {done}/{total} ({record['dataset']}): "
+                + (
+                    f"error {record['error']}"
+                    if "error" in record
+                    else f"tau {tau if tau is None else round(tau, 3)}, {record.get('completion_tokens')} tokens in "
+                    f"{record.get('forwards')} target forwards"
+                )
+            )
+
+        decoding = time.monotonic()
+        records = vllm_decode(
+            servers.base_urls[0],
+            str(plan.target_dir),
+            todo,
+            max_new_tokens,
+            stop_token_ids=eos,
+            api_key=api_key,
+            timeout_s=config.engine_request_timeout_s,
+            vocab_size=text_config(target).get("vocab_size"),
+            progress=progress,
+        )
+        decode_s = time.monotonic() - decoding
+    return {
+        "command": command.redacted(),
+        "records": records,
+        "timing_s": {"startup": round(startup_s, 1), "decode": round(decode_s, 1)},
     }
 
 
