@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SLOW_MODULE_SECONDS = {
     "test_drafter_quality": 650,
     "test_status": 128,
+    "test_engine_env": 120,
     "test_server_trust": 73,
     "test_ui": 69,
     "test_backfill_schedule": 68,
