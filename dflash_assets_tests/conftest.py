@@ -33,6 +33,7 @@ SLOW_MODULE_SECONDS = {
     "test_drafter_quality": 650,
     "test_status": 128,
     "test_sglang_contract": 120,  # 27 s, and ~2 min more where its SGLang environment is not made yet
+    "test_engine_env": 120,
     "test_server_trust": 73,
     "test_ui": 69,
     "test_backfill_schedule": 68,

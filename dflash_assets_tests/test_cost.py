@@ -356,3 +356,53 @@ def test_forecast_storage_lines_keep_the_stage_apart_from_its_figure():
     lines = format_forecast(f).splitlines()
     assert "storage completions        34.47 KB [33.59 KB .. 35.34 KB]" in lines
     assert "storage tokenized_sequences 34.47 KB [33.59 KB .. 35.34 KB]" in lines
+
+
+def _measured_completions(instance, pk: str, rows: int) -> None:
+    """A completions materialization of ``pk`` as the asset records it: ``rows`` rows of 10 tokens, 1 s each."""
+    meta = {
+        "rows": rows,
+        "cost_rows": rows,
+        "cost_tokens_in": 5 * rows,
+        "cost_tokens_out": 10 * rows,
+        "cost_tokens_out_sq": 100 * rows,
+        "cost_slot_s": 1.0 * rows,
+        "cost_slot_s_sq": 1.0 * rows,
+        "cost_wall_s": 1.0 * rows,
+        "cost_device_s": 1.0 * rows,
+        "cost_startup_s": 0.0,
+        "cost_device": "CPU",
+        "cost_devices": 1,
+        "run_slots_capacity": 1,
+    }
+    instance.report_runless_asset_event(dg.AssetMaterialization("completions", partition=pk, metadata=meta))
+
+
+def test_forecast_after_a_partition_size_change_counts_only_current_partitions(tmp_path):
+    """Issue 40 finding 6: 64 prompts done in 4 partitions of 16, then ``partition_size: 32``: every partition
+    must be generated again, yet the forecast (``status``, the truncation report) said ``64 done, 0 left``."""
+    from dflash_assets.stages.forecast import corpus_prompts
+    from dflash_assets_tests.test_completions_asset import write_corpus as build_corpus
+
+    root = tmp_path / "data"
+    prompts = [f"prompt {i}" for i in range(64)]
+    with dg.instance_for_test() as instance:
+        old_keys = build_corpus(instance, root, prompts, 16)
+        assert len(old_keys) == 4
+        for pk in old_keys:
+            _measured_completions(instance, pk, 16)
+        before = collect_forecast(instance, corpus_prompts(instance), None)
+        assert (before["prompts_done"], before["prompts_left"]) == (64, 0)
+
+        new_keys = build_corpus(instance, root, prompts, 32)  # every range cut again: no key in common
+        assert len(new_keys) == 2 and not set(new_keys) & set(old_keys)
+        assert corpus_prompts(instance) == 64 and rows_done(instance) == 0
+        assert collect_forecast(instance, 64, None) is None  # no partition of this corpus is measured yet
+        assert "no completions partition of the current corpus" in format_forecast(None)
+
+        _measured_completions(instance, new_keys[0], 32)
+        after = collect_forecast(instance, 64, None)
+        assert (after["prompts_done"], after["prompts_left"]) == (32, 32)
+        assert after["from_partitions"] == [new_keys[0]] and after["rows_measured"] == 32
+        assert after["completions_whole"]["tokens_out"]["point"] == pytest.approx(64 * 10)
+        assert "64 prompts (32 done, 32 left), from 1 measured partition(s)" in format_forecast(after)

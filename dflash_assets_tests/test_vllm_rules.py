@@ -233,3 +233,47 @@ def test_an_in_process_lossless_mismatch_alone_is_a_failed_check(tmp_path):
     results = {r.check_name: r for r in check_results(checks)}
     lossless = results[CHECK_LOSSLESS]
     assert lossless.passed is False and "prompt 0, generated token 2" in lossless.description
+
+
+def test_the_group_guard_takes_a_servers_children_down_with_its_launcher(tmp_path):
+    """Issue 40 (vLLM's EngineCore outlived a kill -9 of its launcher), without vLLM: a "server" under the guard
+    starts a child of its own that sets no parent-death signal, as vLLM's API server starts EngineCore; a kill -9
+    of the launcher ends the whole session, and the guard passes a server's exit code through."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import dflash_assets.generation.group_guard as guard
+    from dflash_assets.generation.proc_info import session_members
+
+    server = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"
+    )
+    launcher_code = (
+        "import subprocess, sys, time; "
+        f"p = subprocess.Popen([sys.executable, {guard.__file__!r}, sys.executable, '-c', {server!r}], "
+        "start_new_session=True); print(p.pid, flush=True); time.sleep(600)"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], stdout=subprocess.PIPE, text=True)
+    leader = int(launcher.stdout.readline())
+    try:
+        deadline = time.monotonic() + 30
+        while len(session_members(leader)) < 3 and time.monotonic() < deadline:  # guard, server, its child
+            time.sleep(0.1)
+        assert len(session_members(leader)) == 3
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while session_members(leader) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert session_members(leader) == []
+    finally:
+        launcher.kill()
+        if session_members(leader):
+            os.killpg(leader, signal.SIGKILL)
+    exits = subprocess.run([sys.executable, guard.__file__, sys.executable, "-c", "raise SystemExit(3)"])
+    assert exits.returncode == 3 and Path(guard.__file__).name == "group_guard.py"

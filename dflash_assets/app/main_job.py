@@ -22,6 +22,7 @@ from dflash_assets.assets.drafter import config_changed_since_last
 from dflash_assets.assets.prompts import corpus_fingerprint
 from dflash_assets.definitions import defs
 from dflash_assets.generation.engine_env import make_in_background
+from dflash_assets.generation.engine_install import stop_installs, wait_for_installs
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.orchestration import freshness
 from dflash_assets.orchestration.config import config_path, op_config
@@ -127,8 +128,21 @@ def _feature_mode(instance, settings) -> str:
 def run_all(config_path_arg: str | None = None, dagster_home: str | None = None, verbose: bool = False) -> int:
     """Materialize what is not up to date and print the summary. Returns the exit code.
 
-    ``verbose``: print Dagster's DEBUG events too (by default only INFO and above reach the terminal).
+    ``verbose``: print Dagster's DEBUG events too (by default only INFO and above reach the terminal). On every
+    way out (an early failure too) an engine environment still installing in the background is waited for with
+    a line saying so; Ctrl-C or an error stops its install instead (the next run resumes it).
     """
+    installs: list = []
+    try:
+        return _run_all(config_path_arg, dagster_home, verbose, installs)
+    except BaseException:
+        stop_installs()
+        raise
+    finally:
+        wait_for_installs(installs, print)
+
+
+def _run_all(config_path_arg: str | None, dagster_home: str | None, verbose: bool, engine_environments: list) -> int:
     CONSOLE_LOG_LEVEL["level"] = "DEBUG" if verbose else "INFO"
     if config_path_arg:
         os.environ["DFLASH_CONFIG"] = os.path.abspath(config_path_arg)
@@ -147,7 +161,6 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
     evaluation = EvaluationConfig(
         **(op_config("drafter_evaluation")["ops"].get("drafter_evaluation") or {}).get("config", {})
     )
-    engine_environments = []
     if inference.mode == "vllm":
         engine_environments.append(make_in_background(inference.vllm_environment(), print, "(completions will retry)"))
     if not (inference.mode == "vllm" and evaluation_environment(evaluation) == inference.vllm_environment()):
@@ -261,10 +274,7 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         if not result.success:
             print(f"{stage} failed; see the run log above")
             return 1
-    for thread in engine_environments:
-        if thread is not None and thread.is_alive():
-            print("waiting for the vLLM environment's install to finish (first use only)")
-            thread.join()
+    wait_for_installs(engine_environments, print)  # before the summary, so no install line cuts into it
     from dflash_assets.app.summary import collect_summary, format_summary
 
     summary = collect_summary(instance, keys, ran=did_work)

@@ -69,6 +69,7 @@ def prompt_corpus(
             config.read_limits(),
             config.partition_size,
             config.max_prompts,
+            log=context.log.warning,  # who holds the store lock while this build waits for it
         )
     except CorpusStageError as exc:
         raise dg.Failure(str(exc), metadata=exc.metadata or None) from None

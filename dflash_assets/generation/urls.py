@@ -8,10 +8,12 @@ a log, an exception, metadata or storage: a server may echo the ``Authorization`
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit, urlunsplit
 
 REDACTED = "***"
+_USERINFO = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://([^/\s@]+)@")
 
 
 def api_root(base_url: str) -> str:
@@ -55,3 +57,17 @@ def redact(text: str, secrets: Iterable[str | None] | str | None) -> str:
         if secret and secret in text:
             text = text.replace(secret, REDACTED)
     return text
+
+
+def url_secrets(texts: Iterable[str]) -> list[str]:
+    """The credentials written into URLs within ``texts`` (pip requirements and options such as
+    ``--extra-index-url=https://user:TOKEN@host/simple`` or ``pkg @ https://TOKEN@host/pkg.whl``): the password
+    of ``user:password@``, or the whole user part when there is no password (a token), for :func:`redact`."""
+    found = []
+    for text in texts:
+        for match in _USERINFO.finditer(text):
+            user, colon, password = match.group(1).partition(":")
+            secret = password if colon else user
+            if secret and secret not in found:
+                found.append(secret)
+    return found

@@ -237,11 +237,14 @@ def build_vllm_commands(
 class VLLMServers(SGLangServers):
     """vLLM servers from :func:`build_vllm_command` commands: started, supervised and stopped as
     :class:`~dflash_assets.generation.sglang_servers.SGLangServers` does (free port first, listener proven
-    ours, process group stopped on exit, logs ``vllm_<i>.log``); healthy when ``/health`` answers 200 (vLLM
-    has no generation probe: the caller's first request is one).
+    ours, process group stopped on exit, logs ``vllm_<i>.log``), each under
+    :mod:`~dflash_assets.generation.group_guard` so EngineCore dies with the launcher, a kill -9 too; healthy
+    when ``/health`` answers 200 (vLLM has no generation probe: the caller's first request is one).
 
     Raises (on enter): as ``SGLangServers``.
     """
+
+    guard_group = True  # EngineCore and its workers set no parent-death signal: the guard takes them down
 
     def __init__(self, commands: Sequence[LaunchCommand], log_dir, api_key=None, startup_timeout_s=900.0, **kw):
         super().__init__(commands, log_dir, api_key, startup_timeout_s, health_path="/health", **kw)

@@ -74,18 +74,35 @@ def _iv(point: float, half: float) -> dict:
     return {"point": point, "low": max(0.0, point - half), "high": point + half}
 
 
-def rows_done(instance: dg.DagsterInstance) -> int:
-    """Rows of every materialized completions partition (their latest materializations' ``rows``)."""
+def current_partitions(instance: dg.DagsterInstance) -> list[str] | None:
+    """The partition keys of the corpus as it is now: those of ``prompt_corpus``'s latest ``partition_prompts``
+    metadata. None before any corpus build recorded them (then every recorded partition counts). A key of an
+    earlier build (another ``partition_size``, prompts removed) is not among them: its rows are not done."""
+    sizes = (latest_metadata(instance, "prompt_corpus") or {}).get("partition_prompts")
+    return None if sizes is None else sorted(sizes)
+
+
+def _current_records(instance: dg.DagsterInstance, asset: str, keys: list[str] | None) -> dict:
+    """:func:`latest_records` of ``asset`` limited to ``keys`` (None: every partition); {} for no key."""
+    return {} if keys is not None and not keys else latest_records(instance, asset, keys)
+
+
+def rows_done(instance: dg.DagsterInstance, keys: list[str] | None = None) -> int:
+    """Rows of the materialized completions partitions of ``keys`` (default :func:`current_partitions`; their
+    latest materializations' ``rows``)."""
+    keys = current_partitions(instance) if keys is None else keys
     return sum(
-        int((plain_metadata(r) or {}).get("rows") or 0) for r in latest_records(instance, "completions").values()
+        int((plain_metadata(r) or {}).get("rows") or 0)
+        for r in _current_records(instance, "completions", keys).values()
     )
 
 
 def measured_partitions(instance: dg.DagsterInstance, keys: list[str] | None = None) -> dict[str, dict]:
     """``{pk: metadata}`` of the completions partitions whose latest materialization generated rows and
-    recorded their cost (``cost_rows`` > 0), with ``run_id`` added; ``keys`` limits them (a pilot range)."""
+    recorded their cost (``cost_rows`` > 0), with ``run_id`` added; ``keys`` limits them (a pilot range, the
+    current partitions)."""
     out = {}
-    for pk, record in latest_records(instance, "completions", keys).items():
+    for pk, record in _current_records(instance, "completions", keys).items():
         meta = plain_metadata(record) or {}
         if (meta.get("cost_rows") or 0) > 0 and meta.get("cost_device_s") is not None:
             out[pk] = {**meta, "run_id": record.run_id}
@@ -143,13 +160,19 @@ def scaled(iv: dict, factor: float) -> dict:
 
 
 def storage_forecast(
-    instance: dg.DagsterInstance, prompts: int, tokens_per_row: dict, store=None, bytes_per_token: int | None = None
+    instance: dg.DagsterInstance,
+    prompts: int,
+    tokens_per_row: dict,
+    store=None,
+    bytes_per_token: int | None = None,
+    keys: list[str] | None = None,
 ) -> dict:
     """Bytes by stage for ``prompts`` prompts, each ``{point, low, high}``: completions and tokenized tables at
     their measured bytes per row (file sizes of up to :data:`SIZE_SAMPLE` materialized partitions; needs
     ``store``; interval: that of tokens per row, relative), hidden states at ``tokens_per_row`` (tokenized
     tokens per row, prompt + completion) x the storage plan's bytes per token (recorded by
-    ``hidden_states``; before any is extracted: ``bytes_per_token``, from the configured target, else none)."""
+    ``hidden_states``; before any is extracted: ``bytes_per_token``, from the configured target, else none).
+    ``keys``: the partitions read (None: every one recorded)."""
     from dflash_assets.stages.completions.tables import partition_file
     from dflash_assets.stages.tokenized import tokenized_file
 
@@ -157,13 +180,13 @@ def storage_forecast(
     band = scaled(tokens_per_row, 1 / tokens_per_row["point"]) if tokens_per_row["point"] else tokens_per_row
     for stage, file_of in (("completions", partition_file), ("tokenized_sequences", tokenized_file)):
         rows = size = sampled = 0
-        for pk, meta in sorted(latest_records(instance, stage).items()):
+        for pk, meta in sorted(_current_records(instance, stage, keys).items()):
             m = plain_metadata(meta) or {}
             if sampled < SIZE_SAMPLE and store is not None and m.get("rows") and store.exists(*file_of(pk)):
                 rows, size, sampled = rows + int(m["rows"]), size + store.size(*file_of(pk)), sampled + 1
         if rows:  # text and token columns grow with the tokens per row: the same relative interval
             out[stage] = scaled(band, prompts * size / rows)
-    hidden = [m for m in (latest_records(instance, "hidden_states") or {}).values()]
+    hidden = list(_current_records(instance, "hidden_states", keys).values())
     per_token = [(plain_metadata(r) or {}).get("bytes_per_token_expected") for r in hidden]
     per_token = [p for p in per_token if p] or ([bytes_per_token] if bytes_per_token else [])
     if per_token:
@@ -224,10 +247,11 @@ def configured_generation(inference) -> tuple[str, int, int]:
     return kind, devices, servers * inference.effective_max_running_requests()
 
 
-def done_generation(instance: dg.DagsterInstance) -> dict:
-    """``device_s``, ``wall_s`` (seconds) and ``tokens_out`` summed over every completions partition's latest
-    materialization (what :func:`~dflash_assets.app.cost_table.stage_costs` sums for completions)."""
-    metas = [plain_metadata(r) or {} for r in latest_records(instance, "completions").values()]
+def done_generation(instance: dg.DagsterInstance, keys: list[str] | None = None) -> dict:
+    """``device_s``, ``wall_s`` (seconds) and ``tokens_out`` summed over the latest materialization of each
+    completions partition of ``keys`` (None: every one, what :func:`~dflash_assets.app.cost_table.stage_costs`
+    sums for completions)."""
+    metas = [plain_metadata(r) or {} for r in _current_records(instance, "completions", keys).values()]
     return {
         "device_s": sum(float(m.get("cost_device_s") or 0.0) for m in metas),
         "wall_s": sum(float(m.get("cost_wall_s") or 0.0) for m in metas),
@@ -257,14 +281,18 @@ def collect_forecast(
     recorded its cost. Each figure ``{point, low, high}`` (95%; module doc); completions figures are of the
     whole corpus (done + left). ``bytes_per_token``: hidden-state bytes per token of the configured target
     (:func:`~dflash_assets.stages.storage_plan.target_shape`), used until a ``hidden_states`` partition
-    records its own."""
-    measured = measured_partitions(instance, pilot_keys)
+    records its own. Only the corpus's current partitions count (:func:`current_partitions`): after a
+    ``partition_size`` change or a rebuild that dropped prompts, rows of keys gone are neither done nor measured."""
+    keys = current_partitions(instance)
+    if pilot_keys is not None:
+        pilot_keys = [k for k in pilot_keys if keys is None or k in keys]
+    measured = measured_partitions(instance, pilot_keys if pilot_keys is not None else keys)
     if not measured:
         return None
     servers = configured_generation(inference) if inference is not None else measured_generation(measured)
     kind, devices, slots = servers
-    done = done_generation(instance)
-    done_rows = rows_done(instance)
+    done = done_generation(instance, keys)
+    done_rows = rows_done(instance, keys)
     left = max(0, prompts_total - done_rows)
     gen = generation_forecast(measured, left, devices, slots)
     whole = {
@@ -286,7 +314,7 @@ def collect_forecast(
         "device": kind,
         "generation": gen,
         "completions_whole": whole,
-        "storage_bytes": storage_forecast(instance, prompts_total, per_row, store, bytes_per_token),
+        "storage_bytes": storage_forecast(instance, prompts_total, per_row, store, bytes_per_token, keys),
         "training": training_forecast(instance, prompts_total, relative),
         "cap_changes": cap_change_forecast(truncation_report, prompts_total, gen["device_s_per_token"]),
     }
@@ -303,7 +331,10 @@ def _hours(seconds: float) -> str:
 def format_forecast(f: dict | None, device_hour_usd: float | None = None) -> str:
     """Text lines of :func:`collect_forecast` (``[point low .. high]``, 95%); simulated figures say so."""
     if f is None:
-        return "== forecast ==\nno completions partition has recorded its cost yet: run one (a pilot) first"
+        return (
+            "== forecast ==\nno completions partition of the current corpus has recorded its cost yet: "
+            "run one (a pilot) first"
+        )
     gen, whole, unit = f["generation"], f["completions_whole"], f"{f['device']}-h"
 
     def dh(s: float) -> str:

@@ -15,6 +15,7 @@ from pydantic import Field
 from dflash_assets.data.prompt_index import StableCorpus, save_index, stable_corpus
 from dflash_assets.data.reader import GiB, MiB, ReadLimits
 from dflash_assets.data.shapes import CorpusError, CorpusResult, build_corpus, default_sources
+from dflash_assets.generation.machine import process_gone, process_record
 from dflash_assets.storage.lock import LockBusyError, StoreLock
 
 CORPUS_FILE = ("prompt_corpus", "corpus.parquet")
@@ -91,11 +92,14 @@ def build_corpus_stage(
     partition_size: int,
     max_prompts: int | None,
     lock_wait_s: float = 900,
+    log: Callable[[str], None] | None = None,
 ) -> CorpusBuild:
     """Build the corpus of ``sources`` and write it (a row group per partition), then the index table and the
     rejected rows. A prompt keeps its index while its content is unchanged (:func:`stable_corpus`). From
     reading the last build to writing the index table the build holds ``prompt_corpus/.build.lock``
-    (:class:`StoreLock`, exclusive across hosts on one root), waiting up to ``lock_wait_s`` seconds for it.
+    (:class:`StoreLock`, exclusive across hosts on one root), waiting up to ``lock_wait_s`` seconds for it (``log``
+    gets who holds it and until when; default: the lock module's logger); a holder killed on this machine
+    (:func:`~dflash_assets.generation.machine.process_gone`) is taken over at once.
 
     Raises:
         CorpusStageError: a source cannot be read (rejected rows, if any, written to ``rejected.parquet``
@@ -114,7 +118,10 @@ def build_corpus_stage(
     # one build at a time on this storage root, across hosts: the indices are assigned from the last build,
     # so a second build must read only once the first has written its three files
     try:
-        with StoreLock(store, LOCK_FILE, wait_s=lock_wait_s):
+        lock = StoreLock(
+            store, LOCK_FILE, wait_s=lock_wait_s, holder=process_record(), holder_gone=process_gone, log=log
+        )
+        with lock:
             previous = (
                 store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash", "prompt_id"])
                 if store.exists(*CORPUS_FILE)

@@ -251,7 +251,7 @@ def evaluation_environment(config) -> EngineEnvironment | None:
 def prepare_in_background(config, log: Callable[[str], None] = print) -> threading.Thread | None:
     """Start making the vLLM environment ``config`` (an ``EvaluationConfig``) names on a thread of its own, so
     its install (minutes, first use only) overlaps the stages before ``drafter_evaluation``. None when the
-    engine is not vllm or the environment is ready. A failure here is only logged: the evaluation makes the
+    engine is not vllm or an interpreter is given. A failure here is only logged: the evaluation makes the
     environment again itself (the file lock makes it wait for this thread first) and raises there."""
     environment = evaluation_environment(config)
     return make_in_background(environment, log, "(drafter_evaluation will try again)") if environment else None
