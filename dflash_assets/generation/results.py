@@ -49,6 +49,8 @@ class CompletionResult:
             text fields are None.
         prompt_token_ids: prompt token ids when the server returns them (``choices[0].prompt_token_ids``
             or top-level ``prompt_token_ids``; SGLang ``return_prompt_token_ids``), else None.
+        context_refused: the server refused the prompt as too long for its context (HTTP 400): the row fails,
+            but it never counts toward ``max_consecutive_failures`` (it says nothing of the server's health).
     """
 
     index: int
@@ -63,6 +65,7 @@ class CompletionResult:
     attempts: int
     error: str | None
     prompt_token_ids: list[int] | None = None
+    context_refused: bool = False
 
     @property
     def ok(self) -> bool:

@@ -12,6 +12,7 @@ import polars as pl
 from dflash_assets.data.ranges import key_range
 from dflash_assets.data.truncation import row_counts, token_summary
 from dflash_assets.generation.records import (
+    PROMPT_TOO_LONG,
     VALIDITY_COLUMNS,
     align_to_schema,
     row_problem,
@@ -128,8 +129,10 @@ def partition_frame(
 
 
 def completion_stats(frame: pl.DataFrame) -> dict:
-    """Metadata numbers: finish_reason counts and completion-token mean/P50/P90/P99/max."""
+    """Metadata numbers: finish_reason counts and completion-token mean/P50/P90/P99/max (of generated rows:
+    those set aside as too long for the context are counted as ``prompt_too_long``)."""
     ok, counts = row_counts(frame)
+    set_aside = frame.filter(pl.col("error").is_null() & (pl.col("finish_reason") == PROMPT_TOO_LONG))
     tokens = ok["completion_tokens"].drop_nulls().to_numpy()
     summary = token_summary(tokens)
     stats = {
@@ -140,8 +143,18 @@ def completion_stats(frame: pl.DataFrame) -> dict:
         "length_row_caps": sorted(
             {int(c) for c in ok.filter(pl.col("finish_reason") == "length")["max_output_tokens"].to_list()}
         ),
-        "settings_fingerprints": sorted(set(ok["settings_fingerprint"].to_list())),
+        "settings_fingerprints": sorted(
+            set(ok["settings_fingerprint"].to_list()) | set(set_aside["settings_fingerprint"].to_list())
+        ),
         "completion_tokens_max": summary["max"] if tokens.size else 0,
+        # the caps and contexts (0: unknown) rows set aside as too long were judged under: either changing
+        # makes them judged again (freshness.settings_reason)
+        "prompt_too_long_judged": sorted(
+            {
+                (int(r["max_output_tokens"]), int(r["context_length"] or 0))
+                for r in set_aside.select("max_output_tokens", "context_length").iter_rows(named=True)
+            }
+        ),
     }
     if tokens.size:
         stats.update(
