@@ -236,3 +236,35 @@ def test_rows_set_aside_are_counted_apart_and_the_advice_counts_prompts_over_the
     for candidate in advice["candidates"]:
         assert candidate["prompts_over_context"] == int((lengths + candidate["cap"] > 200).sum())
     assert [(c["cap"], c["prompts_over_context"]) for c in advice["candidates"]][:2] == [(80, 5), (96, 6)]
+
+
+def test_a_partition_whose_every_prompt_was_set_aside_tokenizes_to_nothing_and_passes_its_check():
+    """Found by the vLLM main-job test: such a partition failed ``no_empty_loss_mask`` (no row kept), though it
+    rightly has nothing to train on."""
+    from transformers import AutoTokenizer
+
+    from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
+    from dflash_assets.generation.records import rows_to_frame, too_long_row
+    from dflash_assets.stages.tokenized import TokenizeConfig, run_checks
+
+    settings = GenerationSettings(max_output_tokens=CAP).with_context(CONTEXT)
+    prompts = pl.DataFrame(
+        {
+            "index": [0, 1],
+            "prompt_id": ["a", "b"],
+            "content_hash": ["ha", "hb"],
+            "source": ["s", "s"],
+            "messages": [[{"role": "user", "content": p}] for p in LONG],
+        }
+    )
+    completions_frame = rows_to_frame([too_long_row(p, settings, 300) for p in prompts.iter_rows(named=True)])
+    builder = SequenceBuilder(AutoTokenizer.from_pretrained(ensure_local_model()))
+    tokenized, aside, counts = tokenize_partition(completions_frame, prompts, builder, TokenizePolicy(truncated="keep"))
+    assert tokenized.height == 0 and counts["prompt_too_long"] == 2
+    assert all(r.startswith(PROMPT_TOO_LONG) for r in aside["reason"])
+    checks = {c.check_name: c.passed for c in run_checks(tokenized, completions_frame, builder, TokenizeConfig(), CAP)}
+    assert checks["no_empty_loss_mask"] is True
+    # one generated row among them: the empty table is a failure again
+    mixed = pl.concat([completions_frame, completions_frame.head(1).with_columns(finish_reason=pl.lit("stop"))])
+    checks = {c.check_name: c.passed for c in run_checks(tokenized, mixed, builder, TokenizeConfig(), CAP)}
+    assert checks["no_empty_loss_mask"] is False

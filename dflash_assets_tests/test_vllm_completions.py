@@ -245,6 +245,7 @@ def test_main_job_on_vllm_sets_aside_prompts_too_long_for_its_context(tmp_path):
     resources["inference"].update(max_running_requests=4, vllm={"max_model_len": MAX_MODEL_LEN})
     resources["generation"]["max_output_tokens"] = LONG_CAP
     ops["prompt_corpus"]["config"] = {"sources": [str(source)], "partition_size": 2}
+    ops["tokenized_sequences"]["config"]["degenerate_small_tokens"] = 0  # answers under the 16-token cap are right
     ops["dflash_drafter"]["config"].update(max_steps=4, checkpoint_every=0, eval_fraction=0.3)
     ops["drafter_evaluation"]["config"].update(num_prompts=2, max_new_tokens=8, teacher_forced_anchors=8, engine="none")
     path = tmp_path / "config.yaml"
@@ -276,6 +277,9 @@ def test_main_job_on_vllm_sets_aside_prompts_too_long_for_its_context(tmp_path):
             assert (row["context_length"], row["max_output_tokens"]) == (MAX_MODEL_LEN, LONG_CAP)
         else:
             assert row["finish_reason"] in ("stop", "length") and len(row["output_token_ids"]) > 0
+    # the partition of the two long prompts has nothing to train on, and every stage after it says so
+    assert pl.read_parquet(data / "tokenized_sequences" / "0000002-0000003.parquet").height == 0
+    assert json.loads((data / "hidden_states" / "0000002-0000003" / "index.json").read_text())["num_rows"] == 0
     report = json.loads((data / "truncation_report" / "report.json").read_text())
     assert report["prompt_too_long"] == 2 and report["rows"] == len(prompts)
     assert report["advice"]["prompts_over_context"] == 2
