@@ -12,7 +12,8 @@ asset                             not up to date when
 ``completions[pk]``               never built; the corpus's version of the partition's prompts (the hash
                                   of its ``(index, content_hash)`` pairs) is not the one the table was
                                   made for; rows the generation settings invalidate (error rows, other
-                                  sampling, a cap their length rows or longest row does not fit)
+                                  sampling, a cap their length rows or longest row does not fit, prompts
+                                  set aside as too long under another cap or servers' context)
 ``tokenized_sequences[pk]``,      never built, or older than the latest materialization of the stage
 ``hidden_states[pk]``             before it (which happens only when that stage's table changed); its
                                   latest materialization failed a blocking check, or the stage before it
