@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # once instead of ending the run alone.
 SLOW_MODULE_SECONDS = {
     "test_drafter_quality": 650,
+    "test_vllm_completions": 280,
     "test_status": 128,
     "test_sglang_contract": 120,  # 27 s, and ~2 min more where its SGLang environment is not made yet
     "test_engine_env": 120,
@@ -38,7 +39,6 @@ SLOW_MODULE_SECONDS = {
     "test_ui": 69,
     "test_backfill_schedule": 68,
     "test_kill_resume": 66,
-    "test_vllm_completions": 60,
     "test_vllm_contract": 30,
     "test_ui_backfill": 60,
     "test_s3_storage": 58,
@@ -52,6 +52,7 @@ SLOW_MODULE_SECONDS = {
     "test_distributed_train": 37,
     "test_tokenized": 36,
     "test_completions_asset": 36,
+    "test_prompt_length": 35,
     "test_node_scale": 34,
     "test_vllm_hybrid_target": 32,
     "test_vllm_ngram": 200,

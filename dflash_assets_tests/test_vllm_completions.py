@@ -247,3 +247,103 @@ def test_engine_core_dies_with_a_launcher_killed_with_kill_9(tmp_path):
         launcher.kill()
         if leader is not None and session_members(leader):
             os.killpg(leader, signal.SIGKILL)
+
+
+# ----------------------------------------------------------- the main job with prompts too long for the context
+
+MAX_MODEL_LEN = 256
+LONG_CAP = 16
+FITTING = [
+    "What is 2+2? Answer with just the number.",
+    "Translate 'hello' to Spanish. One word.",
+    "What is the capital of France? Answer in one word.",
+    "Name a prime number below ten.",
+    "What colour is the sky on a clear day? One word.",
+]
+
+
+def test_main_job_on_vllm_sets_aside_prompts_too_long_for_its_context(tmp_path):
+    """Issue 38 item 6: the main job (``python -m dflash_assets run``, a subprocess) on vLLM's CPU build with
+    ``max_model_len`` 256 and cap 16, over a prompt file holding a prompt longer than the context (vLLM: HTTP
+    400) and one that fits the context but not with the cap (vLLM would lower ``max_tokens`` in silence and the
+    row would be cut short of the cap). The run finishes; those rows are set aside as ``prompt_too_long`` with
+    their lengths (counted here by the tokenizer's own ``apply_chat_template``), counted in the summary and the
+    truncation report; vLLM's own access log shows one request per fitting prompt and no refusal, so no request
+    for the long ones reached it; the fitting rows' ``prompt_tokens`` (vLLM's count) equal the lengths counted
+    here."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from transformers import AutoTokenizer
+
+    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.orchestration.config import BUNDLED
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_local_model())
+
+    def length(prompt: str) -> int:
+        messages = [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return len(ids)
+
+    over_context = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 40
+    no_room = next(
+        p
+        for n in range(1, 60)
+        if MAX_MODEL_LEN - LONG_CAP < length(p := "Summarize: " + "lorem ipsum dolor " * n) <= MAX_MODEL_LEN
+    )
+    assert length(over_context) > MAX_MODEL_LEN and all(length(p) + LONG_CAP <= MAX_MODEL_LEN for p in FITTING)
+    prompts = [FITTING[0], FITTING[1], over_context, no_room, *FITTING[2:]]  # one partition holds only long ones
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+
+    config = yaml.safe_load((BUNDLED / "local_demo.yaml").read_text())
+    ops, resources = config["ops"], config["resources"]
+    resources["inference"].update(max_running_requests=4, vllm={"max_model_len": MAX_MODEL_LEN})
+    resources["generation"]["max_output_tokens"] = LONG_CAP
+    ops["prompt_corpus"]["config"] = {"sources": [str(source)], "partition_size": 2}
+    ops["tokenized_sequences"]["config"]["degenerate_small_tokens"] = 0  # answers under the 16-token cap are right
+    ops["dflash_drafter"]["config"].update(max_steps=4, checkpoint_every=0, eval_fraction=0.3)
+    ops["drafter_evaluation"]["config"].update(num_prompts=2, max_new_tokens=8, teacher_forced_anchors=8, engine="none")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    data, home = tmp_path / "data", tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_STORAGE_ROOT": str(data), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_assets", "run", "--config", str(path)],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "set aside as too long for the context, never sent: 2" in proc.stdout, proc.stdout[-3000:]
+
+    rows = pl.concat([pl.read_parquet(p) for p in sorted((data / "completions").glob("0*.parquet"))]).sort("index")
+    corpus = pl.read_parquet(data / "prompt_corpus" / "corpus.parquet").sort("index")
+    text = {r["index"]: r["messages"][-1]["content"] for r in corpus.iter_rows(named=True)}
+    assert rows.height == len(prompts) and rows["error"].null_count() == rows.height
+    for row in rows.iter_rows(named=True):
+        prompt = text[row["index"]]
+        assert row["prompt_tokens"] == length(prompt), prompt[:40]  # vLLM's count and the set-aside's alike
+        if prompt in (over_context, no_room):
+            assert row["finish_reason"] == "prompt_too_long" and row["completion_tokens"] == 0
+            assert (row["context_length"], row["max_output_tokens"]) == (MAX_MODEL_LEN, LONG_CAP)
+        else:
+            assert row["finish_reason"] in ("stop", "length") and len(row["output_token_ids"]) > 0
+    # the partition of the two long prompts has nothing to train on, and every stage after it says so
+    assert pl.read_parquet(data / "tokenized_sequences" / "0000002-0000003.parquet").height == 0
+    assert json.loads((data / "hidden_states" / "0000002-0000003" / "index.json").read_text())["num_rows"] == 0
+    report = json.loads((data / "truncation_report" / "report.json").read_text())
+    assert report["prompt_too_long"] == 2 and report["rows"] == len(prompts)
+    assert report["advice"]["prompts_over_context"] == 2
+    # vLLM's own access log: one chat request per fitting prompt (it has no start-up probe), none refused
+    log = "\n".join(p.read_text() for p in (data / "server_logs").rglob("vllm_*.log"))
+    posts = [line for line in log.splitlines() if '"POST /v1/chat/completions HTTP/1.1"' in line]
+    assert len(posts) == len(FITTING) and all(" 200 " in line for line in posts), posts

@@ -183,7 +183,8 @@ def _run_all(config_path_arg: str | None, dagster_home: str | None, verbose: boo
             return 1
         did_work.append("prompt_corpus")
     keys = instance.get_dynamic_partitions(prompt_ranges.name)
-    settings = defs.resources["generation"].settings()
+    # judged with the servers' context: prompts set aside as too long are judged again when it changes
+    settings = defs.resources["generation"].settings().with_context(inference.context_length())
     features = _feature_mode(instance, settings)
     stages = [s for s in PARTITION_STAGES if not (features == "online" and s == "hidden_states")]
 

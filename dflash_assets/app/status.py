@@ -415,10 +415,10 @@ def current_settings_and_store():
     """The active config's generation settings and storage (``$DFLASH_CONFIG``), or ``(None, None, error)``."""
     try:
         from dflash_assets.orchestration.config import resource_fields
-        from dflash_assets.stages.resources.generation import GenerationResource
+        from dflash_assets.stages.resources.generation import configured_settings
         from dflash_assets.stages.resources.storage import StorageResource, s3_credentials_from_env
 
-        settings = GenerationResource(**resource_fields("generation")).settings()
+        settings = configured_settings()  # with the servers' context: prompts set aside as too long are judged by it
         store = StorageResource(**resource_fields("storage"), **s3_credentials_from_env()).open()
         return settings, store, None
     except Exception as exc:

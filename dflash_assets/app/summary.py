@@ -69,7 +69,7 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
     """
     corpus = _unpartitioned(instance, "prompt_corpus")
     finish: Counter = Counter()
-    comp_rows = comp_errors = ids_missing = tok_rows = loss_tokens = hs_bytes = hs_tokens = 0
+    comp_rows = comp_errors = ids_missing = too_long = tok_rows = loss_tokens = hs_bytes = hs_tokens = 0
     seen = {"completions": False, "tokenized_sequences": False, "hidden_states": False}
     for pk in keys:
         c = _meta(instance, "completions", pk)
@@ -77,6 +77,7 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
         comp_rows += c.get("rows", 0)
         comp_errors += c.get("errors", 0)
         ids_missing += c.get("output_ids_missing", 0)  # 0 for a partition committed before it was counted
+        too_long += c.get("prompt_too_long", 0)
         t = _meta(instance, "tokenized_sequences", pk)
         tok_rows += t.get("rows", 0)
         loss_tokens += t.get("loss_tokens", 0)
@@ -110,6 +111,7 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
         "completions": comp_rows,
         "completion_errors": comp_errors,
         "completions_without_ids": ids_missing,
+        "prompt_too_long": too_long,  # set aside as too long for the servers' context, never sent
         "finish_reasons": dict(sorted(finish.items())),
         "truncation_rate": report.get("truncation_rate"),
         "cap": report.get("cap"),
@@ -433,8 +435,13 @@ def format_summary(s: dict) -> str:
                 else ""
             )
         ),
-        f"completions        {s['completions']} rows (errors: {s['completion_errors']}), "
-        f"{s.get('completions_without_ids', 0)} without the model's own token ids; finish_reason: {reasons}",
+        f"completions        {s['completions']} rows (errors: {s['completion_errors']}"
+        + (
+            f"; set aside as too long for the context, never sent: {s['prompt_too_long']}"
+            if s.get("prompt_too_long")
+            else ""
+        )
+        + f"), {s.get('completions_without_ids', 0)} without the model's own token ids; finish_reason: {reasons}",
         f"truncation         {'-' if rate is None else f'{rate:.2%}'} of completions hit the cap of "
         f"{fmt(s['cap'])} tokens",
     ]

@@ -153,7 +153,7 @@ def completions(
     ):
         raise dg.Failure(partition_busy_message(context.instance, "completions", holding))
     store = storage.open()
-    settings = generation.settings()
+    settings = generation.settings().with_context(inference.context_length())  # prompts are judged against it
     run = RangeRun(
         context.log,
         store,

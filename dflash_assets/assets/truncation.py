@@ -5,6 +5,7 @@ import time
 import dagster as dg
 import polars as pl
 
+from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.truncation import (
     cap_advice,
     cap_advice_markdown,
@@ -14,6 +15,7 @@ from dflash_assets.data.truncation import (
     read_report_columns,
     truncation_stats,
 )
+from dflash_assets.generation.records import PROMPT_TOO_LONG
 from dflash_assets.orchestration.metadata import png_markdown
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.completions.tables import partition_file
@@ -33,7 +35,28 @@ def load_all_completions(store, keys: list[str]) -> tuple[pl.DataFrame, list[str
             frames.append(read_report_columns(store, *partition_file(pk)).with_columns(partition=pl.lit(pk)))
         else:
             missing.append(pk)
-    return (pl.concat(frames, how="vertical_relaxed") if frames else pl.DataFrame()), missing
+    # diagonal: a table written before a column existed (context_length) lacks it
+    return (pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()), missing
+
+
+def context_figures(frame: pl.DataFrame, settings: GenerationSettings) -> dict:
+    """What the cap advice needs to say how many prompts each candidate cap leaves no room for under the
+    servers' context: the templated length of every prompt that has one (rows generated: the server's count;
+    rows set aside as too long: this project's), and the room at a cap under the context the rows were judged
+    against (the one the set-aside rows name, judged again at every change; else the most common). Counted as
+    vLLM refuses (prompt + cap over the context; SGLang refuses prompt + cap equal to it too). Empty when no
+    row names a context (tables made before rows recorded it)."""
+    if "context_length" not in frame.columns or "prompt_tokens" not in frame.columns:
+        return {}
+    aside = frame.filter(pl.col("finish_reason") == PROMPT_TOO_LONG)["context_length"].drop_nulls()
+    known = aside if aside.len() else frame["context_length"].drop_nulls()
+    if not known.len():
+        return {}
+    judged = settings.with_context(int(known.mode().sort()[-1]))
+    return {
+        "prompt_lengths": frame["prompt_tokens"].drop_nulls().to_numpy(),
+        "room_at": lambda cap: judged.model_copy(update={"max_output_tokens": cap}).prompt_room(),
+    }
 
 
 def prediction_check(previous: dict | None, stats: dict, cap: int) -> dict | None:
@@ -66,7 +89,8 @@ def prediction_check(previous: dict | None, stats: dict, cap: int) -> dict | Non
         "Reads every materialized completions partition (missing ones listed) and writes "
         "truncation_report/report.json and completion_lengths.png: finish_reason counts, truncation rate overall / "
         "per partition / per source, completion-token percentiles, truncated-inside-reasoning and empty-answer "
-        "counts, a length histogram with the cap marked, and advice for larger caps from a censored fit."
+        "counts, prompts set aside as too long for the context, a length histogram with the cap marked, and advice for "
+        "larger caps from a censored fit (with the prompts each cap would leave no room for under the context)."
     ),
 )
 def truncation_report(
@@ -79,10 +103,12 @@ def truncation_report(
         raise dg.Failure(
             f"no completions partition is materialized yet ({len(missing)} missing): materialize completions first"
         )
-    cap = generation.settings().max_output_tokens
+    settings = generation.settings()
+    cap = settings.max_output_tokens
     stats = truncation_stats(frame)
     ok = frame.filter(pl.col("error").is_null() & pl.col("completion_tokens").is_not_null())
-    advice = cap_advice(ok, cap)
+    ok = ok.filter(pl.col("finish_reason").ne_missing(PROMPT_TOO_LONG))  # never sent: no length to fit
+    advice = cap_advice(ok, cap, **context_figures(frame, settings))
     previous = store.read_json(REPORT_DIR, "report.json") if store.exists(REPORT_DIR, "report.json") else None
     check = prediction_check(previous, stats, cap)
     png = length_histogram_png(
@@ -116,6 +142,7 @@ def truncation_report(
             "completion_tokens": stats["completion_tokens"],
             "truncated_in_reasoning": stats["truncated_in_reasoning"],
             "empty_answer": stats["empty_answer"],
+            "prompt_too_long": stats["prompt_too_long"],
             "partitions_missing": len(missing),
             "prediction_vs_actual": check or {},
             "histogram": png_markdown(png, "completion lengths"),

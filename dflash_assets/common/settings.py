@@ -58,6 +58,25 @@ class GenerationSettings(GenerationFields):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # no bool-as-int, no numeric strings
 
+    # Not a user setting: the servers' context (InferenceServerResource.context_length), filled in by whoever
+    # judges rows (with_context). Excluded from every dump, so neither the fingerprint nor a row's settings
+    # change with it; only rows set aside as too long for the context are judged by it (records.invalid_reason).
+    context_length: int | None = Field(default=None, ge=1, exclude=True, description="The servers' context, tokens.")
+
+    def with_context(self, context_length: int | None) -> GenerationSettings:
+        """These settings judged against a context of ``context_length`` tokens (None: unknown)."""
+        return self.model_copy(update={"context_length": context_length})
+
+    def prompt_room(self, backend: str | None = None) -> int | None:
+        """The longest templated prompt, in tokens, that fits with a full cap under ``context_length``; None
+        when the context is unknown. SGLang refuses prompt + ``max_new_tokens`` >= its context (HTTP 400,
+        ``TokenizerManager._validate_one_request``), so one token less for ``backend`` ``sglang``; vLLM refuses
+        a prompt longer than its context and silently lowers ``max_tokens`` to what is left (a row cut short
+        of the cap), so prompt + cap must not pass it."""
+        if self.context_length is None:
+            return None
+        return self.context_length - self.max_output_tokens - (1 if backend == "sglang" else 0)
+
     def sampling_fingerprint(self) -> str:
         """Hash of every setting except ``max_output_tokens``: rows with another fingerprint are stale."""
         return _fingerprint(self)

@@ -22,7 +22,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from dflash_assets.generation.records import THINK_CLOSE, THINK_OPEN, completion_layout
+from dflash_assets.generation.records import PROMPT_TOO_LONG, THINK_CLOSE, THINK_OPEN, completion_layout
 
 BATCH_ROWS = 128  # rows per batched tokenizer call
 
@@ -150,6 +150,18 @@ class SequenceBuilder:
             for k, text in zip(where, rendered):
                 out[k] = text
         return out
+
+    def prompt_lengths(self, conversations: list[list[dict[str, str]]], enable_thinking: bool) -> list[int]:
+        """Tokens of each conversation's prompt as the server renders it: the chat template with the
+        generation prompt and the thinking flag, tokenized without added special tokens (the
+        ``prompt_len`` :meth:`build_many` gives). Batched by ``BATCH_ROWS``; rendering the next batch overlaps
+        tokenizing this one, as in :meth:`build_many`."""
+        futures = []
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            for start in range(0, len(conversations), BATCH_ROWS):
+                batch = conversations[start : start + BATCH_ROWS]
+                futures.append(pool.submit(self.encode_texts, self.prompt_texts(batch, [enable_thinking] * len(batch))))
+        return [len(ids) for future in futures for ids in future.result()]
 
     def completion_text(self, row: dict[str, Any], prompt_text: str) -> str:
         """The completion as the model emitted it: ``<think>\\n{reasoning}\\n</think>\\n\\n{answer}`` (Qwen3
@@ -342,7 +354,7 @@ def tokenize_partition(
     Returns:
         ``(tokenized, set_aside, counts)``: TOKENIZED_SCHEMA rows sorted by ``index``; rows not kept with
         ``index`` and ``reason``; counts by outcome (kept, dropped_truncated, dropped_over_max_length, cut,
-        error_rows, tokenization_errors, other_prompt).
+        error_rows, prompt_too_long, tokenization_errors, other_prompt).
     """
     messages_by_index = dict(zip(prompts["index"].to_list(), prompts["messages"].to_list()))
     hash_by_index = dict(zip(prompts["index"].to_list(), prompts["content_hash"].to_list()))
@@ -367,6 +379,9 @@ def tokenize_partition(
         elif row.get("error"):
             counts["error_rows"] += 1
             aside.append({"index": idx, "reason": f"error row: {row['error'][:200]}"})
+        elif row["finish_reason"] == PROMPT_TOO_LONG:  # never sent: nothing the model wrote
+            counts["prompt_too_long"] += 1
+            aside.append({"index": idx, "reason": f"{PROMPT_TOO_LONG}: never sent ({row['prompt_tokens']} tokens)"})
         elif row["finish_reason"] != "stop" and policy.truncated == "drop":
             counts["dropped_truncated"] += 1
             aside.append({"index": idx, "reason": f"finish_reason {row['finish_reason']} (policy truncated=drop)"})

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 
 from dflash_assets.common.figures import figure_png_bytes, new_figure
+from dflash_assets.generation.records import PROMPT_TOO_LONG
 
 SQRT2 = math.sqrt(2.0)
 # Percentiles of the bootstrap predictive taken as the "90%" interval: the plain 5/95 covered 0.83 of
@@ -45,6 +47,8 @@ REPORT_COLUMNS = (
     "error",
     "truncated_in_reasoning",
     "empty_answer",
+    "prompt_tokens",
+    "context_length",
 )
 
 
@@ -253,8 +257,11 @@ def cap_advice(
     seed: int = 0,
     target_rate: float = 0.05,
     max_cap: int = 32768,
+    prompt_lengths: np.ndarray | None = None,
+    room_at: Callable[[int], int | None] | None = None,
 ) -> dict:
-    """Advice for candidate caps: predicted truncation rate (with 90% bootstrap interval) and tokens.
+    """Advice for candidate caps: predicted truncation rate (with 90% bootstrap interval) and tokens, and how
+    many prompts each cap leaves no room for under the servers' context.
 
     Candidates are ``cap * m`` for each multiplier; while the largest one's predicted truncation rate is
     still above ``target_rate``, the cap is doubled again (the last step clipped to ``max_cap``), so a
@@ -265,6 +272,11 @@ def cap_advice(
         cap: the current cap (tokens).
         target_rate: stop doubling once a candidate's predicted truncation rate is at or below this share.
         max_cap: largest cap offered by doubling (tokens; e.g. the model's context length).
+        prompt_lengths: templated prompt tokens of every prompt whose length is known (generated rows and rows
+            set aside as too long); with ``room_at``, each candidate (and the current cap) gets
+            ``prompts_over_context``: how many of them would be set aside at that cap.
+        room_at: ``room_at(cap)``, the longest prompt that fits with that cap (tokens), None when the context is
+            unknown (:meth:`~dflash_assets.common.settings.GenerationSettings.prompt_room`).
 
     Returns:
         ``current_cap``, ``observed_truncation_rate``, ``truncated_rows``, ``method``, ``fit`` ({family, mu, sigma} or
@@ -289,6 +301,12 @@ def cap_advice(
         "fit": None,
         "candidates": [],
     }
+
+    def over(at_cap: int) -> dict:
+        room = room_at(at_cap) if room_at is not None and prompt_lengths is not None else None
+        return {} if room is None else {"prompts_over_context": int((prompt_lengths > room).sum())}
+
+    result.update(over(cap))
     if not families or n_trunc == 0 or n - n_trunc < MIN_FINISHED_ROWS:
         result["note"] = (
             "no truncated rows: every completion stopped on its own"
@@ -314,7 +332,7 @@ def cap_advice(
     draws = rng.random((len(boot_fits), n_trunc))  # one uniform per truncated row and replicate: binomial draws
 
     def candidate(new_cap: int) -> dict:
-        pred = predict_cap(fit, cap, observed, n_trunc, new_cap)
+        pred = {**predict_cap(fit, cap, observed, n_trunc, new_cap), **over(new_cap)}
         rates = []
         for (f, r), u in zip(boot_fits, draws):
             if new_cap > cap:
@@ -345,16 +363,20 @@ def row_counts(frame: pl.DataFrame) -> tuple[pl.DataFrame, dict]:
     """The rows without an error, and the counts both the completions metadata and the truncation report give.
 
     Returns:
-        ``(ok, counts)``: ``ok`` is ``frame`` filtered to ``error`` null; ``counts`` holds, in this order,
-        ``rows`` (all rows), ``finish_reasons`` (finish_reason -> rows among ``ok``, sorted by reason, a
-        missing one counted as ``"none"``), ``errors`` (rows with an error), ``truncated_in_reasoning``
-        and ``empty_answer`` (rows of ``ok`` flagged so).
+        ``(ok, counts)``: ``ok`` is ``frame`` filtered to ``error`` null and to rows that were generated (not
+        set aside as too long for the context, :data:`PROMPT_TOO_LONG`); ``counts`` holds, in this order,
+        ``rows`` (all rows), ``finish_reasons`` (finish_reason -> rows without an error, set-aside ones included,
+        sorted by reason, a missing one counted as ``"none"``), ``errors`` (rows with an error),
+        ``prompt_too_long`` (rows set aside, never sent), ``truncated_in_reasoning`` and ``empty_answer`` (rows of
+        ``ok`` flagged so).
     """
-    ok = frame.filter(pl.col("error").is_null())
+    no_error = frame.filter(pl.col("error").is_null())
+    ok = no_error.filter(pl.col("finish_reason").ne_missing(PROMPT_TOO_LONG))
     return ok, {
         "rows": frame.height,
-        "finish_reasons": dict(sorted(Counter(ok["finish_reason"].fill_null("none").to_list()).items())),
-        "errors": frame.height - ok.height,
+        "finish_reasons": dict(sorted(Counter(no_error["finish_reason"].fill_null("none").to_list()).items())),
+        "errors": frame.height - no_error.height,
+        "prompt_too_long": no_error.height - ok.height,
         "truncated_in_reasoning": int(ok["truncated_in_reasoning"].sum()),
         "empty_answer": int(ok["empty_answer"].sum()),
     }
@@ -432,13 +454,19 @@ def cap_advice_markdown(advice: dict) -> str:
         low, high = (100 * x for x in c["truncation_rate_90ci"])
         return f"{low:.2f}%\u2013{high:.2f}%"  # an en dash between the bounds, as the report writes them
 
+    context = "prompts_over_context" in advice  # the servers' context is known: each cap's set-aside prompts
     rows = "\n".join(
         f"| {c['cap']} | {c['truncation_rate']:.2%} | {interval(c)} | "
         f"{c['requests']} | {c['tokens_to_generate']:.0f} | {c['extra_output_tokens']:.0f} |"
+        + (f" {c.get('prompts_over_context', '-')} |" if context else "")
         for c in advice["candidates"]
     )
     return (
         f"Method: {advice['method']}.\n\n| cap | predicted truncation | 90% interval | requests | tokens to generate, "
-        "whole | extra tokens (to generate, continued) |\n"
-        "|---|---|---|---|---|---|\n" + rows
+        "whole | extra tokens (to generate, continued) |"
+        + (" prompts over the context |" if context else "")
+        + "\n|---|---|---|---|---|---|"
+        + ("---|" if context else "")
+        + "\n"
+        + rows
     )

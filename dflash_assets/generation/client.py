@@ -18,7 +18,9 @@ Design choices, each answering a failure seen in hand-run generation:
   a connection error or 5xx is avoided for a backoff period, so a dead server (which fails fast and so
   always looks idle) does not attract every request.
 - ``max_consecutive_failures`` final failures in a row stop the run: no new request is sent, the
-  requests in flight finish and are delivered, then :class:`TooManyFailuresError` is raised.
+  requests in flight finish and are delivered, then :class:`TooManyFailuresError` is raised. A 400 refusing a
+  prompt as too long for the server's context fails its row only (``CompletionResult.context_refused``): it
+  never counts toward the stop.
 - Faults of a long run (``supervisor``, :mod:`dflash_assets.generation.supervision`): a server whose
   process exited, that failed ``down_after_faults`` attempts in a row, or that finished nothing for
   ``stall_timeout_s`` while holding requests (hung, though ``/health`` may still say 200) is taken
@@ -233,6 +235,8 @@ class CompletionClient(ServerRouting, RequestAttempts):
             self._failure_servers = []
             return
         self._rows_failed += 1
+        if result.context_refused:
+            return  # that prompt's length, not the server's health: neither a failure in a row nor a success
         self._consecutive_failures += 1
         if result.server not in self._failure_servers:
             self._failure_servers.append(result.server)

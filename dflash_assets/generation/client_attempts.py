@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any
 
@@ -25,18 +26,36 @@ from dflash_assets.generation.results import CompletionResult
 # HTTP statuses worth another attempt: request timeout, rate limit, and server-side errors.
 _TRANSIENT_STATUSES = frozenset({408, 429})
 
+# A 400 that says the prompt (with max_tokens) does not fit the server's context: SGLang "The input (N tokens)
+# is longer than the model's context length (C tokens)." / "Requested token count exceeds the model's maximum
+# context length of C tokens..."; vLLM "This model's maximum context length is C tokens..." / "Input length (N)
+# exceeds model's maximum context length (C)."
+_CONTEXT_REFUSAL = re.compile(r"context[ _]length|max_model_len", re.IGNORECASE)
+
+#: How the error of a row the server refused as too long for its context begins.
+CONTEXT_REFUSED = "prompt_too_long (refused by the server)"
+
 
 class AttemptError(Exception):
     """One failed HTTP attempt; ``transient`` decides whether another attempt may be made."""
 
     def __init__(
-        self, message: str, transient: bool, server: str, *, server_fault: bool = False, rerouted: bool = False
+        self,
+        message: str,
+        transient: bool,
+        server: str,
+        *,
+        server_fault: bool = False,
+        rerouted: bool = False,
+        context_refused: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.transient = transient
         self.server = server
         self.rerouted = rerouted  # cancelled because its server was taken out: re-send at once
+        # the prompt does not fit the server's context: that row's fault, not the server's nor the run's
+        self.context_refused = context_refused
         # Connection failures and 5xx say the server itself is unwell: route around it for a while.
         self.server_fault = server_fault
 
@@ -145,11 +164,14 @@ class RequestAttempts:
             status = response.status_code
             if status != 200:
                 transient = status in _TRANSIENT_STATUSES or status >= 500
+                said = server_error_message(reply)
+                refused = status == 400 and bool(_CONTEXT_REFUSAL.search(said))
                 raise AttemptError(
-                    f"HTTP {status} from {server.label}: {server_error_message(reply)}",
+                    f"{CONTEXT_REFUSED + ': ' if refused else ''}HTTP {status} from {server.label}: {said}",
                     transient=transient,
                     server=server.label,
                     server_fault=status >= 500,
+                    context_refused=refused,
                 )
             try:
                 fields = parse_chat_completion(decode_reply(reply), self.vocab_size)
@@ -243,6 +265,7 @@ class RequestAttempts:
                 server=exc.server,
                 attempts=attempts,
                 error=message,
+                context_refused=exc.context_refused,
             )
         return CompletionResult(
             index=index,

@@ -32,11 +32,11 @@ class PartitionComplete:
 
 def plan_requests(
     prompts: pl.DataFrame, existing: dict[int, dict], settings: GenerationSettings
-) -> tuple[list[dict], Counter]:
-    """Prompts (corpus rows) that need a request, and why, counted by reason. A row made for another
-    prompt than the corpus's at its index (:func:`prompt_mismatch`) is never used: requested again as
-    ``prompt changed`` (or ``prompt unknown``, a row from before rows named their prompt)."""
-    todo, reasons = [], Counter()
+) -> tuple[list[dict], Counter, dict[int, str]]:
+    """Prompts (corpus rows) that need a request, why (counted by reason) and each one's reason by index. A
+    row made for another prompt than the corpus's at its index (:func:`prompt_mismatch`) is never used:
+    requested again as ``prompt changed`` (or ``prompt unknown``, a row from before rows named their prompt)."""
+    todo, reasons, why = [], Counter(), {}
     for prompt in prompts.iter_rows(named=True):
         row = existing.get(prompt["index"])
         # a row that cannot be stored as it is (a journal line with a count past its type, say) is redone
@@ -49,7 +49,38 @@ def plan_requests(
         if reason is not None:
             todo.append(prompt)
             reasons[reason] += 1
-    return todo, reasons
+            why[prompt["index"]] = reason
+    return todo, reasons, why
+
+
+def prompt_length(prompt: dict, view: dict[int, dict], settings: GenerationSettings) -> int | None:
+    """The templated length of ``prompt`` a stored row of it already gives (``view``: index -> row, rows of
+    other prompts already dropped): its ``prompt_tokens`` (the server's count, or an earlier set-aside's) when
+    the row has no error and was made under this sampling (the same thinking flag, so the same template); else
+    None."""
+    row = view.get(prompt["index"]) or {}
+    usable = not row.get("error") and row.get("settings_fingerprint") == settings.sampling_fingerprint()
+    return int(row["prompt_tokens"]) if usable and row.get("prompt_tokens") is not None else None
+
+
+def prompt_lengths(
+    prompts: list[dict], view: dict[int, dict], settings: GenerationSettings, builder=None
+) -> dict[int, int]:
+    """Templated prompt tokens of each of ``prompts`` (index -> tokens): :func:`prompt_length` where a stored
+    row gives it, else counted once by ``builder`` (a :class:`~dflash_assets.data.tokenization.SequenceBuilder`
+    on the target's tokenizer: chat template, generation prompt, ``settings.enable_thinking``), batched.
+
+    Raises:
+        ValueError: a prompt has no stored length and no ``builder`` is given.
+    """
+    lengths = {p["index"]: n for p in prompts if (n := prompt_length(p, view, settings)) is not None}
+    unknown = [p for p in prompts if p["index"] not in lengths]
+    if unknown and builder is None:
+        raise ValueError(f"{len(unknown)} prompts have no stored length and no tokenizer was given")
+    if unknown:
+        counted = builder.prompt_lengths([p["messages"] for p in unknown], settings.enable_thinking)
+        lengths.update(zip((p["index"] for p in unknown), counted, strict=True))
+    return lengths
 
 
 @dataclass
@@ -67,6 +98,7 @@ class Partition:
     remaining: int = 0
     resumed: int = 0  # valid rows taken from the journal an interrupted run left (not requested again)
     cut: int = 0  # rows cut to a lowered cap in memory (not journaled): the table must be rewritten
+    too_long: int = 0  # prompts set aside as too long for the context, in memory (not journaled), never sent
     first_sent: float | None = None
     by_index: dict = field(default_factory=dict)
 

@@ -49,12 +49,21 @@ COMPLETIONS_SCHEMA = {
     # requests that made this row when the end of a run generated it in chunks
     # (inference.client.tail_chunk_tokens; 0: one)
     "tail_chunks": pl.Int64,
+    # the servers' context (tokens) the prompt was judged against before it was sent (null: unknown); a row
+    # set aside as too long for it (finish_reason prompt_too_long) is judged again when it or the cap changes
+    "context_length": pl.Int64,
 }
 #: Counts that rows made before the column existed read as 0.
 _ZERO_IF_MISSING = ("continued_from_tokens", "cut_from_tokens", "tail_chunks")
 #: Token counts and ids: below 2**31 (the Int32 id column; no context is that long), never negative.
 _TOKEN_LIMIT = 2**31
-_TOKEN_COUNTS = frozenset({"prompt_tokens", "completion_tokens", "continued_from_tokens", "cut_from_tokens"})
+_TOKEN_COUNTS = frozenset(
+    {"prompt_tokens", "completion_tokens", "continued_from_tokens", "cut_from_tokens", "context_length"}
+)
+
+#: ``finish_reason`` of a row set aside, never sent: its templated prompt leaves no room for the cap under the
+#: servers' context (:func:`too_long_row`).
+PROMPT_TOO_LONG = "prompt_too_long"
 
 
 def row_problem(row: dict[str, Any]) -> str | None:
@@ -121,6 +130,43 @@ def set_aside_row(prompt: dict[str, Any], reason: str) -> dict[str, Any]:
         tail_chunks=0,
     )
     return row
+
+
+def too_long_row(prompt: dict[str, Any], settings: GenerationSettings, prompt_tokens: int) -> dict[str, Any]:
+    """The row of a prompt set aside, never sent: ``finish_reason`` :data:`PROMPT_TOO_LONG`, its templated
+    length ``prompt_tokens`` (the target's chat template with the generation prompt and the thinking flag), the
+    cap ``max_output_tokens`` and the servers' ``context_length`` it was judged against (``settings``), no
+    text and no tokens. Not an error: the next run does not send it while cap and context stay
+    (:func:`invalid_reason`)."""
+    row: dict[str, Any] = dict.fromkeys(COMPLETIONS_SCHEMA)
+    row.update(
+        index=int(prompt["index"]),
+        prompt_id=prompt["prompt_id"],
+        prompt_hash=prompt.get("content_hash"),
+        source=prompt["source"],
+        finish_reason=PROMPT_TOO_LONG,
+        prompt_tokens=int(prompt_tokens),
+        completion_tokens=0,
+        truncated_in_reasoning=False,
+        empty_answer=False,
+        max_output_tokens=settings.max_output_tokens,
+        settings_fingerprint=settings.sampling_fingerprint(),
+        settings=settings.settings_json,
+        attempts=0,
+        continued_from_tokens=0,
+        cut_from_tokens=0,
+        tail_chunks=0,
+        context_length=settings.context_length,
+    )
+    return row
+
+
+def too_long_reason(prompt_tokens: int, settings: GenerationSettings, room: int) -> str:
+    """Why a prompt is set aside: its length, the context, the cap and what that leaves, in one phrase."""
+    return (
+        f"{PROMPT_TOO_LONG}: the templated prompt is {prompt_tokens:,} tokens; context {settings.context_length:,} "
+        f"- cap {settings.max_output_tokens:,} leaves room for {max(room, 0):,}"
+    )
 
 
 def split_reasoning(content: str | None, reasoning_content: str | None) -> tuple[str | None, str, bool]:
@@ -203,6 +249,7 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
         "continued_from_tokens": 0,
         "cut_from_tokens": 0,
         "tail_chunks": 0,
+        "context_length": settings.context_length,
     }
 
 
@@ -216,9 +263,13 @@ VALIDITY_COLUMNS = (
     "max_output_tokens",
     "prompt_hash",
     "prompt_id",
+    "prompt_tokens",
+    "context_length",
 )
 
 PROMPT_CHANGED = "prompt changed"
+TOO_LONG_CAP = "too long under another cap"
+TOO_LONG_CONTEXT = "too long under another context"
 PROMPT_UNKNOWN = "prompt unknown"
 
 
@@ -241,13 +292,22 @@ def invalid_reason(row: dict[str, Any], settings: GenerationSettings) -> str | N
     """Why ``row`` must be regenerated under ``settings``, or None when it stays valid.
 
     Reasons: ``error``, ``sampling changed``, ``cap raised`` (a ``length`` row cut below the new cap),
-    ``cap lowered`` (longer than the new cap), ``finish_reason <x>`` (abort and other non-final ends).
+    ``cap lowered`` (longer than the new cap), ``finish_reason <x>`` (abort and other non-final ends), and for a
+    row set aside as too long (:data:`PROMPT_TOO_LONG`) :data:`TOO_LONG_CAP` or :data:`TOO_LONG_CONTEXT`: it
+    was judged under another cap, or another context than ``settings.context_length`` (None: not known here,
+    so only the cap is compared); judged again, it may now fit.
     """
     if row.get("error"):
         return "error"
     if row.get("settings_fingerprint") != settings.sampling_fingerprint():
         return "sampling changed"
     cap, tokens, reason = settings.max_output_tokens, row.get("completion_tokens"), row.get("finish_reason")
+    if reason == PROMPT_TOO_LONG:
+        if row.get("max_output_tokens") != cap:
+            return TOO_LONG_CAP
+        if settings.context_length is not None and row.get("context_length") != settings.context_length:
+            return TOO_LONG_CONTEXT
+        return None
     if tokens is None:
         return "no completion_tokens"
     if tokens > cap:

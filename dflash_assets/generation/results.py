@@ -52,6 +52,8 @@ class CompletionResult:
             or top-level ``prompt_token_ids``; SGLang ``return_prompt_token_ids``), else None.
         output_token_ids_source: the reply field ``output_token_ids`` came from (``response_token_ids``,
             ``token_ids``, ``output_ids``, ``logprobs``), ``none`` when it is None.
+        context_refused: the server refused the prompt as too long for its context (HTTP 400): the row fails,
+            but it never counts toward ``max_consecutive_failures`` (it says nothing of the server's health).
     """
 
     index: int
@@ -67,6 +69,7 @@ class CompletionResult:
     error: str | None
     prompt_token_ids: list[int] | None = None
     output_token_ids_source: str = "none"
+    context_refused: bool = False
 
     @property
     def ok(self) -> bool:

@@ -12,7 +12,8 @@ asset                             not up to date when
 ``completions[pk]``               never built; the corpus's version of the partition's prompts (the hash
                                   of its ``(index, content_hash)`` pairs) is not the one the table was
                                   made for; rows the generation settings invalidate (error rows, other
-                                  sampling, a cap their length rows or longest row does not fit)
+                                  sampling, a cap their length rows or longest row does not fit, prompts
+                                  set aside as too long under another cap or servers' context)
 ``tokenized_sequences[pk]``,      never built, or older than the latest materialization of the stage
 ``hidden_states[pk]``             before it (which happens only when that stage's table changed); its
                                   latest materialization failed a blocking check, or the stage before it
@@ -41,6 +42,7 @@ from collections.abc import Sequence
 import dagster as dg
 
 from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.generation.records import PROMPT_TOO_LONG, TOO_LONG_CAP, TOO_LONG_CONTEXT
 from dflash_assets.orchestration.check_gate import check_reason, failed_blocking_checks
 from dflash_assets.orchestration.history import latest_record, latest_records, plain_metadata
 from dflash_assets.storage.stage_outputs import missing_outputs, missing_reason, output_missing
@@ -70,16 +72,24 @@ def settings_reason(meta: dict, settings: GenerationSettings) -> str | None:
 
     Mirrors :func:`dflash_assets.generation.records.invalid_reason` at partition level: raising the cap
     touches partitions with ``length`` rows cut at another cap, lowering it partitions holding a row
-    longer than the new cap; error rows and changed sampling touch their partition too."""
+    longer than the new cap; error rows and changed sampling touch their partition too, and so does a cap or a
+    servers' context (``settings.context_length``; None: not compared) other than the one its prompts set aside
+    as too long were judged under."""
     cap = settings.max_output_tokens
     if meta.get("errors", 0):
         return "error rows"
     if meta.get("completion_tokens_missing", 0):
         return "no completion_tokens"
-    if set(meta.get("finish_reasons", {})) - {"stop", "length"}:  # abort etc.: invalid_reason redoes them
+    if set(meta.get("finish_reasons", {})) - {"stop", "length", PROMPT_TOO_LONG}:  # abort etc.: redone
         return "unfinished rows"
     if any(fp != settings.sampling_fingerprint() for fp in meta.get("settings_fingerprints", [])):
         return "sampling changed"
+    for cap_then, context_then in meta.get("prompt_too_long_judged", []):
+        # prompts set aside as too long are judged again under another cap or context: they may fit now
+        if cap_then != cap:
+            return TOO_LONG_CAP
+        if settings.context_length is not None and context_then != settings.context_length:
+            return TOO_LONG_CONTEXT
     if meta.get("completion_tokens_max", 0) > cap:
         return "cap lowered"
     if any(c != cap for c in meta.get("length_row_caps", [])):

@@ -24,6 +24,7 @@ from dflash_assets.dflash.shards import extract_partition
 from dflash_assets.dflash.target_features import bytes_per_token
 from dflash_assets.dflash.target_kernels import linear_attention_kernels
 from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
+from dflash_assets.generation.records import PROMPT_TOO_LONG
 from dflash_assets.orchestration.history import latest_metadata_by_partition
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.prompts import CORPUS_FILE
@@ -175,9 +176,20 @@ def _rows_of_corpus_prompts(store, tokenized_path: tuple[str, str], pk: str, log
         )
         skip = set(other)
         rows = [r for r in rows if r["index"] not in skip]
-    if not rows:
+    if not rows and (other or not _never_sent(store, pk)):
         raise HiddenStatesError(f"{pk}: tokenized_sequences has no row; nothing to extract (see its set-aside rows)")
+    if not rows:
+        log.info(f"{pk}: every prompt was set aside as {PROMPT_TOO_LONG} (never sent): no row, an empty index")
     return rows, other
+
+
+def _never_sent(store, pk: str) -> bool:
+    """Whether every completions row of ``pk`` was set aside as too long for the context (nothing to extract,
+    rightly: the tokenized table is empty and its check passed)."""
+    if not store.exists("completions", f"{pk}.parquet"):
+        return False
+    finish = store.read_parquet("completions", f"{pk}.parquet", columns=["finish_reason"])["finish_reason"]
+    return finish.len() > 0 and bool(finish.eq_missing(PROMPT_TOO_LONG).all())
 
 
 def extract_stage(

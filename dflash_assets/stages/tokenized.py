@@ -11,6 +11,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, degenerate_mask_mode, tokenize_partition
+from dflash_assets.generation.records import PROMPT_TOO_LONG
 from dflash_assets.orchestration.check_gate import CHECK_DEGENERATE, CHECK_NONEMPTY, CHECK_ROUNDTRIP
 from dflash_assets.storage.store import parquet_bytes
 
@@ -88,11 +89,17 @@ def run_checks(
     """
     index, num_loss = tokenized["index"].to_list(), tokenized["num_loss_tokens"].to_list()
     empty = [i for i, n in zip(index, num_loss) if n == 0]
+    # a partition whose every prompt was set aside as too long for the context has nothing to train on, rightly
+    never_sent = completions.height > 0 and completions["finish_reason"].eq_missing(PROMPT_TOO_LONG).all()
     yield dg.AssetCheckResult(
         check_name=CHECK_NONEMPTY,
-        passed=not empty and tokenized.height > 0,
+        passed=not empty and (tokenized.height > 0 or never_sent),
         metadata={"empty_mask_rows": len(empty), "first_indexes": str(empty[:10]), "rows": tokenized.height},
-        description=None if tokenized.height else "no row was kept",
+        description=None
+        if tokenized.height
+        else f"every prompt was set aside as {PROMPT_TOO_LONG}: no row to train on"
+        if never_sent
+        else "no row was kept",
     )
     mode = degenerate_mask_mode(num_loss, config.degenerate_small_tokens, config.degenerate_share)
     yield dg.AssetCheckResult(

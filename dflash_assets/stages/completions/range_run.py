@@ -29,8 +29,22 @@ from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.cap_cut import cut_rows
 from dflash_assets.data.prompt_index import prompt_version
 from dflash_assets.generation.continuation import continuable
-from dflash_assets.generation.range_plan import Partition, PartitionComplete, plan_requests
-from dflash_assets.generation.records import invalid_reason, no_good_row_message, prompt_mismatch, row_problem
+from dflash_assets.generation.range_plan import (
+    Partition,
+    PartitionComplete,
+    plan_requests,
+    prompt_length,
+    prompt_lengths,
+)
+from dflash_assets.generation.records import (
+    PROMPT_TOO_LONG,
+    invalid_reason,
+    no_good_row_message,
+    prompt_mismatch,
+    row_problem,
+    too_long_reason,
+    too_long_row,
+)
 from dflash_assets.stages.completions.continuing import ContinuationPlanner, load_target_builder
 from dflash_assets.stages.completions.range_stream import stream_partitions
 from dflash_assets.stages.completions.tables import (
@@ -111,6 +125,7 @@ class RangeRun:
         self.continuing_rows: dict[int, dict] = {}  # index -> the cut row, until its partition is committed
         self.failed_since_materialized: set[str] = set()  # never "kept": their status must go back to done
         self._builder = None  # the target tokenizer's SequenceBuilder (False: it did not load)
+        self._length_note = False  # the run log said once that prompt lengths are not checked
         self.meter: GenerationMeter | None = None  # device-seconds per partition (dflash_assets.common.cost)
         self.serve_started: float | None = None  # monotonic time the servers were asked to start
 
@@ -201,7 +216,7 @@ class RangeRun:
             for i, row in view.items()
             if prompt_mismatch(row, {"content_hash": hashes.get(i), "prompt_id": ids.get(i)}) is not None
         }
-        todo, reasons = plan_requests(prompts, view, self.settings)
+        todo, reasons, why = plan_requests(prompts, view, self.settings)
         for i in other:
             view.pop(i, None)
             existing.pop(i, None)
@@ -221,7 +236,11 @@ class RangeRun:
             and continuable(view.get(p["index"]), self.settings, check_text=False)
         ]
         existing.update(table_rows(self.store, pk, to_continue))
-        kept = set(prompts["index"].to_list()) - {p["index"] for p in todo}  # a journal may hold stray rows
+        todo, too_long = self.set_aside_too_long(pk, todo, view, existing, inference)
+        for i in too_long:
+            reasons[why[i]] -= 1
+        reasons = Counter({k: v for k, v in reasons.items() if v > 0})
+        kept = set(prompts["index"].to_list()) - {p["index"] for p in todo} - set(too_long)
         part = Partition(
             pk,
             prompts,
@@ -231,6 +250,7 @@ class RangeRun:
             reasons,
             remaining=len(todo),
             cut=cut_here,
+            too_long=len(too_long),
             resumed=len(kept & journaled),
             by_index={p["index"]: p for p in todo},
         )
@@ -241,6 +261,44 @@ class RangeRun:
             + (f"; {part.resumed} rows kept from the journal of an interrupted run" if part.resumed else "")
         )
         return part
+
+    def set_aside_too_long(
+        self, pk: str, todo: list[dict], view: dict[int, dict], existing: dict[int, dict], inference
+    ) -> tuple[list[dict], dict[int, str]]:
+        """Prompts of ``todo`` whose templated length leaves no room for the cap under the servers' context
+        (:meth:`~dflash_assets.common.settings.GenerationSettings.prompt_room`), set aside before anything is
+        sent: each becomes a :func:`~dflash_assets.generation.records.too_long_row` in ``existing`` (written
+        by the commit; not journaled: the next run judges it again at no cost). Lengths: a stored row's
+        ``prompt_tokens`` for this prompt under this sampling (the server's count, or an earlier set-aside's),
+        else the target's tokenizer once per prompt (:meth:`~dflash_assets.data.tokenization.SequenceBuilder.
+        prompt_lengths`). Returns the prompts still to send and ``{index: reason}`` of those set aside. Nothing
+        is set aside when the context is unknown or the tokenizer does not load (a warning, once per run)."""
+        room = self.settings.prompt_room(inference.backend())
+        if room is None or not todo:
+            if room is None and todo and not self._length_note:
+                self._length_note = True
+                self.log.info(
+                    "prompt lengths are not checked before sending: the servers' context is not known (set "
+                    "the mode's context_length / max_model_len; docs/configuration.md)"
+                )
+            return todo, {}
+        builder = None
+        if any(prompt_length(p, view, self.settings) is None for p in todo):
+            builder = self.target_builder(inference, "prompts are sent without a length check")
+            if builder is None:
+                return todo, {}
+        lengths = prompt_lengths(todo, view, self.settings, builder)
+        too_long: dict[int, str] = {}
+        for p in todo:
+            if (n := lengths[p["index"]]) > room:
+                existing[p["index"]] = too_long_row(p, self.settings, n)
+                too_long[p["index"]] = too_long_reason(n, self.settings, room)
+        if too_long:
+            self.log.warning(
+                f"{pk}: {len(too_long)} of {len(todo)} prompts set aside as too long, never sent (rows with "
+                f"finish_reason {PROMPT_TOO_LONG}), e.g. row {next(iter(too_long))}: {next(iter(too_long.values()))}"
+            )
+        return [p for p in todo if p["index"] not in too_long], too_long
 
     def cut_locally(
         self,
@@ -280,17 +338,21 @@ class RangeRun:
         )
         return [p for p in todo if p["index"] not in cut], len(cut)
 
-    def target_builder(self, inference: InferenceServerResource):
-        """A SequenceBuilder on the target's tokenizer, loaded once per run; None (a warning, once) when it
-        does not load: rows are then requested again instead of cut."""
+    def target_builder(
+        self,
+        inference: InferenceServerResource,
+        without: str = "rows longer than the lowered cap are requested again, not cut locally",
+    ):
+        """A SequenceBuilder on the target's tokenizer, loaded once per run; None (a warning, once, saying
+        what is done ``without`` it) when it does not load."""
         if self._builder is None:
             try:
                 self._builder = load_target_builder(inference)
             except Exception as exc:
                 self._builder = False
                 self.log.warning(
-                    f"rows longer than the lowered cap are requested again, not cut locally: the target's tokenizer "
-                    f"did not load from the configured path ({type(exc).__name__}: {str(exc)[:200]})"
+                    f"{without}: the target's tokenizer did not load from the configured path "
+                    f"({type(exc).__name__}: {str(exc)[:200]})"
                 )
         return self._builder or None
 
@@ -302,6 +364,7 @@ class RangeRun:
         if (
             len(self.keys) > 1
             and not part.cut
+            and not part.too_long
             and part.pk not in self.failed_since_materialized
             and self.store.exists(*partition_file(part.pk))
             and not part.journal.load()
@@ -369,6 +432,9 @@ class RangeRun:
             # this run's and earlier runs' (one killed mid-raise, say): the table's own count
             "continued_in_table": int((frame["continued_from_tokens"] > 0).sum()),
             "cut_to_lowered_cap": part.cut,
+            # prompts this run set aside as too long for the context, never sent (the table's count: prompt_too_long)
+            "set_aside_too_long": part.too_long,
+            "context_length": self.settings.context_length,
             # rows the table could not take as they were (a count past its type, a lone surrogate): error rows now
             "rows_set_aside": len(set_aside),
             # rows of the run's end generated in chunks (inference.client.tail_chunk_tokens), and their requests

@@ -25,6 +25,18 @@ if TYPE_CHECKING:
 PROGRESS_EVERY_S = 5.0
 
 
+def context_hint(settings, inference: InferenceServerResource) -> str:
+    """What a row the server refused as too long for its context adds to its error: the context this run
+    judged the prompt against before sending it, and the setting to make it the servers' own."""
+    keys = {"sglang": "sglang.context_length", "vllm": "vllm.max_model_len"}
+    key = keys.get(inference.mode, "external.context_length")
+    judged = f"context {settings.context_length:,}" if settings.context_length else "an unknown context"
+    return (
+        f" (this run sent it judging it to fit {judged} with cap {settings.max_output_tokens:,}: set "
+        f"resources.inference.{key} to the servers' context; the next run judges the row again)"
+    )
+
+
 def stream_partitions(
     run: StreamedRun,
     inference: InferenceServerResource,
@@ -130,6 +142,8 @@ def stream_partitions(
                         )
                     if (problem := row_problem(row)) is not None:  # the client checks replies; this is the floor
                         row = set_aside_row(prompt, problem)
+                    elif result.context_refused and row.get("error"):
+                        row["error"] += context_hint(settings, inference)
                     if prior is not None or row.get(
                         "tail_chunks"
                     ):  # servers that answer continuations afresh waste every one

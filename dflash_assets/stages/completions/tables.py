@@ -14,6 +14,7 @@ import polars as pl
 from dflash_assets.data.ranges import key_range
 from dflash_assets.data.truncation import row_counts, token_summary
 from dflash_assets.generation.records import (
+    PROMPT_TOO_LONG,
     VALIDITY_COLUMNS,
     align_to_schema,
     row_problem,
@@ -130,9 +131,11 @@ def partition_frame(
 
 
 def completion_stats(frame: pl.DataFrame) -> dict:
-    """Metadata numbers: finish_reason counts, completion-token mean/P50/P90/P99/max, and the rows without
-    exact output ids (``output_ids_missing``) with the count per ``output_token_ids_source``."""
+    """Metadata numbers: finish_reason counts and completion-token mean/P50/P90/P99/max (of generated rows:
+    those set aside as too long for the context are counted as ``prompt_too_long``), and the generated rows
+    without exact output ids (``output_ids_missing``) with the count per ``output_token_ids_source``."""
     ok, counts = row_counts(frame)
+    set_aside = frame.filter(pl.col("error").is_null() & (pl.col("finish_reason") == PROMPT_TOO_LONG))
     tokens = ok["completion_tokens"].drop_nulls().to_numpy()
     summary = token_summary(tokens)
     stats = {
@@ -143,13 +146,23 @@ def completion_stats(frame: pl.DataFrame) -> dict:
         "length_row_caps": sorted(
             {int(c) for c in ok.filter(pl.col("finish_reason") == "length")["max_output_tokens"].to_list()}
         ),
-        "settings_fingerprints": sorted(set(ok["settings_fingerprint"].to_list())),
+        "settings_fingerprints": sorted(
+            set(ok["settings_fingerprint"].to_list()) | set(set_aside["settings_fingerprint"].to_list())
+        ),
         "completion_tokens_max": summary["max"] if tokens.size else 0,
         # rows without the model's own token ids (tokenization re-encodes their text; a lowered cap cuts them by
         # re-encoded text), and where the others' ids came from (records.COMPLETIONS_SCHEMA)
         "output_ids_missing": int(ok["output_token_ids"].is_null().sum()),
         "output_token_ids_sources": dict(
             sorted(Counter(ok["output_token_ids_source"].fill_null("unrecorded").to_list()).items())
+        ),
+        # the caps and contexts (0: unknown) rows set aside as too long were judged under: either changing
+        # makes them judged again (freshness.settings_reason)
+        "prompt_too_long_judged": sorted(
+            {
+                (int(r["max_output_tokens"]), int(r["context_length"] or 0))
+                for r in set_aside.select("max_output_tokens", "context_length").iter_rows(named=True)
+            }
         ),
     }
     if tokens.size:

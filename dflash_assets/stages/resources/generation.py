@@ -15,4 +15,23 @@ class GenerationResource(dg.ConfigurableResource, GenerationFields):
 
     def settings(self) -> GenerationSettings:
         """The immutable settings object the client and the row records use."""
-        return GenerationSettings(**{k: getattr(self, k) for k in GenerationSettings.model_fields})
+        return GenerationSettings(**{k: getattr(self, k) for k in GenerationFields.model_fields})
+
+
+def configured_settings() -> GenerationSettings:
+    """The active config file's generation settings (``resources.generation``), judged with its servers' context
+    (``resources.inference``, :meth:`~dflash_assets.stages.resources.inference.InferenceServerResource.context_length`;
+    None when that section does not load).
+
+    Raises:
+        dflash_assets.orchestration.config.ConfigError: the config file or its generation section is invalid.
+    """
+    from dflash_assets.orchestration.config import resource_fields
+    from dflash_assets.stages.resources.inference import InferenceServerResource
+
+    settings = GenerationResource(**resource_fields("generation")).settings()
+    try:
+        context = InferenceServerResource(**resource_fields("inference")).context_length()
+    except Exception:  # a bad inference section is the run's to report; the rows are judged without a context
+        context = None
+    return settings.with_context(context)

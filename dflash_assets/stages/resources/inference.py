@@ -379,6 +379,33 @@ class InferenceServerResource(dg.ConfigurableResource):
             raise ValueError("mode 'external' needs inference.external.tokenizer_path (the served model's directory)")
         return Path(self.external.tokenizer_path)
 
+    def context_length(self) -> int | None:
+        """The servers' context in tokens, against which each prompt is judged before it is sent.
+
+        The mode's setting: ``sglang.context_length`` / ``vllm.max_model_len`` / ``external.context_length``,
+        else the same flag in the mode's ``extra_args`` (``--context-length``, ``--max-model-len``); else what
+        SGLang and vLLM themselves default to, the served model's ``max_position_embeddings`` (of its
+        ``text_config`` for a multimodal wrapper; :meth:`tokenizer_path`'s ``config.json``). None when none of
+        these is known (external mode without ``tokenizer_path``, a config without the key, a flag value that is
+        not a plain integer): prompts are then not checked before they are sent.
+        """
+        flag, configured, extra = {
+            "sglang": ("--context-length", self.sglang.context_length, self.sglang.extra_args),
+            "vllm": ("--max-model-len", self.vllm.max_model_len, self.vllm.extra_args),
+            "external": (None, self.external.context_length, []),
+        }.get(self.mode, (None, None, []))
+        if configured is not None:
+            return configured
+        for i, arg in enumerate(extra):
+            if flag and (arg == flag or arg.startswith(flag + "=")):
+                value = arg.split("=", 1)[1] if "=" in arg else (extra[i + 1] if i + 1 < len(extra) else "")
+                return int(value) if value.isdigit() and int(value) > 0 else None
+        try:
+            value = text_config(self.tokenizer_path()).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
     def local_model_name(self) -> str | None:
         """The local model this mode serves (``local.model``; ``vllm.local_model`` without ``vllm.model_path``),
         None when it serves a model directory or someone else's servers."""

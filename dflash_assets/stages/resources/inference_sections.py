@@ -167,6 +167,13 @@ class ExternalSettings(_Section):
     backend: Literal["openai", "sglang", "vllm", "transformers"] = Field(
         default="openai", description="What serves the URLs (decides which request fields are sent)."
     )
+    context_length: int | None = Field(
+        strict=True,
+        default=None,
+        ge=1,
+        description="The servers' context, tokens (SGLang --context-length, vLLM --max-model-len); None: the "
+        "max_position_embeddings of tokenizer_path's config.json, else unknown (prompt lengths not checked).",
+    )
 
 
 class ClientSettings(_Section):
