@@ -23,7 +23,7 @@ from dflash_assets.assets.prompts import corpus_fingerprint
 from dflash_assets.definitions import defs
 from dflash_assets.generation.engine_env import make_in_background
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
-from dflash_assets.orchestration import freshness
+from dflash_assets.orchestration import check_gate, freshness
 from dflash_assets.orchestration.config import config_path, op_config
 from dflash_assets.orchestration.history import latest_record, plain_metadata
 from dflash_assets.orchestration.partitions import prompt_ranges
@@ -225,7 +225,10 @@ def run_all(config_path_arg: str | None = None, dagster_home: str | None = None,
         result = _materialize(todo, op_config(*todo), partition_key=pk)
         did_work += [f"{s}[{pk}]" for s in todo]
         if not result.success:
-            failed[pk] = (run_failure_reason(result) or f"run {result.run_id} failed (see the run log above)")[:600]
+            # a blocking check that failed or raised: name the check (and the error, when it raised)
+            held = check_gate.held_partitions(instance, [pk], todo)
+            why = held.get(pk) or run_failure_reason(result) or f"run {result.run_id} failed (see the run log above)"
+            failed[pk] = why[:600]
     if failed:
         print(f"partitions failed: {list(failed)}")
         for pk, why in failed.items():
