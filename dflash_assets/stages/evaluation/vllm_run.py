@@ -163,6 +163,7 @@ def run_vllm(
                 api_key=api_key,
                 timeout_s=config.engine_request_timeout_s,
                 vocab_size=text_config(target).get("vocab_size"),
+                block_size=plan.num_draft_tokens + 1,
                 progress=progress,
             )
             decode_s = time.monotonic() - decoding
