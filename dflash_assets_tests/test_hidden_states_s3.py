@@ -17,6 +17,7 @@ from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_assets.stages.tokenized import tokenized_file
+from dflash_assets_tests.checked_events import report_checked
 
 try:
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target
@@ -77,12 +78,8 @@ def test_fresh_machine_downloads_shards_instead_of_recomputing(s3_target, tmp_pa
     hs_config = {"ops": {"hidden_states": {"config": {"target_layer_ids": LAYER_IDS, "rows_per_shard": 5}}}}
     with dg.instance_for_test() as instance:  # stands for the shared (Postgres) instance
         instance.add_dynamic_partitions(prompt_ranges.name, [PK])
-        instance.report_runless_asset_event(
-            dg.AssetMaterialization(
-                asset_key="tokenized_sequences",
-                partition=PK,
-                metadata={"rows": 12, "total_tokens": sum(len(r["input_ids"]) for r in rows)},
-            )
+        report_checked(  # its blocking checks passed: the drafter trains on what follows from it
+            instance, "tokenized_sequences", PK, {"rows": 12, "total_tokens": sum(len(r["input_ids"]) for r in rows)}
         )
 
         def run_hidden_states(storage):

@@ -159,3 +159,21 @@ def test_a_resource_from_flat_keys_runs_in_dagster_with_the_key_from_the_environ
     dg.Definitions.validate_loadable(defs)
     result = dg.materialize([probe], resources={"inference": inference})
     assert result.output_for_node("probe") == (["http://h:1/v1"], 2, "k-from-env-123")
+
+
+@pytest.mark.parametrize("mode", ["sglang", "vllm"])
+def test_a_port_block_past_65535_is_refused_at_config_time_naming_the_key(tmp_path, monkeypatch, mode):
+    # issue 40, suspected item: `port_base: 65535` with two servers was accepted (server 1 on port 65536, no TCP
+    # port), found only when the servers start
+    template = "resources:\n  inference: {{mode: {mode}, {mode}: {{port_base: {base}, num_servers: 2}}}}\n"
+    path = _file(tmp_path, monkeypatch, template.format(mode=mode, base=65535))
+    with pytest.raises(cfg.ConfigError) as err:
+        cfg.build_resources({"inference": InferenceServerResource})
+    text = str(err.value)
+    assert text.startswith(f"{path}: resources.inference.{mode}"), text
+    assert "port_base 65535 + num_servers 2 - 1 = 65536" in text and "at most 65534" in text, text
+    with pytest.raises(Exception, match="port_base"):
+        InferenceServerResource(mode=mode, **{mode: {"port_base": 0}})
+    # the last port that fits is accepted
+    _file(tmp_path, monkeypatch, template.format(mode=mode, base=65534))
+    assert getattr(cfg.build_resources({"inference": InferenceServerResource})["inference"], mode).port_base == 65534

@@ -17,6 +17,7 @@ from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_assets.stages.tokenized import tokenized_file
+from dflash_assets_tests.checked_events import report_checked
 
 try:
     from dflash_assets_tests.tiny_target import HIDDEN, LAYER_IDS, make_rows, make_target
@@ -48,12 +49,11 @@ def project(tmp_path):
         for k, pk in enumerate(KEYS):
             part = rows[20 * k : 20 * (k + 1)]
             store.write_parquet(pl.DataFrame(part), *tokenized_file(pk))
-            instance.report_runless_asset_event(
-                dg.AssetMaterialization(
-                    asset_key="tokenized_sequences",
-                    partition=pk,
-                    metadata={"rows": len(part), "total_tokens": sum(len(r["input_ids"]) for r in part)},
-                )
+            report_checked(  # its blocking checks passed: the drafter trains on it
+                instance,
+                "tokenized_sequences",
+                pk,
+                {"rows": len(part), "total_tokens": sum(len(r["input_ids"]) for r in part)},
             )
         yield {
             "instance": instance,

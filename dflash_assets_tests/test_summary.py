@@ -11,8 +11,10 @@ import dagster as dg
 import pytest
 
 from dflash_assets.app.summary import collect_summary, format_summary
+from dflash_assets.orchestration.check_gate import BLOCKING_CHECKS
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets_tests.checked_events import report_checked
 
 KEYS = ["0000000-0000003", "0000004-0000007"]
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -210,7 +212,7 @@ EVALUATION = {
 
 
 def report(instance, key: str, metadata: dict, partition: str | None = None) -> None:
-    instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=key, partition=partition, metadata=metadata))
+    report_checked(instance, key, partition, metadata)  # with its blocking checks passed, as a real run leaves it
 
 
 def fill(instance, root: Path) -> None:
@@ -413,8 +415,10 @@ OUTCOMES: dict[tuple[str, str], bool] = {}  # (check name, partition) -> passed,
 
 def stand_in_tokenized(keys: list[str]):
     """An asset with the project's key and two of its check names (one WARN, one ERROR), whose outcomes
-    the test sets per partition: real runs write real check evaluations into the instance."""
+    the test sets per partition, and its other blocking checks, passing: real runs write real check evaluations
+    into the instance."""
     warn, err = "retokenized_length_matches_server", "no_empty_loss_mask"
+    others = [n for n in BLOCKING_CHECKS["tokenized_sequences"] if n != err]  # evaluated, passing
 
     @dg.asset(
         name="tokenized_sequences",
@@ -422,6 +426,7 @@ def stand_in_tokenized(keys: list[str]):
         check_specs=[
             dg.AssetCheckSpec(warn, asset="tokenized_sequences"),
             dg.AssetCheckSpec(err, asset="tokenized_sequences"),
+            *[dg.AssetCheckSpec(n, asset="tokenized_sequences") for n in others],
         ],
     )
     def asset(context):
@@ -436,6 +441,8 @@ def stand_in_tokenized(keys: list[str]):
         yield dg.AssetCheckResult(
             check_name=err, passed=OUTCOMES.get((err, pk), True), severity=dg.AssetCheckSeverity.ERROR
         )
+        for name in others:
+            yield dg.AssetCheckResult(check_name=name, passed=True)
 
     return asset
 

@@ -172,8 +172,9 @@ def downstream_requests(
 ) -> tuple[list[dg.RunRequest], int, dict[str, str]]:
     """Per-partition runs of the stages after completions (tokenized_sequences, hidden_states) where
     completions is materialized and a later stage is missing or older than its upstream (not failed or
-    in progress: a failed stage waits for a human). A partition whose stage failed a blocking check
-    (:mod:`dflash_assets.orchestration.check_gate`) waits too, and nothing after that stage is requested for it. Two
+    in progress: a failed stage waits for a human). A partition whose stage failed a blocking check, or has no
+    evaluation of one (it raised; :mod:`dflash_assets.orchestration.check_gate`) waits too, and nothing after that
+    stage is requested for it. Two
     queries per stage and one check-history read per blocking check. Returns (requests, candidates,
     ``{pk: "failed check <asset>.<check>"}`` of the partitions held by a failed check)."""
     stages = [s for s in partition_job_selection(available) if s != "completions"]
@@ -194,8 +195,8 @@ def downstream_requests(
             if freshness.after_upstream_reason(ids.get(pk), [upstream_ids[pk]]) is not None:
                 todo[pk] = stage
         current = {pk: ids[pk] for pk in keys if pk in ids and pk not in todo and pk not in held}
-        for pk, names in check_gate.failed_blocking_checks(instance, stage, current).items():
-            held[pk] = check_gate.check_reason(stage, names)
+        for pk, hold in check_gate.failed_blocking_checks(instance, stage, current).items():
+            held[pk] = hold.reason(stage)
         upstream_ids = {pk: i for pk, i in current.items() if pk not in held}
     requests = [
         dg.RunRequest(

@@ -24,7 +24,7 @@ from dflash_assets.definitions import defs
 from dflash_assets.generation.engine_env import make_in_background
 from dflash_assets.generation.engine_install import stop_installs, wait_for_installs
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
-from dflash_assets.orchestration import freshness
+from dflash_assets.orchestration import check_gate, freshness
 from dflash_assets.orchestration.config import config_path, op_config
 from dflash_assets.orchestration.history import latest_record, plain_metadata
 from dflash_assets.orchestration.partitions import prompt_ranges
@@ -239,7 +239,10 @@ def _run_all(config_path_arg: str | None, dagster_home: str | None, verbose: boo
         result = _materialize(todo, op_config(*todo), partition_key=pk)
         did_work += [f"{s}[{pk}]" for s in todo]
         if not result.success:
-            failed[pk] = (run_failure_reason(result) or f"run {result.run_id} failed (see the run log above)")[:600]
+            # a blocking check that failed or raised: name the check (and the error, when it raised)
+            held = check_gate.held_partitions(instance, [pk], todo)
+            why = held.get(pk) or run_failure_reason(result) or f"run {result.run_id} failed (see the run log above)"
+            failed[pk] = why[:600]
     if failed:
         print(f"partitions failed: {list(failed)}")
         for pk, why in failed.items():

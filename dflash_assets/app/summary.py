@@ -18,6 +18,7 @@ import dagster as dg
 from dflash_assets.app.summary_engine import ENGINE_KEYS, baseline_line, engine_line
 from dflash_assets.assets import truncation as truncation_asset
 from dflash_assets.dflash.shard_format import INDEX_NAME, SHARD_PATTERN
+from dflash_assets.orchestration.check_gate import BLOCKING_CHECKS, why_unevaluated
 from dflash_assets.orchestration.history import latest_metadata, plain_metadata
 from dflash_assets.stages.completions.tables import partition_file
 from dflash_assets.stages.drafter.run import DRAFTER_DIR, EXPORT_DIR
@@ -153,7 +154,9 @@ def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None
     Read from the instance's check executions, never from a log. A partitioned asset's check counts
     once per partition of ``keys``: the evaluation that targeted that partition's latest materialization
     (the project's check specs carry no partitions of their own, so the partition comes from the
-    targeted materialization); an unpartitioned asset's check counts its latest evaluation.
+    targeted materialization); an unpartitioned asset's check counts its latest evaluation. A blocking check
+    (:mod:`~dflash_assets.orchestration.check_gate`) with no evaluation of a partition's latest materialization (it
+    raised) counts as failed there, its description naming the error.
 
     Args:
         check_keys: the :class:`dagster.AssetCheckKey` s to look at; None = every check of the project.
@@ -161,7 +164,8 @@ def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None
     Returns:
         ``[{"check": "asset.check_name", "severity": "WARN"|"ERROR", "failed": n, "evaluated": m,
         "partitions": [pk, ...] (failed ones, in key order; empty for an unpartitioned asset),
-        "description": first failure's description or None}]``, sorted by check name.
+        "description": the first failure's description, then ``not evaluated on <pk>: <why>`` when one was not,
+        or None}]``, sorted by check name.
     """
     # private module: dagster 1.13 exports no public AssetCheckExecutionRecordStatus
     from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
@@ -205,11 +209,19 @@ def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None
             cursor = page[-1].id
         evaluated = [(pk, r, e) for pk, (r, e) in found.items() if pk is None or pk in set(keys)]
         failed = [(pk, r, e) for pk, r, e in evaluated if r.status == AssetCheckExecutionRecordStatus.FAILED]
+        # a blocking check with no evaluation of the latest materialization (it raised) counts as failed
+        blocking = ck.name in BLOCKING_CHECKS.get(ck.asset_key.to_user_string(), ())
+        unevaluated = {i: pk for i, pk in wanted.items() if pk not in found} if blocking else {}
+        whys = why_unevaluated(instance, ck.asset_key.to_user_string(), unevaluated)
+        evaluated += [(pk, None, None) for pk in whys]
+        failed += [(pk, None, None) for pk in whys]
         if not failed:
             continue
         order = {pk: i for i, pk in enumerate(keys)}
         failed.sort(key=lambda t: order.get(t[0], -1))
         severities = {getattr(getattr(e, "severity", None), "value", "ERROR") for _, _, e in failed}
+        described = [e.description for _, _, e in failed if getattr(e, "description", None)][:1]
+        described += [f"not evaluated on {pk}: {why}" for pk, why in list(whys.items())[:1]]
         out.append(
             {
                 "check": f"{ck.asset_key.to_user_string()}.{ck.name}",
@@ -217,7 +229,7 @@ def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None
                 "failed": len(failed),
                 "evaluated": len(evaluated),
                 "partitions": [pk for pk, _, _ in failed if pk is not None],
-                "description": next((e.description for _, _, e in failed if getattr(e, "description", None)), None),
+                "description": "; ".join(described) or None,
             }
         )
     return out

@@ -7,6 +7,7 @@ ENGINE_KEYS = (
     "engine_kind",
     "engine_simulated",
     "engine_requests",
+    "engine_requests_measured",
     "engine_tau",
     "engine_tau_stderr",
     "engine_tau_pooled",
@@ -41,13 +42,13 @@ def engine_line(s: dict) -> str | None:
         return (
             f"engine tau (vLLM) {s.get('engine_tau')} +- {s.get('engine_tau_stderr')} beside in-process "
             f"{s.get('tau')} (mean of per-prompt 1 + accepted / drafts from vLLM's counters; pooled "
-            f"{s.get('engine_tau_pooled')}) on {s.get('engine_requests')} prompts"
+            f"{s.get('engine_tau_pooled')}) on {_measured(s)} prompts"
             + ("" if diff is None else f"; largest difference {diff:.3f} (check engine_parity: at most 0.05)")
         )
     return (
         f"engine tau (SGLang) {s.get('engine_tau')} +- {s.get('engine_tau_stderr')} "
         "(mean of per-request spec_accept_length; "
-        f"pooled {s.get('engine_tau_pooled')}) on {s.get('engine_requests')} requests, {s.get('engine_kind')} servers"
+        f"pooled {s.get('engine_tau_pooled')}) on {_measured(s)} requests, {s.get('engine_kind')} servers"
     )
 
 
@@ -71,6 +72,13 @@ def baseline_line(s: dict) -> str | None:
         f"vs n-gram lookup   DFlash {s['drafter_tokens_per_forward']:.2f} tokens per forward (plain decoding 1.00); "
         f"n-gram lookup not measured: {s.get('ngram_baseline_not_compared') or '-'}"
     )
+
+
+def _measured(s: dict) -> str:
+    """``M of N``: prompts the engine's figure counts (measured) of those sent; ``N`` alone for a report written
+    before the count was kept."""
+    measured = s.get("engine_requests_measured")
+    return f"{s.get('engine_requests')}" if measured is None else f"{measured} of {s.get('engine_requests')}"
 
 
 __all__ = ["ENGINE_KEYS", "baseline_line", "engine_line"]

@@ -7,6 +7,7 @@ import time
 import dagster as dg
 
 from dflash_assets.common.cost import device_cost
+from dflash_assets.orchestration.check_gate import held_partitions
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.pools import GPU_POOL
 from dflash_assets.stages.drafter.config import DrafterConfig
@@ -69,9 +70,13 @@ def dflash_drafter(
     except (TrainingRunError, ValueError) as exc:
         raise dg.Failure(str(exc)) from exc
     mode, mode_reason = decide_mode(context.instance, storage, target_model, config.features)
+
+    def held_for(mode: str) -> dict[str, str]:  # launched from anywhere, never on rows a blocking check holds
+        return held_partitions(context.instance, keys, ["tokenized_sequences"] if mode == "online" else None)
+
     try:
         data = gather_training_data(
-            storage, target_model, keys, mode, mode_reason, config.features, layer_ids, context.log
+            storage, target_model, keys, mode, mode_reason, config.features, layer_ids, context.log, held_for
         )
     except (TrainingRunError, ShardIntegrityError) as exc:
         raise dg.Failure(str(exc)) from exc

@@ -16,8 +16,10 @@ asset                             not up to date when
                                   set aside as too long under another cap or servers' context)
 ``tokenized_sequences[pk]``,      never built, or older than the latest materialization of the stage
 ``hidden_states[pk]``             before it (which happens only when that stage's table changed); its
-                                  latest materialization failed a blocking check, or the stage before it
-                                  did (:mod:`dflash_assets.orchestration.check_gate`): until it is made again and passes
+                                  latest materialization failed a blocking check or has no evaluation of
+                                  one (it raised), or the stage before it did
+                                  (:mod:`dflash_assets.orchestration.check_gate`): until it is made again
+                                  and passes
 ``truncation_report``             older than a completions partition
 ``dflash_drafter``,               older than its upstream, or its op config changed since its last
 ``drafter_evaluation``            materialization (the drafter then decides by data content whether to
@@ -191,7 +193,8 @@ def partition_reasons(
 ) -> dict[str, str | None]:
     """``{pk: why stage[pk] is not up to date, or None}`` for every key, in this order of reasons: never
     materialized; (completions) prompts or settings; (later stages) ``upstream`` materialized since, a blocking
-    check of the stage's latest materialization failed (``failed check <asset>.<check>``), or one of
+    check of the stage's latest materialization failed or was not evaluated (``failed check <asset>.<check>``,
+    ``... (not evaluated: run 1a2b3c4d raised OSError: ...)``), or one of
     ``upstream``'s did (``<upstream> failed check ...``); the output missing from ``store``.
 
     Instance reads: the latest records of ``stage`` and ``upstream`` (two queries each), one paged check

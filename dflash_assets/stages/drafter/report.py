@@ -74,6 +74,7 @@ def drafter_metadata(
         "heldout_acc_per_position": [None if a != a else round(a, 4) for a in acc],
         "heldout_tau_estimate": evaluation.get("tau_estimate"),
         "partitions_used": len(data.used),
+        "partitions_held": sorted(data.held),  # a blocking check holds them: not trained on
         "features": data.mode,
         "features_reason": data.reason,
         "target_forwards": summary.get("target_forwards", 0),

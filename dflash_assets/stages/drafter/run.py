@@ -3,7 +3,8 @@ or with torchrun) and publishing the export. The ``dflash_drafter`` asset calls 
 
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_assets.common.progress import StageProgressBar
@@ -33,6 +34,7 @@ class TrainingData:
     used: list[str]
     skipped: list[str]
     indexes: dict[str, dict]
+    held: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
         return (
@@ -43,27 +45,50 @@ class TrainingData:
 
 
 def gather_training_data(
-    storage, target_model, keys: list[str], mode: str, mode_reason: str, features: str, layer_ids: list[int], log
+    storage,
+    target_model,
+    keys: list[str],
+    mode: str,
+    mode_reason: str,
+    features: str,
+    layer_ids: list[int],
+    log,
+    held_for: Callable[[str], Mapping[str, str]] | None = None,
 ) -> TrainingData:
     """The training data of partitions ``keys`` for feature source ``mode`` (decided from the setting
     ``features``): offline, complete hidden-state shards (``auto`` falls back to online without any);
     online, tokenized rows identified by their files' content (and the target layers when not the default).
+    ``held_for(mode)``: ``{pk: why}`` of the partitions a blocking check holds for that mode
+    (:func:`~dflash_assets.orchestration.check_gate.held_partitions`); they are never trained on (warned, and
+    in ``held``), however the run was launched.
 
     Raises:
         TrainingRunError: no data for the mode, saying what to materialize.
         ShardIntegrityError: a stored shard fails verification.
     """
     indexes: dict[str, dict] = {}
-    shards, used, skipped = complete_shards(storage, keys, indexes) if mode == "offline" else ([], [], [])
+    held = dict(held_for(mode)) if held_for is not None else {}
+    shards, used, skipped = (
+        complete_shards(storage, [k for k in keys if k not in held], indexes) if mode == "offline" else ([], [], [])
+    )
     if mode == "offline" and not shards and features == "auto":
         mode, mode_reason = "online", mode_reason + "; no complete hidden_states partition: online"
+        held = dict(held_for(mode)) if held_for is not None else {}
     log.info(mode_reason)
+    if held:
+        shown = "; ".join(f"{pk} ({why})" for pk, why in sorted(held.items())[:5])
+        log.warning(
+            f"training without {len(held)} partitions held by a blocking check: {shown}; materialize that stage "
+            "again (it must pass), then the drafter"
+        )
+    held_note = f" ({len(held)} more held by a blocking check)" if held else ""
     tokenized = []
     if mode == "online":
-        tokenized, used = tokenized_inputs(storage, keys)
+        tokenized, used = tokenized_inputs(storage, [k for k in keys if k not in held])
         if not tokenized:
             raise TrainingRunError(
-                f"features: online, but no tokenized_sequences partition among {len(keys)}: materialize it first"
+                f"features: online, but no tokenized_sequences partition among {len(keys) - len(held)}{held_note}: "
+                "materialize it first"
             )
         # online, the training data is the tokenized rows: identified by their files' content
         indexes = {
@@ -75,12 +100,12 @@ def gather_training_data(
             indexes = {pk: dict(index, target_layer_ids=layer_ids) for pk, index in indexes.items()}
     elif not shards:
         raise TrainingRunError(
-            f"no complete hidden_states partition among {len(keys)}: materialize hidden_states first "
-            "(or set ops.dflash_drafter.config.features: online)"
+            f"no complete hidden_states partition among {len(keys) - len(held)}{held_note}: materialize "
+            "hidden_states first (or set ops.dflash_drafter.config.features: online)"
         )
     if skipped:
         log.warning(f"training without {len(skipped)} partitions that have no complete hidden states: {skipped[:5]}")
-    return TrainingData(mode, mode_reason, shards, tokenized, used, skipped, indexes)
+    return TrainingData(mode, mode_reason, shards, tokenized, used, skipped, indexes, held)
 
 
 @dataclass

@@ -303,6 +303,8 @@ def engine_metadata(section: dict[str, Any], in_process: dict[str, dict] | None)
         f"{prefix}_tau_pooled": head.get("tau_pooled"),
         f"{prefix}_tau_by_dataset": by_dataset,
         "engine_requests": sum(d["requests"] for d in by_dataset.values()),
+        # prompts with a figure (no error, a verification step): the only ones any tau above counts
+        "engine_requests_measured": sum(d["requests_measured"] for d in by_dataset.values()),
         "engine_server_flags": section["server_flags"] or section.get("dflash_flags"),
         "engine_table": dg.MetadataValue.md(table),
     }

@@ -18,6 +18,9 @@ the tokens past the stop (read in vLLM 0.32's ``Scheduler.update_from_output``; 
 ``generated - accepted`` said 30).
 
 A reply is checked before it counts (size cap, JSON, field types); a bad reply costs its prompt, never the run.
+So do counters that cannot be counts (NaN, +-Inf, negative), a ``position`` label outside the drafter's block
+(never a list as long as the label says), and counters that went down around a request (a restart, a reset): that
+prompt is not measured, its record says why, and the dataset's figures count only measured prompts.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ GENERATION_TOKENS = "vllm:generation_tokens"
 ITERATIONS = "vllm:iteration_tokens_total_count"  # the histogram's sample count: engine steps that returned tokens
 MAX_METRICS_BYTES = 4 << 20
 MAX_REPLY_BYTES = 8 << 20
+#: positions accepted when the caller names no block size (DFlash blocks are 16; no allocation per hostile label)
+MAX_POSITIONS = 256
 
 
 @dataclass
@@ -65,8 +70,32 @@ class SpecCounters:
     generation_tokens: float = 0.0
     iterations: float = 0.0
 
+    def went_down(self, before: SpecCounters) -> str | None:
+        """Which counter is lower now than ``before`` (``"drafts 120 -> 80"``), None when none is: counters only
+        grow, so a lower one means the server restarted or reset them and no difference is this request's."""
+        pairs = [("drafts", self.drafts, before.drafts), ("draft_tokens", self.draft_tokens, before.draft_tokens)]
+        pairs += [("accepted", self.accepted, before.accepted)]
+        pairs += [("generation_tokens", self.generation_tokens, before.generation_tokens)]
+        pairs += [("iterations", self.iterations, before.iterations)]
+        pairs += [
+            (f"accepted at position {k}", now, before.per_position[k] if k < len(before.per_position) else 0.0)
+            for k, now in enumerate(self.per_position)
+        ]
+        pairs += [
+            (f"accepted at position {k}", 0.0, then)
+            for k, then in enumerate(before.per_position)
+            if k >= len(self.per_position) and then > 0
+        ]
+        return next((f"{name} {then:g} -> {now:g}" for name, now, then in pairs if now < then), None)
+
     def minus(self, before: SpecCounters) -> SpecCounters:
-        """The counts since ``before`` (positions padded to the longer list)."""
+        """The counts since ``before`` (positions padded to the longer list).
+
+        Raises:
+            ReplyError: a counter went down since ``before`` (see :meth:`went_down`).
+        """
+        if why := self.went_down(before):
+            raise ReplyError(f"/metrics counters went down ({why}): the server restarted or reset them")
         n = max(len(self.per_position), len(before.per_position))
         mine = self.per_position + [0.0] * (n - len(self.per_position))
         theirs = before.per_position + [0.0] * (n - len(before.per_position))
@@ -80,38 +109,56 @@ class SpecCounters:
         )
 
 
-def parse_spec_counters(text: str) -> SpecCounters:
+def parse_spec_counters(text: str, block_size: int | None = None) -> SpecCounters:
     """The :class:`SpecCounters` in a Prometheus text exposition (``GET /metrics``). Counters vLLM has not
     registered (no speculative decoding configured) read as 0 and ``per_position`` as [].
 
+    Args:
+        block_size: the drafter's block (draft positions ``0 .. block_size - 1`` at most); None:
+            :data:`MAX_POSITIONS`.
+
     Raises:
-        ReplyError: the text is not a Prometheus exposition.
+        ReplyError: the text is not a Prometheus exposition; a speculative-decoding counter that is not a finite,
+            non-negative count (NaN, +-Inf, < 0); a ``position`` label that is not an integer in
+            ``[0, block_size)``. Each names the counter and the value.
     """
     out = SpecCounters()
     positions: dict[int, float] = {}
+    limit = block_size if block_size is not None else MAX_POSITIONS
     try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == ITERATIONS:
-                    out.iterations += sample.value
-                    continue
-                if not sample.name.endswith("_total"):
-                    continue  # the _created gauges beside each counter
-                name = sample.name[: -len("_total")]
-                if name == DRAFTS:
-                    out.drafts += sample.value
-                elif name == DRAFT_TOKENS:
-                    out.draft_tokens += sample.value
-                elif name == ACCEPTED:
-                    out.accepted += sample.value
-                elif name == GENERATION_TOKENS:
-                    out.generation_tokens += sample.value
-                elif name == ACCEPTED_PER_POSITION:
-                    k = int(sample.labels.get("position", "-1"))
-                    if k >= 0:
-                        positions[k] = positions.get(k, 0.0) + sample.value
+        families = list(text_string_to_metric_families(text))
     except ValueError as exc:
         raise ReplyError(f"/metrics is not a Prometheus exposition ({printable(str(exc))[:200]})") from None
+    for family in families:
+        for sample in family.samples:
+            if sample.name == ITERATIONS:
+                name = ITERATIONS
+            elif sample.name.endswith("_total"):  # not the _created gauges beside each counter
+                name = sample.name[: -len("_total")]
+            else:
+                continue
+            if name not in (DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POSITION, GENERATION_TOKENS, ITERATIONS):
+                continue
+            if not math.isfinite(sample.value) or sample.value < 0:
+                raise ReplyError(f"/metrics: {sample.name} is {sample.value!r}, not a count")
+            if name == ITERATIONS:
+                out.iterations += sample.value
+            elif name == GENERATION_TOKENS:
+                out.generation_tokens += sample.value
+            elif name == DRAFTS:
+                out.drafts += sample.value
+            elif name == DRAFT_TOKENS:
+                out.draft_tokens += sample.value
+            elif name == ACCEPTED:
+                out.accepted += sample.value
+            else:
+                label = sample.labels.get("position", "")
+                if not (label.isdecimal() and len(label) <= 6 and int(label) < limit):
+                    raise ReplyError(
+                        f"/metrics: {sample.name} has position={printable(label)[:40]!r}, not a draft position of "
+                        f"a block of {limit} (0 .. {limit - 1})"
+                    )
+                positions[int(label)] = positions.get(int(label), 0.0) + sample.value
     out.per_position = [positions.get(k, 0.0) for k in range(max(positions) + 1)] if positions else []
     return out
 
@@ -129,17 +176,17 @@ def _bounded_get_or_post(client: httpx.Client, method: str, url: str, max_bytes:
         return response.status_code, bytes(body)
 
 
-def read_counters(client: httpx.Client, base_url: str) -> SpecCounters:
+def read_counters(client: httpx.Client, base_url: str, block_size: int | None = None) -> SpecCounters:
     """The server's :class:`SpecCounters` now (``GET <origin>/metrics``, at most 4 MiB read).
 
     Raises:
-        ReplyError: not 200, too large, or not a Prometheus exposition.
+        ReplyError: not 200, too large, or what :func:`parse_spec_counters` refuses.
         httpx.HTTPError: the server did not answer.
     """
     status, body = _bounded_get_or_post(client, "GET", origin(base_url) + "/metrics", MAX_METRICS_BYTES)
     if status != 200:
         raise ReplyError(f"/metrics answered HTTP {status}")
-    return parse_spec_counters(body.decode("utf-8", errors="replace"))
+    return parse_spec_counters(body.decode("utf-8", errors="replace"), block_size)
 
 
 def parse_completion(payload: Any, vocab_size: int | None = None) -> dict[str, Any]:
@@ -182,6 +229,8 @@ def _settled(
     deadline = time.monotonic() + wait_s
     while True:
         now = read()
+        if now.went_down(before):
+            return now  # no wait will make this difference the request's: the caller refuses it
         delta = now.minus(before)
         done = (
             delta.generation_tokens >= completion_tokens
@@ -203,6 +252,7 @@ def vllm_decode(
     api_key: str | None = None,
     timeout_s: float = 3600.0,
     vocab_size: int | None = None,
+    block_size: int | None = None,
     progress: Callable[[int, int, dict], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Decode each prompt greedily, one at a time, on the vLLM server at ``base_url`` and return one record per
@@ -210,14 +260,15 @@ def vllm_decode(
     ``finish_reason``, ``drafts``, ``draft_tokens``, ``accepted``, ``accepted_per_position``, ``forwards`` (target
     forwards, prefill included: the engine steps that returned tokens; None when vLLM exposes no step count)
     (this request's counter differences) and ``tau`` (``1 + accepted / drafts``; None without a verification
-    step), or ``error`` (a reply that was
-    not a valid completion, an HTTP error: that prompt alone is lost).
+    step), or ``error`` (a reply that was not a valid completion, an HTTP error, ``/metrics`` values
+    :func:`parse_spec_counters` refuses or counters that went down: that prompt alone is lost, the reason in
+    ``error``). ``block_size``: the drafter's block, bounding the draft positions ``/metrics`` may name.
 
     Every sampling field that could differ from greedy is sent (vLLM fills an omitted one from the model's
     ``generation_config.json``).
 
     Raises:
-        EngineError: ``/metrics`` unreadable before the first prompt, or every prompt failed; the key redacted.
+        EngineError: every prompt failed (the first error quoted); the key redacted.
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = httpx.Timeout(connect=30.0, read=timeout_s, write=60.0, pool=None)
@@ -226,12 +277,15 @@ def vllm_decode(
     with httpx.Client(headers=headers, timeout=timeout) as client:
 
         def read() -> SpecCounters:
-            return read_counters(client, base_url)
+            return read_counters(client, base_url, block_size)
 
-        try:
-            before = read()
-        except (httpx.HTTPError, ReplyError) as exc:
-            raise EngineError(f"vLLM {origin(base_url)}/metrics: {redact(str(exc), api_key)}") from None
+        def baseline() -> tuple[SpecCounters | None, str | None]:
+            try:
+                return read(), None
+            except (httpx.HTTPError, ReplyError) as exc:
+                return None, redact(f"{type(exc).__name__}: {exc}", api_key)[:500]
+
+        before, unread = baseline()
         for i, prompt in enumerate(prompts):
             record: dict[str, Any] = {
                 "dataset": prompt.dataset,
@@ -247,7 +301,11 @@ def vllm_decode(
                 "skip_special_tokens": False,
                 "return_token_ids": True,
             }
+            if before is None:
+                before, unread = baseline()  # the last read failed: this prompt needs a baseline of its own
             try:
+                if before is None:
+                    raise ReplyError(f"no /metrics baseline before the request ({unread})")
                 status, raw = _bounded_get_or_post(client, "POST", url, MAX_REPLY_BYTES, json=body)
                 if status != 200:
                     raise ReplyError(f"HTTP {status}: {printable(raw[:300].decode('utf-8', errors='replace'))}")
@@ -264,10 +322,7 @@ def vllm_decode(
                 )
             except (httpx.HTTPError, ReplyError) as exc:
                 record["error"] = redact(f"{type(exc).__name__}: {exc}", api_key)[:500]
-                try:  # the next request's baseline: whatever this one left counted
-                    before = read()
-                except (httpx.HTTPError, ReplyError):
-                    pass
+                before, unread = baseline()  # the next request's: whatever this one left counted
             records.append(record)
             if progress is not None:
                 progress(i + 1, len(prompts), record)
@@ -280,12 +335,13 @@ def vllm_tau_by_dataset(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[
     """Per dataset: :func:`~dflash_assets.dflash.tau.tau_from_sums` over ``(accepted + drafts, drafts)`` per
     prompt (``tau``: the mean of per-prompt means, z-lab's figure; ``tau_pooled``: all tokens over all steps),
     ``acceptance_per_position`` (accepted / drafts at each draft position, pooled), ``requests``,
-    ``requests_measured`` (with a verification step), ``errors`` and ``forwards`` (tokens per target forward and
-    acceptance per decode step: :func:`~dflash_assets.stages.evaluation.baseline.engine_forward_figures`)."""
+    ``requests_measured`` (no error and at least one verification step: only these count in any figure),
+    ``errors``, ``first_error`` and ``forwards`` (tokens per target forward and acceptance per decode step:
+    :func:`~dflash_assets.stages.evaluation.baseline.engine_forward_figures`)."""
     out: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(r["dataset"] for r in records):
         rows = [r for r in records if r["dataset"] == name]
-        measured = [r for r in rows if "error" not in r and r.get("drafts")]
+        measured = [r for r in rows if "error" not in r and (r.get("drafts") or 0) > 0]
         sums = tau_from_sums([(r["accepted"] + r["drafts"], r["drafts"]) for r in measured])
         drafts = sum(r["drafts"] for r in measured)
         width = max((len(r["accepted_per_position"]) for r in measured), default=0)
@@ -301,6 +357,7 @@ def vllm_tau_by_dataset(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[
             "requests_measured": len(measured),
             "errors": sum("error" in r for r in rows),
             "forwards": engine_forward_figures(rows),
+            "first_error": next((r["error"] for r in rows if "error" in r), None),
         }
     return out
 

@@ -231,6 +231,7 @@ def _serve_and_decode(
             api_key=api_key,
             timeout_s=config.engine_request_timeout_s,
             vocab_size=text_config(target).get("vocab_size"),
+            block_size=int(spec["num_speculative_tokens"]) + 1,  # the draft positions /metrics may name
             progress=progress,
         )
         decode_s = time.monotonic() - decoding

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import dagster as dg
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from dflash_assets.generation.engine_env import VLLM_CPU_PACKAGES, VLLM_CPU_REMOVE
 from dflash_assets.generation.local_model import DEFAULT_LOCAL_MODEL, LocalModelName
@@ -30,6 +30,7 @@ __all__ = [
     "LocalSettings",
     "SGLangSettings",
     "VLLMSettings",
+    "check_port_block",
     "migrate_flat_keys",
 ]
 
@@ -37,6 +38,24 @@ __all__ = [
 class ConfigKeyDeprecationWarning(FutureWarning):
     """A config key of an earlier release that still works for one release; the message names its new place.
     (A FutureWarning: Python shows it by default, to the person who wrote the config.)"""
+
+
+MAX_PORT = 65535
+
+
+def check_port_block(port_base: int, servers: int) -> None:
+    """``port_base .. port_base + servers - 1`` (server i listens on ``port_base + i``) must be TCP ports.
+
+    Raises:
+        ValueError: the block ends past 65535, naming ``port_base``, ``num_servers`` and the largest base that fits
+            (pydantic puts the section's key in front: ``resources.inference.vllm``).
+    """
+    last = port_base + servers - 1
+    if last > MAX_PORT:
+        raise ValueError(
+            f"port_base {port_base} + num_servers {servers} - 1 = {last}: server {servers - 1} would listen past "
+            f"port {MAX_PORT}; set port_base to at most {MAX_PORT - servers + 1} (or fewer num_servers)"
+        )
 
 
 class _Section(dg.Config):
@@ -71,7 +90,7 @@ class SGLangSettings(_Section):
     num_servers: int = Field(strict=True, default=1, ge=1, description="Servers (data-parallel replicas).")
     gpu_ids: list[int] | None = Field(default=None, description="GPUs to use; None = 0..N*tp-1.")
     port_base: int = Field(
-        strict=True, default=30000, description="Server i listens on port_base + i (router: port_base)."
+        strict=True, default=30000, ge=1, le=65535, description="Server i listens on port_base + i (router: port_base)."
     )
     host: str = Field(default="127.0.0.1", description="Listen address.")
     max_mamba_cache_size: int | None = Field(strict=True, default=None, description="--max-mamba-cache-size.")
@@ -92,6 +111,11 @@ class SGLangSettings(_Section):
     def _no_secret_flags(cls, value: list[str]) -> list[str]:
         refuse_secret_args(value, "inference.sglang.extra_args")  # the key comes from DFLASH_SERVER_API_KEY only
         return value
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> SGLangSettings:
+        check_port_block(self.port_base, 1 if self.use_router else self.num_servers)
+        return self
 
 
 class VLLMSettings(_Section):
@@ -154,6 +178,12 @@ class VLLMSettings(_Section):
     def _no_secret_flags(cls, value: list[str]) -> list[str]:
         refuse_secret_args(value, "inference.vllm.extra_args")  # the key comes from DFLASH_SERVER_API_KEY only
         return value
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> VLLMSettings:
+        if self.port_base is not None:
+            check_port_block(self.port_base, self.num_servers)
+        return self
 
 
 class ExternalSettings(_Section):
