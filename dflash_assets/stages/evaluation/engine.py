@@ -15,14 +15,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import subprocess
 from dataclasses import dataclass, field
-from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 
 from dflash_assets.dflash.engine_check import ExportCheck, check_dflash_export, is_hybrid_target
+from dflash_assets.generation.engine_env import EngineEnvironment
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.generation.sglang_dflash import (
     EngineError,
@@ -85,6 +86,12 @@ def plan_engine(config, inference, target_model, export_dir: str, log) -> Engine
     block = int((export.get("dflash_config") or {}).get("block_size") or export.get("block_size") or 16)
     n = config.num_draft_tokens if config.num_draft_tokens is not None else block
     if config.engine == "sglang":
+        if config.engine_python:
+            raise dg.Failure(
+                "drafter_evaluation.engine_python names vLLM's interpreter (engine: vllm); engine: sglang starts the "
+                "servers of resources.inference from SGLang's environment: set resources.inference.sglang.python "
+                "instead"
+            )
         if inference.mode != "sglang":
             raise dg.Failure(
                 f"drafter_evaluation.engine: sglang starts the servers of resources.inference, whose mode is "
@@ -135,23 +142,41 @@ def plan_engine(config, inference, target_model, export_dir: str, log) -> Engine
         plan.commands = inference.sglang_commands(extra_args=flags, use_router=False)
         if plan.ngram_flags:
             plan.ngram_commands = inference.sglang_commands(extra_args=plan.ngram_flags, use_router=False)
-        if inference.sglang.launch_module == "sglang.launch_server":
-            _warn_on_old_sglang(log)
+        if environment := inference.sglang_environment(use_router=False):
+            _warn_on_old_sglang(environment, log)
     return plan
 
 
-def _warn_on_old_sglang(log) -> None:
+def _warn_on_old_sglang(environment: EngineEnvironment, log) -> None:
+    """Warn when SGLang's environment holds a release older than the one the DFLASH flags were read from: the
+    pinned version, or the one installed in a given interpreter (``inference.sglang.python``)."""
     from packaging.version import InvalidVersion, Version
 
+    if environment.python:
+        proc = subprocess.run(
+            [environment.python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=120,
+        )
+        if proc.returncode != 0:
+            log.warning(f"engine: sglang is not installed in {environment.python}; the servers will not start")
+            return
+        version = proc.stdout.strip()
+    else:
+        pins = [r.split("==", 1)[1] for r in environment.requirements if r.replace(" ", "").startswith("sglang==")]
+        if not pins:
+            return
+        version = pins[0]
     try:
-        version = importlib_metadata.version("sglang")
         if Version(version) < Version("0.5.15"):
             log.warning(
-                f"engine: SGLang {version} is installed; the DFLASH flags were read from {FLAGS_READ_FROM} "
+                f"engine: SGLang {version} serves; the DFLASH flags were read from {FLAGS_READ_FROM} "
                 "(older releases name the mamba flag --mamba-scheduler-strategy)"
             )
-    except (importlib_metadata.PackageNotFoundError, InvalidVersion):
-        log.warning("engine: the sglang package is not installed here; the servers will not start")
+    except InvalidVersion:
+        log.warning(f"engine: SGLang's version {version!r} is not a version; the DFLASH flags may not match it")
 
 
 def run_engine(
@@ -193,6 +218,8 @@ def run_engine(
                 log.warning(orphan_message(entry))
             for line in plan.launch_lines():
                 log.info(f"engine: starting {line}")
+            if environment := inference.sglang_environment(use_router=False):  # made on first use (minutes)
+                environment.ensure(log.info)
             with SGLangServers(plan.commands, log_dir, api_key, inference.startup_timeout_s) as servers:
                 infos, records = decode(servers.base_urls)
         else:

@@ -27,6 +27,7 @@ from dflash_assets.generation.engine_env import (
     EngineEnvironmentError,
     make_in_background,
     vllm_environment,
+    vllm_packages_for,
 )
 from dflash_assets.generation.ports import PortTakenError, free_port_block
 from dflash_assets.generation.servers import API_KEY_ENV
@@ -96,7 +97,7 @@ def plan_vllm(config, target_model, export_dir: str, log) -> VLLMPlan:
         "env": env,
         "device": device,
     }
-    environment = vllm_environment(config.vllm_packages, config.vllm_remove_packages, config.engine_python)
+    environment = evaluation_environment(config, device)
     spec = dflash_speculative_config(export_dir, tokens + 1)
     ngram = (
         ngram_speculative_config(tokens, config.ngram_prompt_lookup_max, config.ngram_prompt_lookup_min)
@@ -242,19 +243,31 @@ def _serve_and_decode(
     }
 
 
-def evaluation_environment(config) -> EngineEnvironment | None:
-    """The vLLM environment ``config`` (an ``EvaluationConfig``) measures tau in; None when its engine is not vllm."""
+def evaluation_environment(config, device: str = "cpu") -> EngineEnvironment | None:
+    """The vLLM environment ``config`` (an ``EvaluationConfig``) measures tau in on ``device`` (the target's:
+    ``cpu`` or ``cuda``): ``vllm_packages`` / ``vllm_remove_packages`` where given, else vLLM's build for the device
+    (:func:`~dflash_assets.generation.engine_env.vllm_packages_for`), or ``engine_python``; None when its engine is
+    not vllm.
+
+    Raises:
+        ValueError: ``device`` is neither cpu nor cuda.
+    """
     if config.engine != "vllm":
         return None
-    return vllm_environment(config.vllm_packages, config.vllm_remove_packages, config.engine_python)
+    requirements, remove = vllm_packages_for(device)
+    return vllm_environment(
+        config.vllm_packages if config.vllm_packages is not None else requirements,
+        config.vllm_remove_packages if config.vllm_remove_packages is not None else remove,
+        config.engine_python,
+    )
 
 
-def prepare_in_background(config, log: Callable[[str], None] = print) -> threading.Thread | None:
+def prepare_in_background(config, log: Callable[[str], None] = print, device: str = "cpu") -> threading.Thread | None:
     """Start making the vLLM environment ``config`` (an ``EvaluationConfig``) names on a thread of its own, so
     its install (minutes, first use only) overlaps the stages before ``drafter_evaluation``. None when the
     engine is not vllm or an interpreter is given. A failure here is only logged: the evaluation makes the
     environment again itself (the file lock makes it wait for this thread first) and raises there."""
-    environment = evaluation_environment(config)
+    environment = evaluation_environment(config, device)
     return make_in_background(environment, log, "(drafter_evaluation will try again)") if environment else None
 
 

