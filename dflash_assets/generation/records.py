@@ -115,6 +115,14 @@ def row_problem(row: dict[str, Any]) -> str | None:
 def set_aside_row(prompt: dict[str, Any], reason: str) -> dict[str, Any]:
     """The row stored in place of one that cannot be stored (:func:`row_problem`): the prompt's identity and
     the reason as its ``error`` (so the next run requests it again), no data from the row."""
+    return _unsent_row(
+        prompt, error=f"set aside: the row could not be stored ({reason}); the next run requests it again"
+    )
+
+
+def _unsent_row(prompt: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A row of every :data:`COMPLETIONS_SCHEMA` column that holds the prompt's identity, zero counts and no
+    generated data, then ``fields``: the one shape of a row no reply filled."""
     row: dict[str, Any] = dict.fromkeys(COMPLETIONS_SCHEMA)
     row.update(
         index=int(prompt["index"]),
@@ -124,11 +132,11 @@ def set_aside_row(prompt: dict[str, Any], reason: str) -> dict[str, Any]:
         truncated_in_reasoning=False,
         empty_answer=False,
         attempts=0,
-        error=f"set aside: the row could not be stored ({reason}); the next run requests it again",
         continued_from_tokens=0,
         cut_from_tokens=0,
         tail_chunks=0,
     )
+    row.update(fields)
     return row
 
 
@@ -138,27 +146,16 @@ def too_long_row(prompt: dict[str, Any], settings: GenerationSettings, prompt_to
     cap ``max_output_tokens`` and the servers' ``context_length`` it was judged against (``settings``), no
     text and no tokens. Not an error: the next run does not send it while cap and context stay
     (:func:`invalid_reason`)."""
-    row: dict[str, Any] = dict.fromkeys(COMPLETIONS_SCHEMA)
-    row.update(
-        index=int(prompt["index"]),
-        prompt_id=prompt["prompt_id"],
-        prompt_hash=prompt.get("content_hash"),
-        source=prompt["source"],
+    return _unsent_row(
+        prompt,
         finish_reason=PROMPT_TOO_LONG,
         prompt_tokens=int(prompt_tokens),
         completion_tokens=0,
-        truncated_in_reasoning=False,
-        empty_answer=False,
         max_output_tokens=settings.max_output_tokens,
         settings_fingerprint=settings.sampling_fingerprint(),
         settings=settings.settings_json,
-        attempts=0,
-        continued_from_tokens=0,
-        cut_from_tokens=0,
-        tail_chunks=0,
         context_length=settings.context_length,
     )
-    return row
 
 
 def too_long_reason(prompt_tokens: int, settings: GenerationSettings, room: int) -> str:
