@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.engine_env import vllm_environment
+from dflash_assets.generation.engine_env import vllm_environment, vllm_packages_for
 from dflash_assets.generation.servers import ServerPool
 from dflash_assets.generation.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt
 from dflash_assets.generation.vllm_servers import build_vllm_command, dflash_speculative_config
 from dflash_assets.stages.evaluation import vllm_engine
-from dflash_assets.stages.evaluation.config import EvaluationConfig
 from dflash_assets.stages.resources.inference import InferenceServerResource
 
 JUDGE = Path(__file__).resolve().parents[1] / "bench" / "dflash_simulators" / "vllm_judge.py"
@@ -31,8 +30,8 @@ PROMPT = [{"role": "user", "content": "What is 2+2?"}]
 
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
-    defaults = EvaluationConfig()  # the environment engine: vllm makes (reused when the suite made it already)
-    return vllm_environment(defaults.vllm_packages, defaults.vllm_remove_packages).ensure()
+    # the environment engine: vllm makes on a CPU by default (reused when the suite made it already)
+    return vllm_environment(*vllm_packages_for("cpu")).ensure()
 
 
 def judge(python: Path, cases: list[dict]) -> list[dict]:
@@ -87,7 +86,7 @@ def test_vllm_parses_every_command_line_and_takes_every_body(vllm_python, monkey
         sent.append(kw["json"])
         return 503, b"caught"
 
-    monkeypatch.setattr(vllm_engine, "read_counters", lambda client, base_url: None)
+    monkeypatch.setattr(vllm_engine, "read_counters", lambda *args: vllm_engine.SpecCounters())
     monkeypatch.setattr(vllm_engine, "_bounded_get_or_post", post)
     with pytest.raises(EngineError, match="HTTP 503: caught"):  # the body is all this call is for
         vllm_engine.vllm_decode("http://x", "/models/m", [EnginePrompt("d", 0, [5, 6, 7])], 32, stop_token_ids=[2])
