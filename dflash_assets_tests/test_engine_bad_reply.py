@@ -4,15 +4,10 @@ over HTTP in its own process."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
-import httpx
 import pytest
 
-from dflash_assets.generation.ports import free_port
 from dflash_assets.generation.sglang_dflash import EnginePrompt, engine_generate, engine_tau_by_dataset
+from dflash_assets_tests.script_server import script_server
 
 SERVER = r"""
 import json, sys
@@ -41,23 +36,8 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 @pytest.fixture
 def stand_in():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(url + "/health", timeout=1)
-                break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+    with script_server(SERVER) as url:
         yield url
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_malformed_reply_costs_its_prompt_only(stand_in):

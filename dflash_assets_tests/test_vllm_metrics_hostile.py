@@ -13,19 +13,16 @@ Every honest request of the stand-in decodes 8 tokens in 3 verification steps, a
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
-import httpx
 import pytest
 
 from dflash_assets.app.summary_engine import engine_line
-from dflash_assets.generation.ports import free_port
 from dflash_assets.generation.sglang_dflash import EnginePrompt
 from dflash_assets.stages.evaluation.engine import engine_metadata
 from dflash_assets.stages.evaluation.parity import MIN_MEASURED_SHARE, engine_parity, lossless_summary
 from dflash_assets.stages.evaluation.vllm_engine import vllm_decode, vllm_tau_by_dataset
+from dflash_assets_tests.script_server import script_server
 
 TAU = 1 + 4 / 3
 BLOCK = 4  # 3 drafted tokens per step
@@ -83,23 +80,8 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 @pytest.fixture
 def stand_in():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(url + "/health", timeout=1)
-                break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+    with script_server(SERVER) as url:
         yield url
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def decode(url: str, firsts: list[int]) -> list[dict]:
