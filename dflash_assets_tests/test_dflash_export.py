@@ -177,6 +177,27 @@ def test_replacing_an_export_is_one_rename_and_a_reader_keeps_its_version(tmp_pa
     assert errors == [] and loads[0] > 0
 
 
+def test_a_reader_whose_version_was_pruned_mid_read_resolves_again(tmp_path, monkeypatch):
+    """CI (stop 44) failed with FileNotFoundError on .../export.versions/<v>/model.safetensors: the looping
+    reader resolved version v, two exports then pruned v before its weights were opened. Loading through
+    the export path resolves again and gets the current version whole; a version dir given directly does not."""
+    from dflash_assets.dflash import export as export_module
+
+    out = tmp_path / "export"
+    export_drafter(_model_with(1), out)
+    stale = resolve_export(out)
+    export_drafter(_model_with(2), out)
+    export_drafter(_model_with(1), out)
+    assert not stale.exists()
+    export_drafter(_model_with(2), out)
+    answers = iter([stale])
+    real = export_module.resolve_export
+    monkeypatch.setattr(export_module, "resolve_export", lambda p: next(answers, None) or real(p))
+    assert load_exported(out).config.num_hidden_layers == 2
+    with pytest.raises(FileNotFoundError):
+        load_exported(stale)
+
+
 def test_export_replaces_existing_dir_and_config_roundtrip(tmp_path):
     model = make_model()
     out = tmp_path / "drafter"

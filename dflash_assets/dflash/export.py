@@ -195,6 +195,16 @@ def resolve_export(model_dir: str | os.PathLike) -> Path:
     return Path(os.path.realpath(model_dir))
 
 
+def _read_version(d: Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
+    """config.json and every tensor of one export version directory ``d``."""
+    config = config_from_hf_dict(json.loads((d / "config.json").read_text()))
+    state = {}
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        for k in f.keys():  # noqa: SIM118 - safe_open is not a dict: keys() is its only listing
+            state[k] = f.get_tensor(k)
+    return config, state
+
+
 def load_exported(
     model_dir: str | os.PathLike,
     *,
@@ -213,15 +223,20 @@ def load_exported(
     Raises:
         FileNotFoundError: no config.json / model.safetensors. RuntimeError: tensor names/shapes differ.
     """
-    d = resolve_export(model_dir)
-    config = config_from_hf_dict(json.loads((d / "config.json").read_text()))
+    # Two exports after the one a reader resolved, its version is pruned; a reader that loses that race
+    # resolves the link again rather than failing (a version directory given directly is read once).
+    attempts = 5 if Path(model_dir).is_symlink() else 1
+    for attempt in range(attempts):
+        d = resolve_export(model_dir)
+        try:
+            config, state = _read_version(d)
+            break
+        except FileNotFoundError:
+            if attempt == attempts - 1 or d == resolve_export(model_dir):
+                raise
     if overrides:
         config = dataclasses.replace(config, **overrides)
     model = DFlashDraftModel(config)
-    state = {}
-    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
-        for k in f.keys():  # noqa: SIM118 - safe_open is not a dict: keys() is its only listing
-            state[k] = f.get_tensor(k)
     model.load_state_dict(state, strict=True)
     model.to(dtype)
     if embed_weight is not None:
