@@ -54,6 +54,7 @@ from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 
 
 def make_corpus(instance: dg.DagsterInstance, root: Path, sources: list[str], n: int) -> tuple[str, pl.DataFrame]:
@@ -80,6 +81,7 @@ def run_pipeline(instance, root: Path, pk: str, inference: InferenceServerResour
         resources={
             "storage": StorageResource(root=str(root)),
             "inference": inference,
+            "target_model": TargetModelResource(),
             "generation": GenerationResource(max_output_tokens=cap, temperature=0.0),
         },
     )

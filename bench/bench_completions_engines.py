@@ -90,7 +90,12 @@ def run_stage(instance, root: Path, pk: str, inference, generation: GenerationRe
         [completions],
         instance=instance,
         partition_key=pk,
-        resources={"storage": StorageResource(root=str(root)), "inference": inference, "generation": generation},
+        resources={
+            "storage": StorageResource(root=str(root)),
+            "inference": inference,
+            "generation": generation,
+            "target_model": TargetModelResource(),
+        },
     )
     stage_s = time.perf_counter() - started
     assert result.success

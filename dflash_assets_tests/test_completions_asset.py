@@ -33,6 +33,7 @@ from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_simulators.behaviours import Drop, Error, Hang, Reply
 from dflash_simulators.counting_proxy import CountingProxy, last_user_message
 from dflash_simulators.stand_in_server import FakeServer
@@ -94,6 +95,7 @@ def materialize(
         resources={
             "storage": StorageResource(root=str(root)),
             "inference": inference,
+            "target_model": TargetModelResource(),
             "generation": GenerationResource(max_output_tokens=cap, temperature=0.0),
         },
     )
@@ -222,12 +224,14 @@ from dflash_assets.assets.completions import completions
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_assets.orchestration.runs import process_tags
 a = json.loads(sys.argv[1])
 with dg.instance_for_test(temp_dir=a["home"]) as instance:  # tagged with its process, as every product run is
     dg.materialize([completions], instance=instance, partition_key=a["pk"], tags=process_tags(), resources={
         "storage": StorageResource(root=a["root"]),
         "inference": InferenceServerResource(**a["inference"]),
+        "target_model": TargetModelResource(),
         "generation": GenerationResource(max_output_tokens=a["cap"], temperature=0.0)})
 """
 

@@ -29,6 +29,7 @@ from dflash_assets.stages.completions.tables import partition_frame
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_simulators.hostile_replies import HOSTILE, PREFIX, TEST_VOCAB_SIZE
 
 CAP = 16
@@ -191,6 +192,7 @@ def run_partition(instance, root, pk, inference, raise_on_error=True):
         resources={
             "storage": StorageResource(root=str(root)),
             "inference": inference,
+            "target_model": TargetModelResource(),
             "generation": GenerationResource(max_output_tokens=CAP, temperature=0.0),
         },
     )

@@ -33,6 +33,7 @@ from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_simulators.behaviours import Error, Raw, Reply
 from dflash_simulators.counting_proxy import last_user_message
 from dflash_simulators.stand_in_server import FakeServer
@@ -193,6 +194,7 @@ def run_completions(instance, root: Path, pk: str, url: str):
         resources={
             "storage": StorageResource(root=str(root)),
             "inference": inference_for(url),
+            "target_model": TargetModelResource(),
             "generation": GenerationResource(max_output_tokens=16, temperature=0.0),
         },
     )

@@ -31,6 +31,7 @@ from dflash_assets.generation.ports import free_port, free_port_block
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_assets_tests.test_completions_asset import write_corpus
 
 STUB = "dflash_simulators.sglang_stub"
@@ -74,6 +75,7 @@ def range_materialize(instance, root: Path, keys: list[str], inference, cap: int
         resources={
             "storage": StorageResource(root=str(root)),
             "inference": inference,
+            "target_model": TargetModelResource(),
             "generation": GenerationResource(max_output_tokens=cap, temperature=0.6),
         },
     )
@@ -157,6 +159,7 @@ def test_range_is_one_run_one_start_each_partition_committed_with_own_data_versi
             resources={
                 "storage": StorageResource(root=str(root)),
                 "inference": sglang_sim(tmp_path, 1, 3),
+                "target_model": TargetModelResource(),
                 "generation": GenerationResource(max_output_tokens=4096, temperature=0.6),
             },
         )

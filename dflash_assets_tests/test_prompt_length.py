@@ -29,6 +29,7 @@ from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_simulators.behaviours import Error, Reply
 from dflash_simulators.counting_proxy import last_user_message
 from dflash_simulators.stand_in_server import FakeServer
@@ -82,6 +83,7 @@ def run_completions(instance, root, server_url, pk, *, cap=CAP, context=CONTEXT,
         resources={
             "storage": StorageResource(root=str(root)),
             "inference": inference,
+            "target_model": TargetModelResource(),
             "generation": GenerationResource(max_output_tokens=cap),
         },
         partition_key=pk,

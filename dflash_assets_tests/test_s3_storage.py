@@ -400,6 +400,7 @@ from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 cfg = json.loads(sys.argv[1])
 instance = dg.DagsterInstance.ephemeral()
 instance.add_dynamic_partitions(prompt_ranges.name, [cfg["pk"]])
@@ -408,7 +409,8 @@ storage = StorageResource(aws_access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID"),
 inference = InferenceServerResource(mode="external", base_urls=[cfg["url"]], served_model_name="fake",
                                     max_running_requests=2)
 print("CHILD STARTED", flush=True)
-resources = {"storage": storage, "inference": inference, "generation": GenerationResource(max_output_tokens=16)}
+resources = {"storage": storage, "inference": inference, "generation": GenerationResource(max_output_tokens=16),
+             "target_model": TargetModelResource()}
 dg.materialize([completions], partition_key=cfg["pk"], instance=instance, resources=resources)
 """
 
@@ -468,6 +470,7 @@ def test_kill9_mid_partition_then_resume_on_empty_scratch(s3_target, s3_env, tmp
             resources={
                 "storage": storage,
                 "inference": fake_inference(server),
+                "target_model": TargetModelResource(),
                 "generation": GenerationResource(max_output_tokens=16),
             },
         )
@@ -521,6 +524,7 @@ def test_endpoint_outage_mid_run(s3_target, s3_env, tmp_path, outage, caplog):
         resources = {
             "storage": storage,
             "inference": fake_inference(server),
+            "target_model": TargetModelResource(),
             "generation": GenerationResource(max_output_tokens=16),
         }
         first = dg.materialize(

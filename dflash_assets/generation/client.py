@@ -274,7 +274,10 @@ class CompletionClient(ServerRouting, RequestAttempts):
         Args:
             items: ``(index, body)`` pairs; ``body`` is the complete request JSON
                 (``GenerationSettings.request_body``), sent as is. Consumed lazily, so a generator over
-                millions of rows is fine; at most ``concurrency`` rows are in flight.
+                millions of rows is fine; at most ``concurrency`` rows are in flight. An item may be
+                ``(index, body, route)``: items of one ``route`` (a conversation id) go first to one server, the
+                same for the whole run (:meth:`route_server`), so its prefix cache holds their shared context; to
+                the least loaded one when that server is down or at its share, as any retry.
             on_result: sync callback, called once per item that was started (success or final failure),
                 on the event loop thread; keep it quick (an fsync'd journal append is fine).
             follow_up: sync callback on the event loop thread, called with each request's result before
@@ -307,10 +310,12 @@ class CompletionClient(ServerRouting, RequestAttempts):
             nonlocal fresh_left
             if fresh_left:
                 try:
-                    index, body = next(iterator)
-                    return index, body, None
+                    item = next(iterator)
                 except StopIteration:
                     fresh_left = False
+                else:
+                    route = item[2] if len(item) > 2 else None
+                    return item[0], item[1], None if route is None else self.route_server(route)
             return pending.take(freed)
 
         # One small transport (connection pool) per worker ("lane"): a worker has at most one request

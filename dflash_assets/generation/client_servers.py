@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import threading
 import time
 from typing import Any
@@ -51,6 +52,12 @@ class ServerRouting:
     """Part of :class:`~dflash_assets.generation.client.CompletionClient` (split out by concern): routing
     attempts to servers and taking faulty ones out. Uses the client's settings and state (``_servers``,
     ``concurrency``, ``backoff_*``, ``supervisor``, ``stall_timeout_s``, ``faults``, ``_log``...)."""
+
+    def route_server(self, route: str) -> str:
+        """The label of the server requests of ``route`` (a conversation id) prefer: a stable hash of it modulo
+        the servers, the same in every run over the same servers (Python's ``hash`` of a string is not)."""
+        digest = hashlib.blake2b(route.encode("utf-8"), digest_size=8).digest()
+        return self._servers[int.from_bytes(digest, "big") % len(self._servers)].label
 
     def _pick_server(self, prefer: str | None = None) -> ServerState:
         """Least in-flight server among those not being avoided; ties rotate. ``prefer`` (a label): that

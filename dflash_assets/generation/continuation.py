@@ -93,15 +93,16 @@ def prefix_text(row: dict[str, Any], opened: bool) -> str:
 def continuation_body(
     settings: GenerationSettings,
     model: str,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     row: dict[str, Any],
     prefix: str,
     index: int | None = None,
+    tools: str | list | None = None,
 ) -> dict[str, Any]:
-    """Body for ``POST /v1/chat/completions`` continuing ``row``: its messages plus the prefix as an
-    assistant message, ``continue_final_message``, raw text back, and ``max_tokens`` = the new cap minus
-    the tokens the row has (so the whole row stays within the cap)."""
-    body = settings.request_body(model, [*messages, {"role": "assistant", "content": prefix}], index)
+    """Body for ``POST /v1/chat/completions`` continuing ``row``: its messages (and ``tools``, the conversation's
+    stored tools) plus the prefix as an assistant message, ``continue_final_message``, raw text back, and
+    ``max_tokens`` = the new cap minus the tokens the row has (so the whole row stays within the cap)."""
+    body = settings.request_body(model, [*messages, {"role": "assistant", "content": prefix}], index, tools)
     body["max_tokens"] = settings.max_output_tokens - int(row["completion_tokens"])
     body["continue_final_message"] = True
     body["separate_reasoning"] = False
@@ -169,6 +170,7 @@ def merge_continuation(
         reasoning_content=reasoning,
         content=answer,
         prompt_tokens=row.get("prompt_tokens"),
+        prompt_token_ids=row.get("prompt_token_ids"),  # the continuation's prompt holds the prefix too
         completion_tokens=old_tokens + int(result.completion_tokens or 0),
         output_token_ids=None,
         output_token_ids_source=NO_OUTPUT_IDS,

@@ -78,7 +78,7 @@ from pathlib import Path
 from dflash_assets.common.settings import cache_dir
 
 #: Directory name under ``<cache>/models``; bump the version when the construction changes.
-STANDIN_NAME = "Qwen3.6-hybrid-standin-v1"
+STANDIN_NAME = "Qwen3.6-hybrid-standin-v2"  # v2: the chat template renders tools
 SEED = 0
 TOKENIZER_TRAINING_VOCAB = 1024
 #: Qwen3.5's pre-tokenizer (transformers ``models/qwen3_5/tokenization_qwen3_5.py``).
@@ -247,15 +247,84 @@ def build_tokenizer():
     return tokenizer
 
 
-# Qwen3.6's layout, without tools or images: the generation prompt opens the thinking block.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
-)
+# Qwen3.6's layout, without images (public facts of Qwen3.5/3.6's template, written here from them):
+# - tools: listed in the system turn as one JSON line each inside <tools>...</tools>, with the
+#   <function=...>/<parameter=...> call format the model is asked to reply in; a schema is written field by field
+#   (name, description, parameters), so a server that adds null fields to it renders the same text;
+# - an assistant turn's tool calls: <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...
+#   </function>\n</tool_call> (a string value as is, any other as JSON);
+# - consecutive tool results: one user turn of <tool_response>\n...\n</tool_response> blocks;
+# - an assistant turn after the last user query (a tool loop; not the final message, which a continuation
+#   extends) keeps its reasoning as <think>\n...\n</think>\n\n, earlier ones drop it;
+# - the generation prompt opens the thinking block.
+# Plain {role, content} messages render as before tools existed: <|im_start|>role\ncontent<|im_end|>\n each.
+CHAT_TEMPLATE = r"""
+{%- macro value_text(value) -%}
+{%- if value is string -%}{{- value -}}{%- else -%}{{- value | tojson -}}{%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(last_query=-1) -%}
+{%- for message in messages -%}
+{%- if message['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- if tools -%}
+{{- '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>' -}}
+{%- for tool in tools -%}
+{%- set f = tool['function'] if tool['function'] is defined else tool -%}
+{{- '\n{"type": "function", "function": {"name": ' + (f['name'] | tojson) -}}
+{%- if f['description'] is defined and f['description'] is not none -%}
+{{- ', "description": ' + (f['description'] | tojson) -}}
+{%- endif -%}
+{%- if f['parameters'] is defined and f['parameters'] is not none -%}
+{{- ', "parameters": ' + (f['parameters'] | tojson) -}}
+{%- endif -%}
+{{- '}}' -}}
+{%- endfor -%}
+{{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n' -}}
+{{- '<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n' -}}
+{{- '<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n' -}}
+{{- '</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified ' -}}
+{{- 'format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n' -}}
+{{- '- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in ' -}}
+{{- 'natural language BEFORE the function call, but NOT after\n- If there is no function call available, answer ' -}}
+{{- 'the question like normal with your current knowledge and do not tell the user about function calls\n' -}}
+{{- '</IMPORTANT>' -}}
+{%- if messages and messages[0]['role'] == 'system' -%}{{- '\n\n' + (messages[0]['content'] or '') -}}{%- endif -%}
+{{- '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+{%- if tools and loop.first and message['role'] == 'system' -%}
+{%- elif message['role'] == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+{{- '\n<tool_response>\n' + (message['content'] or '') + '\n</tool_response>' -}}
+{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+{%- elif message['role'] == 'assistant'
+    and (message['tool_calls'] or (loop.index0 > ns.last_query and not loop.last)) -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- set content = (message['content'] or '') -%}
+{%- if loop.index0 > ns.last_query and not loop.last -%}
+{{- '<think>\n' + (message['reasoning_content'] or '') | trim + '\n</think>\n\n' -}}
+{%- endif -%}
+{{- content | trim -}}
+{%- for call in message['tool_calls'] or [] -%}
+{%- set fn = call['function'] if call['function'] is defined else call -%}
+{%- if not loop.first -%}{{- '\n' -}}{%- elif content | trim -%}{{- '\n\n' -}}{%- endif -%}
+{{- '<tool_call>\n<function=' + fn['name'] + '>\n' -}}
+{%- if fn['arguments'] is mapping -%}
+{%- for key, value in fn['arguments'] | items -%}
+{{- '<parameter=' + key + '>\n' + value_text(value) + '\n</parameter>\n' -}}
+{%- endfor -%}
+{%- endif -%}
+{{- '</function>\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\n' -}}
+{%- else -%}
+{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}
+{%- else -%}{{- '<think>\n' -}}{%- endif -%}{%- endif -%}
+"""
 
 
 def single_id(tokenizer, text: str) -> int:

@@ -78,7 +78,9 @@ def prompt_lengths(
     if unknown and builder is None:
         raise ValueError(f"{len(unknown)} prompts have no stored length and no tokenizer was given")
     if unknown:
-        counted = builder.prompt_lengths([p["messages"] for p in unknown], settings.enable_thinking)
+        counted = builder.prompt_lengths(
+            [p["messages"] for p in unknown], settings.enable_thinking, [p.get("tools") for p in unknown]
+        )
         lengths.update(zip((p["index"] for p in unknown), counted, strict=True))
     return lengths
 

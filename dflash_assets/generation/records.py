@@ -52,6 +52,9 @@ COMPLETIONS_SCHEMA = {
     # the servers' context (tokens) the prompt was judged against before it was sent (null: unknown); a row
     # set aside as too long for it (finish_reason prompt_too_long) is judged again when it or the cap changes
     "context_length": pl.Int64,
+    # the prompt's token ids as the server rendered them (vLLM with return_token_ids; null: the server gave none,
+    # or the row was continued or made in chunks): tokenized_sequences checks its own rendering gives exactly them
+    "prompt_token_ids": pl.List(pl.Int32),
 }
 #: Counts that rows made before the column existed read as 0.
 _ZERO_IF_MISSING = ("continued_from_tokens", "cut_from_tokens", "tail_chunks")
@@ -247,6 +250,7 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
         "cut_from_tokens": 0,
         "tail_chunks": 0,
         "context_length": settings.context_length,
+        "prompt_token_ids": getattr(result, "prompt_token_ids", None) if ok else None,
     }
 
 

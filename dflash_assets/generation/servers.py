@@ -61,8 +61,28 @@ class ServerPool:
         tokenization trains on and a lowered cap cuts exactly; an SGLang without the field ignores it; vLLM
         0.32 also returns ``prompt_token_ids``).
         Others: unchanged copy. Every backend: plus :attr:`extra_body`.
+
+        A body offering ``tools`` (:data:`~dflash_assets.common.settings.TOOL_CHOICE`, whose comment gives the
+        engines' sources): SGLang gets ``tool_choice`` "auto" (its "none" leaves the tools out of the prompt);
+        ``transformers serve`` gets no ``tool_choice`` (it ignores it) and each assistant tool call's arguments as
+        an object, as vLLM and SGLang hand them to the template (:func:`~dflash_assets.data.chat_render.
+        template_messages`). vLLM gets each assistant message's ``reasoning_content`` also as ``reasoning``, the
+        only name it reads (``vllm/renderers/chat_utils.py``).
         """
         body = {**body, **self.extra_body}
+        if self.backend == "vllm" and any("reasoning_content" in m for m in body.get("messages") or ()):
+            body["messages"] = [
+                {**m, "reasoning": m["reasoning_content"]} if m.get("reasoning_content") is not None else m
+                for m in body["messages"]
+            ]
+        if "tools" in body and self.backend == "sglang":
+            body["tool_choice"] = "auto"
+        if self.backend == "transformers":
+            body.pop("tool_choice", None)
+            if any(m.get("tool_calls") for m in body.get("messages") or ()):
+                from dflash_assets.data.chat_render import template_messages
+
+                body["messages"] = template_messages(body["messages"])
         if self.backend == "transformers":
             return {k: v for k, v in body.items() if k not in TRANSFORMERS_SERVE_REJECTED_FIELDS}
         if self.backend in ("sglang", "vllm"):

@@ -130,7 +130,13 @@ class TailChunker:
         self.follow_ups += 1
         prompt = state["prompt"]
         body = continuation_body(
-            self.settings, self.model, prompt["messages"], {"completion_tokens": done}, state["text"], result.index
+            self.settings,
+            self.model,
+            prompt["messages"],
+            {"completion_tokens": done},
+            state["text"],
+            result.index,
+            prompt.get("tools"),
         )
         body["max_tokens"] = min(self.chunk_tokens, self.settings.max_output_tokens - done)
         return self.adapt_body(body)
@@ -156,6 +162,7 @@ class TailChunker:
             completion_tokens=None if error else state["tokens"],
             output_token_ids=result.output_token_ids if requests == 1 and not error else None,  # one request: its ids
             output_token_ids_source=getattr(result, "output_token_ids_source", None),
+            prompt_token_ids=getattr(result, "prompt_token_ids", None) if requests == 1 and not error else None,
             latency_s=state["latency_s"],
             server=result.server,
             attempts=state["attempts"],

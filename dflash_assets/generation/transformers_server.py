@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -124,6 +125,32 @@ def transformers_generation_config(model_dir: Path | str, settings: GenerationSe
     return config
 
 
+def model_dir_with_template(model_dir: Path, chat_template: Path) -> Path:
+    """A new temporary directory of symbolic links to ``model_dir``'s files, except ``chat_template.jinja`` (a copy
+    of ``chat_template``'s text) and ``tokenizer_config.json`` (a copy without its ``chat_template`` key): a model
+    directory whose tokenizer renders with ``chat_template``. The caller removes it.
+
+    Raises:
+        ChatTemplateError: ``chat_template`` cannot be read
+            (:func:`~dflash_assets.data.chat_render.read_chat_template`).
+    """
+    from dflash_assets.data.chat_render import read_chat_template
+
+    text = read_chat_template(chat_template)
+    out = Path(tempfile.mkdtemp(prefix=f"{model_dir.name}.template."))
+    for item in model_dir.iterdir():
+        if item.name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+            continue
+        (out / item.name).symlink_to(item.resolve())
+    config = model_dir / "tokenizer_config.json"
+    if config.is_file():
+        data = json.loads(config.read_text())
+        data.pop("chat_template", None)
+        (out / "tokenizer_config.json").write_text(json.dumps(data, indent=2))
+    (out / "chat_template.jinja").write_text(text)
+    return out
+
+
 class LocalTransformersServer:
     """``transformers serve <model_dir> --device cpu [--continuous-batching]`` as a context manager.
 
@@ -148,6 +175,10 @@ class LocalTransformersServer:
             launcher (tests of :func:`reap_orphaned_servers`).
         continuous_batching: pass ``--continuous-batching`` (and the ``--cb-*`` sizing); None: unless
             :func:`continuous_batching_refusal` names a reason (hybrid linear-attention models).
+        chat_template: a Jinja chat-template file the server renders with instead of the model's own
+            (``target_model.chat_template``). ``transformers serve`` has no flag for it: the server is given a
+            directory of links to the model's files whose ``chat_template.jinja`` is this file (and whose
+            ``tokenizer_config.json`` holds no template), made on enter and removed on exit.
 
     Attributes (valid inside ``with``):
         base_url: ``http://HOST:PORT/v1``.
@@ -177,8 +208,11 @@ class LocalTransformersServer:
         max_batch_tokens: int | None = 2048,
         parent_death_signal: bool = True,
         continuous_batching: bool | None = None,
+        chat_template: Path | str | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.chat_template = Path(chat_template) if chat_template is not None else None
+        self._served_dir: Path | None = None  # the model directory with chat_template, while entered
         self.continuous_batching = (
             continuous_batching_refusal(model_dir) is None if continuous_batching is None else continuous_batching
         )
@@ -201,14 +235,14 @@ class LocalTransformersServer:
 
     @property
     def model_name(self) -> str:
-        return str(self.model_dir)
+        return str(self._served_dir or self.model_dir)
 
     def argv(self) -> list[str]:
         """The full command line (no secrets in it)."""
         base = [
             *transformers_executable(),
             "serve",
-            str(self.model_dir),
+            self.model_name,
             "--host",
             self.host,
             "--port",
@@ -242,6 +276,8 @@ class LocalTransformersServer:
             )
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{self.model_dir} is not an HF model directory (no config.json)")
+        if self.chat_template is not None:
+            self._served_dir = model_dir_with_template(self.model_dir, self.chat_template)
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="transformers_serve_", suffix=".log")
             os.close(fd)
@@ -276,6 +312,9 @@ class LocalTransformersServer:
         if self._proc is not None:
             stop_process_group(self._proc)
             self._proc = None
+        if self._served_dir is not None:
+            shutil.rmtree(self._served_dir, ignore_errors=True)
+            self._served_dir = None
 
     def _wait_ready(self, started: float) -> None:
         generation_config = transformers_generation_config(self.model_dir, self.settings)

@@ -35,17 +35,22 @@ def missing_directory(path: str) -> None:
         raise FileNotFoundError(f"no such directory: {path}")
 
 
-def load_target_builder(inference: InferenceServerResource):
+def load_target_builder(inference: InferenceServerResource, chat_template=None):
     """A SequenceBuilder on the target's tokenizer, from a local directory or a hub id already in the
-    local cache (no network wait on a GPU node). Raises whatever loading raises (FileNotFoundError for
-    a directory path that is not one)."""
+    local cache (no network wait on a GPU node), its chat template replaced by the file ``chat_template``
+    (``target_model.chat_template``, the servers' template) when given. Raises whatever loading raises
+    (FileNotFoundError for a directory path that is not one, ChatTemplateError for an unreadable template)."""
     from transformers import AutoTokenizer
 
+    from dflash_assets.data.chat_render import read_chat_template
     from dflash_assets.data.tokenization import SequenceBuilder
 
     path = str(inference.tokenizer_path())
     missing_directory(path)
-    return SequenceBuilder(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return SequenceBuilder(tokenizer)
 
 
 class ContinuationPlanner:
@@ -53,8 +58,9 @@ class ContinuationPlanner:
     a thread: it logs nothing. ``parts``: the run's partitions with something to request (``todo``: corpus
     rows; ``existing``: index -> the stored or journaled row)."""
 
-    def __init__(self, settings: GenerationSettings) -> None:
+    def __init__(self, settings: GenerationSettings, chat_template=None) -> None:
         self.settings = settings
+        self.chat_template = chat_template  # target_model.chat_template's file (the servers'), or None
         self._gate: tuple[str | None, bool, bool] | None = None
 
     def continuations(
@@ -122,7 +128,7 @@ class ContinuationPlanner:
             problem = True
         else:
             try:
-                builder = load_target_builder(inference)
+                builder = load_target_builder(inference, self.chat_template)
                 # the generation prompt's ending is the template's, not the conversation's: render one
                 opened = builder.prompt_text(messages, self.settings.enable_thinking).rstrip("\n").endswith(THINK_OPEN)
             except Exception as exc:

@@ -32,6 +32,7 @@ from dflash_assets.generation.continuation import continuable
 from dflash_assets.generation.range_plan import (
     Partition,
     PartitionComplete,
+    RangeRunError,
     plan_requests,
     prompt_length,
     prompt_lengths,
@@ -103,13 +104,17 @@ class RangeRun:
         kept_version: Callable[[str], str | None] | None = None,
         failed_since: Callable[[list[str]], set[str]] | None = None,
         exposure: list[str] | None = None,
+        chat_template=None,
     ):
         """``log``: ``info``/``warning`` (the asset's log). ``store``: the opened storage. ``kept_version(pk)``:
         the data version of the partition's latest materialization when it is up to date by
         :mod:`dflash_assets.orchestration.freshness`, else None (a table with that version is kept, not
         committed again).
         ``failed_since(pks)``: those another run planned after their latest materialization (committed
-        again, never kept). ``exposure``: the inference servers' security warnings, kept in metadata."""
+        again, never kept). ``exposure``: the inference servers' security warnings, kept in metadata.
+        ``chat_template``: ``target_model.chat_template``'s file (a Path), which the servers and the target's
+        tokenizer here render with; None: the model's own template."""
+        self.chat_template = chat_template
         self.log, self.store, self.settings, self.keys = log, store, settings, keys
         self.kept_version, self.failed_since = kept_version, failed_since
         self.started = time.monotonic()
@@ -150,13 +155,18 @@ class RangeRun:
                     yield from self.commit_or_keep(part)
             todo = [p for p in parts if p.todo]
             if todo:
+                self.check_tool_rendering(inference, todo)
                 label = keys[0] if len(keys) == 1 else f"{keys[0]}...{keys[-1]}"
                 # the target's tokenizer (for continuing cut rows) loads while the servers start, not after
                 with ThreadPoolExecutor(1, thread_name_prefix="dflash-continuations") as pool_planner:
-                    planned = pool_planner.submit(ContinuationPlanner(settings).plan, inference, todo)
+                    planned = pool_planner.submit(
+                        ContinuationPlanner(settings, self.chat_template).plan, inference, todo
+                    )
                     self.serve_started = time.monotonic()
                     with inference.serve(
-                        log_dir=storage.local_scratch("server_logs", label), settings=settings
+                        log_dir=storage.local_scratch("server_logs", label),
+                        settings=settings,
+                        chat_template=self.chat_template,
                     ) as pool:
                         (continuing, opened, note, problem), (tail, tail_note, tail_problem) = planned.result()
                         self.continuing, self.continuing_rows = len(continuing), continuing
@@ -338,6 +348,48 @@ class RangeRun:
         )
         return [p for p in todo if p["index"] not in cut], len(cut)
 
+    def check_tool_rendering(self, inference: InferenceServerResource, parts: list[Partition]) -> None:
+        """Before any request: when a prompt to send uses tools (:func:`~dflash_assets.data.chat_render.uses_tools`),
+        the target's template (``target_model.chat_template``'s file, else the model's own) must render a probe
+        conversation's tools, tool call and tool result (:func:`~dflash_assets.data.chat_render.check_renders_tools`),
+        and the servers must run without a tool-call parser (the rows keep the model's own markup and ids).
+
+        Raises:
+            RangeRunError: the template leaves a part out or fails, the target's tokenizer does not load, or the
+                servers' ``extra_args`` hold a tool-call parser flag; the message names the row, the key and the fix.
+        """
+        from dflash_assets.data.chat_render import ChatTemplateError, check_renders_tools, corpus_uses_tools
+        from dflash_assets.stages.resources.inference import tool_parser_flag
+
+        first = corpus_uses_tools([p for part in parts for p in part.todo])
+        if first is None:
+            return
+        section = {"vllm": inference.vllm.extra_args, "sglang": inference.sglang.extra_args}.get(inference.mode, ())
+        if flag := tool_parser_flag(section):
+            raise RangeRunError(
+                f"row {first} and others use tools, and resources.inference.{inference.mode}.extra_args holds {flag}: "
+                "the server would parse the model's tool-call markup out of its reply, and the rows must keep it as "
+                f"generated (the model's own output ids); remove {flag}"
+            )
+        where = f"the target model at {inference.tokenizer_path()}" + (
+            f" with {self.chat_template}" if self.chat_template is not None else ""
+        )
+        try:
+            builder = load_target_builder(inference, self.chat_template)
+        except ChatTemplateError as exc:
+            raise RangeRunError(str(exc)) from None
+        except Exception as exc:
+            raise RangeRunError(
+                f"row {first} and others use tools, and the target's tokenizer did not load from "
+                f"{inference.tokenizer_path()} to check that its chat template renders them "
+                f"({type(exc).__name__}: {str(exc)[:200]})"
+            ) from None
+        try:
+            check_renders_tools(builder.tokenizer, where)
+        except ChatTemplateError as exc:
+            raise RangeRunError(f"row {first}: {exc}") from None
+        self._builder = builder
+
     def target_builder(
         self,
         inference: InferenceServerResource,
@@ -347,7 +399,7 @@ class RangeRun:
         what is done ``without`` it) when it does not load."""
         if self._builder is None:
             try:
-                self._builder = load_target_builder(inference)
+                self._builder = load_target_builder(inference, self.chat_template)
             except Exception as exc:
                 self._builder = False
                 self.log.warning(

@@ -92,14 +92,17 @@ def stream_partitions(
                 if i in continuing:
                     row = continuing[i]
                     body = pool.adapt_body(
-                        continuation_body(settings, pool.model, p["messages"], row, prefix_text(row, opened), i)
+                        continuation_body(
+                            settings, pool.model, p["messages"], row, prefix_text(row, opened), i, p.get("tools")
+                        )
                     )
                 else:
                     position += 1
-                    body = pool.adapt_body(settings.request_body(pool.model, p["messages"], i))
+                    body = pool.adapt_body(settings.request_body(pool.model, p["messages"], i, p.get("tools")))
                     if chunker is not None:
                         body = chunker.first_body(position, p, body)
-                yield i, body
+                # a conversation's turns share its context: one server's prefix cache holds it for all of them
+                yield i, body, p.get("conversation_id")
 
     results: queue.Queue = queue.Queue()
     end = object()

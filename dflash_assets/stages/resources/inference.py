@@ -205,7 +205,11 @@ class InferenceServerResource(dg.ConfigurableResource):
         return sglang_environment(self.sglang.python, self.sglang.packages, router=router)
 
     def sglang_commands(
-        self, extra_args: Sequence[str] = (), use_router: bool | None = None, root: Path | None = None
+        self,
+        extra_args: Sequence[str] = (),
+        use_router: bool | None = None,
+        root: Path | None = None,
+        chat_template: Path | None = None,
     ) -> list[LaunchCommand]:
         """The launch commands ``serve`` uses in sglang mode (key by variable name, never by value), with the
         interpreter of :meth:`sglang_environment` (its path whether made yet or not; ``serve`` makes it first), or
@@ -213,7 +217,7 @@ class InferenceServerResource(dg.ConfigurableResource):
 
         ``extra_args`` come after ``inference.sglang.extra_args`` (``drafter_evaluation`` adds the DFLASH flags);
         ``use_router`` overrides ``inference.sglang.use_router``; ``root`` is the engines' cache root (None: the
-        cache).
+        cache); ``chat_template``: ``target_model.chat_template``'s file, given as ``--chat-template``.
 
         Raises:
             ValueError: ``sglang.model_path`` is empty, or ``gpu_ids`` do not fit ``num_servers x tp_size``.
@@ -233,7 +237,7 @@ class InferenceServerResource(dg.ConfigurableResource):
             tp_size=g.tp_size,
             reasoning_parser=g.reasoning_parser,
             api_key_env=API_KEY_ENV if self.api_key else None,
-            extra_args=[*g.extra_args, *extra_args],
+            extra_args=[*template_flags(chat_template), *g.extra_args, *extra_args],
         )
         environment = self.sglang_environment(use_router)
         common["python"] = str(environment_python(environment, root)) if environment else sys.executable
@@ -248,7 +252,9 @@ class InferenceServerResource(dg.ConfigurableResource):
         requirements, remove = self.vllm.environment_packages()
         return vllm_environment(requirements, remove, self.vllm.python)
 
-    def vllm_commands(self, python: str | Path, port_base: int | None = None) -> list[LaunchCommand]:
+    def vllm_commands(
+        self, python: str | Path, port_base: int | None = None, chat_template: Path | None = None
+    ) -> list[LaunchCommand]:
         """The launch commands ``serve`` uses in vllm mode: ``vllm.num_servers`` servers of the model
         :meth:`tokenizer_path` names, ``max_running_requests`` each (``--max-num-seqs``); the key by variable
         name, never by value.
@@ -256,6 +262,7 @@ class InferenceServerResource(dg.ConfigurableResource):
         Args:
             python: the engine environment's interpreter.
             port_base: server i listens on ``port_base + i``; None: ``vllm.port_base``, else a free block.
+            chat_template: ``target_model.chat_template``'s file, given as ``--chat-template``; None: the model's.
 
         Raises:
             ValueError: ``gpu_ids`` that do not fit ``num_servers x tp_size``; SecretArgError: ``--api-key`` in
@@ -279,11 +286,13 @@ class InferenceServerResource(dg.ConfigurableResource):
             gpu_ids=v.gpu_ids,
             reasoning_parser=v.reasoning_parser,
             api_key_env=API_KEY_ENV if self.api_key else None,
-            extra_args=v.extra_args,
+            extra_args=[*template_flags(chat_template), *v.extra_args],
         )
 
     @contextlib.contextmanager
-    def serve(self, log_dir: Path | str, settings: GenerationSettings | None = None) -> Iterator[ServerPool]:
+    def serve(
+        self, log_dir: Path | str, settings: GenerationSettings | None = None, chat_template: Path | None = None
+    ) -> Iterator[ServerPool]:
         """Make servers ready, yield a :class:`ServerPool`, and stop what was started on exit.
 
         Args:
@@ -291,6 +300,10 @@ class InferenceServerResource(dg.ConfigurableResource):
             settings: local mode only: the sampling ``transformers serve`` is frozen with at startup
                 (its continuous batcher keeps the first request's sampling); None = model defaults
                 (greedy for SmolLM2). SGLang and vLLM honour per-request sampling, so they need none.
+            chat_template: ``target_model.chat_template``'s file (:meth:`~dflash_assets.stages.resources.target_model.
+                TargetModelResource.chat_template_path`): every server started renders with it (vLLM and SGLang
+                ``--chat-template``, the local server a model directory with it); None: the model's own. Servers
+                of ``external`` mode are someone else's: their template is theirs.
 
         Raises:
             RuntimeError, TimeoutError: a server did not start or failed the generation probe.
@@ -313,6 +326,7 @@ class InferenceServerResource(dg.ConfigurableResource):
                 extra_args=self.local.extra_args,
                 settings=settings,
                 startup_timeout_s=self.startup_timeout_s,
+                chat_template=chat_template,
             ) as server:
                 yield server.pool(mrr)
         elif self.mode == "external":
@@ -327,7 +341,7 @@ class InferenceServerResource(dg.ConfigurableResource):
             )
         elif self.mode == "vllm":
             python = self.vllm_environment().ensure(dg.get_dagster_logger().info)  # first use: a few minutes
-            commands = self.vllm_commands(python)
+            commands = self.vllm_commands(python, chat_template=chat_template)
             dg.get_dagster_logger().info(f"starting {len(commands)} vLLM server(s): {commands[0].redacted()}")
             with VLLMServers(commands, log_dir, self.api_key, self.startup_timeout_s) as servers:
                 yield ServerPool(
@@ -341,7 +355,7 @@ class InferenceServerResource(dg.ConfigurableResource):
         else:
             if environment := self.sglang_environment():  # first use: several minutes (SGLang's own torch)
                 environment.ensure(dg.get_dagster_logger().info)
-            commands = self.sglang_commands()
+            commands = self.sglang_commands(chat_template=chat_template)
             with SGLangServers(commands, log_dir, self.api_key, self.startup_timeout_s) as servers:
                 # Behind a router one URL fronts num_servers servers: scale its concurrency to match.
                 per_url = mrr * self.sglang.num_servers if self.sglang.use_router else mrr
@@ -445,6 +459,25 @@ class InferenceServerResource(dg.ConfigurableResource):
         if self.mode == "vllm" and not self.vllm.model_path:
             return self.vllm.local_model
         return None
+
+
+#: Server flags that make an engine parse the model's tool-call markup out of its reply (vLLM, SGLang): the rows
+#: keep the model's own output ids and text, so the servers run without them (issue 43, "Exact context").
+TOOL_PARSER_FLAGS = ("--tool-call-parser", "--enable-auto-tool-choice")
+
+
+def template_flags(chat_template: Path | None) -> list[str]:
+    """``["--chat-template", path]`` (vLLM and SGLang spell it alike), or nothing for the model's own template."""
+    return [] if chat_template is None else ["--chat-template", str(chat_template)]
+
+
+def tool_parser_flag(extra_args: Sequence[str]) -> str | None:
+    """The first of :data:`TOOL_PARSER_FLAGS` in ``extra_args`` (``--flag`` or ``--flag=value``), or None."""
+    for arg in extra_args:
+        for flag in TOOL_PARSER_FLAGS:
+            if arg == flag or arg.startswith(flag + "="):
+                return flag
+    return None
 
 
 def _is_loopback(host: str) -> bool:
