@@ -38,7 +38,7 @@ from dflash_assets.stages.resources.target_model import TargetModelResource
 def chat_template_or_failure(target_model: TargetModelResource):
     """``target_model.chat_template``'s file (read once to check it), None when unset; a dagster.Failure naming the
     key and the path when it cannot be read."""
-    from dflash_assets.data.chat_render import ChatTemplateError
+    from dflash_assets.generation.chat_render import ChatTemplateError
 
     try:
         target_model.chat_template_text()

@@ -1,14 +1,12 @@
 """Token sequences and loss masks from the generation boundary (no Dagster imports).
 
-``input_ids = prompt_ids + completion_ids`` where ``prompt_ids`` is the chat template applied to the
-prompt messages and the row's tools (as the servers hand them to it: :func:`~dflash_assets.data.chat_render.
-template_messages`) with the generation prompt and the row's own template settings (thinking on/off), and
-``completion_ids`` are the ids the server generated when it returned them, else the completion
-re-tokenized exactly as the model emitted it. ``loss_mask`` is 0 on the prompt and 1 on the
-completion (reasoning, thinking markers, tool-call markup, answer and, for ``stop`` rows, the end-of-turn
-token): earlier turns, tool results and tool schemas are context and carry none. The assistant turn is never
-re-rendered through the template: that is where masks go wrong. Where the server returned the prompt's ids
-(``prompt_token_ids``), :func:`tokenize_partition` checks that the rendering gives exactly them.
+``input_ids = prompt_ids + completion_ids``: ``prompt_ids`` is the chat template applied to the prompt messages
+and tools as the servers hand them to it (:func:`~dflash_assets.generation.chat_render.template_messages`), with
+the generation prompt and the row's template settings (thinking on/off); ``completion_ids`` are the server's
+generated ids, else the completion re-tokenized exactly as emitted. ``loss_mask`` is 0 on the prompt (earlier
+turns, tool results, tool schemas) and 1 on the completion (reasoning, thinking markers, tool-call markup, answer,
+and the end-of-turn token of ``stop`` rows). The assistant turn is never re-rendered through the template: that is
+where masks go wrong. Rows with the server's ``prompt_token_ids`` are checked against the rendering.
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from dflash_assets.data.chat_render import check_prompt_tokens, template_messages
 from dflash_assets.data.conversation import api_tools
+from dflash_assets.generation.chat_render import check_prompt_tokens, template_messages
 from dflash_assets.generation.records import PROMPT_TOO_LONG, THINK_CLOSE, THINK_OPEN, completion_layout
 
 BATCH_ROWS = 128  # rows per batched tokenizer call
@@ -138,9 +136,7 @@ class SequenceBuilder:
         template = tokenizer.chat_template or ""
         self.template_knows_thinking = "enable_thinking" in template
 
-    def prompt_text(
-        self, messages: list[dict[str, Any]], enable_thinking: bool, tools: str | list | None = None
-    ) -> str:
+    def prompt_text(self, messages: list[dict[str, Any]], enable_thinking: bool, tools: str | list | None = None):
         """The chat template rendered with the generation prompt, as the server rendered it."""
         return self.prompt_texts([messages], [enable_thinking], [tools])[0]
 
@@ -152,8 +148,7 @@ class SequenceBuilder:
     ) -> list[str]:
         """:meth:`prompt_text` of many conversations (stored messages, through :func:`~dflash_assets.data.
         chat_render.template_messages`), in one batched ``apply_chat_template`` call per ``enable_thinking``
-        value and tools list (a fifth faster than one call per conversation). ``tools``: each conversation's
-        stored tools (JSON text, a list or None); None: no conversation offers any."""
+        value and tools list (a fifth faster than one per conversation). ``tools``: each one's stored tools."""
         out: list[str] = [""] * len(conversations)
         offered = [api_tools(t) for t in tools] if tools is not None else [None] * len(conversations)
         groups: dict[tuple[bool, str], list[int]] = {}
@@ -391,9 +386,8 @@ def tokenize_partition(
             aside (counted as ``other_prompt``), never paired with the corpus's messages.
 
     Raises:
-        PromptTokensMismatch: a row's ``prompt_token_ids`` (the server's) are not the prompt ids rendered here;
-            the message names the first such row (index, prompt_id) and token position. The rows were made from
-            another rendering than the one they would train on, so none of the partition is written.
+        PromptTokensMismatch: a row's ``prompt_token_ids`` (the server's) are not the prompt ids rendered here
+            (the message names the first such row and token); nothing of the partition is written.
 
     Returns:
         ``(tokenized, set_aside, counts)``: TOKENIZED_SCHEMA rows sorted by ``index``; rows not kept with
@@ -401,10 +395,7 @@ def tokenize_partition(
         error_rows, prompt_too_long, tokenization_errors, other_prompt).
     """
     messages_by_index = dict(zip(prompts["index"].to_list(), prompts["messages"].to_list()))
-    # corpora stored before tool conversations have no tools column: no row offers tools
-    tools_by_index = (
-        dict(zip(prompts["index"].to_list(), prompts["tools"].to_list())) if "tools" in prompts.columns else {}
-    )
+    tools_by_index = dict(zip(prompts["index"], prompts["tools"])) if "tools" in prompts.columns else {}  # old: none
     hash_by_index = dict(zip(prompts["index"].to_list(), prompts["content_hash"].to_list()))
     aside, counts = [], Counter()
     todo: list[dict[str, Any]] = []
@@ -438,13 +429,8 @@ def tokenize_partition(
     built = builder.build_many(
         todo, [messages_by_index[row["index"]] for row in todo], [tools_by_index.get(row["index"]) for row in todo]
     )
-    checked = [(row, result) for row, result in zip(todo, built) if not isinstance(result, TokenizationError)]
-    compared = check_prompt_tokens(
-        [row for row, _ in checked],
-        [result[0][: result[1]] for _, result in checked],
-        decode=lambda ids: builder.tokenizer.decode(ids, skip_special_tokens=False),
-    )
-    if compared:
+    built_rows = [(row, b[0][: b[1]]) for row, b in zip(todo, built) if not isinstance(b, TokenizationError)]
+    if compared := check_prompt_tokens(*zip(*built_rows), decode=builder.tokenizer.decode) if built_rows else 0:
         counts["prompt_ids_checked"] = compared
     kept_rows, kept_ids, prompt_lens, cuts = [], [], [], []
     for row, result in zip(todo, built):

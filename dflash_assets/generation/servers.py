@@ -65,7 +65,7 @@ class ServerPool:
         A body offering ``tools`` (:data:`~dflash_assets.common.settings.TOOL_CHOICE`, whose comment gives the
         engines' sources): SGLang gets ``tool_choice`` "auto" (its "none" leaves the tools out of the prompt);
         ``transformers serve`` gets no ``tool_choice`` (it ignores it) and each assistant tool call's arguments as
-        an object, as vLLM and SGLang hand them to the template (:func:`~dflash_assets.data.chat_render.
+        an object, as vLLM and SGLang hand them to the template (:func:`~dflash_assets.generation.chat_render.
         template_messages`). vLLM gets each assistant message's ``reasoning_content`` also as ``reasoning``, the
         only name it reads (``vllm/renderers/chat_utils.py``).
         """
@@ -80,7 +80,7 @@ class ServerPool:
         if self.backend == "transformers":
             body.pop("tool_choice", None)
             if any(m.get("tool_calls") for m in body.get("messages") or ()):
-                from dflash_assets.data.chat_render import template_messages
+                from dflash_assets.generation.chat_render import template_messages
 
                 body["messages"] = template_messages(body["messages"])
         if self.backend == "transformers":

@@ -132,9 +132,9 @@ def model_dir_with_template(model_dir: Path, chat_template: Path) -> Path:
 
     Raises:
         ChatTemplateError: ``chat_template`` cannot be read
-            (:func:`~dflash_assets.data.chat_render.read_chat_template`).
+            (:func:`~dflash_assets.generation.chat_render.read_chat_template`).
     """
-    from dflash_assets.data.chat_render import read_chat_template
+    from dflash_assets.generation.chat_render import read_chat_template
 
     text = read_chat_template(chat_template)
     out = Path(tempfile.mkdtemp(prefix=f"{model_dir.name}.template."))

@@ -42,8 +42,8 @@ def load_target_builder(inference: InferenceServerResource, chat_template=None):
     (FileNotFoundError for a directory path that is not one, ChatTemplateError for an unreadable template)."""
     from transformers import AutoTokenizer
 
-    from dflash_assets.data.chat_render import read_chat_template
     from dflash_assets.data.tokenization import SequenceBuilder
+    from dflash_assets.generation.chat_render import read_chat_template
 
     path = str(inference.tokenizer_path())
     missing_directory(path)
@@ -51,6 +51,54 @@ def load_target_builder(inference: InferenceServerResource, chat_template=None):
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
     return SequenceBuilder(tokenizer)
+
+
+def check_tool_rendering(inference: InferenceServerResource, chat_template, prompts: list[dict]):
+    """Before any request: when one of ``prompts`` (corpus rows) uses tools
+    (:func:`~dflash_assets.generation.chat_render.uses_tools`), the target's template (``chat_template``, the file
+    ``target_model.chat_template`` names, else the model's own) must render a probe conversation's tools, tool call
+    and tool result (:func:`~dflash_assets.generation.chat_render.check_renders_tools`), and the servers must run
+    without a tool-call parser (rows keep the model's own markup and ids).
+
+    Returns:
+        the :class:`~dflash_assets.data.tokenization.SequenceBuilder` it loaded, None when no prompt uses tools.
+
+    Raises:
+        RangeRunError: the template leaves a part out or fails, the target's tokenizer does not load, or the
+            servers' ``extra_args`` hold a tool-call parser flag; the message names the row, the key and the fix.
+    """
+    from dflash_assets.generation.chat_render import ChatTemplateError, check_renders_tools, corpus_uses_tools
+    from dflash_assets.generation.range_plan import RangeRunError
+    from dflash_assets.stages.resources.inference import tool_parser_flag
+
+    first = corpus_uses_tools(prompts)
+    if first is None:
+        return None
+    section = {"vllm": inference.vllm.extra_args, "sglang": inference.sglang.extra_args}.get(inference.mode, ())
+    if flag := tool_parser_flag(section):
+        raise RangeRunError(
+            f"row {first} and others use tools, and resources.inference.{inference.mode}.extra_args holds {flag}: "
+            "the server would parse the model's tool-call markup out of its reply, and the rows must keep it as "
+            f"generated (the model's own output ids); remove {flag}"
+        )
+    where = f"the target model at {inference.tokenizer_path()}" + (
+        f" with {chat_template}" if chat_template is not None else ""
+    )
+    try:
+        builder = load_target_builder(inference, chat_template)
+    except ChatTemplateError as exc:
+        raise RangeRunError(str(exc)) from None
+    except Exception as exc:
+        raise RangeRunError(
+            f"row {first} and others use tools, and the target's tokenizer did not load from "
+            f"{inference.tokenizer_path()} to check that its chat template renders them "
+            f"({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
+    try:
+        check_renders_tools(builder.tokenizer, where)
+    except ChatTemplateError as exc:
+        raise RangeRunError(f"row {first}: {exc}") from None
+    return builder
 
 
 class ContinuationPlanner:

@@ -32,7 +32,6 @@ from dflash_assets.generation.continuation import continuable
 from dflash_assets.generation.range_plan import (
     Partition,
     PartitionComplete,
-    RangeRunError,
     plan_requests,
     prompt_length,
     prompt_lengths,
@@ -46,7 +45,7 @@ from dflash_assets.generation.records import (
     too_long_reason,
     too_long_row,
 )
-from dflash_assets.stages.completions.continuing import ContinuationPlanner, load_target_builder
+from dflash_assets.stages.completions.continuing import ContinuationPlanner, check_tool_rendering, load_target_builder
 from dflash_assets.stages.completions.range_stream import stream_partitions
 from dflash_assets.stages.completions.tables import (
     completion_stats,
@@ -112,8 +111,7 @@ class RangeRun:
         committed again).
         ``failed_since(pks)``: those another run planned after their latest materialization (committed
         again, never kept). ``exposure``: the inference servers' security warnings, kept in metadata.
-        ``chat_template``: ``target_model.chat_template``'s file (a Path), which the servers and the target's
-        tokenizer here render with; None: the model's own template."""
+        ``chat_template``: ``target_model.chat_template``'s file (servers and tokenizer render with it), or None."""
         self.chat_template = chat_template
         self.log, self.store, self.settings, self.keys = log, store, settings, keys
         self.kept_version, self.failed_since = kept_version, failed_since
@@ -154,14 +152,14 @@ class RangeRun:
                 if not part.todo:
                     yield from self.commit_or_keep(part)
             todo = [p for p in parts if p.todo]
-            if todo:
-                self.check_tool_rendering(inference, todo)
+            if todo:  # a corpus with tool rows needs a target template that renders tools (before any request)
+                tooled = check_tool_rendering(inference, self.chat_template, [p for part in todo for p in part.todo])
+                self._builder = tooled or self._builder
                 label = keys[0] if len(keys) == 1 else f"{keys[0]}...{keys[-1]}"
                 # the target's tokenizer (for continuing cut rows) loads while the servers start, not after
                 with ThreadPoolExecutor(1, thread_name_prefix="dflash-continuations") as pool_planner:
-                    planned = pool_planner.submit(
-                        ContinuationPlanner(settings, self.chat_template).plan, inference, todo
-                    )
+                    planner = ContinuationPlanner(settings, self.chat_template)
+                    planned = pool_planner.submit(planner.plan, inference, todo)
                     self.serve_started = time.monotonic()
                     with inference.serve(
                         log_dir=storage.local_scratch("server_logs", label),
@@ -347,48 +345,6 @@ class RangeRun:
             "cut to it from their own tokens (no request)" + (f"; requested again: {dict(why_not)}" if why_not else "")
         )
         return [p for p in todo if p["index"] not in cut], len(cut)
-
-    def check_tool_rendering(self, inference: InferenceServerResource, parts: list[Partition]) -> None:
-        """Before any request: when a prompt to send uses tools (:func:`~dflash_assets.data.chat_render.uses_tools`),
-        the target's template (``target_model.chat_template``'s file, else the model's own) must render a probe
-        conversation's tools, tool call and tool result (:func:`~dflash_assets.data.chat_render.check_renders_tools`),
-        and the servers must run without a tool-call parser (the rows keep the model's own markup and ids).
-
-        Raises:
-            RangeRunError: the template leaves a part out or fails, the target's tokenizer does not load, or the
-                servers' ``extra_args`` hold a tool-call parser flag; the message names the row, the key and the fix.
-        """
-        from dflash_assets.data.chat_render import ChatTemplateError, check_renders_tools, corpus_uses_tools
-        from dflash_assets.stages.resources.inference import tool_parser_flag
-
-        first = corpus_uses_tools([p for part in parts for p in part.todo])
-        if first is None:
-            return
-        section = {"vllm": inference.vllm.extra_args, "sglang": inference.sglang.extra_args}.get(inference.mode, ())
-        if flag := tool_parser_flag(section):
-            raise RangeRunError(
-                f"row {first} and others use tools, and resources.inference.{inference.mode}.extra_args holds {flag}: "
-                "the server would parse the model's tool-call markup out of its reply, and the rows must keep it as "
-                f"generated (the model's own output ids); remove {flag}"
-            )
-        where = f"the target model at {inference.tokenizer_path()}" + (
-            f" with {self.chat_template}" if self.chat_template is not None else ""
-        )
-        try:
-            builder = load_target_builder(inference, self.chat_template)
-        except ChatTemplateError as exc:
-            raise RangeRunError(str(exc)) from None
-        except Exception as exc:
-            raise RangeRunError(
-                f"row {first} and others use tools, and the target's tokenizer did not load from "
-                f"{inference.tokenizer_path()} to check that its chat template renders them "
-                f"({type(exc).__name__}: {str(exc)[:200]})"
-            ) from None
-        try:
-            check_renders_tools(builder.tokenizer, where)
-        except ChatTemplateError as exc:
-            raise RangeRunError(f"row {first}: {exc}") from None
-        self._builder = builder
 
     def target_builder(
         self,

@@ -35,15 +35,15 @@ class TargetModelResource(dg.ConfigurableResource):
     )
 
     def chat_template_path(self) -> Path | None:
-        """The file ``chat_template`` names (:func:`~dflash_assets.data.chat_render.resolve_template_path`, relative
-        paths against the active config file's directory), None when empty.
+        """The file ``chat_template`` names (relative paths against the active config file's directory; see
+        :func:`~dflash_assets.generation.chat_render.resolve_template_path`), None when empty.
 
         Raises:
             ChatTemplateError: no such file; the message names the key and the paths tried.
         """
         if not self.chat_template:
             return None
-        from dflash_assets.data.chat_render import resolve_template_path
+        from dflash_assets.generation.chat_render import resolve_template_path
         from dflash_assets.orchestration.config import config_path
 
         try:
@@ -58,7 +58,7 @@ class TargetModelResource(dg.ConfigurableResource):
         Raises:
             ChatTemplateError: a missing, unreadable, empty or invalid file (naming the key and the path).
         """
-        from dflash_assets.data.chat_render import read_chat_template
+        from dflash_assets.generation.chat_render import read_chat_template
 
         path = self.chat_template_path()
         return None if path is None else read_chat_template(path)

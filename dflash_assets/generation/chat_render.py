@@ -28,8 +28,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.data.conversation import api_messages, api_tools
-
 #: Chat templates shipped in the package; ``target_model.chat_template`` may name one by file name.
 BUNDLED_TEMPLATES = Path(__file__).resolve().parents[1] / "configs" / "chat_templates"
 #: The template the embedded SmolLM2 model is served and tokenized with (renders tools; plain messages exactly as
@@ -130,6 +128,8 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     every assistant tool call's ``function.arguments`` JSON text parsed into an object (vLLM and SGLang do this
     before rendering; see the module docstring). Arguments that are not a JSON object become ``{}``, as vLLM
     makes them."""
+    from dflash_assets.data.conversation import api_messages
+
     out = api_messages(messages)
     for message in out:
         calls = message.get("tool_calls")
@@ -155,6 +155,8 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def uses_tools(messages: list[dict[str, Any]] | None, tools: str | list | None) -> bool:
     """Whether a corpus row needs a template that renders tools: it offers ``tools``, or a message is a tool
     result or an assistant turn with tool calls."""
+    from dflash_assets.data.conversation import api_tools
+
     if api_tools(tools):
         return True
     for message in messages or []:
@@ -176,6 +178,8 @@ def render_prompt(tokenizer, messages: list[dict[str, Any]], tools: str | list |
     """``tokenizer``'s chat template applied to a stored conversation (:func:`template_messages`) and its tools
     (:func:`~dflash_assets.data.conversation.api_tools`; no ``tools`` argument when there are none) with the
     generation prompt, as text."""
+    from dflash_assets.data.conversation import api_tools
+
     parsed = api_tools(tools)
     extra = {"tools": parsed} if parsed else {}
     return tokenizer.apply_chat_template(
