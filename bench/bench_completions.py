@@ -124,9 +124,10 @@ def bench_real_server(args, work: Path) -> None:
         pk, corpus = make_corpus(instance, root, args.sources or default_sources(), args.prompts)
         pool = server.pool(args.concurrency)
         settings = GenerationResource(max_output_tokens=args.cap, temperature=0.0).settings()
+        tools = corpus["tools"].to_list() if "tools" in corpus.columns else [None] * corpus.height
         bodies = [
-            pool.adapt_body(settings.request_body(pool.model, m, i))
-            for i, m in zip(corpus["index"].to_list(), corpus["messages"].to_list())
+            pool.adapt_body(settings.request_body(pool.model, m, i, t))
+            for i, m, t in zip(corpus["index"].to_list(), corpus["messages"].to_list(), tools)
         ]
         inference = InferenceServerResource(
             mode="external",

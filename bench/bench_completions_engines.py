@@ -108,8 +108,9 @@ def exactness(rows: pl.DataFrame, corpus: pl.DataFrame, builder: SequenceBuilder
     """``rows``, ``with_server_ids``, ``prompt_len_agrees`` (stage-rendered prompt as long as the server's) and
     ``retokenized_len_differs`` (rows without ids whose re-tokenized completion is not the server's length)."""
     messages = dict(zip(corpus["index"].to_list(), corpus["messages"].to_list()))
+    tools = dict(zip(corpus["index"].to_list(), corpus["tools"].to_list())) if "tools" in corpus.columns else {}
     ok = [r for r in rows.iter_rows(named=True) if r["error"] is None]
-    built = builder.build_many(ok, [messages[r["index"]] for r in ok])
+    built = builder.build_many(ok, [messages[r["index"]] for r in ok], [tools.get(r["index"]) for r in ok])
     out = {"rows": rows.height, "with_server_ids": 0, "prompt_len_agrees": 0, "retokenized_len_differs": 0}
     for row, item in zip(ok, built):
         if isinstance(item, Exception):
