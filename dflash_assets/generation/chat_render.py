@@ -165,13 +165,31 @@ def uses_tools(messages: list[dict[str, Any]] | None, tools: str | list | None) 
     return False
 
 
-def corpus_uses_tools(rows: list[dict[str, Any]]) -> int | None:
-    """The index of the first corpus row (``index``, ``messages``, optional ``tools``) that uses tools
-    (:func:`uses_tools`), or None."""
-    for row in rows:
-        if uses_tools(row.get("messages"), row.get("tools")):
-            return row.get("index")
-    return None
+def corpus_uses_tools(corpus) -> int | None:
+    """The index of the first corpus row that uses tools (:func:`uses_tools`: ``tools`` not null, or a message
+    that is a tool result or carries tool calls), or None. ``corpus``: a polars DataFrame of corpus rows
+    (``index``, ``messages``, ``tools`` when the corpus has it: an older corpus has neither ``tools`` nor message
+    fields beyond role and content, and uses none) or a list of such rows as dicts."""
+    import polars as pl
+
+    if corpus is None:
+        return None
+    if not isinstance(corpus, pl.DataFrame):
+        return next((r.get("index") for r in corpus if uses_tools(r.get("messages"), r.get("tools"))), None)
+    if corpus.is_empty():
+        return None
+    fields = {f.name for f in corpus.schema["messages"].inner.fields} if "messages" in corpus.columns else set()
+    used = pl.lit(False)
+    if "tools" in corpus.columns:
+        used = used | (pl.col("tools").is_not_null() & (pl.col("tools").str.strip_chars() != "[]"))
+    if "role" in fields:
+        roles = pl.element().struct.field("role").is_in(["tool", "function", "observation"])
+        used = used | pl.col("messages").list.eval(roles).list.any()
+    if "tool_calls" in fields:
+        calls = pl.element().struct.field("tool_calls").is_not_null()
+        used = used | pl.col("messages").list.eval(calls).list.any()
+    hit = corpus.filter(used.fill_null(False)).select(pl.col("index").min()).item()
+    return None if hit is None else int(hit)
 
 
 def render_prompt(tokenizer, messages: list[dict[str, Any]], tools: str | list | None, **kwargs) -> str:

@@ -53,8 +53,8 @@ def load_target_builder(inference: InferenceServerResource, chat_template=None):
     return SequenceBuilder(tokenizer)
 
 
-def check_tool_rendering(inference: InferenceServerResource, chat_template, prompts: list[dict]):
-    """Before any request: when one of ``prompts`` (corpus rows) uses tools
+def check_tool_rendering(inference: InferenceServerResource, chat_template, prompts):
+    """Before any request: when one of ``prompts`` (corpus rows: a DataFrame or dicts) uses tools
     (:func:`~dflash_assets.generation.chat_render.uses_tools`), the target's template (``chat_template``, the file
     ``target_model.chat_template`` names, else the model's own) must render a probe conversation's tools, tool call
     and tool result (:func:`~dflash_assets.generation.chat_render.check_renders_tools`), and the servers must run

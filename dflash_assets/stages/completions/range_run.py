@@ -142,7 +142,11 @@ class RangeRun:
         parts = self.parts
         failing: BaseException | None = None
         self.meter = GenerationMeter(*generation_devices(inference))
-        try:
+        try:  # a corpus with tool rows needs a target template that renders tools: checked before anything else
+            for prompts in prompts_by_pk.values():  # the first partition with tool rows decides (one load)
+                if (tooled := check_tool_rendering(inference, self.chat_template, prompts)) is not None:
+                    self._builder = tooled
+                    break
             for pk, prompts in prompts_by_pk.items():
                 journal = storage.open_journal("completions", f"{pk}.journal.jsonl")
                 parts.append(self.plan(pk, prompts, journal, inference))
@@ -152,20 +156,15 @@ class RangeRun:
                 if not part.todo:
                     yield from self.commit_or_keep(part)
             todo = [p for p in parts if p.todo]
-            if todo:  # a corpus with tool rows needs a target template that renders tools (before any request)
-                tooled = check_tool_rendering(inference, self.chat_template, [p for part in todo for p in part.todo])
-                self._builder = tooled or self._builder
+            if todo:
                 label = keys[0] if len(keys) == 1 else f"{keys[0]}...{keys[-1]}"
                 # the target's tokenizer (for continuing cut rows) loads while the servers start, not after
                 with ThreadPoolExecutor(1, thread_name_prefix="dflash-continuations") as pool_planner:
                     planner = ContinuationPlanner(settings, self.chat_template)
                     planned = pool_planner.submit(planner.plan, inference, todo)
                     self.serve_started = time.monotonic()
-                    with inference.serve(
-                        log_dir=storage.local_scratch("server_logs", label),
-                        settings=settings,
-                        chat_template=self.chat_template,
-                    ) as pool:
+                    logs = storage.local_scratch("server_logs", label)
+                    with inference.serve(log_dir=logs, settings=settings, chat_template=self.chat_template) as pool:
                         (continuing, opened, note, problem), (tail, tail_note, tail_problem) = planned.result()
                         self.continuing, self.continuing_rows = len(continuing), continuing
                         for line, warn in ((note, problem), (tail_note, tail_problem)):
