@@ -346,3 +346,14 @@ def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_shipped_templates_and_configs_are_package_data():
+    """The wheel carries the bundled configs and templates (setuptools packs no data file it is not told of)."""
+    import tomllib
+
+    package = BUNDLED_TEMPLATES.parents[1]
+    globs = tomllib.loads((package.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    data = {p for pattern in globs["dflash_assets"] for p in package.glob(pattern)}
+    assert SHIPPED in data and package / "configs" / "local_demo.yaml" in data
+    assert set(BUNDLED_TEMPLATES.iterdir()) <= data
