@@ -138,3 +138,35 @@ def test_tool_conversations_train_on_exactly_what_the_server_conditioned_on(tmp_
     by_index = dict(zip(corpus["index"], corpus["messages"]))
     after_tool = [i for i, m in by_index.items() if m[-1]["role"] == "tool"]
     assert len(after_tool) == 2
+
+
+def test_the_qwen36_standin_serves_and_tokenizes_tool_conversations_alike(tmp_path):
+    """The stand-in's own template (Qwen3.6's tool layout) through ``transformers serve`` (mode local): no prompt
+    ids come back there, but its prompt token count is the project's rendering's length on every row, and the
+    loss covers the regenerated turn only."""
+    root = tmp_path / "data"
+    standin = "qwen3.6-hybrid-standin"
+    res = {
+        "storage": StorageResource(root=str(root)),
+        "inference": InferenceServerResource(mode="local", local={"model": standin}),
+        "generation": GenerationResource(max_output_tokens=CAP, temperature=0.0),
+        "target_model": TargetModelResource(local_model=standin),
+    }
+    with dg.instance_for_test() as instance:
+        pk = corpus_partition(instance, res, write_source(tmp_path))
+        result = dg.materialize(
+            [completions, tokenized_sequences],
+            instance=instance,
+            resources=res,
+            partition_key=pk,
+            run_config={"ops": {"tokenized_sequences": {"config": {"truncated": "keep", "max_length": 4096}}}},
+        )
+        assert result.success
+    rows = pl.read_parquet(root / "completions" / f"{pk}.parquet").sort("index")
+    assert rows.height == ASSISTANT_TURNS and rows["error"].null_count() == rows.height
+    tokenized = pl.read_parquet(root / "tokenized_sequences" / f"{pk}.parquet").sort("index")
+    assert tokenized.height == ASSISTANT_TURNS
+    for row, tok in zip(rows.iter_rows(named=True), tokenized.iter_rows(named=True), strict=True):
+        assert tok["prompt_len"] == row["prompt_tokens"]  # the server rendered as many tokens as tokenization
+        n = tok["prompt_len"]
+        assert tok["loss_mask"] == [0] * n + [1] * (len(tok["input_ids"]) - n) and len(tok["input_ids"]) > n
