@@ -35,6 +35,8 @@ from dflash_assets.generation.transformers_server import model_dir_with_template
 from dflash_assets.stages.completions.continuing import check_tool_rendering
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_simulators.behaviours import Reply
+from dflash_simulators.stand_in_server import FakeServer
 
 SHIPPED = BUNDLED_TEMPLATES / SMOLLM2_TOOLS_TEMPLATE
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -267,6 +269,19 @@ def test_turns_of_one_conversation_prefer_one_server():
     chosen = {c: first.route_server(c) for c in (f"conv-{k}" for k in range(60))}
     assert chosen == {c: again.route_server(c) for c in chosen}  # stable across clients (runs)
     assert set(chosen.values()) == {u.rstrip("/") for u in urls}  # and spread over all servers
+    # through real sockets: every turn of a conversation lands on the server its id names
+    with FakeServer(Reply()) as one, FakeServer(Reply()) as two:
+        client = CompletionClient([one.url, two.url], concurrency=4)
+        items = [
+            (k, {"model": "m", "messages": [{"role": "user", "content": str(k)}]}, f"conv-{k % 5}") for k in range(20)
+        ]
+        results = []
+        client.generate_blocking(items, results.append)
+    servers = {r.index: r.server for r in results}
+    assert len(servers) == 20 and all(r.error is None for r in results)
+    for k in range(20):
+        assert servers[k] == client.route_server(f"conv-{k % 5}")
+    assert len(set(servers.values())) == 2
 
 
 # ------------------------------------------------------------------------------ the prompt-ids check

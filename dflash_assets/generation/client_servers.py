@@ -15,6 +15,14 @@ import httpx
 from dflash_assets.generation.urls import chat_completions_url, strip_credentials
 
 
+class Route(str):
+    """The label of the server a conversation's requests go to (:meth:`ServerRouting.route_server`): preferred up
+    to :attr:`share_factor` times a server's share of the client's slots (the server queues what it cannot run at
+    once), where a follow-up's preferred server is taken only below its share."""
+
+    share_factor = 2
+
+
 class ServerState:
     """Routing state of one base URL."""
 
@@ -53,20 +61,21 @@ class ServerRouting:
     attempts to servers and taking faulty ones out. Uses the client's settings and state (``_servers``,
     ``concurrency``, ``backoff_*``, ``supervisor``, ``stall_timeout_s``, ``faults``, ``_log``...)."""
 
-    def route_server(self, route: str) -> str:
+    def route_server(self, route: str) -> Route:
         """The label of the server requests of ``route`` (a conversation id) prefer: a stable hash of it modulo
         the servers, the same in every run over the same servers (Python's ``hash`` of a string is not)."""
         digest = hashlib.blake2b(route.encode("utf-8"), digest_size=8).digest()
-        return self._servers[int.from_bytes(digest, "big") % len(self._servers)].label
+        return Route(self._servers[int.from_bytes(digest, "big") % len(self._servers)].label)
 
     def _pick_server(self, prefer: str | None = None) -> ServerState:
         """Least in-flight server among those not being avoided; ties rotate. ``prefer`` (a label): that
-        server when it is up, not avoided, and below its share of ``concurrency``."""
+        server when it is up, not avoided, and below its share of ``concurrency`` (a :class:`Route`: below
+        ``Route.share_factor`` times it)."""
         now = time.monotonic()
         up = [s for s in self._servers if s.down_reason is None] or self._servers
         candidates = [s for s in up if s.avoid_until <= now]
         if prefer is not None:
-            share = max(1, self.concurrency // len(self._servers))
+            share = max(1, self.concurrency // len(self._servers)) * getattr(prefer, "share_factor", 1)
             chosen = next(
                 (s for s in candidates if s.label == prefer and s.down_reason is None and s.in_flight < share), None
             )

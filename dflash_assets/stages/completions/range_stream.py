@@ -8,6 +8,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -83,6 +84,10 @@ def stream_partitions(
                 f"{per_slot:g} x {client.concurrency} slots rounds to no prompt"
             )
 
+    # a conversation's turns share its context: one server's prefix cache holds it for all of them (a conversation
+    # with one row to send is routed as any prompt, to the least loaded server)
+    turns = Counter(p.get("conversation_id") for part in parts for p in part.todo)
+
     def items():
         position = 0
         for part in parts:
@@ -101,8 +106,8 @@ def stream_partitions(
                     body = pool.adapt_body(settings.request_body(pool.model, p["messages"], i, p.get("tools")))
                     if chunker is not None:
                         body = chunker.first_body(position, p, body)
-                # a conversation's turns share its context: one server's prefix cache holds it for all of them
-                yield i, body, p.get("conversation_id")
+                route = p.get("conversation_id")
+                yield i, body, route if route is not None and turns[route] > 1 else None
 
     results: queue.Queue = queue.Queue()
     end = object()
