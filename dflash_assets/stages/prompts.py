@@ -87,8 +87,8 @@ class CorpusBuild:
         """One log line: prompts, files, duplicates, rejected, partitions and the edits of this build."""
         result, built = self.result, self.built
         return (
-            f"{built.corpus.height} prompts ({built.corpus['conversation_id'].n_unique()} conversations) from "
-            f"{len(result.files)} files; "
+            f"{built.corpus.height} prompts from {len(result.files)} files "
+            f"({built.corpus['conversation_id'].n_unique()} conversations); "
             f"{sum(result.duplicates_per_source.values())} duplicates; {result.rejected.height} rejected; "
             f"{len(built.keys)} partitions of up to {partition_size}; against the last build: {built.edits.new} new, "
             f"{built.edits.changed} changed, {built.edits.removed} removed prompts"
