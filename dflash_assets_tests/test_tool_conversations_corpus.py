@@ -401,3 +401,27 @@ def test_a_corpus_stored_before_tool_conversations_is_still_read_and_keeps_its_i
         meta = materialize(instance, store, [source], turns="last")
         assert meta["prompts_kept"] == 2 and pl.read_parquet(path)["index"].to_list() == [0, 1]
         assert storage.read_parquet(*CORPUS_FILE).schema["messages"] == MESSAGES_SCHEMA
+
+
+def test_an_unknown_turns_value_is_refused_naming_the_key(tmp_path):
+    source = jsonl(tmp_path / "p.jsonl", [{"prompt": "one"}])
+    with dg.instance_for_test() as instance, pytest.raises(dg.DagsterInvalidConfigError) as err:
+        materialize(instance, tmp_path / "store", [source], turns="all")
+    assert "prompt_corpus:config:turns" in str(err.value) and "'last', 'every'" in str(err.value)
+    with pytest.raises(ValueError, match=r"turns: 'all' is not one of \['last', 'every'\]"):
+        build_corpus([source], turns="all")
+
+
+def test_an_assistant_greeting_before_the_first_user_message_is_counted_but_gives_no_row(tmp_path):
+    greeting = {
+        "id": "g",
+        "messages": [
+            {"role": "assistant", "content": "Hi, what can I do?"},
+            {"role": "user", "content": "Fix my build."},
+            {"role": "assistant", "content": "Done."},
+        ],
+    }
+    corpus = build_corpus([jsonl(tmp_path / "g.jsonl", [greeting])], turns="every").corpus
+    # one row (the greeting's context holds no user message): it keeps the record's id, and is turn 1
+    assert corpus.select("prompt_id", "turn", "turn_kind").rows() == [("g:g", 1, "follow_up")]
+    assert api_messages(corpus["messages"][0].to_list()) == greeting["messages"][:2]
