@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_assets.assets.prompts import prompt_corpus
+from dflash_assets.data.conversation import api_messages
 from dflash_assets.data.ranges import key_range, partition_keys
 from dflash_assets.data.shapes import CorpusError, build_corpus, default_sources
 from dflash_assets.orchestration.partitions import prompt_ranges
@@ -43,10 +44,16 @@ def independent_count(codealpaca: Path, sharegpt: Path) -> tuple[int, int]:
     roles = {"human": "user", "gpt": "assistant", "system": "system"}
     for rec in json.loads(sharegpt.read_text()):
         turns = [(roles[t["from"]], t["value"]) for t in rec["conversations"]]
-        last_user = max(i for i, t in enumerate(turns) if t[0] == "user")
-        key = tuple(turns[: last_user + 1])
-        dups += key in seen
-        seen.add(key)
+        # turns: every (the default): the context of each assistant turn, and a trailing user message's
+        ends = [p for p, t in enumerate(turns) if t[0] == "assistant"] + (
+            [] if turns[-1][0] == "assistant" else [len(turns)]
+        )
+        for end in ends:
+            key = tuple(turns[:end])
+            if not any(role == "user" for role, _ in key):
+                continue
+            dups += key in seen
+            seen.add(key)
     return len(seen), dups
 
 
@@ -67,10 +74,12 @@ def test_shared_sources_counts_and_partitions(tmp_path):
     corpus = pl.read_parquet(tmp_path / "prompt_corpus" / "corpus.parquet")
     assert corpus["index"].to_list() == list(range(expected_rows))
     assert corpus["prompt_id"].n_unique() == expected_rows
-    # a ShareGPT conversation keeps its turns up to the last user message
-    identity_2 = corpus.filter(pl.col("prompt_id") == "dummy_conversation:identity_2")["messages"][0].to_list()
-    assert [m["role"] for m in identity_2] == ["user", "assistant", "user", "assistant", "user"]
-    assert identity_2[-1]["content"] == "Goodbye"
+    # a ShareGPT conversation gives a row per assistant turn, the last one's context up to the last user message
+    identity_2 = corpus.filter(pl.col("conversation_id") == "dummy_conversation:identity_2").sort("turn")
+    assert identity_2["prompt_id"].to_list() == [f"dummy_conversation:identity_2#{t}" for t in range(3)]
+    last = identity_2["messages"][-1].to_list()
+    assert [m["role"] for m in last] == ["user", "assistant", "user", "assistant", "user"]
+    assert last[-1]["content"] == "Goodbye"
 
 
 def write_bad_file(path: Path) -> list[tuple[int, str]]:
@@ -137,11 +146,13 @@ def test_bad_rows_are_set_aside_and_good_rows_kept(tmp_path):
     )
     assert reasons[15] == f"invalid JSON: Unterminated string starting at column {torn_col}"
     assert all(r["file"] == str(bad) and r["source"] == "mixed" for r in result.rejected.iter_rows(named=True))
-    assert result.corpus["line"].to_list() == [1, 11, 12, 13]
+    # line 12's conversation has two assistant turns: a row each (turns: every, the default)
+    assert result.corpus["line"].to_list() == [1, 11, 12, 12, 13]
     assert result.duplicates_per_source == {"mixed": 1}
-    msgs = result.corpus["messages"].to_list()
+    msgs = [api_messages(m) for m in result.corpus["messages"].to_list()]
     assert msgs[1] == [{"role": "user", "content": "Reverse a string.\n\nabc"}]
-    assert [m["content"] for m in msgs[2]] == ["Hi", "Hello", "Sort a list in Go."]
+    assert [m["content"] for m in msgs[2]] == ["Hi"]
+    assert [m["content"] for m in msgs[3]] == ["Hi", "Hello", "Sort a list in Go."]
     assert result.corpus["prompt_id"][0] == "mixed:a"
 
 
@@ -157,7 +168,7 @@ def test_gzip_parquet_and_json_array(tmp_path):
     result = build_corpus([str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.json"), str(tmp_path / "*.parquet")])
     assert result.rows_per_source == {"a": 5, "b": 1, "c": 1}
     assert result.corpus["source"].to_list() == ["a"] * 5 + ["b", "c"]
-    assert result.corpus["messages"][5].to_list()[0] == {"role": "system", "content": "Be brief."}
+    assert api_messages(result.corpus["messages"][5].to_list())[0] == {"role": "system", "content": "Be brief."}
 
 
 def test_unreadable_file_and_all_rejected_source_fail_naming_the_file(tmp_path):

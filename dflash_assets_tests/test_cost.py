@@ -253,6 +253,18 @@ def test_training_storage_and_cap_change_forecasts_scale_to_the_corpus(tmp_path)
         # 60 steps for 100 rows -> 600 for 1,000; 0.5 s per step; 2 trainer GPUs
         assert t["steps"] == {"point": 600.0, "low": 540.0, "high": 660.0}
         assert t["wall_s"]["point"] == 300.0 and t["device_s"]["point"] == 600.0
+        # rows held out for evaluation were fed too: 60 steps for 80 + 20 rows is the same 600
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization("dflash_drafter", metadata={**drafter, "train_rows": 80, "heldout_rows": 20})
+        )
+        assert training_forecast(instance, 1000, 0.1)["steps"]["point"] == 600.0
+        # a fresh user's demo forecast 492 training steps under max_steps 400: a fixed schedule does not scale
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization("dflash_drafter", metadata={**drafter, "max_steps": 400, "steps": 400})
+        )
+        fixed = training_forecast(instance, 1000, 0.1)
+        assert fixed["steps"] == {"point": 400.0, "low": 400.0, "high": 400.0} and fixed["wall_s"]["point"] == 200.0
+        instance.report_runless_asset_event(dg.AssetMaterialization("dflash_drafter", metadata=drafter))
 
         instance.add_dynamic_partitions("prompt_index_ranges", ["0000000-0000009"])
         instance.report_runless_asset_event(
@@ -310,10 +322,11 @@ def test_training_records_processes_x_wall_and_a_reused_run_costs_nothing(tmp_pa
         assert first["cost_device_s"] == pytest.approx(cost.cpu_cores() * first["cost_wall_s"], abs=0.01)
         assert first["cost_wall_s"] == pytest.approx(first["wall_s"], abs=0.06)  # wall_s: 0.1 s steps
         assert first["cost_tokens_in"] == first["train_tokens"] > 0
-        # 6 steps over the rows trained on: 10x the rows, 10x the steps, at the measured seconds per step
+        # max_steps 6 fixes the schedule: 10x the rows is still 6 steps, at the measured seconds per step
+        assert first["max_steps"] == 6 and first["total_steps"] == 6
         t = training_forecast(instance, 10 * first["train_rows"], 0.0)
-        assert t["steps"]["point"] == pytest.approx(60.0)
-        assert t["wall_s"]["point"] == pytest.approx(10 * first["cost_wall_s"])
+        assert t["steps"]["point"] == pytest.approx(6.0)
+        assert t["wall_s"]["point"] == pytest.approx(first["cost_wall_s"])
         again = identity.materialize(instance, root, target)
         assert again["outcome"] == "reused" and again["cost_device_s"] == 0.0
 
@@ -356,6 +369,8 @@ def test_forecast_storage_lines_keep_the_stage_apart_from_its_figure():
     lines = format_forecast(f).splitlines()
     assert "storage completions        34.47 KB [33.59 KB .. 35.34 KB]" in lines
     assert "storage tokenized_sequences 34.47 KB [33.59 KB .. 35.34 KB]" in lines
+    # on a CPU the count is of cores (cost.generation_devices): a fresh user read "on 2 device(s)" as two devices
+    assert any(line.startswith("generation wall (left)") and " on 1 CPU core(s), 8 slots" in line for line in lines)
 
 
 def _measured_completions(instance, pk: str, rows: int) -> None:

@@ -316,3 +316,24 @@ def test_a_run_that_fails_early_says_it_waits_for_the_install_and_ctrl_c_stops_i
         if builder is not None and is_running(builder, None):
             os.kill(builder, signal.SIGKILL)
     assert run.returncode != 0
+
+
+def test_the_wait_line_names_an_import_check_when_the_environment_was_made_before():
+    """A fresh user's second run (no work) printed "waiting for the engine environment's install to finish": the
+    environment was made, only its import check was running. The line now says which one it waits for."""
+    import threading
+
+    from dflash_assets.generation.engine_install import wait_for_installs
+
+    def waiting_line(proving_only: bool) -> list[str]:
+        release = threading.Event()
+        thread = threading.Thread(target=release.wait)
+        thread.proving_only = proving_only
+        thread.start()
+        lines: list[str] = []
+        threading.Timer(0.2, release.set).start()
+        wait_for_installs([thread, None], lines.append)
+        return lines
+
+    assert waiting_line(True) == ["waiting for the engine environment's import check to finish (it is made; seconds)"]
+    assert waiting_line(False)[0].startswith("waiting for the engine environment's install to finish")

@@ -30,3 +30,16 @@ def test_each_failed_partition_is_reported_with_its_reason(main_job):
         assert line is not None, proc.stdout[-3000:]
         # the step's error: the partition's rows all failed, quoting the server's message
         assert f"all {rows} rows ended in error" in line and "the model refuses this prompt" in line, line
+
+
+def test_a_config_with_another_storage_root_is_refused_the_instance_of_the_first():
+    """A fresh user ran two configs with different storage roots under one DAGSTER_HOME: the second replaced the
+    first's partition keys, and its summary showed the other corpus's truncation rate. Now it stops first."""
+    from dflash_assets.app.main_job import other_storage_root
+
+    mine = "/data/a/prompt_corpus/corpus.parquet"
+    assert other_storage_root(None, mine, "/home") is None  # a new instance
+    assert other_storage_root({"path": mine}, mine, "/home") is None  # the same corpus again
+    problem = other_storage_root({"path": mine}, "/data/b/prompt_corpus/corpus.parquet", "/home")
+    assert problem.startswith(f"DAGSTER_HOME /home holds the run history of the corpus at {mine}; ")
+    assert "/data/b/prompt_corpus/corpus.parquet" in problem and "its own DAGSTER_HOME" in problem

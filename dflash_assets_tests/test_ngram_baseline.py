@@ -259,3 +259,31 @@ def test_the_evaluations_checks_cover_ngram_output_and_its_metadata(tmp_path):
     assert md["drafter_in_process_tokens_per_forward"] == pytest.approx(3 / 2)
     assert md["baseline_winner"] == "drafter" and md["plain_tokens_per_forward"] == 1.0
     assert md["tokens_per_forward_by_dataset"]["heldout"]["ngram"] == 1.0
+
+
+def test_a_drafter_losing_to_ngram_is_logged_as_a_warning_not_an_error():
+    """A fresh user saw the WARN check drafter_beats_ngram printed at ERROR beside real failures."""
+    import logging
+
+    from dflash_assets.stages.evaluation.run import log_failed_checks
+
+    log = logging.getLogger("test_ngram_warn")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log.addHandler(handler)
+    try:
+        log_failed_checks(
+            log,
+            {
+                "drafter_beats_ngram": {"passed": False, "reasons": ["n-gram 1.75 > drafter 1.54"]},
+                "engine_parity": {"passed": False, "reasons": ["differs by 0.2"]},
+                "lossless": {"passed": True, "reasons": []},
+            },
+        )
+    finally:
+        log.removeHandler(handler)
+    assert [(r.levelno, r.getMessage()) for r in records] == [
+        (logging.WARNING, "check drafter_beats_ngram failed: n-gram 1.75 > drafter 1.54"),
+        (logging.ERROR, "check engine_parity failed: differs by 0.2"),
+    ]

@@ -12,7 +12,9 @@ import polars as pl
 import pytest
 
 from dflash_assets.assets.prompts import corpus_fingerprint, prompt_corpus
-from dflash_assets.data.shapes import CorpusError, build_corpus, normalize_record
+from dflash_assets.data.conversation import api_messages
+from dflash_assets.data.conversation_shapes import normalize_record
+from dflash_assets.data.shapes import CorpusError, build_corpus
 from dflash_assets.stages.prompts import CORPUS_FILE, REJECTED_FILE, PromptCorpusConfig
 from dflash_assets.stages.resources.storage import StorageResource
 
@@ -54,7 +56,7 @@ def test_list_of_parts_content_is_joined_and_a_non_text_part_rejects_the_row(tmp
         ]
     }
     result = build_corpus([jsonl(tmp_path / "p.jsonl", [parts, image])])
-    assert result.corpus["messages"].to_list() == [
+    assert [api_messages(m) for m in result.corpus["messages"].to_list()] == [
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse a list\nin Python."}]
     ]
     assert rejected_reasons(result) == {
@@ -62,8 +64,9 @@ def test_list_of_parts_content_is_joined_and_a_non_text_part_rejects_the_row(tmp
     }
 
 
-def test_tool_calls_before_the_last_user_turn_reject_the_row_naming_tool_messages():
-    """Was: 'messages[1] (assistant) has no text' with no word of tool messages."""
+def test_tool_calls_before_the_last_user_turn_are_context_and_a_result_answering_no_call_is_rejected():
+    """Was: 'messages[1] (assistant) has no text' with no word of tool messages; then (issue 43) every tool
+    exchange before the last user message rejected the row. Now it is context; a malformed one is rejected."""
     call = {
         "role": "assistant",
         "content": None,
@@ -78,17 +81,21 @@ def test_tool_calls_before_the_last_user_turn_reject_the_row_naming_tool_message
             {"role": "user", "content": "And tomorrow?"},
         ]
     }
-    with pytest.raises(ValueError) as err:
-        normalize_record(record)
-    assert str(err.value).startswith(
-        "tool message: messages[1] (assistant) carries tool_calls before the last user message"
-    )
+    assert normalize_record(record) == [
+        record["messages"][0],
+        {"role": "assistant", "tool_calls": call["tool_calls"]},  # content null: dropped, as api_messages does
+        record["messages"][2],
+        record["messages"][3],
+        record["messages"][4],
+    ]
     no_call = {"messages": [record["messages"][0], {"role": "tool", "content": "sunny"}, record["messages"][4]]}
-    with pytest.raises(ValueError, match=r"tool message: messages\[1\] is a tool result \(role 'tool'\)"):
+    with pytest.raises(ValueError, match=r"tool message: messages\[1\] \(tool\) is a tool result with no assistant"):
         normalize_record(no_call)
-    # a tool exchange AFTER the last user turn is the reply: dropped (regenerated), the row is kept
+    # a tool exchange AFTER the last user turn: the answer after the tool result is what gets regenerated
     assert normalize_record({"messages": [record["messages"][0], call, record["messages"][2]]}) == [
-        record["messages"][0]
+        record["messages"][0],
+        {"role": "assistant", "tool_calls": call["tool_calls"]},
+        record["messages"][2],
     ]
 
 

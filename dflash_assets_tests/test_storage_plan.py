@@ -197,3 +197,19 @@ def test_drafter_asset_online_under_torchrun(project):
     assert not (project["root"] / "hidden_states").exists()
     bad = run_drafter(nnodes=2)
     assert not bad.success and "rdzv_endpoint" in failure_text(bad)
+
+
+def test_the_summary_says_when_its_storage_plan_was_made():
+    """A fresh user's second run printed "(71.25 MB already stored)" as if current: the plan is the one recorded
+    before the last partition's extraction, so the summary line now names that partition."""
+    from dflash_assets.app.summary import _feature_figures
+
+    keys = ["0000000-0000015", "0000016-0000031"]
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, keys)
+        for pk, text in zip(keys, ["plan A (0 B already stored)", "plan B (35.62 MB already stored)"]):
+            instance.report_runless_asset_event(
+                dg.AssetMaterialization("hidden_states", partition=pk, metadata={"storage_plan_text": text})
+            )
+        figures = _feature_figures(instance, keys, {"features": "offline"})
+    assert figures["storage_plan"] == "plan B (35.62 MB already stored) (planned before extracting 0000016-0000031)"

@@ -32,7 +32,22 @@ from dflash_assets.orchestration.runs import process_tags, reap_dead_runs
 from dflash_assets.stages.drafter.config import DrafterConfig
 from dflash_assets.stages.evaluation.config import EvaluationConfig
 from dflash_assets.stages.evaluation.vllm_run import evaluation_environment, prepare_in_background
-from dflash_assets.stages.prompts import PromptCorpusConfig
+from dflash_assets.stages.prompts import CORPUS_FILE, PromptCorpusConfig
+
+
+def other_storage_root(corpus_meta: dict | None, corpus_uri: str, dagster_home: str | None) -> str | None:
+    """Why this run must not use this instance, or None: its run history (partition keys, materializations) was
+    made with a corpus at another storage root. Building here would replace that config's partition keys, and
+    its summary, freshness and evaluation would then judge one root's files by the other's history."""
+    before = (corpus_meta or {}).get("path")
+    if not before or before == corpus_uri:
+        return None
+    return (
+        f"DAGSTER_HOME {dagster_home} holds the run history of the corpus at {before}; this config's corpus is "
+        f"{corpus_uri}. One instance keeps one corpus's partition keys and history: give this config its own "
+        "DAGSTER_HOME (mkdir runs/mine && cp dagster.yaml runs/mine/ && export DAGSTER_HOME=$PWD/runs/mine), "
+        "or set its storage root back. Nothing was changed."
+    )
 
 
 def run_failure_reason(result: dg.ExecuteInProcessResult) -> str | None:
@@ -178,6 +193,9 @@ def _run_all(config_path_arg: str | None, dagster_home: str | None, verbose: boo
     # EnvVar credentials resolve only in an initialized resource (outside a run, reading one raises)
     store = defs.resources["storage"].process_config_and_initialize().open()
     corpus_meta = plain_metadata(latest_record(instance, "prompt_corpus"))
+    if problem := other_storage_root(corpus_meta, store.uri(*CORPUS_FILE), os.environ.get("DAGSTER_HOME")):
+        print(problem)
+        return 1
     if why := freshness.corpus_reason(corpus_meta, fingerprint) or freshness.output_reason(store, "prompt_corpus"):
         print(f"prompt_corpus: {why}: building it")
         result = _materialize(["prompt_corpus"], corpus_cfg)

@@ -460,7 +460,7 @@ def corpus_preview(instance: dg.DagsterInstance, store) -> str | None:
     if reason is None:
         return None
     previous = store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash", "prompt_id"])
-    result = build_corpus(config.sources, resource.source_storage_options, config.read_limits())
+    result = build_corpus(config.sources, resource.source_storage_options, config.read_limits(), turns=config.turns)
     built = stable_corpus(store, result.corpus, config.partition_size, config.max_prompts, previous)
     had = set(previous["index"].to_list())
     to_request = sum(1 for i in built.corpus["index"].to_list() if i not in had)

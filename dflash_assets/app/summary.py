@@ -258,7 +258,8 @@ def _feature_figures(instance: dg.DagsterInstance, keys: list[str], drafter: dic
     plan = None
     for pk in reversed(keys):
         plan = _meta(instance, "hidden_states", pk).get("storage_plan_text")
-        if plan:
+        if plan:  # its figures are those of that moment ("already stored" excludes what came after)
+            plan = f"{plan} (planned before extracting {pk})"
             break
     return {
         "features": drafter.get("features"),

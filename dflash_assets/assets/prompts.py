@@ -49,8 +49,9 @@ def corpus_fingerprint(config: PromptCorpusConfig, storage: StorageResource | No
     kinds={"parquet", "polars"},
     owners=["team:dflash"],
     description=(
-        "Reads the configured prompt files (OpenAI messages, ShareGPT conversations, Alpaca, plain prompt), "
-        "normalizes each to chat messages ending with the last user turn, drops exact duplicates (counted), "
+        "Reads the configured prompt files (OpenAI messages, ShareGPT conversations, with tools, tool calls and "
+        "tool results; Alpaca, plain prompt), makes one row per assistant turn to regenerate (turns: every) or "
+        "per record (turns: last), each the context before that turn, drops exact duplicates (counted), "
         "sets bad rows aside with file, line and reason, and gives each prompt a stable index (kept while its content "
         "is unchanged, wherever its file sorts). Writes prompt_corpus/corpus.parquet, rejected.parquet and the index "
         "table prompt_index.parquet; registers the index-range partitions that hold prompts."
@@ -70,6 +71,7 @@ def prompt_corpus(
             config.partition_size,
             config.max_prompts,
             log=context.log.warning,  # who holds the store lock while this build waits for it
+            turns=config.turns,
         )
     except CorpusStageError as exc:
         raise dg.Failure(str(exc), metadata=exc.metadata or None) from None

@@ -1,22 +1,43 @@
-"""Read prompt files of the common shapes into one clean, indexed corpus (no Dagster imports).
+"""Read prompt files of the common shapes, plain prompts and agentic tool conversations alike, into one clean,
+indexed corpus (no Dagster imports).
 
 Shapes (one record per JSONL line, JSON-array element or Parquet row):
-- OpenAI ``messages``: ``[{"role": ..., "content": ...}, ...]``
-- ShareGPT ``conversations``: ``[{"from": "human"|"gpt"|"system", "value": ...}, ...]``
+- OpenAI ``messages``: ``[{"role": ..., "content": ...}, ...]``; an assistant message may carry ``tool_calls``
+  (``[{"id", "type": "function", "function": {"name", "arguments"}}]``, arguments a JSON string or an object)
+  and ``reasoning_content`` (kept as given); a ``tool`` message answers a call (``tool_call_id``, ``name``);
+  legacy ``function_call`` / role ``function`` become ``tool_calls`` / ``tool``. The record's ``tools`` (or
+  legacy ``functions``) list of function schemas is kept beside the messages.
+- ShareGPT ``conversations``: ``[{"from": "human"|"gpt"|"system", "value": ...}, ...]``, with LLaMA-Factory's
+  ``function_call`` turns (value: JSON text of ``{"name", "arguments"}`` or a list of them) and ``observation``
+  turns (tool results), and a record-level ``tools`` (JSON text or a list; bare ``{"name", "parameters"}``
+  schemas are wrapped as ``{"type": "function", "function": ...}``).
 - Alpaca ``instruction`` (+ optional ``input``)
 - plain ``prompt`` string
 
-A conversation becomes one prompt: its messages up to and including the last user message; a reply
-after it is dropped (it gets regenerated). Bad records never raise, whatever they hold (bad UTF-8, a lone
-surrogate, nesting too deep, a value Arrow cannot convert, any exception a record raises): they are
-returned as rejected rows with file, line and reason, and the good rows of the same file are kept.
+A corpus row is the context of ONE assistant turn (:mod:`dflash_assets.data.conversation` stores it;
+:mod:`dflash_assets.data.conversation_shapes` reads a record as a conversation and cuts it into turns):
+``turns="every"`` gives a row per assistant turn of a conversation, its own messages before that turn as
+context (the source's earlier assistant turns kept), plus a row for a trailing user or tool message with no
+reply; ``turns="last"`` one row per record, the conversation with its trailing assistant turns dropped (a plain
+conversation: up to its last user message; ``user, assistant(tool_calls), tool, assistant`` regenerates the
+answer after the tool result). A final assistant reply is never context: it is dropped unchecked. Calls without
+an id get ``call_<k>`` (k counting the conversation's calls), so hashes are stable; a result without a
+``tool_call_id`` answers the first call of the assistant turn before it that has none yet.
+
+Bad records never raise, whatever they hold (bad UTF-8, a lone surrogate, nesting too deep, a value Arrow
+cannot convert, any exception a record raises): they are returned as rejected rows with file, line and reason
+(its kind before the first ':'), and the good rows of the same file are kept. Kinds of tool use set aside:
+``tool message`` (a result answering no call of the assistant turn before it, or with no call before it),
+``unanswered tool call`` (a call with no result before the next non-tool message), ``bad tool call`` (no
+function name, arguments not a JSON object, a repeated id), ``bad tools`` (a ``tools`` list that is not a
+list of named function schemas), ``empty content`` (an assistant turn in context with neither text nor calls).
 
 Content: a string, or a list of parts (OpenAI style ``[{"type": "text", "text": ...}]``, or plain
 strings) whose text parts are joined with newlines; a part of any other type (image, audio, file) rejects
-the row naming the type. Tool use: turns after the last user message are dropped like any reply, so a
-trailing ``tool_calls`` / ``tool`` exchange is fine; a ``tool`` (or ``function``) message, or an assistant
-turn carrying ``tool_calls`` / ``function_call``, BEFORE the last user message rejects the row
-("tool message: ..."): the corpus keeps plain role/content turns and has no rendering for tool calls.
+the row naming the type.
+
+Identity: a row's ``content_hash`` is over its API-shaped context and, only when present, the tools, so a
+plain row hashes as before tool conversations were read and keeps its stored rows.
 
 Files are read as streams in bounded memory by :mod:`dflash_assets.data.reader` (which also splits JSONL
 on ``\n`` only and drops a UTF-8 byte-order mark); a file that cannot be read, or is over a
@@ -37,33 +58,30 @@ from typing import Any
 import fsspec
 import polars as pl
 
+from dflash_assets.data.conversation import MESSAGE_FIELDS, MESSAGES_SCHEMA, stored_message
+from dflash_assets.data.conversation_shapes import (
+    DEFAULT_TURNS,
+    SHAPES_ACCEPTED,
+    TURNS,
+    Conversation,
+    RowError,
+    conversation_turns,
+    normalize_conversation,
+)
 from dflash_assets.data.reader import FileError, PromptFile, ReadLimits, preview
 
 __all__ = [
     "CorpusError",
     "CorpusResult",
-    "RowError",
     "build_corpus",
     "content_hash",
     "default_sources",
     "expand_source",
-    "normalize_record",
     "source_name",
+    "with_conversation_columns",
 ]
 
-ROLE_ALIASES = {
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
-    "system": "system",
-}
 ID_FIELDS = ("id", "prompt_id", "task_id", "uuid")
-MESSAGES_SCHEMA = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
 CORPUS_SCHEMA = {
     "index": pl.Int64,
     "prompt_id": pl.String,
@@ -72,15 +90,12 @@ CORPUS_SCHEMA = {
     "content_hash": pl.String,
     "file": pl.String,
     "line": pl.Int64,
+    "tools": pl.String,  # JSON text of the OpenAI tools list; null when the conversation offers none
+    "conversation_id": pl.String,  # <source>:<id>, or the hash of the whole normalized conversation
+    "turn": pl.Int64,  # 0-based number of the assistant turn the row regenerates
+    "turn_kind": pl.String,  # TURN_KINDS
 }
 REJECTED_SCHEMA = {"source": pl.String, "file": pl.String, "line": pl.Int64, "reason": pl.String, "raw": pl.String}
-
-
-SHAPES_ACCEPTED = (
-    "OpenAI 'messages' [{role, content}], ShareGPT 'conversations' [{from, value}], "
-    "Alpaca 'instruction' (+ 'input'), plain 'prompt'"
-)
-TOOL_ROLES = ("tool", "function", "ipython")
 
 
 class CorpusError(ValueError):
@@ -93,10 +108,6 @@ class CorpusError(ValueError):
     def __init__(self, message: str, rejected: pl.DataFrame | None = None) -> None:
         super().__init__(message)
         self.rejected = rejected
-
-
-class RowError(ValueError):
-    """One record is unusable; the message is the rejection reason."""
 
 
 @dataclass
@@ -124,101 +135,6 @@ def source_name(path: str) -> str:
     return name or path
 
 
-def normalize_record(record: Any) -> list[dict[str, str]]:
-    """Turn one record of any supported shape into chat messages ending with a user message.
-
-    Raises:
-        RowError: not an object, unknown shape, unknown role, missing/empty content, a non-text content
-            part, a tool message or tool call before the last user message, no user message.
-    """
-    if not isinstance(record, dict):
-        raise RowError(f"not a JSON object: got {type(record).__name__}")
-    if "messages" in record:
-        return _turns(record["messages"], "messages", "role", "content")
-    if "conversations" in record:
-        return _turns(record["conversations"], "conversations", "from", "value")
-    if "instruction" in record:
-        instruction = record["instruction"]
-        if not isinstance(instruction, str) or not instruction.strip():
-            raise RowError("empty content: 'instruction' is missing or empty")
-        extra = record.get("input")
-        if extra is not None and not isinstance(extra, str):
-            raise RowError(f"bad field: 'input' must be a string, got {type(extra).__name__}")
-        return [
-            {
-                "role": "user",
-                "content": instruction.strip() + (f"\n\n{extra.strip()}" if extra and extra.strip() else ""),
-            }
-        ]
-    if "prompt" in record:
-        prompt = record["prompt"]
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise RowError("empty content: 'prompt' is missing or empty")
-        return [{"role": "user", "content": prompt}]
-    raise RowError(f"unknown shape: keys {sorted(record)[:8]}; expected {SHAPES_ACCEPTED}")
-
-
-def content_text(content: Any, where: str) -> str | None:
-    """The text of one message's content: a string, or a list of parts whose text parts are joined
-    with ``\n`` (``{"type": "text", "text": ...}``, ``{"text": ...}`` or plain strings).
-
-    Returns None for a missing content. Raises RowError for a part that is not text (naming its type)
-    or content of another type.
-    """
-    if content is None or isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RowError(
-            f"bad content: {where} content is a {type(content).__name__}, expected a string or a list of parts"
-        )
-    texts = []
-    for j, part in enumerate(content):
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        kind = part.get("type", "text" if "text" in part else None) if isinstance(part, dict) else type(part).__name__
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise RowError(f"non-text content: {where} part {j} has type {kind!r}; only text parts are supported")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _turns(raw: Any, field_name: str, role_key: str, content_key: str) -> list[dict[str, str]]:
-    if not isinstance(raw, list) or not raw:
-        raise RowError(f"empty content: '{field_name}' must be a non-empty list")
-    roles = []
-    for k, turn in enumerate(raw):
-        if not isinstance(turn, dict):
-            raise RowError(f"bad message: {field_name}[{k}] is not an object")
-        role_raw = turn.get(role_key, turn.get("role"))
-        role = str(role_raw).lower() if role_raw is not None else None
-        role = ROLE_ALIASES.get(role, role if role in TOOL_ROLES else None) if role is not None else None
-        if role is None:
-            raise RowError(f"unknown role: {field_name}[{k}] has role {role_raw!r}")
-        roles.append(role)
-    last_user = max((i for i, r in enumerate(roles) if r == "user"), default=None)
-    if last_user is None:
-        raise RowError("no user message")
-    turns = []
-    for k in range(last_user + 1):  # later turns are the reply (regenerated): not checked, dropped
-        turn, role = raw[k], roles[k]
-        if role in TOOL_ROLES:
-            raise RowError(
-                f"tool message: {field_name}[{k}] is a tool result (role {role!r}) before the last user message; "
-                "tool calls and tool results are not supported in prompts"
-            )
-        if turn.get("tool_calls") or turn.get("function_call"):
-            raise RowError(
-                f"tool message: {field_name}[{k}] ({role}) carries tool_calls before the last user message; "
-                "tool calls and tool results are not supported in prompts"
-            )
-        content = content_text(turn.get(content_key, turn.get("content")), f"{field_name}[{k}] ({role})")
-        if not isinstance(content, str) or not content.strip():
-            raise RowError(f"empty content: {field_name}[{k}] ({role}) has no text")
-        turns.append({"role": role, "content": content})
-    return turns
-
-
 def expand_source(spec: str, storage_options: dict | None = None) -> list[str]:
     """Paths (or URIs) matched by one source spec: a file, a glob, or a directory of data files.
 
@@ -244,9 +160,13 @@ def expand_source(spec: str, storage_options: dict | None = None) -> list[str]:
     return [spec] if matches == [path] else matches
 
 
-def content_hash(messages: list[dict[str, str]]) -> str:
-    """SHA-256 (hex, first 16 chars) of the normalized messages: the identity used for duplicates."""
-    return hashlib.sha256(json.dumps(messages, ensure_ascii=False, sort_keys=True).encode()).hexdigest()[:16]
+def content_hash(messages: list[dict[str, Any]], tools: str | None = None) -> str:
+    """SHA-256 (hex, first 16 chars) of a row's context, its identity (duplicates, stable indices): the
+    API-shaped ``messages`` (:func:`~dflash_assets.data.conversation.api_messages` form) as sorted-key JSON, and
+    with ``tools`` (their stored JSON text) only when there are some, so a row without tools hashes as rows did
+    before tool conversations were read."""
+    payload: Any = messages if tools is None else {"messages": messages, "tools": tools}
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False, sort_keys=True).encode()).hexdigest()[:16]
 
 
 StorageOptions = dict | Callable[[str], dict] | None
@@ -287,42 +207,79 @@ def record_problem(exc: BaseException) -> str:
     return reason.encode("utf-8", "backslashreplace").decode("utf-8")[:500]
 
 
-def _prompt(record: Any, src: str) -> tuple[list[dict[str, str]], str, str]:
-    """``(messages, content_hash, prompt_id)`` of one decoded record; raises for a bad record (any exception)."""
-    messages = normalize_record(record)
-    chash = content_hash(messages)  # UnicodeEncodeError on a lone surrogate (JSON "\ud800")
+def _rows(record: Any, src: str, turns: str) -> tuple[Conversation, list[dict[str, Any]]]:
+    """The conversation of one decoded record and its corpus rows (CORPUS_SCHEMA less index, file and line), in
+    turn order; raises for a bad record (any exception).
+
+    ``conversation_id``: ``<source>:<id>`` when the record has an id field, else the content hash of the whole
+    conversation (its final reply left out). ``prompt_id``: a record giving one row keeps the id a prompt had
+    before conversations gave several rows (``<source>:<id>``, else the row's content hash); a record giving
+    several rows gives each ``<conversation_id>#<turn>``."""
+    conversation = normalize_conversation(record)
+    contexts = conversation_turns(conversation, turns)
     raw_id = next((record[f] for f in ID_FIELDS if record.get(f) not in (None, "")), None)
     if raw_id is not None and not isinstance(raw_id, (str, int)):
         raise RowError(f"bad id: {type(raw_id).__name__} is not a string or integer")
-    prompt_id = f"{src}:{raw_id}" if raw_id is not None else chash
-    prompt_id.encode("utf-8")  # an id is stored too
-    return messages, chash, prompt_id
+    tools = conversation.tools
+    conversation_id = (
+        f"{src}:{raw_id}" if raw_id is not None else content_hash(conversation.messages, tools)
+    )  # UnicodeEncodeError on a lone surrogate (JSON "\ud800")
+    conversation_id.encode("utf-8")  # an id is stored too
+    rows = []
+    for context in contexts:
+        chash = content_hash(context.messages, tools)
+        if len(contexts) > 1:
+            prompt_id = f"{conversation_id}#{context.turn}"
+        else:
+            prompt_id = f"{src}:{raw_id}" if raw_id is not None else chash
+        rows.append(
+            {
+                "prompt_id": prompt_id,
+                "source": src,
+                "messages": [stored_message(m) for m in context.messages],
+                "content_hash": chash,
+                "tools": tools,
+                "conversation_id": conversation_id,
+                "turn": context.turn,
+                "turn_kind": context.turn_kind,
+            }
+        )
+    return conversation, rows
 
 
 def build_corpus(
-    sources: list[str], storage_options: StorageOptions = None, limits: ReadLimits | None = None
+    sources: list[str],
+    storage_options: StorageOptions = None,
+    limits: ReadLimits | None = None,
+    turns: str = DEFAULT_TURNS,
 ) -> CorpusResult:
     """Read every source into one deduplicated corpus with a positional ``index`` in a stable order
     (``prompt_corpus`` then gives each prompt its stable index: :func:`dflash_assets.data.prompt_index.stable_corpus`).
 
-    Order: sources in the given order, files sorted within a source, records in file order. Each
-    prompt's ``prompt_id`` is ``<source>:<id>`` when the record has an id field, else its content hash.
-    Exact duplicates (same normalized messages) are kept once (the first) and counted; a second record
-    with an id already used by different messages is rejected as a conflicting duplicate id. Files are
-    streamed (:class:`~dflash_assets.data.reader.PromptFile`): memory holds the corpus built so far and
-    one record, never a whole file.
+    Order: sources in the given order, files sorted within a source, records in file order, a record's rows in
+    turn order. A record gives one row (``turns="last"``) or one per assistant turn (``"every"``):
+    :func:`~dflash_assets.data.conversation_shapes.conversation_turns`;
+    ``prompt_id`` and ``conversation_id`` as :func:`_rows` says. Exact duplicates
+    (same context: messages and tools) are kept once (the first) and counted, also when two conversations share
+    a context; a record whose row would reuse an id already used by a different context is rejected as a
+    conflicting duplicate id. Files are streamed (:class:`~dflash_assets.data.reader.PromptFile`): memory
+    holds the corpus built so far and one record, never a whole file.
 
     Args:
         storage_options: fsspec options for the sources, or a callable ``spec -> options`` (the prompt
             asset passes the storage resource's S3 endpoint and credentials for ``s3://`` sources).
         limits: bounds on each file (default :class:`~dflash_assets.data.reader.ReadLimits`).
+        turns: ``"last"`` or ``"every"`` (:data:`TURNS`).
 
     Raises:
+        ValueError: ``turns`` is not one of :data:`TURNS`.
         CorpusError: a source matches no file, a file cannot be read, is empty or over a bound, or a file
             has no usable row. For the last, every file is read first and ``.rejected`` holds all rejected
             rows (so the caller can write them); the message names each such file, the keys or columns
             found and the shapes accepted.
     """
+    if turns not in TURNS:
+        raise ValueError(f"turns: {turns!r} is not one of {list(TURNS)}")
     limits = limits or ReadLimits()
     kept: list[dict[str, Any]] = []
     rejected: list[dict[str, Any]] = []
@@ -348,12 +305,14 @@ def build_corpus(
                     try:
                         if record.error:
                             raise RowError(record.error)
-                        messages, chash, prompt_id = _prompt(record.value, src)
-                        if prompt_id in seen_id and seen_id[prompt_id][0] != chash:
-                            raise RowError(
-                                f"conflicting duplicate id: {prompt_id!r} was first used at "
-                                f"{seen_id[prompt_id][1]} for other messages"
-                            )
+                        _conversation, rows = _rows(record.value, src, turns)
+                        for row in rows:
+                            used = seen_id.get(row["prompt_id"])
+                            if used is not None and used[0] != row["content_hash"]:
+                                raise RowError(
+                                    f"conflicting duplicate id: {row['prompt_id']!r} was first used at "
+                                    f"{used[1]} for other messages"
+                                )
                     except Exception as exc:
                         raw = record.preview if record.preview is not None else _value_preview(record.value)
                         rejected.append(
@@ -366,22 +325,15 @@ def build_corpus(
                             }
                         )
                         continue
-                    if chash in seen_hash:
-                        dups_per_source[src] += 1
-                        continue
-                    seen_hash[chash] = prompt_id
-                    seen_id.setdefault(prompt_id, (chash, f"{path}:{record.line}"))
-                    rows_per_source[src] += 1
-                    kept.append(
-                        {
-                            "prompt_id": prompt_id,
-                            "source": src,
-                            "messages": messages,
-                            "content_hash": chash,
-                            "file": path,
-                            "line": record.line,
-                        }
-                    )
+                    for row in rows:
+                        chash, prompt_id = row["content_hash"], row["prompt_id"]
+                        if chash in seen_hash:
+                            dups_per_source[src] += 1
+                            continue
+                        seen_hash[chash] = prompt_id
+                        seen_id.setdefault(prompt_id, (chash, f"{path}:{record.line}"))
+                        rows_per_source[src] += 1
+                        kept.append({**row, "file": path, "line": record.line})
             except FileError as exc:
                 raise CorpusError(str(exc)) from None
             if rows_per_source[src] == good_before and dups_per_source[src] == dup_before:
@@ -404,6 +356,35 @@ def build_corpus(
         row["index"] = i
     corpus = pl.DataFrame(kept, schema=CORPUS_SCHEMA) if kept else pl.DataFrame(schema=CORPUS_SCHEMA)
     return CorpusResult(corpus, rejected_df, dict(rows_per_source), dict(dups_per_source), all_files)
+
+
+def with_conversation_columns(corpus: pl.DataFrame) -> pl.DataFrame:
+    """A stored corpus as this version writes it, whatever version wrote it: a corpus stored before tool
+    conversations were read (``messages`` of ``{role, content}`` only; no ``tools``, ``conversation_id``,
+    ``turn``, ``turn_kind``) gets the missing message fields as nulls, ``tools`` null, ``conversation_id`` =
+    ``prompt_id``, ``turn`` = the assistant messages in the context and ``turn_kind`` from its roles (no row of
+    such a corpus holds a tool message). Columns not read (``columns=`` of a partial read) stay absent; a
+    current corpus comes back unchanged."""
+    out = corpus
+    if "messages" in out.columns and out.schema["messages"] != MESSAGES_SCHEMA:
+        have = set(out.schema["messages"].inner.to_schema())  # type: ignore[union-attr]
+        fields = [
+            pl.element().struct.field(f) if f in have else pl.lit(None, dtype=pl.String).alias(f)
+            for f in MESSAGE_FIELDS
+        ]
+        out = out.with_columns(pl.col("messages").list.eval(pl.struct(fields)).cast(MESSAGES_SCHEMA))
+    if "messages" not in out.columns or "tools" in out.columns:
+        return out
+    roles = pl.col("messages").list.eval(pl.element().struct.field("role"))
+    assistants = roles.list.eval((pl.element() == "assistant").cast(pl.Int64)).list.sum()
+    users = roles.list.eval((pl.element() == "user").cast(pl.Int64)).list.sum()
+    only_prompt = roles.list.eval(pl.element().is_in(["system", "user"])).list.all()
+    return out.with_columns(
+        tools=pl.lit(None, dtype=pl.String),
+        conversation_id=pl.col("prompt_id") if "prompt_id" in out.columns else pl.lit(None, dtype=pl.String),
+        turn=assistants.cast(pl.Int64),
+        turn_kind=pl.when(only_prompt & (users == 1)).then(pl.lit("prompt")).otherwise(pl.lit("follow_up")),
+    )
 
 
 def _value_preview(value: Any) -> str:

@@ -398,6 +398,8 @@ def make_in_background(
             log(f"{exc}\n{then}".rstrip())
 
     thread = threading.Thread(target=make, name=f"{environment.name}-environment", daemon=False)
+    # made before: the thread only proves it (an import check, seconds), which the wait line should not call an install
+    thread.proving_only = bool(environment_ready_info(environment))  # type: ignore[attr-defined]
     thread.start()
     return thread
 

@@ -107,10 +107,13 @@ def wait_for_installs(threads: Sequence[threading.Thread | None], log: Callable[
     alive = [t for t in threads if t is not None and t.is_alive()]
     if not alive:
         return
-    log(
-        "waiting for the engine environment's install to finish (first use only; Ctrl-C stops it, "
-        "the next run resumes it)"
-    )
+    if all(getattr(t, "proving_only", False) for t in alive):
+        log("waiting for the engine environment's import check to finish (it is made; seconds)")
+    else:
+        log(
+            "waiting for the engine environment's install to finish (first use only; Ctrl-C stops it, "
+            "the next run resumes it)"
+        )
     try:
         for thread in alive:
             thread.join()

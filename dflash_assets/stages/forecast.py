@@ -19,11 +19,12 @@ interval and, at the high end, the largest measured one (a run's generating wall
 its slots). Device-seconds = configured devices x (that wall - start-up). Assumes the measured rows'
 per-request speed: the same ``max_running_requests`` and model on the configured servers.
 
-Other figures scale with the same per-prompt means: hidden-state storage = prompts x tokens per row x
-the storage plan's bytes per token (:mod:`dflash_assets.stages.storage_plan`); training steps = measured steps
-x prompts / rows trained on, time at the measured seconds per step, widened by the relative interval of
-tokens per prompt; a cap change's device-hours = cap advice's tokens to generate
-(:func:`dflash_assets.data.truncation.cap_advice`) scaled to the corpus x measured device-seconds per token.
+Other figures scale with the same per-prompt means: hidden-state storage = prompts x tokens per row x the storage
+plan's bytes per token (:mod:`dflash_assets.stages.storage_plan`); training steps = the run's ``max_steps`` when it
+set one (a fixed schedule), else measured steps x prompts / rows it was fed (trained on and held out), time at the
+measured seconds per step, widened by the relative interval of tokens per prompt; a cap change's device-hours = cap
+advice's tokens to generate (:func:`dflash_assets.data.truncation.cap_advice`) scaled to the corpus x measured
+device-seconds per token.
 """
 
 from __future__ import annotations
@@ -196,15 +197,19 @@ def storage_forecast(
 
 def training_forecast(instance: dg.DagsterInstance, prompts: int, relative_half: float) -> dict | None:
     """Steps, seconds and device-seconds of training on ``prompts`` rows, from the latest ``dflash_drafter``
-    run (None without one that trained): steps x prompts / rows, at its seconds per step; the interval is
-    the point x (1 +- ``relative_half``), the relative half-width of tokens per prompt."""
+    run (None without one that trained): its ``max_steps`` when set (no interval), else steps x prompts / rows
+    fed (trained on plus held out), at its seconds per step, the interval the point x (1 +- ``relative_half``),
+    the relative half-width of tokens per prompt."""
     meta = latest_metadata(instance, "dflash_drafter") or {}
     steps, rows, ran = meta.get("steps"), meta.get("train_rows"), meta.get("steps_this_run")
     if not steps or not rows or not ran or not meta.get("cost_wall_s"):
         return None
     s_per_step = float(meta["cost_wall_s"]) / ran
-    point = steps * prompts / rows
-    band = {"point": 1.0, "low": max(0.0, 1 - relative_half), "high": 1 + relative_half}
+    if meta.get("max_steps"):  # a fixed schedule: the corpus's size does not change it
+        point, band = float(meta["max_steps"]), {"point": 1.0, "low": 1.0, "high": 1.0}
+    else:  # steps per row the run was fed (trained on plus held out), times the corpus's prompts
+        point = steps * prompts / (rows + int(meta.get("heldout_rows") or 0))
+        band = {"point": 1.0, "low": max(0.0, 1 - relative_half), "high": 1 + relative_half}
     devices = int(meta.get("cost_devices") or 1)
     return {
         "steps": scaled(band, point),
@@ -320,6 +325,11 @@ def collect_forecast(
     }
 
 
+def _device_word(kind: str) -> str:
+    """What a device count counts: on a CPU the cores the servers may use (cost.generation_devices), not devices."""
+    return "CPU core(s)" if kind == "CPU" else "device(s)"
+
+
 def _fmt_iv(iv: dict, fmt) -> str:
     return f"{fmt(iv['point'])} [{fmt(iv['low'])} .. {fmt(iv['high'])}]"
 
@@ -346,7 +356,8 @@ def format_forecast(f: dict | None, device_hour_usd: float | None = None) -> str
         f"{f['prompts_left']:,} left), from {len(f['from_partitions'])} measured partition(s), "
         f"{f['rows_measured']:,} rows; [95% interval] ==",
         f"tokens to generate (left)  {_fmt_iv(gen['tokens_to_generate'], lambda v: f'{v:,.0f}')}",
-        f"generation wall (left)     {_fmt_iv(gen['wall_s'], _hours)} on {gen['devices']} device(s), {gen['slots']} "
+        f"generation wall (left)     {_fmt_iv(gen['wall_s'], _hours)} on {gen['devices']} {_device_word(f['device'])}, "
+        f"{gen['slots']} "
         f"slots (start-up {gen['startup_s']:.0f} s, drain up to {gen['drain_s']:.0f} s)",
         f"device-hours, whole        {_fmt_iv(whole['device_s'], dh)} {unit}",
         f"generated tokens, whole    {_fmt_iv(whole['tokens_out'], lambda v: f'{v:,.0f}')}",

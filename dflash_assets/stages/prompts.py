@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from dflash_assets.data.conversation_shapes import DEFAULT_TURNS, TURN_KINDS
 from dflash_assets.data.prompt_index import StableCorpus, save_index, stable_corpus
 from dflash_assets.data.reader import GiB, MiB, ReadLimits
 from dflash_assets.data.shapes import CorpusError, CorpusResult, build_corpus, default_sources
@@ -29,6 +30,15 @@ class PromptCorpusConfig(dg.Config):
     sources: list[str] = Field(
         default_factory=default_sources,
         description="Files, globs or directories (local or s3://) of JSONL / JSON arrays / Parquet, .gz allowed.",
+    )
+    turns: Literal["last", "every"] = Field(
+        default=DEFAULT_TURNS,
+        description="Which assistant turns of a conversation become corpus rows. 'every' (default): one row per "
+        "assistant turn, the conversation's own messages before it as context (tool calls and tool results "
+        "included), plus one for a trailing user or tool message with no reply: the drafter serves every turn of "
+        "an agentic session, not only the first. 'last': one row per record, the conversation without its "
+        "trailing assistant turns. A single-turn record gives the same one row (same index) either way; only "
+        "multi-turn records cost more requests.",
     )
     partition_size: int = Field(default=1000, ge=1, description="Prompts per index-range partition.")
     max_prompts: int | None = Field(
@@ -77,7 +87,8 @@ class CorpusBuild:
         """One log line: prompts, files, duplicates, rejected, partitions and the edits of this build."""
         result, built = self.result, self.built
         return (
-            f"{built.corpus.height} prompts from {len(result.files)} files; "
+            f"{built.corpus.height} prompts from {len(result.files)} files "
+            f"({built.corpus['conversation_id'].n_unique()} conversations); "
             f"{sum(result.duplicates_per_source.values())} duplicates; {result.rejected.height} rejected; "
             f"{len(built.keys)} partitions of up to {partition_size}; against the last build: {built.edits.new} new, "
             f"{built.edits.changed} changed, {built.edits.removed} removed prompts"
@@ -93,9 +104,11 @@ def build_corpus_stage(
     max_prompts: int | None,
     lock_wait_s: float = 900,
     log: Callable[[str], None] | None = None,
+    turns: str = DEFAULT_TURNS,
 ) -> CorpusBuild:
     """Build the corpus of ``sources`` and write it (a row group per partition), then the index table and the
-    rejected rows. A prompt keeps its index while its content is unchanged (:func:`stable_corpus`). From
+    rejected rows. ``turns``: which assistant turns become rows (:func:`~dflash_assets.data.shapes.build_corpus`).
+    A prompt keeps its index while its content is unchanged (:func:`stable_corpus`). From
     reading the last build to writing the index table the build holds ``prompt_corpus/.build.lock``
     (:class:`StoreLock`, exclusive across hosts on one root), waiting up to ``lock_wait_s`` seconds for it (``log``
     gets who holds it and until when; default: the lock module's logger); a holder killed on this machine
@@ -107,7 +120,7 @@ def build_corpus_stage(
             past ``lock_wait_s`` (naming the lock object and the fix).
     """
     try:
-        result = build_corpus(sources, storage_options, limits)
+        result = build_corpus(sources, storage_options, limits, turns=turns)
     except CorpusError as exc:
         if exc.rejected is None:
             raise CorpusStageError(str(exc)) from None
@@ -143,16 +156,34 @@ def build_corpus_stage(
 
 def _metadata(result: CorpusResult, built: StableCorpus, uri: str, partition_size: int) -> dict[str, Any]:
     corpus = built.corpus
-    preview = corpus.head(10).select(
+    head = corpus.head(10)
+    last = head["messages"].list.last()
+    preview = head.select(
         "index",
         "prompt_id",
         "source",
-        first_user=corpus.head(10)["messages"].list.last().struct.field("content").str.slice(0, 120),
+        "turn",
+        "turn_kind",
+        last_message=last.struct.field("role") + ": " + last.struct.field("content").fill_null("").str.slice(0, 120),
     )
     rows_per_source = corpus.group_by("source").len().sort("source")
+    kinds = dict(corpus.group_by("turn_kind").len().iter_rows())
+    # a conversation uses tools when it offers them, or a row's context holds a call or a result
+    tool_use = (
+        pl.col("tools").is_not_null()
+        | pl.col("messages")
+        .list.eval(
+            (pl.element().struct.field("role") == "tool") | pl.element().struct.field("tool_calls").is_not_null()
+        )
+        .list.any()
+    )
+    tool_conversations = corpus.filter(tool_use)["conversation_id"].n_unique() if corpus.height else 0
     return {
-        "num_prompts": corpus.height,
+        "num_prompts": corpus.height,  # rows: one per (conversation, assistant turn) with turns: every
         "rows_per_source": {r["source"]: r["len"] for r in rows_per_source.iter_rows(named=True)},
+        "rows_per_turn_kind": {kind: kinds.get(kind, 0) for kind in TURN_KINDS},
+        "conversations": corpus["conversation_id"].n_unique(),
+        "tool_conversations": tool_conversations,
         "duplicates": sum(result.duplicates_per_source.values()),
         "duplicates_per_source": result.duplicates_per_source,
         "rejected": result.rejected.height,

@@ -12,6 +12,7 @@ import dagster as dg
 import polars as pl
 
 from dflash_assets.data.ranges import key_range
+from dflash_assets.data.shapes import with_conversation_columns
 from dflash_assets.data.truncation import row_counts, token_summary
 from dflash_assets.generation.records import (
     PROMPT_TOO_LONG,
@@ -42,7 +43,8 @@ def load_range_prompts(storage, keys: list[str]) -> dict[str, pl.DataFrame]:
     of removed prompts, :mod:`dflash_assets.data.prompt_index`). Raises dagster.Failure naming the partition
     when the corpus holds no prompt of its range."""
     ranges = {pk: key_range(pk) for pk in keys}
-    corpus = storage.read_parquet(*CORPUS_FILE, index_ranges=list(ranges.values()))
+    # a corpus stored before tool conversations were read gets their columns (tools null, ...)
+    corpus = with_conversation_columns(storage.read_parquet(*CORPUS_FILE, index_ranges=list(ranges.values())))
     out = {}
     for pk, (first, last) in ranges.items():
         prompts = corpus.filter(pl.col("index").is_between(first, last))

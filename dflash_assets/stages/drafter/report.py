@@ -58,6 +58,8 @@ def drafter_metadata(
         "train_rows": summary["train_rows"],
         "train_tokens": summary["train_tokens"],
         "steps": summary["step"],
+        "total_steps": summary.get("total_steps"),
+        "max_steps": config.max_steps,  # set: the schedule's length, whatever the data's size
         "outcome": outcome[0],
         "outcome_text": outcome[1],
         "run_id": plan.run_id,

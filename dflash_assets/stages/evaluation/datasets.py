@@ -7,6 +7,7 @@ import json
 import dagster as dg
 import polars as pl
 
+from dflash_assets.data.conversation import api_messages
 from dflash_assets.data.shapes import CorpusError, build_corpus, default_sources, source_name
 from dflash_assets.data.tokenization import SequenceBuilder
 from dflash_assets.dflash.data import HiddenStateShards
@@ -26,7 +27,8 @@ def prompt_file_path(spec: str) -> str:
 def evaluation_datasets(
     corpus: pl.DataFrame, held: list[int], prompt_files: list[str], num_prompts: int
 ) -> dict[str, list]:
-    """``{dataset name: [messages, ...]}``: the held-out prompts of the corpus (``held``: their indexes, a
+    """``{dataset name: [messages, ...]}`` (each API-shaped: :func:`~dflash_assets.data.conversation.api_messages`):
+    the held-out prompts of the corpus (``held``: their indexes, a
     stable hash of the prompt index chose them), then each prompt file (parsed as the corpus is, by
     :func:`dflash_assets.data.shapes.build_corpus`) without the prompts the drafter trained on (same content
     hash as a corpus row outside ``held``); at most ``num_prompts`` each, in file order.
@@ -35,7 +37,8 @@ def evaluation_datasets(
         dagster.Failure: a prompt file cannot be read, or two files have the same name.
     """
     held_set = set(held)
-    out = {HELDOUT: corpus.filter(pl.col("index").is_in(held[:num_prompts])).sort("index")["messages"].to_list()}
+    heldout = corpus.filter(pl.col("index").is_in(held[:num_prompts])).sort("index")["messages"].to_list()
+    out = {HELDOUT: [api_messages(m) for m in heldout]}
     trained_hashes = set(corpus.filter(~pl.col("index").is_in(list(held_set)))["content_hash"].to_list())
     for spec in prompt_files:
         path = prompt_file_path(spec)
@@ -47,7 +50,7 @@ def evaluation_datasets(
         except (CorpusError, OSError) as e:
             raise dg.Failure(f"drafter_evaluation.prompt_files: {spec}: {e}") from e
         rows = rows.filter(~pl.col("content_hash").is_in(list(trained_hashes)))
-        out[name] = rows.head(num_prompts)["messages"].to_list()
+        out[name] = [api_messages(m) for m in rows.head(num_prompts)["messages"].to_list()]
     return out
 
 
