@@ -16,6 +16,7 @@ import polars as pl
 import pytest
 
 from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.data.conversation import api_messages  # the messages as the server received them
 from dflash_assets.generation.continuation import (
     NOT_CONTINUED,
     continuable,
@@ -257,7 +258,9 @@ def test_cap_raise_in_sglang_mode_continues_exactly_the_cut_rows(tmp_path, monke
         before = pl.concat([pl.read_parquet(root / "completions" / f"{pk}.parquet") for pk in keys])
         cut = set(before.filter(pl.col("finish_reason") == "length")["index"].to_list())
         corpus = pl.read_parquet(root.joinpath(*CORPUS_FILE)).iter_rows(named=True)
-        wanted = {r["index"]: drawn_length(r["messages"], 120, 0.5) for r in corpus}  # the simulator's draw
+        wanted = {
+            r["index"]: drawn_length(api_messages(r["messages"]), 120, 0.5) for r in corpus
+        }  # the simulator's draw
         assert cut == {i for i, n in wanted.items() if n > OLD_CAP} and 3 <= len(cut) < 16
         first_pass = len(_requests(tmp_path))
 
@@ -362,7 +365,7 @@ def test_servers_that_answer_continuations_afresh_stop_the_run_and_the_cut_rows_
     after = tables()
     corpus = {r["index"]: r["messages"] for r in pl.read_parquet(root.joinpath(*CORPUS_FILE)).iter_rows(named=True)}
     assert after["completion_tokens"].to_list() == [
-        min(drawn_length(corpus[i], 120, 0.5), 128) for i in after["index"].to_list()
+        min(drawn_length(api_messages(corpus[i]), 120, 0.5), 128) for i in after["index"].to_list()
     ]
     assert after["error"].null_count() == after.height
 

@@ -17,6 +17,7 @@ import polars as pl
 import pytest
 
 from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.data.conversation import api_messages  # the messages as the server received them
 from dflash_assets.generation.records import row_from_result
 from dflash_assets.generation.tail_chunks import TailChunker
 from dflash_assets.stages.completions.continuing import ContinuationPlanner
@@ -239,7 +240,9 @@ def test_a_range_run_with_tail_chunking_makes_the_same_tables_and_sends_follow_u
     assert got.select(FIELDS).to_dicts() == plain.select(FIELDS).to_dicts()
 
     corpus = {r["index"]: r for r in pl.read_parquet(root.joinpath(*CORPUS_FILE)).iter_rows(named=True)}
-    length = {i: min(drawn_length(r["messages"], 120, 0.5), cap) for i, r in corpus.items()}  # the simulator's draw
+    length = {
+        i: min(drawn_length(api_messages(r["messages"]), 120, 0.5), cap) for i, r in corpus.items()
+    }  # the simulator's draw
     window = set(sorted(corpus)[-12:])
     want_chunks = {i: math.ceil(length[i] / chunk) if i in window else 1 for i in corpus}
     assert sum(n > 1 for n in want_chunks.values()) >= 6  # the test means something: most of the window is long

@@ -14,6 +14,7 @@ from dflash_assets.data.truncation import (
     predict_cap,
     read_report_columns,
     truncation_stats,
+    turn_kind_markdown,
 )
 from dflash_assets.generation.records import PROMPT_TOO_LONG
 from dflash_assets.orchestration.metadata import png_markdown
@@ -139,6 +140,11 @@ def truncation_report(
             "truncation_rate": round(stats["truncation_rate"], 4),
             "truncation_rate_per_source": {k: round(v["rate"], 4) for k, v in stats["per_source"].items()},
             "truncation_rate_per_partition": {k: round(v["rate"], 4) for k, v in stats["per_partition"].items()},
+            "rows_per_turn_kind": {k: v["rows"] for k, v in stats["per_turn_kind"].items()},
+            "truncation_rate_per_turn_kind": {k: round(v["rate"], 4) for k, v in stats["per_turn_kind"].items()},
+            "truncation_by_source_and_turn_kind": dg.MetadataValue.md(
+                turn_kind_markdown(stats["per_source_turn_kind"])
+            ),
             "completion_tokens": stats["completion_tokens"],
             "truncated_in_reasoning": stats["truncated_in_reasoning"],
             "empty_answer": stats["empty_answer"],

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.records import THINK_OPEN, split_reasoning
+from dflash_assets.generation.records import THINK_OPEN, holds_tool_call, split_reasoning
 
 
 def cut_to_cap(
@@ -121,6 +121,7 @@ def _cut(
         output_token_ids=[int(t) for t in head_ids] if had_ids else None,
         truncated_in_reasoning=bool(reasoning is not None and not closed),
         empty_answer=not (answer or "").strip(),
+        tool_call=holds_tool_call(answer),
         max_output_tokens=cap,
         settings=settings.settings_json,
         continued_from_tokens=continued if continued < cap else 0,  # the cut may end inside the first request's part

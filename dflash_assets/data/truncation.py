@@ -49,7 +49,16 @@ REPORT_COLUMNS = (
     "empty_answer",
     "prompt_tokens",
     "context_length",
+    "turn_kind",
+    "tool_call",
 )
+#: The truncation report's turn kinds (issue 43): what the regenerated turn did, else what its context was.
+TURN_KINDS = {
+    "tool_call": "tool-call turn",  # the turn called a tool, whatever came before
+    "after_tool": "answer after tools",  # the context ends with a tool result, the turn answered in text
+    "follow_up": "follow-up turn",  # a later user message of a conversation
+    "prompt": "single-turn prompt",  # one user message (rows made before turn kinds were kept count here)
+}
 
 
 def read_report_columns(store, *parts: str, columns: tuple[str, ...] = REPORT_COLUMNS) -> pl.DataFrame:
@@ -401,11 +410,30 @@ def token_summary(tokens: np.ndarray) -> dict:
     }
 
 
+def turn_kind_labels(frame: pl.DataFrame) -> pl.Series:
+    """Each row's :data:`TURN_KINDS` label: ``tool-call turn`` where ``tool_call`` is true, else by ``turn_kind``
+    (a null or missing one, a row made before turn kinds were kept, counts as a single-turn prompt)."""
+    n = frame.height
+    called = frame["tool_call"].fill_null(False) if "tool_call" in frame.columns else pl.Series([False] * n)
+    kind = frame["turn_kind"].fill_null("prompt") if "turn_kind" in frame.columns else pl.Series(["prompt"] * n)
+    labels = [TURN_KINDS["tool_call"] if c else TURN_KINDS.get(k, k) for c, k in zip(called.to_list(), kind.to_list())]
+    return pl.Series("turn", labels, dtype=pl.String)
+
+
+def _rate(frame: pl.DataFrame, column: str, value: str) -> dict | None:
+    rows = frame.filter(pl.col(column) == value)
+    if not rows.height:
+        return None
+    truncated = int((rows["finish_reason"] == "length").sum())
+    return {"rows": rows.height, "truncated": truncated, "rate": truncated / rows.height}
+
+
 def truncation_stats(frame: pl.DataFrame) -> dict:
     """Counts and percentiles over completions rows (errors counted apart).
 
     Returns the :func:`row_counts` counts, ``truncation_rate`` (share of ``length`` among finished rows),
-    ``per_partition``/``per_source`` rates and ``completion_tokens`` (:func:`token_summary`).
+    ``per_partition``/``per_source`` rates, ``per_turn_kind`` (by :func:`turn_kind_labels`, kinds with rows) and
+    ``per_source_turn_kind`` (``"<source> / <label>"``) rates, and ``completion_tokens`` (:func:`token_summary`).
     """
     ok, counts = row_counts(frame)
     n = ok.height
@@ -417,11 +445,28 @@ def truncation_stats(frame: pl.DataFrame) -> dict:
             for r in g.iter_rows(named=True)
         }
 
+    kinds = ok.with_columns(turn=turn_kind_labels(ok))
+    per_kind = {}
+    for r in (
+        kinds.group_by("source", "turn")
+        .agg(rows=pl.len(), truncated=(pl.col("finish_reason") == "length").sum())
+        .sort("source", "turn")
+        .iter_rows(named=True)
+    ):
+        per_kind[f"{r['source']} / {r['turn']}"] = {
+            "rows": r["rows"],
+            "truncated": r["truncated"],
+            "rate": r["truncated"] / r["rows"],
+        }
     return {
         **counts,
         "truncation_rate": float((ok["finish_reason"] == "length").sum() / n) if n else 0.0,
         "per_partition": rates("partition") if "partition" in ok.columns else {},
         "per_source": rates("source"),
+        "per_turn_kind": {
+            label: stats for label, stats in ((lab, _rate(kinds, "turn", lab)) for lab in TURN_KINDS.values()) if stats
+        },
+        "per_source_turn_kind": per_kind,
         # a row an old server returned without usage has no token count: left out of the percentiles, not NaN
         "completion_tokens": token_summary(ok["completion_tokens"].drop_nulls().to_numpy()),
         "completion_tokens_missing": int(ok["completion_tokens"].is_null().sum()),
@@ -439,6 +484,15 @@ def length_histogram_png(tokens: np.ndarray, cap: int, title: str) -> bytes:
     ax.legend()
     fig.tight_layout()
     return figure_png_bytes(fig)
+
+
+def turn_kind_markdown(per_source_turn_kind: dict[str, dict]) -> str:
+    """A Markdown table of rows and truncation per source and turn kind (``truncation_stats``'
+    ``per_source_turn_kind``)."""
+    lines = ["| source / turn kind | rows | truncated | rate |", "|---|---|---|---|"]
+    for key, v in per_source_turn_kind.items():
+        lines.append(f"| {key} | {v['rows']} | {v['truncated']} | {v['rate']:.1%} |")
+    return "\n".join(lines)
 
 
 def cap_advice_markdown(advice: dict) -> str:

@@ -28,7 +28,13 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.records import THINK_CLOSE, THINK_OPEN, completion_layout, row_from_result
+from dflash_assets.generation.records import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    completion_layout,
+    holds_tool_call,
+    row_from_result,
+)
 from dflash_assets.generation.replies import NO_OUTPUT_IDS
 
 #: Error of a continuation the server answered afresh (it ignored ``continue_final_message``).
@@ -176,6 +182,7 @@ def merge_continuation(
         output_token_ids_source=NO_OUTPUT_IDS,
         truncated_in_reasoning=bool(result.finish_reason == "length" and reasoning is not None and not closed),
         empty_answer=not answer.strip(),
+        tool_call=holds_tool_call(answer),
         continued_from_tokens=old_tokens,
         # the row's requests together: an earlier run's chunks and attempts are still part of it
         latency_s=round(float(row.get("latency_s") or 0.0) + merged["latency_s"], 4),

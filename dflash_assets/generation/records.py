@@ -16,6 +16,9 @@ import polars as pl
 from dflash_assets.common.settings import GenerationSettings
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+#: How a tool call opens in the model's own text: the Hermes format that the Qwen2.5-3.6 templates and the shipped
+#: SmolLM2 tools template write (Qwen3.6 puts ``<function=...>`` inside it).
+TOOL_CALL_OPEN = "<tool_call>"
 
 COMPLETIONS_SCHEMA = {
     "index": pl.Int64,
@@ -55,6 +58,10 @@ COMPLETIONS_SCHEMA = {
     # the prompt's token ids as the server rendered them (vLLM with return_token_ids; null: the server gave none,
     # or the row was continued or made in chunks): tokenized_sequences checks its own rendering gives exactly them
     "prompt_token_ids": pl.List(pl.Int32),
+    # the corpus's kind of the context this row answers (prompt, after_tool, follow_up; null: a row made before)
+    "turn_kind": pl.String,
+    # the regenerated turn holds a tool call (TOOL_CALL_OPEN in its answer; null: a row made before the column)
+    "tool_call": pl.Boolean,
 }
 #: Counts that rows made before the column existed read as 0.
 _ZERO_IF_MISSING = ("continued_from_tokens", "cut_from_tokens", "tail_chunks")
@@ -213,12 +220,18 @@ def completion_layout(reasoning: str | None, answer: str | None, truncated_in_re
     return f"{head}{reasoning}\n{THINK_CLOSE}\n\n{answer or ''}"
 
 
+def holds_tool_call(answer: str | None) -> bool:
+    """Whether a turn's answer text (after the thinking) holds a tool call: :data:`TOOL_CALL_OPEN` in it."""
+    return bool(answer) and TOOL_CALL_OPEN in answer
+
+
 def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSettings) -> dict[str, Any]:
     """One completions row (COMPLETIONS_SCHEMA) from a client result and its corpus row.
 
     ``truncated_in_reasoning``: cut by the cap before the thinking closed (the answer is empty).
     ``empty_answer``: a finished request whose answer text is empty or whitespace.
     ``output_token_ids_source``: the result's, ``none`` when it holds no ids.
+    ``turn_kind``: the corpus row's; ``tool_call``: :func:`holds_tool_call` of the answer (None for an error row).
     """
     ok = result.error is None
     reasoning, answer, closed = split_reasoning(result.content, result.reasoning_content) if ok else (None, None, True)
@@ -251,6 +264,8 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
         "tail_chunks": 0,
         "context_length": settings.context_length,
         "prompt_token_ids": getattr(result, "prompt_token_ids", None) if ok else None,
+        "turn_kind": prompt.get("turn_kind"),
+        "tool_call": holds_tool_call(answer) if ok else None,
     }
 
 
