@@ -210,6 +210,7 @@ def test_the_built_conversations_go_through_the_corpus_with_nothing_rejected(tmp
     # the same rows from the bfcl: source itself, named bfcl_multi_turn_base
     embedded = build_corpus(["bfcl:multi_turn_base"]).corpus
     assert embedded["content_hash"].to_list() == result.corpus["content_hash"].to_list()
+    assert (len(tasks), embedded.height) == (161, 1081)  # as docs/configuration.md says, for this wheel
     assert embedded["conversation_id"][0] == f"bfcl_multi_turn_base:{tasks[0].id}"
 
 

@@ -246,7 +246,11 @@ class ToolEnvironment:
     the task is never changed), executing calls in order; state carries from call to call, as in a session.
 
     ``tools``: the OpenAI tools list offered (the involved classes' functions less the excluded ones);
-    ``parameter_order``: function name -> its parameter names in doc order.
+    ``parameter_order``: function name -> its parameter names in doc order. For on-policy turns: build one per
+    conversation, execute the model's calls with :meth:`call` in order, and send back the texts as tool messages.
+
+    Raises:
+        BfclError: bfcl-eval is not installed, or the task involves a class outside :data:`CLASSES`.
     """
 
     def __init__(self, task: BfclTask) -> None:
