@@ -136,11 +136,21 @@ def source_name(path: str) -> str:
 
 
 def expand_source(spec: str, storage_options: dict | None = None) -> list[str]:
-    """Paths (or URIs) matched by one source spec: a file, a glob, or a directory of data files.
+    """Paths (or URIs) matched by one source spec: a file, a glob, or a directory of data files; or an embedded
+    source, ``bfcl:<category>[?limit=N][&split=...]``: the JSONL file of its records, written once into the cache
+    (:func:`dflash_assets.data.bfcl.source_file`; ``$DFLASH_CACHE_DIR``, else ``~/.cache/dflash_assets``).
 
     Raises:
-        CorpusError: nothing matches.
+        CorpusError: nothing matches, or a ``bfcl:`` source cannot be made (malformed, bfcl-eval not installed).
     """
+    if spec.startswith("bfcl:"):
+        from dflash_assets.common.settings import cache_dir
+        from dflash_assets.data.bfcl import BfclError, source_file
+
+        try:
+            return [str(source_file(spec, cache_dir()))]
+        except BfclError as exc:
+            raise CorpusError(f"{spec}: {exc}") from None
     fs, path = fsspec.core.url_to_fs(spec, **(storage_options or {}))
     protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
     prefix = "" if protocol in ("file", "local") else f"{protocol}://"

@@ -29,7 +29,8 @@ class PromptCorpusConfig(dg.Config):
 
     sources: list[str] = Field(
         default_factory=default_sources,
-        description="Files, globs or directories (local or s3://) of JSONL / JSON arrays / Parquet, .gz allowed.",
+        description="Files, globs or directories (local or s3://) of JSONL / JSON arrays / Parquet, .gz allowed; or "
+        "the embedded agentic tasks 'bfcl:multi_turn_base' (options '?limit=N', '&split=train|heldout|all').",
     )
     turns: Literal["last", "every"] = Field(
         default=DEFAULT_TURNS,
