@@ -34,9 +34,10 @@ def test_heldout_and_prompt_files_are_separate_datasets_without_trained_prompts(
     alpaca = _jsonl(tmp_path / "gsm8k.jsonl", [{"instruction": f"sum {i}", "input": ""} for i in range(5)])
     sets = evaluation_datasets(corpus, held, [sharegpt, alpaca], num_prompts=3)
     assert list(sets) == [HELDOUT, "mt_bench", "gsm8k"]
-    assert [m[-1]["content"] for m in sets[HELDOUT]] == ["task 1", "task 4"]
-    assert [m[-1]["content"] for m in sets["mt_bench"]] == ["task 4", "new question"]
-    assert [m[-1]["content"] for m in sets["gsm8k"]] == ["sum 0", "sum 1", "sum 2"]  # num_prompts per dataset
+    assert [m[-1]["content"] for m, _ in sets[HELDOUT]] == ["task 1", "task 4"]
+    assert [m[-1]["content"] for m, _ in sets["mt_bench"]] == ["task 4", "new question"]
+    assert [m[-1]["content"] for m, _ in sets["gsm8k"]] == ["sum 0", "sum 1", "sum 2"]  # num_prompts per dataset
+    assert {t for name in sets for _, t in sets[name]} == {None}  # no tools offered by these prompts
 
 
 def test_humaneval_alias_reads_the_packaged_prompts_minus_the_demo_corpus():
@@ -54,6 +55,27 @@ def test_humaneval_alias_reads_the_packaged_prompts_minus_the_demo_corpus():
         evaluation_datasets(corpus, [3], [HUMANEVAL, "HumanEval"], num_prompts=2)
     with pytest.raises(dg.Failure, match="prompt_files: /nonexistent"):
         evaluation_datasets(corpus, [3], ["/nonexistent/x.jsonl"], num_prompts=2)
+
+
+def test_an_agentic_dataset_keeps_each_rows_tools(tmp_path):
+    """Issue 43 item 6: the held-out BFCL conversations are an evaluation dataset; each prompt keeps the tools its
+    conversation offered, so it is rendered as the servers render the corpus's rows (tools in the system turn)."""
+    import json
+
+    from dflash_assets.data.bfcl import ToolEnvironment, bfcl_split, load_tasks
+
+    corpus = build_corpus([_jsonl(tmp_path / "mine.jsonl", [{"prompt": "a plain task"}])]).corpus
+    sets = evaluation_datasets(corpus, [0], ["bfcl:multi_turn_base?split=heldout&limit=2"], num_prompts=5)
+    assert list(sets) == [HELDOUT, "bfcl_multi_turn_base"] and sets[HELDOUT] == [
+        ([{"role": "user", "content": "a plain task"}], None)
+    ]
+    agentic = sets["bfcl_multi_turn_base"]
+    assert len(agentic) == 5 and all(t is not None for _, t in agentic)
+    held_tasks = [t for t in load_tasks() if bfcl_split(t.id) == "heldout"][:2]
+    offered = {f["function"]["name"] for _, t in agentic for f in json.loads(t)}
+    allowed = {f["function"]["name"] for task in held_tasks for f in ToolEnvironment(task).tools}
+    assert offered and offered <= allowed
+    assert agentic[0][0][0] == {"role": "user", "content": held_tasks[0].turns[0][0]["content"]}
 
 
 def test_held_out_prompts_are_read_by_row_group_not_the_whole_corpus(tmp_path):
@@ -93,4 +115,4 @@ def test_held_out_prompts_are_read_by_row_group_not_the_whole_corpus(tmp_path):
     both = heldout_corpus(store, held, num_prompts=3, need_hashes=True)
     assert both.height == n and both["messages"].is_not_null().sum() == 3
     assert reads[1][2] is False  # the second read: index and hash columns only
-    assert set(evaluation_datasets(both, held, [], num_prompts=3)[HELDOUT][0][0]) == {"role", "content"}
+    assert set(evaluation_datasets(both, held, [], num_prompts=3)[HELDOUT][0][0][0]) == {"role", "content"}

