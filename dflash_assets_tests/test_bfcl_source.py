@@ -227,6 +227,26 @@ def test_the_split_is_by_task_id_and_the_default_source_holds_only_training_task
     assert [r["id"] for r in bfcl.source_records("bfcl:multi_turn_base?limit=3&split=all")] == [t.id for t in tasks[:3]]
 
 
+def test_tools_used_offers_exactly_the_functions_the_ground_truth_calls(cache):
+    """The demo's option: the same conversation, offered only the functions its calls use (in the services' order),
+    so contexts stay ~1-2K tokens on a CPU; the default offers every function of the task's services."""
+    task = bfcl.load_tasks()[0]
+    every = bfcl.source_records("bfcl:multi_turn_base?limit=1&split=all")[0]
+    used = bfcl.source_records("bfcl:multi_turn_base?limit=1&split=all&tools=used")[0]
+    assert used["messages"] == every["messages"]
+    called = [
+        bfcl.parse_call(c, bfcl.ToolEnvironment(task).parameter_order)[0] for turn in task.ground_truth for c in turn
+    ]
+    offered = [t["function"]["name"] for t in used["tools"]]
+    assert set(offered) == set(called) and len(offered) == len(set(called))
+    assert offered == [t["function"]["name"] for t in every["tools"] if t["function"]["name"] in set(called)]
+    assert len(every["tools"]) > len(offered)
+    with pytest.raises(bfcl.BfclError, match="tools must be one of"):
+        bfcl.source_records("bfcl:multi_turn_base?tools=some")
+    paths = {bfcl.source_file(f"bfcl:multi_turn_base?limit=1&tools={t}", cache) for t in ("involved", "used")}
+    assert len(paths) == 2  # one cached file per choice
+
+
 def test_the_source_file_is_the_same_bytes_whenever_it_is_written(tmp_path):
     first = bfcl.source_file("bfcl:multi_turn_base?limit=5", tmp_path / "a")
     second = bfcl.source_file("bfcl:multi_turn_base?limit=5", tmp_path / "b")

@@ -143,6 +143,8 @@ TRUNCATION = {
     "finish_reasons": {"abort": 1, "length": 3, "stop": 3},
     "truncation_rate": 0.4286,
     "truncation_rate_per_source": {"alpaca": 0.5, "sharegpt": 0.3333},
+    "rows_per_turn_kind": {"single-turn prompt": 5, "tool-call turn": 2},
+    "truncation_rate_per_turn_kind": {"single-turn prompt": 0.4, "tool-call turn": 0.5},
     "partitions_missing": 0,
     "truncated_in_reasoning": 1,
     "empty_answer": 1,
@@ -314,6 +316,7 @@ def test_summary_numbers_equal_the_latest_metadata_per_partition(tmp_path):
     trunc = line(text, "truncation")
     rate, cap = re.fullmatch(r"([\d.]+)% of completions hit the cap of (\d+) tokens", trunc).groups()
     assert float(rate) / 100 == pytest.approx(TRUNCATION["truncation_rate"], abs=5e-5) and int(cap) == TRUNCATION["cap"]
+    assert line(text, "turn kinds") == "single-turn prompt 5 (40% cut), tool-call turn 2 (50% cut)"
     assert ints(line(text, "tokenized")) == [tok_rows, loss_tokens]
     hs = line(text, "hidden states      ")
     assert re.fullmatch(rf"{hs_bytes} bytes \({hs_bytes / 1e6:.1f} MB\) for {hs_tokens} tokens", hs), hs

@@ -115,6 +115,8 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
         "prompt_too_long": too_long,  # set aside as too long for the servers' context, never sent
         "finish_reasons": dict(sorted(finish.items())),
         "truncation_rate": report.get("truncation_rate"),
+        "rows_per_turn_kind": report.get("rows_per_turn_kind") or {},
+        "truncation_rate_per_turn_kind": report.get("truncation_rate_per_turn_kind") or {},
         "cap": report.get("cap"),
         "cap_advice": report.get("cap_advice"),
         "tokenized_rows": tok_rows,
@@ -458,6 +460,11 @@ def format_summary(s: dict) -> str:
         f"truncation         {'-' if rate is None else f'{rate:.2%}'} of completions hit the cap of "
         f"{fmt(s['cap'])} tokens",
     ]
+    if kinds := s.get("rows_per_turn_kind"):  # issue 43: rows by what their turn was, and how often each hit the cap
+        rates = s.get("truncation_rate_per_turn_kind") or {}
+        lines.append(
+            "turn kinds         " + ", ".join(f"{kind} {n} ({rates.get(kind, 0):.0%} cut)" for kind, n in kinds.items())
+        )
     if isinstance(s.get("cap_advice"), str) and s["cap_advice"].strip():
         table = advice_table(s["cap_advice"])
         lines += [("cap advice         " if i == 0 else " " * 19) + row for i, row in enumerate(table)]

@@ -10,7 +10,7 @@ app, a trading bot, a vehicle, ...), and a ground-truth list of calls per turn. 
 - executes calls against the task's own instances of the services (:class:`ToolEnvironment`): every result is
   text, an error result (``{"error": ...}``) for an unknown function, bad arguments or an exception, never a crash;
 - replays a task's ground truth as an OpenAI-shape conversation record (:func:`ground_truth_record`);
-- backs the corpus source ``bfcl:<category>[?limit=N][&split=train|heldout|all]``
+- backs the corpus source ``bfcl:<category>[?limit=N][&split=train|heldout|all][&tools=involved|used]``
   (:func:`source_file`: the records written once as a JSONL file in the cache, read like any prompt file).
 
 Only the services listed in :data:`CLASSES` run: each keeps its state in memory (the file system is a tree of
@@ -61,6 +61,7 @@ INSTALL_COMMAND = f"pip install --no-deps bfcl-eval=={BFCL_VERSION}"  # as in RE
 SOURCE_PREFIX = "bfcl:"
 CATEGORIES = ("multi_turn_base",)
 SPLITS = ("train", "heldout", "all")
+TOOL_CHOICES = ("involved", "used")  # the functions offered: the services', or those the ground truth calls
 #: Records written by this version of the replay: bumped when the records change, so a cached file is rewritten.
 RECORD_FORMAT = 1
 #: The services run, class name -> module under ``func_source_code`` (= its doc file's stem in
@@ -298,7 +299,7 @@ class ToolEnvironment:
             return _error_text(f"{name} raised {type(exc).__name__}: {exc}")
 
 
-def ground_truth_record(task: BfclTask) -> dict[str, Any]:
+def ground_truth_record(task: BfclTask, tools: str = "involved") -> dict[str, Any]:
     """The task's ground-truth trajectory as an OpenAI-shape record ``{"id", "messages", "tools"}``, executed.
 
     Messages: no system message; per turn, its user message(s), then per ground-truth call an assistant message
@@ -308,6 +309,10 @@ def ground_truth_record(task: BfclTask) -> dict[str, Any]:
     the next user turn follows the last tool result, and the record ends with a tool message (or with the user
     message of a turn without calls; a turn without calls leaves two user messages in a row). With ``turns:
     every`` the corpus makes a row per assistant message plus one for that trailing message.
+
+    ``tools``: ``involved`` (BFCL's setting: every function of the task's services but its excluded ones) or
+    ``used`` (only the functions its ground truth calls, in the same order: contexts of ~1K tokens instead of
+    3-5K, for a CPU demo; the conversation is the same, the model is offered less to choose from).
 
     Raises:
         BfclError: a ground-truth call cannot be parsed (see :func:`parse_call`), or bfcl-eval is not installed.
@@ -325,7 +330,11 @@ def ground_truth_record(task: BfclTask) -> dict[str, Any]:
             messages.append(
                 {"role": "tool", "tool_call_id": call_id, "name": name, "content": env.call(name, arguments)}
             )
-    return {"id": task.id, "messages": messages, "tools": env.tools}
+    offered = env.tools
+    if tools == "used":
+        called = {m["tool_calls"][0]["function"]["name"] for m in messages if m.get("tool_calls")}
+        offered = [t for t in offered if t["function"]["name"] in called]
+    return {"id": task.id, "messages": messages, "tools": offered}
 
 
 def bfcl_split(task_id: str) -> str:
@@ -336,16 +345,20 @@ def bfcl_split(task_id: str) -> str:
     return "heldout" if bucket < _HELDOUT_PER_10 else "train"
 
 
-def _parse_spec(spec: str) -> tuple[str, int | None, str]:
-    """``(category, limit, split)`` of a ``bfcl:<category>[?limit=N][&split=...]`` spec; BfclError if malformed."""
+def _parse_spec(spec: str) -> tuple[str, int | None, str, str]:
+    """``(category, limit, split, tools)`` of a ``bfcl:<category>[?limit=N][&split=...][&tools=involved|used]``
+    spec; BfclError if malformed."""
     parts = urlsplit(spec[len(SOURCE_PREFIX) :])
     category = parts.path
     if category not in CATEGORIES:
         raise BfclError(f"source {spec!r}: unknown BFCL category {category!r}; categories: {list(CATEGORIES)}")
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    unknown = sorted(set(query) - {"limit", "split"})
+    unknown = sorted(set(query) - {"limit", "split", "tools"})
     if unknown:
-        raise BfclError(f"source {spec!r}: unknown option(s) {unknown}; options: limit=N, split={'|'.join(SPLITS)}")
+        raise BfclError(
+            f"source {spec!r}: unknown option(s) {unknown}; options: limit=N, split={'|'.join(SPLITS)}, "
+            f"tools={'|'.join(TOOL_CHOICES)}"
+        )
     limit = None
     if "limit" in query:
         if not query["limit"].isdigit() or int(query["limit"]) < 1:
@@ -354,7 +367,10 @@ def _parse_spec(spec: str) -> tuple[str, int | None, str]:
     split = query.get("split", "train")
     if split not in SPLITS:
         raise BfclError(f"source {spec!r}: split must be one of {list(SPLITS)}, got {split!r}")
-    return category, limit, split
+    tools = query.get("tools", "involved")
+    if tools not in TOOL_CHOICES:
+        raise BfclError(f"source {spec!r}: tools must be one of {list(TOOL_CHOICES)}, got {tools!r}")
+    return category, limit, split, tools
 
 
 def source_records(spec: str) -> list[dict[str, Any]]:
@@ -365,9 +381,9 @@ def source_records(spec: str) -> list[dict[str, Any]]:
     Raises:
         BfclError: a malformed spec (naming the option), bfcl-eval not installed, or a task that cannot be replayed.
     """
-    category, limit, split = _parse_spec(spec)
+    category, limit, split, tools = _parse_spec(spec)
     tasks = [t for t in load_tasks(category) if split == "all" or bfcl_split(t.id) == split]
-    return [ground_truth_record(t) for t in tasks[:limit]]
+    return [ground_truth_record(t, tools) for t in tasks[:limit]]
 
 
 def source_file(spec: str, cache: Path) -> Path:
@@ -380,9 +396,9 @@ def source_file(spec: str, cache: Path) -> Path:
     Raises:
         BfclError: as :func:`source_records`.
     """
-    category, limit, split = _parse_spec(spec)
+    category, limit, split, tools = _parse_spec(spec)
     directory = cache / "bfcl" / f"bfcl-eval-{installed_version()}-r{RECORD_FORMAT}" / split
-    directory = directory / (f"limit-{limit}" if limit else "all-tasks")
+    directory = directory / (f"limit-{limit}" if limit else "all-tasks") / f"tools-{tools}"
     path = directory / f"bfcl_{category}.jsonl"
     if path.exists():
         return path

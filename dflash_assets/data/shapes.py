@@ -135,14 +135,21 @@ def source_name(path: str) -> str:
     return name or path
 
 
+#: The source spec naming the embedded HumanEval prompts (:func:`default_sources`), e.g. beside another source.
+HUMANEVAL_ALIAS = "humaneval"
+
+
 def expand_source(spec: str, storage_options: dict | None = None) -> list[str]:
-    """Paths (or URIs) matched by one source spec: a file, a glob, or a directory of data files; or an embedded
-    source, ``bfcl:<category>[?limit=N][&split=...]``: the JSONL file of its records, written once into the cache
+    """Paths (or URIs) matched by one source spec: a file, a glob, or a directory of data files; ``humaneval`` (the
+    embedded HumanEval prompts, :func:`default_sources`); or an embedded source,
+    ``bfcl:<category>[?limit=N][&split=...]``: the JSONL file of its records, written once into the cache
     (:func:`dflash_assets.data.bfcl.source_file`; ``$DFLASH_CACHE_DIR``, else ``~/.cache/dflash_assets``).
 
     Raises:
         CorpusError: nothing matches, or a ``bfcl:`` source cannot be made (malformed, bfcl-eval not installed).
     """
+    if spec.lower() == HUMANEVAL_ALIAS:
+        return default_sources()
     if spec.startswith("bfcl:"):
         from dflash_assets.common.settings import cache_dir
         from dflash_assets.data.bfcl import BfclError, source_file
