@@ -38,6 +38,7 @@ SLOW_MODULE_SECONDS = {
     "test_engine_env": 120,
     "test_server_trust": 73,
     "test_ui": 69,
+    "test_cluster_celery": 65,  # PostgreSQL, Redis, moto, two Celery workers, eight runs: 60 s alone
     "test_backfill_schedule": 68,
     "test_kill_resume": 66,
     "test_vllm_contract": 30,

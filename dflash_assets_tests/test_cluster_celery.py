@@ -1,0 +1,329 @@
+"""Issue 41, item 2 on loopback: Dagster's Celery executor places partitions on two nodes' workers.
+
+Two Celery workers on this machine stand for two nodes (``node-a``, ``node-b``): each its own config file (its
+own simulated SGLang servers on its own ports, its own scratch dir and server registry), both consuming the one
+queue on a real Redis (Debian's ``redis-server``). The instance is the shipped ``dagster_cluster.yaml`` on a real
+PostgreSQL server, the storage a real S3 endpoint (``moto_server``). Eight partitions of ``completions`` are
+launched as eight runs from a third shell (``dagster asset materialize``, the real definitions with
+``DFLASH_CELERY_BROKER`` set); the pool ``dflash_inference`` is set to two slots (one per node's servers).
+
+Checked independently of Dagster's own bookkeeping: each simulated server logs the prompts it received, so every
+prompt was answered exactly once and by the node whose worker ran its partition (the worker's name in the run's
+events); each node did some; the tables on S3 hold every row once; ``status`` read from PostgreSQL agrees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from contextlib import suppress
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+import yaml
+
+from dflash_assets.generation.ports import free_port_block
+from dflash_assets.orchestration.cluster import CELERY_BROKER_ENV, CELERY_QUEUE
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.pools import INFERENCE_POOL, ensure_pool_limits
+
+try:
+    from dflash_assets_tests.postgres_server import postgres_missing, running_postgres
+    from dflash_assets_tests.redis_server import redis_missing, running_redis
+    from dflash_assets_tests.s3_fixtures import MotoServer
+except ImportError:  # run from inside the tests folder
+    from postgres_server import postgres_missing, running_postgres  # type: ignore[no-redef]
+    from redis_server import redis_missing, running_redis  # type: ignore[no-redef]
+    from s3_fixtures import MotoServer  # type: ignore[no-redef]
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_YAML = ROOT / "dflash_assets" / "configs" / "dagster_cluster.yaml"
+BIN = Path(sys.executable).parent
+NODES = ("node-a", "node-b")
+NUM_SERVERS, SLOTS = 1, 4
+PARTITION_SIZE, NUM_PROMPTS = 4, 32  # 8 partitions
+STUB = "dflash_simulators.sglang_stub"
+# 20 simulated s of start-up, median 120 tokens at 87.5 tok/s per slot, 50x faster than real
+SIM = ["--sim-startup-s", "20", "--sim-median-tokens", "120", "--sim-sigma", "0.5", "--sim-speed", "50"]
+BUCKET, PREFIX = "dflash-cluster", "run"
+
+
+def _services_missing() -> str | None:
+    return postgres_missing() or redis_missing()
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    """PostgreSQL, Redis and moto S3, each started here and stopped at the end of the module."""
+    pytest.importorskip("dagster_celery", reason="the cluster extra: pip install -e '.[cluster]'")
+    missing = _services_missing()
+    if missing:
+        if os.environ.get("CI"):  # CI installs both (.ci/run): never a silent skip there
+            pytest.fail(missing)
+        pytest.skip(missing)
+    logs = tmp_path_factory.mktemp("services")
+    with running_postgres() as postgres_url, running_redis() as redis_url:
+        moto = MotoServer(str(logs / "moto.log"))
+        try:
+            yield {"postgres": postgres_url, "redis": redis_url, "s3": moto.url}
+        finally:
+            moto.stop()
+
+
+def test_single_node_default_is_the_multiprocess_executor_unless_a_broker_is_set(monkeypatch):
+    from dflash_assets.orchestration.cluster import celery_broker_url, partition_executor
+    from dflash_assets.orchestration.runs import reaping_executor
+
+    monkeypatch.delenv(CELERY_BROKER_ENV, raising=False)
+    assert partition_executor(reaping_executor) is reaping_executor
+    monkeypatch.setenv(CELERY_BROKER_ENV, "  ")
+    assert celery_broker_url() is None and partition_executor(reaping_executor) is reaping_executor
+    monkeypatch.setenv(CELERY_BROKER_ENV, "amqp://user:s3cret@host//")
+    with pytest.raises(ValueError, match=CELERY_BROKER_ENV) as bad:
+        celery_broker_url()
+    assert "s3cret" not in str(bad.value)  # never the URL: it may hold a password
+    pytest.importorskip("dagster_celery")
+    monkeypatch.setenv(CELERY_BROKER_ENV, "redis://:s3cret@127.0.0.1:6379/0")
+    celery = partition_executor(reaping_executor)
+    assert celery.name == "celery" and celery is not reaping_executor
+    from dflash_assets.orchestration.cluster import celery_app
+
+    app = celery_app()
+    assert app.conf.task_default_queue == CELERY_QUEUE and app.conf.worker_prefetch_multiplier == 1
+    assert "execute_plan" in app.tasks
+
+
+def node_config(tmp: Path, node: str, s3_url: str) -> Path:
+    """The config file of one node: shared S3 root, its own scratch, its own simulated servers and their logs."""
+    sim = tmp / node / "sim"
+    sim.mkdir(parents=True)
+    config = {
+        "resources": {
+            "storage": {
+                "root": f"s3://{BUCKET}/{PREFIX}",
+                "endpoint_url": s3_url,
+                "region": "us-east-1",
+                "scratch_dir": str(tmp / node / "scratch"),
+            },
+            "inference": {
+                "mode": "sglang",
+                "max_running_requests": SLOTS,
+                "startup_timeout_s": 60.0,
+                "sglang": {
+                    "model_path": "simulated",
+                    "num_servers": NUM_SERVERS,
+                    "port_base": free_port_block(NUM_SERVERS),
+                    "launch_module": STUB,
+                    "extra_args": [*SIM, "--sim-request-log", str(sim / "requests.jsonl")],
+                },
+                "client": {"backoff_base_s": 0.05},
+            },
+            "generation": {"max_output_tokens": 4096, "temperature": 0.6},
+        }
+    }
+    path = tmp / node / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def node_env(tmp: Path, node: str, services: dict, config: Path) -> dict[str, str]:
+    """The environment of one node's processes: its DAGSTER_HOME (the cluster dagster.yaml), its config file,
+    the shared instance, broker and S3 credentials."""
+    home = tmp / node / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy(CLUSTER_YAML, home / "dagster.yaml")
+    return {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "DFLASH_CONFIG": str(config),
+        "DFLASH_POSTGRES_URL": services["postgres"],
+        CELERY_BROKER_ENV: services["redis"],
+        "DFLASH_SERVER_REGISTRY": str(tmp / node / "registry"),
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "DAGSTER_DISABLE_TELEMETRY": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
+class Worker:
+    """One node's Celery worker (``celery -A dflash_assets.orchestration.cluster worker``) in its own process
+    group; :meth:`stop` ends the group (SIGTERM, SIGKILL after 20 s)."""
+
+    def __init__(self, node: str, env: dict[str, str], log: Path) -> None:
+        self.node, self.log = node, log
+        argv = [str(BIN / "celery"), "-A", "dflash_assets.orchestration.cluster", "worker", "-Q", CELERY_QUEUE]
+        argv += ["-c", "1", "--prefetch-multiplier=1", "-n", f"{node}@%h", "-l", "INFO"]
+        argv += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                argv, env=env, cwd=str(ROOT), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while " ready." not in self.log.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker {self.node} not ready (exit {self.proc.poll()}): {self.tail()}")
+            time.sleep(0.2)
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        with suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+        with suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the pool child and any server it left
+        self.proc.wait(10)
+
+
+def build_corpus(tmp: Path, env: dict[str, str]) -> None:
+    """``prompt_corpus`` from a JSONL of NUM_PROMPTS prompts, in the shared instance and on S3 (one process)."""
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}) + "\n" for i in range(NUM_PROMPTS)))
+    code = (
+        "import dagster as dg, sys\n"
+        "from dflash_assets.assets.prompts import prompt_corpus\n"
+        "from dflash_assets.definitions import RESOURCES\n"
+        "with dg.DagsterInstance.get() as instance:\n"
+        "    result = dg.materialize([prompt_corpus], instance=instance, resources={'storage': RESOURCES['storage']},\n"
+        f"        run_config={{'ops': {{'prompt_corpus': {{'config': {{'sources': [{str(prompts)!r}],"
+        f" 'partition_size': {PARTITION_SIZE}}}}}}}}})\n"
+        "sys.exit(0 if result.success else 1)\n"
+    )
+    local = {**env}
+    local.pop(CELERY_BROKER_ENV)  # in-process, as on one node
+    out = subprocess.run([sys.executable, "-c", code], env=local, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def s3_client(services: dict):
+    import boto3
+
+    return boto3.client(
+        "s3", endpoint_url=services["s3"], region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+
+
+def indices_of(pk: str) -> range:
+    """The prompt indices of partition ``pk`` (``first-last``, both included)."""
+    first, last = pk.split("-")
+    return range(int(first), int(last) + 1)
+
+
+def launch(pk: str, env: dict[str, str], tmp: Path) -> subprocess.Popen:
+    """``dagster asset materialize`` of completions[pk] from the launcher's shell, in its own process group; its
+    output in ``launch-<pk>.log``."""
+    argv = [str(BIN / "dagster"), "asset", "materialize", "-m", "dflash_assets.definitions"]
+    argv += ["--select", "completions", "--partition", pk]
+    with open(tmp / f"launch-{pk}.log", "wb") as log:
+        return subprocess.Popen(
+            argv, env=env, cwd=str(tmp), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def received(tmp: Path, node: str) -> Counter:
+    """Corpus prompts a node's simulated servers received (health probes excluded)."""
+    path = tmp / node / "sim" / "requests.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return Counter(e["key"] for e in map(json.loads, lines) if e["ev"] == "recv" and e["key"].startswith("prompt"))
+
+
+def worker_of_run(instance: dg.DagsterInstance, run_id: str) -> str:
+    """The Celery worker (node name) that ran the run's completions step, from the event it logged there."""
+    for entry in instance.all_logs(run_id, of_type=dg.DagsterEventType.ENGINE_EVENT):
+        if entry.dagster_event and "in celery worker" in (entry.dagster_event.message or ""):
+            meta = entry.dagster_event.event_specific_data.metadata
+            return str(getattr(meta["Celery worker"], "value", meta["Celery worker"])).split("@")[0]
+    raise AssertionError(f"run {run_id}: no step ran in a celery worker")
+
+
+def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, tmp_path):
+    configs = {node: node_config(tmp_path, node, services["s3"]) for node in (*NODES, "launcher")}
+    envs = {node: node_env(tmp_path, node, services, configs[node]) for node in configs}
+    s3_client(services).create_bucket(Bucket=BUCKET)
+    build_corpus(tmp_path, envs["launcher"])
+    home = Path(envs["launcher"]["DAGSTER_HOME"])
+    os.environ["DFLASH_POSTGRES_URL"] = services["postgres"]
+    try:
+        with dg.DagsterInstance.from_config(str(home)) as instance:
+            keys = sorted(instance.get_dynamic_partitions(prompt_ranges.name))
+            assert len(keys) == NUM_PROMPTS // PARTITION_SIZE == 8
+            ensure_pool_limits(instance)
+            instance.event_log_storage.set_concurrency_slots(INFERENCE_POOL, len(NODES))  # one per node's servers
+    finally:
+        os.environ.pop("DFLASH_POSTGRES_URL", None)
+
+    workers = [Worker(node, envs[node], tmp_path / f"{node}.worker.log") for node in NODES]
+    launches = []
+    try:
+        for worker in workers:
+            worker.wait_ready()
+        started = time.monotonic()
+        launches = [(pk, launch(pk, envs["launcher"], tmp_path)) for pk in keys]
+        for pk, proc in launches:
+            proc.wait(240)
+            text = (tmp_path / f"launch-{pk}.log").read_text(errors="replace")
+            assert proc.returncode == 0, f"{pk}: {text[-3000:]}\n--- workers:\n" + "\n".join(w.tail() for w in workers)
+        wall = time.monotonic() - started
+    finally:
+        for _, proc in launches:
+            if proc.poll() is None:
+                with suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        for worker in workers:
+            worker.stop()
+    print(f"8 partitions over {len(NODES)} workers: {wall:.1f} s")
+
+    os.environ["DFLASH_POSTGRES_URL"] = services["postgres"]
+    try:
+        with dg.DagsterInstance.from_config(str(home)) as instance:
+            runs = {
+                r.dagster_run.tags["dagster/partition"]: r.dagster_run
+                for r in instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": keys}))
+            }
+            assert sorted(runs) == keys and all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs.values())
+            placed = {pk: worker_of_run(instance, run.run_id) for pk, run in runs.items()}
+    finally:
+        os.environ.pop("DFLASH_POSTGRES_URL", None)
+    assert set(placed.values()) == set(NODES), placed  # each node did some
+
+    # independent of Dagster: each node's servers answered exactly the prompts of the partitions its worker ran
+    for node in NODES:
+        mine = [pk for pk in keys if placed[pk] == node]
+        expected = Counter(f"prompt {i}" for pk in mine for i in indices_of(pk))
+        assert received(tmp_path, node) == expected, node
+
+    client = s3_client(services)
+    indices = []
+    for pk in keys:
+        body = client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/completions/{pk}.parquet")["Body"].read()
+        frame = pl.read_parquet(body)
+        assert frame["finish_reason"].is_in(["stop", "length"]).all()
+        indices += frame["index"].to_list()
+    assert sorted(indices) == list(range(NUM_PROMPTS))  # 0 lost, 0 duplicated
+
+    env = {k: v for k, v in envs["launcher"].items() if k != CELERY_BROKER_ENV}
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_assets", "status"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "note: could not load" not in out.stdout, out.stdout
+    assert int(re.search(r"completions remaining: (\d+) prompts", out.stdout).group(1)) == 0, out.stdout
+    assert f"{NUM_PROMPTS} / {NUM_PROMPTS} rows valid" in out.stdout, out.stdout
