@@ -10,6 +10,10 @@ launched as eight runs from a third shell (``dagster asset materialize``, the re
 Checked independently of Dagster's own bookkeeping: each simulated server logs the prompts it received, so every
 prompt was answered exactly once and by the node whose worker ran its partition (the worker's name in the run's
 events); each node did some; the tables on S3 hold every row once; ``status`` read from PostgreSQL agrees.
+
+Then a node lost mid-partition: kill -9 of one worker and everything under it; its run fails (the launcher's watch
+on the worker), and the partition launched again runs on the other node, which is sent exactly the rows the
+journal on S3 did not hold.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import dagster as dg
@@ -99,31 +103,44 @@ def test_single_node_default_is_the_multiprocess_executor_unless_a_broker_is_set
 
     app = celery_app()
     assert app.conf.task_default_queue == CELERY_QUEUE and app.conf.worker_prefetch_multiplier == 1
-    assert "execute_plan" in app.tasks
+    assert "execute_plan" in app.tasks and app.conf.task_track_started  # STARTED names the worker to watch
+
+    from dflash_assets.orchestration.cluster import LOST_AFTER_ENV, LOST_AFTER_S, lost_after_s
+
+    monkeypatch.delenv(LOST_AFTER_ENV, raising=False)
+    assert lost_after_s() == LOST_AFTER_S
+    for bad in ("soon", "0.5", "nan"):
+        monkeypatch.setenv(LOST_AFTER_ENV, bad)
+        with pytest.raises(ValueError, match=LOST_AFTER_ENV):
+            lost_after_s()
 
 
-def node_config(tmp: Path, node: str, s3_url: str) -> Path:
-    """The config file of one node: shared S3 root, its own scratch, its own simulated servers and their logs."""
+def node_config(
+    tmp: Path, node: str, s3_url: str, sim_args: list[str] = SIM, slots: int = SLOTS, prefix: str = PREFIX
+) -> Path:
+    """The config file of one node: shared S3 root (journal synced at every row), its own scratch, its own
+    simulated servers and their request log."""
     sim = tmp / node / "sim"
     sim.mkdir(parents=True)
     config = {
         "resources": {
             "storage": {
-                "root": f"s3://{BUCKET}/{PREFIX}",
+                "root": f"s3://{BUCKET}/{prefix}",
                 "endpoint_url": s3_url,
                 "region": "us-east-1",
                 "scratch_dir": str(tmp / node / "scratch"),
+                "journal_sync_rows": 1,
             },
             "inference": {
                 "mode": "sglang",
-                "max_running_requests": SLOTS,
+                "max_running_requests": slots,
                 "startup_timeout_s": 60.0,
                 "sglang": {
                     "model_path": "simulated",
                     "num_servers": NUM_SERVERS,
                     "port_base": free_port_block(NUM_SERVERS),
                     "launch_module": STUB,
-                    "extra_args": [*SIM, "--sim-request-log", str(sim / "requests.jsonl")],
+                    "extra_args": [*sim_args, "--sim-request-log", str(sim / "requests.jsonl")],
                 },
                 "client": {"backoff_base_s": 0.05},
             },
@@ -192,10 +209,17 @@ class Worker:
         self.proc.wait(10)
 
 
-def build_corpus(tmp: Path, env: dict[str, str]) -> None:
-    """``prompt_corpus`` from a JSONL of NUM_PROMPTS prompts, in the shared instance and on S3 (one process)."""
+def build_corpus(tmp: Path, env: dict[str, str], services: dict, num_prompts: int, partition_size: int) -> list[str]:
+    """``prompt_corpus`` from a JSONL of ``num_prompts`` prompts, in a fresh database schema of the shared instance
+    and on S3 (one process, in-process execution); returns the partition keys."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(services["postgres"])
+    with engine.begin() as connection:  # the module's tests share the server: each starts from an empty instance
+        connection.execute(sa.text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+    engine.dispose()
     prompts = tmp / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}) + "\n" for i in range(NUM_PROMPTS)))
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}) + "\n" for i in range(num_prompts)))
     code = (
         "import dagster as dg, sys\n"
         "from dflash_assets.assets.prompts import prompt_corpus\n"
@@ -203,13 +227,29 @@ def build_corpus(tmp: Path, env: dict[str, str]) -> None:
         "with dg.DagsterInstance.get() as instance:\n"
         "    result = dg.materialize([prompt_corpus], instance=instance, resources={'storage': RESOURCES['storage']},\n"
         f"        run_config={{'ops': {{'prompt_corpus': {{'config': {{'sources': [{str(prompts)!r}],"
-        f" 'partition_size': {PARTITION_SIZE}}}}}}}}})\n"
+        f" 'partition_size': {partition_size}}}}}}}}})\n"
         "sys.exit(0 if result.success else 1)\n"
     )
     local = {**env}
     local.pop(CELERY_BROKER_ENV)  # in-process, as on one node
     out = subprocess.run([sys.executable, "-c", code], env=local, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    with cluster_instance(env, services) as instance:
+        keys = sorted(instance.get_dynamic_partitions(prompt_ranges.name))
+        ensure_pool_limits(instance)
+        instance.event_log_storage.set_concurrency_slots(INFERENCE_POOL, len(NODES))  # one per node's servers
+    return keys
+
+
+@contextmanager
+def cluster_instance(env: dict[str, str], services: dict):
+    """The shared instance as a node opens it (its DAGSTER_HOME, the URL in the environment while it opens)."""
+    os.environ["DFLASH_POSTGRES_URL"] = services["postgres"]
+    try:
+        with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
+            yield instance
+    finally:
+        os.environ.pop("DFLASH_POSTGRES_URL", None)
 
 
 def s3_client(services: dict):
@@ -257,17 +297,8 @@ def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, 
     configs = {node: node_config(tmp_path, node, services["s3"]) for node in (*NODES, "launcher")}
     envs = {node: node_env(tmp_path, node, services, configs[node]) for node in configs}
     s3_client(services).create_bucket(Bucket=BUCKET)
-    build_corpus(tmp_path, envs["launcher"])
-    home = Path(envs["launcher"]["DAGSTER_HOME"])
-    os.environ["DFLASH_POSTGRES_URL"] = services["postgres"]
-    try:
-        with dg.DagsterInstance.from_config(str(home)) as instance:
-            keys = sorted(instance.get_dynamic_partitions(prompt_ranges.name))
-            assert len(keys) == NUM_PROMPTS // PARTITION_SIZE == 8
-            ensure_pool_limits(instance)
-            instance.event_log_storage.set_concurrency_slots(INFERENCE_POOL, len(NODES))  # one per node's servers
-    finally:
-        os.environ.pop("DFLASH_POSTGRES_URL", None)
+    keys = build_corpus(tmp_path, envs["launcher"], services, NUM_PROMPTS, PARTITION_SIZE)
+    assert len(keys) == NUM_PROMPTS // PARTITION_SIZE == 8
 
     workers = [Worker(node, envs[node], tmp_path / f"{node}.worker.log") for node in NODES]
     launches = []
@@ -291,17 +322,13 @@ def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, 
             worker.stop()
     print(f"8 partitions over {len(NODES)} workers: {wall:.1f} s")
 
-    os.environ["DFLASH_POSTGRES_URL"] = services["postgres"]
-    try:
-        with dg.DagsterInstance.from_config(str(home)) as instance:
-            runs = {
-                r.dagster_run.tags["dagster/partition"]: r.dagster_run
-                for r in instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": keys}))
-            }
-            assert sorted(runs) == keys and all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs.values())
-            placed = {pk: worker_of_run(instance, run.run_id) for pk, run in runs.items()}
-    finally:
-        os.environ.pop("DFLASH_POSTGRES_URL", None)
+    with cluster_instance(envs["launcher"], services) as instance:
+        runs = {
+            r.dagster_run.tags["dagster/partition"]: r.dagster_run
+            for r in instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": keys}))
+        }
+        assert sorted(runs) == keys and all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs.values())
+        placed = {pk: worker_of_run(instance, run.run_id) for pk, run in runs.items()}
     assert set(placed.values()) == set(NODES), placed  # each node did some
 
     # independent of Dagster: each node's servers answered exactly the prompts of the partitions its worker ran
@@ -327,3 +354,111 @@ def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, 
     assert "note: could not load" not in out.stdout, out.stdout
     assert int(re.search(r"completions remaining: (\d+) prompts", out.stdout).group(1)) == 0, out.stdout
     assert f"{NUM_PROMPTS} / {NUM_PROMPTS} rows valid" in out.stdout, out.stdout
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first found first."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def kill_node(worker: Worker) -> None:
+    """kill -9 of a node's worker and everything under it (its pool process, the servers the step started)."""
+    tree = [worker.proc.pid, *descendants(worker.proc.pid)]
+    for pid in tree:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    worker.proc.wait(10)
+
+
+def done_prompts(tmp: Path, node: str) -> set[str]:
+    path = tmp / node / "sim" / "requests.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {e["key"] for e in map(json.loads, lines) if e["ev"] == "done" and e["key"].startswith("prompt")}
+
+
+def test_a_node_lost_mid_partition_fails_its_run_and_another_node_resumes_it(services, tmp_path, monkeypatch):
+    """node-a (slow servers: one slot, real-time decoding) takes the partition alone; after a few rows it is killed
+    with everything under it. Its run fails within DFLASH_CELERY_LOST_AFTER_S; launched again, node-b's worker
+    takes it and requests only the rows the journal on S3 does not hold: 0 rows lost, 0 duplicated."""
+    slow = ["--sim-startup-s", "2", "--sim-median-tokens", "100", "--sim-sigma", "0.2", "--sim-speed", "1"]
+    configs = {
+        "node-a": node_config(tmp_path, "node-a", services["s3"], slow, slots=1, prefix="kill"),
+        "node-b": node_config(tmp_path, "node-b", services["s3"], prefix="kill"),
+        "launcher": node_config(tmp_path, "launcher", services["s3"], prefix="kill"),
+    }
+    envs = {node: node_env(tmp_path, node, services, configs[node]) for node in configs}
+    envs["launcher"]["DFLASH_CELERY_LOST_AFTER_S"] = "6"
+    s3_client(services).create_bucket(Bucket=BUCKET)
+    (pk,) = build_corpus(tmp_path, envs["launcher"], services, 8, 8)
+    prompts = {f"prompt {i}" for i in indices_of(pk)}
+
+    node_a = Worker("node-a", envs["node-a"], tmp_path / "node-a.worker.log")
+    node_b = None
+    first = second = None
+    try:
+        node_a.wait_ready()
+        first = launch(pk, envs["launcher"], tmp_path)
+        deadline = time.monotonic() + 120
+        while len(done_prompts(tmp_path, "node-a")) < 3:
+            assert first.poll() is None and time.monotonic() < deadline, node_a.tail()
+            time.sleep(0.1)
+        kill_node(node_a)
+        killed_at = time.monotonic()
+        first.wait(120)
+        detected_s = time.monotonic() - killed_at
+        failed_log = (tmp_path / f"launch-{pk}.log").read_text(errors="replace")
+        assert first.returncode != 0 and "stopped answering" in failed_log, failed_log[-3000:]
+
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+        from dflash_assets.stages.resources.storage import resolved_storage
+
+        fields = yaml.safe_load(configs["launcher"].read_text())["resources"]["storage"]
+        fields["scratch_dir"] = str(tmp_path / "reader")
+        journal = resolved_storage(fields).open_journal("completions", f"{pk}.journal.jsonl")
+        kept = {f"prompt {i}" for i in journal.load()}
+        journal.close()
+        assert 1 <= len(kept) < len(prompts), kept  # some rows finished on node-a, not all
+
+        node_b = Worker("node-b", envs["node-b"], tmp_path / "node-b.worker.log")
+        node_b.wait_ready()
+        second = launch(pk, envs["launcher"], tmp_path)
+        second.wait(120)
+        text = (tmp_path / f"launch-{pk}.log").read_text(errors="replace")
+        assert second.returncode == 0, text[-3000:] + node_b.tail()
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                with suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        for worker in (node_a, node_b):
+            if worker is not None:
+                if worker.proc.poll() is None:
+                    worker.stop()
+                for pid in descendants(worker.proc.pid):
+                    with suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+    print(f"lost worker detected after {detected_s:.1f} s; {len(kept)} rows kept from node-a")
+
+    # node-b was sent exactly the rows the journal did not hold: nothing finished is sent twice
+    assert received(tmp_path, "node-b") == Counter(prompts - kept)
+    body = s3_client(services).get_object(Bucket=BUCKET, Key=f"kill/completions/{pk}.parquet")["Body"].read()
+    frame = pl.read_parquet(body)
+    assert sorted(frame["index"].to_list()) == list(indices_of(pk))  # 0 lost, 0 duplicated
+    with cluster_instance(envs["launcher"], services) as instance:
+        runs = instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": pk}))
+        statuses = sorted(r.dagster_run.status.value for r in runs)
+        assert statuses == ["FAILURE", "SUCCESS"], statuses
+        placed = {r.dagster_run.status.value: worker_of_run(instance, r.dagster_run.run_id) for r in runs}
+    assert placed == {"FAILURE": "node-a", "SUCCESS": "node-b"}

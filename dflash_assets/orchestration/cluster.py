@@ -14,6 +14,9 @@ step its GPUs)::
 
     celery -A dflash_assets.orchestration.cluster worker -Q dagster -c 1 -n NODE@%h
 
+A worker that stops answering while it runs a step (its node lost, kill -9) fails that step after
+``$DFLASH_CELERY_LOST_AFTER_S`` (:class:`WatchedResult`), so its run fails and the partition can be requested again.
+
 Every node needs the same instance (``dagster_cluster.yaml``, PostgreSQL: the worker reads the run and writes the
 step's events there) and the same storage root (S3); a worker imports ``dflash_assets.definitions`` itself.
 The broker URL, password included, stays in the environment: nothing here writes it to a file or a log.
@@ -22,6 +25,7 @@ The broker URL, password included, stays in the environment: nothing here writes
 from __future__ import annotations
 
 import os
+import time
 
 import dagster as dg
 
@@ -49,18 +53,123 @@ def celery_broker_url() -> str | None:
     return url
 
 
+#: Environment variable: seconds after which a worker that stops answering pings while it runs a step counts as
+#: lost (its node died, or kill -9); its step then fails, and with it the run. Default :data:`LOST_AFTER_S`.
+LOST_AFTER_ENV = "DFLASH_CELERY_LOST_AFTER_S"
+LOST_AFTER_S = 60.0
+#: Celery settings of both sides: a task's state becomes STARTED with the worker's name when a worker begins it.
+CELERY_SETTINGS = {"task_track_started": True}
+
+
+def lost_after_s() -> float:
+    """:data:`LOST_AFTER_ENV` in seconds (default :data:`LOST_AFTER_S`).
+
+    Raises:
+        ValueError: not a number of seconds >= 1 (naming the variable).
+    """
+    raw = os.environ.get(LOST_AFTER_ENV, "").strip()
+    try:
+        value = float(raw) if raw else LOST_AFTER_S
+    except ValueError:
+        value = 0.0
+    if not value >= 1.0:
+        raise ValueError(f"{LOST_AFTER_ENV}={raw!r}: give the seconds (>= 1) after which a silent worker is lost")
+    return value
+
+
+class WorkerLostError(RuntimeError):
+    """The worker running a step stopped answering (its node was lost, or it was killed)."""
+
+
+class WatchedResult:
+    """A step's Celery result (``celery.result.AsyncResult``) as dagster-celery's execution loop reads it
+    (``ready``, ``get``, ``revoke``), plus a watch on the worker running it: once the task is STARTED on worker W,
+    W is pinged every ``lost_after_s / 3`` seconds; three pings in a row without a reply make the result ready,
+    ``get`` raise :class:`WorkerLostError` and the task revoked (terminated, should W come back). Without this a
+    run whose worker died waits forever: with early acknowledgement no other worker ever receives the task."""
+
+    def __init__(self, result, app, step_key: str, lost_after: float) -> None:
+        self._result, self._app, self._step_key = result, app, step_key
+        self._every = lost_after / 3
+        self._last, self._misses = time.monotonic(), 0
+        self._lost: str | None = None
+
+    def _worker(self) -> str | None:
+        """The worker that started the task (None while queued or when unknown)."""
+        info = self._result.info if self._result.state == "STARTED" else None
+        return info.get("hostname") if isinstance(info, dict) else None
+
+    def ready(self) -> bool:
+        if self._lost is not None or self._result.ready():
+            return True
+        if time.monotonic() - self._last < self._every:
+            return False
+        self._last = time.monotonic()
+        worker = self._worker()
+        if worker is None:
+            self._misses = 0
+            return False
+        replies = self._app.control.ping(destination=[worker], timeout=min(self._every, 5.0))
+        self._misses = 0 if replies else self._misses + 1
+        if self._misses >= 3:
+            self._lost = worker
+            self._result.revoke(terminate=True)
+            return True
+        return False
+
+    def get(self):
+        if self._lost is not None:
+            raise WorkerLostError(
+                f"step {self._step_key}: worker {self._lost} stopped answering while running it (lost node or "
+                f"killed; {3 * self._every:.0f} s without a reply, {LOST_AFTER_ENV}); request the partition again: "
+                "another node's worker resumes it from the journal in storage"
+            )
+        return self._result.get()
+
+    def revoke(self, *args, **kwargs):
+        return self._result.revoke(*args, **kwargs)
+
+
 def _celery_executor_def() -> dg.ExecutorDefinition:
     # dagster-celery is the `cluster` extra: imported only when a broker is configured
     try:
-        from dagster_celery import celery_executor
+        from dagster_celery.core_execution_loop import core_celery_execution_loop
+        from dagster_celery.executor import CELERY_CONFIG, CeleryExecutor, _submit_task
     except ImportError as exc:
         raise ImportError(
             f"{CELERY_BROKER_ENV} is set but dagster-celery is not installed: pip install -e '.[cluster]' "
             f"(or unset {CELERY_BROKER_ENV} to run on one node)"
         ) from exc
+    from dagster._core.execution.retries import RetryMode  # dagster-celery's own executor takes it
+
+    class WatchedCeleryExecutor(CeleryExecutor):
+        """dagster-celery's executor; each step's result is a :class:`WatchedResult`."""
+
+        def execute(self, plan_context, execution_plan):
+            lost_after = lost_after_s()
+
+            def submit(app, context, step, queue, priority, known_state):
+                result = _submit_task(app, context, step, queue, priority, known_state)
+                return WatchedResult(result, app, step.key, lost_after)
+
+            return core_celery_execution_loop(plan_context, execution_plan, step_execution_fn=submit)
+
+    @dg.executor(name="celery", config_schema=CELERY_CONFIG, requirements=dg.multiple_process_executor_requirements())
+    def watched_celery_executor(init_context):
+        config = init_context.executor_config
+        return WatchedCeleryExecutor(
+            broker=config.get("broker"),
+            backend=config.get("backend"),
+            config_source=config.get("config_source"),
+            include=config.get("include"),
+            retries=RetryMode.from_config(config["retries"]),
+        )
+
     # an env reference, not the URL: Dagster shows executor config in the UI
     source = {"env": CELERY_BROKER_ENV}
-    return celery_executor.configured({"broker": source, "backend": source}, name="celery")
+    return watched_celery_executor.configured(
+        {"broker": source, "backend": source, "config_source": CELERY_SETTINGS}, name="celery"
+    )
 
 
 def partition_executor(default: dg.ExecutorDefinition) -> dg.ExecutorDefinition:
@@ -93,7 +202,10 @@ def celery_app():
     url = celery_broker_url()
     if url is None:
         raise RuntimeError(f"{CELERY_BROKER_ENV} is not set: export the Redis URL of the cluster's broker, then start")
-    celery = make_app(CeleryExecutor(retries=RetryMode(RetryMode.DISABLED), broker=url, backend=url).app_args())
+    executor = CeleryExecutor(
+        retries=RetryMode(RetryMode.DISABLED), broker=url, backend=url, config_source=dict(CELERY_SETTINGS)
+    )
+    celery = make_app(executor.app_args())
     create_task(celery)
     return celery
 
