@@ -3,9 +3,10 @@
 Two Celery workers on this machine stand for two nodes (``node-a``, ``node-b``): each its own config file (its
 own simulated SGLang servers on its own ports, its own scratch dir and server registry), both consuming the one
 queue on a real Redis (Debian's ``redis-server``). The instance is the shipped ``dagster_cluster.yaml`` on a real
-PostgreSQL server, the storage a real S3 endpoint (``moto_server``). Eight partitions of ``completions`` are
-launched as eight runs from a third shell (``dagster asset materialize``, the real definitions with
-``DFLASH_CELERY_BROKER`` set); the pool ``dflash_inference`` is set to two slots (one per node's servers).
+PostgreSQL server, the storage a real S3 endpoint (``moto_server``). The pool ``dflash_inference`` has two slots
+(one per node's servers); one tick of the backfill schedule over eight partitions of ``completions`` requests two
+ranges, launched together from a third shell (``dagster asset materialize``, the real definitions with
+``DFLASH_CELERY_BROKER`` set).
 
 Checked independently of Dagster's own bookkeeping: each simulated server logs the prompts it received, so every
 prompt was answered exactly once and by the node whose worker ran its partition (the worker's name in the run's
@@ -266,15 +267,27 @@ def indices_of(pk: str) -> range:
     return range(int(first), int(last) + 1)
 
 
-def launch(pk: str, env: dict[str, str], tmp: Path) -> subprocess.Popen:
-    """``dagster asset materialize`` of completions[pk] from the launcher's shell, in its own process group; its
-    output in ``launch-<pk>.log``."""
-    argv = [str(BIN / "dagster"), "asset", "materialize", "-m", "dflash_assets.definitions"]
-    argv += ["--select", "completions", "--partition", pk]
-    with open(tmp / f"launch-{pk}.log", "wb") as log:
+def launch(name: str, partitions: list[str], env: dict[str, str], tmp: Path) -> subprocess.Popen:
+    """``dagster asset materialize`` of completions (``partitions``: ``--partition PK`` or ``--partition-range
+    A...B``) from the launcher's shell, in its own process group; its output in ``launch-<name>.log``."""
+    argv = [str(BIN / "dagster"), "asset", "materialize", "-m", "dflash_assets.definitions", "--select", "completions"]
+    with open(tmp / f"launch-{name}.log", "wb") as log:
         return subprocess.Popen(
-            argv, env=env, cwd=str(tmp), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            [*argv, *partitions], env=env, cwd=str(tmp), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+
+
+def backfill_tick(instance: dg.DagsterInstance) -> list[tuple[str, str]]:
+    """The ranges one tick of the backfill schedule requests on several nodes (what the daemon would launch)."""
+    from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+
+    from dflash_assets.app.automation import build_backfill_schedule
+    from dflash_assets.definitions import defs, partition_stages_job
+
+    schedule = build_backfill_schedule(partition_stages_job, spread_over_nodes=True)
+    context = dg.build_schedule_context(instance=instance, repository_def=defs.get_repository_def())
+    data = schedule.evaluate_tick(context)
+    return [(r.tags[ASSET_PARTITION_RANGE_START_TAG], r.tags[ASSET_PARTITION_RANGE_END_TAG]) for r in data.run_requests]
 
 
 def received(tmp: Path, node: str) -> Counter:
@@ -294,11 +307,16 @@ def worker_of_run(instance: dg.DagsterInstance, run_id: str) -> str:
 
 
 def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, tmp_path):
+    """The backfill schedule's tick on several nodes requests one range per node (the pool's two slots); the two
+    range runs, launched together, run one on each node's worker."""
     configs = {node: node_config(tmp_path, node, services["s3"]) for node in (*NODES, "launcher")}
     envs = {node: node_env(tmp_path, node, services, configs[node]) for node in configs}
     s3_client(services).create_bucket(Bucket=BUCKET)
     keys = build_corpus(tmp_path, envs["launcher"], services, NUM_PROMPTS, PARTITION_SIZE)
     assert len(keys) == NUM_PROMPTS // PARTITION_SIZE == 8
+    with cluster_instance(envs["launcher"], services) as instance:
+        ranges = backfill_tick(instance)
+    assert ranges == [(keys[0], keys[3]), (keys[4], keys[7])]
 
     workers = [Worker(node, envs[node], tmp_path / f"{node}.worker.log") for node in NODES]
     launches = []
@@ -306,11 +324,14 @@ def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, 
         for worker in workers:
             worker.wait_ready()
         started = time.monotonic()
-        launches = [(pk, launch(pk, envs["launcher"], tmp_path)) for pk in keys]
-        for pk, proc in launches:
+        for first, last in ranges:
+            span = ["--partition-range", f"{first}...{last}"]
+            launches.append((first, launch(first, span, envs["launcher"], tmp_path)))
+        for name, proc in launches:
             proc.wait(240)
-            text = (tmp_path / f"launch-{pk}.log").read_text(errors="replace")
-            assert proc.returncode == 0, f"{pk}: {text[-3000:]}\n--- workers:\n" + "\n".join(w.tail() for w in workers)
+            text = (tmp_path / f"launch-{name}.log").read_text(errors="replace")
+            tails = "\n".join(w.tail() for w in workers)
+            assert proc.returncode == 0, f"{name}: {text[-3000:]}\n--- workers:\n{tails}"
         wall = time.monotonic() - started
     finally:
         for _, proc in launches:
@@ -320,22 +341,22 @@ def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, 
                 proc.wait(10)
         for worker in workers:
             worker.stop()
-    print(f"8 partitions over {len(NODES)} workers: {wall:.1f} s")
+    print(f"8 partitions as 2 range runs over {len(NODES)} workers: {wall:.1f} s")
 
     with cluster_instance(envs["launcher"], services) as instance:
-        runs = {
-            r.dagster_run.tags["dagster/partition"]: r.dagster_run
-            for r in instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": keys}))
+        records = instance.get_run_records(dg.RunsFilter(tags={"dagster/asset_partition_range_start": keys}))
+        assert len(records) == 2 and all(r.dagster_run.status == dg.DagsterRunStatus.SUCCESS for r in records)
+        placed = {
+            r.dagster_run.tags["dagster/asset_partition_range_start"]: worker_of_run(instance, r.dagster_run.run_id)
+            for r in records
         }
-        assert sorted(runs) == keys and all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs.values())
-        placed = {pk: worker_of_run(instance, run.run_id) for pk, run in runs.items()}
-    assert set(placed.values()) == set(NODES), placed  # each node did some
+    assert sorted(placed.values()) == sorted(NODES), placed  # one range on each node
 
-    # independent of Dagster: each node's servers answered exactly the prompts of the partitions its worker ran
-    for node in NODES:
-        mine = [pk for pk in keys if placed[pk] == node]
-        expected = Counter(f"prompt {i}" for pk in mine for i in indices_of(pk))
-        assert received(tmp_path, node) == expected, node
+    # independent of Dagster: each node's servers answered exactly the prompts of the range its worker ran
+    for first, last in ranges:
+        span = keys[keys.index(first) : keys.index(last) + 1]
+        expected = Counter(f"prompt {i}" for pk in span for i in indices_of(pk))
+        assert received(tmp_path, placed[first]) == expected, placed[first]
 
     client = s3_client(services)
     indices = []
@@ -407,7 +428,7 @@ def test_a_node_lost_mid_partition_fails_its_run_and_another_node_resumes_it(ser
     first = second = None
     try:
         node_a.wait_ready()
-        first = launch(pk, envs["launcher"], tmp_path)
+        first = launch("first", ["--partition", pk], envs["launcher"], tmp_path)
         deadline = time.monotonic() + 120
         while len(done_prompts(tmp_path, "node-a")) < 3:
             assert first.poll() is None and time.monotonic() < deadline, node_a.tail()
@@ -416,7 +437,7 @@ def test_a_node_lost_mid_partition_fails_its_run_and_another_node_resumes_it(ser
         killed_at = time.monotonic()
         first.wait(120)
         detected_s = time.monotonic() - killed_at
-        failed_log = (tmp_path / f"launch-{pk}.log").read_text(errors="replace")
+        failed_log = (tmp_path / "launch-first.log").read_text(errors="replace")
         assert first.returncode != 0 and "stopped answering" in failed_log, failed_log[-3000:]
 
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
@@ -432,9 +453,9 @@ def test_a_node_lost_mid_partition_fails_its_run_and_another_node_resumes_it(ser
 
         node_b = Worker("node-b", envs["node-b"], tmp_path / "node-b.worker.log")
         node_b.wait_ready()
-        second = launch(pk, envs["launcher"], tmp_path)
+        second = launch("second", ["--partition", pk], envs["launcher"], tmp_path)
         second.wait(120)
-        text = (tmp_path / f"launch-{pk}.log").read_text(errors="replace")
+        text = (tmp_path / "launch-second.log").read_text(errors="replace")
         assert second.returncode == 0, text[-3000:] + node_b.tail()
     finally:
         for proc in (first, second):

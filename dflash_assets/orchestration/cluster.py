@@ -57,8 +57,10 @@ def celery_broker_url() -> str | None:
 #: lost (its node died, or kill -9); its step then fails, and with it the run. Default :data:`LOST_AFTER_S`.
 LOST_AFTER_ENV = "DFLASH_CELERY_LOST_AFTER_S"
 LOST_AFTER_S = 60.0
-#: Celery settings of both sides: a task's state becomes STARTED with the worker's name when a worker begins it.
-CELERY_SETTINGS = {"task_track_started": True}
+#: Celery settings of both sides: a task's state becomes STARTED with the worker's name when a worker begins it; a
+#: worker takes a task only when it has a free process (by default a busy worker reserves one more: a second range
+#: would wait behind the first on one node while another node idles).
+CELERY_SETTINGS = {"task_track_started": True, "worker_disable_prefetch": True}
 
 
 def lost_after_s() -> float:
