@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SLOW_MODULE_SECONDS = {
     "test_drafter_quality": 650,
     "test_vllm_completions": 280,
-    # PostgreSQL, Redis, moto, two Celery workers: eight runs, then a node killed mid-partition (156 s beside a CI run)
+    # PostgreSQL, Redis, moto, two Celery workers, then a node killed mid-partition: 113 s alone, 156 s beside a CI run
     "test_cluster_celery": 156,
     "test_gpu_install": 140,  # pip dry runs against PyPI: 63 s at load 2-4, 140 s at load 11-16
     "test_status": 128,

@@ -199,6 +199,9 @@ class Worker:
         return self.log.read_text(errors="replace")[-n:]
 
     def stop(self) -> None:
+        """SIGTERM to the worker's group (Celery's warm shutdown), SIGKILL after 20 s to the group and to every
+        process that was below the worker (servers a step started run in sessions of their own)."""
+        below = descendants(self.proc.pid) if self.proc.poll() is None else []
         with suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:
@@ -206,7 +209,10 @@ class Worker:
         except subprocess.TimeoutExpired:
             pass
         with suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the pool child and any server it left
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in below:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.proc.wait(10)
 
 
@@ -430,7 +436,7 @@ def test_a_node_lost_mid_partition_fails_its_run_and_another_node_resumes_it(ser
         node_a.wait_ready()
         first = launch("first", ["--partition", pk], envs["launcher"], tmp_path)
         deadline = time.monotonic() + 120
-        while len(done_prompts(tmp_path, "node-a")) < 3:
+        while len(done_prompts(tmp_path, "node-a")) < 4:  # journaled one by one (journal_sync_rows: 1)
             assert first.poll() is None and time.monotonic() < deadline, node_a.tail()
             time.sleep(0.1)
         kill_node(node_a)
@@ -465,11 +471,7 @@ def test_a_node_lost_mid_partition_fails_its_run_and_another_node_resumes_it(ser
                 proc.wait(10)
         for worker in (node_a, node_b):
             if worker is not None:
-                if worker.proc.poll() is None:
-                    worker.stop()
-                for pid in descendants(worker.proc.pid):
-                    with suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                worker.stop()
     print(f"lost worker detected after {detected_s:.1f} s; {len(kept)} rows kept from node-a")
 
     # node-b was sent exactly the rows the journal did not hold: nothing finished is sent twice
