@@ -7,6 +7,7 @@ import dagster as dg
 from dflash_assets.app.automation import build_backfill_schedule, build_cap_change_sensor
 from dflash_assets.app.stage_order import ASSETS, PARTITION_STAGES
 from dflash_assets.generation.servers import API_KEY_ENV
+from dflash_assets.orchestration.cluster import celery_broker_url, partition_executor
 from dflash_assets.orchestration.config import (
     build_resources,
     check_local_model,
@@ -52,8 +53,11 @@ check_seed(RESOURCES)  # a seed SGLang would ignore is refused, never recorded a
 defs = dg.Definitions(
     assets=ASSETS,
     jobs=[partition_stages_job],
-    schedules=[build_backfill_schedule(partition_stages_job)],
+    # several nodes: the unfinished partitions as one range run per node (a range run is one step on one node)
+    schedules=[build_backfill_schedule(partition_stages_job, spread_over_nodes=celery_broker_url() is not None)],
     sensors=[build_cap_change_sensor(partition_stages_job)],
-    executor=reaping_executor,  # tags each run with its process and reaps killed runs before steps claim pool slots
+    # tags each run with its process and reaps killed runs before steps claim pool slots; with $DFLASH_CELERY_BROKER
+    # set, Dagster's Celery executor places each step on a node's worker (orchestration/cluster.py, docs/scale.md)
+    executor=partition_executor(reaping_executor),
     resources=RESOURCES,
 )

@@ -154,6 +154,40 @@ def test_schedule_skips_when_nothing_is_unfinished():
         assert isinstance(result, dg.SkipReason) and "nothing unfinished" in result.skip_message
 
 
+def test_schedule_on_several_nodes_requests_one_range_per_inference_slot():
+    """Issue 41: a range run is one Celery step on one node, so one range of every unfinished partition would keep
+    every other node idle. Spread over the nodes (the dflash_inference pool's slots, one per node's servers), the
+    tick requests that many ranges of at most ceil(unfinished / nodes) partitions, cut at a run in progress."""
+    from dflash_assets.orchestration.pools import INFERENCE_POOL
+
+    @dg.asset(name="completions", partitions_def=prompt_ranges)
+    def completions() -> dg.MaterializeResult:
+        return dg.MaterializeResult()
+
+    job = dg.define_asset_job("partition_stages", selection=[completions])
+    keys = partition_keys(90, 10)  # 9 partitions
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, keys)
+        assert dg.materialize([completions], instance=instance, partition_key=keys[8]).success
+        assert ranges(evaluate(build_backfill_schedule(job), instance, completions)) == [(keys[0], keys[7])]
+        spread = build_backfill_schedule(job, spread_over_nodes=True)
+        assert ranges(evaluate(spread, instance, completions)) == [(keys[0], keys[7])]  # no pool limit: one node
+        instance.event_log_storage.set_concurrency_slots(INFERENCE_POOL, 2)
+        assert ranges(evaluate(spread, instance, completions)) == [(keys[0], keys[3]), (keys[4], keys[7])]
+        instance.event_log_storage.set_concurrency_slots(INFERENCE_POOL, 3)
+        assert ranges(evaluate(spread, instance, completions)) == [
+            (keys[0], keys[2]),
+            (keys[3], keys[5]),
+            (keys[6], keys[7]),
+        ]
+        capped = build_backfill_schedule(job, spread_over_nodes=True, max_partitions_per_run=2, max_runs_per_tick=1)
+        assert ranges(evaluate(capped, instance, completions)) == [
+            (keys[0], keys[1]),
+            (keys[2], keys[3]),
+            (keys[4], keys[5]),
+        ]
+
+
 def test_schedule_gives_up_on_a_partition_after_max_failed_attempts():
     """A partition failing every time used to be requested on every tick forever."""
     from dflash_assets.app.automation import failed_attempts

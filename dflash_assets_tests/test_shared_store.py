@@ -332,3 +332,19 @@ def test_the_wait_says_who_holds_the_lock_and_until_when(tmp_path, caplog):
         with pytest.raises(LockBusyError):  # this process is alive: never taken over, whatever holder_gone says
             StoreLock(store, parts, wait_s=0.3, poll_s=0.1, holder_gone=process_gone, log=said.append).acquire()
         assert len(said) == 1 and f"pid {os.getpid()} on " in said[0]
+
+
+def test_status_reads_an_s3_root_with_credentials_from_the_environment(s3_target, tmp_path, monkeypatch):
+    """Issue 41: ``status`` built its storage from EnvVar credential references without resolving them, so on an
+    S3 root with AWS_* set every read raised ("Attempted to directly retrieve environment variable")."""
+    import yaml
+
+    from dflash_assets.app.status import current_settings_and_store
+
+    config = {"resources": {"storage": {"root": s3_target.root, "endpoint_url": s3_target.endpoint_url}}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("DFLASH_CONFIG", str(tmp_path / "config.yaml"))
+    put(s3_target, "completions/0-9.parquet", b"stored bytes")
+    settings, store, error = current_settings_and_store()
+    assert error is None and settings is not None
+    assert store.read_bytes("completions", "0-9.parquet") == b"stored bytes"

@@ -26,6 +26,7 @@ from dflash_assets.orchestration import check_gate, freshness
 from dflash_assets.orchestration.freshness import settings_reason
 from dflash_assets.orchestration.history import latest_records
 from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.pools import INFERENCE_POOL, pool_usage
 from dflash_assets.stages.resources.generation import GenerationResource
 
 COMPLETIONS = dg.AssetKey("completions")
@@ -218,9 +219,14 @@ def build_backfill_schedule(
     max_failed_attempts: int = 3,
     max_downstream_per_tick: int = 4,
     max_finished_gap: int = 16,
+    spread_over_nodes: bool = False,
 ):
     """Every tick: request the missing or failed completions partitions as ranges, one run each (servers
     started once per range), and the later per-partition stages of partitions whose completions are done.
+
+    ``spread_over_nodes`` (several nodes, Dagster's Celery executor: docs/scale.md): a range run is one step on one
+    node, so the unfinished partitions are cut into as many ranges as the ``dflash_inference`` pool has slots (one
+    per node's servers), all requested in one tick (at least ``max_runs_per_tick``), one per node.
 
     Ranges are cut at partitions in progress (another run has them) and at partitions given up after
     ``max_failed_attempts`` failed runs since their last success (one that fails every time, e.g. on a
@@ -260,9 +266,12 @@ def build_backfill_schedule(
                 f"{given_up[:10]}; read their run logs, fix the cause and launch them by hand"
             )
         wanted = set(to_request) - set(given_up)
-        ranges = contiguous_ranges(
-            keys, wanted, running | set(given_up), max_partitions_per_run, max_gap=max_finished_gap
-        )[:max_runs_per_tick]
+        runs, per_run = max_runs_per_tick, max_partitions_per_run
+        if spread_over_nodes and wanted:
+            nodes = max(1, pool_usage(instance, [INFERENCE_POOL]).get(INFERENCE_POOL, {}).get("limit") or 1)
+            share = -(-len(wanted) // nodes)  # ceil: every unfinished partition in this tick's `nodes` runs
+            runs, per_run = max(runs, nodes), min(per_run or share, share)
+        ranges = contiguous_ranges(keys, wanted, running | set(given_up), per_run, max_gap=max_finished_gap)[:runs]
         requests = []
         for pks in ranges:
             newest = max((records[pk].storage_id for pk in pks if pk in records), default=0)

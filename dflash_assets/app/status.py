@@ -416,10 +416,10 @@ def current_settings_and_store():
     try:
         from dflash_assets.orchestration.config import resource_fields
         from dflash_assets.stages.resources.generation import configured_settings
-        from dflash_assets.stages.resources.storage import StorageResource, s3_credentials_from_env
+        from dflash_assets.stages.resources.storage import resolved_storage
 
         settings = configured_settings()  # with the servers' context: prompts set aside as too long are judged by it
-        store = StorageResource(**resource_fields("storage"), **s3_credentials_from_env()).open()
+        store = resolved_storage(resource_fields("storage")).open()
         return settings, store, None
     except Exception as exc:
         return None, None, f"{type(exc).__name__}: {exc}"
@@ -449,13 +449,13 @@ def corpus_preview(instance: dg.DagsterInstance, store) -> str | None:
     from dflash_assets.orchestration import freshness
     from dflash_assets.orchestration.config import op_config, resource_fields
     from dflash_assets.stages.prompts import CORPUS_FILE, PromptCorpusConfig
-    from dflash_assets.stages.resources.storage import StorageResource, s3_credentials_from_env
+    from dflash_assets.stages.resources.storage import resolved_storage
 
     meta = latest_metadata(instance, "prompt_corpus")
     if meta is None or store is None or not store.exists(*CORPUS_FILE):
         return None
     config = PromptCorpusConfig(**((op_config("prompt_corpus")["ops"].get("prompt_corpus") or {}).get("config") or {}))
-    resource = StorageResource(**resource_fields("storage"), **s3_credentials_from_env())
+    resource = resolved_storage(resource_fields("storage"))
     reason = freshness.corpus_reason(meta, corpus_fingerprint(config, resource))
     if reason is None:
         return None

@@ -361,6 +361,13 @@ class ReapingExecutor(dg.Executor):
     def retries(self):
         return self._inner.retries
 
+    def __getattr__(self, name: str):
+        # what an executor's own execution loop reads from ``plan_context.executor`` (e.g. dagster-celery's
+        # ``app_args``) comes from the wrapped executor
+        if name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
     @property
     def step_dependency_config(self):
         return self._inner.step_dependency_config
@@ -375,7 +382,9 @@ class ReapingExecutor(dg.Executor):
         yield from self._inner.execute(plan_context, execution_plan)
 
 
-def _reaping(inner: dg.ExecutorDefinition) -> dg.ExecutorDefinition:
+def reaping(inner: dg.ExecutorDefinition) -> dg.ExecutorDefinition:
+    """``inner`` (same name and config) as a :class:`ReapingExecutor`: the run is tagged with its process and
+    killed runs are reaped before ``inner`` starts the steps."""
     return dg.ExecutorDefinition(
         name=inner.name,
         config_schema=inner.config_schema,
@@ -386,7 +395,7 @@ def _reaping(inner: dg.ExecutorDefinition) -> dg.ExecutorDefinition:
 
 
 #: Dagster's default executor (multiprocess, or in_process by run config), reaping killed runs first.
-reaping_executor = _reaping(dg.multi_or_in_process_executor)
+reaping_executor = reaping(dg.multi_or_in_process_executor)
 
 
 class MonitoredRunLauncher(dg.DefaultRunLauncher):

@@ -29,6 +29,13 @@ def s3_credentials_from_env() -> dict[str, Any]:
     return {field: dg.EnvVar(env) for field, env in names.items() if os.environ.get(env)}
 
 
+def resolved_storage(fields: dict[str, Any]) -> StorageResource:
+    """A :class:`StorageResource` of config ``fields`` with the S3 credentials of the environment, resolved, for
+    code outside a run (``status``): an unresolved resource holds ``EnvVar`` references, and reading through it
+    raises ``RuntimeError`` ("Attempted to directly retrieve environment variable")."""
+    return StorageResource(**fields, **s3_credentials_from_env()).process_config_and_initialize()
+
+
 class StorageResource(dg.ConfigurableResource):
     """Storage root for all stages: a local directory (default ``<DAGSTER_HOME>/dflash_data``) or
     ``s3://bucket/prefix`` (AWS or any S3-compatible endpoint).

@@ -1,0 +1,487 @@
+"""Issue 41, item 2 on loopback: Dagster's Celery executor places partitions on two nodes' workers.
+
+Two Celery workers on this machine stand for two nodes (``node-a``, ``node-b``): each its own config file (its
+own simulated SGLang servers on its own ports, its own scratch dir and server registry), both consuming the one
+queue on a real Redis (Debian's ``redis-server``). The instance is the shipped ``dagster_cluster.yaml`` on a real
+PostgreSQL server, the storage a real S3 endpoint (``moto_server``). The pool ``dflash_inference`` has two slots
+(one per node's servers); one tick of the backfill schedule over eight partitions of ``completions`` requests two
+ranges, launched together from a third shell (``dagster asset materialize``, the real definitions with
+``DFLASH_CELERY_BROKER`` set).
+
+Checked independently of Dagster's own bookkeeping: each simulated server logs the prompts it received, so every
+prompt was answered exactly once and by the node whose worker ran its partition (the worker's name in the run's
+events); each node did some; the tables on S3 hold every row once; ``status`` read from PostgreSQL agrees.
+
+Then a node lost mid-partition: kill -9 of one worker and everything under it; its run fails (the launcher's watch
+on the worker), and the partition launched again runs on the other node, which is sent exactly the rows the
+journal on S3 did not hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+import yaml
+
+from dflash_assets.generation.ports import free_port_block
+from dflash_assets.orchestration.cluster import CELERY_BROKER_ENV, CELERY_QUEUE
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.orchestration.pools import INFERENCE_POOL, ensure_pool_limits
+
+try:
+    from dflash_assets_tests.postgres_server import postgres_missing, running_postgres
+    from dflash_assets_tests.redis_server import redis_missing, running_redis
+    from dflash_assets_tests.s3_fixtures import MotoServer
+except ImportError:  # run from inside the tests folder
+    from postgres_server import postgres_missing, running_postgres  # type: ignore[no-redef]
+    from redis_server import redis_missing, running_redis  # type: ignore[no-redef]
+    from s3_fixtures import MotoServer  # type: ignore[no-redef]
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_YAML = ROOT / "dflash_assets" / "configs" / "dagster_cluster.yaml"
+BIN = Path(sys.executable).parent
+NODES = ("node-a", "node-b")
+NUM_SERVERS, SLOTS = 1, 4
+PARTITION_SIZE, NUM_PROMPTS = 4, 32  # 8 partitions
+STUB = "dflash_simulators.sglang_stub"
+# 20 simulated s of start-up, median 120 tokens at 87.5 tok/s per slot, 50x faster than real
+SIM = ["--sim-startup-s", "20", "--sim-median-tokens", "120", "--sim-sigma", "0.5", "--sim-speed", "50"]
+BUCKET, PREFIX = "dflash-cluster", "run"
+
+
+def _services_missing() -> str | None:
+    return postgres_missing() or redis_missing()
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    """PostgreSQL, Redis and moto S3, each started here and stopped at the end of the module."""
+    pytest.importorskip("dagster_celery", reason="the cluster extra: pip install -e '.[cluster]'")
+    missing = _services_missing()
+    if missing:
+        if os.environ.get("CI"):  # CI installs both (.ci/run): never a silent skip there
+            pytest.fail(missing)
+        pytest.skip(missing)
+    logs = tmp_path_factory.mktemp("services")
+    with running_postgres() as postgres_url, running_redis() as redis_url:
+        moto = MotoServer(str(logs / "moto.log"))
+        try:
+            yield {"postgres": postgres_url, "redis": redis_url, "s3": moto.url}
+        finally:
+            moto.stop()
+
+
+def test_single_node_default_is_the_multiprocess_executor_unless_a_broker_is_set(monkeypatch):
+    from dflash_assets.orchestration.cluster import celery_broker_url, partition_executor
+    from dflash_assets.orchestration.runs import reaping_executor
+
+    monkeypatch.delenv(CELERY_BROKER_ENV, raising=False)
+    assert partition_executor(reaping_executor) is reaping_executor
+    monkeypatch.setenv(CELERY_BROKER_ENV, "  ")
+    assert celery_broker_url() is None and partition_executor(reaping_executor) is reaping_executor
+    monkeypatch.setenv(CELERY_BROKER_ENV, "amqp://user:s3cret@host//")
+    with pytest.raises(ValueError, match=CELERY_BROKER_ENV) as bad:
+        celery_broker_url()
+    assert "s3cret" not in str(bad.value)  # never the URL: it may hold a password
+    pytest.importorskip("dagster_celery")
+    monkeypatch.setenv(CELERY_BROKER_ENV, "redis://:s3cret@127.0.0.1:6379/0")
+    celery = partition_executor(reaping_executor)
+    assert celery.name == "celery" and celery is not reaping_executor
+    from dflash_assets.orchestration.cluster import celery_app
+
+    app = celery_app()
+    assert app.conf.task_default_queue == CELERY_QUEUE and app.conf.worker_prefetch_multiplier == 1
+    assert "execute_plan" in app.tasks and app.conf.task_track_started  # STARTED names the worker to watch
+
+    from dflash_assets.orchestration.cluster import LOST_AFTER_ENV, LOST_AFTER_S, lost_after_s
+
+    monkeypatch.delenv(LOST_AFTER_ENV, raising=False)
+    assert lost_after_s() == LOST_AFTER_S
+    for bad in ("soon", "0.5", "nan"):
+        monkeypatch.setenv(LOST_AFTER_ENV, bad)
+        with pytest.raises(ValueError, match=LOST_AFTER_ENV):
+            lost_after_s()
+
+
+def node_config(
+    tmp: Path, node: str, s3_url: str, sim_args: list[str] = SIM, slots: int = SLOTS, prefix: str = PREFIX
+) -> Path:
+    """The config file of one node: shared S3 root (journal synced at every row), its own scratch, its own
+    simulated servers and their request log."""
+    sim = tmp / node / "sim"
+    sim.mkdir(parents=True)
+    config = {
+        "resources": {
+            "storage": {
+                "root": f"s3://{BUCKET}/{prefix}",
+                "endpoint_url": s3_url,
+                "region": "us-east-1",
+                "scratch_dir": str(tmp / node / "scratch"),
+                "journal_sync_rows": 1,
+            },
+            "inference": {
+                "mode": "sglang",
+                "max_running_requests": slots,
+                "startup_timeout_s": 60.0,
+                "sglang": {
+                    "model_path": "simulated",
+                    "num_servers": NUM_SERVERS,
+                    "port_base": free_port_block(NUM_SERVERS),
+                    "launch_module": STUB,
+                    "extra_args": [*sim_args, "--sim-request-log", str(sim / "requests.jsonl")],
+                },
+                "client": {"backoff_base_s": 0.05},
+            },
+            "generation": {"max_output_tokens": 4096, "temperature": 0.6},
+        }
+    }
+    path = tmp / node / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def node_env(tmp: Path, node: str, services: dict, config: Path) -> dict[str, str]:
+    """The environment of one node's processes: its DAGSTER_HOME (the cluster dagster.yaml), its config file,
+    the shared instance, broker and S3 credentials."""
+    home = tmp / node / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy(CLUSTER_YAML, home / "dagster.yaml")
+    return {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "DFLASH_CONFIG": str(config),
+        "DFLASH_POSTGRES_URL": services["postgres"],
+        CELERY_BROKER_ENV: services["redis"],
+        "DFLASH_SERVER_REGISTRY": str(tmp / node / "registry"),
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "DAGSTER_DISABLE_TELEMETRY": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
+class Worker:
+    """One node's Celery worker (``celery -A dflash_assets.orchestration.cluster worker``) in its own process
+    group; :meth:`stop` ends the group (SIGTERM, SIGKILL after 20 s)."""
+
+    def __init__(self, node: str, env: dict[str, str], log: Path) -> None:
+        self.node, self.log = node, log
+        argv = [str(BIN / "celery"), "-A", "dflash_assets.orchestration.cluster", "worker", "-Q", CELERY_QUEUE]
+        argv += ["-c", "1", "--prefetch-multiplier=1", "-n", f"{node}@%h", "-l", "INFO"]
+        argv += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                argv, env=env, cwd=str(ROOT), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while " ready." not in self.log.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker {self.node} not ready (exit {self.proc.poll()}): {self.tail()}")
+            time.sleep(0.2)
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        """SIGTERM to the worker's group (Celery's warm shutdown), SIGKILL after 20 s to the group and to every
+        process that was below the worker (servers a step started run in sessions of their own)."""
+        below = descendants(self.proc.pid) if self.proc.poll() is None else []
+        with suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+        with suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in below:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def build_corpus(tmp: Path, env: dict[str, str], services: dict, num_prompts: int, partition_size: int) -> list[str]:
+    """``prompt_corpus`` from a JSONL of ``num_prompts`` prompts, in a fresh database schema of the shared instance
+    and on S3 (one process, in-process execution); returns the partition keys."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(services["postgres"])
+    with engine.begin() as connection:  # the module's tests share the server: each starts from an empty instance
+        connection.execute(sa.text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+    engine.dispose()
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}) + "\n" for i in range(num_prompts)))
+    code = (
+        "import dagster as dg, sys\n"
+        "from dflash_assets.assets.prompts import prompt_corpus\n"
+        "from dflash_assets.definitions import RESOURCES\n"
+        "with dg.DagsterInstance.get() as instance:\n"
+        "    result = dg.materialize([prompt_corpus], instance=instance, resources={'storage': RESOURCES['storage']},\n"
+        f"        run_config={{'ops': {{'prompt_corpus': {{'config': {{'sources': [{str(prompts)!r}],"
+        f" 'partition_size': {partition_size}}}}}}}}})\n"
+        "sys.exit(0 if result.success else 1)\n"
+    )
+    local = {**env}
+    local.pop(CELERY_BROKER_ENV)  # in-process, as on one node
+    out = subprocess.run([sys.executable, "-c", code], env=local, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    with cluster_instance(env, services) as instance:
+        keys = sorted(instance.get_dynamic_partitions(prompt_ranges.name))
+        ensure_pool_limits(instance)
+        instance.event_log_storage.set_concurrency_slots(INFERENCE_POOL, len(NODES))  # one per node's servers
+    return keys
+
+
+@contextmanager
+def cluster_instance(env: dict[str, str], services: dict):
+    """The shared instance as a node opens it (its DAGSTER_HOME, the URL in the environment while it opens)."""
+    os.environ["DFLASH_POSTGRES_URL"] = services["postgres"]
+    try:
+        with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
+            yield instance
+    finally:
+        os.environ.pop("DFLASH_POSTGRES_URL", None)
+
+
+def s3_client(services: dict):
+    import boto3
+
+    return boto3.client(
+        "s3", endpoint_url=services["s3"], region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+
+
+def indices_of(pk: str) -> range:
+    """The prompt indices of partition ``pk`` (``first-last``, both included)."""
+    first, last = pk.split("-")
+    return range(int(first), int(last) + 1)
+
+
+def launch(name: str, partitions: list[str], env: dict[str, str], tmp: Path) -> subprocess.Popen:
+    """``dagster asset materialize`` of completions (``partitions``: ``--partition PK`` or ``--partition-range
+    A...B``) from the launcher's shell, in its own process group; its output in ``launch-<name>.log``."""
+    argv = [str(BIN / "dagster"), "asset", "materialize", "-m", "dflash_assets.definitions", "--select", "completions"]
+    with open(tmp / f"launch-{name}.log", "wb") as log:
+        return subprocess.Popen(
+            [*argv, *partitions], env=env, cwd=str(tmp), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def backfill_tick(instance: dg.DagsterInstance) -> list[tuple[str, str]]:
+    """The ranges one tick of the backfill schedule requests on several nodes (what the daemon would launch)."""
+    from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+
+    from dflash_assets.app.automation import build_backfill_schedule
+    from dflash_assets.definitions import defs, partition_stages_job
+
+    schedule = build_backfill_schedule(partition_stages_job, spread_over_nodes=True)
+    context = dg.build_schedule_context(instance=instance, repository_def=defs.get_repository_def())
+    data = schedule.evaluate_tick(context)
+    return [(r.tags[ASSET_PARTITION_RANGE_START_TAG], r.tags[ASSET_PARTITION_RANGE_END_TAG]) for r in data.run_requests]
+
+
+def received(tmp: Path, node: str) -> Counter:
+    """Corpus prompts a node's simulated servers received (health probes excluded)."""
+    path = tmp / node / "sim" / "requests.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return Counter(e["key"] for e in map(json.loads, lines) if e["ev"] == "recv" and e["key"].startswith("prompt"))
+
+
+def worker_of_run(instance: dg.DagsterInstance, run_id: str) -> str:
+    """The Celery worker (node name) that ran the run's completions step, from the event it logged there."""
+    for entry in instance.all_logs(run_id, of_type=dg.DagsterEventType.ENGINE_EVENT):
+        if entry.dagster_event and "in celery worker" in (entry.dagster_event.message or ""):
+            meta = entry.dagster_event.event_specific_data.metadata
+            return str(getattr(meta["Celery worker"], "value", meta["Celery worker"])).split("@")[0]
+    raise AssertionError(f"run {run_id}: no step ran in a celery worker")
+
+
+def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, tmp_path):
+    """The backfill schedule's tick on several nodes requests one range per node (the pool's two slots); the two
+    range runs, launched together, run one on each node's worker."""
+    configs = {node: node_config(tmp_path, node, services["s3"]) for node in (*NODES, "launcher")}
+    envs = {node: node_env(tmp_path, node, services, configs[node]) for node in configs}
+    s3_client(services).create_bucket(Bucket=BUCKET)
+    keys = build_corpus(tmp_path, envs["launcher"], services, NUM_PROMPTS, PARTITION_SIZE)
+    assert len(keys) == NUM_PROMPTS // PARTITION_SIZE == 8
+    with cluster_instance(envs["launcher"], services) as instance:
+        ranges = backfill_tick(instance)
+    assert ranges == [(keys[0], keys[3]), (keys[4], keys[7])]
+
+    workers = [Worker(node, envs[node], tmp_path / f"{node}.worker.log") for node in NODES]
+    launches = []
+    try:
+        for worker in workers:
+            worker.wait_ready()
+        started = time.monotonic()
+        for first, last in ranges:
+            span = ["--partition-range", f"{first}...{last}"]
+            launches.append((first, launch(first, span, envs["launcher"], tmp_path)))
+        for name, proc in launches:
+            proc.wait(240)
+            text = (tmp_path / f"launch-{name}.log").read_text(errors="replace")
+            tails = "\n".join(w.tail() for w in workers)
+            assert proc.returncode == 0, f"{name}: {text[-3000:]}\n--- workers:\n{tails}"
+        wall = time.monotonic() - started
+    finally:
+        for _, proc in launches:
+            if proc.poll() is None:
+                with suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        for worker in workers:
+            worker.stop()
+    print(f"8 partitions as 2 range runs over {len(NODES)} workers: {wall:.1f} s")
+
+    with cluster_instance(envs["launcher"], services) as instance:
+        records = instance.get_run_records(dg.RunsFilter(tags={"dagster/asset_partition_range_start": keys}))
+        assert len(records) == 2 and all(r.dagster_run.status == dg.DagsterRunStatus.SUCCESS for r in records)
+        placed = {
+            r.dagster_run.tags["dagster/asset_partition_range_start"]: worker_of_run(instance, r.dagster_run.run_id)
+            for r in records
+        }
+    assert sorted(placed.values()) == sorted(NODES), placed  # one range on each node
+
+    # independent of Dagster: each node's servers answered exactly the prompts of the range its worker ran
+    for first, last in ranges:
+        span = keys[keys.index(first) : keys.index(last) + 1]
+        expected = Counter(f"prompt {i}" for pk in span for i in indices_of(pk))
+        assert received(tmp_path, placed[first]) == expected, placed[first]
+
+    client = s3_client(services)
+    indices = []
+    for pk in keys:
+        body = client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/completions/{pk}.parquet")["Body"].read()
+        frame = pl.read_parquet(body)
+        assert frame["finish_reason"].is_in(["stop", "length"]).all()
+        indices += frame["index"].to_list()
+    assert sorted(indices) == list(range(NUM_PROMPTS))  # 0 lost, 0 duplicated
+
+    env = {k: v for k, v in envs["launcher"].items() if k != CELERY_BROKER_ENV}
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_assets", "status"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "note: could not load" not in out.stdout, out.stdout
+    assert int(re.search(r"completions remaining: (\d+) prompts", out.stdout).group(1)) == 0, out.stdout
+    assert f"{NUM_PROMPTS} / {NUM_PROMPTS} rows valid" in out.stdout, out.stdout
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first found first."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def kill_node(worker: Worker) -> None:
+    """kill -9 of a node's worker and everything under it (its pool process, the servers the step started)."""
+    tree = [worker.proc.pid, *descendants(worker.proc.pid)]
+    for pid in tree:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    worker.proc.wait(10)
+
+
+def done_prompts(tmp: Path, node: str) -> set[str]:
+    path = tmp / node / "sim" / "requests.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {e["key"] for e in map(json.loads, lines) if e["ev"] == "done" and e["key"].startswith("prompt")}
+
+
+def test_a_node_lost_mid_partition_fails_its_run_and_another_node_resumes_it(services, tmp_path, monkeypatch):
+    """node-a (slow servers: one slot, real-time decoding) takes the partition alone; after a few rows it is killed
+    with everything under it. Its run fails within DFLASH_CELERY_LOST_AFTER_S; launched again, node-b's worker
+    takes it and requests only the rows the journal on S3 does not hold: 0 rows lost, 0 duplicated."""
+    slow = ["--sim-startup-s", "2", "--sim-median-tokens", "100", "--sim-sigma", "0.2", "--sim-speed", "1"]
+    configs = {
+        "node-a": node_config(tmp_path, "node-a", services["s3"], slow, slots=1, prefix="kill"),
+        "node-b": node_config(tmp_path, "node-b", services["s3"], prefix="kill"),
+        "launcher": node_config(tmp_path, "launcher", services["s3"], prefix="kill"),
+    }
+    envs = {node: node_env(tmp_path, node, services, configs[node]) for node in configs}
+    envs["launcher"]["DFLASH_CELERY_LOST_AFTER_S"] = "6"
+    s3_client(services).create_bucket(Bucket=BUCKET)
+    (pk,) = build_corpus(tmp_path, envs["launcher"], services, 8, 8)
+    prompts = {f"prompt {i}" for i in indices_of(pk)}
+
+    node_a = Worker("node-a", envs["node-a"], tmp_path / "node-a.worker.log")
+    node_b = None
+    first = second = None
+    try:
+        node_a.wait_ready()
+        first = launch("first", ["--partition", pk], envs["launcher"], tmp_path)
+        deadline = time.monotonic() + 120
+        while len(done_prompts(tmp_path, "node-a")) < 4:  # journaled one by one (journal_sync_rows: 1)
+            assert first.poll() is None and time.monotonic() < deadline, node_a.tail()
+            time.sleep(0.1)
+        kill_node(node_a)
+        killed_at = time.monotonic()
+        first.wait(120)
+        detected_s = time.monotonic() - killed_at
+        failed_log = (tmp_path / "launch-first.log").read_text(errors="replace")
+        assert first.returncode != 0 and "stopped answering" in failed_log, failed_log[-3000:]
+
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+        from dflash_assets.stages.resources.storage import resolved_storage
+
+        fields = yaml.safe_load(configs["launcher"].read_text())["resources"]["storage"]
+        fields["scratch_dir"] = str(tmp_path / "reader")
+        journal = resolved_storage(fields).open_journal("completions", f"{pk}.journal.jsonl")
+        kept = {f"prompt {i}" for i in journal.load()}
+        journal.close()
+        assert 1 <= len(kept) < len(prompts), kept  # some rows finished on node-a, not all
+
+        node_b = Worker("node-b", envs["node-b"], tmp_path / "node-b.worker.log")
+        node_b.wait_ready()
+        second = launch("second", ["--partition", pk], envs["launcher"], tmp_path)
+        second.wait(120)
+        text = (tmp_path / "launch-second.log").read_text(errors="replace")
+        assert second.returncode == 0, text[-3000:] + node_b.tail()
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                with suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        for worker in (node_a, node_b):
+            if worker is not None:
+                worker.stop()
+    print(f"lost worker detected after {detected_s:.1f} s; {len(kept)} rows kept from node-a")
+
+    # node-b was sent exactly the rows the journal did not hold: nothing finished is sent twice
+    assert received(tmp_path, "node-b") == Counter(prompts - kept)
+    body = s3_client(services).get_object(Bucket=BUCKET, Key=f"kill/completions/{pk}.parquet")["Body"].read()
+    frame = pl.read_parquet(body)
+    assert sorted(frame["index"].to_list()) == list(indices_of(pk))  # 0 lost, 0 duplicated
+    with cluster_instance(envs["launcher"], services) as instance:
+        runs = instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": pk}))
+        statuses = sorted(r.dagster_run.status.value for r in runs)
+        assert statuses == ["FAILURE", "SUCCESS"], statuses
+        placed = {r.dagster_run.status.value: worker_of_run(instance, r.dagster_run.run_id) for r in runs}
+    assert placed == {"FAILURE": "node-a", "SUCCESS": "node-b"}
