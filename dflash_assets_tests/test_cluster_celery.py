@@ -51,7 +51,7 @@ except ImportError:  # run from inside the tests folder
     from s3_fixtures import MotoServer  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
-CLUSTER_YAML = ROOT / "dflash_assets" / "configs" / "dagster_cluster.yaml"
+CLUSTER_YAML = ROOT / "dflash_assets" / "configs" / "instance" / "dagster_cluster.yaml"
 BIN = Path(sys.executable).parent
 NODES = ("node-a", "node-b")
 NUM_SERVERS, SLOTS = 1, 4

@@ -1,6 +1,6 @@
 """Issue 41, item 1: one Dagster instance for every node, on a real PostgreSQL server.
 
-The instance is ``dflash_assets/configs/dagster_cluster.yaml`` as shipped (URL from ``DFLASH_POSTGRES_URL``),
+The instance is ``dflash_assets/configs/instance/dagster_cluster.yaml`` as shipped (URL from ``DFLASH_POSTGRES_URL``),
 the server Debian's PostgreSQL started by :mod:`postgres_server`. What the project reads from the instance is
 checked on it: dynamic partition keys and materialization metadata (``status``, the same figures the SQLite test
 of issue 15 expects), pools, reaping a killed run and freeing its slot, and the check gate.
@@ -34,7 +34,7 @@ except ImportError:  # run from inside the tests folder
     from postgres_server import postgres_missing, running_postgres  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
-CLUSTER_YAML = ROOT / "dflash_assets" / "configs" / "dagster_cluster.yaml"
+CLUSTER_YAML = ROOT / "dflash_assets" / "configs" / "instance" / "dagster_cluster.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -103,9 +103,9 @@ def invalid_rows(store, pk: str, settings, continues: bool = False, prompts=None
 def continuation_tokens(report: dict | None, continued: Counter, new_cap: int) -> float | None:
     """Tokens the continuations of ``continued`` ({old cap: rows}) will generate up to ``new_cap``: each
     row E[min(L, new_cap) - cap | L > cap] under the truncation report's length fit (the
-    ``extra_output_tokens`` of :func:`~dflash_assets.data.truncation.predict_cap`). None without a report
+    ``extra_output_tokens`` of :func:`~dflash_assets.data.length_fits.predict_cap`). None without a report
     fit, or for a cap the report was not made at."""
-    from dflash_assets.data.truncation import fit_from_dict, predict_cap
+    from dflash_assets.data.length_fits import fit_from_dict, predict_cap
 
     fit = (report or {}).get("advice", {}).get("fit")
     if not fit or not continued or set(continued) != {report.get("cap")}:

@@ -6,12 +6,11 @@ import dagster as dg
 import polars as pl
 
 from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.data.length_fits import fit_from_dict, predict_cap
 from dflash_assets.data.truncation import (
     cap_advice,
     cap_advice_markdown,
-    fit_from_dict,
     length_histogram_png,
-    predict_cap,
     read_report_columns,
     truncation_stats,
     turn_kind_markdown,
@@ -81,6 +80,26 @@ def prediction_check(previous: dict | None, stats: dict, cap: int) -> dict | Non
     }
 
 
+def stats_metadata(stats: dict, cap: int) -> dict:
+    """The truncation report's figures as Dagster metadata: rates per source, partition and turn kind,
+    finish reasons, length percentiles (tokens)."""
+    return {
+        "cap": cap,
+        "rows": stats["rows"],
+        "finish_reasons": stats["finish_reasons"],
+        "truncation_rate": round(stats["truncation_rate"], 4),
+        "truncation_rate_per_source": {k: round(v["rate"], 4) for k, v in stats["per_source"].items()},
+        "truncation_rate_per_partition": {k: round(v["rate"], 4) for k, v in stats["per_partition"].items()},
+        "rows_per_turn_kind": {k: v["rows"] for k, v in stats["per_turn_kind"].items()},
+        "truncation_rate_per_turn_kind": {k: round(v["rate"], 4) for k, v in stats["per_turn_kind"].items()},
+        "truncation_by_source_and_turn_kind": dg.MetadataValue.md(turn_kind_markdown(stats["per_source_turn_kind"])),
+        "completion_tokens": stats["completion_tokens"],
+        "truncated_in_reasoning": stats["truncated_in_reasoning"],
+        "empty_answer": stats["empty_answer"],
+        "prompt_too_long": stats["prompt_too_long"],
+    }
+
+
 @dg.asset(
     deps=["completions"],
     group_name="generation",
@@ -134,21 +153,7 @@ def truncation_report(
         )
     return dg.MaterializeResult(
         metadata={
-            "cap": cap,
-            "rows": stats["rows"],
-            "finish_reasons": stats["finish_reasons"],
-            "truncation_rate": round(stats["truncation_rate"], 4),
-            "truncation_rate_per_source": {k: round(v["rate"], 4) for k, v in stats["per_source"].items()},
-            "truncation_rate_per_partition": {k: round(v["rate"], 4) for k, v in stats["per_partition"].items()},
-            "rows_per_turn_kind": {k: v["rows"] for k, v in stats["per_turn_kind"].items()},
-            "truncation_rate_per_turn_kind": {k: round(v["rate"], 4) for k, v in stats["per_turn_kind"].items()},
-            "truncation_by_source_and_turn_kind": dg.MetadataValue.md(
-                turn_kind_markdown(stats["per_source_turn_kind"])
-            ),
-            "completion_tokens": stats["completion_tokens"],
-            "truncated_in_reasoning": stats["truncated_in_reasoning"],
-            "empty_answer": stats["empty_answer"],
-            "prompt_too_long": stats["prompt_too_long"],
+            **stats_metadata(stats, cap),
             "partitions_missing": len(missing),
             "prediction_vs_actual": check or {},
             "histogram": png_markdown(png, "completion lengths"),
