@@ -40,14 +40,20 @@ from dflash_assets.generation.ports import free_port_block
 from dflash_assets.orchestration.cluster import CELERY_BROKER_ENV, CELERY_QUEUE
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.pools import INFERENCE_POOL, ensure_pool_limits
+from dflash_simulators.loopback_cluster import (
+    NodeWorker,
+    descendants,
+    kill_group,
+    launch_completions,
+    redis_missing,
+    running_redis,
+)
 
 try:
     from dflash_assets_tests.postgres_server import postgres_missing, running_postgres
-    from dflash_assets_tests.redis_server import redis_missing, running_redis
     from dflash_assets_tests.s3_fixtures import MotoServer
 except ImportError:  # run from inside the tests folder
     from postgres_server import postgres_missing, running_postgres  # type: ignore[no-redef]
-    from redis_server import redis_missing, running_redis  # type: ignore[no-redef]
     from s3_fixtures import MotoServer  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,48 +180,6 @@ def node_env(tmp: Path, node: str, services: dict, config: Path) -> dict[str, st
     }
 
 
-class Worker:
-    """One node's Celery worker (``celery -A dflash_assets.orchestration.cluster worker``) in its own process
-    group; :meth:`stop` ends the group (SIGTERM, SIGKILL after 20 s)."""
-
-    def __init__(self, node: str, env: dict[str, str], log: Path) -> None:
-        self.node, self.log = node, log
-        argv = [str(BIN / "celery"), "-A", "dflash_assets.orchestration.cluster", "worker", "-Q", CELERY_QUEUE]
-        argv += ["-c", "1", "--prefetch-multiplier=1", "-n", f"{node}@%h", "-l", "INFO"]
-        argv += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                argv, env=env, cwd=str(ROOT), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def wait_ready(self, timeout_s: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while " ready." not in self.log.read_text(errors="replace"):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"worker {self.node} not ready (exit {self.proc.poll()}): {self.tail()}")
-            time.sleep(0.2)
-
-    def tail(self, n: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-n:]
-
-    def stop(self) -> None:
-        """SIGTERM to the worker's group (Celery's warm shutdown), SIGKILL after 20 s to the group and to every
-        process that was below the worker (servers a step started run in sessions of their own)."""
-        below = descendants(self.proc.pid) if self.proc.poll() is None else []
-        with suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            pass
-        with suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        for pid in below:
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-
 def build_corpus(tmp: Path, env: dict[str, str], services: dict, num_prompts: int, partition_size: int) -> list[str]:
     """``prompt_corpus`` from a JSONL of ``num_prompts`` prompts, in a fresh database schema of the shared instance
     and on S3 (one process, in-process execution); returns the partition keys."""
@@ -273,16 +237,6 @@ def indices_of(pk: str) -> range:
     return range(int(first), int(last) + 1)
 
 
-def launch(name: str, partitions: list[str], env: dict[str, str], tmp: Path) -> subprocess.Popen:
-    """``dagster asset materialize`` of completions (``partitions``: ``--partition PK`` or ``--partition-range
-    A...B``) from the launcher's shell, in its own process group; its output in ``launch-<name>.log``."""
-    argv = [str(BIN / "dagster"), "asset", "materialize", "-m", "dflash_assets.definitions", "--select", "completions"]
-    with open(tmp / f"launch-{name}.log", "wb") as log:
-        return subprocess.Popen(
-            [*argv, *partitions], env=env, cwd=str(tmp), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
 def backfill_tick(instance: dg.DagsterInstance) -> list[tuple[str, str]]:
     """The ranges one tick of the backfill schedule requests on several nodes (what the daemon would launch)."""
     from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
@@ -324,7 +278,7 @@ def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, 
         ranges = backfill_tick(instance)
     assert ranges == [(keys[0], keys[3]), (keys[4], keys[7])]
 
-    workers = [Worker(node, envs[node], tmp_path / f"{node}.worker.log") for node in NODES]
+    workers = [NodeWorker(node, envs[node], tmp_path / f"{node}.worker.log") for node in NODES]
     launches = []
     try:
         for worker in workers:
@@ -332,7 +286,7 @@ def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, 
         started = time.monotonic()
         for first, last in ranges:
             span = ["--partition-range", f"{first}...{last}"]
-            launches.append((first, launch(first, span, envs["launcher"], tmp_path)))
+            launches.append((first, launch_completions(first, span, envs["launcher"], tmp_path)))
         for name, proc in launches:
             proc.wait(240)
             text = (tmp_path / f"launch-{name}.log").read_text(errors="replace")
@@ -341,10 +295,7 @@ def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, 
         wall = time.monotonic() - started
     finally:
         for _, proc in launches:
-            if proc.poll() is None:
-                with suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+            kill_group(proc)
         for worker in workers:
             worker.stop()
     print(f"8 partitions as 2 range runs over {len(NODES)} workers: {wall:.1f} s")
@@ -383,22 +334,7 @@ def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, 
     assert f"{NUM_PROMPTS} / {NUM_PROMPTS} rows valid" in out.stdout, out.stdout
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc), children first found first."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
-
-
-def kill_node(worker: Worker) -> None:
+def kill_node(worker: NodeWorker) -> None:
     """kill -9 of a node's worker and everything under it (its pool process, the servers the step started)."""
     tree = [worker.proc.pid, *descendants(worker.proc.pid)]
     for pid in tree:
@@ -429,12 +365,12 @@ def test_a_node_lost_mid_partition_fails_its_run_and_another_node_resumes_it(ser
     (pk,) = build_corpus(tmp_path, envs["launcher"], services, 8, 8)
     prompts = {f"prompt {i}" for i in indices_of(pk)}
 
-    node_a = Worker("node-a", envs["node-a"], tmp_path / "node-a.worker.log")
+    node_a = NodeWorker("node-a", envs["node-a"], tmp_path / "node-a.worker.log")
     node_b = None
     first = second = None
     try:
         node_a.wait_ready()
-        first = launch("first", ["--partition", pk], envs["launcher"], tmp_path)
+        first = launch_completions("first", ["--partition", pk], envs["launcher"], tmp_path)
         deadline = time.monotonic() + 120
         while len(done_prompts(tmp_path, "node-a")) < 4:  # journaled one by one (journal_sync_rows: 1)
             assert first.poll() is None and time.monotonic() < deadline, node_a.tail()
@@ -457,18 +393,15 @@ def test_a_node_lost_mid_partition_fails_its_run_and_another_node_resumes_it(ser
         journal.close()
         assert 1 <= len(kept) < len(prompts), kept  # some rows finished on node-a, not all
 
-        node_b = Worker("node-b", envs["node-b"], tmp_path / "node-b.worker.log")
+        node_b = NodeWorker("node-b", envs["node-b"], tmp_path / "node-b.worker.log")
         node_b.wait_ready()
-        second = launch("second", ["--partition", pk], envs["launcher"], tmp_path)
+        second = launch_completions("second", ["--partition", pk], envs["launcher"], tmp_path)
         second.wait(120)
         text = (tmp_path / "launch-second.log").read_text(errors="replace")
         assert second.returncode == 0, text[-3000:] + node_b.tail()
     finally:
         for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                with suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+            kill_group(proc)
         for worker in (node_a, node_b):
             if worker is not None:
                 worker.stop()
