@@ -216,8 +216,8 @@ def test_a_failing_node_rank_fails_the_launch_naming_the_node(on_node_a, data, t
     assert not (tmp_path / "export" / "model.safetensors").exists()
 
 
-def test_no_idle_worker_on_another_node_fails_at_once_naming_the_busy_and_idle(on_node_a, data, tmp_path, monkeypatch):
-    """Only this node's worker is up: nothing to send the rank to, the launch fails after the start timeout."""
+def test_no_idle_worker_on_another_node_fails_after_the_start_timeout(on_node_a, data, tmp_path, monkeypatch):
+    """Only this node's worker is up: nothing to send the rank to; the launch fails after the start timeout (2 s)."""
     monkeypatch.setenv(START_TIMEOUT_ENV, "2")
     workers = start_workers(["node-a"], {"node-a": worker_env(on_node_a)}, tmp_path)
     try:
