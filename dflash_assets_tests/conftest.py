@@ -35,6 +35,8 @@ SLOW_MODULE_SECONDS = {
     "test_agentic_vllm": 200,  # vLLM's CPU server start (~1 min) and 6 tool-conversation turns
     # PostgreSQL, Redis, moto, two Celery workers, then a node killed mid-partition: 113 s alone, 156 s beside a CI run
     "test_cluster_celery": 156,
+    # Redis, Celery workers, three two-node torchrun launches (one trains, one fails, one interrupted): ~60 s alone
+    "test_train_nodes_celery": 90,
     "test_gpu_install": 140,  # pip dry runs against PyPI: 63 s at load 2-4, 140 s at load 11-16
     "test_status": 128,
     "test_sglang_contract": 120,  # 27 s, and ~2 min more where its SGLang environment is not made yet

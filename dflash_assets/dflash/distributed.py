@@ -17,7 +17,18 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-__all__ = ["torchrun_argv", "write_node_script"]
+__all__ = ["NODE_NAME_ENV", "node_name", "torchrun_argv", "write_node_script"]
+
+#: Environment variable naming the node a training process runs on (a Celery worker's node name, ``-n NAME@%h``);
+#: each rank records it in ``summary.json`` (``rank_nodes``). Unset: the host name.
+NODE_NAME_ENV = "DFLASH_NODE_NAME"
+
+
+def node_name() -> str:
+    """This process's node: ``$DFLASH_NODE_NAME`` when set, else the host name."""
+    import socket
+
+    return os.environ.get(NODE_NAME_ENV, "").strip() or socket.gethostname()
 
 
 def torchrun_argv(

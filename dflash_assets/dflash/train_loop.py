@@ -17,6 +17,7 @@ import torch.distributed as dist
 from dflash_assets.dflash.batches import Prefetcher, StepPlan, build_batch
 from dflash_assets.dflash.checkpoints import save_checkpoint
 from dflash_assets.dflash.data import TrainingBatch
+from dflash_assets.dflash.distributed import node_name
 from dflash_assets.dflash.loss import accuracy_per_position
 from dflash_assets.dflash.process_group import Distributed
 from dflash_assets.dflash.train_config import LOG_FILE, SUMMARY_FILE, TrainConfig, TrainResult
@@ -256,12 +257,13 @@ def _summary(
     records: list[dict],
 ) -> dict:
     """What ``summary.json`` says of the run (the held-out evaluation at the end included); the parameter
-    checksums are gathered from every rank."""
-    checksum = param_checksum(model)
-    checksums = [checksum]
+    checksums and node names are gathered from every rank."""
+    mine = (param_checksum(model), node_name())
+    gathered = [mine]
     if dd.enabled:
-        checksums = [None] * dd.world
-        dist.all_gather_object(checksums, checksum)
+        gathered = [None] * dd.world
+        dist.all_gather_object(gathered, mine)
+    checksums, nodes = [g[0] for g in gathered], [g[1] for g in gathered]
     summary = {
         "step": loop.done,
         "total_steps": loop.total_steps,
@@ -278,6 +280,7 @@ def _summary(
         "tokens_per_s": loop.tokens_per_s,
         "final_loss": records[-1]["loss"] if records else None,
         "rank_param_checksums": checksums,
+        "rank_nodes": nodes,  # the node each global rank ran on (DFLASH_NODE_NAME, else the host name)
         "draft_config": dc.to_dict(),
     }
     if eval_set is not None and len(eval_set):

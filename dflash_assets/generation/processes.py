@@ -154,13 +154,15 @@ def run_streaming(
     env: Mapping[str, str] | None = None,
     grace_s: float = 30.0,
     parent_death_signal: bool = True,
+    on_start: Callable[[subprocess.Popen], None] | None = None,
 ) -> int:
     """Run ``argv`` in a new session (its own process group), passing each line of its stdout+stderr to
     ``on_line``; returns its exit code. Whatever interrupts the wait (Ctrl-C, Dagster's step interrupt,
     an exception from ``on_line``) stops the whole process group (SIGTERM, SIGKILL after ``grace_s``:
     :func:`stop_process_group`) before it propagates, so no child (``torchrun`` and its workers) is left
     running. With ``parent_death_signal`` (Linux) the leader also gets :data:`PARENT_DEATH_SIGNAL` when
-    this process dies."""
+    this process dies. ``on_start(proc)`` is called once the process runs (e.g. to hand it to a watcher that
+    may stop its group with :func:`stop_process_group`)."""
     preexec = _parent_death_preexec() if parent_death_signal else None
 
     def spawn() -> subprocess.Popen:
@@ -178,6 +180,8 @@ def run_streaming(
 
     proc = _on_long_lived_thread(spawn) if preexec is not None else spawn()
     try:
+        if on_start is not None:
+            on_start(proc)
         assert proc.stdout is not None
         for line in proc.stdout:
             on_line(line.rstrip("\n"))

@@ -59,8 +59,9 @@ LOST_AFTER_ENV = "DFLASH_CELERY_LOST_AFTER_S"
 LOST_AFTER_S = 60.0
 #: Celery settings of both sides: a task's state becomes STARTED with the worker's name when a worker begins it; a
 #: worker takes a task only when it has a free process (by default a busy worker reserves one more: a second range
-#: would wait behind the first on one node while another node idles).
-CELERY_SETTINGS = {"task_track_started": True, "worker_disable_prefetch": True}
+#: would wait behind the first on one node while another node idles); every worker also consumes a queue of its own
+#: (``NAME@HOST.dq2``), where a multi-node training sends the other nodes' ranks (:mod:`.node_ranks`).
+CELERY_SETTINGS = {"task_track_started": True, "worker_disable_prefetch": True, "worker_direct": True}
 
 
 def lost_after_s() -> float:
@@ -88,10 +89,19 @@ class WatchedResult:
     (``ready``, ``get``, ``revoke``), plus a watch on the worker running it: once the task is STARTED on worker W,
     W is pinged every ``lost_after_s / 3`` seconds; three pings in a row without a reply make the result ready,
     ``get`` raise :class:`WorkerLostError` and the task revoked (terminated, should W come back). Without this a
-    run whose worker died waits forever: with early acknowledgement no other worker ever receives the task."""
+    run whose worker died waits forever: with early acknowledgement no other worker ever receives the task.
+    ``what`` names the task in that error (default ``step <step_key>``), ``advice`` says what to do next."""
 
-    def __init__(self, result, app, step_key: str, lost_after: float) -> None:
-        self._result, self._app, self._step_key = result, app, step_key
+    def __init__(
+        self,
+        result,
+        app,
+        step_key: str,
+        lost_after: float,
+        what: str = "",
+        advice: str = "request the partition again: another node's worker resumes it from the journal in storage",
+    ) -> None:
+        self._result, self._app, self._what, self._advice = result, app, what or f"step {step_key}", advice
         self._every = lost_after / 3
         self._last, self._misses = time.monotonic(), 0
         self._lost: str | None = None
@@ -122,9 +132,8 @@ class WatchedResult:
     def get(self):
         if self._lost is not None:
             raise WorkerLostError(
-                f"step {self._step_key}: worker {self._lost} stopped answering while running it (lost node or "
-                f"killed; {3 * self._every:.0f} s without a reply, {LOST_AFTER_ENV}); request the partition again: "
-                "another node's worker resumes it from the journal in storage"
+                f"{self._what}: worker {self._lost} stopped answering while running it (lost node or "
+                f"killed; {3 * self._every:.0f} s without a reply, {LOST_AFTER_ENV}); {self._advice}"
             )
         return self._result.get()
 
@@ -191,7 +200,8 @@ def partition_executor(default: dg.ExecutorDefinition) -> dg.ExecutorDefinition:
 
 def celery_app():
     """The Celery app a node's worker runs (broker, backend, queue and settings as the executor's), with
-    dagster-celery's step task registered.
+    dagster-celery's step task and the node-rank task of multi-node training
+    (:data:`~dflash_assets.orchestration.node_ranks.RANK_TASK`) registered.
 
     Raises:
         RuntimeError: :data:`CELERY_BROKER_ENV` is unset (a worker needs the broker).
@@ -207,8 +217,11 @@ def celery_app():
     executor = CeleryExecutor(
         retries=RetryMode(RetryMode.DISABLED), broker=url, backend=url, config_source=dict(CELERY_SETTINGS)
     )
+    from dflash_assets.orchestration.node_ranks import register_rank_task
+
     celery = make_app(executor.app_args())
     create_task(celery)
+    register_rank_task(celery)  # the other nodes of a multi-node training
     return celery
 
 

@@ -21,8 +21,9 @@ class DrafterConfig(dg.Config, TrainSettings):
     nnodes: int = Field(
         default=1,
         ge=1,
-        description="Nodes (torchrun --nnodes); >1: run dflash_drafter/runs/<id>/launch_other_nodes.sh on each "
-        "other node.",
+        description="Nodes (torchrun --nnodes); >1 with DFLASH_CELERY_BROKER set: the other nodes' ranks run as tasks "
+        "on idle workers of other nodes; without: run dflash_drafter/runs/<id>/launch_other_nodes.sh on each other "
+        "node.",
     )
     rdzv_endpoint: str = Field(
         default="", description="HOST:PORT of the c10d rendezvous, reachable from every node (nnodes > 1)."

@@ -1,0 +1,229 @@
+"""The other nodes of a multi-node drafter training, started as Celery tasks on other nodes' workers.
+
+With ``$DFLASH_CELERY_BROKER`` set and ``nnodes > 1``, the ``dflash_drafter`` step (running on one node's worker)
+starts torchrun there and sends the same torchrun command, once per other node, as the task :data:`RANK_TASK` to
+the direct queue of an idle worker of another node (Celery's ``worker_direct``: every worker also consumes a queue
+named after itself, ``NAME@HOST.dq2``, so no extra ``-Q`` and no node list in any config). With a c10d rendezvous
+every node runs the same command; torchrun assigns the ranks once all have joined.
+
+Why each rank goes to a chosen idle worker and not to a shared queue: a worker runs one task at a time (``-c 1``),
+so the step's own worker, busy with the step, can never take a rank of its own run; and a rank sent to a worker
+busy with another step would wait behind it while the ranks already started wait at the rendezvous. So the step
+asks the workers what they run (``inspect().active()``), waits up to :data:`START_TIMEOUT_ENV` seconds for enough
+idle workers of other nodes, and fails naming the busy ones if there are not enough. A rank task occupies its
+worker like any step: nothing else (a hidden-states step on that node's GPUs) starts there while it trains.
+
+The step watches its ranks while its own torchrun runs: a rank not started within the timeout (its worker took
+another step meanwhile), a rank that exits non-zero, or a worker that stops answering pings
+(:class:`~dflash_assets.orchestration.cluster.WatchedResult`) stops the local torchrun and fails the step naming the
+node; when the step fails or is interrupted, every rank is revoked (SIGTERM to the task, which stops its torchrun's
+process group). Every node must see the run directory, the inputs and the export at the same paths (a shared
+filesystem): the command carries the launching node's paths.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from dflash_assets.dflash.distributed import NODE_NAME_ENV, node_name
+
+#: The Celery task that runs one node's torchrun (registered on the cluster's app).
+RANK_TASK = "dflash.train_node_rank"
+#: Environment variable: seconds the step waits for idle workers of other nodes, and then for each rank task to
+#: start on its worker. Default :data:`START_TIMEOUT_S`.
+START_TIMEOUT_ENV = "DFLASH_RANK_START_TIMEOUT_S"
+START_TIMEOUT_S = 120.0
+#: Lines of a rank's output kept for its result (the end of its log).
+TAIL_LINES = 40
+
+
+class NodeRankError(RuntimeError):
+    """A node rank could not be started, did not start in time, failed, or its worker was lost (the node is named
+    in the message); ``log_tail`` holds the end of that rank's output when known."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+class RankStopped(Exception):
+    """Raised in a rank task when its worker is told to terminate it (revoke): stops its torchrun first."""
+
+
+def start_timeout_s() -> float:
+    """:data:`START_TIMEOUT_ENV` in seconds (default :data:`START_TIMEOUT_S`).
+
+    Raises:
+        ValueError: not a number of seconds >= 1 (naming the variable).
+    """
+    raw = os.environ.get(START_TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else START_TIMEOUT_S
+    except ValueError:
+        value = 0.0
+    if not value >= 1.0:
+        raise ValueError(f"{START_TIMEOUT_ENV}={raw!r}: give the seconds (>= 1) to wait for the other nodes' ranks")
+    return value
+
+
+def node_of(worker: str) -> str:
+    """The node name of a worker name ``NAME@HOST`` (``-n NAME@%h``): ``NAME``."""
+    return worker.split("@", 1)[0]
+
+
+def this_node() -> str:
+    """The node this process runs on: the name of the Celery worker running the current task (a step on a
+    worker), else :func:`~dflash_assets.dflash.distributed.node_name` (``$DFLASH_NODE_NAME`` or the host name)."""
+    try:
+        from celery import current_task
+    except ImportError:
+        return node_name()
+    hostname = getattr(getattr(current_task, "request", None), "hostname", None) if current_task else None
+    return node_of(hostname) if hostname else node_name()
+
+
+def run_node_rank(argv: Sequence[str], worker: str) -> dict:
+    """Run one node's torchrun ``argv`` (its own process group) with :data:`NODE_NAME_ENV` set to this worker's
+    node; returns ``{"worker", "node", "exit_code", "log_tail"}`` (the last :data:`TAIL_LINES` lines). SIGTERM
+    (the task revoked with ``terminate=True``) stops torchrun's whole group, then raises :class:`RankStopped`."""
+    from dflash_assets.generation.processes import run_streaming
+
+    node = node_of(worker)
+    tail: list[str] = []
+
+    def on_line(line: str) -> None:
+        tail[:] = [*tail, line][-TAIL_LINES:]
+
+    def stopped(signum, frame):
+        raise RankStopped(f"node rank on {node} stopped (task revoked)")
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # prefork pool: the task runs on the main thread
+        previous = signal.signal(signal.SIGTERM, stopped)
+    try:
+        code = run_streaming(argv, on_line, env=dict(os.environ, **{NODE_NAME_ENV: node}), grace_s=15.0)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return {"worker": worker, "node": node, "exit_code": code, "log_tail": "\n".join(tail)}
+
+
+def register_rank_task(celery) -> None:
+    """Register :data:`RANK_TASK` (:func:`run_node_rank` on the worker that takes it) on the Celery app."""
+
+    @celery.task(name=RANK_TASK, bind=True)
+    def train_node_rank(self, argv: list[str]) -> dict:
+        return run_node_rank(argv, self.request.hostname)
+
+
+def idle_workers(app, count: int, exclude_node: str, timeout_s: float, log) -> list[str]:
+    """``count`` workers (``NAME@HOST``) of nodes other than ``exclude_node`` that run no task, asked every 2 s
+    for up to ``timeout_s`` seconds (sorted by name: the same choice for the same cluster).
+
+    Raises:
+        NodeRankError: fewer such workers within the time, naming the busy ones.
+    """
+    deadline = time.monotonic() + timeout_s
+    said = False
+    while True:
+        active = app.control.inspect(timeout=1.0).active() or {}
+        others = {w: tasks for w, tasks in active.items() if node_of(w) != exclude_node}
+        idle = sorted(w for w, tasks in others.items() if not tasks)
+        if len(idle) >= count:
+            return idle[:count]
+        busy = sorted(w for w, tasks in others.items() if tasks)
+        if time.monotonic() > deadline:
+            raise NodeRankError(
+                f"training on {count + 1} nodes needs {count} idle Celery worker(s) on nodes other than "
+                f"{exclude_node}; after {timeout_s:.0f} s ({START_TIMEOUT_ENV}) idle: {idle or 'none'}, busy: "
+                f"{busy or 'none'}. Start a worker on each other node (docs/scale.md) or wait for their steps"
+            )
+        if not said:
+            log.info(f"waiting for {count} idle worker(s) of other nodes (idle: {idle or 'none'}, busy: {busy})")
+            said = True
+        time.sleep(2.0)
+
+
+class NodeRanks:
+    """The node ranks of one run, each a :data:`RANK_TASK` sent to the direct queue of one worker.
+
+    ``watched(result, what)`` wraps each task's result in a watch on its worker
+    (:class:`~dflash_assets.orchestration.cluster.WatchedResult`: ``ready``, ``get``, lost workers). ``watch`` (a
+    thread) calls ``on_failure(message)`` once when a rank fails before the local torchrun ends;
+    ``collect`` waits for every rank's result; ``revoke`` terminates every rank still running.
+    """
+
+    def __init__(self, app, argv: Sequence[str], workers: list[str], start_timeout: float, watched: Callable):
+        from celery.utils.nodenames import worker_direct
+
+        self.workers, self.start_timeout = workers, start_timeout
+        self.sent = time.monotonic()
+        self.results = {
+            w: app.send_task(RANK_TASK, args=[list(argv)], queue=worker_direct(w), routing_key=w) for w in workers
+        }
+        self.watched = {w: watched(r, f"node rank on {node_of(w)}") for w, r in self.results.items()}
+        self.failure: NodeRankError | None = None
+
+    def _check(self, worker: str) -> NodeRankError | None:
+        """The failure of ``worker``'s rank so far (None while it runs or after it succeeded)."""
+        result, watched, node = self.results[worker], self.watched[worker], node_of(worker)
+        if result.state == "PENDING" and time.monotonic() - self.sent > self.start_timeout:
+            return NodeRankError(
+                f"the node rank sent to {node} ({worker}) did not start within {self.start_timeout:.0f} s "
+                f"({START_TIMEOUT_ENV}): its worker is busy or gone"
+            )
+        if not watched.ready():
+            return None
+        try:
+            value = watched.get()
+        except Exception as exc:  # the task raised, or its worker was lost
+            return NodeRankError(f"the node rank on {node} ({worker}) failed: {exc}")
+        if value.get("exit_code") != 0:
+            return NodeRankError(
+                f"the node rank on {node} ({worker}): torchrun exited with {value.get('exit_code')}",
+                value.get("log_tail", ""),
+            )
+        return None
+
+    def watch(self, on_failure: Callable[[NodeRankError], None], stop: threading.Event) -> None:
+        """Until ``stop`` is set: check every rank each second; at the first failure call ``on_failure``."""
+        while not stop.wait(1.0):
+            for worker in self.workers:
+                failure = self._check(worker)
+                if failure is not None:
+                    self.failure = failure
+                    on_failure(failure)
+                    return
+
+    def collect(self, timeout_s: float) -> list[dict]:
+        """Every rank's result (``{"worker", "node", "exit_code", "log_tail"}``), waiting up to ``timeout_s``.
+
+        Raises:
+            NodeRankError: a rank failed, never started or did not end within ``timeout_s``, naming its node.
+        """
+        deadline = time.monotonic() + timeout_s
+        for worker in self.workers:
+            while not self.watched[worker].ready():
+                failure = self._check(worker)
+                if failure is not None:
+                    raise failure
+                if time.monotonic() > deadline:
+                    raise NodeRankError(
+                        f"the node rank on {node_of(worker)} ({worker}) did not end {timeout_s:.0f} s after this "
+                        "node's torchrun"
+                    )
+                time.sleep(0.5)
+            failure = self._check(worker)
+            if failure is not None:
+                raise failure
+        return [self.results[w].get() for w in self.workers]
+
+    def revoke(self) -> None:
+        """Terminate every rank not finished (SIGTERM to its task: it stops its torchrun's process group)."""
+        for result in self.results.values():
+            if not result.ready():
+                result.revoke(terminate=True, signal="SIGTERM")
