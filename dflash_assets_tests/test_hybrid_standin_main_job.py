@@ -133,3 +133,7 @@ def test_main_job_on_the_hybrid_standin(tmp_path):
     heldout = report["datasets"]["heldout"]
     assert heldout["trained"]["lossless"] is True and heldout["untrained"]["lossless"] is True
     assert heldout["trained"]["new_tokens"] > 0
+    # tau on tool-call turns apart: the stand-in's text is not language, so none of its prompts calls a tool
+    turns = report["tool_call_turns"]["heldout"]
+    assert turns["tool_call"]["prompts"] == 0 and turns["other"]["prompts"] == len(heldout["trained"]["per_prompt_tau"])
+    assert abs(turns["other"]["tau_in_process"] - heldout["trained"]["tau"]) < 1e-3

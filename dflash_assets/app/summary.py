@@ -15,7 +15,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from dflash_assets.app.summary_engine import ENGINE_KEYS, baseline_line, engine_line
+from dflash_assets.app.summary_engine import ENGINE_KEYS, baseline_line, engine_line, tool_turn_lines
 from dflash_assets.assets import truncation as truncation_asset
 from dflash_assets.dflash.shard_format import INDEX_NAME, SHARD_PATTERN
 from dflash_assets.orchestration.check_gate import BLOCKING_CHECKS, why_unevaluated
@@ -137,6 +137,7 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
         "tau_pooled": evaluation.get("tau_pooled"),
         "tau_pooled_stderr": evaluation.get("tau_pooled_stderr"),
         "tau_by_dataset": evaluation.get("tau_by_dataset"),
+        "tool_call_turns": evaluation.get("tool_call_turns"),
         "speedup": evaluation.get("speedup_wall"),
         "evaluation_outcome": evaluation.get("outcome"),
         "evaluation_ran": None if ran is None or not evaluation else "drafter_evaluation" in ran,
@@ -476,6 +477,7 @@ def format_summary(s: dict) -> str:
         *feature_lines(s),
         acceptance_line(s),
         *[" " * 19 + row.strip() for row in dataset_lines(s)],
+        *[" " * 19 + row for row in tool_turn_lines(s)],
         *([engine_line(s)] if engine_line(s) else []),
         *([baseline_line(s)] if baseline_line(s) else []),
         *failed_check_lines(s.get("failed_checks") or []),

@@ -1,5 +1,6 @@
 """The summary's serving-engine lines: vLLM's or SGLang's tau beside the in-process figure, or the simulator's
-figure marked as plumbing; and who wins against the free baseline, n-gram lookup, in tokens per target forward."""
+figure marked as plumbing; tau on tool-call turns apart; and who wins against the free baseline, n-gram lookup, in
+tokens per target forward."""
 
 from __future__ import annotations
 
@@ -82,3 +83,16 @@ def _measured(s: dict) -> str:
 
 
 __all__ = ["ENGINE_KEYS", "baseline_line", "engine_line"]
+
+
+def tool_turn_lines(s: dict) -> list[str]:
+    """Tau on tool-call turns apart, one line per dataset with tool calls or tools (the held-out prompts only
+    when some of them call a tool): ``name: tool-call turns n of N prompts, tau x in process, y in vLLM``."""
+    from dflash_assets.stages.evaluation.tool_turns import tool_turn_line
+
+    engine = {"vllm": "vLLM", None: "the engine"}.get(s.get("engine_kind"), "SGLang")
+    return [
+        tool_turn_line(name, groups, engine)
+        for name, groups in (s.get("tool_call_turns") or {}).items()
+        if name != "heldout" or groups["tool_call"]["prompts"]
+    ]

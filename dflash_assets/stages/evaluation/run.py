@@ -27,6 +27,7 @@ from dflash_assets.stages.evaluation.parity import (
     lossless_summary,
     parity_table,
 )
+from dflash_assets.stages.evaluation.tool_turns import tool_call_turns, tool_turn_line
 from dflash_assets.stages.evaluation.vllm_run import VLLMPlan, run_vllm
 
 WARN_CHECKS = (CHECK_BASELINE,)  # advisory: a drafter that loses to n-gram lookup is still a valid drafter
@@ -99,6 +100,11 @@ def run_evaluation(
         log.info(f"engine ({engine_section['label']}): heldout tau {tau} over {head['requests_measured']} requests")
     comparison = compare_methods(report.get("datasets"), engine_section)
     report["tokens_per_forward"] = comparison
+    if report.get("datasets"):
+        turns = tool_call_turns(report, target_model.load_tokenizer().decode)
+        report["tool_call_turns"] = metadata["tool_call_turns"] = turns
+        for name, groups in turns.items():
+            log.info(tool_turn_line(name, groups, _engine_name(engine_section)))
     metadata.update(baseline_metadata(comparison))
     for line in (c["verdict"] for c in comparison.values() if c.get("verdict")):
         log.info(f"baseline: {line}")
