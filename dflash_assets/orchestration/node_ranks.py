@@ -45,9 +45,10 @@ class NodeRankError(RuntimeError):
     """A node rank could not be started, did not start in time, failed, or its worker was lost (the node is named
     in the message); ``log_tail`` holds the end of that rank's output when known."""
 
-    def __init__(self, message: str, log_tail: str = "") -> None:
+    def __init__(self, message: str, log_tail: str = "", timed_out: bool = False) -> None:
         super().__init__(message)
         self.log_tail = log_tail
+        self.timed_out = timed_out  # the rank only had not ended yet (no failure seen)
 
 
 class RankStopped(Exception):
@@ -214,7 +215,8 @@ class NodeRanks:
                 if time.monotonic() > deadline:
                     raise NodeRankError(
                         f"the node rank on {node_of(worker)} ({worker}) did not end {timeout_s:.0f} s after this "
-                        "node's torchrun"
+                        "node's torchrun",
+                        timed_out=True,
                     )
                 time.sleep(0.5)
             failure = self._check(worker)

@@ -112,6 +112,8 @@ def run_torchrun(log, cfg: TrainConfig, config, export_dir: str) -> None:
 
 
 RESUME_ADVICE = "materialize dflash_drafter again: the run resumes from its last checkpoint"
+#: Seconds this node waits, after its own torchrun failed, for the other ranks to say whether one of them failed.
+REMOTE_VERDICT_S = 20.0
 
 
 def _run_with_node_ranks(log, argv: list[str], nnodes: int, on_line, tail: list[str]) -> None:
@@ -168,6 +170,13 @@ def _run_with_node_ranks(log, argv: list[str], nnodes: int, on_line, tail: list[
         if ranks.failure is not None:
             raise ranks.failure
         if code != 0:
+            # a rank failing elsewhere also breaks this node's rendezvous, often before the watcher hears of it:
+            # give the other ranks a moment to report, and name the node that failed when one did
+            try:
+                ranks.collect(REMOTE_VERDICT_S)
+            except NodeRankError as remote:
+                if not remote.timed_out:
+                    raise
             raise TrainingRunError(f"torchrun exited with {code} on {me}", metadata={"log_tail": "\n".join(tail)})
         results = ranks.collect(timeout)
     except NodeRankError as exc:
