@@ -2,10 +2,13 @@
 the date, commit and machine; a failed bench is marked; ``--only`` keeps the other benches' rows; the file
 is replaced atomically (no temp file left)."""
 
+import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,3 +170,23 @@ def test_drafter_seeds_bench_gives_the_assets_every_resource(tmp_path):
     provided = set(bench_drafter_seeds.bench_resources(str(tmp_path), {}))
     required = (dflash_drafter.required_resource_keys | drafter_evaluation.required_resource_keys) - {"io_manager"}
     assert required <= provided  # io_manager: Dagster's default, provided by materialize
+
+
+def test_drafter_vs_ngram_bench_reads_the_main_jobs_ngram_figure(tmp_path):
+    """bench_drafter_vs_ngram takes n-gram lookup's held-out figure from the main job's report (vLLM is not
+    started) and stops with a message naming the report when the job measured none (engine: none)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_drafter_vs_ngram
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    report = tmp_path / "drafter_evaluation" / "report.json"
+    with pytest.raises(SystemExit, match=r"report\.json not found"):
+        bench_drafter_vs_ngram.ngram_figure(tmp_path)
+    report.parent.mkdir()
+    report.write_text(json.dumps({"tokens_per_forward": {"heldout": {"drafter": 1.5, "ngram": None}}}))
+    with pytest.raises(SystemExit, match="engine: vllm"):
+        bench_drafter_vs_ngram.ngram_figure(tmp_path)
+    ngram = {"tokens_per_forward": 417 / 240, "tokens_per_forward_stderr": 0.18, "target_forwards": 240}
+    report.write_text(json.dumps({"tokens_per_forward": {"heldout": {"ngram": ngram}}}))
+    assert bench_drafter_vs_ngram.ngram_figure(tmp_path)["tokens_per_forward"] == pytest.approx(1.7375)
