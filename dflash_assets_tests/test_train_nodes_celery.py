@@ -272,6 +272,9 @@ def test_an_interrupted_launch_stops_the_other_nodes_rank(on_node_a, data, tmp_p
         while torchruns_below(workers[0]) and time.monotonic() < deadline:
             time.sleep(0.2)
         left = torchruns_below(workers[0])
+        # the worker logs the task's failure after its torchrun group is gone: wait for that line too
+        while "RankStopped" not in workers[0].tail(20000) and time.monotonic() < deadline + 30:
+            time.sleep(0.2)
         b_log = workers[0].tail(20000)
     finally:
         signal.signal(signal.SIGUSR1, previous)
