@@ -33,6 +33,7 @@ from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.ranges import partition_keys
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 
 
 class StatementCounter:
@@ -122,7 +123,10 @@ def main() -> None:
             ctx = dg.build_sensor_context(
                 instance=instance,
                 repository_def=repo,
-                resources={"generation": GenerationResource(max_output_tokens=8192)},
+                resources={
+                    "generation": GenerationResource(max_output_tokens=8192),
+                    "target_model": TargetModelResource(),
+                },
             )
             sens, sens_s, sens_q = counter.measure(functools.partial(sensor.evaluate_tick, ctx))
         rows.append((n, sched_q, sched_s, len(sched.run_requests), sens_q, sens_s, len(sens.run_requests)))

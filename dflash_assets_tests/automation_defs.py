@@ -12,6 +12,7 @@ from dflash_assets.app.automation import build_backfill_schedule, build_cap_chan
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.pools import INFERENCE_POOL
 from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 
 
 @dg.asset(
@@ -41,5 +42,8 @@ defs = dg.Definitions(
     jobs=[partition_stages],
     schedules=[build_backfill_schedule(partition_stages)],
     sensors=[build_cap_change_sensor(partition_stages)],
-    resources={"generation": GenerationResource(max_output_tokens=int(os.environ.get("AUTOMATION_TEST_CAP", "4096")))},
+    resources={
+        "generation": GenerationResource(max_output_tokens=int(os.environ.get("AUTOMATION_TEST_CAP", "4096"))),
+        "target_model": TargetModelResource(),
+    },
 )

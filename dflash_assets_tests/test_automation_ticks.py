@@ -152,12 +152,13 @@ def test_schedule_evaluate_tick_requests_ranges_with_run_keys(instance):
 def test_sensor_evaluate_tick_after_a_cap_raise(instance):
     from dflash_assets.app.automation import build_cap_change_sensor
     from dflash_assets.stages.resources.generation import GenerationResource
+    from dflash_assets.stages.resources.target_model import TargetModelResource
     from dflash_assets_tests import automation_defs
 
     sensor = build_cap_change_sensor(automation_defs.partition_stages, max_runs_per_tick=10)
     ctx = dg.build_sensor_context(
         instance=instance,
-        resources={"generation": GenerationResource(max_output_tokens=8192)},
+        resources={"generation": GenerationResource(max_output_tokens=8192), "target_model": TargetModelResource()},
         repository_def=automation_defs.defs.get_repository_def(),
     )
     data = sensor.evaluate_tick(ctx)
@@ -173,7 +174,7 @@ def test_sensor_evaluate_tick_after_a_cap_raise(instance):
     assert all(r.run_key and r.tags["dflash/reason"] == "cap raised" for r in data.run_requests)
     same_cap = dg.build_sensor_context(
         instance=instance,
-        resources={"generation": GenerationResource(max_output_tokens=4096)},
+        resources={"generation": GenerationResource(max_output_tokens=4096), "target_model": TargetModelResource()},
         repository_def=automation_defs.defs.get_repository_def(),
     )
     assert sensor.evaluate_tick(same_cap).run_requests == []

@@ -22,6 +22,7 @@ import pytest
 
 from dflash_assets.app.automation import request_partitions
 from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_simulators.cap_change_scenario import (
     ASSET_KEYS,
     CAP_LOWERED,
@@ -275,7 +276,11 @@ def test_sensor_relaunches_a_partition_when_a_cap_comes_back():
 
     def tick(cap: int) -> list[dg.RunRequest]:
         generation = GenerationResource(max_output_tokens=cap, temperature=0.0)
-        result = sensor(dg.build_sensor_context(instance=instance, resources={"generation": generation}))
+        result = sensor(
+            dg.build_sensor_context(
+                instance=instance, resources={"generation": generation, "target_model": TargetModelResource()}
+            )
+        )
         return [] if isinstance(result, dg.SkipReason) else list(result)
 
     with dg.instance_for_test() as instance:

@@ -175,7 +175,11 @@ def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: li
         for cap in caps[1:]:
             started = time.monotonic()
             generation = GenerationResource(max_output_tokens=cap, temperature=0.0)
-            result = sensor(dg.build_sensor_context(instance=instance, resources={"generation": generation}))
+            result = sensor(
+                dg.build_sensor_context(
+                    instance=instance, resources={"generation": generation, "target_model": TargetModelResource()}
+                )
+            )
             run_requests = [] if isinstance(result, dg.SkipReason) else list(result)
             before = proxy.requested
             # the sensor requests ranges of touched partitions; run them one partition at a time here
@@ -190,7 +194,13 @@ def run_scenario(root: Path, proxy, inference: InferenceServerResource, caps: li
             change.after = snapshot(instance, root, keys)
             scenario.changes.append(change)
         last = GenerationResource(max_output_tokens=caps[-1], temperature=0.0)
-        scenario.skip_after.append(sensor(dg.build_sensor_context(instance=instance, resources={"generation": last})))
+        scenario.skip_after.append(
+            sensor(
+                dg.build_sensor_context(
+                    instance=instance, resources={"generation": last, "target_model": TargetModelResource()}
+                )
+            )
+        )
     return scenario
 
 

@@ -28,6 +28,7 @@ from dflash_assets.orchestration.history import latest_records
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.pools import INFERENCE_POOL, pool_usage
 from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
 
 COMPLETIONS = dg.AssetKey("completions")
 
@@ -326,12 +327,14 @@ def build_cap_change_sensor(job, max_runs_per_tick: int = 10, max_partitions_per
         minimum_interval_seconds=60,
         default_status=dg.DefaultSensorStatus.STOPPED,
         description=(
-            "Launches only the completions partitions (as ranges, one run each) that the current cap or "
-            "sampling settings touch."
+            "Launches only the completions partitions (as ranges, one run each) that the current cap, "
+            "sampling settings or chat template touch."
         ),
     )
-    def generation_settings_changed(context: dg.SensorEvaluationContext, generation: GenerationResource):
-        settings = generation.settings()
+    def generation_settings_changed(
+        context: dg.SensorEvaluationContext, generation: GenerationResource, target_model: TargetModelResource
+    ):
+        settings = generation.settings().with_template(target_model.chat_template_text())  # the servers' template
         instance = context.instance
         keys = instance.get_dynamic_partitions(prompt_ranges.name)
         records = latest_records(instance, COMPLETIONS.to_user_string(), keys)

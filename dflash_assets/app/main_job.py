@@ -33,6 +33,7 @@ from dflash_assets.stages.drafter.config import DrafterConfig
 from dflash_assets.stages.evaluation.config import EvaluationConfig
 from dflash_assets.stages.evaluation.vllm_run import evaluation_environment, prepare_in_background
 from dflash_assets.stages.prompts import CORPUS_FILE, PromptCorpusConfig
+from dflash_assets.stages.resources.generation import served_settings
 
 
 def other_storage_root(corpus_meta: dict | None, corpus_uri: str, dagster_home: str | None) -> str | None:
@@ -205,7 +206,7 @@ def _run_all(config_path_arg: str | None, dagster_home: str | None, verbose: boo
         did_work.append("prompt_corpus")
     keys = instance.get_dynamic_partitions(prompt_ranges.name)
     # judged with the servers' context: prompts set aside as too long are judged again when it changes
-    settings = defs.resources["generation"].settings().with_context(inference.context_length())
+    settings = served_settings(defs.resources["generation"], inference, defs.resources["target_model"])
     features = _feature_mode(instance, settings)
     stages = [s for s in PARTITION_STAGES if not (features == "online" and s == "hidden_states")]
 

@@ -29,7 +29,7 @@ from dflash_assets.orchestration.pools import INFERENCE_POOL
 from dflash_assets.orchestration.runs import partition_busy_message, runs_holding_partitions
 from dflash_assets.stages.completions.range_run import RangeRun
 from dflash_assets.stages.completions.tables import load_range_prompts
-from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.generation import GenerationResource, served_settings
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
@@ -167,7 +167,7 @@ def completions(
     ):
         raise dg.Failure(partition_busy_message(context.instance, "completions", holding))
     store = storage.open()
-    settings = generation.settings().with_context(inference.context_length())  # prompts are judged against it
+    settings = served_settings(generation, inference, target_model)  # context: prompts are judged against it
     run = RangeRun(
         context.log,
         store,

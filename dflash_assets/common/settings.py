@@ -76,6 +76,18 @@ class GenerationSettings(GenerationFields):
     # change with it; only rows set aside as too long for the context are judged by it (records.invalid_reason).
     context_length: int | None = Field(default=None, ge=1, exclude=True, description="The servers' context, tokens.")
 
+    # Not a user setting either: the first 16 hex digits of the SHA-256 of the chat template the servers render
+    # with (``target_model.chat_template``'s text; None: the model's own template), filled in by whoever makes or
+    # judges rows (with_template). It decides what the server conditions on, so it joins the fingerprint when set;
+    # None leaves the fingerprint as it was before templates were recorded. Excluded from dumps (a row's settings).
+    chat_template_sha256: str | None = Field(default=None, exclude=True, description="The servers' chat template.")
+
+    def with_template(self, template_text: str | None) -> GenerationSettings:
+        """These settings with the servers' chat template ``template_text`` (a Jinja file's text; None or empty:
+        the model's own template). Rows made under another template get another fingerprint, so they are stale."""
+        sha = hashlib.sha256(template_text.encode()).hexdigest()[:16] if template_text else None
+        return self.model_copy(update={"chat_template_sha256": sha})
+
     def with_context(self, context_length: int | None) -> GenerationSettings:
         """These settings judged against a context of ``context_length`` tokens (None: unknown)."""
         return self.model_copy(update={"context_length": context_length})
@@ -91,7 +103,8 @@ class GenerationSettings(GenerationFields):
         return self.context_length - self.max_output_tokens - (1 if backend == "sglang" else 0)
 
     def sampling_fingerprint(self) -> str:
-        """Hash of every setting except ``max_output_tokens``: rows with another fingerprint are stale."""
+        """Hash of every setting except ``max_output_tokens``, and of the chat template when one is set
+        (``chat_template_sha256``): rows with another fingerprint are stale."""
         return _fingerprint(self)
 
     @property
@@ -144,6 +157,8 @@ class GenerationSettings(GenerationFields):
 @functools.lru_cache(maxsize=256)
 def _fingerprint(settings: GenerationSettings) -> str:
     payload = settings.model_dump(exclude={"max_output_tokens"})
+    if settings.chat_template_sha256 is not None:
+        payload["chat_template_sha256"] = settings.chat_template_sha256
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -307,16 +307,16 @@ def prompt_mismatch(row: dict[str, Any], prompt: dict[str, Any]) -> str | None:
 def invalid_reason(row: dict[str, Any], settings: GenerationSettings) -> str | None:
     """Why ``row`` must be regenerated under ``settings``, or None when it stays valid.
 
-    Reasons: ``error``, ``sampling changed``, ``cap raised`` (a ``length`` row cut below the new cap),
-    ``cap lowered`` (longer than the new cap), ``finish_reason <x>`` (abort and other non-final ends), and for a
-    row set aside as too long (:data:`PROMPT_TOO_LONG`) :data:`TOO_LONG_CAP` or :data:`TOO_LONG_CONTEXT`: it
-    was judged under another cap, or another context than ``settings.context_length`` (None: not known here,
-    so only the cap is compared); judged again, it may now fit.
+    Reasons: ``error``, ``sampling or chat template changed`` (another fingerprint), ``cap raised`` (a ``length``
+    row cut below the new cap), ``cap lowered`` (longer than the new cap), ``finish_reason <x>`` (abort and other
+    non-final ends), and for a row set aside as too long (:data:`PROMPT_TOO_LONG`) :data:`TOO_LONG_CAP` or
+    :data:`TOO_LONG_CONTEXT`: it was judged under another cap, or another context than ``settings.context_length``
+    (None: not known here, so only the cap is compared); judged again, it may now fit.
     """
     if row.get("error"):
         return "error"
     if row.get("settings_fingerprint") != settings.sampling_fingerprint():
-        return "sampling changed"
+        return "sampling or chat template changed"
     cap, tokens, reason = settings.max_output_tokens, row.get("completion_tokens"), row.get("finish_reason")
     if reason == PROMPT_TOO_LONG:
         if row.get("max_output_tokens") != cap:

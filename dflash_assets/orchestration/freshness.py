@@ -85,7 +85,7 @@ def settings_reason(meta: dict, settings: GenerationSettings) -> str | None:
     if set(meta.get("finish_reasons", {})) - {"stop", "length", PROMPT_TOO_LONG}:  # abort etc.: redone
         return "unfinished rows"
     if any(fp != settings.sampling_fingerprint() for fp in meta.get("settings_fingerprints", [])):
-        return "sampling changed"
+        return "sampling or chat template changed"
     for cap_then, context_then in meta.get("prompt_too_long_judged", []):
         # prompts set aside as too long are judged again under another cap or context: they may fit now
         if cap_then != cap:
