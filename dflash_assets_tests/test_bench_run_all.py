@@ -190,3 +190,28 @@ def test_drafter_vs_ngram_bench_reads_the_main_jobs_ngram_figure(tmp_path):
     ngram = {"tokens_per_forward": 417 / 240, "tokens_per_forward_stderr": 0.18, "target_forwards": 240}
     report.write_text(json.dumps({"tokens_per_forward": {"heldout": {"ngram": ngram}}}))
     assert bench_drafter_vs_ngram.ngram_figure(tmp_path)["tokens_per_forward"] == pytest.approx(1.7375)
+
+
+def test_prefix_affinity_bench_counts_prefill_by_hand():
+    """bench_prefix_affinity's paged prefix cache and its two routings on rows small enough to count by hand
+    (pages of 4 tokens): a hit is whole pages of a prefix; a full cache evicts the oldest sequence; with two
+    servers, round robin sends each conversation's second turn to the server without its first, affinity to the
+    one with it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_prefix_affinity as bench
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    cache = bench.PagedPrefixCache(capacity=1000, page_size=4)
+    assert cache.prefill(list(range(10))) == 10
+    assert cache.prefill(list(range(10)) + [99]) == 3  # 2 whole pages (8 tokens) cached: 11 - 8
+    assert cache.prefill([5, *range(1, 10)]) == 10  # same tokens later on: not a prefix, no hit
+    small = bench.PagedPrefixCache(capacity=8, page_size=4)  # room for 2 pages
+    small.prefill(list(range(8)))
+    small.prefill(list(range(100, 108)))  # evicts the first sequence
+    assert small.prefill(list(range(8))) == 8
+
+    a1, b1 = list(range(1, 9)), list(range(101, 109))
+    rows = [("A", a1), ("A", a1 + list(range(9, 17))), ("B", b1), ("B", b1 + list(range(109, 117)))]
+    assert bench.prefilled(rows, 2, affinity=False, capacity=1000, page_size=4) == 8 + 16 + 8 + 16
+    assert bench.prefilled(rows, 2, affinity=True, capacity=1000, page_size=4) == 8 + 8 + 8 + 8
