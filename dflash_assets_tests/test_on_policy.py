@@ -1,0 +1,152 @@
+"""On-policy trajectories without a server (issue 43 item 5): how a reply's tool calls are read, what the
+conversation does with them (executed, answered, errors as tool results), the turn limits, replaying stored turns,
+and the ``completions`` config that selects the mode. The runs through a real server: test_on_policy_vllm.py."""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+import pytest
+from pydantic import ValidationError
+
+from dflash_assets.assets.completions import completions
+from dflash_assets.data import bfcl
+from dflash_assets.data.on_policy import TURN_STRIDE, ToolCall, Trajectory, parse_tool_calls, row_key
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.completions.on_policy import CompletionsConfig
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
+
+
+def call(name: str, arguments: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def test_tool_calls_are_read_from_the_text_in_order_and_bad_ones_say_why():
+    text = "Let me look.\n" + call("ls", {"a": True}) + " then " + call("cd", {"folder": "x"})
+    assert parse_tool_calls(text) == [ToolCall("ls", '{"a": true}'), ToolCall("cd", '{"folder": "x"}')]
+    assert parse_tool_calls('<tool_call>{"name": "pwd"}</tool_call>') == [ToolCall("pwd", "{}")]
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"k\\": 1}"}</tool_call>') == [
+        ToolCall("f", '{"k": 1}')  # arguments given as JSON text are passed on as they are
+    ]
+    assert parse_tool_calls("no call here") == [] and parse_tool_calls(None) == []
+    bad = parse_tool_calls(
+        "<tool_call>{not json}</tool_call><tool_call>[1]</tool_call>"
+        '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "tail"'
+    )
+    assert [c.name for c in bad] == [None] * 4
+    assert "not JSON" in bad[0].error and '"name" string' in bad[1].error and '"name" string' in bad[2].error
+    assert "not closed" in bad[3].error and bad[3].arguments == '{"name": "tail"'
+    deep = parse_tool_calls("<tool_call>" + "[" * 100_000 + "</tool_call>")
+    assert deep[0].error is not None  # deep nesting is a bad call, never a crash
+
+
+def task_and_tools(task_id: str = "multi_turn_base_0") -> tuple[bfcl.BfclTask, str]:
+    task = next(t for t in bfcl.load_tasks() if t.id == task_id)
+    return task, json.dumps(bfcl.ToolEnvironment(task).tools)
+
+
+def trajectory(max_rounds: int = 8, max_turns: int = 64) -> Trajectory:
+    task, tools = task_and_tools()
+    anchor = {"index": 3, "conversation_id": f"bfcl_multi_turn_base:{task.id}", "source": "bfcl_multi_turn_base"}
+    return Trajectory(task, tools, anchor, max_rounds, max_turns)
+
+
+def test_calls_are_executed_in_order_and_their_results_follow_the_reply_as_generated():
+    t = trajectory()
+    task = t.task
+    assert t.messages == task.turns[0] and t.kind == "prompt" and t.key == row_key(3, 0) == 3 * TURN_STRIDE
+    reply = {"role": "assistant", "content": "Sure.\n" + call("mkdir", {"dir_name": "temp"}) + call("ls", {})}
+    results = t.answer(reply)
+    env = bfcl.ToolEnvironment(task)  # the expected results, from a fresh environment of the task
+    expected = [env.call("mkdir", {"dir_name": "temp"}), env.call("ls", {})]
+    assert [m["content"] for m in results] == expected and "temp" in expected[1]
+    assert [m["name"] for m in results] == ["mkdir", "ls"] and [m["tool_call_id"] for m in results] == [
+        "call_0_0",
+        "call_0_1",
+    ]
+    assert t.messages == [*task.turns[0], reply, *results]  # the reply's own text, never a parsed call
+    assert t.kind == "after_tool" and t.turn == 1 and not t.done
+    t.answer({"role": "assistant", "content": "Done."})  # no call: the task's next user turn
+    assert t.messages[-1] == task.turns[1][0] and t.kind == "follow_up"
+    for _ in task.turns[2:]:
+        t.answer({"role": "assistant", "content": "Done."})
+    assert not t.done
+    t.answer({"role": "assistant", "content": "Done."})  # the answer to the last user turn ends it
+    assert t.done and t.turn == 2 + len(task.turns) - 1
+    with pytest.raises(RuntimeError, match="done"):
+        t.answer({"role": "assistant", "content": "more"})
+
+
+def test_bad_calls_become_error_results_and_the_conversation_goes_on():
+    t = trajectory()
+    text = (
+        "<tool_call>{not json}</tool_call>"
+        + call("rm_everything", {})
+        + call("cd", {"no_such_parameter": 1})
+        + '<tool_call>{"name": "tail"'
+    )
+    results = t.answer({"role": "assistant", "content": text})
+    errors = [json.loads(m["content"])["error"] for m in results]
+    assert len(errors) == 4
+    assert "not JSON" in errors[0] and "unknown function 'rm_everything'" in errors[1]
+    assert "bad arguments for cd" in errors[2] and "not closed" in errors[3]
+    assert "name" not in results[0] and results[1]["name"] == "rm_everything"
+    assert t.kind == "after_tool" and not t.done
+
+
+def test_a_model_that_keeps_calling_moves_on_after_max_rounds_and_stops_at_max_turns():
+    t = trajectory(max_rounds=2, max_turns=5)
+    looping = {"role": "assistant", "content": call("pwd", {})}
+    t.answer(looping)
+    assert t.kind == "after_tool" and t.user_turn == 0
+    t.answer(looping)  # the second reply to the user turn: its call is answered, then the next user turn
+    assert t.messages[-2]["role"] == "tool" and t.messages[-1] == t.task.turns[1][0] and t.kind == "follow_up"
+    for _ in range(3):
+        t.answer(looping)
+    assert t.done and t.turn == 5
+
+
+def test_stored_turns_replay_without_a_request_only_onto_their_own_context():
+    live = trajectory()
+    rows = []
+    for content in [call("mkdir", {"dir_name": "temp"}), "Done.", call("ls", {})]:
+        reply = {"role": "assistant", "content": content}
+        rows.append({"turn": live.turn, "prompt_hash": live.context_hash(), "reply": json.dumps(reply)})
+        live.answer(reply)
+    resumed = trajectory()
+    assert all(resumed.replay(row) for row in rows)
+    assert resumed.messages == live.messages and resumed.turn == live.turn and resumed.kind == live.kind
+    assert resumed.env.call("ls", {}) == live.env.call("ls", {})  # the tools' state is rebuilt too
+    other = trajectory()
+    assert not other.replay(rows[1])  # not the next turn
+    assert not other.replay({**rows[0], "prompt_hash": "another context"}) and other.turn == 0
+
+
+def test_the_mode_is_checked_and_defaults_to_regeneration(tmp_path):
+    assert CompletionsConfig().mode == "regenerate"
+    assert CompletionsConfig(mode="on_policy").max_rounds_per_user_turn == 8
+    with pytest.raises(ValidationError, match="mode"):
+        CompletionsConfig(mode="on-policy")
+    with pytest.raises(ValidationError):
+        CompletionsConfig(max_turns_per_conversation=TURN_STRIDE)
+    resources = {
+        "storage": StorageResource(root=str(tmp_path)),
+        "inference": InferenceServerResource(),
+        "generation": GenerationResource(),
+        "target_model": TargetModelResource(),
+    }
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, ["0000000-0000001"])
+        for config, words in (({"max_turn": 3}, 'unexpected config entry "max_turn"'), ({"mode": "on-policy"}, "enum")):
+            with pytest.raises(dg.DagsterInvalidConfigError, match=words):
+                dg.materialize(
+                    [completions],
+                    instance=instance,
+                    resources=resources,
+                    partition_key="0000000-0000001",
+                    run_config={"ops": {"completions": {"config": config}}},
+                )
