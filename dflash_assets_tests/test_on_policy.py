@@ -150,3 +150,110 @@ def test_the_mode_is_checked_and_defaults_to_regeneration(tmp_path):
                     partition_key="0000000-0000001",
                     run_config={"ops": {"completions": {"config": config}}},
                 )
+
+
+def test_qwen36_calls_are_read_as_its_template_writes_them():
+    """The Qwen3.6 stand-in's template (Qwen3.6's layout) renders calls; reading the rendered text back gives the
+    same calls: a string parameter as written (digits too), any other value as the JSON the template wrote."""
+    from transformers import AutoTokenizer
+
+    from dflash_assets.generation.hybrid_standin import CHAT_TEMPLATE
+    from dflash_assets.generation.local_model import ensure_local_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_local_model()), local_files_only=True)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "send",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "to": {"type": "string"},
+                        "body": {"type": "string"},
+                        "copies": {"type": "integer"},
+                        "tags": {"type": "array"},
+                    },
+                },
+            },
+        }
+    ]
+    arguments = {"to": "7", "body": "two\nlines <b>", "copies": 2, "tags": ["a", {"b": None}]}
+    calls = [{"id": "c0", "type": "function", "function": {"name": "send", "arguments": arguments}}]
+    messages = [{"role": "user", "content": "Send it."}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": "ok"}], tools=tools, tokenize=False)
+    reply = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert "<function=send>" in reply
+    (read,) = parse_tool_calls(reply, tools)
+    assert read.error is None and read.name == "send" and json.loads(read.arguments) == arguments
+    assert json.loads(parse_tool_calls(reply)[0].arguments)["to"] == 7  # without the schema, digits read as JSON
+    bad = parse_tool_calls("<tool_call>\n<function=send>\n<parameter=to>\nx\n</parameter>\n</tool_call>", tools)
+    assert bad[0].name is None and "</function>" in bad[0].error
+    twice = "<tool_call><function=send><parameter=to>a</parameter><parameter=to>b</parameter></function></tool_call>"
+    assert "twice" in parse_tool_calls(twice, tools)[0].error
+
+
+STAND_IN = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, payload):
+        body = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self.reply({"data": [{"id": "m"}]})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        # a server running a tool-call parser: the calls are taken out of the text, finish_reason says so
+        call = {"id": "c", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
+        message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        self.reply({"choices": [{"index": 0, "finish_reason": "tool_calls", "message": message}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 5}})
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_a_server_that_parses_the_calls_out_of_the_text_fails_the_conversation_naming_the_fix(tmp_path):
+    from dflash_assets.assets.prompts import prompt_corpus
+    from dflash_assets.generation.chat_render import SMOLLM2_TOOLS_TEMPLATE
+    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets_tests.script_server import script_server
+
+    with script_server(STAND_IN) as url, dg.instance_for_test() as instance:
+        external = {"base_urls": [url], "served_model_name": "m", "tokenizer_path": str(ensure_local_model())}
+        resources = {
+            "storage": StorageResource(root=str(tmp_path)),
+            "inference": InferenceServerResource(mode="external", external=external),
+            "generation": GenerationResource(max_output_tokens=8),
+            "target_model": TargetModelResource(chat_template=SMOLLM2_TOOLS_TEMPLATE),
+        }
+        sources = {"sources": ["bfcl:multi_turn_base?limit=1&tools=used"]}
+        corpus = {"ops": {"prompt_corpus": {"config": sources}}}
+        assert dg.materialize([prompt_corpus], instance=instance, resources=resources, run_config=corpus).success
+        (pk,) = instance.get_dynamic_partitions(prompt_ranges.name)
+        result = dg.materialize(
+            [completions],
+            instance=instance,
+            resources=resources,
+            partition_key=pk,
+            run_config={"ops": {"completions": {"config": {"mode": "on_policy"}}}},
+            raise_on_error=False,
+        )
+    assert not result.success
+    failure = str(result.failure_data_for_node("completions").error)
+    assert "without a tool-call parser" in failure and "rerun the partition to resume" in failure
+    assert not list(tmp_path.rglob("*.on_policy.parquet"))  # nothing committed for an unfinished conversation

@@ -22,6 +22,7 @@ the calls executed again, no request sent) and goes on at its first turn without
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,11 +81,19 @@ class ToolCall:
     error: str | None = None
 
 
-def parse_tool_calls(text: str | None) -> list[ToolCall]:
-    """The tool calls in a reply's text, in order: each ``<tool_call>...</tool_call>`` block holding a JSON
-    object ``{"name": str, "arguments": object or JSON text}`` (a missing or null ``arguments`` is ``{}``). A
-    block that is not such an object, or a ``<tool_call>`` never closed (the cap cut it), is a call with its
-    ``error``; text outside the blocks is not read. Never raises."""
+def parse_tool_calls(text: str | None, tools: list[dict[str, Any]] | None = None) -> list[ToolCall]:
+    """The tool calls in a reply's text, in order: each ``<tool_call>...</tool_call>`` block holds one, in either
+    format a target's template asks for:
+
+    - Hermes JSON (Qwen2.5, the shipped SmolLM2 template): ``{"name": str, "arguments": object or JSON text}`` (a
+      missing or null ``arguments`` is ``{}``);
+    - Qwen3.6's XML: ``<function=NAME>`` then ``<parameter=KEY>\\nVALUE\\n</parameter>`` blocks, then
+      ``</function>``. A value is text as written when ``tools`` (the OpenAI tools list offered) gives the
+      parameter type ``string``, else JSON when it parses as JSON, else text (the template writes a string as is
+      and any other value as JSON).
+
+    A block in neither format, or a ``<tool_call>`` never closed (the cap cut it), is a call with its ``error``;
+    text outside the blocks is not read. Never raises."""
     calls: list[ToolCall] = []
     rest = text or ""
     while (start := rest.find(TOOL_CALL_OPEN)) >= 0:
@@ -93,9 +102,41 @@ def parse_tool_calls(text: str | None) -> list[ToolCall]:
         if end < 0:
             calls.append(ToolCall(None, rest, f"the tool call is not closed by {TOOL_CALL_CLOSE} (cut by the cap?)"))
             break
-        calls.append(_read_call(rest[:end]))
+        body = rest[:end]
+        calls.append(_read_xml_call(body, tools) if body.strip().startswith(_FUNCTION_OPEN) else _read_call(body))
         rest = rest[end + len(TOOL_CALL_CLOSE) :]
     return calls
+
+
+_FUNCTION_OPEN, _FUNCTION_CLOSE = "<function=", "</function>"
+_XML_CALL = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _read_xml_call(body: str, tools: list[dict[str, Any]] | None) -> ToolCall:
+    match = _XML_CALL.fullmatch(body)
+    if match is None:
+        return ToolCall(None, body, f"the tool call is not one {_FUNCTION_OPEN}NAME>...{_FUNCTION_CLOSE} block")
+    name, inner = match.group(1).strip(), match.group(2)
+    types = {}
+    for tool in tools or []:
+        function = tool.get("function", tool) if isinstance(tool, dict) else {}
+        if function.get("name") == name:
+            properties = (function.get("parameters") or {}).get("properties") or {}
+            types = {k: v.get("type") for k, v in properties.items() if isinstance(v, dict)}
+    arguments: dict[str, Any] = {}
+    for key, value in _XML_PARAMETER.findall(inner):
+        key = key.strip()
+        if key in arguments:
+            return ToolCall(None, body, f"the tool call gives parameter {key!r} twice")
+        if types.get(key) == "string":
+            arguments[key] = value
+            continue
+        try:
+            arguments[key] = json.loads(value)
+        except (ValueError, RecursionError):
+            arguments[key] = value
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
 def _read_call(body: str) -> ToolCall:
@@ -141,6 +182,7 @@ class Trajectory:
         self.task, self.tools, self.anchor = task, tools, anchor
         self.max_rounds, self.max_turns = max_rounds, max_turns
         self.env = ToolEnvironment(task)
+        self._offered = json.loads(tools) if tools else []
         self.messages: list[dict[str, Any]] = []
         self.user_turn, self.rounds, self.turn = -1, 0, 0
         self.kind, self.done = "prompt", False
@@ -214,7 +256,7 @@ class Trajectory:
         if self.done:
             raise RuntimeError(f"conversation {self.anchor['conversation_id']} is done: no turn to answer")
         self.messages.append(reply)
-        calls = parse_tool_calls(reply.get("content"))
+        calls = parse_tool_calls(reply.get("content"), self._offered)
         results = []
         for k, call in enumerate(calls):
             text = self.env.call(call.name, call.arguments) if call.error is None else error_result(call.error)

@@ -43,6 +43,14 @@ if TYPE_CHECKING:
 __all__ = ["MODES", "CompletionsConfig", "OnPolicyRun", "conversation_anchors", "journal_name", "table_file"]
 
 MODES = ("regenerate", "on_policy")
+#: ``finish_reason`` of a reply whose tool calls a server's tool-call parser took out of its text: the model's own
+#: markup is gone from ``content``, and a context rendered from the parsed calls would not be what it generated.
+PARSED_CALLS = "tool_calls"
+PARSED_CALLS_ERROR = (
+    "the server parsed the tool calls out of the reply (finish_reason tool_calls), so its text no longer holds the "
+    "model's own markup: serve the target without a tool-call parser (no --tool-call-parser / "
+    "--enable-auto-tool-choice), as the servers this project starts run"
+)
 #: Corpus sources whose conversations have an environment: ``bfcl:<category>`` files are named ``bfcl_<category>``.
 BFCL_SOURCE = SOURCE_PREFIX.rstrip(":") + "_"
 
@@ -224,6 +232,9 @@ class OnPolicyRun:
             if not result.ok:
                 part.failed[cid] = result.error
                 return None
+            if result.finish_reason == PARSED_CALLS:
+                part.failed[cid] = PARSED_CALLS_ERROR
+                return None
             row = t.row(result, settings)
             if (problem := row_problem(row)) is not None:
                 part.failed[cid] = f"turn {row['turn']} could not be stored: {problem}"
@@ -298,13 +309,16 @@ class OnPolicyRun:
         return PartitionComplete(pk, data_version, metadata)
 
     def failure_message(self) -> str | None:
-        """Why the run failed once :meth:`run` has ended (partitions with conversations that did not end), or None."""
+        """Why the run failed once :meth:`run` has ended (partitions with conversations that did not end, and the
+        first error that stopped one), or None."""
         left = {p.pk: sum(not t.done for t in p.trajectories) for p in self.parts}
         left = {pk: n for pk, n in left.items() if n}
         if not left:
             return None
+        first = next(((cid, why) for p in self.parts for cid, why in p.failed.items()), None)
+        cause = f"{first[0]}: {str(first[1])[:300]}" if first else str(self.failure or "")
         return (
             f"{sum(left.values())} on-policy conversations did not end in partition(s) {', '.join(left)}"
-            + (f" ({self.failure})" if self.failure else "")
+            + (f" (first: {cause})" if cause else "")
             + "; finished turns are journaled: rerun the partition to resume"
         )
