@@ -198,42 +198,52 @@ STAND_IN = """
 import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+MODE = "{mode}"
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args):
         pass
 
-    def reply(self, payload):
+    def reply(self, payload, status=200):
         body = json.dumps(payload).encode()
-        self.send_response(200)
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
     def do_GET(self):
-        self.reply({"data": [{"id": "m"}]})
+        self.reply({{"data": [{{"id": "m"}}]}})
 
     def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        # a server running a tool-call parser: the calls are taken out of the text, finish_reason says so
-        call = {"id": "c", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
-        message = {"role": "assistant", "content": None, "tool_calls": [call]}
-        self.reply({"choices": [{"index": 0, "finish_reason": "tool_calls", "message": message}],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": 5}})
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        usage = {{"prompt_tokens": 3, "completion_tokens": 2}}
+        if MODE == "parsed":  # a server running a tool-call parser: the calls taken out of the text
+            call = {{"id": "c", "type": "function", "function": {{"name": "ls", "arguments": "{{}}"}}}}
+            message = {{"role": "assistant", "content": None, "tool_calls": [call]}}
+            return self.reply({{"choices": [{{"index": 0, "finish_reason": "tool_calls", "message": message}}],
+                               "usage": usage}})
+        if len(request["messages"]) > 1:  # the second turn no longer fits
+            message = "This model's maximum context length is 10 tokens; the messages hold 12"
+            return self.reply({{"error": {{"message": message}}}}, status=400)
+        message = {{"role": "assistant", "content": "Done."}}
+        self.reply({{"choices": [{{"index": 0, "finish_reason": "stop", "message": message}}], "usage": usage}})
 
 ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """
 
 
-def test_a_server_that_parses_the_calls_out_of_the_text_fails_the_conversation_naming_the_fix(tmp_path):
+def on_policy_through(tmp_path, mode: str):
+    """``completions`` in on_policy mode over one BFCL task, through a stand-in server of ``mode`` (in its own
+    process): the Dagster result and the completions step's materialization metadata (None when it failed)."""
     from dflash_assets.assets.prompts import prompt_corpus
     from dflash_assets.generation.chat_render import SMOLLM2_TOOLS_TEMPLATE
     from dflash_assets.generation.local_model import ensure_local_model
     from dflash_assets_tests.script_server import script_server
 
-    with script_server(STAND_IN) as url, dg.instance_for_test() as instance:
+    with script_server(STAND_IN.format(mode=mode)) as url, dg.instance_for_test() as instance:
         external = {"base_urls": [url], "served_model_name": "m", "tokenizer_path": str(ensure_local_model())}
         resources = {
             "storage": StorageResource(root=str(tmp_path)),
@@ -253,7 +263,19 @@ def test_a_server_that_parses_the_calls_out_of_the_text_fails_the_conversation_n
             run_config={"ops": {"completions": {"config": {"mode": "on_policy"}}}},
             raise_on_error=False,
         )
+    events = result.asset_materializations_for_node("completions") if result.success else []
+    return result, events[0].metadata if events else None
+
+
+def test_a_server_that_parses_the_calls_out_of_the_text_fails_the_conversation_naming_the_fix(tmp_path):
+    result, _ = on_policy_through(tmp_path, "parsed")
     assert not result.success
     failure = str(result.failure_data_for_node("completions").error)
     assert "without a tool-call parser" in failure and "rerun the partition to resume" in failure
     assert not list(tmp_path.rglob("*.on_policy.parquet"))  # nothing committed for an unfinished conversation
+
+
+def test_a_conversation_that_outgrows_the_context_ends_there_and_the_run_succeeds(tmp_path):
+    result, metadata = on_policy_through(tmp_path, "context")
+    assert result.success
+    assert metadata["rows"].value == 1 and metadata["conversations_ended_at_context"].value == 1

@@ -27,7 +27,7 @@ import polars as pl
 from pydantic import Field
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.data.bfcl import SOURCE_PREFIX, BfclTask, load_tasks
+from dflash_assets.data.bfcl import SOURCE_PREFIX, BfclError, BfclTask, load_tasks
 from dflash_assets.data.on_policy import ON_POLICY_SCHEMA, TURN_STRIDE, Trajectory
 from dflash_assets.generation.chat_render import check_prompt_tokens
 from dflash_assets.generation.range_plan import PartitionComplete, RangeRunError
@@ -113,6 +113,7 @@ class OnPolicyPartition:
     failed: dict[str, str] = field(default_factory=dict)
     set_aside: dict[str, str] = field(default_factory=dict)
     without_environment: int = 0
+    ended_at_context: int = 0
 
 
 class OnPolicyRun:
@@ -187,7 +188,11 @@ class OnPolicyRun:
             cid = anchor["conversation_id"]
             if anchors.get(cid) != anchor["index"]:
                 continue  # a later row of a conversation: its trajectory makes every turn
-            task = self.tasks(anchor["source"][len(BFCL_SOURCE) :]).get(cid.split(":", 1)[-1])
+            try:
+                task = self.tasks(anchor["source"][len(BFCL_SOURCE) :]).get(cid.split(":", 1)[-1])
+            except BfclError as exc:  # a user's own file named bfcl_<something>, say
+                part.set_aside[cid] = str(exc)
+                continue
             if task is None:
                 part.set_aside[cid] = "no BFCL task of this id in the installed bfcl-eval"
                 continue
@@ -212,6 +217,11 @@ class OnPolicyRun:
         )
         for cid, why in part.set_aside.items():
             self.log.warning(f"{pk}: conversation {cid} not run: {why}")
+        if not part.trajectories and not part.set_aside:
+            self.log.warning(
+                f"{pk}: no BFCL conversation starts in this partition: mode on_policy writes an empty table for it "
+                "(only 'bfcl:' sources have an environment; docs/configuration.md, on-policy trajectories)"
+            )
         return part
 
     def generate(self, inference: InferenceServerResource, pool, todo: list[tuple[OnPolicyPartition, Trajectory]]):
@@ -229,6 +239,11 @@ class OnPolicyRun:
         def follow_up(result):
             part, t = by_index[result.index]
             cid = t.anchor["conversation_id"]
+            if not result.ok and result.context_refused:  # the conversation outgrew the servers' context
+                t.done = True
+                part.ended_at_context += 1
+                self.log.warning(f"{cid}: ended at turn {t.turn}, its context no longer fits: {result.error[:300]}")
+                return None
             if not result.ok:
                 part.failed[cid] = result.error
                 return None
@@ -278,8 +293,11 @@ class OnPolicyRun:
             pairs = [(r, b[0][: b[1]]) for r, b in zip(rows, built) if isinstance(b, tuple)]
             try:
                 checked = check_prompt_tokens(*zip(*pairs), decode=builder.tokenizer.decode) if pairs else 0
-            except ValueError as exc:
-                raise RangeRunError(f"{pk}: {exc}") from None
+            except ValueError as exc:  # PromptTokensMismatch: stored rows replay as they are, so say how to drop them
+                raise RangeRunError(
+                    f"{pk}: {exc} (on-policy rows are replayed from completions/{journal_name(pk)} and "
+                    f"{'/'.join(table_file(pk))}: remove both to generate the partition's conversations again)"
+                ) from None
         frame = pl.DataFrame(rows, schema=ON_POLICY_SCHEMA) if rows else pl.DataFrame(schema=ON_POLICY_SCHEMA)
         uri = self.store.write_parquet(frame, *table_file(pk))
         part.journal.discard()
@@ -289,6 +307,8 @@ class OnPolicyRun:
             "mode": "on_policy",
             "conversations": len(part.trajectories),
             "conversations_set_aside": len(part.set_aside),
+            # conversations the server refused to go on with, their context grown past its own (run again by a rerun)
+            "conversations_ended_at_context": part.ended_at_context,
             "rows": len(rows),
             "rows_per_turn_kind": dict(sorted(Counter(r["turn_kind"] for r in rows).items())),
             "tool_call_turns": sum(bool(c) for c in calls),
