@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import dagster as dg
+import polars as pl
 import pytest
 from pydantic import ValidationError
 
@@ -220,12 +221,16 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         usage = {{"prompt_tokens": 3, "completion_tokens": 2}}
-        if MODE == "parsed":  # a server running a tool-call parser: the calls taken out of the text
-            call = {{"id": "c", "type": "function", "function": {{"name": "ls", "arguments": "{{}}"}}}}
-            message = {{"role": "assistant", "content": None, "tool_calls": [call]}}
-            return self.reply({{"choices": [{{"index": 0, "finish_reason": "tool_calls", "message": message}}],
-                               "usage": usage}})
-        if len(request["messages"]) > 1:  # the second turn no longer fits
+        first = len(request["messages"]) == 1 and "tools" in request
+        if MODE == "parsed" or (MODE == "parsed_ids" and first):
+            # a server running a tool-call parser: the calls taken out of the text, finish_reason says so
+            call = {{"id": "c", "type": "function", "function": {{"name": "cd", "arguments": "{{}}"}}}}
+            choice = {{"index": 0, "finish_reason": "tool_calls",
+                      "message": {{"role": "assistant", "content": None, "tool_calls": [call]}}}}
+            if MODE == "parsed_ids":
+                choice["token_ids"] = {ids}
+            return self.reply({{"choices": [choice], "usage": usage}})
+        if MODE == "context" and "tools" in request and not first:  # the second turn no longer fits
             message = "This model's maximum context length is 10 tokens; the messages hold 12"
             return self.reply({{"error": {{"message": message}}}}, status=400)
         message = {{"role": "assistant", "content": "Done."}}
@@ -235,7 +240,7 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """
 
 
-def on_policy_through(tmp_path, mode: str):
+def on_policy_through(tmp_path, mode: str, ids: list[int] | None = None):
     """``completions`` in on_policy mode over one BFCL task, through a stand-in server of ``mode`` (in its own
     process): the Dagster result and the completions step's materialization metadata (None when it failed)."""
     from dflash_assets.assets.prompts import prompt_corpus
@@ -243,7 +248,7 @@ def on_policy_through(tmp_path, mode: str):
     from dflash_assets.generation.local_model import ensure_local_model
     from dflash_assets_tests.script_server import script_server
 
-    with script_server(STAND_IN.format(mode=mode)) as url, dg.instance_for_test() as instance:
+    with script_server(STAND_IN.format(mode=mode, ids=ids)) as url, dg.instance_for_test() as instance:
         external = {"base_urls": [url], "served_model_name": "m", "tokenizer_path": str(ensure_local_model())}
         resources = {
             "storage": StorageResource(root=str(tmp_path)),
@@ -279,3 +284,29 @@ def test_a_conversation_that_outgrows_the_context_ends_there_and_the_run_succeed
     result, metadata = on_policy_through(tmp_path, "context")
     assert result.success
     assert metadata["rows"].value == 1 and metadata["conversations_ended_at_context"].value == 1
+
+
+def test_calls_a_server_parsed_out_of_the_text_are_read_back_from_its_output_ids(tmp_path):
+    """The server's parsed call object is not what the model wrote: the turn's text comes back from its ids, and
+    the next turn's context holds that markup, executed as the model wrote it."""
+    from transformers import AutoTokenizer
+
+    from dflash_assets.generation.local_model import ensure_local_model
+
+    markup = "Going there.\n" + call("cd", {"folder": "document"})
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_local_model()), local_files_only=True)
+    ids = tokenizer(markup, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    result, metadata = on_policy_through(tmp_path, "parsed_ids", ids)
+    assert result.success and metadata["tool_calls"].value == 1
+    (table,) = tmp_path.rglob("*.on_policy.parquet")
+    rows = pl.read_parquet(table).sort("index").to_dicts()
+    first, second = rows[0], rows[1]
+    assert json.loads(first["reply"]) == {"role": "assistant", "content": markup}
+    assert first["finish_reason"] == "stop" and list(first["output_token_ids"]) == ids
+    task, _ = task_and_tools()
+    expected = bfcl.ToolEnvironment(task).call("cd", {"folder": "document"})
+    assert [m["content"] for m in json.loads(first["tool_messages"])] == [expected]
+    assert json.loads(second["messages"])[1:] == [
+        {"role": "assistant", "content": markup},
+        *json.loads(first["tool_messages"]),
+    ]

@@ -14,6 +14,7 @@ row's context is the server's ``prompt_token_ids``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -31,28 +32,47 @@ from dflash_assets.data.bfcl import SOURCE_PREFIX, BfclError, BfclTask, load_tas
 from dflash_assets.data.on_policy import ON_POLICY_SCHEMA, TURN_STRIDE, Trajectory
 from dflash_assets.generation.chat_render import check_prompt_tokens
 from dflash_assets.generation.range_plan import PartitionComplete, RangeRunError
-from dflash_assets.generation.records import invalid_reason, row_problem
+from dflash_assets.generation.records import THINK_CLOSE, invalid_reason, row_problem
 from dflash_assets.generation.results import TooManyFailuresError
 from dflash_assets.stages.completions.continuing import check_tool_rendering, load_target_builder
 from dflash_assets.stages.prompts import CORPUS_FILE
 
 if TYPE_CHECKING:
+    from dflash_assets.data.tokenization import SequenceBuilder
+    from dflash_assets.generation.results import CompletionResult
     from dflash_assets.stages.resources.inference import InferenceServerResource
     from dflash_assets.stages.resources.storage import StorageResource
 
 __all__ = ["MODES", "CompletionsConfig", "OnPolicyRun", "conversation_anchors", "journal_name", "table_file"]
 
 MODES = ("regenerate", "on_policy")
-#: ``finish_reason`` of a reply whose tool calls a server's tool-call parser took out of its text: the model's own
-#: markup is gone from ``content``, and a context rendered from the parsed calls would not be what it generated.
-PARSED_CALLS = "tool_calls"
-PARSED_CALLS_ERROR = (
-    "the server parsed the tool calls out of the reply (finish_reason tool_calls), so its text no longer holds the "
-    "model's own markup: serve the target without a tool-call parser (no --tool-call-parser / "
-    "--enable-auto-tool-choice), as the servers this project starts run"
-)
 #: Corpus sources whose conversations have an environment: ``bfcl:<category>`` files are named ``bfcl_<category>``.
 BFCL_SOURCE = SOURCE_PREFIX.rstrip(":") + "_"
+#: ``finish_reason`` of a reply whose tool calls a server's tool-call parser took out of its text: the model's own
+#: markup is gone from ``content`` (:func:`with_own_text` reads it back from the output ids).
+PARSED_CALLS = "tool_calls"
+PARSED_CALLS_ERROR = (
+    "the server parsed the tool calls out of the reply (finish_reason tool_calls) and returned no output token ids "
+    "to read the model's own text back from: serve the target without a tool-call parser (no --tool-call-parser / "
+    "--enable-auto-tool-choice), as the servers this project starts run, or with token ids returned"
+)
+
+
+def with_own_text(result: CompletionResult, builder: SequenceBuilder) -> CompletionResult | None:
+    """``result`` of a server whose tool-call parser took the calls out of the text, with the model's own text
+    back as ``content``: its output ids decoded (a trailing end token dropped; when the server split the thinking
+    off, what follows its ``</think>``), ``finish_reason`` ``stop`` (the model ended its turn). The context of the
+    next turn then holds the markup exactly as generated, never the parsed calls rendered again. None when the
+    reply has no output ids."""
+    ids = list(result.output_token_ids or [])
+    if not ids:
+        return None
+    if ids[-1] in (builder.end_token_id, builder.tokenizer.eos_token_id):
+        ids = ids[:-1]
+    text = builder.tokenizer.decode(ids, skip_special_tokens=False)
+    if result.reasoning_content is not None:
+        text = text.split(THINK_CLOSE, 1)[1].lstrip("\n") if THINK_CLOSE in text else ""
+    return dataclasses.replace(result, content=text, finish_reason="stop")
 
 
 class CompletionsConfig(dg.Config):
@@ -158,12 +178,12 @@ class OnPolicyRun:
                 journal = storage.open_journal("completions", journal_name(pk))
                 self.parts.append(self.plan(pk, prompts, journal, anchors))
             todo = [(part, t) for part in self.parts for t in part.trajectories if not t.done]
+            if builder is None and (todo or any(p.rows for p in self.parts)):
+                builder = load_target_builder(inference, self.chat_template)
             if todo:
                 logs = storage.local_scratch("server_logs", self.keys[0] if len(self.keys) == 1 else "on_policy")
                 with inference.serve(log_dir=logs, settings=self.settings, chat_template=self.chat_template) as pool:
-                    self.generate(inference, pool, todo)
-            if builder is None and any(p.rows for p in self.parts):
-                builder = load_target_builder(inference, self.chat_template)
+                    self.generate(inference, pool, todo, builder)
             for part in self.parts:
                 yield self.commit(part, builder)
         finally:
@@ -224,7 +244,9 @@ class OnPolicyRun:
             )
         return part
 
-    def generate(self, inference: InferenceServerResource, pool, todo: list[tuple[OnPolicyPartition, Trajectory]]):
+    def generate(
+        self, inference: InferenceServerResource, pool, todo: list[tuple[OnPolicyPartition, Trajectory]], builder
+    ):
         """Run the conversations of ``todo`` to their ends through one client: each conversation has one request
         in flight at a time (its next turn is a follow-up of its last, to the same server); each turn's row is
         journaled as its reply arrives."""
@@ -247,7 +269,7 @@ class OnPolicyRun:
             if not result.ok:
                 part.failed[cid] = result.error
                 return None
-            if result.finish_reason == PARSED_CALLS:
+            if result.finish_reason == PARSED_CALLS and (result := with_own_text(result, builder)) is None:
                 part.failed[cid] = PARSED_CALLS_ERROR
                 return None
             row = t.row(result, settings)
