@@ -1,8 +1,8 @@
 """On-policy agentic trajectories (no Dagster imports): the target is the assistant of a BFCL multi-turn task.
 
 A :class:`Trajectory` holds one conversation: the task's first user turn and its tools are sent; the reply's tool
-calls are read from the generated text in the Hermes format the target's template writes
-(``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, :func:`parse_tool_calls`) and executed by the task's
+calls are read from the generated text in the format the target's template writes (``<tool_call>`` blocks of
+Hermes JSON or of Qwen3.6's ``<function=...>`` XML, :func:`parse_tool_calls`) and executed by the task's
 :class:`~dflash_assets.data.bfcl.ToolEnvironment`; their results go back as ``tool`` messages and the target is
 asked again. A reply without a call (or the ``max_rounds``-th reply to one user turn) moves on to the task's next
 user turn; the conversation ends after its last user turn, or at ``max_turns`` assistant turns.
