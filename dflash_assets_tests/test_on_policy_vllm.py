@@ -30,6 +30,7 @@ from dflash_assets.data.bfcl import ToolEnvironment, load_tasks
 from dflash_assets.generation.chat_render import SMOLLM2_TOOLS_TEMPLATE
 from dflash_assets.generation.journal import RowJournal
 from dflash_assets.generation.local_model import ensure_local_model
+from dflash_assets.orchestration import freshness
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.completions.continuing import load_target_builder
 from dflash_assets.stages.completions.on_policy import journal_name, table_file
@@ -328,6 +329,11 @@ def test_kill_9_mid_conversation_then_rerun_keeps_every_finished_turn_and_resend
         result = dg.materialize([completions], instance=instance, resources=res, partition_key=pk, run_config=ON_POLICY)
         assert result.success
         metadata = result.asset_materializations_for_node("completions")[0].metadata
+        # judged as any completions partition: up to date for this corpus and these settings, stale under others
+        settings = res["generation"].settings()
+        assert freshness.completions_reasons(instance, [pk], settings) == {pk: None}
+        hotter = GenerationResource(max_output_tokens=CAP, temperature=0.7).settings()
+        assert freshness.completions_reasons(instance, [pk], hotter) == {pk: "sampling changed"}
     rows = pl.read_parquet(root.joinpath(*table_file(pk))).sort("index").to_dicts()
     assert len(finished) < len(rows), "the kill came after the last turn: nothing was left to resume"
     assert metadata["turns_resumed"].value == len(finished)

@@ -30,11 +30,13 @@ from pydantic import Field
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.bfcl import SOURCE_PREFIX, BfclError, BfclTask, load_tasks
 from dflash_assets.data.on_policy import ON_POLICY_SCHEMA, TURN_STRIDE, Trajectory
+from dflash_assets.data.prompt_index import prompt_version
 from dflash_assets.generation.chat_render import check_prompt_tokens
 from dflash_assets.generation.range_plan import PartitionComplete, RangeRunError
 from dflash_assets.generation.records import THINK_CLOSE, invalid_reason, row_problem
 from dflash_assets.generation.results import TooManyFailuresError
 from dflash_assets.stages.completions.continuing import check_tool_rendering, load_target_builder
+from dflash_assets.stages.completions.tables import completion_stats
 from dflash_assets.stages.prompts import CORPUS_FILE
 
 if TYPE_CHECKING:
@@ -134,6 +136,7 @@ class OnPolicyPartition:
     set_aside: dict[str, str] = field(default_factory=dict)
     without_environment: int = 0
     ended_at_context: int = 0
+    prompts_version: str | None = None
 
 
 class OnPolicyRun:
@@ -198,6 +201,7 @@ class OnPolicyRun:
     def plan(self, pk: str, prompts: pl.DataFrame, journal, anchors: dict[str, int]) -> OnPolicyPartition:
         """The partition's conversations, each rebuilt from its stored rows (the table's, then the journal's)."""
         part = OnPolicyPartition(pk, journal)
+        part.prompts_version = prompt_version(list(zip(prompts["index"].to_list(), prompts["content_hash"].to_list())))
         stored: dict[int, dict] = {}
         if self.store.exists(*table_file(pk)):
             stored = {r["index"]: r for r in self.store.read_parquet(*table_file(pk)).iter_rows(named=True)}
@@ -326,6 +330,10 @@ class OnPolicyRun:
         data_version = hashlib.sha256(self.store.read_bytes(*table_file(pk))).hexdigest()[:20]
         calls = [json.loads(r["tool_messages"]) for r in rows]
         metadata = {
+            # what freshness reads of any completions partition: the corpus version it answers, the row counts,
+            # the settings fingerprints and caps of its rows (a corpus or settings change makes it stale)
+            **completion_stats(frame),
+            "prompts_version": part.prompts_version,
             "mode": "on_policy",
             "conversations": len(part.trajectories),
             "conversations_set_aside": len(part.set_aside),
@@ -340,7 +348,6 @@ class OnPolicyRun:
             "turns_generated": part.generated,
             "corpus_rows_without_environment": part.without_environment,
             "prompt_ids_checked": checked,
-            "finish_reasons": dict(sorted(Counter(r["finish_reason"] for r in rows).items())),
             "output_tokens": sum(r["completion_tokens"] or 0 for r in rows),
             "max_rounds_per_user_turn": self.config.max_rounds_per_user_turn,
             "max_turns_per_conversation": self.config.max_turns_per_conversation,
