@@ -155,6 +155,14 @@ def test_unknown_op_config_key_and_bad_type(tmp_path, monkeypatch):
     assert error_of(cfg.validate_ops, project_assets()).startswith(f"{path}: ops.prompt_corpus: unknown key 'configs'")
 
 
+def test_the_completions_mode_is_read_from_the_config_file_and_checked(tmp_path, monkeypatch):
+    write(tmp_path, "ops:\n  completions: {config: {mode: on_policy, max_rounds_per_user_turn: 2}}\n", monkeypatch)
+    cfg.validate_ops(project_assets())
+    path = write(tmp_path, "ops:\n  completions: {config: {mode: on-policy}}\n", monkeypatch)
+    msg = error_of(cfg.validate_ops, project_assets())
+    assert msg.startswith(f"{path}: ops.completions.config: ") and "on-policy" in msg and "on_policy" in msg
+
+
 def test_bundled_configs_are_valid(monkeypatch):
     for path in sorted(cfg.BUNDLED.glob("*.yaml")):
         monkeypatch.setenv("DFLASH_CONFIG", str(path))

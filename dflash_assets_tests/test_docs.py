@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from dflash_assets.dflash.train_config import TrainConfig, TrainSettings
+from dflash_assets.stages.completions.on_policy import CompletionsConfig
 from dflash_assets.stages.drafter.config import DrafterConfig
 from dflash_assets.stages.evaluation.config import EvaluationConfig
 from dflash_assets.stages.hidden_states import HiddenStatesConfig
@@ -65,6 +66,7 @@ SECTIONS = [
     ("resources.target_model", TargetModelResource),
     ("resources.cost", CostResource),
     ("ops.prompt_corpus.config", PromptCorpusConfig),
+    ("ops.completions.config", CompletionsConfig),
     ("ops.tokenized_sequences.config", TokenizeConfig),
     ("ops.hidden_states.config", HiddenStatesConfig),
     ("ops.dflash_drafter.config", DrafterConfig),

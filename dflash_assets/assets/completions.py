@@ -27,6 +27,7 @@ from dflash_assets.orchestration.history import plain_metadata
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.pools import INFERENCE_POOL
 from dflash_assets.orchestration.runs import partition_busy_message, runs_holding_partitions
+from dflash_assets.stages.completions.on_policy import CompletionsConfig, OnPolicyRun
 from dflash_assets.stages.completions.range_run import RangeRun
 from dflash_assets.stages.completions.tables import load_range_prompts
 from dflash_assets.stages.resources.generation import GenerationResource, served_settings
@@ -146,6 +147,7 @@ with warnings.catch_warnings():
 
 def completions(
     context: dg.AssetExecutionContext,
+    config: CompletionsConfig,
     storage: StorageResource,
     inference: InferenceServerResource,
     generation: GenerationResource,
@@ -168,18 +170,22 @@ def completions(
         raise dg.Failure(partition_busy_message(context.instance, "completions", holding))
     store = storage.open()
     settings = served_settings(generation, inference, target_model)  # context: prompts are judged against it
-    run = RangeRun(
-        context.log,
-        store,
-        settings,
-        keys,
-        kept_version=kept_versions(context, settings),
-        failed_since=lambda pks: failed_since_materialized(
-            context.instance, context.asset_key, pks, context.run.run_id
-        ),
-        exposure=inference.exposure_warnings(),
-        chat_template=chat_template_or_failure(target_model),
-    )
+    template = chat_template_or_failure(target_model)
+    if config.mode == "on_policy":  # the target runs the corpus's BFCL tasks as the assistant (issue 43 item 5)
+        run = OnPolicyRun(context.log, store, settings, keys, config, chat_template=template)
+    else:
+        run = RangeRun(
+            context.log,
+            store,
+            settings,
+            keys,
+            kept_version=kept_versions(context, settings),
+            failed_since=lambda pks: failed_since_materialized(
+                context.instance, context.asset_key, pks, context.run.run_id
+            ),
+            exposure=inference.exposure_warnings(),
+            chat_template=template,
+        )
     try:
         for event in run.run(load_range_prompts(store, keys), storage, inference):
             yield from materialization(context, event, keys)

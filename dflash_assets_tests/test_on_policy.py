@@ -1,0 +1,312 @@
+"""On-policy trajectories without a server (issue 43 item 5): how a reply's tool calls are read, what the
+conversation does with them (executed, answered, errors as tool results), the turn limits, replaying stored turns,
+and the ``completions`` config that selects the mode. The runs through a real server: test_on_policy_vllm.py."""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+import polars as pl
+import pytest
+from pydantic import ValidationError
+
+from dflash_assets.assets.completions import completions
+from dflash_assets.data import bfcl
+from dflash_assets.data.on_policy import TURN_STRIDE, ToolCall, Trajectory, parse_tool_calls, row_key
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.completions.on_policy import CompletionsConfig
+from dflash_assets.stages.resources.generation import GenerationResource
+from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.resources.target_model import TargetModelResource
+
+
+def call(name: str, arguments: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def test_tool_calls_are_read_from_the_text_in_order_and_bad_ones_say_why():
+    text = "Let me look.\n" + call("ls", {"a": True}) + " then " + call("cd", {"folder": "x"})
+    assert parse_tool_calls(text) == [ToolCall("ls", '{"a": true}'), ToolCall("cd", '{"folder": "x"}')]
+    assert parse_tool_calls('<tool_call>{"name": "pwd"}</tool_call>') == [ToolCall("pwd", "{}")]
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"k\\": 1}"}</tool_call>') == [
+        ToolCall("f", '{"k": 1}')  # arguments given as JSON text are passed on as they are
+    ]
+    assert parse_tool_calls("no call here") == [] and parse_tool_calls(None) == []
+    bad = parse_tool_calls(
+        "<tool_call>{not json}</tool_call><tool_call>[1]</tool_call>"
+        '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "tail"'
+    )
+    assert [c.name for c in bad] == [None] * 4
+    assert "not JSON" in bad[0].error and '"name" string' in bad[1].error and '"name" string' in bad[2].error
+    assert "not closed" in bad[3].error and bad[3].arguments == '{"name": "tail"'
+    deep = parse_tool_calls("<tool_call>" + "[" * 100_000 + "</tool_call>")
+    assert deep[0].error is not None  # deep nesting is a bad call, never a crash
+
+
+def task_and_tools(task_id: str = "multi_turn_base_0") -> tuple[bfcl.BfclTask, str]:
+    task = next(t for t in bfcl.load_tasks() if t.id == task_id)
+    return task, json.dumps(bfcl.ToolEnvironment(task).tools)
+
+
+def trajectory(max_rounds: int = 8, max_turns: int = 64) -> Trajectory:
+    task, tools = task_and_tools()
+    anchor = {"index": 3, "conversation_id": f"bfcl_multi_turn_base:{task.id}", "source": "bfcl_multi_turn_base"}
+    return Trajectory(task, tools, anchor, max_rounds, max_turns)
+
+
+def test_calls_are_executed_in_order_and_their_results_follow_the_reply_as_generated():
+    t = trajectory()
+    task = t.task
+    assert t.messages == task.turns[0] and t.kind == "prompt" and t.key == row_key(3, 0) == 3 * TURN_STRIDE
+    reply = {"role": "assistant", "content": "Sure.\n" + call("mkdir", {"dir_name": "temp"}) + call("ls", {})}
+    results = t.answer(reply)
+    env = bfcl.ToolEnvironment(task)  # the expected results, from a fresh environment of the task
+    expected = [env.call("mkdir", {"dir_name": "temp"}), env.call("ls", {})]
+    assert [m["content"] for m in results] == expected and "temp" in expected[1]
+    assert [m["name"] for m in results] == ["mkdir", "ls"] and [m["tool_call_id"] for m in results] == [
+        "call_0_0",
+        "call_0_1",
+    ]
+    assert t.messages == [*task.turns[0], reply, *results]  # the reply's own text, never a parsed call
+    assert t.kind == "after_tool" and t.turn == 1 and not t.done
+    t.answer({"role": "assistant", "content": "Done."})  # no call: the task's next user turn
+    assert t.messages[-1] == task.turns[1][0] and t.kind == "follow_up"
+    for _ in task.turns[2:]:
+        t.answer({"role": "assistant", "content": "Done."})
+    assert not t.done
+    t.answer({"role": "assistant", "content": "Done."})  # the answer to the last user turn ends it
+    assert t.done and t.turn == 2 + len(task.turns) - 1
+    with pytest.raises(RuntimeError, match="done"):
+        t.answer({"role": "assistant", "content": "more"})
+
+
+def test_bad_calls_become_error_results_and_the_conversation_goes_on():
+    t = trajectory()
+    text = (
+        "<tool_call>{not json}</tool_call>"
+        + call("rm_everything", {})
+        + call("cd", {"no_such_parameter": 1})
+        + '<tool_call>{"name": "tail"'
+    )
+    results = t.answer({"role": "assistant", "content": text})
+    errors = [json.loads(m["content"])["error"] for m in results]
+    assert len(errors) == 4
+    assert "not JSON" in errors[0] and "unknown function 'rm_everything'" in errors[1]
+    assert "bad arguments for cd" in errors[2] and "not closed" in errors[3]
+    assert "name" not in results[0] and results[1]["name"] == "rm_everything"
+    assert t.kind == "after_tool" and not t.done
+
+
+def test_a_model_that_keeps_calling_moves_on_after_max_rounds_and_stops_at_max_turns():
+    t = trajectory(max_rounds=2, max_turns=5)
+    looping = {"role": "assistant", "content": call("pwd", {})}
+    t.answer(looping)
+    assert t.kind == "after_tool" and t.user_turn == 0
+    t.answer(looping)  # the second reply to the user turn: its call is answered, then the next user turn
+    assert t.messages[-2]["role"] == "tool" and t.messages[-1] == t.task.turns[1][0] and t.kind == "follow_up"
+    for _ in range(3):
+        t.answer(looping)
+    assert t.done and t.turn == 5
+
+
+def test_stored_turns_replay_without_a_request_only_onto_their_own_context():
+    live = trajectory()
+    rows = []
+    for content in [call("mkdir", {"dir_name": "temp"}), "Done.", call("ls", {})]:
+        reply = {"role": "assistant", "content": content}
+        rows.append({"turn": live.turn, "prompt_hash": live.context_hash(), "reply": json.dumps(reply)})
+        live.answer(reply)
+    resumed = trajectory()
+    assert all(resumed.replay(row) for row in rows)
+    assert resumed.messages == live.messages and resumed.turn == live.turn and resumed.kind == live.kind
+    assert resumed.env.call("ls", {}) == live.env.call("ls", {})  # the tools' state is rebuilt too
+    other = trajectory()
+    assert not other.replay(rows[1])  # not the next turn
+    assert not other.replay({**rows[0], "prompt_hash": "another context"}) and other.turn == 0
+
+
+def test_the_mode_is_checked_and_defaults_to_regeneration(tmp_path):
+    assert CompletionsConfig().mode == "regenerate"
+    assert CompletionsConfig(mode="on_policy").max_rounds_per_user_turn == 8
+    with pytest.raises(ValidationError, match="mode"):
+        CompletionsConfig(mode="on-policy")
+    with pytest.raises(ValidationError):
+        CompletionsConfig(max_turns_per_conversation=TURN_STRIDE)
+    resources = {
+        "storage": StorageResource(root=str(tmp_path)),
+        "inference": InferenceServerResource(),
+        "generation": GenerationResource(),
+        "target_model": TargetModelResource(),
+    }
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, ["0000000-0000001"])
+        for config, words in (({"max_turn": 3}, 'unexpected config entry "max_turn"'), ({"mode": "on-policy"}, "enum")):
+            with pytest.raises(dg.DagsterInvalidConfigError, match=words):
+                dg.materialize(
+                    [completions],
+                    instance=instance,
+                    resources=resources,
+                    partition_key="0000000-0000001",
+                    run_config={"ops": {"completions": {"config": config}}},
+                )
+
+
+def test_qwen36_calls_are_read_as_its_template_writes_them():
+    """The Qwen3.6 stand-in's template (Qwen3.6's layout) renders calls; reading the rendered text back gives the
+    same calls: a string parameter as written (digits too), any other value as the JSON the template wrote."""
+    from transformers import AutoTokenizer
+
+    from dflash_assets.generation.hybrid_standin import CHAT_TEMPLATE
+    from dflash_assets.generation.local_model import ensure_local_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_local_model()), local_files_only=True)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "send",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "to": {"type": "string"},
+                        "body": {"type": "string"},
+                        "copies": {"type": "integer"},
+                        "tags": {"type": "array"},
+                    },
+                },
+            },
+        }
+    ]
+    arguments = {"to": "7", "body": "two\nlines <b>", "copies": 2, "tags": ["a", {"b": None}]}
+    calls = [{"id": "c0", "type": "function", "function": {"name": "send", "arguments": arguments}}]
+    messages = [{"role": "user", "content": "Send it."}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": "ok"}], tools=tools, tokenize=False)
+    reply = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert "<function=send>" in reply
+    (read,) = parse_tool_calls(reply, tools)
+    assert read.error is None and read.name == "send" and json.loads(read.arguments) == arguments
+    assert json.loads(parse_tool_calls(reply)[0].arguments)["to"] == 7  # without the schema, digits read as JSON
+    bad = parse_tool_calls("<tool_call>\n<function=send>\n<parameter=to>\nx\n</parameter>\n</tool_call>", tools)
+    assert bad[0].name is None and "</function>" in bad[0].error
+    twice = "<tool_call><function=send><parameter=to>a</parameter><parameter=to>b</parameter></function></tool_call>"
+    assert "twice" in parse_tool_calls(twice, tools)[0].error
+
+
+STAND_IN = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MODE = "{mode}"
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, payload, status=200):
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self.reply({{"data": [{{"id": "m"}}]}})
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        usage = {{"prompt_tokens": 3, "completion_tokens": 2}}
+        first = len(request["messages"]) == 1 and "tools" in request
+        if MODE == "parsed" or (MODE == "parsed_ids" and first):
+            # a server running a tool-call parser: the calls taken out of the text, finish_reason says so
+            call = {{"id": "c", "type": "function", "function": {{"name": "cd", "arguments": "{{}}"}}}}
+            choice = {{"index": 0, "finish_reason": "tool_calls",
+                      "message": {{"role": "assistant", "content": None, "tool_calls": [call]}}}}
+            if MODE == "parsed_ids":
+                choice["token_ids"] = {ids}
+            return self.reply({{"choices": [choice], "usage": usage}})
+        if MODE == "context" and "tools" in request and not first:  # the second turn no longer fits
+            message = "This model's maximum context length is 10 tokens; the messages hold 12"
+            return self.reply({{"error": {{"message": message}}}}, status=400)
+        message = {{"role": "assistant", "content": "Done."}}
+        self.reply({{"choices": [{{"index": 0, "finish_reason": "stop", "message": message}}], "usage": usage}})
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def on_policy_through(tmp_path, mode: str, ids: list[int] | None = None):
+    """``completions`` in on_policy mode over one BFCL task, through a stand-in server of ``mode`` (in its own
+    process): the Dagster result and the completions step's materialization metadata (None when it failed)."""
+    from dflash_assets.assets.prompts import prompt_corpus
+    from dflash_assets.generation.chat_render import SMOLLM2_TOOLS_TEMPLATE
+    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets_tests.script_server import script_server
+
+    with script_server(STAND_IN.format(mode=mode, ids=ids)) as url, dg.instance_for_test() as instance:
+        external = {"base_urls": [url], "served_model_name": "m", "tokenizer_path": str(ensure_local_model())}
+        resources = {
+            "storage": StorageResource(root=str(tmp_path)),
+            "inference": InferenceServerResource(mode="external", external=external),
+            "generation": GenerationResource(max_output_tokens=8),
+            "target_model": TargetModelResource(chat_template=SMOLLM2_TOOLS_TEMPLATE),
+        }
+        sources = {"sources": ["bfcl:multi_turn_base?limit=1&tools=used"]}
+        corpus = {"ops": {"prompt_corpus": {"config": sources}}}
+        assert dg.materialize([prompt_corpus], instance=instance, resources=resources, run_config=corpus).success
+        (pk,) = instance.get_dynamic_partitions(prompt_ranges.name)
+        result = dg.materialize(
+            [completions],
+            instance=instance,
+            resources=resources,
+            partition_key=pk,
+            run_config={"ops": {"completions": {"config": {"mode": "on_policy"}}}},
+            raise_on_error=False,
+        )
+    events = result.asset_materializations_for_node("completions") if result.success else []
+    return result, events[0].metadata if events else None
+
+
+def test_a_server_that_parses_the_calls_out_of_the_text_fails_the_conversation_naming_the_fix(tmp_path):
+    result, _ = on_policy_through(tmp_path, "parsed")
+    assert not result.success
+    failure = str(result.failure_data_for_node("completions").error)
+    assert "without a tool-call parser" in failure and "rerun the partition to resume" in failure
+    assert not list(tmp_path.rglob("*.on_policy.parquet"))  # nothing committed for an unfinished conversation
+
+
+def test_a_conversation_that_outgrows_the_context_ends_there_and_the_run_succeeds(tmp_path):
+    result, metadata = on_policy_through(tmp_path, "context")
+    assert result.success
+    assert metadata["rows"].value == 1 and metadata["conversations_ended_at_context"].value == 1
+
+
+def test_calls_a_server_parsed_out_of_the_text_are_read_back_from_its_output_ids(tmp_path):
+    """The server's parsed call object is not what the model wrote: the turn's text comes back from its ids, and
+    the next turn's context holds that markup, executed as the model wrote it."""
+    from transformers import AutoTokenizer
+
+    from dflash_assets.generation.local_model import ensure_local_model
+
+    markup = "Going there.\n" + call("cd", {"folder": "document"})
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_local_model()), local_files_only=True)
+    ids = tokenizer(markup, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    result, metadata = on_policy_through(tmp_path, "parsed_ids", ids)
+    assert result.success and metadata["tool_calls"].value == 1
+    (table,) = tmp_path.rglob("*.on_policy.parquet")
+    rows = pl.read_parquet(table).sort("index").to_dicts()
+    first, second = rows[0], rows[1]
+    assert json.loads(first["reply"]) == {"role": "assistant", "content": markup}
+    assert first["finish_reason"] == "stop" and list(first["output_token_ids"]) == ids
+    task, _ = task_and_tools()
+    expected = bfcl.ToolEnvironment(task).call("cd", {"folder": "document"})
+    assert [m["content"] for m in json.loads(first["tool_messages"])] == [expected]
+    assert json.loads(second["messages"])[1:] == [
+        {"role": "assistant", "content": markup},
+        *json.loads(first["tool_messages"]),
+    ]
