@@ -310,3 +310,38 @@ def test_calls_a_server_parsed_out_of_the_text_are_read_back_from_its_output_ids
         {"role": "assistant", "content": markup},
         *json.loads(first["tool_messages"]),
     ]
+
+
+def test_tokenized_refuses_a_partition_of_only_on_policy_rows_saying_why(tmp_path):
+    """No stage reads on-policy rows yet: tokenizing a partition whose completions ran ``mode: on_policy`` fails
+    naming the mode and the way out, rather than a missing file."""
+    import dagster as dg
+
+    from dflash_assets.assets.tokenized import tokenized_sequences
+    from dflash_assets.orchestration.partitions import prompt_ranges
+    from dflash_assets.stages.completions.on_policy import table_file
+    from dflash_assets.stages.resources.generation import GenerationResource
+    from dflash_assets.stages.resources.storage import StorageResource
+    from dflash_assets.stages.resources.target_model import TargetModelResource
+
+    pk = "0000000-0000003"
+    table = tmp_path.joinpath(*table_file(pk))
+    table.parent.mkdir(parents=True)
+    table.write_bytes(b"")
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, [pk])
+        result = dg.materialize(
+            [tokenized_sequences],
+            instance=instance,
+            partition_key=pk,
+            resources={
+                "storage": StorageResource(root=str(tmp_path)),
+                "target_model": TargetModelResource(),
+                "generation": GenerationResource(),
+            },
+            raise_on_error=False,
+        )
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    message = failure.step_failure_data.error.message
+    assert "mode: on_policy" in message and "mode: regenerate" in message and pk in message

@@ -7,11 +7,19 @@ from dflash_assets.common.cost import CpuClock
 from dflash_assets.data.tokenization import SequenceBuilder
 from dflash_assets.orchestration.check_gate import CHECK_DEGENERATE, CHECK_NONEMPTY, CHECK_ROUNDTRIP
 from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.stages.completions.on_policy import table_file as on_policy_table
 from dflash_assets.stages.completions.tables import load_prompts, partition_file
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_assets.stages.tokenized import CHECK_MAX_LENGTH, CHECK_RETOKENIZED, TokenizeConfig, tokenize_stage
+
+#: Partitions whose completions ran ``mode: on_policy`` hold only on-policy rows, which no stage reads yet.
+ON_POLICY_NOT_TOKENIZED = (
+    "{pk}: completions ran with mode: on_policy, whose rows (completions/{pk}.on_policy.parquet) are not tokenized "
+    "yet (docs/configuration.md, 'On-policy trajectories'); materialize completions for this partition with "
+    "mode: regenerate to train on it"
+)
 
 
 @dg.asset(
@@ -68,6 +76,8 @@ def tokenized_sequences(
 ):
     pk = context.partition_key
     store = storage.open()
+    if not store.exists(*partition_file(pk)) and store.exists(*on_policy_table(pk)):
+        raise dg.Failure(ON_POLICY_NOT_TOKENIZED.format(pk=pk))
     completions = store.read_parquet(*partition_file(pk))
     prompts = load_prompts(store, pk)
     builder = SequenceBuilder(target_model.load_tokenizer(), end_token=config.end_token or None)
