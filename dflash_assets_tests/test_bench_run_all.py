@@ -204,7 +204,7 @@ def test_prefix_affinity_bench_counts_prefill_by_hand():
         sys.path.remove(str(ROOT / "bench"))
     cache = bench.PagedPrefixCache(capacity=1000, page_size=4)
     assert cache.prefill(list(range(10))) == 10
-    assert cache.prefill(list(range(10)) + [99]) == 3  # 2 whole pages (8 tokens) cached: 11 - 8
+    assert cache.prefill([*range(10), 99]) == 3  # 2 whole pages (8 tokens) cached: 11 - 8
     assert cache.prefill([5, *range(1, 10)]) == 10  # same tokens later on: not a prefix, no hit
     small = bench.PagedPrefixCache(capacity=8, page_size=4)  # room for 2 pages
     small.prefill(list(range(8)))

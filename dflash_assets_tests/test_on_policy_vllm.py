@@ -135,10 +135,12 @@ STAGE = textwrap.dedent(
     inference = InferenceServerResource(mode="external", max_running_requests=4, external={{
         "base_urls": [url], "served_model_name": model, "backend": "vllm", "tokenizer_path": tokenizer,
         "context_length": {context}}})
+    target = TargetModelResource(chat_template="{template}")
     settings = GenerationResource(max_output_tokens={cap}, temperature=0.0).settings()
+    settings = settings.with_template(target.chat_template_text())  # as the asset stamps its rows
     store = storage.open()
     run = OnPolicyRun(logging.getLogger("stage"), store, settings, [pk], CompletionsConfig(mode="on_policy"),
-                      chat_template=TargetModelResource(chat_template="{template}").chat_template_path())
+                      chat_template=target.chat_template_path())
     for event in run.run(load_range_prompts(store, [pk]), storage, inference):
         print(event.pk, event.failure or "committed", flush=True)
     """
@@ -330,10 +332,11 @@ def test_kill_9_mid_conversation_then_rerun_keeps_every_finished_turn_and_resend
         assert result.success
         metadata = result.asset_materializations_for_node("completions")[0].metadata
         # judged as any completions partition: up to date for this corpus and these settings, stale under others
-        settings = res["generation"].settings()
+        template = res["target_model"].chat_template_text()
+        settings = res["generation"].settings().with_template(template)
         assert freshness.completions_reasons(instance, [pk], settings) == {pk: None}
-        hotter = GenerationResource(max_output_tokens=CAP, temperature=0.7).settings()
-        assert freshness.completions_reasons(instance, [pk], hotter) == {pk: "sampling changed"}
+        hotter = GenerationResource(max_output_tokens=CAP, temperature=0.7).settings().with_template(template)
+        assert freshness.completions_reasons(instance, [pk], hotter) == {pk: "sampling or chat template changed"}
     rows = pl.read_parquet(root.joinpath(*table_file(pk))).sort("index").to_dicts()
     assert len(finished) < len(rows), "the kill came after the last turn: nothing was left to resume"
     assert metadata["turns_resumed"].value == len(finished)
