@@ -73,6 +73,8 @@ def config_copy(tmp: Path, cap: int, store_root: Path) -> Path:
     data = yaml.safe_load(BUNDLED.read_text())
     data["resources"]["generation"]["max_output_tokens"] = cap
     data["resources"]["storage"] = {"root": str(store_root)}
+    # the rows here are made with the model's own template (no template in their fingerprint), as status judges
+    data["resources"].get("target_model", {}).pop("chat_template", None)
     path = tmp / f"config_cap{cap}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
