@@ -61,12 +61,14 @@ TIMED = {"max_steps": 400, "lr": 0.001, "max_anchors": 64, "num_hidden_layers": 
 # control's (~0.21 s a step: ~1300 steps in all). lr 2e-3: a longer cosine schedule may stand a higher peak.
 # A step's cost is mostly the target's lm_head (49152 x 576) over anchors x block positions (~56 MFLOP a
 # position, a 576-wide decoder layer ~6): a second layer adds capacity for ~10% more a step, while max_anchors
-# 128 would double the step (the same positions seen per second as 64)
+# 128 would double the step (the same positions seen per second as 64). First run of this grid (shared machine,
+# load 1.9-3.2): 1200 steps 1.716, 1200 steps at lr 2e-3 1.610, 1100 steps with 2 layers 1.745 (> n-gram 1.738).
+# So capacity, not the schedule: 2 layers again, 3 layers, and 2 layers at a lower peak lr
 CONFIGS: dict[str, dict] = {
     "timed-400-steps-lr-1e-3": {},
-    "1200-steps": {"max_steps": 1200},
-    "1200-steps-lr-2e-3": {"max_steps": 1200, "lr": 0.002},
     "1100-steps-2-layers": {"max_steps": 1100, "num_hidden_layers": 2},
+    "1000-steps-3-layers": {"max_steps": 1000, "num_hidden_layers": 3},
+    "1100-steps-2-layers-lr-7e-4": {"max_steps": 1100, "num_hidden_layers": 2, "lr": 0.0007},
 }
 
 
