@@ -9,7 +9,8 @@ session server instead of the demo's sampled completions.
 
 Run-to-run spread: the drafter is trained twice with different seeds (different init, data order and
 anchors) and each is measured by real speculative decoding on the held-out prompts; the spread is the
-difference of the two tau values. The untrained drafter's tau is measured in the same runs.
+difference of the two tau values. The untrained drafter's tau is measured in the same runs
+(``drafter_evaluation.untrained_baseline: true``, off in the demo).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def demo_runs(local_inference, tmp_path_factory):
                 max_new_tokens=EVAL_NEW_TOKENS,
                 engine="vllm" if seed == 0 else "none",
                 prompt_files=[],
+                untrained_baseline=True,  # off by default; this test compares against it
             )
             run_config = {
                 "ops": {"dflash_drafter": {"config": train_config}, "drafter_evaluation": {"config": eval_config}}

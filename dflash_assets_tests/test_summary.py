@@ -405,12 +405,35 @@ def test_one_partition_is_named_and_missing_stages_are_marked(tmp_path):
     assert line(text, "completions        ").startswith(f"{COMPLETIONS[KEYS[0]]['rows']} rows (errors: 1)")
     assert line(text, "truncation") == "- of completions hit the cap of - tokens"
     assert line(text, "tokenized          ") == "0 rows, 0 loss tokens"
-    assert line(text, "acceptance length") == "tau - (untrained drafter: -)"
+    assert line(text, "acceptance length") == "tau -"
     assert "cap advice" not in text and "<pk>" not in text
     where = text.split("== where the outputs are ==")[1]
     assert f"{root}/completions/{KEYS[0]}.parquet\n" in where  # written: no mark
     assert f"{root}/tokenized_sequences/{KEYS[0]}.parquet  (not written yet)" in where
     assert f"{root}/drafter_evaluation/acceptance.png  (not written yet)" in where
+
+
+def test_an_evaluation_without_the_untrained_drafter_prints_no_untrained_figure(tmp_path):
+    """The default evaluation (``untrained_baseline: false``) reports no ``*_untrained`` figure: the summary
+    leaves the untrained drafter out of the acceptance and dataset lines instead of printing ``None``."""
+    untrained_keys = ("tau_untrained", "tau_untrained_stderr", "tau_margin_in_stderr", "teacher_forced_tau_untrained")
+    evaluation = {k: v for k, v in EVALUATION.items() if k not in untrained_keys}
+    evaluation["tau_by_dataset"] = {
+        name: {k: v for k, v in d.items() if k != "tau_untrained"} for name, d in EVALUATION["tau_by_dataset"].items()
+    }
+    with dg.instance_for_test() as instance:
+        fill(instance, tmp_path / "data")
+        report(instance, "drafter_evaluation", evaluation)
+        s = collect_summary(instance, KEYS, StorageResource(root=str(tmp_path / "data")))
+    text = format_summary(s)
+    assert s["tau_untrained"] is None
+    assert line(text, "acceptance length") == (
+        f"tau {EVALUATION['tau']} +- {EVALUATION['tau_stderr']} (mean of per-prompt means; pooled "
+        f"{EVALUATION['tau_pooled']} +- {EVALUATION['tau_pooled_stderr']}) on {EVALUATION['num_prompts']} held-out "
+        f"prompts, speedup {EVALUATION['speedup_wall']}x, lossless: yes"
+    )
+    assert "  humaneval: tau 1.61 +- 0.2 (pooled 1.55 +- 0.1) on 3 prompts\n" in text
+    assert "untrained" not in text and "None" not in text.split("== where the outputs are ==")[0]
 
 
 OUTCOMES: dict[tuple[str, str], bool] = {}  # (check name, partition) -> passed, read by the stand-in asset below

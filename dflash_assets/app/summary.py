@@ -387,15 +387,13 @@ def drafter_line(s: dict) -> str:
 
 def acceptance_line(s: dict) -> str:
     """``tau T +- SE (mean of per-prompt means; pooled P +- SE) (untrained drafter: T0 +- SE0) on N held-out prompts,
-    speedup X, lossless: yes``; SE is the standard error across prompts; parts not measured are left out or ``-``;
+    speedup X, lossless: yes``; SE is the standard error across prompts; parts not measured are left out (the
+    untrained drafter's unless ``drafter_evaluation.untrained_baseline`` ran it) or ``-``;
     ``(reused: drafter unchanged, no decoding)`` when the evaluation did not decode again."""
     if s.get("tau") is None and s.get("engine_kind") is not None:
         return "acceptance length  tau - (in-process decoding not run: drafter_evaluation.in_process is false)"
     if s.get("tau") is None:
-        return (
-            "acceptance length  tau - "
-            f"(untrained drafter: {'-' if s.get('tau_untrained') is None else s['tau_untrained']})"
-        )
+        return "acceptance length  tau -"
 
     def with_se(value, se) -> str:
         return f"{value}" if se is None else f"{value} +- {se}"
@@ -403,7 +401,8 @@ def acceptance_line(s: dict) -> str:
     text = f"acceptance length  tau {with_se(s['tau'], s.get('tau_stderr'))}"
     if s.get("tau_pooled") is not None:
         text += f" (mean of per-prompt means; pooled {with_se(s['tau_pooled'], s.get('tau_pooled_stderr'))})"
-    text += f" (untrained drafter: {with_se(s.get('tau_untrained'), s.get('tau_untrained_stderr'))})"
+    if s.get("tau_untrained") is not None:
+        text += f" (untrained drafter: {with_se(s['tau_untrained'], s.get('tau_untrained_stderr'))})"
     if s.get("eval_prompts") is not None:
         text += f" on {s['eval_prompts']} held-out prompts"
     if s.get("speedup") is not None:
@@ -422,9 +421,10 @@ def dataset_lines(s: dict) -> list[str]:
     for name, d in (s.get("tau_by_dataset") or {}).items():
         if name == "heldout":
             continue
+        untrained = "" if d.get("tau_untrained") is None else f"; untrained {d['tau_untrained']}"
         rows.append(
             f"  {name}: tau {d.get('tau')} +- {d.get('tau_stderr')} (pooled {d.get('tau_pooled')} +- "
-            f"{d.get('tau_pooled_stderr')}; untrained {d.get('tau_untrained')}) on {d.get('prompts')} prompts"
+            f"{d.get('tau_pooled_stderr')}{untrained}) on {d.get('prompts')} prompts"
         )
     return rows
 

@@ -135,10 +135,10 @@ def min_measured(prompts: int) -> int:
 
 
 def lossless_summary(in_process_datasets: Mapping[str, Mapping[str, Any]], parity: Mapping[str, Any] | None) -> dict:
-    """The ``lossless`` check: every speculative decoding (in process, trained and untrained drafters; the engine
-    when it ran) equals plain greedy decoding, the engine's on at least :data:`MIN_MEASURED_SHARE` of each
-    dataset's prompts. Returns ``passed`` and ``reasons`` (dataset, drafter, prompt, token; or how many outputs
-    were compared)."""
+    """The ``lossless`` check: every speculative decoding (in process, the trained drafter and the untrained one
+    when it ran; the engine when it ran) equals plain greedy decoding, the engine's on at least
+    :data:`MIN_MEASURED_SHARE` of each dataset's prompts. Returns ``passed`` and ``reasons`` (dataset, drafter,
+    prompt, token; or how many outputs were compared)."""
     reasons = []
     for name, local in in_process_datasets.items():
         for who in ("trained", "untrained"):
