@@ -373,6 +373,20 @@ def test_a_partition_made_in_the_other_mode_is_not_up_to_date():
     assert completions_reason({"mode": "on_policy"}, None, None) is None  # no mode given: not compared
 
 
+def test_an_on_policy_partition_has_its_output_where_its_mode_writes_it(tmp_path):
+    """Freshness checks completions' output in the configured mode's file: an on-policy partition, which has no
+    completions/<pk>.parquet, is not "output missing" (else every run would make it again)."""
+    from dflash_assets.stages.completions.on_policy import table_file
+    from dflash_assets.storage.stage_outputs import missing_outputs
+
+    pk = "0000000-0000003"
+    store = StorageResource(root=str(tmp_path)).open()
+    store.write_bytes(b"", *table_file(pk))
+    assert missing_outputs(store, "completions", [pk], mode="on_policy") == {}
+    assert list(missing_outputs(store, "completions", [pk], mode="regenerate")) == [pk]
+    assert list(missing_outputs(store, "completions", [pk])) == [pk]
+
+
 def test_on_policy_turns_tokenize_with_their_own_context_and_stale_ones_are_set_aside():
     """An on-policy row's context is its own messages + tools (rendered as the servers render them); it is
     checked against the corpus row its conversation started from, and set aside naming why when that row is

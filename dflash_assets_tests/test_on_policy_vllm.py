@@ -376,6 +376,15 @@ def test_kill_9_mid_conversation_then_rerun_keeps_every_finished_turn_and_resend
         assert freshness.completions_reasons(instance, [pk], settings) == {pk: None}
         hotter = GenerationResource(max_output_tokens=CAP, temperature=0.7).settings().with_template(template)
         assert freshness.completions_reasons(instance, [pk], hotter) == {pk: "sampling or chat template changed"}
+        # its output is the on-policy table (no completions/<pk>.parquet): `run` in this mode has nothing to redo,
+        # and in the other mode makes the partition again
+        store = res["storage"].open()
+        on_policy = freshness.partition_reasons(instance, "completions", [pk], settings, store=store, mode="on_policy")
+        assert on_policy == {pk: None}
+        regenerate = freshness.partition_reasons(
+            instance, "completions", [pk], settings, store=store, mode="regenerate"
+        )
+        assert regenerate == {pk: "made in mode on_policy, configured regenerate"}
     rows = pl.read_parquet(root.joinpath(*table_file(pk))).sort("index").to_dicts()
     assert len(finished) < len(rows), "the kill came after the last turn: nothing was left to resume"
     assert metadata["turns_resumed"].value == len(finished)

@@ -230,7 +230,7 @@ def partition_reasons(
                 reasons[pk] = f"{upstream} {why}"
     if store is not None:
         fine = [pk for pk in keys if reasons[pk] is None]
-        for pk, uri in missing_outputs(store, stage, fine).items():
+        for pk, uri in missing_outputs(store, stage, fine, mode=mode).items():
             reasons[pk] = missing_reason(uri)
     return reasons
 
