@@ -460,3 +460,23 @@ def test_on_policy_turns_tokenize_with_their_own_context_and_stale_ones_are_set_
     assert list(row["input_ids"]) == prompt_ids + output + [builder.end_token_id]
     assert list(row["loss_mask"]) == [0] * len(prompt_ids) + [1] * (len(output) + 1)
     assert row["corpus_index"] == anchor and row["prompt_hash"] == "h-anchor"
+
+
+def test_status_counts_an_on_policy_partition_the_settings_touch_without_reading_a_regeneration_table(tmp_path):
+    """``status`` counts the rows a settings change regenerates from each partition's completions table; an
+    on-policy partition has none (its turns are made again as a whole): counted from its metadata, no crash."""
+    from dflash_assets.app.status import collect_status
+
+    pk = "0000000-0000003"
+    settings = GenerationResource(max_output_tokens=8).settings()
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, [pk])
+        metadata = {"mode": "on_policy", "rows": 5, "settings_fingerprints": ["another"]}
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(asset_key="completions", partition=pk, metadata=metadata)
+        )
+        store = StorageResource(root=str(tmp_path)).open()
+        status = collect_status(instance, settings=settings, store=store)
+    assert status["completions"]["regenerate"]["rows"] == 5 and status["completions"]["regenerate"]["partitions"] == [
+        pk
+    ]

@@ -253,7 +253,7 @@ def collect_status(
         for pk in done:
             if pk not in meta or (reason := reason_of(pk)) is None:
                 continue
-            if store is None:
+            if store is None or meta[pk].get("mode") == "on_policy":  # on-policy turns: made again as a whole
                 reasons, tokens, continued, cut = Counter({reason: rows_of[pk]}), 0, Counter(), 0
             else:
                 prompts = None
