@@ -33,8 +33,9 @@ SLOW_MODULE_SECONDS = {
     "test_drafter_quality": 650,
     "test_vllm_completions": 280,
     "test_agentic_vllm": 200,
-    # vLLM's CPU server start (~40 s), two on-policy runs of 2 BFCL tasks (~10 turns each), one killed: 82-94 s alone
-    "test_on_policy_vllm": 120,  # vLLM's CPU server start (~1 min) and 6 tool-conversation turns
+    # vLLM's CPU server start (~1 min), two on-policy runs of 2 BFCL tasks (~10 turns each), one killed, then
+    # tokenized + hidden_states (SmolLM2) and 2 drafter steps on the turns: 168 s beside another test module
+    "test_on_policy_vllm": 170,
     # PostgreSQL, Redis, moto, two Celery workers, then a node killed mid-partition: 113 s alone, 156 s beside a CI run
     "test_cluster_celery": 156,
     # Redis, Celery workers, three two-node torchrun launches (one trains, one fails, one interrupted): ~60 s alone

@@ -116,3 +116,33 @@ def test_held_out_prompts_are_read_by_row_group_not_the_whole_corpus(tmp_path):
     assert both.height == n and both["messages"].is_not_null().sum() == 3
     assert reads[1][2] is False  # the second read: index and hash columns only
     assert set(evaluation_datasets(both, held, [], num_prompts=3)[HELDOUT][0][0][0]) == {"role", "content"}
+
+
+def test_held_out_on_policy_turns_are_decoded_from_their_own_context(tmp_path):
+    """An on-policy turn's key is conversation x 4096 + turn, not a corpus index: a held-out turn is decoded
+    from its own context (messages and tools as sent), and a prompt file's prompt equal to a trained turn's
+    context is left out as a trained corpus prompt is."""
+    import polars as pl
+
+    from dflash_assets.data.shapes import content_hash
+
+    corpus = build_corpus(
+        [_jsonl(tmp_path / "mine.jsonl", [{"messages": [{"role": "user", "content": f"task {i}"}]} for i in range(3)])]
+    ).corpus
+    held_context = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "<tool_call>x</tool_call>"}]
+    trained_context = [{"role": "user", "content": "trained turn"}]
+    tools = json.dumps([{"type": "function", "function": {"name": "x", "parameters": {}}}])
+    turns = pl.DataFrame(
+        {
+            "index": [4096 * 1 + 1, 4096 * 1 + 0],
+            "prompt_hash": [content_hash(held_context, tools), content_hash(trained_context)],
+            "messages": [json.dumps(held_context), json.dumps(trained_context)],
+            "tools": [tools, None],
+        }
+    )
+    files = _jsonl(
+        tmp_path / "other.jsonl", [{"messages": trained_context}, {"messages": [{"role": "user", "content": "new"}]}]
+    )
+    sets = evaluation_datasets(corpus, [2], [files], num_prompts=5, turns=turns, held_turns=[4097])
+    assert sets[HELDOUT] == [([{"role": "user", "content": "task 2"}], None), (held_context, tools)]
+    assert [m[-1]["content"] for m, _ in sets["other"]] == ["new"]

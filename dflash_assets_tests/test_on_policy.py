@@ -312,22 +312,33 @@ def test_calls_a_server_parsed_out_of_the_text_are_read_back_from_its_output_ids
     ]
 
 
-def test_tokenized_refuses_a_partition_of_only_on_policy_rows_saying_why(tmp_path):
-    """No stage reads on-policy rows yet: tokenizing a partition whose completions ran ``mode: on_policy`` fails
-    naming the mode and the way out, rather than a missing file."""
-    import dagster as dg
-
+def test_tokenized_reads_the_table_the_latest_completions_made_and_never_guesses_between_two(tmp_path):
+    """A partition that ran completions in both modes holds both tables: the one read is the latest
+    materialization's mode (the other is what an earlier run left); without a record, two tables are refused,
+    naming both, and a recorded mode whose table is gone is named too."""
     from dflash_assets.assets.tokenized import tokenized_sequences
-    from dflash_assets.orchestration.partitions import prompt_ranges
     from dflash_assets.stages.completions.on_policy import table_file
-    from dflash_assets.stages.resources.generation import GenerationResource
-    from dflash_assets.stages.resources.storage import StorageResource
-    from dflash_assets.stages.resources.target_model import TargetModelResource
+    from dflash_assets.stages.completions.tables import partition_file
+    from dflash_assets.stages.tokenized import CompletionsSourceError, completions_source
 
     pk = "0000000-0000003"
-    table = tmp_path.joinpath(*table_file(pk))
-    table.parent.mkdir(parents=True)
-    table.write_bytes(b"")
+    store = StorageResource(root=str(tmp_path)).open()
+    for parts in (partition_file(pk), table_file(pk)):
+        store.write_bytes(b"", *parts)
+    on_policy = completions_source(store, pk, "on_policy")
+    assert on_policy.parts == table_file(pk) and on_policy.on_policy and on_policy.ignored == partition_file(pk)
+    regenerate = completions_source(store, pk, "regenerate")
+    assert regenerate.parts == partition_file(pk) and not regenerate.on_policy and regenerate.ignored == table_file(pk)
+    with pytest.raises(CompletionsSourceError, match="both") as both:
+        completions_source(store, pk, None)
+    assert "/".join(partition_file(pk)) in str(both.value) and "/".join(table_file(pk)) in str(both.value)
+    store.remove(*partition_file(pk))
+    assert completions_source(store, pk, None).parts == table_file(pk)  # the one table there is
+    with pytest.raises(CompletionsSourceError, match="ran mode: regenerate"):
+        completions_source(store, pk, "regenerate")
+
+    # the asset says so as its failure, before loading anything
+    store.write_bytes(b"", *partition_file(pk))
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(prompt_ranges.name, [pk])
         result = dg.materialize(
@@ -344,4 +355,128 @@ def test_tokenized_refuses_a_partition_of_only_on_policy_rows_saying_why(tmp_pat
     assert not result.success
     (failure,) = [e for e in result.all_events if e.is_step_failure]
     message = failure.step_failure_data.error.message
-    assert "mode: on_policy" in message and "mode: regenerate" in message and pk in message
+    assert "both" in message and "ops.completions.config.mode" in message and pk in message
+
+
+def test_a_partition_made_in_the_other_mode_is_not_up_to_date():
+    """Switching ops.completions.config.mode makes every partition made in the other mode stale (else the main
+    job would keep the regeneration rows and never run the conversations); a partition recorded before modes
+    were is a regeneration one."""
+    from dflash_assets.orchestration.freshness import completions_reason
+
+    assert completions_reason({"mode": "on_policy"}, None, None, "on_policy") is None
+    assert completions_reason({}, None, None, "regenerate") is None
+    assert completions_reason({}, None, None, "on_policy") == "made in mode regenerate, configured on_policy"
+    assert completions_reason({"mode": "on_policy"}, None, None, "regenerate") == (
+        "made in mode on_policy, configured regenerate"
+    )
+    assert completions_reason({"mode": "on_policy"}, None, None) is None  # no mode given: not compared
+
+
+def test_an_on_policy_partition_has_its_output_where_its_mode_writes_it(tmp_path):
+    """Freshness checks completions' output in the configured mode's file: an on-policy partition, which has no
+    completions/<pk>.parquet, is not "output missing" (else every run would make it again)."""
+    from dflash_assets.stages.completions.on_policy import table_file
+    from dflash_assets.storage.stage_outputs import missing_outputs
+
+    pk = "0000000-0000003"
+    store = StorageResource(root=str(tmp_path)).open()
+    store.write_bytes(b"", *table_file(pk))
+    assert missing_outputs(store, "completions", [pk], mode="on_policy") == {}
+    assert list(missing_outputs(store, "completions", [pk], mode="regenerate")) == [pk]
+    assert list(missing_outputs(store, "completions", [pk])) == [pk]
+
+
+def test_on_policy_turns_tokenize_with_their_own_context_and_stale_ones_are_set_aside():
+    """An on-policy row's context is its own messages + tools (rendered as the servers render them); it is
+    checked against the corpus row its conversation started from, and set aside naming why when that row is
+    gone, is another conversation's, or offers other tools."""
+    from dflash_assets.data.on_policy import ON_POLICY_SCHEMA
+    from dflash_assets.data.shapes import content_hash
+    from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
+    from dflash_assets.generation.chat_render import SMOLLM2_TOOLS_TEMPLATE
+
+    target = TargetModelResource(chat_template=SMOLLM2_TOOLS_TEMPLATE)
+    builder = SequenceBuilder(target.load_tokenizer())
+    task, tools = task_and_tools()
+    first = [dict(m) for m in task.turns[0]]
+    reply = {"role": "assistant", "content": call("cd", {"folder": "document"})}
+    result = {
+        "role": "tool",
+        "tool_call_id": "call_0_0",
+        "name": "cd",
+        "content": '{"current_working_directory": "document"}',
+    }
+    context = [*first, reply, result]
+    tokenizer = builder.tokenizer
+    output = tokenizer("Done.", add_special_tokens=False)["input_ids"]
+    anchor, cid = 2, "bfcl_multi_turn_base:multi_turn_base_0"
+    corpus = pl.DataFrame(
+        {
+            "index": [anchor, 3],
+            "messages": [first, first],
+            "content_hash": ["h-anchor", "h-other"],
+            "tools": [tools, tools],
+            "conversation_id": [cid, "bfcl_multi_turn_base:multi_turn_base_1"],
+        }
+    )
+
+    def turn(key: int, conversation: str = cid, offered: str = tools) -> dict:
+        row = {name: None for name in ON_POLICY_SCHEMA}
+        row.update(
+            index=key,
+            prompt_id=f"{conversation}#on_policy{key % TURN_STRIDE}",
+            prompt_hash=content_hash(context, offered),
+            finish_reason="stop",
+            content="Done.",
+            output_token_ids=output,
+            conversation_id=conversation,
+            turn=key % TURN_STRIDE,
+            messages=json.dumps(context),
+            tools=offered,
+            settings=json.dumps({"enable_thinking": False}),
+        )
+        return row
+
+    rows = [
+        turn(row_key(anchor, 1)),
+        turn(row_key(7, 0)),  # no corpus row at 7
+        turn(row_key(3, 0)),  # the corpus row at 3 is another conversation
+        turn(row_key(anchor, 2), offered="[]"),  # other tools than the corpus offers
+    ]
+    frame = pl.DataFrame(rows, schema=ON_POLICY_SCHEMA)
+    tokenized, aside, counts = tokenize_partition(frame, corpus, builder, TokenizePolicy(8192), on_policy=True)
+    assert counts["kept"] == 1 and counts["other_prompt"] == 3, (counts, aside.to_dicts())
+    reasons = dict(zip(aside["index"].to_list(), aside["reason"].to_list()))
+    assert reasons[row_key(7, 0)].startswith("conversation removed") and "index 7" in reasons[row_key(7, 0)]
+    assert reasons[row_key(3, 0)].startswith("conversation changed")
+    assert reasons[row_key(anchor, 2)].startswith("tools changed")
+    (row,) = tokenized.to_dicts()
+    # the context rendered independently: the template applied to the turn's messages and tools as vLLM hands them
+    expected_prompt = tokenizer.apply_chat_template(
+        context, tools=json.loads(tools), add_generation_prompt=True, tokenize=False
+    )
+    prompt_ids = tokenizer(expected_prompt, add_special_tokens=False)["input_ids"]
+    assert list(row["input_ids"]) == prompt_ids + output + [builder.end_token_id]
+    assert list(row["loss_mask"]) == [0] * len(prompt_ids) + [1] * (len(output) + 1)
+    assert row["corpus_index"] == anchor and row["prompt_hash"] == "h-anchor"
+
+
+def test_status_counts_an_on_policy_partition_the_settings_touch_without_reading_a_regeneration_table(tmp_path):
+    """``status`` counts the rows a settings change regenerates from each partition's completions table; an
+    on-policy partition has none (its turns are made again as a whole): counted from its metadata, no crash."""
+    from dflash_assets.app.status import collect_status
+
+    pk = "0000000-0000003"
+    settings = GenerationResource(max_output_tokens=8).settings()
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, [pk])
+        metadata = {"mode": "on_policy", "rows": 5, "settings_fingerprints": ["another"]}
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(asset_key="completions", partition=pk, metadata=metadata)
+        )
+        store = StorageResource(root=str(tmp_path)).open()
+        status = collect_status(instance, settings=settings, store=store)
+    assert status["completions"]["regenerate"]["rows"] == 5 and status["completions"]["regenerate"]["partitions"] == [
+        pk
+    ]

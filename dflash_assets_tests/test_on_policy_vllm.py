@@ -1,6 +1,7 @@
 """On-policy BFCL trajectories through a real server (issue 43 item 5, "Done when"): vLLM's CPU build serves the
 embedded SmolLM2 model with the shipped tools template, and ``completions`` with ``mode: on_policy`` runs two
-training tasks of ``bfcl:multi_turn_base`` with it as the assistant.
+training tasks of ``bfcl:multi_turn_base`` with it as the assistant; then ``tokenized_sequences``,
+``hidden_states`` (the same SmolLM2 as the target) and a few ``dflash_drafter`` steps train on those turns.
 
 SmolLM2 emits no tool call on a fresh BFCL context (measured on this server, greedy and at temperature 1, with
 and without a system prompt asking for calls: 0 of 12 first turns), so the first reply of each conversation is
@@ -25,8 +26,13 @@ import polars as pl
 import pytest
 
 from dflash_assets.assets.completions import completions
+from dflash_assets.assets.drafter import dflash_drafter
+from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.prompts import prompt_corpus
+from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.data.bfcl import ToolEnvironment, load_tasks
+from dflash_assets.data.on_policy import TURN_STRIDE
+from dflash_assets.dflash.shard_format import read_shard
 from dflash_assets.generation.chat_render import SMOLLM2_TOOLS_TEMPLATE
 from dflash_assets.generation.journal import RowJournal
 from dflash_assets.generation.local_model import ensure_local_model
@@ -38,6 +44,7 @@ from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets.stages.tokenized import tokenized_file
 from dflash_assets_tests.script_server import script_server
 
 CAP = 24
@@ -270,6 +277,24 @@ def resources_template():
     return TargetModelResource(chat_template=SMOLLM2_TOOLS_TEMPLATE).chat_template_path()
 
 
+DRAFTER = {  # a few steps of a one-layer drafter on the stored features: that the turns train, not how well
+    "ops": {
+        "dflash_drafter": {
+            "config": {
+                "features": "offline",
+                "num_hidden_layers": 1,
+                "block_size": 4,
+                "max_steps": 2,
+                "max_anchors": 4,
+                "eval_fraction": 0.0,
+                "checkpoint_every": 0,
+                "intermediate_size": 64,
+            }
+        }
+    }
+}
+
+
 def test_calls_are_executed_answered_and_every_turn_is_a_row(vllm, tmp_path):
     source, log = proxy_source(tmp_path, vllm[0], [GOOD, BAD])
     root = tmp_path / "data"
@@ -279,6 +304,20 @@ def test_calls_are_executed_answered_and_every_turn_is_a_row(vllm, tmp_path):
         result = dg.materialize([completions], instance=instance, resources=res, partition_key=pk, run_config=ON_POLICY)
         assert result.success
         metadata = result.asset_materializations_for_node("completions")[0].metadata
+        # the turns train: tokenized from the on-policy table, their features stored, a drafter trained on them
+        keep = {"ops": {"tokenized_sequences": {"config": {"truncated": "keep"}}}}  # turns the cap cut train too
+        stages = dg.materialize(
+            [tokenized_sequences, hidden_states], instance=instance, resources=res, partition_key=pk, run_config=keep
+        )
+        assert stages.success
+        evaluations = stages.get_asset_check_evaluations()
+        assert evaluations and all(e.passed for e in evaluations), [e for e in evaluations if not e.passed]
+        tokenized_meta = stages.asset_materializations_for_node("tokenized_sequences")[0].metadata
+        hidden_meta = stages.asset_materializations_for_node("hidden_states")[0].metadata
+        trained = dg.materialize([dflash_drafter], instance=instance, resources=res, run_config=DRAFTER)
+        assert trained.success
+        drafter_meta = trained.asset_materializations_for_node("dflash_drafter")[0].metadata
+    check_turns_tokenized_and_trained(root, pk, tokenized_meta, hidden_meta, drafter_meta)
     frame = pl.read_parquet(root.joinpath(*table_file(pk)))
     rows = frame.sort("index").to_dicts()
     sent = requests(log)
@@ -337,6 +376,15 @@ def test_kill_9_mid_conversation_then_rerun_keeps_every_finished_turn_and_resend
         assert freshness.completions_reasons(instance, [pk], settings) == {pk: None}
         hotter = GenerationResource(max_output_tokens=CAP, temperature=0.7).settings().with_template(template)
         assert freshness.completions_reasons(instance, [pk], hotter) == {pk: "sampling or chat template changed"}
+        # its output is the on-policy table (no completions/<pk>.parquet): `run` in this mode has nothing to redo,
+        # and in the other mode makes the partition again
+        store = res["storage"].open()
+        on_policy = freshness.partition_reasons(instance, "completions", [pk], settings, store=store, mode="on_policy")
+        assert on_policy == {pk: None}
+        regenerate = freshness.partition_reasons(
+            instance, "completions", [pk], settings, store=store, mode="regenerate"
+        )
+        assert regenerate == {pk: "made in mode on_policy, configured regenerate"}
     rows = pl.read_parquet(root.joinpath(*table_file(pk))).sort("index").to_dicts()
     assert len(finished) < len(rows), "the kill came after the last turn: nothing was left to resume"
     assert metadata["turns_resumed"].value == len(finished)
@@ -356,3 +404,43 @@ def test_kill_9_mid_conversation_then_rerun_keeps_every_finished_turn_and_resend
             # no call: each user turn gets one answer, and the trajectory moves on at it
             assert len(conversation) == len(tasks()[cid.split(":", 1)[1]].turns)
     assert check_rows_train_on_what_was_sampled(rows) == len(rows)
+
+
+def check_turns_tokenized_and_trained(root: Path, pk: str, tokenized_meta, hidden_meta, drafter_meta) -> None:
+    """Every on-policy turn is a tokenized row: input_ids = the server's prompt_token_ids + the turn's output ids
+    (+ the end token of a stopped turn), the loss on exactly those sampled tokens; the stored features hold the
+    same rows under the same keys, and the drafter trained on them."""
+    end = load_target_builder(InferenceServerResource(mode="vllm"), resources_template()).end_token_id
+    turns = {r["index"]: r for r in pl.read_parquet(root.joinpath(*table_file(pk))).to_dicts()}
+    tokenized = pl.read_parquet(root.joinpath(*tokenized_file(pk))).sort("index").to_dicts()
+    assert tokenized_meta["completions_mode"].value == "on_policy"
+    assert [r["index"] for r in tokenized] == sorted(turns)  # every turn (truncated: keep)
+    corpus = pl.read_parquet(root / "prompt_corpus" / "corpus.parquet")
+    hashes = dict(zip(corpus["index"].to_list(), corpus["content_hash"].to_list()))
+    server_prompts = 0
+    for row in tokenized:
+        turn = turns[row["index"]]
+        output = list(turn["output_token_ids"])
+        sampled = output + ([end] if turn["finish_reason"] == "stop" and output[-1] != end else [])
+        mask = list(row["loss_mask"])
+        assert list(row["input_ids"])[row["prompt_len"] :] == sampled
+        assert sum(mask) == row["num_loss_tokens"] == len(sampled)
+        assert mask == [0] * row["prompt_len"] + [1] * len(sampled)  # no context token carries loss
+        if turn["prompt_token_ids"] is not None:  # every real turn: the context is what the server saw
+            assert list(row["input_ids"]) == list(turn["prompt_token_ids"]) + sampled
+            server_prompts += 1
+        # checked against the corpus row its conversation started from
+        assert row["corpus_index"] == row["index"] // TURN_STRIDE
+        assert row["prompt_hash"] == hashes[row["corpus_index"]]
+    assert server_prompts == len(tokenized) - 2  # all but the two scripted first turns
+    # the features: the same rows, keys and ids
+    index = json.loads((root / "hidden_states" / pk / "index.json").read_text())
+    assert hidden_meta["rows"].value == index["num_rows"] == len(tokenized)
+    stored = {}
+    for shard in index["shards"]:
+        data = read_shard(str(root / "hidden_states" / pk / shard["name"]))
+        cu = data.cu_seqlens.tolist()
+        for r, key in enumerate(data.row_index.tolist()):
+            stored[key] = (data.input_ids[cu[r] : cu[r + 1]].tolist(), data.loss_mask[cu[r] : cu[r + 1]].tolist())
+    assert stored == {r["index"]: (list(r["input_ids"]), list(r["loss_mask"])) for r in tokenized}
+    assert drafter_meta["features"].value == "offline" and drafter_meta["steps"].value == 2

@@ -23,6 +23,7 @@ from dagster._core.storage.tags import (
 from dflash_assets.app.stage_order import PARTITION_STAGES
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.orchestration import check_gate, freshness
+from dflash_assets.orchestration.config import completions_mode
 from dflash_assets.orchestration.freshness import settings_reason
 from dflash_assets.orchestration.history import latest_records
 from dflash_assets.orchestration.partitions import prompt_ranges
@@ -55,7 +56,7 @@ def affected_partitions(
         records = latest_records(
             instance, COMPLETIONS.to_user_string(), instance.get_dynamic_partitions(prompt_ranges.name)
         )
-    reasons = freshness.completions_reasons(instance, sorted(records), settings, records)
+    reasons = freshness.completions_reasons(instance, sorted(records), settings, records, mode=completions_mode())
     return {pk: reason for pk, reason in reasons.items() if reason}
 
 

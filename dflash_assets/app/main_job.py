@@ -25,7 +25,7 @@ from dflash_assets.generation.engine_env import make_in_background
 from dflash_assets.generation.engine_install import stop_installs, wait_for_installs
 from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
 from dflash_assets.orchestration import check_gate, freshness
-from dflash_assets.orchestration.config import config_path, op_config
+from dflash_assets.orchestration.config import completions_mode, config_path, op_config
 from dflash_assets.orchestration.history import latest_record, plain_metadata
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.runs import process_tags, reap_dead_runs
@@ -214,7 +214,7 @@ def _run_all(config_path_arg: str | None, dagster_home: str | None, verbose: boo
     # completions of every partition that needs it in ONE run: the servers start once, requests stream
     # across partitions, each partition is committed as it completes (up-to-date ones in between are kept)
     reasons = (
-        freshness.partition_reasons(instance, "completions", keys, settings, store=store)
+        freshness.partition_reasons(instance, "completions", keys, settings, store=store, mode=completions_mode())
         if "completions" in asset_names
         else {}
     )
@@ -230,7 +230,7 @@ def _run_all(config_path_arg: str | None, dagster_home: str | None, verbose: boo
         # a partition the run did not commit and left not up to date gets no later stages now; say why for
         # each (one committed with error rows goes on: the next run retries those rows)
         error = run_failure_reason(result)
-        after = freshness.completions_reasons(instance, generate, settings)
+        after = freshness.completions_reasons(instance, generate, settings, mode=completions_mode())
         left = [
             pk
             for pk in generate

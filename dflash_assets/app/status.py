@@ -222,18 +222,19 @@ def collect_status(
       a lowered cap, no request) and ``eta_s`` =
       tokens_remaining_est / tokens_per_s (seconds; None when either is unknown).
     """
-    from dflash_assets.orchestration import freshness
+    from dflash_assets.orchestration import config, freshness
 
     keys = list(instance.get_dynamic_partitions(prompt_ranges.name))
     corpus_meta = latest_metadata(instance, "prompt_corpus") or {}
     versions = corpus_meta.get("partition_versions")
     sizes = corpus_meta.get("partition_prompts") or {}
+    mode = config.completions_mode()  # a partition made in the other mode is made again
 
     def partition_prompt_count(pk: str) -> int:  # stable indices leave gaps: the corpus's count, else the range's
         return int(sizes.get(pk, partition_rows(pk)))
 
     def reason_of(pk: str) -> str | None:
-        return freshness.completions_reason(meta[pk], settings, (versions or {}).get(pk) if versions else None)
+        return freshness.completions_reason(meta[pk], settings, (versions or {}).get(pk) if versions else None, mode)
 
     counts = {name: stage_counts(instance, name, keys) for name in stages}
     comp = counts.get(COMPLETIONS) or stage_counts(instance, COMPLETIONS, keys)
@@ -252,7 +253,7 @@ def collect_status(
         for pk in done:
             if pk not in meta or (reason := reason_of(pk)) is None:
                 continue
-            if store is None:
+            if store is None or meta[pk].get("mode") == "on_policy":  # on-policy turns: made again as a whole
                 reasons, tokens, continued, cut = Counter({reason: rows_of[pk]}), 0, Counter(), 0
             else:
                 prompts = None

@@ -90,7 +90,9 @@ def kept_versions(context: dg.AssetExecutionContext, settings: GenerationSetting
         current = extract_data_version_from_entry(record.event_log_entry)
         if not corpus:
             corpus.append(freshness.corpus_versions(context.instance) or {})
-        if current is None or freshness.completions_reason(plain_metadata(record), settings, corpus[0].get(pk)):
+        # a partition last made on-policy is regenerated, not kept (this is the regenerate mode's run)
+        reason = freshness.completions_reason(plain_metadata(record), settings, corpus[0].get(pk), "regenerate")
+        if current is None or reason:
             return None
         return current.value
 

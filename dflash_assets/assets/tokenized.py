@@ -6,19 +6,19 @@ import polars as pl
 from dflash_assets.common.cost import CpuClock
 from dflash_assets.data.tokenization import SequenceBuilder
 from dflash_assets.orchestration.check_gate import CHECK_DEGENERATE, CHECK_NONEMPTY, CHECK_ROUNDTRIP
+from dflash_assets.orchestration.history import latest_metadata
 from dflash_assets.orchestration.partitions import prompt_ranges
-from dflash_assets.stages.completions.on_policy import table_file as on_policy_table
-from dflash_assets.stages.completions.tables import load_prompts, partition_file
+from dflash_assets.stages.completions.tables import load_prompts
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
-from dflash_assets.stages.tokenized import CHECK_MAX_LENGTH, CHECK_RETOKENIZED, TokenizeConfig, tokenize_stage
-
-#: Partitions whose completions ran ``mode: on_policy`` hold only on-policy rows, which no stage reads yet.
-ON_POLICY_NOT_TOKENIZED = (
-    "{pk}: completions ran with mode: on_policy, whose rows (completions/{pk}.on_policy.parquet) are not tokenized "
-    "yet (docs/configuration.md, 'On-policy trajectories'); materialize completions for this partition with "
-    "mode: regenerate to train on it"
+from dflash_assets.stages.tokenized import (
+    CHECK_MAX_LENGTH,
+    CHECK_RETOKENIZED,
+    CompletionsSourceError,
+    TokenizeConfig,
+    completions_source,
+    tokenize_stage,
 )
 
 
@@ -60,11 +60,12 @@ ON_POLICY_NOT_TOKENIZED = (
         ),
     ],
     description=(
-        "Reads `completions/<pk>.parquet` and the prompt corpus; builds input_ids = chat-template prompt ids + "
-        "generated ids (server ids when returned, else the completion re-tokenized as emitted, plus the end-of-turn "
-        "token for stop rows) and loss_mask = 0 on the prompt, 1 on the completion. Writes "
-        "`tokenized_sequences/<pk>.parquet` (index, prompt_id, input_ids int32, loss_mask int8, prompt_len, "
-        "num_loss_tokens, finish_reason)."
+        "Reads `completions/<pk>.parquet` and the prompt corpus (or, when the partition's latest completions ran "
+        "mode: on_policy, `completions/<pk>.on_policy.parquet`, each turn with its own context); builds input_ids = "
+        "chat-template prompt ids + generated ids (server ids when returned, else the completion re-tokenized as "
+        "emitted, plus the end-of-turn token for stop rows) and loss_mask = 0 on the prompt, 1 on the completion. "
+        "Writes `tokenized_sequences/<pk>.parquet` (index, prompt_id, input_ids int32, loss_mask int8, prompt_len, "
+        "num_loss_tokens, finish_reason; corpus_index for on-policy turns)."
     ),
 )
 def tokenized_sequences(
@@ -76,14 +77,30 @@ def tokenized_sequences(
 ):
     pk = context.partition_key
     store = storage.open()
-    if not store.exists(*partition_file(pk)) and store.exists(*on_policy_table(pk)):
-        raise dg.Failure(ON_POLICY_NOT_TOKENIZED.format(pk=pk))
-    completions = store.read_parquet(*partition_file(pk))
+    # the table the partition's latest completions made: regeneration rows, or on-policy turns
+    recorded = latest_metadata(context.instance, "completions", pk)
+    try:
+        source = completions_source(store, pk, None if recorded is None else recorded.get("mode", "regenerate"))
+    except CompletionsSourceError as exc:
+        raise dg.Failure(str(exc)) from None
+    if source.ignored is not None:
+        context.log.info(
+            f"{pk}: reading {'/'.join(source.parts)} (the latest completions ran mode: {source.mode}); "
+            f"{'/'.join(source.ignored)}, left by a run of the other mode, is not read"
+        )
+    completions = store.read_parquet(*source.parts)
     prompts = load_prompts(store, pk)
     builder = SequenceBuilder(target_model.load_tokenizer(), end_token=config.end_token or None)
     with CpuClock() as clock:
         tokenized, aside, counts, uri, version, checks = tokenize_stage(
-            store, pk, completions, prompts, builder, config, generation.settings().max_output_tokens
+            store,
+            pk,
+            completions,
+            prompts,
+            builder,
+            config,
+            generation.settings().max_output_tokens,
+            on_policy=source.on_policy,
         )
     for row in aside.head(10).iter_rows(named=True):
         context.log.warning(f"{pk}: row {row['index']} set aside: {row['reason']}")
@@ -99,6 +116,8 @@ def tokenized_sequences(
             "num_loss_tokens_min": min(lengths, default=0),
             "num_loss_tokens_median": float(pl.Series(lengths).median() or 0) if lengths else 0.0,
             "end_token": builder.end_token,
+            "completions_mode": source.mode,
+            "completions_path": store.uri(*source.parts),
             "path": dg.MetadataValue.path(uri),
         },
         data_version=dg.DataVersion(version),

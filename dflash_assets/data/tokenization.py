@@ -7,6 +7,11 @@ generated ids, else the completion re-tokenized exactly as emitted. ``loss_mask`
 turns, tool results, tool schemas) and 1 on the completion (reasoning, thinking markers, tool-call markup, answer,
 and the end-of-turn token of ``stop`` rows). The assistant turn is never re-rendered through the template: that is
 where masks go wrong. Rows with the server's ``prompt_token_ids`` are checked against the rendering.
+
+On-policy rows (``completions/<pk>.on_policy.parquet``, :mod:`dflash_assets.data.on_policy`) carry their own
+context: ``prompt_ids`` is the row's ``messages`` and ``tools`` rendered the same way (the rendering the on-policy
+stage checked against the server's ``prompt_token_ids``), and each row is checked against the corpus row its
+conversation started from (:data:`CORPUS_INDEX`) instead of a corpus row at its own index.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import polars as pl
 import pyarrow as pa
 
 from dflash_assets.data.conversation import api_tools
+from dflash_assets.data.on_policy import TURN_STRIDE
+from dflash_assets.data.row_context import CORPUS_INDEX, CorpusRows
 from dflash_assets.generation.chat_render import check_prompt_tokens, template_messages
-from dflash_assets.generation.records import PROMPT_TOO_LONG, THINK_CLOSE, THINK_OPEN, completion_layout
+from dflash_assets.generation.records import THINK_CLOSE, THINK_OPEN, completion_layout
 
 BATCH_ROWS = 128  # rows per batched tokenizer call
 
@@ -40,6 +47,8 @@ TOKENIZED_SCHEMA = {
     "finish_reason": pl.String,
     "cut": pl.Boolean,
 }
+#: An on-policy table's schema: TOKENIZED_SCHEMA and :data:`~dflash_assets.data.row_context.CORPUS_INDEX`.
+ON_POLICY_TOKENIZED_SCHEMA = {**TOKENIZED_SCHEMA, CORPUS_INDEX: pl.Int64}
 
 
 class TokenizationError(ValueError):
@@ -375,60 +384,39 @@ def _thinking_of(settings: str) -> bool:
 
 
 def tokenize_partition(
-    completions: pl.DataFrame, prompts: pl.DataFrame, builder: SequenceBuilder, policy: TokenizePolicy
+    completions: pl.DataFrame,
+    prompts: pl.DataFrame,
+    builder: SequenceBuilder,
+    policy: TokenizePolicy,
+    on_policy: bool = False,
 ) -> tuple[pl.DataFrame, pl.DataFrame, Counter]:
     """Tokenize one partition (one batched tokenizer call, see :meth:`SequenceBuilder.build_many`).
 
     Args:
-        completions: rows with the completions schema.
-        prompts: corpus rows (``index``, ``messages``, ``content_hash``, ``tools`` when the corpus has them) for
-            the same indexes. A row whose ``prompt_hash`` is not the corpus's ``content_hash`` at its index is set
-            aside (counted as ``other_prompt``), never paired with the corpus's messages.
+        completions: rows with the completions schema; with ``on_policy``, on-policy rows
+            (:data:`~dflash_assets.data.on_policy.ON_POLICY_SCHEMA`: their context in ``messages`` / ``tools``).
+        prompts: corpus rows (``index``, ``messages``, ``content_hash``, ``tools`` when the corpus has them;
+            ``conversation_id`` for ``on_policy``) of the partition. A regeneration row whose ``prompt_hash`` is not
+            the corpus's ``content_hash`` at its index is set aside (counted as ``other_prompt``), never paired
+            with the corpus's messages. An on-policy row is set aside the same way when the corpus row at
+            ``index // TURN_STRIDE`` (its conversation's first) is gone, is of another conversation, or offers
+            other tools than the row was generated with.
+        on_policy: the rows are on-policy turns: each one's context is its own ``messages`` + ``tools``; the
+            table gets :data:`CORPUS_INDEX` and ``prompt_hash`` is its conversation's first corpus row's hash.
 
     Raises:
         PromptTokensMismatch: a row's ``prompt_token_ids`` (the server's) are not the prompt ids rendered here
             (the message names the first such row and token); nothing of the partition is written.
 
     Returns:
-        ``(tokenized, set_aside, counts)``: TOKENIZED_SCHEMA rows sorted by ``index``; rows not kept with
-        ``index`` and ``reason``; counts by outcome (kept, dropped_truncated, dropped_over_max_length, cut,
-        error_rows, prompt_too_long, tokenization_errors, other_prompt).
+        ``(tokenized, set_aside, counts)``: TOKENIZED_SCHEMA rows (ON_POLICY_TOKENIZED_SCHEMA with ``on_policy``)
+        sorted by ``index``; rows not kept with ``index`` and ``reason``; counts by outcome (kept,
+        dropped_truncated, dropped_over_max_length, cut, error_rows, prompt_too_long, tokenization_errors,
+        other_prompt).
     """
-    messages_by_index = dict(zip(prompts["index"].to_list(), prompts["messages"].to_list()))
-    tools_by_index = dict(zip(prompts["index"], prompts["tools"])) if "tools" in prompts.columns else {}  # old: none
-    hash_by_index = dict(zip(prompts["index"].to_list(), prompts["content_hash"].to_list()))
-    aside, counts = [], Counter()
-    todo: list[dict[str, Any]] = []
-    for row in completions.sort("index").iter_rows(named=True):
-        idx = row["index"]
-        # joined by index AND prompt: a row made for another prompt (or for a removed one) is never tokenized
-        if idx not in hash_by_index or row.get("prompt_hash") != hash_by_index[idx]:
-            counts["other_prompt"] += 1
-            aside.append(
-                {
-                    "index": idx,
-                    "reason": (
-                        "prompt removed: the corpus has no prompt at this index"
-                        if idx not in hash_by_index
-                        else f"prompt changed: the row answers prompt {row.get('prompt_hash')}, the corpus has "
-                        f"{hash_by_index[idx]} at this index; rerun completions for this partition"
-                    ),
-                }
-            )
-        elif row.get("error"):
-            counts["error_rows"] += 1
-            aside.append({"index": idx, "reason": f"error row: {row['error'][:200]}"})
-        elif row["finish_reason"] == PROMPT_TOO_LONG:  # never sent: nothing the model wrote
-            counts["prompt_too_long"] += 1
-            aside.append({"index": idx, "reason": f"{PROMPT_TOO_LONG}: never sent ({row['prompt_tokens']} tokens)"})
-        elif row["finish_reason"] != "stop" and policy.truncated == "drop":
-            counts["dropped_truncated"] += 1
-            aside.append({"index": idx, "reason": f"finish_reason {row['finish_reason']} (policy truncated=drop)"})
-        else:
-            todo.append(row)
-    built = builder.build_many(
-        todo, [messages_by_index[row["index"]] for row in todo], [tools_by_index.get(row["index"]) for row in todo]
-    )
+    corpus = CorpusRows(prompts, on_policy)
+    todo, aside, counts = corpus.rows_to_tokenize(completions, policy.truncated)
+    built = builder.build_many(todo, *corpus.contexts(todo))
     built_rows = [(row, b[0][: b[1]]) for row, b in zip(todo, built) if not isinstance(b, TokenizationError)]
     if compared := check_prompt_tokens(*zip(*built_rows), decode=builder.tokenizer.decode) if built_rows else 0:
         counts["prompt_ids_checked"] = compared
@@ -449,22 +437,27 @@ def tokenize_partition(
             input_ids, cut = input_ids[: policy.max_length], True
             counts["cut"] += 1
         counts["kept"] += 1
+        if on_policy:  # the corpus's hash of the conversation's first row: what later stages check it against
+            anchor = idx // TURN_STRIDE
+            row = {**row, "prompt_hash": corpus.hashes[anchor], CORPUS_INDEX: anchor}
         kept_rows.append(row)
         kept_ids.append(input_ids)
         prompt_lens.append(prompt_len)
         cuts.append(cut)
-    tokenized = _tokenized_frame(kept_rows, kept_ids, prompt_lens, cuts)
+    tokenized = _tokenized_frame(kept_rows, kept_ids, prompt_lens, cuts, on_policy)
     aside_df = pl.DataFrame(aside, schema={"index": pl.Int64, "reason": pl.String}).sort("index")
     return tokenized, aside_df, counts
 
 
 def _tokenized_frame(
-    rows: list[dict], input_ids: list[list[int]], prompt_lens: list[int], cuts: list[bool]
+    rows: list[dict], input_ids: list[list[int]], prompt_lens: list[int], cuts: list[bool], on_policy: bool = False
 ) -> pl.DataFrame:
-    """TOKENIZED_SCHEMA frame built from flat arrays + offsets (building list columns from Python lists
-    of lists costs as much as the tokenization); ``loss_mask`` = 0 before ``prompt_len``, 1 from it."""
+    """TOKENIZED_SCHEMA frame (ON_POLICY_TOKENIZED_SCHEMA with ``on_policy``, even when empty) built from flat
+    arrays + offsets (building list columns from Python lists of lists costs as much as the tokenization);
+    ``loss_mask`` = 0 before ``prompt_len``, 1 from it."""
+    schema = ON_POLICY_TOKENIZED_SCHEMA if on_policy else TOKENIZED_SCHEMA
     if not rows:
-        return pl.DataFrame(schema=TOKENIZED_SCHEMA)
+        return pl.DataFrame(schema=schema)
     lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -483,8 +476,9 @@ def _tokenized_frame(
             "num_loss_tokens": pl.Series(lengths - np.asarray(prompt_lens, dtype=np.int64), dtype=pl.Int64),
             "finish_reason": pl.Series([r["finish_reason"] for r in rows], dtype=pl.String),
             "cut": pl.Series(cuts, dtype=pl.Boolean),
+            **({CORPUS_INDEX: pl.Series([r[CORPUS_INDEX] for r in rows], dtype=pl.Int64)} if on_policy else {}),
         }
-    ).cast(TOKENIZED_SCHEMA)
+    ).cast(schema)
 
 
 def degenerate_mask_mode(num_loss_tokens: list[int], small: int = 16, share: float = 0.5) -> tuple[int, float] | None:

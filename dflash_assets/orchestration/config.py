@@ -264,3 +264,9 @@ def op_config(*assets: str) -> dict:
     """Dagster run config (``{"ops": {...}}``) for the given assets, from the config file."""
     ops = project_config()["ops"]
     return {"ops": {a: ops[a] for a in assets if a in ops}}
+
+
+def completions_mode() -> str:
+    """``ops.completions.config.mode`` of the config file (``regenerate`` when unset)."""
+    section = project_config()["ops"].get("completions") or {}
+    return (section.get("config") or {}).get("mode") or "regenerate"

@@ -13,7 +13,8 @@ asset                             not up to date when
                                   of its ``(index, content_hash)`` pairs) is not the one the table was
                                   made for; rows the generation settings invalidate (error rows, other
                                   sampling, a cap their length rows or longest row does not fit, prompts
-                                  set aside as too long under another cap or servers' context)
+                                  set aside as too long under another cap or servers' context); made in
+                                  another ``ops.completions.config.mode`` than the configured one
 ``tokenized_sequences[pk]``,      never built, or older than the latest materialization of the stage
 ``hidden_states[pk]``             before it (which happens only when that stage's table changed); its
                                   latest materialization failed a blocking check or has no evaluation of
@@ -110,13 +111,25 @@ def prompts_reason(meta: dict, corpus_version: str | None) -> str | None:
     return PROMPTS_CHANGED if made_for else PROMPTS_UNVERSIONED
 
 
+def mode_reason(meta: dict, mode: str | None) -> str | None:
+    """Why a completions partition was made in another mode than ``mode`` (``ops.completions.config.mode``; None:
+    not compared): its metadata's ``mode``, ``regenerate`` when it records none (made before modes)."""
+    made_in = meta.get("mode") or "regenerate"
+    return None if mode is None or made_in == mode else f"made in mode {made_in}, configured {mode}"
+
+
 def completions_reason(
-    meta: dict | None, settings: GenerationSettings | None, corpus_version: str | None
+    meta: dict | None, settings: GenerationSettings | None, corpus_version: str | None, mode: str | None = None
 ) -> str | None:
-    """Why ``completions[pk]`` (its latest metadata, None when never materialized) is not up to date."""
+    """Why ``completions[pk]`` (its latest metadata, None when never materialized) is not up to date (``mode``:
+    the configured ``ops.completions.config.mode``, None: not compared)."""
     if meta is None:
         return NOT_MATERIALIZED
-    return prompts_reason(meta, corpus_version) or (settings_reason(meta, settings) if settings is not None else None)
+    return (
+        mode_reason(meta, mode)
+        or prompts_reason(meta, corpus_version)
+        or (settings_reason(meta, settings) if settings is not None else None)
+    )
 
 
 def _storage_id(record: dg.EventLogRecord | int) -> int:
@@ -152,18 +165,19 @@ def completions_reasons(
     settings: GenerationSettings | None,
     records: dict[str, dg.EventLogRecord] | None = None,
     versions: dict[str, str] | bool | None = False,
+    mode: str | None = None,
 ) -> dict[str, str | None]:
     """``{pk: reason or None}`` for every key (three instance queries whatever the count).
 
     ``records``/``versions``: already-fetched latest completions records and corpus versions (``False``:
-    fetch them)."""
+    fetch them); ``mode``: the configured ``ops.completions.config.mode`` (None: not compared)."""
     if records is None:
         records = latest_records(instance, "completions", keys)
     if versions is False:
         versions = corpus_versions(instance)
     return {
         pk: completions_reason(
-            plain_metadata(records.get(pk)), settings, (versions or {}).get(pk) if versions else None
+            plain_metadata(records.get(pk)), settings, (versions or {}).get(pk) if versions else None, mode
         )
         for pk in keys
     }
@@ -190,18 +204,20 @@ def partition_reasons(
     settings: GenerationSettings | None = None,
     upstream: str | None = None,
     store: Storage | None = None,
+    mode: str | None = None,
 ) -> dict[str, str | None]:
     """``{pk: why stage[pk] is not up to date, or None}`` for every key, in this order of reasons: never
     materialized; (completions) prompts or settings; (later stages) ``upstream`` materialized since, a blocking
     check of the stage's latest materialization failed or was not evaluated (``failed check <asset>.<check>``,
     ``... (not evaluated: run 1a2b3c4d raised OSError: ...)``), or one of
-    ``upstream``'s did (``<upstream> failed check ...``); the output missing from ``store``.
+    ``upstream``'s did (``<upstream> failed check ...``); the output missing from ``store``. ``mode``: the
+    configured ``ops.completions.config.mode`` completions partitions are judged against (None: not compared).
 
     Instance reads: the latest records of ``stage`` and ``upstream`` (two queries each), one paged check
     history per blocking check; one listing of ``store`` per stage."""
     records = latest_records(instance, stage, keys)
     if stage == "completions":
-        reasons = completions_reasons(instance, keys, settings, records)
+        reasons = completions_reasons(instance, keys, settings, records, mode=mode)
     else:
         up = latest_records(instance, upstream, keys) if upstream else {}
         reasons = {pk: after_upstream_reason(records.get(pk), [up.get(pk)], upstream or "upstream") for pk in keys}
@@ -214,7 +230,7 @@ def partition_reasons(
                 reasons[pk] = f"{upstream} {why}"
     if store is not None:
         fine = [pk for pk in keys if reasons[pk] is None]
-        for pk, uri in missing_outputs(store, stage, fine).items():
+        for pk, uri in missing_outputs(store, stage, fine, mode=mode).items():
             reasons[pk] = missing_reason(uri)
     return reasons
 

@@ -19,6 +19,7 @@ from pydantic import Field
 
 from dflash_assets.common.progress import StageProgressBar
 from dflash_assets.data.ranges import key_range
+from dflash_assets.data.row_context import CORPUS_INDEX
 from dflash_assets.dflash.shard_format import INDEX_NAME, read_shard, write_index
 from dflash_assets.dflash.shards import extract_partition
 from dflash_assets.dflash.target_features import bytes_per_token
@@ -156,19 +157,23 @@ def partition_dir(storage: StorageResource, pk: str) -> str:
 
 
 def _rows_of_corpus_prompts(store, tokenized_path: tuple[str, str], pk: str, log) -> tuple[list[dict], list[int]]:
-    """The tokenized rows whose prompt is the corpus's at their index, and the indexes of the others (a table
-    from before an edit is re-made upstream)."""
+    """The tokenized rows whose prompt is the corpus's at their corpus row, and the indexes of the others (a table
+    from before an edit is re-made upstream). A row's corpus row is its ``index``, or for an on-policy turn its
+    ``corpus_index`` (the row its conversation started from: ``prompt_hash`` is that row's hash)."""
     hashes = prompt_hashes(store, pk)
+    frame = store.read_parquet(*tokenized_path)
+    on_policy = CORPUS_INDEX in frame.columns
     rows = [
         {
             "index": r["index"],
+            "corpus_index": r[CORPUS_INDEX] if on_policy else r["index"],
             "input_ids": r["input_ids"],
             "loss_mask": r["loss_mask"],
             "prompt_hash": r.get("prompt_hash"),
         }
-        for r in store.read_parquet(*tokenized_path).iter_rows(named=True)
+        for r in frame.iter_rows(named=True)
     ]
-    other = [r["index"] for r in rows if r["prompt_hash"] is None or hashes.get(r["index"]) != r["prompt_hash"]]
+    other = [r["index"] for r in rows if r["prompt_hash"] is None or hashes.get(r["corpus_index"]) != r["prompt_hash"]]
     if other:
         log.warning(
             f"{pk}: {len(other)} tokenized rows answer another prompt than the corpus's at their index "
@@ -176,6 +181,9 @@ def _rows_of_corpus_prompts(store, tokenized_path: tuple[str, str], pk: str, log
         )
         skip = set(other)
         rows = [r for r in rows if r["index"] not in skip]
+    if not rows and not other and on_policy:
+        log.info(f"{pk}: no on-policy conversation starts in this partition: no row, an empty index")
+        return rows, other
     if not rows and (other or not _never_sent(store, pk)):
         raise HiddenStatesError(f"{pk}: tokenized_sequences has no row; nothing to extract (see its set-aside rows)")
     if not rows:
@@ -217,7 +225,8 @@ def extract_stage(
     indexes = corpus_indexes(store)
     threshold = subset_threshold(indexes, config.max_rows, config.fraction)
     all_rows = len(rows)
-    rows = [r for r in rows if in_subset(r["index"], threshold)]
+    # by corpus row: an on-policy conversation's turns are kept or left out together
+    rows = [r for r in rows if in_subset(r["corpus_index"], threshold)]
     plan = plan_for(indexes, {pk: (len(rows), sum(len(r["input_ids"]) for r in rows))})
     log.info(f"{pk}: storage plan: {plan.describe()}")
     if not plan.fits:

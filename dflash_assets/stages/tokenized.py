@@ -4,6 +4,7 @@ bench/bench_tokenize.py both run it)."""
 
 import hashlib
 import json
+from dataclasses import dataclass
 
 import dagster as dg
 import polars as pl
@@ -21,6 +22,64 @@ CHECK_RETOKENIZED = "retokenized_length_matches_server"
 
 def tokenized_file(pk: str) -> tuple[str, str]:
     return ("tokenized_sequences", f"{pk}.parquet")
+
+
+class CompletionsSourceError(ValueError):
+    """Which completions table to tokenize cannot be told, or it is missing (the message says how to fix it)."""
+
+
+@dataclass(frozen=True)
+class CompletionsSource:
+    """The completions table ``tokenized_sequences[pk]`` reads: ``parts`` (storage path), ``mode`` (``regenerate``
+    or ``on_policy``) and ``ignored``: the other mode's table when one exists too (not read: it is stale)."""
+
+    parts: tuple[str, str]
+    mode: str
+    ignored: tuple[str, str] | None = None
+
+    @property
+    def on_policy(self) -> bool:
+        return self.mode == "on_policy"
+
+
+def completions_source(store, pk: str, recorded_mode: str | None) -> CompletionsSource:
+    """Which of partition ``pk``'s completions tables to tokenize.
+
+    A partition may hold both ``completions/<pk>.parquet`` (``mode: regenerate``) and
+    ``completions/<pk>.on_policy.parquet`` (``mode: on_policy``) when completions ran in both modes. The one read
+    is the one the latest completions materialization made (``recorded_mode``: its metadata's ``mode``,
+    ``regenerate`` when it has none): that is the partition's completions as Dagster, ``status`` and the
+    freshness rules know them, and the other table is what an earlier run of the other mode left (its rows
+    judged by no check since): never mixed in. Without a materialization (``recorded_mode`` None: tables written
+    outside Dagster) the one table that exists is read.
+
+    Raises:
+        CompletionsSourceError: the recorded mode's table is missing, or no materialization says which of two
+            tables to read; the message names the files and the fix.
+    """
+    from dflash_assets.stages.completions.on_policy import table_file as on_policy_file
+    from dflash_assets.stages.completions.tables import partition_file
+
+    files = {"regenerate": partition_file(pk), "on_policy": on_policy_file(pk)}
+    present = {mode for mode, parts in files.items() if store.exists(*parts)}
+    mode = recorded_mode
+    if mode is None:
+        if len(present) == 2:
+            raise CompletionsSourceError(
+                f"{pk}: both {'/'.join(files['regenerate'])} and {'/'.join(files['on_policy'])} exist and no "
+                "completions materialization says which is current: materialize completions for this partition "
+                "in the mode to train on (ops.completions.config.mode), or remove the other table"
+            )
+        mode = next(iter(present), "regenerate")
+    if mode not in files:
+        raise CompletionsSourceError(f"{pk}: completions recorded mode {mode!r}, not one of {sorted(files)}")
+    if mode not in present:
+        raise CompletionsSourceError(
+            f"{pk}: the latest completions of this partition ran mode: {mode}, but {'/'.join(files[mode])} is "
+            "missing: materialize completions for this partition again"
+        )
+    other = next((parts for m, parts in files.items() if m != mode and m in present), None)
+    return CompletionsSource(files[mode], mode, other)
 
 
 class TokenizeConfig(dg.Config):
@@ -46,12 +105,16 @@ def tokenize_stage(
     builder: SequenceBuilder,
     config: TokenizeConfig,
     cap: int,
+    on_policy: bool = False,
 ):
     """The stage's whole work for one partition, without Dagster's bookkeeping (the asset and
     bench/bench_tokenize.py both run this): tokenize, write the table and the set-aside rows, hash the
     written table's bytes (the data version), run the checks. One after another: with the checks at ~5% of
     the tokenization (table-driven round-trip decode), running the writes on a second thread beside them
     was slower (median 0.274 vs 0.255 s per 1,000 rows on 2 cores, bench/bench_tokenize.py).
+
+    ``on_policy``: ``completions`` are the partition's on-policy rows (``completions/<pk>.on_policy.parquet``),
+    each tokenized with its own context (:func:`~dflash_assets.data.tokenization.tokenize_partition`).
 
     Returns:
         ``(tokenized, set_aside, counts, uri, data_version, check_results)``.
@@ -60,9 +123,9 @@ def tokenize_stage(
         OSError / StorageError: a write failed (before the checks ran; nothing is half-written).
     """
     policy = TokenizePolicy(config.max_length, config.truncated, config.over_max_length)
-    tokenized, aside, counts = tokenize_partition(completions, prompts, builder, policy)
+    tokenized, aside, counts = tokenize_partition(completions, prompts, builder, policy, on_policy)
     uri, version = _write_outputs(store, pk, tokenized, aside)
-    checks = list(run_checks(tokenized, completions, builder, config, cap))
+    checks = list(run_checks(tokenized, completions, builder, config, cap, on_policy))
     return tokenized, aside, counts, uri, version, checks
 
 
@@ -80,9 +143,19 @@ def _column(frame: pl.DataFrame, name: str) -> list:
 
 
 def run_checks(
-    tokenized: pl.DataFrame, completions: pl.DataFrame, builder: SequenceBuilder, config: TokenizeConfig, cap: int
+    tokenized: pl.DataFrame,
+    completions: pl.DataFrame,
+    builder: SequenceBuilder,
+    config: TokenizeConfig,
+    cap: int,
+    on_policy: bool = False,
 ):
     """The per-partition checks as AssetCheckResults (the first three block downstream stages).
+
+    An on-policy partition (``on_policy``) in which no conversation ran (none of the corpus's BFCL
+    conversations starts in it) has no row, rightly, as a partition whose every prompt was too long.
+    The round trip compares each row's text (``reasoning_content``, ``content``: for an on-policy turn the reply
+    as generated, tool-call markup included) with its supervised tokens decoded, special tokens kept.
 
     Reads columns whole (no per-row dicts): building row dicts of the ``input_ids`` lists costs as much as
     the round-trip decode itself.
@@ -91,14 +164,17 @@ def run_checks(
     empty = [i for i, n in zip(index, num_loss) if n == 0]
     # a partition whose every prompt was set aside as too long for the context has nothing to train on, rightly
     never_sent = completions.height > 0 and completions["finish_reason"].eq_missing(PROMPT_TOO_LONG).all()
+    no_conversation = on_policy and completions.height == 0
     yield dg.AssetCheckResult(
         check_name=CHECK_NONEMPTY,
-        passed=not empty and (tokenized.height > 0 or never_sent),
+        passed=not empty and (tokenized.height > 0 or never_sent or no_conversation),
         metadata={"empty_mask_rows": len(empty), "first_indexes": str(empty[:10]), "rows": tokenized.height},
         description=None
         if tokenized.height
         else f"every prompt was set aside as {PROMPT_TOO_LONG}: no row to train on"
         if never_sent
+        else "no on-policy conversation starts in this partition: no row to train on"
+        if no_conversation
         else "no row was kept",
     )
     mode = degenerate_mask_mode(num_loss, config.degenerate_small_tokens, config.degenerate_share)

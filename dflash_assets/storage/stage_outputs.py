@@ -28,15 +28,19 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     # drafter_evaluation is left out: its "reused" path (same export, same settings) writes no report, so a
     # missing report.json would send every run back to it without ever writing one
 }
+#: completions' output when it runs ``mode: on_policy`` (ops.completions.config.mode): the on-policy table
+ON_POLICY_OUTPUT = ("completions", "{pk}.on_policy.parquet")
 
 
-def output_parts(stage: str, pk: str | None = None) -> tuple[str, ...]:
-    """The path parts of ``stage``'s output (of partition ``pk``) under the storage root.
+def output_parts(stage: str, pk: str | None = None, mode: str | None = None) -> tuple[str, ...]:
+    """The path parts of ``stage``'s output (of partition ``pk``) under the storage root; ``mode``: completions'
+    ``ops.completions.config.mode`` (``on_policy``: its on-policy table; else its regeneration table).
 
     Raises:
         KeyError: ``stage`` is not a stage of the pipeline.
     """
-    return tuple(p.format(pk=pk) for p in OUTPUTS[stage])
+    parts = ON_POLICY_OUTPUT if stage == "completions" and mode == "on_policy" else OUTPUTS[stage]
+    return tuple(p.format(pk=pk) for p in parts)
 
 
 def missing_reason(uri: str | None) -> str | None:
@@ -53,9 +57,9 @@ def output_missing(store: Storage, stage: str, pk: str | None = None) -> str | N
     return None if store.exists(*parts) else store.uri(*parts)
 
 
-def missing_outputs(store: Storage, stage: str, keys: Sequence[str]) -> dict[str, str]:
-    """``{pk: uri}`` of the partitions of ``keys`` whose output of partitioned ``stage`` is not in ``store``,
-    from one recursive listing of the stage's folder."""
+def missing_outputs(store: Storage, stage: str, keys: Sequence[str], mode: str | None = None) -> dict[str, str]:
+    """``{pk: uri}`` of the partitions of ``keys`` whose output of partitioned ``stage`` (completions: of ``mode``,
+    :func:`output_parts`) is not in ``store``, from one recursive listing of the stage's folder."""
     if not keys or stage not in OUTPUTS:
         return {}
     folder = OUTPUTS[stage][0]
@@ -72,7 +76,7 @@ def missing_outputs(store: Storage, stage: str, keys: Sequence[str]) -> dict[str
     present = store.call("list", (folder,), listing)
     out = {}
     for pk in keys:
-        rel = posixpath.join(*output_parts(stage, pk)[1:])
+        rel = posixpath.join(*output_parts(stage, pk, mode)[1:])
         if rel not in present:
-            out[pk] = store.uri(*output_parts(stage, pk))
+            out[pk] = store.uri(*output_parts(stage, pk, mode))
     return out

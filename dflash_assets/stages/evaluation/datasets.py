@@ -8,12 +8,18 @@ import dagster as dg
 import polars as pl
 
 from dflash_assets.data.conversation import api_messages
+from dflash_assets.data.ranges import key_range
+from dflash_assets.data.row_context import CORPUS_INDEX
 from dflash_assets.data.shapes import CorpusError, build_corpus, default_sources, expand_source, source_name
 from dflash_assets.data.tokenization import SequenceBuilder
 from dflash_assets.dflash.data import HiddenStateShards
 from dflash_assets.stages.drafter.features import heldout_set
 from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets.stages.shard_access import ShardIntegrityError
+from dflash_assets.stages.tokenized import tokenized_file
+
+#: Columns of an on-policy turn :func:`on_policy_turns` reads: its key, context hash and context.
+TURN_COLUMNS = ["index", "prompt_hash", "messages", "tools"]
 
 HUMANEVAL = "humaneval"
 HELDOUT = "heldout"
@@ -26,21 +32,37 @@ def prompt_file_path(spec: str) -> str:
 
 
 def evaluation_datasets(
-    corpus: pl.DataFrame, held: list[int], prompt_files: list[str], num_prompts: int
+    corpus: pl.DataFrame,
+    held: list[int],
+    prompt_files: list[str],
+    num_prompts: int,
+    turns: pl.DataFrame | None = None,
+    held_turns: list[int] | None = None,
 ) -> dict[str, list]:
     """``{dataset name: [(messages, tools), ...]}`` (messages API-shaped:
     :func:`~dflash_assets.data.conversation.api_messages`; tools the row's JSON text or None): the held-out prompts
     of the corpus (``held``: their indexes, a
-    stable hash of the prompt index chose them), then each prompt file (parsed as the corpus is, by
+    stable hash of the prompt index chose them) and held-out on-policy turns (``held_turns``: their row keys in
+    ``turns``, :data:`TURN_COLUMNS` of every on-policy turn trained on or held out; each one's context as it was
+    sent), by index, then each prompt file (parsed as the corpus is, by
     :func:`dflash_assets.data.shapes.build_corpus`) without the prompts the drafter trained on (same content
-    hash as a corpus row outside ``held``); at most ``num_prompts`` each, in file order.
+    hash as a corpus row outside ``held`` or an on-policy turn's context outside ``held_turns``); at most
+    ``num_prompts`` each, in file order.
 
     Raises:
         dagster.Failure: a prompt file cannot be read, or two files have the same name.
     """
     held_set = set(held)
-    out = {HELDOUT: _conversations(corpus.filter(pl.col("index").is_in(held[:num_prompts])).sort("index"))}
+    heldout = corpus.filter(pl.col("index").is_in(held[:num_prompts])).sort("index")
+    pairs = list(zip(heldout["index"].to_list(), _conversations(heldout)))
     trained_hashes = set(corpus.filter(~pl.col("index").is_in(list(held_set)))["content_hash"].to_list())
+    if turns is not None and turns.height:
+        mine = turns.filter(pl.col("index").is_in(list(held_turns or []))).sort("index").head(num_prompts)
+        contexts = [(json.loads(m), t) for m, t in zip(mine["messages"].to_list(), mine["tools"].to_list())]
+        pairs = sorted([*pairs, *zip(mine["index"].to_list(), contexts)], key=lambda p: p[0])
+        trained = turns.filter(~pl.col("index").is_in(list(held_turns or [])))
+        trained_hashes |= set(trained["prompt_hash"].to_list())
+    out = {HELDOUT: [conversation for _, conversation in pairs[:num_prompts]]}
     for spec in prompt_files:
         path = prompt_file_path(spec)
         # a generated source (bfcl:...) is named after the file it writes, as the corpus names it
@@ -83,6 +105,27 @@ def heldout_corpus(store, held: list[int], num_prompts: int, need_hashes: bool) 
         return rows
     hashes = store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash"])
     return pl.concat([rows, hashes.filter(~pl.col("index").is_in(wanted))], how="diagonal")
+
+
+def on_policy_turns(store, keys: list[str]) -> tuple[set[str], pl.DataFrame]:
+    """The partitions of ``keys`` whose tokenized table holds on-policy turns (it has ``corpus_index``), and those
+    turns' :data:`TURN_COLUMNS` from ``completions/<pk>.on_policy.parquet`` (the rows tokenized: their keys are
+    not corpus indexes, so their contexts come from there, not from the corpus)."""
+    from dflash_assets.stages.completions.on_policy import table_file
+
+    partitions, frames = set(), []
+    for pk in keys:
+        if not store.exists(*tokenized_file(pk)):
+            continue
+        tokenized = store.read_parquet(*tokenized_file(pk), columns=["index", CORPUS_INDEX])
+        if CORPUS_INDEX not in tokenized.columns:
+            continue
+        partitions.add(pk)
+        if store.exists(*table_file(pk)):
+            rows = store.read_parquet(*table_file(pk), columns=TURN_COLUMNS)
+            frames.append(rows.filter(pl.col("index").is_in(tokenized["index"].to_list())))
+    schema = {"index": pl.Int64, "prompt_hash": pl.String, "messages": pl.String, "tools": pl.String}
+    return partitions, pl.concat(frames) if frames else pl.DataFrame(schema=schema)
 
 
 def evaluation_fingerprint(config, export_sha: str | None, drafter_meta: dict, engine: str | None = None) -> str:
@@ -129,8 +172,18 @@ def evaluation_prompts(storage, store, keys: list[str], train_meta: dict, block_
             f"the drafter's training held out no row (eval_fraction {eval_fraction}): raise dflash_drafter's "
             "eval_fraction"
         )
+    # an on-policy partition's rows are turns keyed by conversation x 4096 + turn, not corpus prompts
+    on_policy, turns = on_policy_turns(store, keys)
+    if on_policy:
+        ranges = [key_range(pk) for pk in on_policy]
+        in_turns = set(turns["index"].to_list())
+        held_turns = [i for i in held if i in in_turns]
+        held = [i for i in held if not any(lo <= i <= hi for lo, hi in ranges)]
+    else:
+        held_turns = []
     corpus = heldout_corpus(store, held, config.num_prompts, need_hashes=bool(config.prompt_files))
-    datasets = evaluation_datasets(corpus, held, config.prompt_files, config.num_prompts)
+    datasets = evaluation_datasets(corpus, held, config.prompt_files, config.num_prompts, turns, held_turns)
+    held = sorted({*held, *held_turns})
     tokenizer = target_model.load_tokenizer()
     builder = SequenceBuilder(tokenizer)
     prompts = {}
