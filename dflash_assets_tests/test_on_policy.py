@@ -4,6 +4,7 @@ and the ``completions`` config that selects the mode. The runs through a real se
 
 from __future__ import annotations
 
+import io
 import json
 
 import dagster as dg
@@ -356,6 +357,41 @@ def test_tokenized_reads_the_table_the_latest_completions_made_and_never_guesses
     (failure,) = [e for e in result.all_events if e.is_step_failure]
     message = failure.step_failure_data.error.message
     assert "both" in message and "ops.completions.config.mode" in message and pk in message
+
+
+def test_the_truncation_report_counts_the_table_the_latest_completions_made(tmp_path):
+    """After a regeneration run then an on-policy run of one partition, both tables are there; the report counts
+    the on-policy turns only (it counted the stale regeneration table before), and a partition whose table
+    cannot be told is missing, not guessed."""
+    from dflash_assets.assets.truncation import load_all_completions
+    from dflash_assets.generation.records import COMPLETIONS_SCHEMA
+    from dflash_assets.stages.completions.on_policy import table_file
+    from dflash_assets.stages.completions.tables import partition_file
+
+    def table(finish_reasons: list[str], turn_kind: str) -> bytes:
+        rows = [
+            {"index": i, "source": "bfcl", "finish_reason": f, "completion_tokens": 10 + i, "turn_kind": turn_kind}
+            for i, f in enumerate(finish_reasons)
+        ]
+        frame = pl.DataFrame(rows).with_columns(
+            [pl.lit(None, dtype=t).alias(c) for c, t in COMPLETIONS_SCHEMA.items() if c not in rows[0]]
+        )
+        buffer = io.BytesIO()
+        frame.write_parquet(buffer)
+        return buffer.getvalue()
+
+    pk, other = "0000000-0000003", "0000004-0000007"
+    store = StorageResource(root=str(tmp_path)).open()
+    store.write_bytes(table(["length"] * 4, "prompt"), *partition_file(pk))  # the earlier regeneration run
+    store.write_bytes(table(["stop", "stop", "length"], "after_tool"), *table_file(pk))  # the latest, on-policy
+    for parts in (partition_file(other), table_file(other)):
+        store.write_bytes(table(["stop"], "prompt"), *parts)
+    frame, missing = load_all_completions(store, [pk, other], {pk: "on_policy"})
+    assert missing == [other]  # two tables and no record of which is current
+    assert frame["finish_reason"].to_list() == ["stop", "stop", "length"]
+    assert set(frame["turn_kind"]) == {"after_tool"} and set(frame["partition"]) == {pk}
+    frame, _ = load_all_completions(store, [pk], {pk: "regenerate"})
+    assert frame["finish_reason"].to_list() == ["length"] * 4
 
 
 def test_a_partition_made_in_the_other_mode_is_not_up_to_date():

@@ -19,7 +19,9 @@ from dflash_assets.app.summary_engine import ENGINE_KEYS, baseline_line, engine_
 from dflash_assets.assets import truncation as truncation_asset
 from dflash_assets.dflash.shard_format import INDEX_NAME, SHARD_PATTERN
 from dflash_assets.orchestration.check_gate import BLOCKING_CHECKS, why_unevaluated
+from dflash_assets.orchestration.config import completions_mode
 from dflash_assets.orchestration.history import latest_metadata, plain_metadata
+from dflash_assets.stages.completions.on_policy import table_file as on_policy_file
 from dflash_assets.stages.completions.tables import partition_file
 from dflash_assets.stages.drafter.run import DRAFTER_DIR, EXPORT_DIR
 from dflash_assets.stages.evaluation.in_process import REPORT_DIR as EVALUATION_DIR
@@ -298,6 +300,7 @@ def output_locations(storage, keys: list[str]) -> list[tuple[str, str, str]]:
     Labels starting with spaces belong to the entry above them.
     """
     store = storage.open()
+    completions_file = on_policy_file if completions_mode() == "on_policy" else partition_file
     scratch = storage.local_scratch()  # the scratch root (no file is created in it)
     pk = keys[0] if len(keys) == 1 else PK
 
@@ -310,7 +313,7 @@ def output_locations(storage, keys: list[str]) -> list[tuple[str, str, str]]:
     return [
         ("prompt corpus", at(*CORPUS_FILE), "prompt_corpus"),
         ("  rows set aside", at(*REJECTED_FILE), "prompt_corpus"),
-        ("completions", at(*partition_file(pk)), "completions"),
+        ("completions", at(*completions_file(pk)), "completions"),
         ("  server logs", folder(os.path.join(scratch, SERVER_LOGS_DIR, pk)), "completions"),
         ("truncation report", at(*TRUNCATION_REPORT), "truncation_report"),
         ("  length plot", at(*TRUNCATION_PNG), "truncation_report"),

@@ -16,23 +16,36 @@ from dflash_assets.data.truncation import (
     turn_kind_markdown,
 )
 from dflash_assets.generation.records import PROMPT_TOO_LONG
+from dflash_assets.orchestration.history import latest_metadata_by_partition
 from dflash_assets.orchestration.metadata import png_markdown
 from dflash_assets.orchestration.partitions import prompt_ranges
-from dflash_assets.stages.completions.tables import partition_file
 from dflash_assets.stages.forecast import forecast_markdown
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.tokenized import CompletionsSourceError, completions_source
 
 REPORT_DIR = "truncation_report"
 
 
-def load_all_completions(store, keys: list[str]) -> tuple[pl.DataFrame, list[str]]:
+def load_all_completions(
+    store, keys: list[str], modes: dict[str, str | None] | None = None
+) -> tuple[pl.DataFrame, list[str]]:
     """The report's columns (:data:`~dflash_assets.data.truncation.REPORT_COLUMNS`, never the text) of every
-    materialized completions partition stacked, with a ``partition`` column, and the missing keys."""
+    materialized completions partition stacked, with a ``partition`` column, and the missing keys.
+
+    ``modes``: ``{pk: mode}`` of each partition's latest completions materialization (``regenerate`` or
+    ``on_policy``). The table read is the one that run made, as ``tokenized_sequences`` reads it
+    (:func:`~dflash_assets.stages.tokenized.completions_source`): a table another mode left earlier is never
+    counted. A partition whose table cannot be told or is missing counts as missing."""
     frames, missing = [], []
     for pk in keys:
-        if store.exists(*partition_file(pk)):
-            frames.append(read_report_columns(store, *partition_file(pk)).with_columns(partition=pl.lit(pk)))
+        try:
+            source = completions_source(store, pk, (modes or {}).get(pk))
+        except CompletionsSourceError:
+            missing.append(pk)
+            continue
+        if store.exists(*source.parts):
+            frames.append(read_report_columns(store, *source.parts).with_columns(partition=pl.lit(pk)))
         else:
             missing.append(pk)
     # diagonal: a table written before a column existed (context_length) lacks it
@@ -118,7 +131,9 @@ def truncation_report(
 ) -> dg.MaterializeResult:
     store = storage.open()
     keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
-    frame, missing = load_all_completions(store, keys)
+    recorded = latest_metadata_by_partition(context.instance, "completions", keys)
+    modes = {pk: meta.get("mode", "regenerate") for pk, meta in recorded.items()}
+    frame, missing = load_all_completions(store, keys, modes)
     if frame.is_empty():
         raise dg.Failure(
             f"no completions partition is materialized yet ({len(missing)} missing): materialize completions first"
