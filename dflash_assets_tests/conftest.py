@@ -36,8 +36,11 @@ SLOW_MODULE_SECONDS = {
     # vLLM's CPU server start (~1 min), two on-policy runs of 2 BFCL tasks (~10 turns each), one killed, then
     # tokenized + hidden_states (SmolLM2) and 2 drafter steps on the turns: 168 s beside another test module
     "test_on_policy_vllm": 170,
-    # PostgreSQL, Redis, moto, two Celery workers, then a node killed mid-partition: 113 s alone, 156 s beside a CI run
-    "test_cluster_celery": 156,
+    # the daemon ticking the backfill schedule every minute over two Celery workers, a node killed and back, then the
+    # later stages: 231 s on an idle machine, 333 s and 439 s beside a CI run; minute ticks and run processes starting
+    "test_cluster_daemon": 440,
+    # PostgreSQL, Redis, moto, two Celery workers, one range run on each: 50 s idle, 130 s beside a CI run
+    "test_cluster_celery": 135,
     # Redis, Celery workers, three two-node torchrun launches (one trains, one fails, one interrupted): ~60 s alone
     "test_train_nodes_celery": 90,
     "test_gpu_install": 140,  # pip dry runs against PyPI: 63 s at load 2-4, 140 s at load 11-16

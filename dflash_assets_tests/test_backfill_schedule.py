@@ -188,6 +188,74 @@ def test_schedule_on_several_nodes_requests_one_range_per_inference_slot():
         ]
 
 
+def test_on_several_nodes_ranges_are_not_run_retries_and_later_stages_scale_with_gpu_slots():
+    """A failed range run is re-cut over the nodes by the next tick (a run retry would put the whole rest of it on
+    one node): the spread ranges carry dagster/max_retries 0. The later stages go one run per partition, up to
+    max_downstream_per_tick per dflash_gpu slot (one per node's GPUs)."""
+    from dagster._core.storage.tags import MAX_RETRIES_TAG
+
+    from dflash_assets.orchestration.pools import GPU_POOL, INFERENCE_POOL
+
+    @dg.asset(name="completions", partitions_def=prompt_ranges)
+    def completions() -> dg.MaterializeResult:
+        return dg.MaterializeResult()
+
+    @dg.asset(name="tokenized_sequences", partitions_def=prompt_ranges, deps=[completions])
+    def tokenized_sequences() -> None:
+        pass
+
+    @dg.asset(name="hidden_states", partitions_def=prompt_ranges, deps=[tokenized_sequences])
+    def hidden_states() -> None:
+        pass
+
+    assets = [completions, tokenized_sequences, hidden_states]
+    job = dg.define_asset_job("partition_stages", selection=assets)
+    defs = dg.Definitions(assets=assets, jobs=[job])
+    keys = partition_keys(90, 10)  # 9 partitions: 6 done, 3 never run
+
+    def tick(schedule) -> list[dg.RunRequest]:
+        context = dg.build_schedule_context(instance=instance, repository_def=defs.get_repository_def())
+        return list(schedule.evaluate_tick(context).run_requests)
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(prompt_ranges.name, keys)
+        for pk in keys[:6]:
+            assert dg.materialize([completions], instance=instance, partition_key=pk).success
+        instance.event_log_storage.set_concurrency_slots(INFERENCE_POOL, 2)
+        instance.event_log_storage.set_concurrency_slots(GPU_POOL, 3)
+        for spread, later in ((False, 2), (True, 6)):
+            requests = tick(build_backfill_schedule(job, max_downstream_per_tick=2, spread_over_nodes=spread))
+            ranges_ = [r for r in requests if r.asset_selection == [dg.AssetKey("completions")]]
+            downstream = [r for r in requests if r not in ranges_]
+            assert [
+                (r.tags[ASSET_PARTITION_RANGE_START_TAG], r.tags[ASSET_PARTITION_RANGE_END_TAG]) for r in ranges_
+            ] == ([(keys[6], keys[7]), (keys[8], keys[8])] if spread else [(keys[6], keys[8])])
+            assert all(r.tags.get(MAX_RETRIES_TAG) == ("0" if spread else None) for r in ranges_)
+            assert [r.partition_key for r in downstream] == keys[:later]  # one run per partition
+            assert all(
+                r.asset_selection == [dg.AssetKey("tokenized_sequences"), dg.AssetKey("hidden_states")]
+                for r in downstream
+            )
+            assert all(MAX_RETRIES_TAG not in r.tags for r in downstream)  # a failed later stage waits for a human
+
+
+def test_the_backfill_cron_comes_from_the_environment(monkeypatch):
+    """DFLASH_BACKFILL_CRON sets the schedule's cron without editing code; a malformed one is an error naming it."""
+    from dflash_assets.app.automation import BACKFILL_CRON_ENV, DEFAULT_BACKFILL_CRON, backfill_cron
+
+    job = dg.define_asset_job("partition_stages", selection=["completions"])
+    monkeypatch.delenv(BACKFILL_CRON_ENV, raising=False)
+    assert backfill_cron() == DEFAULT_BACKFILL_CRON == "*/10 * * * *"
+    assert build_backfill_schedule(job).cron_schedule == "*/10 * * * *"
+    monkeypatch.setenv(BACKFILL_CRON_ENV, " * * * * * ")
+    assert build_backfill_schedule(job).cron_schedule == "* * * * *"
+    assert build_backfill_schedule(job, cron="0 * * * *").cron_schedule == "0 * * * *"  # an explicit one wins
+    for bad in ("every minute", "61 * * * *", "* * * *"):
+        monkeypatch.setenv(BACKFILL_CRON_ENV, bad)
+        with pytest.raises(ValueError, match=BACKFILL_CRON_ENV):
+            build_backfill_schedule(job)
+
+
 def test_schedule_gives_up_on_a_partition_after_max_failed_attempts():
     """A partition failing every time used to be requested on every tick forever."""
     from dflash_assets.app.automation import failed_attempts

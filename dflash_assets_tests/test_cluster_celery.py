@@ -12,9 +12,9 @@ Checked independently of Dagster's own bookkeeping: each simulated server logs t
 prompt was answered exactly once and by the node whose worker ran its partition (the worker's name in the run's
 events); each node did some; the tables on S3 hold every row once; ``status`` read from PostgreSQL agrees.
 
-Then a node lost mid-partition: kill -9 of one worker and everything under it; its run fails (the launcher's watch
-on the worker), and the partition launched again runs on the other node, which is sent exactly the rows the
-journal on S3 did not hold.
+A node lost mid-partition (kill -9 of its worker and everything under it), its run failed by the launcher's watch
+on the worker and the partition resumed on the other node from the journal on S3, is tested as a cluster runs it
+unattended, the daemon ticking the backfill schedule: ``test_cluster_daemon.py``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from collections import Counter
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
@@ -42,7 +41,6 @@ from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.pools import INFERENCE_POOL, ensure_pool_limits
 from dflash_simulators.loopback_cluster import (
     NodeWorker,
-    descendants,
     kill_group,
     launch_completions,
     redis_missing,
@@ -123,10 +121,17 @@ def test_single_node_default_is_the_multiprocess_executor_unless_a_broker_is_set
 
 
 def node_config(
-    tmp: Path, node: str, s3_url: str, sim_args: list[str] = SIM, slots: int = SLOTS, prefix: str = PREFIX
+    tmp: Path,
+    node: str,
+    s3_url: str,
+    sim_args: list[str] = SIM,
+    slots: int = SLOTS,
+    prefix: str = PREFIX,
+    target_model: dict | None = None,
 ) -> Path:
     """The config file of one node: shared S3 root (journal synced at every row), its own scratch, its own
-    simulated servers and their request log."""
+    simulated servers and their request log; ``target_model``: its ``resources.target_model`` section (None: the
+    default)."""
     sim = tmp / node / "sim"
     sim.mkdir(parents=True)
     config = {
@@ -154,6 +159,8 @@ def node_config(
             "generation": {"max_output_tokens": 4096, "temperature": 0.6},
         }
     }
+    if target_model is not None:
+        config["resources"]["target_model"] = target_model
     path = tmp / node / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -332,89 +339,3 @@ def test_a_backfill_of_eight_partitions_spreads_over_two_node_workers(services, 
     assert "note: could not load" not in out.stdout, out.stdout
     assert int(re.search(r"completions remaining: (\d+) prompts", out.stdout).group(1)) == 0, out.stdout
     assert f"{NUM_PROMPTS} / {NUM_PROMPTS} rows valid" in out.stdout, out.stdout
-
-
-def kill_node(worker: NodeWorker) -> None:
-    """kill -9 of a node's worker and everything under it (its pool process, the servers the step started)."""
-    tree = [worker.proc.pid, *descendants(worker.proc.pid)]
-    for pid in tree:
-        with suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    worker.proc.wait(10)
-
-
-def done_prompts(tmp: Path, node: str) -> set[str]:
-    path = tmp / node / "sim" / "requests.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return {e["key"] for e in map(json.loads, lines) if e["ev"] == "done" and e["key"].startswith("prompt")}
-
-
-def test_a_node_lost_mid_partition_fails_its_run_and_another_node_resumes_it(services, tmp_path, monkeypatch):
-    """node-a (slow servers: one slot, real-time decoding) takes the partition alone; after a few rows it is killed
-    with everything under it. Its run fails within DFLASH_CELERY_LOST_AFTER_S; launched again, node-b's worker
-    takes it and requests only the rows the journal on S3 does not hold: 0 rows lost, 0 duplicated."""
-    slow = ["--sim-startup-s", "2", "--sim-median-tokens", "100", "--sim-sigma", "0.2", "--sim-speed", "1"]
-    configs = {
-        "node-a": node_config(tmp_path, "node-a", services["s3"], slow, slots=1, prefix="kill"),
-        "node-b": node_config(tmp_path, "node-b", services["s3"], prefix="kill"),
-        "launcher": node_config(tmp_path, "launcher", services["s3"], prefix="kill"),
-    }
-    envs = {node: node_env(tmp_path, node, services, configs[node]) for node in configs}
-    envs["launcher"]["DFLASH_CELERY_LOST_AFTER_S"] = "6"
-    s3_client(services).create_bucket(Bucket=BUCKET)
-    (pk,) = build_corpus(tmp_path, envs["launcher"], services, 8, 8)
-    prompts = {f"prompt {i}" for i in indices_of(pk)}
-
-    node_a = NodeWorker("node-a", envs["node-a"], tmp_path / "node-a.worker.log")
-    node_b = None
-    first = second = None
-    try:
-        node_a.wait_ready()
-        first = launch_completions("first", ["--partition", pk], envs["launcher"], tmp_path)
-        deadline = time.monotonic() + 120
-        while len(done_prompts(tmp_path, "node-a")) < 4:  # journaled one by one (journal_sync_rows: 1)
-            assert first.poll() is None and time.monotonic() < deadline, node_a.tail()
-            time.sleep(0.1)
-        kill_node(node_a)
-        killed_at = time.monotonic()
-        first.wait(120)
-        detected_s = time.monotonic() - killed_at
-        failed_log = (tmp_path / "launch-first.log").read_text(errors="replace")
-        assert first.returncode != 0 and "stopped answering" in failed_log, failed_log[-3000:]
-
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
-        from dflash_assets.stages.resources.storage import resolved_storage
-
-        fields = yaml.safe_load(configs["launcher"].read_text())["resources"]["storage"]
-        fields["scratch_dir"] = str(tmp_path / "reader")
-        journal = resolved_storage(fields).open_journal("completions", f"{pk}.journal.jsonl")
-        kept = {f"prompt {i}" for i in journal.load()}
-        journal.close()
-        assert 1 <= len(kept) < len(prompts), kept  # some rows finished on node-a, not all
-
-        node_b = NodeWorker("node-b", envs["node-b"], tmp_path / "node-b.worker.log")
-        node_b.wait_ready()
-        second = launch_completions("second", ["--partition", pk], envs["launcher"], tmp_path)
-        second.wait(120)
-        text = (tmp_path / "launch-second.log").read_text(errors="replace")
-        assert second.returncode == 0, text[-3000:] + node_b.tail()
-    finally:
-        for proc in (first, second):
-            kill_group(proc)
-        for worker in (node_a, node_b):
-            if worker is not None:
-                worker.stop()
-    print(f"lost worker detected after {detected_s:.1f} s; {len(kept)} rows kept from node-a")
-
-    # node-b was sent exactly the rows the journal did not hold: nothing finished is sent twice
-    assert received(tmp_path, "node-b") == Counter(prompts - kept)
-    body = s3_client(services).get_object(Bucket=BUCKET, Key=f"kill/completions/{pk}.parquet")["Body"].read()
-    frame = pl.read_parquet(body)
-    assert sorted(frame["index"].to_list()) == list(indices_of(pk))  # 0 lost, 0 duplicated
-    with cluster_instance(envs["launcher"], services) as instance:
-        runs = instance.get_run_records(dg.RunsFilter(tags={"dagster/partition": pk}))
-        statuses = sorted(r.dagster_run.status.value for r in runs)
-        assert statuses == ["FAILURE", "SUCCESS"], statuses
-        placed = {r.dagster_run.status.value: worker_of_run(instance, r.dagster_run.run_id) for r in runs}
-    assert placed == {"FAILURE": "node-a", "SUCCESS": "node-b"}

@@ -3,8 +3,12 @@
 :func:`running_redis`: Debian's ``redis-server`` on 127.0.0.1, a free port, no persistence, its own process group
 and working directory (removed afterwards); never the system's service. :class:`NodeWorker`: one node's Celery
 worker (``celery -A dflash_assets.orchestration.cluster worker``) with that node's environment (its
-``DFLASH_CONFIG``: its own simulated servers), as ``docs/scale.md`` starts one on each node. Used by
-``dflash_assets_tests/test_cluster_celery.py`` and ``bench/bench_cluster.py``.
+``DFLASH_CONFIG``: its own simulated servers), as ``docs/scale.md`` starts one on each node. :func:`start_daemon`
+and :func:`start_schedule`: the launching node's ``dagster-daemon run`` and ``dagster schedule start``, the
+commands a user types. :func:`stop_tree` / :func:`kill_tree`: end a process and everything below it (a node's
+worker with its pool process and the servers its step started, in sessions of their own). Used by
+``dflash_assets_tests/test_cluster_celery.py``, ``dflash_assets_tests/test_cluster_daemon.py`` and
+``bench/bench_cluster.py``.
 """
 
 from __future__ import annotations
@@ -101,6 +105,61 @@ def kill_group(proc: subprocess.Popen | None) -> None:
         proc.wait(10)
 
 
+def start_daemon(env: dict[str, str], folder: Path) -> subprocess.Popen:
+    """``dagster-daemon run -m dflash_assets.definitions`` (scheduler, run queue, run monitoring, ...) with the
+    launching node's environment ``env`` (its ``DAGSTER_HOME``: the shared instance), in its own process group, run
+    in ``folder``; its output in ``folder/daemon.log``. Stop it with :func:`stop_tree` (its code server and the run
+    processes it launched are below it)."""
+    argv = [str(BIN / "dagster-daemon"), "run", "-m", "dflash_assets.definitions"]
+    with open(folder / "daemon.log", "wb") as log:
+        return subprocess.Popen(argv, env=env, cwd=folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_schedule(name: str, env: dict[str, str], folder: Path, timeout_s: float = 300.0) -> None:
+    """``dagster schedule start NAME -m dflash_assets.definitions``: turn schedule ``name`` on in the instance of
+    ``env``'s ``DAGSTER_HOME`` (the daemon then ticks it), run in ``folder``.
+
+    Raises:
+        RuntimeError: the command failed (its output in the message).
+        subprocess.TimeoutExpired: it ran over ``timeout_s``.
+    """
+    argv = [str(BIN / "dagster"), "schedule", "start", name, "-m", "dflash_assets.definitions"]
+    out = subprocess.run(argv, env=env, cwd=folder, capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(
+            f"dagster schedule start {name} failed ({out.returncode}): {out.stdout[-2000:]}{out.stderr[-3000:]}"
+        )
+
+
+def stop_tree(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
+    """SIGTERM to a process's group (nothing for None or an ended process), SIGKILL after ``grace_s`` to the group
+    and to every process that was below it (children in sessions of their own included), then reap it."""
+    if proc is None:
+        return
+    below = descendants(proc.pid) if proc.poll() is None else []
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in below:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """kill -9 of a process and everything below it at once (a node lost: its worker, the worker's pool process,
+    the servers a step started), then reap it."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(10)
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (from /proc), children first found first."""
     parents: dict[int, list[int]] = {}
@@ -152,17 +211,9 @@ class NodeWorker:
 
     def stop(self) -> None:
         """SIGTERM to the worker's group (Celery's warm shutdown), SIGKILL after 20 s to the group and to every
-        process that was below the worker (servers a step started run in sessions of their own)."""
-        below = descendants(self.proc.pid) if self.proc.poll() is None else []
-        with suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            pass
-        with suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        for pid in below:
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.proc.wait(10)
+        process that was below the worker (servers a step started run in sessions of their own): :func:`stop_tree`."""
+        stop_tree(self.proc)
+
+    def kill(self) -> None:
+        """kill -9 of the worker and everything under it (its node lost): :func:`kill_tree`."""
+        kill_tree(self.proc)

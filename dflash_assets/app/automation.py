@@ -9,6 +9,7 @@ status read per stage, the latest materialization of every partition in two quer
 """
 
 import hashlib
+import os
 from collections.abc import Iterable, Sequence
 
 import dagster as dg
@@ -17,8 +18,12 @@ import dagster as dg
 from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_END_TAG,
     ASSET_PARTITION_RANGE_START_TAG,
+    MAX_RETRIES_TAG,
     PARTITION_NAME_TAG,
 )
+
+# private module: dagster 1.13 exports no public cron validator (the check its schedules apply)
+from dagster._utils.schedules import is_valid_cron_string
 
 from dflash_assets.app.stage_order import PARTITION_STAGES
 from dflash_assets.common.settings import GenerationSettings
@@ -27,11 +32,33 @@ from dflash_assets.orchestration.config import completions_mode
 from dflash_assets.orchestration.freshness import settings_reason
 from dflash_assets.orchestration.history import latest_records
 from dflash_assets.orchestration.partitions import prompt_ranges
-from dflash_assets.orchestration.pools import INFERENCE_POOL, pool_usage
+from dflash_assets.orchestration.pools import GPU_POOL, INFERENCE_POOL, pool_usage
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
 
 COMPLETIONS = dg.AssetKey("completions")
+
+#: Environment variable: the backfill schedule's cron (5 fields, the daemon's time zone), read when the definitions
+#: load; unset or empty: :data:`DEFAULT_BACKFILL_CRON`.
+BACKFILL_CRON_ENV = "DFLASH_BACKFILL_CRON"
+DEFAULT_BACKFILL_CRON = "*/10 * * * *"
+
+
+def backfill_cron() -> str:
+    """The backfill schedule's cron string: :data:`BACKFILL_CRON_ENV`, or :data:`DEFAULT_BACKFILL_CRON`.
+
+    Raises:
+        ValueError: the variable holds no valid cron string (naming the variable, its value and the form).
+    """
+    raw = os.environ.get(BACKFILL_CRON_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BACKFILL_CRON
+    if not is_valid_cron_string(raw):
+        raise ValueError(
+            f"{BACKFILL_CRON_ENV}={raw!r} is not a cron string: give 5 fields, minute hour day month weekday "
+            f"(e.g. '*/10 * * * *', the default), or unset it"
+        )
+    return raw
 
 
 def partition_job_selection(available: Iterable[str]) -> list[str]:
@@ -215,7 +242,7 @@ def downstream_requests(
 
 def build_backfill_schedule(
     job,
-    cron: str = "*/10 * * * *",
+    cron: str | None = None,
     max_runs_per_tick: int = 1,
     max_partitions_per_run: int | None = None,
     max_failed_attempts: int = 3,
@@ -226,9 +253,15 @@ def build_backfill_schedule(
     """Every tick: request the missing or failed completions partitions as ranges, one run each (servers
     started once per range), and the later per-partition stages of partitions whose completions are done.
 
+    ``cron``: None reads :func:`backfill_cron` (``$DFLASH_BACKFILL_CRON``, default every 10 minutes).
+
     ``spread_over_nodes`` (several nodes, Dagster's Celery executor: docs/scale.md): a range run is one step on one
     node, so the unfinished partitions are cut into as many ranges as the ``dflash_inference`` pool has slots (one
-    per node's servers), all requested in one tick (at least ``max_runs_per_tick``), one per node.
+    per node's servers), all requested in one tick (at least ``max_runs_per_tick``), one per node. Those range runs
+    carry ``dagster/max_retries: 0``: when one fails (its node lost) the next tick cuts its unfinished partitions
+    over the nodes again, where a run retry would put the whole rest of the range on one node. The later stages
+    are requested up to ``max_downstream_per_tick`` per ``dflash_gpu`` slot (one per node's GPUs), one run per
+    partition; each step of such a run goes to whichever node's worker is free.
 
     Ranges are cut at partitions in progress (another run has them) and at partitions given up after
     ``max_failed_attempts`` failed runs since their last success (one that fails every time, e.g. on a
@@ -239,7 +272,11 @@ def build_backfill_schedule(
     than another server start). Run keys name the range and the
     latest completions materialization in it, so a tick evaluated twice launches nothing twice.
     Runs wait for the ``dflash_inference`` pool (dagster.yaml) like any other.
+
+    Raises:
+        ValueError: ``cron`` is None and ``$DFLASH_BACKFILL_CRON`` holds no valid cron string.
     """
+    cron = backfill_cron() if cron is None else cron
 
     @dg.schedule(
         job=job,
@@ -269,23 +306,26 @@ def build_backfill_schedule(
             )
         wanted = set(to_request) - set(given_up)
         runs, per_run = max_runs_per_tick, max_partitions_per_run
-        if spread_over_nodes and wanted:
-            nodes = max(1, pool_usage(instance, [INFERENCE_POOL]).get(INFERENCE_POOL, {}).get("limit") or 1)
-            share = -(-len(wanted) // nodes)  # ceil: every unfinished partition in this tick's `nodes` runs
-            runs, per_run = max(runs, nodes), min(per_run or share, share)
+        downstream_limit, range_tags = max_downstream_per_tick, {"dflash/trigger": "backfill"}
+        if spread_over_nodes:
+            slots = pool_usage(instance, [INFERENCE_POOL, GPU_POOL])
+            if wanted:
+                nodes = max(1, slots.get(INFERENCE_POOL, {}).get("limit") or 1)
+                share = -(-len(wanted) // nodes)  # ceil: every unfinished partition in this tick's `nodes` runs
+                runs, per_run = max(runs, nodes), min(per_run or share, share)
+            downstream_limit *= max(1, slots.get(GPU_POOL, {}).get("limit") or 1)
+            range_tags[MAX_RETRIES_TAG] = "0"  # this schedule re-cuts a failed range over the nodes instead
         ranges = contiguous_ranges(keys, wanted, running | set(given_up), per_run, max_gap=max_finished_gap)[:runs]
         requests = []
         for pks in ranges:
             newest = max((records[pk].storage_id for pk in pks if pk in records), default=0)
-            requests.append(
-                range_request(pks, f"completions:{pks[0]}...{pks[-1]}:{newest}", {"dflash/trigger": "backfill"})
-            )
+            requests.append(range_request(pks, f"completions:{pks[0]}...{pks[-1]}:{newest}", range_tags))
         names = (
             {k.to_user_string() for k in job.selection.resolve(context.repository_def.asset_graph)}
             if context.repository_def
             else set(PARTITION_STAGES)
         )
-        downstream, waiting, held = downstream_requests(instance, keys, names, status, records, max_downstream_per_tick)
+        downstream, waiting, held = downstream_requests(instance, keys, names, status, records, downstream_limit)
         if held:
             context.log.warning(check_gate.held_message(held))
         requests += downstream
