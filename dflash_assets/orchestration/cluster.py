@@ -135,7 +135,10 @@ class WatchedResult:
                 f"{self._what}: worker {self._lost} stopped answering while running it (lost node or "
                 f"killed; {3 * self._every:.0f} s without a reply, {LOST_AFTER_ENV}); {self._advice}"
             )
-        return self._result.get()
+        # The dflash_drafter step waits on its node ranks from inside its own Celery task, where Celery refuses a
+        # blocking get (prefork workers: "Never call result.get() within a task!"). Safe here: the awaited task
+        # runs on another worker's queue, never on this one's (-c 1, busy with this step).
+        return self._result.get(disable_sync_subtasks=False)
 
     def revoke(self, *args, **kwargs):
         return self._result.revoke(*args, **kwargs)

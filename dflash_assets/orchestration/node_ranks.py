@@ -222,7 +222,7 @@ class NodeRanks:
             failure = self._check(worker)
             if failure is not None:
                 raise failure
-        return [self.results[w].get() for w in self.workers]
+        return [self.results[w].get(disable_sync_subtasks=False) for w in self.workers]  # see WatchedResult.get
 
     def revoke(self) -> None:
         """Terminate every rank not finished (SIGTERM to its task: it stops its torchrun's process group)."""
