@@ -3,9 +3,11 @@
 A real Redis (Debian's ``redis-server``) is the broker; Celery workers (``celery -A dflash_assets.orchestration.cluster
 worker``, ``-c 1``) stand for the nodes. The test process stands for the ``dflash_drafter`` step on ``node-a``
 (``DFLASH_NODE_NAME=node-a``, what a step running on node-a's worker reads from Celery) and calls the drafter's
-launcher (:func:`~dflash_assets.stages.drafter.launcher.run_torchrun`) with the broker set, as the step does: the
-Dagster run itself is not gone through here (``test_cluster_celery.py`` covers steps placed by the Celery executor).
+launcher (:func:`~dflash_assets.stages.drafter.launcher.run_torchrun`) with the broker set, as the step does.
 Training: a tiny random-init Llama target, offline shards, gloo, 1 process x 2 nodes on a c10d rendezvous.
+One test goes the real path instead: a Dagster run of ``dflash_drafter`` (``dagster asset materialize``, the
+cluster instance on a real PostgreSQL) whose step Dagster's Celery executor places on one of two node workers, so
+the launcher runs, and waits on the other node's rank, inside that worker's prefork Celery task.
 
 Checked independently of the launcher's own report: ``summary.json``, written by global rank 0 from an all-gather,
 says world size 2 with one rank on node-a and one on node-b (each rank reads its node from its environment, which
@@ -18,8 +20,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -27,6 +33,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
+import yaml
 
 from dflash_assets.dflash.shard_format import read_index
 from dflash_assets.dflash.shards import extract_partition
@@ -38,11 +45,15 @@ from dflash_assets.stages.drafter.launcher import TrainingRunError, run_torchrun
 from dflash_simulators.loopback_cluster import NodeWorker, descendants, redis_missing, running_redis
 
 try:
+    from dflash_assets_tests.postgres_server import postgres_missing, running_postgres
     from dflash_assets_tests.tiny_target import LAYER_IDS, VOCAB, make_rows, make_target
 except ImportError:  # run from inside the tests folder
+    from postgres_server import postgres_missing, running_postgres  # type: ignore[no-redef]
     from tiny_target import LAYER_IDS, VOCAB, make_rows, make_target  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_YAML = ROOT / "dflash_assets" / "configs" / "instance" / "dagster_cluster.yaml"
+BIN = Path(sys.executable).parent
 STEPS = 6
 
 
@@ -283,6 +294,114 @@ def test_an_interrupted_launch_stops_the_other_nodes_rank(on_node_a, data, tmp_p
     assert seen and len(seen[0]) >= 2, seen  # node-b's torchrun agent and its training process were running
     assert left == [], b_log
     assert "RankStopped" in b_log, b_log  # the task was revoked and stopped its torchrun itself
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A real PostgreSQL server for the module: the cluster instance (``dagster_cluster.yaml``) every node opens."""
+    missing = postgres_missing()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    with running_postgres() as url:
+        yield url
+
+
+PK = "0000000-0000011"  # one prompt range, its 12 rows' hidden states stored as two shards
+
+
+def test_a_dagster_run_of_dflash_drafter_trains_on_two_nodes_through_the_celery_executor(broker, postgres, tmp_path):
+    """The real path: ``dagster asset materialize --select dflash_drafter`` from a third shell with the broker set
+    (``nnodes: 2``, gloo, 1 process per node); Dagster's Celery executor hands the step to node-a's or node-b's
+    worker, where the launcher starts torchrun and waits, inside that worker's prefork task, on the rank task it
+    sends to the other node's worker (Celery refuses such a wait unless told it is safe: without that every
+    multi-node training through the executor failed with "Never call result.get() within a task!").
+
+    Inputs stand in for the upstream stages: the partition key added to the instance (PostgreSQL, the shipped
+    ``dagster_cluster.yaml``) and the partition's hidden states written by :func:`extract_partition` of a tiny
+    random-init Llama into the storage root's ``hidden_states/<key>/``, as the hidden_states stage lays them out;
+    local storage shared by both nodes (one machine: the shared filesystem ``docs/scale.md`` asks for). Not
+    covered: separate machines, GPUs (NCCL), S3 storage, the upstream stages run in the same cluster, and a failed or
+    interrupted step through Dagster (the direct-launcher tests below cover those).
+    """
+    model, target = make_target(tmp_path / "tiny")
+    data = tmp_path / "data"
+    extract_partition(model, make_rows(12), data / "hidden_states" / PK, LAYER_IDS, rows_per_shard=6)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "resources": {"storage": {"root": str(data)}, "target_model": {"model_path": str(target)}},
+                "ops": {"hidden_states": {"config": {"target_layer_ids": LAYER_IDS}}},
+            }
+        )
+    )
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copy(CLUSTER_YAML, home / "dagster.yaml")
+    env = {
+        **worker_env(broker),
+        "DAGSTER_HOME": str(home),
+        "DFLASH_POSTGRES_URL": postgres,
+        "DFLASH_CONFIG": str(config),
+        START_TIMEOUT_ENV: "60",
+    }
+    env.pop("DFLASH_NODE_NAME", None)  # a worker's node is its name
+    code = (
+        "import dagster as dg\n"
+        "from dflash_assets.orchestration.partitions import prompt_ranges\n"
+        "with dg.DagsterInstance.get() as instance:\n"
+        f"    instance.add_dynamic_partitions(prompt_ranges.name, [{PK!r}])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    two_nodes = layout()
+    settings = {
+        "num_hidden_layers": 1,
+        "intermediate_size": 64,
+        "block_size": 4,
+        "mask_token_id": VOCAB - 1,
+        "max_anchors": 4,
+        "batch_size": 1,
+        "lr": 3e-3,
+        "max_steps": STEPS,
+        "checkpoint_every": 0,
+        "eval_fraction": 0.0,
+        "seed": 11,
+        "features": "offline",
+        "nproc": 1,
+        "nnodes": 2,
+        "rdzv_endpoint": two_nodes.rdzv_endpoint,
+        "rdzv_id": two_nodes.rdzv_id,
+    }
+    run_config = json.dumps({"ops": {"dflash_drafter": {"config": settings}}})
+    argv = [str(BIN / "dagster"), "asset", "materialize", "-m", "dflash_assets.definitions"]
+    argv += ["--select", "dflash_drafter", "--config-json", run_config]
+    started = time.monotonic()
+    workers = start_workers(["node-a", "node-b"], {n: env for n in ("node-a", "node-b")}, tmp_path)
+    ready = time.monotonic()
+    try:
+        launch = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    finally:
+        for worker in workers:
+            worker.stop()
+    print(f"workers ready in {ready - started:.1f} s; the Dagster run {time.monotonic() - ready:.1f} s")
+    logs = {w.node: w.tail(200000) for w in workers}
+    shown = "\n".join([launch.stdout[-3000:], launch.stderr[-6000:], *(f"{n}: {t[-3000:]}" for n, t in logs.items())])
+    assert launch.returncode == 0, shown
+    # which worker ran the step (dagster-celery's task), and that the rank went to the other one
+    step_nodes = [n for n, t in logs.items() if re.search(r"Task execute_plan\[[0-9a-f-]+\] succeeded", t)]
+    assert len(step_nodes) == 1, shown
+    rank_node = "node-b" if step_nodes[0] == "node-a" else "node-a"
+    assert f"Task {RANK_TASK}[" in logs[rank_node] and f"Task {RANK_TASK}[" not in logs[step_nodes[0]], shown
+    (summary_path,) = (data / "dflash_drafter" / "runs").glob("*/summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["world_size"] == 2 and summary["step"] == STEPS, summary
+    assert sorted(summary["rank_nodes"]) == ["node-a", "node-b"], summary["rank_nodes"]
+    assert len(set(summary["rank_param_checksums"])) == 1  # the replicas agree bit for bit
+    assert (data / "dflash_drafter" / "export" / "model.safetensors").stat().st_size > 0
+    assert "RUN_SUCCESS" in launch.stdout + launch.stderr, shown
 
 
 def test_node_names_and_the_start_timeout_setting(monkeypatch):
