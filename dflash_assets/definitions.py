@@ -15,6 +15,7 @@ from dflash_assets.orchestration.config import (
     op_config,
     validate_ops,
 )
+from dflash_assets.orchestration.instance_url import check_postgres_url
 from dflash_assets.orchestration.runs import reaping_executor
 from dflash_assets.stages.resources.cost import CostResource
 from dflash_assets.stages.resources.generation import GenerationResource
@@ -35,6 +36,7 @@ def api_key_from_env() -> dict:
     return {"api_key": dg.EnvVar(API_KEY_ENV)} if os.environ.get(API_KEY_ENV) else {}
 
 
+check_postgres_url()  # a cluster instance's URL: psycopg2's scheme, refused before a run's first write fails
 validate_ops(ASSETS)  # unknown op names / config keys in the config file are errors, named with the file
 
 RESOURCES = build_resources(

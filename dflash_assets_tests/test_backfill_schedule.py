@@ -250,10 +250,12 @@ def test_the_backfill_cron_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(BACKFILL_CRON_ENV, " * * * * * ")
     assert build_backfill_schedule(job).cron_schedule == "* * * * *"
     assert build_backfill_schedule(job, cron="0 * * * *").cron_schedule == "0 * * * *"  # an explicit one wins
-    for bad in ("every minute", "61 * * * *", "* * * *"):
+    # "0 25 * * *": a new user's try (2026-12-06), told "give 5 fields" when it had five and an hour out of range
+    for bad in ("every minute", "61 * * * *", "* * * *", "0 25 * * *"):
         monkeypatch.setenv(BACKFILL_CRON_ENV, bad)
-        with pytest.raises(ValueError, match=BACKFILL_CRON_ENV):
+        with pytest.raises(ValueError, match=BACKFILL_CRON_ENV) as err:
             build_backfill_schedule(job)
+        assert "minute (0-59) hour (0-23) day (1-31) month (1-12) weekday (0-6)" in str(err.value)
 
 
 def test_schedule_gives_up_on_a_partition_after_max_failed_attempts():

@@ -55,8 +55,8 @@ def backfill_cron() -> str:
         return DEFAULT_BACKFILL_CRON
     if not is_valid_cron_string(raw):
         raise ValueError(
-            f"{BACKFILL_CRON_ENV}={raw!r} is not a cron string: give 5 fields, minute hour day month weekday "
-            f"(e.g. '*/10 * * * *', the default), or unset it"
+            f"{BACKFILL_CRON_ENV}={raw!r} is not a valid cron string: 5 fields, minute (0-59) hour (0-23) "
+            f"day (1-31) month (1-12) weekday (0-6), e.g. '*/10 * * * *' (the default); or unset it"
         )
     return raw
 

@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> None:
     failed.add_argument("run_id")
     args = parser.parse_args(argv)
     home = _ensure_dagster_home()
+    from dflash_assets.orchestration.instance_url import check_postgres_url
+
+    try:
+        check_postgres_url()  # before any command opens the instance
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     if args.command == "mark-failed":  # needs no config and no definitions
         import dagster as dg
 

@@ -1,0 +1,35 @@
+"""The PostgreSQL URL of a cluster instance (``$DFLASH_POSTGRES_URL``, docs/scale.md), checked before Dagster uses it.
+
+A plain ``postgresql://`` URL passes Dagster's own start-up: with psycopg 3 installed, reads and ``dagster instance``
+commands work, and only the first run's event write fails (``NOTIFY run_events, $1``: a syntax error), leaving that
+run stuck; without psycopg 3 it is a bare ``No module named 'psycopg'``. So the scheme is checked up front.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: Environment variable holding the instance's URL (``dflash_assets/configs/instance/dagster_cluster.yaml``).
+POSTGRES_URL_ENV = "DFLASH_POSTGRES_URL"
+POSTGRES_SCHEME = "postgresql+psycopg2"
+
+
+def check_postgres_url() -> None:
+    """Refuse a ``$DFLASH_POSTGRES_URL`` whose scheme is not ``postgresql+psycopg2``; unset or empty passes.
+
+    Raises:
+        ValueError: the scheme is another one, naming the variable, that scheme and the form to use; never the
+            URL itself (it holds the password).
+    """
+    raw = os.environ.get(POSTGRES_URL_ENV, "").strip()
+    if not raw:
+        return
+    scheme = raw.split("://", 1)[0] if "://" in raw else ""
+    if scheme == POSTGRES_SCHEME:
+        return
+    said = f"the scheme {scheme!r}" if scheme else "no scheme"
+    raise ValueError(
+        f"{POSTGRES_URL_ENV} has {said}: use {POSTGRES_SCHEME}://USER:PASSWORD@HOST:5432/DB. dagster-postgres needs "
+        "psycopg2; a plain postgresql:// selects psycopg 3 under SQLAlchemy 2.1, on which a run's first event write "
+        "fails (docs/scale.md, 'One instance for every node')"
+    )
