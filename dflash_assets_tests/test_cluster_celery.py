@@ -50,9 +50,11 @@ from dflash_simulators.loopback_cluster import (
 try:
     from dflash_assets_tests.postgres_server import postgres_missing, running_postgres
     from dflash_assets_tests.s3_fixtures import MotoServer
+    from dflash_assets_tests.system_parts import skip_or_fail
 except ImportError:  # run from inside the tests folder
     from postgres_server import postgres_missing, running_postgres  # type: ignore[no-redef]
     from s3_fixtures import MotoServer  # type: ignore[no-redef]
+    from system_parts import skip_or_fail  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_YAML = ROOT / "dflash_assets" / "configs" / "instance" / "dagster_cluster.yaml"
@@ -74,11 +76,7 @@ def _services_missing() -> str | None:
 def services(tmp_path_factory):
     """PostgreSQL, Redis and moto S3, each started here and stopped at the end of the module."""
     pytest.importorskip("dagster_celery", reason="the cluster extra: pip install -e '.[cluster]'")
-    missing = _services_missing()
-    if missing:
-        if os.environ.get("CI"):  # CI installs both (.ci/run): never a silent skip there
-            pytest.fail(missing)
-        pytest.skip(missing)
+    skip_or_fail(_services_missing())
     logs = tmp_path_factory.mktemp("services")
     with running_postgres() as postgres_url, running_redis() as redis_url:
         moto = MotoServer(str(logs / "moto.log"))

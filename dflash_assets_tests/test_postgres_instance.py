@@ -29,9 +29,11 @@ from dflash_assets.storage.store import Storage
 try:
     from dflash_assets_tests import test_status_cap_change as cap_change
     from dflash_assets_tests.postgres_server import postgres_missing, running_postgres
+    from dflash_assets_tests.system_parts import skip_or_fail
 except ImportError:  # run from inside the tests folder
     import test_status_cap_change as cap_change  # type: ignore[no-redef]
     from postgres_server import postgres_missing, running_postgres  # type: ignore[no-redef]
+    from system_parts import skip_or_fail  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_YAML = ROOT / "dflash_assets" / "configs" / "instance" / "dagster_cluster.yaml"
@@ -39,11 +41,7 @@ CLUSTER_YAML = ROOT / "dflash_assets" / "configs" / "instance" / "dagster_cluste
 
 @pytest.fixture(scope="module")
 def postgres_url():
-    missing = postgres_missing()
-    if missing:
-        if os.environ.get("CI"):  # CI installs it (.ci/run): never a silent skip there
-            pytest.fail(missing)
-        pytest.skip(missing)
+    skip_or_fail(postgres_missing())
     with running_postgres() as url:
         yield url
 

@@ -46,9 +46,11 @@ from dflash_simulators.loopback_cluster import NodeWorker, descendants, redis_mi
 
 try:
     from dflash_assets_tests.postgres_server import postgres_missing, running_postgres
+    from dflash_assets_tests.system_parts import skip_or_fail
     from dflash_assets_tests.tiny_target import LAYER_IDS, VOCAB, make_rows, make_target
 except ImportError:  # run from inside the tests folder
     from postgres_server import postgres_missing, running_postgres  # type: ignore[no-redef]
+    from system_parts import skip_or_fail  # type: ignore[no-redef]
     from tiny_target import LAYER_IDS, VOCAB, make_rows, make_target  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,11 +84,7 @@ def free_port() -> int:
 def broker():
     """A real Redis server for the module."""
     pytest.importorskip("dagster_celery", reason="the cluster extra: pip install -e '.[cluster]'")
-    missing = redis_missing()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(missing)
-        pytest.skip(missing)
+    skip_or_fail(redis_missing())
     with running_redis() as url:
         yield url
 
@@ -299,11 +297,7 @@ def test_an_interrupted_launch_stops_the_other_nodes_rank(on_node_a, data, tmp_p
 @pytest.fixture(scope="module")
 def postgres():
     """A real PostgreSQL server for the module: the cluster instance (``dagster_cluster.yaml``) every node opens."""
-    missing = postgres_missing()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(missing)
-        pytest.skip(missing)
+    skip_or_fail(postgres_missing())
     with running_postgres() as url:
         yield url
 

@@ -19,8 +19,12 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
+
+try:
+    from dflash_assets_tests.system_parts import skip_or_fail
+except ImportError:  # run from inside the tests folder
+    from system_parts import skip_or_fail  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts" / "ui"
@@ -208,12 +212,9 @@ def completions_runs(url: str) -> list[dict]:
 
 def chromium_or_skip() -> str:
     """Path of the system Chromium; skips the test where it is missing, except in CI (``$CI`` set), where it fails."""
-    if Path(CHROMIUM).exists():
-        return CHROMIUM
-    reason = f"{CHROMIUM} is missing: apt-get install -y chromium"
-    if os.environ.get("CI"):
-        pytest.fail(reason)
-    pytest.skip(reason)
+    if not Path(CHROMIUM).exists():
+        skip_or_fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    return CHROMIUM
 
 
 def shot(page, name: str) -> None:
