@@ -58,7 +58,7 @@ def reference_lengths() -> dict[str, np.ndarray]:
         return out
     from transformers import AutoTokenizer
 
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.local_model import ensure_local_model
 
     tok = AutoTokenizer.from_pretrained(ensure_local_model())
     alpaca = json.loads((SHARED / "codealpaca" / "new_codealpaca.json").read_text())

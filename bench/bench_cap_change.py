@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 from headline import headline
 
 from dflash_assets.app.automation import request_partitions
-from dflash_assets.generation.local_model import ensure_local_model
-from dflash_assets.generation.transformers_server import LocalTransformersServer
+from dflash_assets.generation.engines.local_model import ensure_local_model
+from dflash_assets.generation.servers.transformers_server import LocalTransformersServer
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_simulators.cap_change_scenario import PROMPTS, run_scenario
 from dflash_simulators.counting_proxy import CountingProxy

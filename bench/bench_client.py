@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from headline import headline
 
-from dflash_assets.generation.client import CompletionClient
-from dflash_assets.generation.results import CompletionResult
+from dflash_assets.generation.client.completion_client import CompletionClient
+from dflash_assets.generation.client.results import CompletionResult
 
 
 def _start_server() -> tuple[subprocess.Popen, str]:

@@ -45,7 +45,7 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 from bench_node import sim_wall
 from headline import headline
 
-from dflash_assets.generation.ports import free_port_block
+from dflash_assets.generation.processes.ports import free_port_block
 from dflash_assets.orchestration.cluster import CELERY_BROKER_ENV
 from dflash_simulators.loopback_cluster import NodeWorker, kill_group, launch_completions, redis_missing, running_redis
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from headline import headline
 
-from dflash_assets.generation.follow_ups import FollowUpLanes
+from dflash_assets.generation.client.follow_ups import FollowUpLanes
 from dflash_simulators.simulated_replies import drawn_length
 
 
@@ -75,7 +75,8 @@ def lanes_makespan(
     lengths: list[int], servers: int, slots: int, tok_per_s: float, window: int, chunk: int, prefill_tok_per_s: float
 ) -> tuple[float, int]:
     """Seconds until the last token, and prefix tokens prefilled again (moved to another server), with
-    the continuations queued in the pipeline's own :class:`~dflash_assets.generation.follow_ups.FollowUpLanes`."""
+    the continuations queued in the pipeline's own
+    :class:`~dflash_assets.generation.client.follow_ups.FollowUpLanes`."""
     n = len(lengths)
     lanes = FollowUpLanes(steal_margin=max(1, slots // 8))  # the client's margin: slots per server // 8
     finishing: list[tuple[float, int, int, int]] = []  # (time, prompt, tokens done after it, server)

@@ -97,9 +97,9 @@ def measure(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_assets.dflash.shards import extract_partition
-    from dflash_assets.dflash.target_features import TargetFeatureExtractor, iter_batches_by_token_budget
-    from dflash_assets.dflash.target_layers import default_target_layer_ids
+    from dflash_assets.dflash.shards.extraction import extract_partition
+    from dflash_assets.dflash.target.features import TargetFeatureExtractor, iter_batches_by_token_budget
+    from dflash_assets.dflash.target.layers import default_target_layer_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         return 0
 
     if args.model_dir is None:
-        from dflash_assets.generation.local_model import ensure_local_model
+        from dflash_assets.generation.engines.local_model import ensure_local_model
 
         args.model_dir = str(ensure_local_model())
     passthrough = [

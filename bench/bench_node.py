@@ -14,7 +14,7 @@ Scenarios (each prints ``name: value`` lines):
    overhead (the bound any client that cannot know lengths in advance has: slots drain at the end).
    ``tail``: the same fresh range with ``inference.client.tail_chunk_tokens`` (``--tail-chunk-tokens``, 512) on:
    the last ``--tail-prompts-per-slot`` x slots prompts generated in chunks, each continued after every
-   fresh prompt (:mod:`dflash_assets.generation.tail_chunks`); besides efficiency: the follow-ups, the
+   fresh prompt (:mod:`dflash_assets.generation.rows.tail_chunks`); besides efficiency: the follow-ups, the
    prefix tokens they re-send, how many of those the servers' prefix cache held and how many it charged
    as prefill (the stand-in's ``--sim-prefill-tok-per-s``, during which that server's decoding waits),
    and whether every row is what one request at 4,096 makes.
@@ -64,7 +64,7 @@ import heapq
 
 from headline import headline
 
-from dflash_assets.generation.ports import free_port_block
+from dflash_assets.generation.processes.ports import free_port_block
 from dflash_simulators.simulated_replies import drawn_length
 from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 

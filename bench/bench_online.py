@@ -5,7 +5,7 @@ forward, cut after the deepest DFlash layer (the same layers the extractor runs;
 ``output_hidden_states=True`` over the batch's context tokens (right-padded, attention
 mask), the DFlash layers concatenated and cast to bf16, then the drafter forward, the DFlash loss and
 backward. Nothing else: no data loading, anchor sampling, optimizer step, clipping, logging or
-checkpoint. Online side: the real training loop (``dflash.train.train``, frozen target in the loop,
+checkpoint. Online side: the real training loop (``dflash.training.train.train``, frozen target in the loop,
 feature extraction stopping after the last needed layer). Both process exactly the same batches (same
 rows, anchors, context and block tokens) in one process, measured after a warm-up window of the
 same length. Goal: online / bare >= 0.9.
@@ -39,16 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from headline import headline
 from random_targets import ALL_SIZES, num_parameters, random_target
 
-from dflash_assets.dflash.batches import StepPlan, build_batch
-from dflash_assets.dflash.draft_config import DFlashConfig
-from dflash_assets.dflash.loss import dflash_loss_from_hidden
-from dflash_assets.dflash.model import DFlashDraftModel
-from dflash_assets.dflash.online import TokenizedRows
-from dflash_assets.dflash.shard_format import read_index
-from dflash_assets.dflash.shards import extract_partition
-from dflash_assets.dflash.target_layers import default_target_layer_ids
-from dflash_assets.dflash.train import train
-from dflash_assets.dflash.train_config import TrainConfig
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.model.draft_model import DFlashDraftModel
+from dflash_assets.dflash.model.loss import dflash_loss_from_hidden
+from dflash_assets.dflash.shards.extraction import extract_partition
+from dflash_assets.dflash.shards.format import read_index
+from dflash_assets.dflash.target.layers import default_target_layer_ids
+from dflash_assets.dflash.training.batches import StepPlan, build_batch
+from dflash_assets.dflash.training.config import TrainConfig
+from dflash_assets.dflash.training.online import TokenizedRows
+from dflash_assets.dflash.training.train import train
 
 
 def sync(device: torch.device) -> None:

@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 from headline import headline
 
 from dflash_assets.data.shapes import build_corpus
-from dflash_assets.generation.chat_render import read_chat_template, render_prompt, resolve_template_path
-from dflash_assets.generation.client import CompletionClient
-from dflash_assets.generation.local_model import ensure_local_model
+from dflash_assets.generation.client.completion_client import CompletionClient
+from dflash_assets.generation.engines.chat_render import read_chat_template, render_prompt, resolve_template_path
+from dflash_assets.generation.engines.local_model import ensure_local_model
 
 GOAL = 0.5
 SERVERS = (2, 4, 7)

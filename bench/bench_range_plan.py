@@ -44,7 +44,7 @@ from headline import headline
 
 from dflash_assets.data.ranges import partition_keys
 from dflash_assets.data.shapes import CORPUS_SCHEMA
-from dflash_assets.generation.records import rows_to_frame
+from dflash_assets.generation.rows.records import rows_to_frame
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.storage.store import Storage
 

@@ -15,7 +15,7 @@ does strictly more work than plain decoding, so its speedup must stay below 1.0.
 
 Hybrid targets (``--target hybrid-tiny|hybrid-cpu|qwen36-27b``, a random-init Qwen3.5/3.6-shaped decoder from
 ``bench/random_targets.py``, random prompts, a drafter trained here on the target's greedy completions):
-after a partial acceptance the linear-attention state is rolled back (``dflash.hybrid_cache``), which costs
+after a partial acceptance the linear-attention state is rolled back (``dflash.target.hybrid_cache``), which costs
 target work plain models do not pay; printed beside the plain figures: verify forwards and the tokens they
 fed, rollback passes (linear-attention mixers only) and the tokens they re-ran, and the share of the
 target's weights a rollback pass reads.
@@ -45,18 +45,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from headline import headline
 
-from dflash_assets.dflash.draft_config import DFlashConfig
-from dflash_assets.dflash.evaluation import (
+from dflash_assets.dflash.decoding.evaluation import (
     acceptance_histogram_png,
     evaluate_drafter,
     evaluate_drafters,
     untrained_drafter_like,
 )
-from dflash_assets.dflash.model import load_target_head
-from dflash_assets.dflash.shards import extract_partition
-from dflash_assets.dflash.speculative import dflash_generate, target_generate
-from dflash_assets.dflash.target_layers import default_target_layer_ids
-from dflash_assets.dflash.teacher_forced import teacher_forced_acceptance
+from dflash_assets.dflash.decoding.speculative import dflash_generate, target_generate
+from dflash_assets.dflash.decoding.teacher_forced import teacher_forced_acceptance
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.model.draft_model import load_target_head
+from dflash_assets.dflash.shards.extraction import extract_partition
+from dflash_assets.dflash.target.layers import default_target_layer_ids
 from dflash_simulators.overfit_drafter import greedy_rows, overfit
 
 TRAIN_QUESTIONS = [
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.local_model import ensure_local_model
 
     t_start = time.perf_counter()
     device = torch.device(a.device)
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_spec_"))
     rows = greedy_rows(train_prompts, plain)  # the target's own greedy completions
     if a.drafter:
-        from dflash_assets.dflash.export import load_exported
+        from dflash_assets.dflash.export.directory import load_exported
 
         drafter = load_exported(a.drafter, embed_weight=embed, lm_head_weight=head).to(device).eval()
         layer_ids = drafter.config.target_layer_ids

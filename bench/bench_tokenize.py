@@ -40,8 +40,8 @@ from headline import headline
 
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
-from dflash_assets.generation.local_model import ensure_local_model
-from dflash_assets.generation.records import rows_to_frame
+from dflash_assets.generation.engines.local_model import ensure_local_model
+from dflash_assets.generation.rows.records import rows_to_frame
 from dflash_assets.stages.tokenized import TokenizeConfig, tokenize_stage
 from dflash_assets.storage.store import Storage
 

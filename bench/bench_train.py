@@ -1,4 +1,4 @@
-"""Training-loop efficiency: tokens/s of ``dflash.train.train`` divided by a bare forward+backward.
+"""Training-loop efficiency: tokens/s of ``dflash.training.train.train`` divided by a bare forward+backward.
 
 Both sides process exactly the same batches (same rows, anchors, block tokens): the bare side builds
 them up front, moves them to the device, and times only drafter forward + loss + backward. The
@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from headline import headline
 
-from dflash_assets.dflash.batches import StepPlan, build_batch
-from dflash_assets.dflash.data import HiddenStateShards
-from dflash_assets.dflash.draft_config import DFlashConfig
-from dflash_assets.dflash.loss import dflash_loss_from_hidden
-from dflash_assets.dflash.model import DFlashDraftModel
-from dflash_assets.dflash.train import train
-from dflash_assets.dflash.train_config import TrainConfig
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.model.draft_model import DFlashDraftModel
+from dflash_assets.dflash.model.loss import dflash_loss_from_hidden
+from dflash_assets.dflash.shards.dataset import HiddenStateShards
+from dflash_assets.dflash.training.batches import StepPlan, build_batch
+from dflash_assets.dflash.training.config import TrainConfig
+from dflash_assets.dflash.training.train import train
 
 
 def make_shard(path: Path, rows: int, seq_len: int, prompt_len: int, feat_dim: int, vocab: int, seed: int) -> None:

@@ -51,13 +51,13 @@ import gpu_check_vllm
 from headline import headline
 from random_targets import layers_that_fit, num_parameters, random_target
 
-from dflash_assets.dflash.draft_config import DFlashConfig
-from dflash_assets.dflash.model import DFlashDraftModel
-from dflash_assets.dflash.shards import extract_partition
-from dflash_assets.dflash.speculative import dflash_generate, target_generate
-from dflash_assets.dflash.target_features import TargetFeatureExtractor
-from dflash_assets.dflash.target_kernels import linear_attention_kernels
-from dflash_assets.dflash.target_layers import default_target_layer_ids
+from dflash_assets.dflash.decoding.speculative import dflash_generate, target_generate
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.model.draft_model import DFlashDraftModel
+from dflash_assets.dflash.shards.extraction import extract_partition
+from dflash_assets.dflash.target.features import TargetFeatureExtractor
+from dflash_assets.dflash.target.kernels import linear_attention_kernels
+from dflash_assets.dflash.target.layers import default_target_layer_ids
 from dflash_simulators.oracle_drafter import OracleDrafter
 
 # the published Qwen3.6-27B drafter's attention shape (TARGET.md); the dense shape's drafter follows its target

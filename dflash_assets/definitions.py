@@ -6,7 +6,7 @@ import dagster as dg
 
 from dflash_assets.app.automation import build_backfill_schedule, build_cap_change_sensor
 from dflash_assets.app.stage_order import ASSETS, PARTITION_STAGES
-from dflash_assets.generation.servers import API_KEY_ENV
+from dflash_assets.generation.servers.pool import API_KEY_ENV
 from dflash_assets.orchestration.cluster import celery_broker_url, partition_executor
 from dflash_assets.orchestration.config import (
     build_resources,

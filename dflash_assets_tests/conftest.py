@@ -109,11 +109,12 @@ def local_server(tmp_path_factory):
     """ONE ``transformers serve`` over the local SmolLM2 model for the whole session (~20 s to start).
 
     Greedy decoding (the model's defaults; its continuous batcher keeps them for life), so replies are
-    deterministic. Yields a started :class:`~dflash_assets.generation.transformers_server.LocalTransformersServer`:
+    deterministic. Yields a started
+    :class:`~dflash_assets.generation.servers.transformers_server.LocalTransformersServer`:
     use ``.base_url``, ``.model_name``, ``.pool()``. The log is ``<tmp>/local_server/transformers_serve.log``.
     """
-    from dflash_assets.generation.local_model import ensure_local_model
-    from dflash_assets.generation.transformers_server import LocalTransformersServer
+    from dflash_assets.generation.engines.local_model import ensure_local_model
+    from dflash_assets.generation.servers.transformers_server import LocalTransformersServer
 
     log_path = tmp_path_factory.mktemp("local_server") / "transformers_serve.log"
     with LocalTransformersServer(ensure_local_model(), log_path=log_path, startup_timeout_s=300) as server:
@@ -123,7 +124,7 @@ def local_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def local_inference(local_server):
     """An ``InferenceServerResource`` in external mode pointed at the shared ``local_server`` (greedy)."""
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.local_model import ensure_local_model
     from dflash_assets.stages.resources.inference import InferenceServerResource
 
     return InferenceServerResource(

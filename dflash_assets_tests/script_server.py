@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from dflash_assets.generation.ports import free_port
+from dflash_assets.generation.processes.ports import free_port
 
 
 @contextmanager

@@ -15,7 +15,7 @@ import polars as pl
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
-from dflash_assets.generation.chat_render import SMOLLM2_TOOLS_TEMPLATE
+from dflash_assets.generation.engines.chat_render import SMOLLM2_TOOLS_TEMPLATE
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource

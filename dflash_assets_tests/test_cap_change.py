@@ -128,7 +128,7 @@ def test_lowering_the_cap_cuts_the_rows_longer_than_it_from_their_own_tokens(sce
     must be what the server itself answers at the lower cap, asked here directly."""
     import httpx
 
-    from dflash_assets.generation.replies import parse_chat_completion
+    from dflash_assets.generation.api.replies import parse_chat_completion
 
     raised, lower = scenario.changes[0].after, scenario.changes[1]
     assert lower.new_cap == CAP_LOWERED
@@ -173,7 +173,7 @@ def test_sensor_skips_once_everything_matches_the_settings(scenario):
 
 
 def _result(index: int, finish_reason: str | None, completion_tokens: int | None, error: str | None = None):
-    from dflash_assets.generation.results import CompletionResult
+    from dflash_assets.generation.client.results import CompletionResult
 
     text = None if error else "some answer"
     return CompletionResult(
@@ -193,7 +193,7 @@ def _result(index: int, finish_reason: str | None, completion_tokens: int | None
 
 def _random_partition(rng, settings_choices) -> list[dict]:
     """Rows as the completions asset makes them: stop / length at the cap they were made with / abort / error."""
-    from dflash_assets.generation.records import row_from_result
+    from dflash_assets.generation.rows.records import row_from_result
 
     rows = []
     for index in range(rng.randint(1, 5)):
@@ -220,7 +220,7 @@ def test_partition_decision_matches_row_decision():
 
     from dflash_assets.app.automation import affected_reason
     from dflash_assets.common.settings import GenerationSettings
-    from dflash_assets.generation.records import invalid_reason, rows_to_frame
+    from dflash_assets.generation.rows.records import invalid_reason, rows_to_frame
     from dflash_assets.stages.completions.tables import completion_stats
 
     rng = random.Random(7)

@@ -13,7 +13,7 @@ import pytest
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.cap_cut import cut_to_cap
 from dflash_assets.data.tokenization import SequenceBuilder
-from dflash_assets.generation.records import completion_layout
+from dflash_assets.generation.rows.records import completion_layout
 from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Sort a list in Python."}]
@@ -151,8 +151,8 @@ def test_lowering_a_half_done_partition_cuts_what_it_has_and_journals_nothing(tm
     from transformers import AutoTokenizer
 
     from dflash_assets.data.shapes import content_hash
-    from dflash_assets.generation.journal import RowJournal
-    from dflash_assets.generation.records import rows_to_frame
+    from dflash_assets.generation.rows.journal import RowJournal
+    from dflash_assets.generation.rows.records import rows_to_frame
     from dflash_assets.stages.completions.tables import partition_file
 
     path = write_thinking_tokenizer(tmp_path / "tok", opens_think=False)

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.conversation import stored_message
 from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
-from dflash_assets.generation.chat_render import (
+from dflash_assets.generation.client.completion_client import CompletionClient
+from dflash_assets.generation.engines.chat_render import (
     BUNDLED_TEMPLATES,
     SMOLLM2_TOOLS_TEMPLATE,
     ChatTemplateError,
@@ -25,13 +26,12 @@ from dflash_assets.generation.chat_render import (
     first_difference,
     uses_tools,
 )
-from dflash_assets.generation.client import CompletionClient
-from dflash_assets.generation.hybrid_standin import CHAT_TEMPLATE as STANDIN_TEMPLATE
-from dflash_assets.generation.local_model import ensure_local_model
-from dflash_assets.generation.range_plan import RangeRunError
-from dflash_assets.generation.records import rows_to_frame
-from dflash_assets.generation.servers import ServerPool
-from dflash_assets.generation.transformers_server import model_dir_with_template
+from dflash_assets.generation.engines.hybrid_standin import CHAT_TEMPLATE as STANDIN_TEMPLATE
+from dflash_assets.generation.engines.local_model import ensure_local_model
+from dflash_assets.generation.rows.range_plan import RangeRunError
+from dflash_assets.generation.rows.records import rows_to_frame
+from dflash_assets.generation.servers.pool import ServerPool
+from dflash_assets.generation.servers.transformers_server import model_dir_with_template
 from dflash_assets.stages.completions.continuing import check_tool_rendering
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.target_model import TargetModelResource

@@ -20,7 +20,7 @@ from dflash_assets.app.status import collect_status, format_status
 from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.records import rows_to_frame
+from dflash_assets.generation.rows.records import rows_to_frame
 from dflash_assets.orchestration import freshness
 from dflash_assets.orchestration.check_gate import BLOCKING_CHECKS, CHECK_DEGENERATE, failed_blocking_checks
 from dflash_assets.orchestration.partitions import prompt_ranges

@@ -26,8 +26,8 @@ from dflash_assets.assets.drafter import dflash_drafter
 from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.local_model import ensure_local_model
-from dflash_assets.generation.records import rows_to_frame
+from dflash_assets.generation.engines.local_model import ensure_local_model
+from dflash_assets.generation.rows.records import rows_to_frame
 from dflash_assets.orchestration import freshness
 from dflash_assets.orchestration.check_gate import BLOCKING_CHECKS
 from dflash_assets.orchestration.partitions import prompt_ranges

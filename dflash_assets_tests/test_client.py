@@ -14,9 +14,9 @@ from collections import Counter
 
 import pytest
 
-from dflash_assets.generation.client import CompletionClient
-from dflash_assets.generation.replies import parse_chat_completion
-from dflash_assets.generation.results import CompletionResult, GenerationProgress, TooManyFailuresError
+from dflash_assets.generation.api.replies import parse_chat_completion
+from dflash_assets.generation.client.completion_client import CompletionClient
+from dflash_assets.generation.client.results import CompletionResult, GenerationProgress, TooManyFailuresError
 from dflash_simulators.behaviours import Drop, Error, Hang, Raw, Reply, fail_first
 from dflash_simulators.stand_in_server import FakeServer
 
@@ -205,7 +205,7 @@ def test_hung_request_times_out_retried_and_delivered_once(caplog):
     # Request 0 hangs past the read timeout; the retry succeeds.
     with FakeServer(lambda n, b: Hang() if n == 0 else Reply()) as server:
         client = CompletionClient([server.url], concurrency=1, read_timeout_s=0.5, max_attempts=3, **FAST)
-        with caplog.at_level(logging.WARNING, logger="dflash_assets.generation.client"):
+        with caplog.at_level(logging.WARNING, logger="dflash_assets.generation.client.completion_client"):
             results, _ = run(client, 1)
     assert [r.index for r in results] == [0]  # exactly one delivery, no duplicate
     assert results[0].error is None and results[0].attempts == 2

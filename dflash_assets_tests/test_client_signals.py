@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from dflash_simulators.behaviours import Hang
     from dflash_simulators.stand_in_server import FakeServer
-    from dflash_assets.generation.client import CompletionClient
+    from dflash_assets.generation.client.completion_client import CompletionClient
 
     class Interrupted(Exception):  # what Dagster's handler raises (DagsterExecutionInterruptedError)
         pass

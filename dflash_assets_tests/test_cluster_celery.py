@@ -35,7 +35,7 @@ import polars as pl
 import pytest
 import yaml
 
-from dflash_assets.generation.ports import free_port_block
+from dflash_assets.generation.processes.ports import free_port_block
 from dflash_assets.orchestration.cluster import CELERY_BROKER_ENV, CELERY_QUEUE
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.pools import INFERENCE_POOL, ensure_pool_limits

@@ -28,7 +28,7 @@ import pytest
 
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.generation.journal import RowJournal
+from dflash_assets.generation.rows.journal import RowJournal
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
@@ -446,7 +446,7 @@ def test_commit_overlays_new_rows_on_the_stored_table_and_writes_what_whole_rows
     """The commit no longer holds every stored row in memory: it reads the last table back and lays the
     journal's and this run's rows over it. The file must be the one the whole rows as dicts give, byte
     for byte (the data version is its hash), also over a table written before ``continued_from_tokens``."""
-    from dflash_assets.generation.records import rows_to_frame
+    from dflash_assets.generation.rows.records import rows_to_frame
     from dflash_assets.stages.completions.tables import PLAN_COLUMNS, load_plan_rows, partition_file, partition_frame
     from dflash_assets.storage.store import Storage, parquet_bytes
 

@@ -17,14 +17,14 @@ import pytest
 
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.conversation import api_messages  # the messages as the server received them
-from dflash_assets.generation.continuation import (
+from dflash_assets.generation.rows.continuation import (
     NOT_CONTINUED,
     continuable,
     continuation_body,
     merge_continuation,
     prefix_text,
 )
-from dflash_assets.generation.records import completion_layout, row_from_result, split_reasoning
+from dflash_assets.generation.rows.records import completion_layout, row_from_result, split_reasoning
 from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets_tests.test_completions_asset import write_corpus
 from dflash_assets_tests.test_node_scale import range_materialize, sglang_sim
@@ -375,8 +375,8 @@ def test_an_sglang_older_than_continue_final_message_regenerates_whole_and_says_
     <think>, its fresh reply cannot be told from a continuation, so the installed version decides first."""
     from collections import Counter
 
-    from dflash_assets.generation.continuation import sglang_predates_continuation
-    from dflash_assets.generation.range_plan import Partition
+    from dflash_assets.generation.rows.continuation import sglang_predates_continuation
+    from dflash_assets.generation.rows.range_plan import Partition
     from dflash_assets.stages.completions import continuing as completions_continuing
     from dflash_assets.stages.completions.continuing import ContinuationPlanner
     from dflash_assets.stages.resources.inference import InferenceServerResource

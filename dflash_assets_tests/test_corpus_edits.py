@@ -36,8 +36,8 @@ from dflash_assets.assets.completions import completions
 from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
-from dflash_assets.dflash.data import heldout_fraction_of
-from dflash_assets.generation.local_model import ensure_local_model
+from dflash_assets.dflash.shards.dataset import heldout_fraction_of
+from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.orchestration import freshness
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.prompts import CORPUS_FILE

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_assets.dflash.export import export_drafter
+from dflash_assets.dflash.export.directory import export_drafter
 
 try:
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target

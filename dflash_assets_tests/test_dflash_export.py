@@ -8,15 +8,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_assets.dflash.draft_config import DFlashConfig
-from dflash_assets.dflash.export import (
+from dflash_assets.dflash.export.directory import (
     config_from_hf_dict,
     export_drafter,
     hf_config_dict,
     load_exported,
     resolve_export,
 )
-from dflash_assets.dflash.model import DFlashDraftModel
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.model.draft_model import DFlashDraftModel
 
 torch.set_num_threads(1)
 
@@ -181,7 +181,7 @@ def test_a_reader_whose_version_was_pruned_mid_read_resolves_again(tmp_path, mon
     """CI (stop 44) failed with FileNotFoundError on .../export.versions/<v>/model.safetensors: the looping
     reader resolved version v, two exports then pruned v before its weights were opened. Loading through
     the export path resolves again and gets the current version whole; a version dir given directly does not."""
-    from dflash_assets.dflash import export as export_module
+    from dflash_assets.dflash.export import directory as export_module
 
     out = tmp_path / "export"
     export_drafter(_model_with(1), out)

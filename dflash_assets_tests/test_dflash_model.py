@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from dflash_assets.dflash.draft_config import DFlashConfig, default_mask_token_id
-from dflash_assets.dflash.loss import dflash_loss, dflash_loss_from_hidden, position_weights
-from dflash_assets.dflash.masks import block_inputs, dflash_training_mask, sample_anchors, valid_anchor_positions
-from dflash_assets.dflash.model import DFlashDraftModel
-from dflash_assets.dflash.target_layers import default_target_layer_ids
+from dflash_assets.dflash.model.draft_config import DFlashConfig, default_mask_token_id
+from dflash_assets.dflash.model.draft_model import DFlashDraftModel
+from dflash_assets.dflash.model.loss import dflash_loss, dflash_loss_from_hidden, position_weights
+from dflash_assets.dflash.model.masks import block_inputs, dflash_training_mask, sample_anchors, valid_anchor_positions
+from dflash_assets.dflash.target.layers import default_target_layer_ids
 
 torch.set_num_threads(1)
 
@@ -226,7 +226,7 @@ def test_block_is_bidirectional():
 
 
 def test_from_target_config_local_model_shape():
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.local_model import ensure_local_model
 
     cfg_json = json.loads((ensure_local_model() / "config.json").read_text())
     dc = DFlashConfig.from_target_config(cfg_json, mask_token_id=16, num_hidden_layers=2)
@@ -238,7 +238,7 @@ def test_from_target_config_local_model_shape():
 
 
 def test_drafter_shape_overrides_and_their_checks():
-    from dflash_assets.dflash.draft_config import DRAFT_SHAPE_FIELDS
+    from dflash_assets.dflash.model.draft_config import DRAFT_SHAPE_FIELDS
 
     target = {
         "hidden_size": 32,
@@ -265,7 +265,7 @@ def test_drafter_shape_overrides_and_their_checks():
 def test_default_mask_token_id_choices():
     from transformers import AutoTokenizer
 
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.local_model import ensure_local_model
 
     tok = AutoTokenizer.from_pretrained(ensure_local_model())
     # SmolLM2: no spare embedding rows -> the Jupyter marker <empty_output>, never produced in chat.

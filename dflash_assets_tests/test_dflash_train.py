@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.dflash.checkpoints import CheckpointError, latest_checkpoint, load_checkpoint
-from dflash_assets.dflash.data import HiddenStateShards, collate_training_batch
-from dflash_assets.dflash.draft_config import DFlashConfig
-from dflash_assets.dflash.masks import sample_anchors
-from dflash_assets.dflash.model import load_target_head
-from dflash_assets.dflash.target_layers import default_target_layer_ids
-from dflash_assets.dflash.train import train
-from dflash_assets.dflash.train_config import TrainConfig
-from dflash_assets.dflash.train_eval import evaluate
-from dflash_assets.dflash.train_setup import lr_lambda
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.model.draft_model import load_target_head
+from dflash_assets.dflash.model.masks import sample_anchors
+from dflash_assets.dflash.shards.dataset import HiddenStateShards, collate_training_batch
+from dflash_assets.dflash.target.layers import default_target_layer_ids
+from dflash_assets.dflash.training.checkpoints import CheckpointError, latest_checkpoint, load_checkpoint
+from dflash_assets.dflash.training.config import TrainConfig
+from dflash_assets.dflash.training.held_out import evaluate
+from dflash_assets.dflash.training.setup import lr_lambda
+from dflash_assets.dflash.training.train import train
 from dflash_assets_tests.tiny_target import (
     N_FEATS,
     VOCAB,
@@ -57,7 +57,7 @@ def build_local_target(out_dir: Path) -> dict:
     """Two shards of real SmolLM2 features (target layers [1, 8, 14, 20, 27]) and its embedding/LM head."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.local_model import ensure_local_model
 
     model_dir = ensure_local_model()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -327,7 +327,7 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
     steps = 200
     out = tmp_path / "killed"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    cmd = [sys.executable, "-m", "dflash_assets.dflash.train", *_cli_args(target, shards, out, steps)]
+    cmd = [sys.executable, "-m", "dflash_assets.dflash.training.train", *_cli_args(target, shards, out, steps)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     log_path = out / "train_log.jsonl"
     deadline = time.time() + 120
@@ -399,7 +399,7 @@ def test_torchrun_two_processes_gloo_identical_weights(tmp_path):
         "--master_port",
         str(_free_port()),
         "-m",
-        "dflash_assets.dflash.train",
+        "dflash_assets.dflash.training.train",
         "--shards",
         *shards,
         "--out",
@@ -457,10 +457,10 @@ def test_drafter_with_its_own_attention_shape_trains_exports_reloads_and_decodes
     from tiny_target import LAYER_IDS, make_rows, make_target
     from tiny_target import VOCAB as TV
 
-    from dflash_assets.dflash.export import export_drafter, load_exported
-    from dflash_assets.dflash.shard_format import read_index
-    from dflash_assets.dflash.shards import extract_partition
-    from dflash_assets.dflash.speculative import dflash_generate, target_generate
+    from dflash_assets.dflash.decoding.speculative import dflash_generate, target_generate
+    from dflash_assets.dflash.export.directory import export_drafter, load_exported
+    from dflash_assets.dflash.shards.extraction import extract_partition
+    from dflash_assets.dflash.shards.format import read_index
 
     model, target_dir = make_target(tmp_path)
     assert (model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim) == (4, 2, 8)

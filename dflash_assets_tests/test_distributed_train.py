@@ -18,12 +18,12 @@ import polars as pl
 import pytest
 import torch
 
-from dflash_assets.dflash.checkpoints import latest_checkpoint
-from dflash_assets.dflash.distributed import torchrun_argv, write_node_script
-from dflash_assets.dflash.shard_format import read_index
-from dflash_assets.dflash.shards import extract_partition
-from dflash_assets.dflash.train import train
-from dflash_assets.dflash.train_config import TrainConfig
+from dflash_assets.dflash.shards.extraction import extract_partition
+from dflash_assets.dflash.shards.format import read_index
+from dflash_assets.dflash.training.checkpoints import latest_checkpoint
+from dflash_assets.dflash.training.config import TrainConfig
+from dflash_assets.dflash.training.distributed import torchrun_argv, write_node_script
+from dflash_assets.dflash.training.train import train
 
 try:
     from dflash_assets_tests.tiny_target import LAYER_IDS, VOCAB, make_rows, make_target
@@ -246,4 +246,4 @@ def test_torchrun_argv_multi_node_needs_an_endpoint():
         "--rdzv-endpoint=10.0.0.1:29500",
         "--rdzv-id=job7",
     ]
-    assert argv[-4:] == ["-m", "dflash_assets.dflash.train", "--out", "x"]
+    assert argv[-4:] == ["-m", "dflash_assets.dflash.training.train", "--out", "x"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.dflash.train_config import TrainConfig, TrainSettings
+from dflash_assets.dflash.training.config import TrainConfig, TrainSettings
 from dflash_assets.stages.completions.on_policy import CompletionsConfig
 from dflash_assets.stages.drafter.config import DrafterConfig
 from dflash_assets.stages.evaluation.config import EvaluationConfig

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from dflash_assets.assets.drafter import dflash_drafter
-from dflash_assets.dflash.batches import StepPlan, build_batch
-from dflash_assets.dflash.data import HiddenStateShards
-from dflash_assets.dflash.export import export_drafter, load_exported
-from dflash_assets.dflash.model import load_target_head
-from dflash_assets.dflash.shard_format import INDEX_NAME
-from dflash_assets.dflash.train import train
-from dflash_assets.dflash.train_eval import batch_loss
+from dflash_assets.dflash.export.directory import export_drafter, load_exported
+from dflash_assets.dflash.model.draft_model import load_target_head
+from dflash_assets.dflash.shards.dataset import HiddenStateShards
+from dflash_assets.dflash.shards.format import INDEX_NAME
+from dflash_assets.dflash.training.batches import StepPlan, build_batch
+from dflash_assets.dflash.training.held_out import batch_loss
+from dflash_assets.dflash.training.train import train
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.drafter.identity import STATE_FILE, file_sha256
 from dflash_assets.stages.resources.storage import StorageResource

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_assets.generation.sglang_dflash import EnginePrompt, engine_generate, engine_tau_by_dataset
+from dflash_assets.generation.servers.sglang_dflash import EnginePrompt, engine_generate, engine_tau_by_dataset
 from dflash_assets_tests.script_server import script_server
 
 SERVER = r"""

@@ -1,4 +1,4 @@
-"""The export check that stands for SGLang's DFLASH loader (``dflash.engine_check``): this project's export
+"""The export check that stands for SGLang's DFLASH loader (``dflash.export.sglang_check``): this project's export
 passes, and each thing SGLang 0.5.23 refuses (or loads wrongly without a word) is refused with its reason.
 
 No process, no torch model beyond a tiny export: the rules read config.json and the safetensors header.
@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_assets.dflash.draft_config import DFlashConfig
-from dflash_assets.dflash.engine_check import check_dflash_export, expected_parameters, is_hybrid_target
-from dflash_assets.dflash.export import export_drafter
-from dflash_assets.dflash.model import DFlashDraftModel
+from dflash_assets.dflash.export.directory import export_drafter
+from dflash_assets.dflash.export.sglang_check import check_dflash_export, expected_parameters, is_hybrid_target
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.model.draft_model import DFlashDraftModel
 
 HIDDEN, TARGET_LAYERS, TARGET_VOCAB, MASK = 32, 8, 49280, 49200
 HYBRID = ["linear_attention"] * 3 + ["full_attention"]
@@ -249,7 +249,7 @@ def test_an_unreadable_export_is_refused_not_raised(tmp_path):
 def test_the_configs_choices_are_the_flag_builders():
     from typing import get_args
 
-    from dflash_assets.generation.sglang_dflash import (
+    from dflash_assets.generation.servers.sglang_dflash import (
         DRAFT_ATTENTION_BACKENDS,
         MAMBA_STRATEGIES,
         SGLANG_DRAFT_ATTENTION_BACKENDS,

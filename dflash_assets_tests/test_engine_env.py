@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.generation.engine_env import EngineEnvironment, EngineEnvironmentError
-from dflash_assets.generation.proc_info import is_running
+from dflash_assets.generation.engines.environments import EngineEnvironment, EngineEnvironmentError
+from dflash_assets.generation.processes.proc_info import is_running
 
 ROOT = Path(__file__).resolve().parents[1]
 #: a new run's variables: the project importable, nothing else on PYTHONPATH (it is not the environment's)
@@ -28,7 +28,7 @@ RUN_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 _RUN = """
 import json, sys
 from pathlib import Path
-from dflash_assets.generation.engine_env import EngineEnvironment
+from dflash_assets.generation.engines.environments import EngineEnvironment
 spec, root = json.loads(sys.argv[1]), Path(sys.argv[2])
 env = EngineEnvironment(spec["name"], tuple(spec["requirements"]), import_check=spec["import_check"])
 print("PYTHON", env.ensure(lambda line: print("LINE", line, flush=True), root=root), flush=True)
@@ -323,7 +323,7 @@ def test_the_wait_line_names_an_import_check_when_the_environment_was_made_befor
     environment was made, only its import check was running. The line now says which one it waits for."""
     import threading
 
-    from dflash_assets.generation.engine_install import wait_for_installs
+    from dflash_assets.generation.engines.install import wait_for_installs
 
     def waiting_line(proving_only: bool) -> list[str]:
         release = threading.Event()

@@ -15,7 +15,7 @@ import dagster as dg
 import pytest
 import yaml
 
-from dflash_assets.generation.engine_env import EngineEnvironmentError
+from dflash_assets.generation.engines.environments import EngineEnvironmentError
 from dflash_assets.orchestration.config import BUNDLED
 from dflash_assets.stages.evaluation.config import EvaluationConfig
 from dflash_assets.stages.evaluation.engine import plan_engine

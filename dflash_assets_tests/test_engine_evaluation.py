@@ -24,8 +24,8 @@ import pytest
 
 from dflash_assets.app.summary_engine import engine_line
 from dflash_assets.assets.evaluation import drafter_evaluation
-from dflash_assets.dflash.data import heldout_fraction_of
-from dflash_assets.generation.ports import free_port_block
+from dflash_assets.dflash.shards.dataset import heldout_fraction_of
+from dflash_assets.generation.processes.ports import free_port_block
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.stages.resources.target_model import TargetModelResource

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from dflash_assets.common.settings import cache_dir
-from dflash_assets.generation.engine_env import SGLANG_PACKAGES, VLLM_CUDA_PACKAGES
+from dflash_assets.generation.engines.environments import SGLANG_PACKAGES, VLLM_CUDA_PACKAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "gpu-node.md"

@@ -44,10 +44,10 @@ def qwen36_27b_target(path):
 
 
 def test_gpu_config_drafter_is_the_published_recipe(tmp_path, monkeypatch):
-    from dflash_assets.dflash.draft_config import DFlashConfig
-    from dflash_assets.dflash.engine_check import check_dflash_export
-    from dflash_assets.dflash.export import hf_config_dict
-    from dflash_assets.dflash.target_layers import text_config
+    from dflash_assets.dflash.export.directory import hf_config_dict
+    from dflash_assets.dflash.export.sglang_check import check_dflash_export
+    from dflash_assets.dflash.model.draft_config import DFlashConfig
+    from dflash_assets.dflash.target.layers import text_config
     from dflash_assets.stages.drafter.config import DrafterConfig
     from dflash_assets.stages.drafter.settings import resolved_settings
     from dflash_assets.stages.resources.target_model import TargetModelResource

@@ -21,9 +21,9 @@ import pytest
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.client import CompletionClient
-from dflash_assets.generation.journal import RowJournal
-from dflash_assets.generation.records import COMPLETIONS_SCHEMA, row_from_result, row_problem, rows_to_frame
+from dflash_assets.generation.client.completion_client import CompletionClient
+from dflash_assets.generation.rows.journal import RowJournal
+from dflash_assets.generation.rows.records import COMPLETIONS_SCHEMA, row_from_result, row_problem, rows_to_frame
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.completions.tables import partition_frame
 from dflash_assets.stages.resources.generation import GenerationResource
@@ -316,7 +316,7 @@ def test_a_failed_journal_append_stops_the_run_loudly_and_keeps_the_rows_before_
     partial line and lost while their appends had returned."""
     import errno
 
-    import dflash_assets.generation.journal as journal_module
+    import dflash_assets.generation.rows.journal as journal_module
 
     prompts = [f"Task {i}: add {i} and {i}." for i in range(12)]
     root = tmp_path / "data"

@@ -1,4 +1,4 @@
-"""The Qwen3.6-architecture CPU stand-in (:mod:`dflash_assets.generation.hybrid_standin`): what it is made of,
+"""The Qwen3.6-architecture CPU stand-in (:mod:`dflash_assets.generation.engines.hybrid_standin`): what it is made of,
 that it is made the same way every time, and that its replies have the shape the pipeline must handle.
 
 Fast: the stand-in is built once into the cache (~5 s) and a few short generations run on it. The whole main
@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from dflash_assets.generation.hybrid_standin import ensure_hybrid_standin, training_texts, write_hybrid_standin
+from dflash_assets.generation.engines.hybrid_standin import ensure_hybrid_standin, training_texts, write_hybrid_standin
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def sha(path) -> str:
 
 
 def test_config_is_qwen36_architecture_scaled_down(standin, tokenizer):
-    from dflash_assets.dflash.target_layers import num_target_layers, resolve_target_layer_ids
+    from dflash_assets.dflash.target.layers import num_target_layers, resolve_target_layer_ids
 
     config = json.loads((standin / "config.json").read_text())
     text = config["text_config"]
@@ -111,7 +111,10 @@ def test_sampled_replies_think_answer_and_stop(standin, tokenizer):
 
 def test_served_without_continuous_batching_and_sampling_sent_per_request(standin, tmp_path):
     from dflash_assets.common.settings import GenerationSettings
-    from dflash_assets.generation.transformers_server import LocalTransformersServer, continuous_batching_refusal
+    from dflash_assets.generation.servers.transformers_server import (
+        LocalTransformersServer,
+        continuous_batching_refusal,
+    )
 
     assert "linear_attention" in continuous_batching_refusal(standin)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))

@@ -44,8 +44,8 @@ def reduced_config(tmp_path: Path) -> Path:
 def test_main_job_on_the_hybrid_standin(tmp_path):
     from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
 
-    from dflash_assets.dflash.shard_format import read_shard
-    from dflash_assets.generation.hybrid_standin import ensure_hybrid_standin
+    from dflash_assets.dflash.shards.format import read_shard
+    from dflash_assets.generation.engines.hybrid_standin import ensure_hybrid_standin
 
     data = tmp_path / "data"
     env = {

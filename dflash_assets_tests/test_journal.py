@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.generation.journal import RowJournal
+from dflash_assets.generation.rows.journal import RowJournal
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,7 +133,7 @@ def test_concurrent_appends_from_threads(tmp_path):
 CHILD = r"""
 import sys
 sys.path.insert(0, sys.argv[2])
-from dflash_assets.generation.journal import RowJournal
+from dflash_assets.generation.rows.journal import RowJournal
 journal = RowJournal(sys.argv[1])
 i = 0
 while True:
@@ -198,8 +198,8 @@ class FullDisk:
 def test_a_failed_append_cuts_its_partial_line_and_stops_the_journal(tmp_path, monkeypatch):
     """Issue 27: after a partial write and a full disk, later appends returned while their rows were glued to
     the partial line and lost."""
-    import dflash_assets.generation.journal as journal_module
-    from dflash_assets.generation.journal import JournalError
+    import dflash_assets.generation.rows.journal as journal_module
+    from dflash_assets.generation.rows.journal import JournalError
 
     path = tmp_path / "j.jsonl"
     journal = RowJournal(path)
@@ -216,8 +216,8 @@ def test_a_failed_append_cuts_its_partial_line_and_stops_the_journal(tmp_path, m
 
 
 def test_a_partial_line_that_cannot_be_cut_off_is_never_read_as_a_row(tmp_path, monkeypatch):
-    import dflash_assets.generation.journal as journal_module
-    from dflash_assets.generation.journal import JournalError
+    import dflash_assets.generation.rows.journal as journal_module
+    from dflash_assets.generation.rows.journal import JournalError
 
     path = tmp_path / "j.jsonl"
     journal = RowJournal(path)
@@ -236,7 +236,7 @@ def test_a_partial_line_that_cannot_be_cut_off_is_never_read_as_a_row(tmp_path, 
 
 def test_the_journal_is_owner_only_also_when_rebuilt_from_storage(tmp_path):
     """Issue 27: the journal (prompts and generated text) was created world-readable (0644)."""
-    from dflash_assets.generation.journal_sync import SyncedRowJournal
+    from dflash_assets.generation.rows.journal_sync import SyncedRowJournal
     from dflash_assets.storage.store import Storage
 
     old = tmp_path / "old.jsonl"

@@ -24,11 +24,11 @@ import pytest
 
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.generation.journal import RowJournal
-from dflash_assets.generation.probe import probe_chat, probe_external
-from dflash_assets.generation.servers import API_KEY_ENV
-from dflash_assets.generation.sglang_servers import LaunchCommand, SGLangServers
-from dflash_assets.generation.urls import api_root, chat_completions_url, redact
+from dflash_assets.generation.api.urls import api_root, chat_completions_url, redact
+from dflash_assets.generation.rows.journal import RowJournal
+from dflash_assets.generation.servers.pool import API_KEY_ENV
+from dflash_assets.generation.servers.probe import probe_chat, probe_external
+from dflash_assets.generation.servers.sglang_servers import LaunchCommand, SGLangServers
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
@@ -64,7 +64,7 @@ def test_probe_and_client_share_one_url_rule():
     for base in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"):
         assert chat_completions_url(base) == "http://h:1/v1/chat/completions"
         assert api_root(base) == "http://h:1/v1"
-    from dflash_assets.generation.client_servers import ServerState
+    from dflash_assets.generation.client.routing import ServerState
 
     assert (
         ServerState("http://h:1").endpoint

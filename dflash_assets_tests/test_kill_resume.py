@@ -20,7 +20,7 @@ import pytest
 import yaml
 from dagster._core.test_utils import create_run_for_test
 
-from dflash_assets.generation.proc_info import proc_stat
+from dflash_assets.generation.processes.proc_info import proc_stat
 from dflash_assets.orchestration.pools import INFERENCE_POOL
 from dflash_assets.orchestration.runs import (
     BOOT_TAG,
@@ -257,7 +257,7 @@ def test_two_instances_sharing_one_run_storage_under_one_host_name_never_reap_a_
 def test_a_home_machine_id_never_proves_a_reboot(tmp_path, monkeypatch):
     """Without /etc/machine-id the id lives in DAGSTER_HOME, which machines may share: a different boot
     id with that id may be another machine, so it proves nothing; separate homes give separate ids."""
-    from dflash_assets.generation import machine
+    from dflash_assets.generation.processes import machine
 
     monkeypatch.setattr(machine, "MACHINE_ID_FILE", str(tmp_path / "no-machine-id"))
     (tmp_path / "h1").mkdir()

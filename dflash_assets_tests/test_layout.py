@@ -31,16 +31,26 @@ ROOMS = {
     "storage": "cores",
     "common": "cores",
 }
+# The rooms inside two rooms (issue 51), top to bottom as docs/design.md draws them: a module of a sub-room imports
+# modules of its own sub-room and of the sub-rooms below it in the same room, never above; the room's folder holds
+# only its sub-rooms and its own __init__.
+SUBROOMS = {
+    "generation": ("client", "rows", "servers", "engines", "processes", "api"),
+    "dflash": ("training", "decoding", "export", "shards", "model", "target"),
+}
+# A folder of the package holds at most this many modules directly (its __init__ counted): past it, the prefixes
+# of its files name the rooms waiting to be made.
+MAX_FOLDER_MODULES = 20
 ROOT_MODULES = {"definitions": "app", "__main__": "app"}
 ROOT_ENTRIES = {"__init__.py", "__main__.py", "definitions.py", "configs", *ROOMS}
 # Imports up the rooms that stay, each lazy (inside the function that needs it) and why. Add none lightly.
 UP_ALLOWED = {
     # the Qwen3.6 stand-in target trains its thinking and answer shapes on the bundled prompts
-    ("dflash_assets.generation.hybrid_standin", "dflash_assets.data.shapes"),
+    ("dflash_assets.generation.engines.hybrid_standin", "dflash_assets.data.shapes"),
     # request bodies and chat-template renderings take a corpus row's stored messages and tools through the one
     # contract that says how they are stored (data.conversation: api_messages, api_tools), issue 43
     ("dflash_assets.common.settings", "dflash_assets.data.conversation"),
-    ("dflash_assets.generation.chat_render", "dflash_assets.data.conversation"),
+    ("dflash_assets.generation.engines.chat_render", "dflash_assets.data.conversation"),
 }
 
 # Files still over a limit, each to be split (issue 28); remove an entry once its file fits. None left.
@@ -180,7 +190,8 @@ def test_room_and_layer_finders_name_each():
     assert room("dflash_assets.orchestration.freshness") == "orchestration"
     assert layer("dflash_assets.orchestration.freshness") == "stages"
     assert (
-        room("dflash_assets.generation.client") == "generation" and layer("dflash_assets.generation.client") == "cores"
+        room("dflash_assets.generation.client.completion_client") == "generation"
+        and layer("dflash_assets.generation.client.completion_client") == "cores"
     )
     assert room("dflash_assets") == "common"
     assert layer("dflash_simulators.sglang_stub") == "bench"
@@ -222,6 +233,75 @@ def test_design_doc_shows_the_rooms_in_order():
     picture = text.split("## Layout", 1)[1].split("```")[1]
     drawn = [name for name in re.findall(r"^([a-z]+)/", picture, re.M) if name != "bench"]
     assert drawn == list(ROOMS), f"docs/design.md draws {drawn}, test_layout.ROOMS says {list(ROOMS)}"
+
+
+def subroom(module: str) -> str | None:
+    """The sub-room of a module of a room with sub-rooms (``dflash_assets.generation.client.attempts``: ``client``);
+    None for other modules and for the room's own ``__init__``."""
+    parts = module.split(".")
+    if parts[0] != "dflash_assets" or len(parts) < 4 or parts[1] not in SUBROOMS:
+        return None
+    return parts[2]
+
+
+def test_subroom_finder_names_each():
+    assert subroom("dflash_assets.generation.client.attempts") == "client"
+    assert subroom("dflash_assets.dflash.training") is None
+    assert subroom("dflash_assets.dflash.training.loop") == "training"
+    assert subroom("dflash_assets.data.tokenization") is None
+
+
+def test_rooms_with_subrooms_hold_only_them():
+    """``generation/`` and ``dflash/`` hold their sub-rooms (each a package whose ``__init__`` says what it holds
+    and what it may import) and their own ``__init__``, nothing else."""
+    for name, subrooms in SUBROOMS.items():
+        folder = PACKAGE / name
+        entries = {p.name for p in folder.iterdir() if p.name != "__pycache__"}
+        assert entries == {"__init__.py", *subrooms}, f"{name}/ holds {sorted(entries)}, SUBROOMS says {subrooms}"
+        for sub in subrooms:
+            init = folder / sub / "__init__.py"
+            assert init.exists() and ast.get_docstring(ast.parse(init.read_text())), (
+                f"{name}/{sub}/__init__.py must say what the room holds and what it may import"
+            )
+
+
+def test_imports_go_down_the_subrooms():
+    graph = _import_graph()
+    up = []
+    for m in sorted(graph):
+        for d in sorted(graph[m]):
+            if room(m) != room(d) or room(m) not in SUBROOMS or subroom(m) is None or subroom(d) is None:
+                continue
+            order = SUBROOMS[room(m)]
+            if order.index(subroom(d)) < order.index(subroom(m)):
+                up.append(f"{m} ({subroom(m)}) -> {d} ({subroom(d)})")
+    assert not up, "imports up the sub-rooms (docs/design.md, Layout): " + "; ".join(up)
+
+
+def test_no_folder_holds_too_many_modules():
+    crowded = {}
+    for root in (PACKAGE, SIMULATORS):
+        for folder in sorted({p.parent for p in root.rglob("*.py")}):
+            count = len(list(folder.glob("*.py")))
+            if count > MAX_FOLDER_MODULES:
+                crowded[folder.relative_to(PACKAGE.parent).as_posix()] = count
+    assert not crowded, f"folders over {MAX_FOLDER_MODULES} modules (cut them into rooms by role): {crowded}"
+
+
+def test_design_doc_shows_the_subrooms_in_order():
+    """docs/design.md's picture of the layout lists each room's sub-rooms, indented under it, as ``SUBROOMS``."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    picture = text.split("## Layout", 1)[1].split("```")[1]
+    drawn: dict[str, list[str]] = {}
+    current = None
+    for line in picture.splitlines():
+        if top := re.match(r"^([a-z]+)/", line):
+            current = top.group(1)
+        elif (sub := re.match(r"^ {2}([a-z_]+)/", line)) and current:
+            drawn.setdefault(current, []).append(sub.group(1))
+    assert drawn == {k: list(v) for k, v in SUBROOMS.items()}, (
+        f"docs/design.md draws {drawn}, test_layout.SUBROOMS says {SUBROOMS}"
+    )
 
 
 def test_cores_import_no_dagster():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 
-from dflash_assets.generation.local_model import ensure_local_model
+from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_simulators.behaviours import Reply
 from dflash_simulators.stand_in_server import FakeServer
 

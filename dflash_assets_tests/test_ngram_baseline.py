@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from dflash_assets.app.summary_engine import baseline_line
-from dflash_assets.dflash.evaluation import acceptance_histogram_png
-from dflash_assets.generation.sglang_dflash import ngram_server_flags
-from dflash_assets.generation.vllm_servers import ngram_speculative_config
+from dflash_assets.dflash.decoding.evaluation import acceptance_histogram_png
+from dflash_assets.generation.servers.sglang_dflash import ngram_server_flags
+from dflash_assets.generation.servers.vllm_servers import ngram_speculative_config
 from dflash_assets.stages.evaluation.baseline import (
     baseline_check,
     compare_methods,

@@ -27,7 +27,7 @@ import pytest
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from dflash_assets.assets.completions import completions
-from dflash_assets.generation.ports import free_port, free_port_block
+from dflash_assets.generation.processes.ports import free_port, free_port_block
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource

@@ -159,8 +159,8 @@ def test_qwen36_calls_are_read_as_its_template_writes_them():
     same calls: a string parameter as written (digits too), any other value as the JSON the template wrote."""
     from transformers import AutoTokenizer
 
-    from dflash_assets.generation.hybrid_standin import CHAT_TEMPLATE
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.hybrid_standin import CHAT_TEMPLATE
+    from dflash_assets.generation.engines.local_model import ensure_local_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_local_model()), local_files_only=True)
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -245,8 +245,8 @@ def on_policy_through(tmp_path, mode: str, ids: list[int] | None = None):
     """``completions`` in on_policy mode over one BFCL task, through a stand-in server of ``mode`` (in its own
     process): the Dagster result and the completions step's materialization metadata (None when it failed)."""
     from dflash_assets.assets.prompts import prompt_corpus
-    from dflash_assets.generation.chat_render import SMOLLM2_TOOLS_TEMPLATE
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.chat_render import SMOLLM2_TOOLS_TEMPLATE
+    from dflash_assets.generation.engines.local_model import ensure_local_model
     from dflash_assets_tests.script_server import script_server
 
     with script_server(STAND_IN.format(mode=mode, ids=ids)) as url, dg.instance_for_test() as instance:
@@ -292,7 +292,7 @@ def test_calls_a_server_parsed_out_of_the_text_are_read_back_from_its_output_ids
     the next turn's context holds that markup, executed as the model wrote it."""
     from transformers import AutoTokenizer
 
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.local_model import ensure_local_model
 
     markup = "Going there.\n" + call("cd", {"folder": "document"})
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_local_model()), local_files_only=True)
@@ -364,7 +364,7 @@ def test_the_truncation_report_counts_the_table_the_latest_completions_made(tmp_
     the on-policy turns only (it counted the stale regeneration table before), and a partition whose table
     cannot be told is missing, not guessed."""
     from dflash_assets.assets.truncation import load_all_completions
-    from dflash_assets.generation.records import COMPLETIONS_SCHEMA
+    from dflash_assets.generation.rows.records import COMPLETIONS_SCHEMA
     from dflash_assets.stages.completions.on_policy import table_file
     from dflash_assets.stages.completions.tables import partition_file
 
@@ -430,7 +430,7 @@ def test_on_policy_turns_tokenize_with_their_own_context_and_stale_ones_are_set_
     from dflash_assets.data.on_policy import ON_POLICY_SCHEMA
     from dflash_assets.data.shapes import content_hash
     from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
-    from dflash_assets.generation.chat_render import SMOLLM2_TOOLS_TEMPLATE
+    from dflash_assets.generation.engines.chat_render import SMOLLM2_TOOLS_TEMPLATE
 
     target = TargetModelResource(chat_template=SMOLLM2_TOOLS_TEMPLATE)
     builder = SequenceBuilder(target.load_tokenizer())

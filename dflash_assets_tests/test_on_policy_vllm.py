@@ -32,10 +32,10 @@ from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.data.bfcl import ToolEnvironment, load_tasks
 from dflash_assets.data.on_policy import TURN_STRIDE
-from dflash_assets.dflash.shard_format import read_shard
-from dflash_assets.generation.chat_render import SMOLLM2_TOOLS_TEMPLATE
-from dflash_assets.generation.journal import RowJournal
-from dflash_assets.generation.local_model import ensure_local_model
+from dflash_assets.dflash.shards.format import read_shard
+from dflash_assets.generation.engines.chat_render import SMOLLM2_TOOLS_TEMPLATE
+from dflash_assets.generation.engines.local_model import ensure_local_model
+from dflash_assets.generation.rows.journal import RowJournal
 from dflash_assets.orchestration import freshness
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.completions.continuing import load_target_builder

@@ -11,11 +11,11 @@ import pytest
 import torch
 from tiny_target import HIDDEN, LAYER_IDS, VOCAB, make_rows, make_target
 
-from dflash_assets.dflash.online import OnlineTargetFeatures, TokenizedRows, read_tokenized_rows
-from dflash_assets.dflash.shard_format import read_index
-from dflash_assets.dflash.shards import extract_partition
-from dflash_assets.dflash.train import train
-from dflash_assets.dflash.train_config import TrainConfig
+from dflash_assets.dflash.shards.extraction import extract_partition
+from dflash_assets.dflash.shards.format import read_index
+from dflash_assets.dflash.training.config import TrainConfig
+from dflash_assets.dflash.training.online import OnlineTargetFeatures, TokenizedRows, read_tokenized_rows
+from dflash_assets.dflash.training.train import train
 
 torch.set_num_threads(2)
 
@@ -90,7 +90,7 @@ def test_online_equals_offline_loss_curve_and_weights(tmp_path):
     other, _ = make_target(tmp_path / "other", seed=9)
     feats = OnlineTargetFeatures(other, LAYER_IDS)
     ds = TokenizedRows(read_tokenized_rows(tokenized[:1]), split="all", block_size=4, features=feats)
-    from dflash_assets.dflash.data import HiddenStateShards
+    from dflash_assets.dflash.shards.dataset import HiddenStateShards
 
     ref = HiddenStateShards(shards[:1], split="all", block_size=4)[0]["hidden_states"].float()
     assert (ds[0]["hidden_states"].float() - ref).abs().max() > 1e-2
@@ -116,8 +116,9 @@ def test_online_features_match_extractor_and_are_trainable(tmp_path):
 
 
 def test_cli_online_mode_writes_summary(tmp_path):
-    """``python -m dflash_assets.dflash.train --tokenized ...`` trains online (same entry point as torchrun)."""
-    from dflash_assets.dflash.train import main
+    """``python -m dflash_assets.dflash.training.train --tokenized ...`` trains online (same entry point as
+    torchrun)."""
+    from dflash_assets.dflash.training.train import main
 
     _, target = make_target(tmp_path)
     tok = write_tokenized(tmp_path / "tok.parquet", make_rows(6))
@@ -158,7 +159,7 @@ def test_online_and_offline_runs_of_the_drafter_asset_use_the_configured_layers(
     (``train_config_for``) takes them for both feature sources, so online training (which runs the target
     itself) learns from the layers the offline shards store. Before, online fell back to the default ids."""
     from dflash_assets.assets.hidden_states import resolve_layer_ids
-    from dflash_assets.dflash.target_layers import resolve_target_layer_ids
+    from dflash_assets.dflash.target.layers import resolve_target_layer_ids
     from dflash_assets.stages.drafter.config import DrafterConfig
     from dflash_assets.stages.drafter.features import hidden_states_config
     from dflash_assets.stages.drafter.settings import train_config_for

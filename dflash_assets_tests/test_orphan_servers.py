@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dflash_assets.generation.ports import free_port
-from dflash_assets.generation.processes import stop_process_group
-from dflash_assets.generation.server_registry import (
+from dflash_assets.generation.processes.ports import free_port
+from dflash_assets.generation.processes.sessions import stop_process_group
+from dflash_assets.generation.servers.registry import (
     REGISTRY_ENV,
     orphan_message,
     reap_orphaned_servers,
@@ -45,8 +45,8 @@ import json, os, sys, time
 from pathlib import Path
 mode, pdeath, log = sys.argv[1], sys.argv[2] == "1", Path(sys.argv[3])
 if mode == "transformers":
-    from dflash_assets.generation.local_model import ensure_local_model
-    from dflash_assets.generation.transformers_server import LocalTransformersServer
+    from dflash_assets.generation.engines.local_model import ensure_local_model
+    from dflash_assets.generation.servers.transformers_server import LocalTransformersServer
     server = LocalTransformersServer(ensure_local_model(), log_path=log, parent_death_signal=pdeath,
                                      startup_timeout_s=120).__enter__()
     pid, port = server._proc.pid, server.port
@@ -59,8 +59,8 @@ if mode == "transformers":
     time.sleep(1.0)
 else:
     import httpx
-    from dflash_assets.generation.ports import free_port
-    from dflash_assets.generation.server_registry import start_process
+    from dflash_assets.generation.processes.ports import free_port
+    from dflash_assets.generation.servers.registry import start_process
     port = free_port()
     proc = start_process([sys.executable, "-c", sys.argv[4], str(port)], dict(os.environ), log, port=port,
                           label="stand-in", parent_death_signal=pdeath)
@@ -284,8 +284,8 @@ def test_an_interrupted_torchrun_launch_stops_its_whole_process_group(how):
     """The drafter's torchrun was started without its own process group and not stopped when the step was
     interrupted: it trained on beside the next run. run_streaming (what _run_torchrun uses) stops the
     launched process and its children whatever ends the wait."""
-    from dflash_assets.generation.proc_info import session_members
-    from dflash_assets.generation.processes import run_streaming
+    from dflash_assets.generation.processes.proc_info import session_members
+    from dflash_assets.generation.processes.sessions import run_streaming
 
     seen: list[str] = []
 
@@ -324,7 +324,7 @@ def proc_gone(pid: int, timeout_s: float = 5.0) -> bool:
 
 
 def test_run_streaming_returns_the_exit_code_and_every_line():
-    from dflash_assets.generation.processes import run_streaming
+    from dflash_assets.generation.processes.sessions import run_streaming
 
     lines: list[str] = []
     code = run_streaming(

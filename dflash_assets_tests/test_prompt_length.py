@@ -20,10 +20,10 @@ from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.truncation import cap_advice, row_counts
-from dflash_assets.generation.client import CompletionClient
-from dflash_assets.generation.client_attempts import CONTEXT_REFUSED
-from dflash_assets.generation.local_model import ensure_local_model
-from dflash_assets.generation.records import PROMPT_TOO_LONG, TOO_LONG_CAP, TOO_LONG_CONTEXT, invalid_reason
+from dflash_assets.generation.client.attempts import CONTEXT_REFUSED
+from dflash_assets.generation.client.completion_client import CompletionClient
+from dflash_assets.generation.engines.local_model import ensure_local_model
+from dflash_assets.generation.rows.records import PROMPT_TOO_LONG, TOO_LONG_CAP, TOO_LONG_CONTEXT, invalid_reason
 from dflash_assets.orchestration.freshness import settings_reason
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.generation import GenerationResource
@@ -246,7 +246,7 @@ def test_a_partition_whose_every_prompt_was_set_aside_tokenizes_to_nothing_and_p
     from transformers import AutoTokenizer
 
     from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
-    from dflash_assets.generation.records import rows_to_frame, too_long_row
+    from dflash_assets.generation.rows.records import rows_to_frame, too_long_row
     from dflash_assets.stages.tokenized import TokenizeConfig, run_checks
 
     settings = GenerationSettings(max_output_tokens=CAP).with_context(CONTEXT)

@@ -28,7 +28,7 @@ from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.data.ranges import partition_keys
 from dflash_assets.data.shapes import CORPUS_SCHEMA, build_corpus
-from dflash_assets.generation.journal_sync import SyncedRowJournal
+from dflash_assets.generation.rows.journal_sync import SyncedRowJournal
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets.stages.resources.generation import GenerationResource

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.generation.ports import PortTakenError, free_port
-from dflash_assets.generation.server_registry import reap_orphaned_servers, register_server
+from dflash_assets.generation.processes.ports import PortTakenError, free_port
+from dflash_assets.generation.servers.registry import reap_orphaned_servers, register_server
 from dflash_assets.stages.resources.inference import InferenceServerResource
 
 SECRET = "sk-i32-never-in-argv-4f1c"
@@ -41,7 +41,7 @@ def test_extra_args_without_a_secret_are_accepted_and_launched():
 
 
 def test_refuse_secret_args_helper_for_the_evaluation_engine_args():
-    from dflash_assets.generation.secret_args import SecretArgError, refuse_secret_args
+    from dflash_assets.generation.servers.secret_args import SecretArgError, refuse_secret_args
 
     refuse_secret_args(["--speculative-num-steps", "4"], "drafter_evaluation.engine_extra_args")
     with pytest.raises(SecretArgError) as err:
@@ -65,7 +65,7 @@ LISTENER = (
 
 
 def test_port_taken_message_names_the_pid_and_program_not_the_command_line(tmp_path):
-    from dflash_assets.generation.ports import check_port_free
+    from dflash_assets.generation.processes.ports import check_port_free
 
     port = free_port()
     ready = tmp_path / "ready"
@@ -89,8 +89,8 @@ def test_port_taken_message_names_the_pid_and_program_not_the_command_line(tmp_p
 KEY_LAUNCHER = """
 import json, os, sys, threading, time
 from pathlib import Path
-from dflash_assets.generation.sglang_servers import SGLangServers, build_sglang_commands
-from dflash_assets.generation.ports import free_port
+from dflash_assets.generation.servers.sglang_servers import SGLangServers, build_sglang_commands
+from dflash_assets.generation.processes.ports import free_port
 slow = ["--sim-startup-s", "60", "--sim-speed", "1"]
 commands = build_sglang_commands("sim", port_base=free_port(), module="dflash_simulators.sglang_stub",
                                  extra_args=slow, api_key_env="DFLASH_SERVER_API_KEY")

@@ -21,12 +21,12 @@ import dagster as dg
 import httpx
 import pytest
 
-from dflash_assets.generation import sglang_servers
-from dflash_assets.generation.ports import PortTakenError, free_port, free_port_block
-from dflash_assets.generation.proc_info import session_members
-from dflash_assets.generation.servers import API_KEY_ENV
-from dflash_assets.generation.sglang_servers import SGLangServers, build_sglang_commands
-from dflash_assets.generation.supervision import ProcessSupervisor
+from dflash_assets.generation.processes.ports import PortTakenError, free_port, free_port_block
+from dflash_assets.generation.processes.proc_info import session_members
+from dflash_assets.generation.servers import sglang_servers
+from dflash_assets.generation.servers.pool import API_KEY_ENV
+from dflash_assets.generation.servers.sglang_servers import SGLangServers, build_sglang_commands
+from dflash_assets.generation.servers.supervision import ProcessSupervisor
 from dflash_assets.stages.resources.inference import InferenceServerResource
 
 KEY = "sk-i27-ps-must-not-show-0b5e"
@@ -192,8 +192,8 @@ def test_a_squatter_that_takes_the_port_while_the_server_loads_is_refused_and_se
 
 
 def test_local_server_refuses_a_taken_port_before_loading_anything(tmp_path):
-    from dflash_assets.generation.local_model import ensure_local_model
-    from dflash_assets.generation.transformers_server import LocalTransformersServer
+    from dflash_assets.generation.engines.local_model import ensure_local_model
+    from dflash_assets.generation.servers.transformers_server import LocalTransformersServer
 
     port = free_port()
     squatter = start_squatter(port, tmp_path / "received")

@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.ports import free_port
-from dflash_assets.generation.servers import ServerPool
-from dflash_assets.generation.sglang_servers import LaunchCommand, build_router_command, build_sglang_commands
-from dflash_assets.generation.transformers_server import (
+from dflash_assets.generation.processes.ports import free_port
+from dflash_assets.generation.servers.pool import ServerPool
+from dflash_assets.generation.servers.sglang_servers import LaunchCommand, build_router_command, build_sglang_commands
+from dflash_assets.generation.servers.transformers_server import (
     LocalTransformersServer,
     transformers_generation_config,
 )
@@ -189,7 +189,7 @@ def test_sglang_commands_tensor_parallel_groups_and_defaults():
 
 
 def test_missing_api_key_variable_is_an_error(monkeypatch, tmp_path):
-    from dflash_assets.generation.sglang_servers import SGLangServers
+    from dflash_assets.generation.servers.sglang_servers import SGLangServers
 
     monkeypatch.delenv("ABSENT_KEY", raising=False)
     (cmd,) = build_sglang_commands("/m", api_key_env="ABSENT_KEY", port_base=free_port())
@@ -249,7 +249,7 @@ def test_resource_external_mode_yields_given_urls(local_server, tmp_path):
 
 
 def test_resource_external_mode_probe_fails_on_dead_url(tmp_path):
-    from dflash_assets.generation.ports import free_port
+    from dflash_assets.generation.processes.ports import free_port
 
     port = free_port()
     r = InferenceServerResource(
@@ -278,7 +278,7 @@ def test_free_port_block_skips_a_block_with_a_taken_port_and_stays_below_the_eph
     outgoing connection's ephemeral port): a block must be free as a whole, below 32768."""
     import socket
 
-    from dflash_assets.generation.ports import free_port_block
+    from dflash_assets.generation.processes.ports import free_port_block
 
     base = free_port_block(3)
     assert base >= 20000 and base + 3 <= 32000
@@ -298,7 +298,7 @@ def test_sglang_requests_ask_for_the_models_token_ids_and_others_do_not():
     """SGLang's chat endpoint returns ``choices[0].response_token_ids`` when asked (``return_token_ids``, its
     ChatCompletionRequest; vLLM: ``token_ids``): the model's own tokens, which tokenization trains on and a
     lowered cap cuts exactly. transformers serve rejects unknown fields with 422, so it is not asked."""
-    from dflash_assets.generation.replies import parse_chat_completion
+    from dflash_assets.generation.api.replies import parse_chat_completion
 
     body = {"model": "m", "messages": [], "top_k": 20}
     assert ServerPool(["http://x/v1"], "m", None, 1, "sglang").adapt_body(body)["return_token_ids"] is True

@@ -4,7 +4,7 @@ The tests until now spoke to ``dflash_simulators.sglang_stub``, which encodes wh
 SGLang itself decides: its wheel is installed ``--no-deps`` into an environment of its own (it pins another
 torch, transformers and openai than the project) with the few pure-Python packages its parsers and protocol
 models import (:data:`JUDGE_REQUIREMENTS`), made once per machine under the engine cache
-(:class:`~dflash_assets.generation.engine_env.EngineEnvironment`), and ``dflash_simulators/sglang_judge.py``
+(:class:`~dflash_assets.generation.engines.environments.EngineEnvironment`), and ``dflash_simulators/sglang_judge.py``
 runs SGLang's code there in a subprocess, exchanging JSON:
 
 - every command line the project builds (the GPU config's servers, with and without an API key file; the
@@ -36,22 +36,26 @@ import pytest
 import yaml
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.client import CompletionClient
-from dflash_assets.generation.continuation import continuation_body
-from dflash_assets.generation.engine_env import EngineEnvironment, EngineEnvironmentError
-from dflash_assets.generation.hybrid_standin import CHAT_TEMPLATE
-from dflash_assets.generation.ports import free_port_block
-from dflash_assets.generation.records import row_from_result
-from dflash_assets.generation.servers import API_KEY_ENV, ServerPool
-from dflash_assets.generation.sglang_dflash import (
+from dflash_assets.generation.client.completion_client import CompletionClient
+from dflash_assets.generation.engines.environments import EngineEnvironment, EngineEnvironmentError
+from dflash_assets.generation.engines.hybrid_standin import CHAT_TEMPLATE
+from dflash_assets.generation.processes.ports import free_port_block
+from dflash_assets.generation.rows.continuation import continuation_body
+from dflash_assets.generation.rows.records import row_from_result
+from dflash_assets.generation.rows.tail_chunks import TailChunker
+from dflash_assets.generation.servers.pool import API_KEY_ENV, ServerPool
+from dflash_assets.generation.servers.sglang_dflash import (
     GREEDY_SAMPLING,
     SPEC_FIELDS,
     EnginePrompt,
     dflash_server_flags,
     engine_generate,
 )
-from dflash_assets.generation.sglang_servers import build_router_command, build_sglang_commands, write_key_config
-from dflash_assets.generation.tail_chunks import TailChunker
+from dflash_assets.generation.servers.sglang_servers import (
+    build_router_command,
+    build_sglang_commands,
+    write_key_config,
+)
 from dflash_assets.orchestration import config as cfg
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource

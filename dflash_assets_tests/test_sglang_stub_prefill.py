@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dflash_assets.generation.ports import free_port_block
+from dflash_assets.generation.processes.ports import free_port_block
 
 STUB = "dflash_simulators.sglang_stub"
 SPEED = 10.0  # simulated seconds per real second

@@ -325,7 +325,7 @@ def test_the_wait_says_who_holds_the_lock_and_until_when(tmp_path, caplog):
     assert f"until {until}" in str(busy.value) and first.owner in str(busy.value)
     first.release()
 
-    from dflash_assets.generation.machine import process_gone, process_record
+    from dflash_assets.generation.processes.machine import process_gone, process_record
 
     with StoreLock(store, parts, lease_s=600, holder=process_record(), holder_gone=process_gone):
         said: list[str] = []

@@ -15,18 +15,18 @@ import math
 import pytest
 import torch
 
-from dflash_assets.dflash.acceptance import acceptance_histogram, acceptance_length, tau_statistics
-from dflash_assets.dflash.draft_config import DFlashConfig
-from dflash_assets.dflash.evaluation import acceptance_histogram_png, evaluate_drafter, untrained_drafter_like
-from dflash_assets.dflash.model import load_target_head
-from dflash_assets.dflash.speculative import (
+from dflash_assets.dflash.decoding.acceptance import acceptance_histogram, acceptance_length, tau_statistics
+from dflash_assets.dflash.decoding.evaluation import acceptance_histogram_png, evaluate_drafter, untrained_drafter_like
+from dflash_assets.dflash.decoding.speculative import (
     FeatureCapture,
     _accept_sampling,
     dflash_generate,
     target_generate,
 )
-from dflash_assets.dflash.target_layers import default_target_layer_ids
-from dflash_assets.dflash.teacher_forced import teacher_forced_acceptance, teacher_forced_chain
+from dflash_assets.dflash.decoding.teacher_forced import teacher_forced_acceptance, teacher_forced_chain
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.model.draft_model import load_target_head
+from dflash_assets.dflash.target.layers import default_target_layer_ids
 from dflash_simulators.oracle_drafter import OracleDrafter
 from dflash_simulators.overfit_drafter import greedy_rows, overfit
 
@@ -47,7 +47,7 @@ def _threads():
 def smol():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.local_model import ensure_local_model
 
     model_dir = ensure_local_model()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -84,7 +84,7 @@ def drafter_config(smol, block_size=BS) -> DFlashConfig:
 
 
 def untrained(smol, block_size=BS):
-    from dflash_assets.dflash.model import DFlashDraftModel
+    from dflash_assets.dflash.model.draft_model import DFlashDraftModel
 
     d = DFlashDraftModel(drafter_config(smol, block_size))
     d.reset_parameters(seed=0)
@@ -289,7 +289,7 @@ def test_chain_estimate_within_ten_percent_of_real_decoding_tau(smol, trained):
 
 
 def test_teacher_forced_acceptance_equals_single_block_inference(smol, trained):
-    from dflash_assets.dflash.data import HiddenStateShards
+    from dflash_assets.dflash.shards.dataset import HiddenStateShards
 
     drafter = trained["drafter"]
     tf = teacher_forced_acceptance(drafter, trained["shards"], max_anchors=64, return_blocks=True)

@@ -17,13 +17,13 @@ import pytest
 import torch
 from tiny_target import VOCAB, make_hybrid_target, make_target
 
-from dflash_assets.dflash.draft_config import DFlashConfig
-from dflash_assets.dflash.hybrid_cache import VerifyRollback, crop_attention_layers
-from dflash_assets.dflash.model import DFlashDraftModel
-from dflash_assets.dflash.speculative import FeatureCapture, dflash_generate, target_generate
-from dflash_assets.dflash.target_features import TargetFeatureExtractor, find_decoder_layers
-from dflash_assets.dflash.target_kernels import linear_attention_kernels
-from dflash_assets.dflash.target_layers import resolve_target_layer_ids
+from dflash_assets.dflash.decoding.speculative import FeatureCapture, dflash_generate, target_generate
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.model.draft_model import DFlashDraftModel
+from dflash_assets.dflash.target.features import TargetFeatureExtractor, find_decoder_layers
+from dflash_assets.dflash.target.hybrid_cache import VerifyRollback, crop_attention_layers
+from dflash_assets.dflash.target.kernels import linear_attention_kernels
+from dflash_assets.dflash.target.layers import resolve_target_layer_ids
 from dflash_simulators.oracle_drafter import OracleDrafter
 
 LAYER_IDS = [1, 3, 7]  # 7 = the last layer: HF reports it after the final norm

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from dflash_assets.data.ranges import partition_keys
-from dflash_assets.generation.records import rows_to_frame
+from dflash_assets.generation.rows.records import rows_to_frame
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.completions.tables import completion_stats, partition_file
 from dflash_assets.stages.resources.generation import GenerationResource

@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 
 from dflash_assets.assets.hidden_states import hidden_states
-from dflash_assets.dflash.shard_format import read_index, read_shard
+from dflash_assets.dflash.shards.format import read_index, read_shard
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets.stages.resources.storage import StorageResource

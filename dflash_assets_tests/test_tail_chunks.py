@@ -18,8 +18,8 @@ import pytest
 
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.conversation import api_messages  # the messages as the server received them
-from dflash_assets.generation.records import row_from_result
-from dflash_assets.generation.tail_chunks import TailChunker
+from dflash_assets.generation.rows.records import row_from_result
+from dflash_assets.generation.rows.tail_chunks import TailChunker
 from dflash_assets.stages.completions.continuing import ContinuationPlanner
 from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets.stages.resources.inference import InferenceServerResource
@@ -156,7 +156,7 @@ def test_chunk_seams_keep_the_text_as_the_model_wrote_it(opened, pieces, reasoni
 
 
 def test_a_chunk_answered_afresh_or_failed_gives_an_error_row():
-    from dflash_assets.generation.continuation import NOT_CONTINUED
+    from dflash_assets.generation.rows.continuation import NOT_CONTINUED
 
     settings = GenerationSettings(max_output_tokens=100)
     chunker = TailChunker(settings, "m", dict, opened=False, chunk_tokens=10, window_rows=2, total_rows=2)
@@ -294,7 +294,7 @@ def corpus_index(corpus: dict[int, dict], prompt_number: int) -> int:
 
 
 def test_follow_up_lanes_keep_a_row_on_its_server_and_balance_by_stealing_the_cheapest_prefix():
-    from dflash_assets.generation.follow_ups import FollowUpLanes
+    from dflash_assets.generation.client.follow_ups import FollowUpLanes
 
     lanes = FollowUpLanes(steal_margin=2)
     assert lanes.take("a") is None and not lanes

@@ -1,4 +1,4 @@
-"""Target hidden-state extraction and shard I/O (dflash_assets.dflash.target_features / shards).
+"""Target hidden-state extraction and shard I/O (dflash_assets.dflash.target.features / shards).
 
 References are computed independently with a plain ``model(..., output_hidden_states=True)`` forward
 of each row alone (unpadded); the layer-id formula is checked against the values DFlash publishes.
@@ -19,17 +19,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from dflash_assets.dflash import target_features as tf
-from dflash_assets.dflash.shard_format import read_index, read_shard, validate_shard, write_shard
-from dflash_assets.dflash.shards import extract_partition
-from dflash_assets.dflash.target_features import (
+from dflash_assets.dflash.shards.extraction import extract_partition
+from dflash_assets.dflash.shards.format import read_index, read_shard, validate_shard, write_shard
+from dflash_assets.dflash.target import features as tf
+from dflash_assets.dflash.target.features import (
     InsufficientDiskSpaceError,
     TargetFeatureExtractor,
     check_free_space,
     estimate_bytes,
     iter_batches_by_token_budget,
 )
-from dflash_assets.dflash.target_layers import default_target_layer_ids
+from dflash_assets.dflash.target.layers import default_target_layer_ids
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_LAYER_IDS = [1, 3, 5]
@@ -46,7 +46,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def smol():
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.local_model import ensure_local_model
 
     model = AutoModelForCausalLM.from_pretrained(ensure_local_model(), dtype=torch.float32)
     return model.eval()
@@ -326,7 +326,8 @@ CHILD = textwrap.dedent(
     import torch
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
-    from dflash_assets.dflash import shard_format, shards
+    from dflash_assets.dflash.shards import extraction as shards
+    from dflash_assets.dflash.shards import format as shard_format
 
     model_dir, rows_path, out_dir, stall_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

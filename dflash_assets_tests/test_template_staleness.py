@@ -18,7 +18,7 @@ import polars as pl
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.records import invalid_reason
+from dflash_assets.generation.rows.records import invalid_reason
 from dflash_assets.orchestration import freshness
 from dflash_assets.stages.resources.generation import GenerationResource, served_settings
 from dflash_assets.stages.resources.storage import StorageResource

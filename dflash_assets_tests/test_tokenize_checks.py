@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.tokenization import SequenceBuilder
-from dflash_assets.generation.local_model import ensure_local_model
-from dflash_assets.generation.records import rows_to_frame
+from dflash_assets.generation.engines.local_model import ensure_local_model
+from dflash_assets.generation.rows.records import rows_to_frame
 from dflash_assets.orchestration.check_gate import CHECK_ROUNDTRIP
 from dflash_assets.stages.tokenized import CHECK_RETOKENIZED, TokenizeConfig, run_checks, tokenize_stage
 from dflash_assets.storage.store import Storage

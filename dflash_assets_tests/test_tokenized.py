@@ -19,8 +19,8 @@ from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
-from dflash_assets.generation.local_model import ensure_local_model
-from dflash_assets.generation.records import rows_to_frame
+from dflash_assets.generation.engines.local_model import ensure_local_model
+from dflash_assets.generation.rows.records import rows_to_frame
 from dflash_assets.orchestration.check_gate import CHECK_DEGENERATE
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.prompts import CORPUS_FILE
@@ -453,7 +453,7 @@ def test_gpu_config_cuts_long_thinking_rows_instead_of_setting_them_aside(tmp_pa
     supervised tokens intact, and the drafter's training rows keep every one of them."""
     import yaml
 
-    from dflash_assets.dflash.online import TokenizedRows
+    from dflash_assets.dflash.training.online import TokenizedRows
     from dflash_assets.orchestration.config import BUNDLED
     from dflash_assets.stages.drafter.config import DrafterConfig
     from dflash_assets.stages.tokenized import TokenizeConfig

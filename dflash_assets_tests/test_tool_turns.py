@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_assets.app.summary_engine import tool_turn_lines
-from dflash_assets.generation.local_model import ensure_local_model
+from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.stages.evaluation.tool_turns import tool_call_turns, tool_turn_line
 
 CALL = '<tool_call>\n{"name": "grep", "arguments": {"file_name": "report.pdf", "pattern": "budget"}}\n</tool_call>'

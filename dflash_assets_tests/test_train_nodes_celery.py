@@ -35,9 +35,9 @@ import pytest
 import torch
 import yaml
 
-from dflash_assets.dflash.shard_format import read_index
-from dflash_assets.dflash.shards import extract_partition
-from dflash_assets.dflash.train_config import TrainConfig
+from dflash_assets.dflash.shards.extraction import extract_partition
+from dflash_assets.dflash.shards.format import read_index
+from dflash_assets.dflash.training.config import TrainConfig
 from dflash_assets.orchestration.cluster import CELERY_BROKER_ENV
 from dflash_assets.orchestration.node_ranks import RANK_TASK, START_TIMEOUT_ENV
 from dflash_assets.stages.drafter.config import DrafterConfig
@@ -243,7 +243,7 @@ def torchruns_below(worker: NodeWorker) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"torch.distributed.run" in cmdline or b"dflash_assets.dflash.train" in cmdline:
+        if b"torch.distributed.run" in cmdline or b"dflash_assets.dflash.training.train" in cmdline:
             found.append(pid)
     return found
 

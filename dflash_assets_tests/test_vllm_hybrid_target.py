@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_assets.generation.hybrid_standin import ensure_hybrid_standin
-from dflash_assets.generation.ports import free_port_block
-from dflash_assets.generation.vllm_servers import TORCHVISION_HINT, VLLMServers, build_vllm_command
+from dflash_assets.generation.engines.hybrid_standin import ensure_hybrid_standin
+from dflash_assets.generation.processes.ports import free_port_block
+from dflash_assets.generation.servers.vllm_servers import TORCHVISION_HINT, VLLMServers, build_vllm_command
 from dflash_assets.stages.evaluation.config import EvaluationConfig
 from dflash_assets.stages.evaluation.vllm_run import evaluation_environment
 

@@ -16,10 +16,10 @@ import dagster as dg
 import pytest
 import torch
 
-from dflash_assets.dflash.draft_config import DFlashConfig
-from dflash_assets.dflash.export import export_drafter
-from dflash_assets.dflash.model import DFlashDraftModel
-from dflash_assets.dflash.target_layers import text_config
+from dflash_assets.dflash.export.directory import export_drafter
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.model.draft_model import DFlashDraftModel
+from dflash_assets.dflash.target.layers import text_config
 from dflash_assets.stages.evaluation.baseline import compare_methods
 from dflash_assets.stages.evaluation.config import EvaluationConfig
 from dflash_assets.stages.evaluation.datasets import HELDOUT

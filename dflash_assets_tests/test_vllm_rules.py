@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.dflash.draft_config import DFlashConfig
-from dflash_assets.dflash.engine_check_vllm import check_vllm_export
-from dflash_assets.dflash.evaluation import first_divergence
-from dflash_assets.dflash.export import export_drafter
-from dflash_assets.dflash.model import DFlashDraftModel
-from dflash_assets.generation.engine_env import EngineEnvironment, EngineEnvironmentError
-from dflash_assets.generation.replies import ReplyError
-from dflash_assets.generation.vllm_servers import build_vllm_command, dflash_speculative_config
+from dflash_assets.dflash.decoding.evaluation import first_divergence
+from dflash_assets.dflash.export.directory import export_drafter
+from dflash_assets.dflash.export.vllm_check import check_vllm_export
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.model.draft_model import DFlashDraftModel
+from dflash_assets.generation.api.replies import ReplyError
+from dflash_assets.generation.engines.environments import EngineEnvironment, EngineEnvironmentError
+from dflash_assets.generation.servers.vllm_servers import build_vllm_command, dflash_speculative_config
 from dflash_assets.stages.evaluation.parity import engine_parity, lossless_summary
 from dflash_assets.stages.evaluation.vllm_engine import parse_completion, parse_spec_counters, vllm_tau_by_dataset
 
@@ -197,9 +197,9 @@ def test_a_start_up_cause_far_above_the_log_tail_still_gets_its_hint(tmp_path):
     ~5 KB of re-raised config errors, so the quoted tail no longer held the cause and the hint was missing."""
     import sys
 
-    from dflash_assets.generation.ports import free_port_block
-    from dflash_assets.generation.sglang_servers import LaunchCommand
-    from dflash_assets.generation.vllm_servers import TORCHVISION_HINT, VLLMServers
+    from dflash_assets.generation.processes.ports import free_port_block
+    from dflash_assets.generation.servers.sglang_servers import LaunchCommand
+    from dflash_assets.generation.servers.vllm_servers import TORCHVISION_HINT, VLLMServers
 
     script = (
         "import sys; print(\"ModuleNotFoundError: No module named 'torchvision'\"); "
@@ -246,8 +246,8 @@ def test_the_group_guard_takes_a_servers_children_down_with_its_launcher(tmp_pat
     import time
     from pathlib import Path
 
-    import dflash_assets.generation.group_guard as guard
-    from dflash_assets.generation.proc_info import session_members
+    import dflash_assets.generation.servers.group_guard as guard
+    from dflash_assets.generation.processes.proc_info import session_members
 
     server = (
         "import subprocess, sys, time; "

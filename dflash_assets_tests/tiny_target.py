@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dflash_assets.dflash.train_config import TrainConfig
+from dflash_assets.dflash.training.config import TrainConfig
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 6
 LAYER_IDS = [1, 3, 5]

@@ -2,7 +2,7 @@
 listener on its own event loop in a background thread.
 
 What the stand-ins need and no more: keep-alive, ``Content-Length`` bodies (what
-:class:`~dflash_assets.generation.client.CompletionClient`, ``httpx`` and ``openai`` send; no chunked
+:class:`~dflash_assets.generation.client.completion_client.CompletionClient`, ``httpx`` and ``openai`` send; no chunked
 uploads). Used by :mod:`~dflash_simulators.stand_in_server`,
 :mod:`~dflash_simulators.counting_proxy` and :mod:`~dflash_simulators.sglang_stub`. Stdlib only.
 """

@@ -18,14 +18,14 @@ __all__ = ["OracleDrafter"]
 class OracleDrafter(nn.Module):
     """Proposes ``reference`` (prompt + the target's greedy continuation), wrong where ``corrupt`` says.
 
-    The interface of :func:`~dflash_assets.dflash.speculative.dflash_generate`'s drafter without a context
+    The interface of :func:`~dflash_assets.dflash.decoding.speculative.dflash_generate`'s drafter without a context
     cache: ``forward(input_ids [1, Q], target_hidden=[1, C, F], position_ids=[1, C+Q]) -> logits [1, Q, V]``
     (one-hot of the proposed tokens; ``compute_logits`` is the identity).
 
     Args:
         reference: token ids; the draft at position ``p`` is ``reference[p]`` (0 past its end).
         config: any object with ``vocab_size``, ``mask_token_id``, ``block_size`` and ``target_layer_ids``
-            (a :class:`~dflash_assets.dflash.model.DFlashConfig`).
+            (a :class:`~dflash_assets.dflash.model.draft_model.DFlashConfig`).
         corrupt: for the ``i``-th call, the 1-based draft made wrong (``+1 mod vocab``), or None for none:
             that step then accepts ``corrupt[i]`` tokens (``corrupt[i] - 1`` drafts + the bonus), or the
             whole block when None. Calls past the list make no error.

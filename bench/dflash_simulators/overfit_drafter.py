@@ -10,17 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dflash_assets.dflash.draft_config import DFlashConfig
-from dflash_assets.dflash.shards import extract_partition
-from dflash_assets.dflash.train import train
-from dflash_assets.dflash.train_config import TrainConfig, TrainResult
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.shards.extraction import extract_partition
+from dflash_assets.dflash.training.config import TrainConfig, TrainResult
+from dflash_assets.dflash.training.train import train
 
 __all__ = ["greedy_rows", "overfit", "overfit_config"]
 
 
 def greedy_rows(prompts: Sequence[list[int]], completions: Sequence) -> list[dict]:
     """Rows ``{index, input_ids, loss_mask}``: each prompt followed by the target's completion of it (a
-    :class:`~dflash_assets.dflash.speculative.SpecResult`), the loss on the completion only."""
+    :class:`~dflash_assets.dflash.decoding.speculative.SpecResult`), the loss on the completion only."""
     return [
         {"index": i, "input_ids": p + c.output_ids, "loss_mask": [0] * len(p) + [1] * len(c.output_ids)}
         for i, (p, c) in enumerate(zip(prompts, completions))

@@ -6,7 +6,7 @@
 ``--mamba-radix-cache-strategy``, ``--speculative-draft-window-size``, ``--tp-size``, ``--pp-size``) and,
 at start-up, does what SGLang's loader would: reads the target's and the export's ``config.json`` and the
 export's safetensors header and refuses, exiting before the port opens, what SGLang would refuse or load
-wrongly. The rules are :func:`dflash_assets.dflash.engine_check.check_dflash_export`, the same the
+wrongly. The rules are :func:`dflash_assets.dflash.export.sglang_check.check_dflash_export`, the same the
 evaluation applies before it starts anything (stricter than SGLang's loader in places: a missing
 ``mask_token_id``, which SGLang looks up, or tensor names it skips, are refused here). The draft attention
 backend is resolved as SGLang does (:func:`draft_backend`: a free string, an unsupported one warned about and
@@ -31,8 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.dflash.engine_check import check_dflash_export, is_hybrid_target
-from dflash_assets.generation.sglang_dflash import MAMBA_STRATEGIES, SGLANG_DRAFT_ATTENTION_BACKENDS
+from dflash_assets.dflash.export.sglang_check import check_dflash_export, is_hybrid_target
+from dflash_assets.generation.servers.sglang_dflash import MAMBA_STRATEGIES, SGLANG_DRAFT_ATTENTION_BACKENDS
 
 REMOVED_FLAGS = ("--mamba-scheduler-strategy", "--speculative-dflash-draft-window-size")
 

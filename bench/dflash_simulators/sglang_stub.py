@@ -260,7 +260,7 @@ class Simulator:
         max_new = int(params.get("max_new_tokens") or 128)
         length = drawn_length(ids, self.args.sim_median_tokens, self.args.sim_sigma, self.args.sim_seed)
         n = min(length, max_new)
-        key = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]  # = generation.sglang_dflash.input_sha
+        key = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]  # = generation.servers.sglang_dflash.input_sha
         self.log_request(ev="recv", key=key, max_tokens=max_new, continued_from=0, prefix_head=None)
         spec = self.dflash.spec_fields(ids, n) if self.dflash is not None else {}
         stalled = await self.occupy(key, max_new, (key, len(ids), 0, n), decode_tokens=spec.get("spec_verify_ct", n))

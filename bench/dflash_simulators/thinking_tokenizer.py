@@ -30,7 +30,7 @@ def write_thinking_tokenizer(directory: Path | str, opens_think: bool) -> Path:
     """
     from transformers import AutoTokenizer
 
-    from dflash_assets.generation.local_model import ensure_local_model
+    from dflash_assets.generation.engines.local_model import ensure_local_model
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

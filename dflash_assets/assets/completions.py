@@ -21,7 +21,7 @@ from dagster._core.definitions.data_version import (
 )
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.range_plan import PartitionComplete, RangeRunError
+from dflash_assets.generation.rows.range_plan import PartitionComplete, RangeRunError
 from dflash_assets.orchestration import freshness
 from dflash_assets.orchestration.history import plain_metadata
 from dflash_assets.orchestration.partitions import prompt_ranges
@@ -39,7 +39,7 @@ from dflash_assets.stages.resources.target_model import TargetModelResource
 def chat_template_or_failure(target_model: TargetModelResource):
     """``target_model.chat_template``'s file (read once to check it), None when unset; a dagster.Failure naming the
     key and the path when it cannot be read."""
-    from dflash_assets.generation.chat_render import ChatTemplateError
+    from dflash_assets.generation.engines.chat_render import ChatTemplateError
 
     try:
         target_model.chat_template_text()

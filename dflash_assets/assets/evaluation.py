@@ -10,7 +10,7 @@ from pathlib import Path
 import dagster as dg
 
 from dflash_assets.common.cost import evaluation_cost
-from dflash_assets.dflash.export import config_from_hf_dict, resolve_export
+from dflash_assets.dflash.export.directory import config_from_hf_dict, resolve_export
 from dflash_assets.orchestration.history import plain_metadata
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.pools import GPU_POOL

@@ -15,7 +15,7 @@ from dflash_assets.data.truncation import (
     truncation_stats,
     turn_kind_markdown,
 )
-from dflash_assets.generation.records import PROMPT_TOO_LONG
+from dflash_assets.generation.rows.records import PROMPT_TOO_LONG
 from dflash_assets.orchestration.history import latest_metadata_by_partition
 from dflash_assets.orchestration.metadata import png_markdown
 from dflash_assets.orchestration.partitions import prompt_ranges

@@ -38,7 +38,7 @@ def cache_dir() -> Path:
 #: renders the tools (unless the server runs ``--exclude-tools-when-tool-choice-none``) and parses nothing. So
 #: vLLM gets "none". SGLang (``sglang/srt/entrypoints/openai/serving_chat.py`` ``_process_messages``): "none"
 #: drops the tools from the prompt; "auto" renders them and, without ``--tool-call-parser``, neither constrains
-#: nor parses. So SGLang gets "auto" (:meth:`~dflash_assets.generation.servers.ServerPool.adapt_body`);
+#: nor parses. So SGLang gets "auto" (:meth:`~dflash_assets.generation.servers.pool.ServerPool.adapt_body`);
 #: ``transformers serve`` ignores the field (it renders the tools whatever it says) and gets none.
 TOOL_CHOICE = "none"
 

@@ -4,7 +4,7 @@
 Why the result is the same data: a request capped at C draws its first C tokens exactly as an uncapped
 one does (each token given the prompt and the tokens before it; the cap only stops the loop), so the
 first C tokens of a longer sample are a sample of the capped request. This holds for every sampling
-setting, penalties and seeds included, unlike continuing (see :mod:`~dflash_assets.generation.continuation`).
+setting, penalties and seeds included, unlike continuing (see :mod:`~dflash_assets.generation.rows.continuation`).
 
 The tokens, in order of preference:
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.records import THINK_OPEN, holds_tool_call, split_reasoning
+from dflash_assets.generation.rows.records import THINK_OPEN, holds_tool_call, split_reasoning
 
 
 def cut_to_cap(

@@ -31,7 +31,7 @@ import polars as pl
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.bfcl import BfclTask, ToolEnvironment
 from dflash_assets.data.shapes import content_hash
-from dflash_assets.generation.records import COMPLETIONS_SCHEMA, TOOL_CALL_OPEN, row_from_result
+from dflash_assets.generation.rows.records import COMPLETIONS_SCHEMA, TOOL_CALL_OPEN, row_from_result
 
 __all__ = [
     "ON_POLICY_COLUMNS",

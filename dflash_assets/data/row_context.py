@@ -16,7 +16,7 @@ from typing import Any
 import polars as pl
 
 from dflash_assets.data.on_policy import TURN_STRIDE
-from dflash_assets.generation.records import PROMPT_TOO_LONG
+from dflash_assets.generation.rows.records import PROMPT_TOO_LONG
 
 __all__ = ["CORPUS_INDEX", "CorpusRows", "other_conversation", "other_prompt"]
 

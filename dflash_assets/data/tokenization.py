@@ -1,7 +1,7 @@
 """Token sequences and loss masks from the generation boundary (no Dagster imports).
 
 ``input_ids = prompt_ids + completion_ids``: ``prompt_ids`` is the chat template applied to the prompt messages
-and tools as the servers hand them to it (:func:`~dflash_assets.generation.chat_render.template_messages`), with
+and tools as the servers hand them to it (:func:`~dflash_assets.generation.engines.chat_render.template_messages`), with
 the generation prompt and the row's template settings (thinking on/off); ``completion_ids`` are the server's
 generated ids, else the completion re-tokenized exactly as emitted. ``loss_mask`` is 0 on the prompt (earlier
 turns, tool results, tool schemas) and 1 on the completion (reasoning, thinking markers, tool-call markup, answer,
@@ -31,8 +31,8 @@ import pyarrow as pa
 from dflash_assets.data.conversation import api_tools
 from dflash_assets.data.on_policy import TURN_STRIDE
 from dflash_assets.data.row_context import CORPUS_INDEX, CorpusRows
-from dflash_assets.generation.chat_render import check_prompt_tokens, template_messages
-from dflash_assets.generation.records import THINK_CLOSE, THINK_OPEN, completion_layout
+from dflash_assets.generation.engines.chat_render import check_prompt_tokens, template_messages
+from dflash_assets.generation.rows.records import THINK_CLOSE, THINK_OPEN, completion_layout
 
 BATCH_ROWS = 128  # rows per batched tokenizer call
 

@@ -25,7 +25,7 @@ import polars as pl
 
 from dflash_assets.common.figures import figure_png_bytes, new_figure
 from dflash_assets.data.length_fits import LogNormalFit, fit_families, predict_cap
-from dflash_assets.generation.records import PROMPT_TOO_LONG
+from dflash_assets.generation.rows.records import PROMPT_TOO_LONG
 
 # Percentiles of the bootstrap predictive taken as the "90%" interval: the plain 5/95 covered 0.83 of
 # the back-tests (bench/bench_cap_advice.py; bootstrap intervals of a tail extrapolation run narrow).

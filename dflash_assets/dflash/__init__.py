@@ -1,10 +1,10 @@
-"""DFlash drafter core: plain torch + transformers, no Dagster imports.
+"""DFlash drafter core: plain torch + transformers, no Dagster imports. Rooms by role, top to bottom: training
+(``training/``: config, the ``torchrun`` entry point and its steps, checkpoints, online features); speculative
+decoding and its measures (``decoding/``); the exported HF directory and the engines' loader checks
+(``export/``); hidden-state shards, their extraction and dataset (``shards/``); the draft model, masks and loss
+(``model/``); the target's layers, features, kernels and cache rollback (``target/``). A room imports its own
+modules and the rooms below it in this order.
 
-Modules: ``model`` (DFlashConfig, DFlashDraftModel), ``target_layers`` (the one resolution of
-``target_layer_ids``), ``masks`` (anchors, block inputs, training attention mask), ``loss`` (decay-weighted
-block CE), ``data`` (hidden-state shards, training batches), ``train`` (resumable single/multi-process
-training loop), ``export`` (SGLang-loadable HF directory), ``speculative`` (speculative decoding) with
-``hybrid_cache`` (rolling a hybrid target's linear-attention state back after a verify step),
-``target_kernels`` (which linear-attention kernels a target runs). Import the submodules directly; this
-package imports nothing so that light users (e.g. the shard writer) do not pay for the training stack.
+Import the submodules directly; the packages import nothing so that light users (e.g. the shard writer) do not pay
+for the training stack.
 """

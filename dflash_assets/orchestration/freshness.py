@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import dagster as dg
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.records import PROMPT_TOO_LONG, TOO_LONG_CAP, TOO_LONG_CONTEXT
+from dflash_assets.generation.rows.records import PROMPT_TOO_LONG, TOO_LONG_CAP, TOO_LONG_CONTEXT
 from dflash_assets.orchestration.check_gate import check_reason, failed_blocking_checks
 from dflash_assets.orchestration.history import latest_record, latest_records, plain_metadata
 from dflash_assets.storage.stage_outputs import missing_outputs, missing_reason, output_missing
@@ -73,7 +73,7 @@ def corpus_reason(meta: dict | None, fingerprint: str) -> str | None:
 def settings_reason(meta: dict, settings: GenerationSettings) -> str | None:
     """Why the generation ``settings`` invalidate rows of a completions partition (its latest metadata).
 
-    Mirrors :func:`dflash_assets.generation.records.invalid_reason` at partition level: raising the cap
+    Mirrors :func:`dflash_assets.generation.rows.records.invalid_reason` at partition level: raising the cap
     touches partitions with ``length`` rows cut at another cap, lowering it partitions holding a row
     longer than the new cap; error rows and changed sampling touch their partition too, and so does a cap or a
     servers' context (``settings.context_length``; None: not compared) other than the one its prompts set aside

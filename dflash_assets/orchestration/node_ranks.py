@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from dflash_assets.dflash.distributed import NODE_NAME_ENV, node_name
+from dflash_assets.dflash.training.distributed import NODE_NAME_ENV, node_name
 
 #: The Celery task that runs one node's torchrun (registered on the cluster's app).
 RANK_TASK = "dflash.train_node_rank"
@@ -78,7 +78,8 @@ def node_of(worker: str) -> str:
 
 def this_node() -> str:
     """The node this process runs on: the name of the Celery worker running the current task (a step on a
-    worker), else :func:`~dflash_assets.dflash.distributed.node_name` (``$DFLASH_NODE_NAME`` or the host name)."""
+    worker), else :func:`~dflash_assets.dflash.training.distributed.node_name` (``$DFLASH_NODE_NAME`` or the host
+    name)."""
     try:
         from celery import current_task
     except ImportError:
@@ -91,7 +92,7 @@ def run_node_rank(argv: Sequence[str], worker: str) -> dict:
     """Run one node's torchrun ``argv`` (its own process group) with :data:`NODE_NAME_ENV` set to this worker's
     node; returns ``{"worker", "node", "exit_code", "log_tail"}`` (the last :data:`TAIL_LINES` lines). SIGTERM
     (the task revoked with ``terminate=True``) stops torchrun's whole group, then raises :class:`RankStopped`."""
-    from dflash_assets.generation.processes import run_streaming
+    from dflash_assets.generation.processes.sessions import run_streaming
 
     node = node_of(worker)
     tail: list[str] = []

@@ -33,8 +33,8 @@ import dagster as dg
 # the return type of RunLauncher.check_run_worker_health, which dagster does not export
 from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
 
-from dflash_assets.generation.machine import Identity, identity, same_machine
-from dflash_assets.generation.proc_info import is_running, proc_stat
+from dflash_assets.generation.processes.machine import Identity, identity, same_machine
+from dflash_assets.generation.processes.proc_info import is_running, proc_stat
 
 PID_TAG, START_TAG, BOOT_TAG, HOST_TAG = "dflash/pid", "dflash/pid_start_time", "dflash/boot_id", "dflash/host"
 MACHINE_TAG, PID_NS_TAG = "dflash/machine_id", "dflash/pid_ns"
@@ -44,8 +44,8 @@ STOP_GRACE_S = 20.0
 def process_tags(pid: int | None = None) -> dict[str, str]:
     """Run tags naming process ``pid`` (default: this one, in this pid namespace): pid, start time (clock
     ticks after boot, ``/proc/<pid>/stat`` field 22), machine id, boot id, pid namespace
-    (:mod:`dflash_assets.generation.machine`) and host name (for messages only). With all of them a pid names one
-    process of one machine."""
+    (:mod:`dflash_assets.generation.processes.machine`) and host name (for messages only). With all of them a pid names
+    one process of one machine."""
     pid = os.getpid() if pid is None else pid
     stat = proc_stat(pid)
     tags = {PID_TAG: str(pid), HOST_TAG: socket.gethostname()}
@@ -59,7 +59,7 @@ def process_tags(pid: int | None = None) -> dict[str, str]:
 
 
 def recorded_identity(tags) -> Identity:
-    """The :class:`~dflash_assets.generation.machine.Identity` a run's tags record (fields absent: None)."""
+    """The :class:`~dflash_assets.generation.processes.machine.Identity` a run's tags record (fields absent: None)."""
     return Identity(tags.get(MACHINE_TAG), tags.get(BOOT_TAG), tags.get(PID_NS_TAG))
 
 
@@ -95,8 +95,8 @@ def run_process_alive(run: dg.DagsterRun, instance: dg.DagsterInstance | None = 
     Returns None (unknown: leave the run alone) unless the tags prove where the process ran: another
     machine (whatever its host name), another pid namespace, or missing tags (pid, start time, machine,
     boot) are None. False when its pid is gone here or names a process with another start time, or when
-    this machine was rebooted since (:func:`~dflash_assets.generation.machine.same_machine`) and the run logged
-    nothing after the boot (``instance`` given; without it a reboot alone counts).
+    this machine was rebooted since (:func:`~dflash_assets.generation.processes.machine.same_machine`) and the run
+    logged nothing after the boot (``instance`` given; without it a reboot alone counts).
     """
     tags = run.tags
     try:

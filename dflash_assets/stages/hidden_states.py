@@ -20,12 +20,12 @@ from pydantic import Field
 from dflash_assets.common.progress import StageProgressBar
 from dflash_assets.data.ranges import key_range
 from dflash_assets.data.row_context import CORPUS_INDEX
-from dflash_assets.dflash.shard_format import INDEX_NAME, read_shard, write_index
-from dflash_assets.dflash.shards import extract_partition
-from dflash_assets.dflash.target_features import bytes_per_token
-from dflash_assets.dflash.target_kernels import linear_attention_kernels
-from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
-from dflash_assets.generation.records import PROMPT_TOO_LONG
+from dflash_assets.dflash.shards.extraction import extract_partition
+from dflash_assets.dflash.shards.format import INDEX_NAME, read_shard, write_index
+from dflash_assets.dflash.target.features import bytes_per_token
+from dflash_assets.dflash.target.kernels import linear_attention_kernels
+from dflash_assets.dflash.target.layers import resolve_target_layer_ids, text_config
+from dflash_assets.generation.rows.records import PROMPT_TOO_LONG
 from dflash_assets.orchestration.history import latest_metadata_by_partition
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.prompts import CORPUS_FILE
@@ -138,7 +138,7 @@ def corpus_indexes(store) -> list[int]:
 
 
 def layer_ids_or_error(config_ids: list[int], target) -> list[int]:
-    """The target layers to store: :func:`~dflash_assets.dflash.target_layers.resolve_target_layer_ids` of
+    """The target layers to store: :func:`~dflash_assets.dflash.target.layers.resolve_target_layer_ids` of
     ``config_ids`` (empty = the DFlash rule for 5 layers, arXiv 2602.06036) over ``target`` (model, config
     or directory; a multimodal wrapper counts its ``text_config`` layers).
 

@@ -16,7 +16,7 @@ from dflash_assets.data.conversation_shapes import DEFAULT_TURNS, TURN_KINDS
 from dflash_assets.data.prompt_index import StableCorpus, save_index, stable_corpus
 from dflash_assets.data.reader import GiB, MiB, ReadLimits
 from dflash_assets.data.shapes import CorpusError, CorpusResult, build_corpus, default_sources
-from dflash_assets.generation.machine import process_gone, process_record
+from dflash_assets.generation.processes.machine import process_gone, process_record
 from dflash_assets.storage.lock import LockBusyError, StoreLock
 
 CORPUS_FILE = ("prompt_corpus", "corpus.parquet")
@@ -113,7 +113,7 @@ def build_corpus_stage(
     reading the last build to writing the index table the build holds ``prompt_corpus/.build.lock``
     (:class:`StoreLock`, exclusive across hosts on one root), waiting up to ``lock_wait_s`` seconds for it (``log``
     gets who holds it and until when; default: the lock module's logger); a holder killed on this machine
-    (:func:`~dflash_assets.generation.machine.process_gone`) is taken over at once.
+    (:func:`~dflash_assets.generation.processes.machine.process_gone`) is taken over at once.
 
     Raises:
         CorpusStageError: a source cannot be read (rejected rows, if any, written to ``rejected.parquet``

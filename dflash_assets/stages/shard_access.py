@@ -4,7 +4,7 @@ against its ``index.json`` (size and SHA-256), and the shards of every complete 
 import json
 import os
 
-from dflash_assets.dflash.shard_format import INDEX_NAME
+from dflash_assets.dflash.shards.format import INDEX_NAME
 from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.storage.atomic import atomic_write_bytes
 from dflash_assets.storage.store import IntegrityError, UnsafeNameError, check_name, file_sha256

@@ -4,7 +4,7 @@ Computed before ``hidden_states`` writes anything and by the main job / ``dflash
 offline or online features. Tokens come from ``tokenized_sequences`` metadata (``total_tokens``,
 ``rows`` per partition); a partition not tokenized yet is estimated at the mean tokens per row of the
 tokenized ones (or, before any, at the generation cap). Bytes per token: ``n_layers * hidden * 2 +
-5`` (:func:`~dflash_assets.dflash.target_features.bytes_per_token`); hidden size and layer count are
+5`` (:func:`~dflash_assets.dflash.target.features.bytes_per_token`); hidden size and layer count are
 read from the target's ``config.json`` (the model is not loaded).
 
 Subset: ``fraction`` keeps the rows whose stable hash ``h(index)`` is below it; ``max_rows`` keeps the
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from dflash_assets.data.ranges import key_range
-from dflash_assets.dflash.target_features import bytes_per_token
-from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
+from dflash_assets.dflash.target.features import bytes_per_token
+from dflash_assets.dflash.target.layers import resolve_target_layer_ids, text_config
 
 SUBSET_SALT = "dflash-hidden-states-subset:"
 MARGIN = 0.05  # head room on top of the planned bytes (safetensors headers, index files, rounding)

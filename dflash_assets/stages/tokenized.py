@@ -12,7 +12,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, degenerate_mask_mode, tokenize_partition
-from dflash_assets.generation.records import PROMPT_TOO_LONG
+from dflash_assets.generation.rows.records import PROMPT_TOO_LONG
 from dflash_assets.orchestration.check_gate import CHECK_DEGENERATE, CHECK_NONEMPTY, CHECK_ROUNDTRIP
 from dflash_assets.storage.store import parquet_bytes
 

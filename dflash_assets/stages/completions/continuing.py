@@ -1,18 +1,18 @@
 """What a completions run continues rather than generates from the first token: rows a lower cap cut
-(:mod:`dflash_assets.generation.continuation`), and the end of the run generated in chunks
-(:mod:`dflash_assets.generation.tail_chunks`); both need servers that continue a final assistant
+(:mod:`dflash_assets.generation.rows.continuation`), and the end of the run generated in chunks
+(:mod:`dflash_assets.generation.rows.tail_chunks`); both need servers that continue a final assistant
 message and the target's tokenizer, decided once per run by :meth:`ContinuationPlanner.gate`."""
 
 from __future__ import annotations
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.generation.continuation import (
+from dflash_assets.generation.rows.continuation import (
     FIRST_CONTINUING_SGLANG,
     continuable,
     history_free,
     sglang_predates_continuation,
 )
-from dflash_assets.generation.records import THINK_OPEN
+from dflash_assets.generation.rows.records import THINK_OPEN
 from dflash_assets.stages.resources.inference import InferenceServerResource
 
 
@@ -43,7 +43,7 @@ def load_target_builder(inference: InferenceServerResource, chat_template=None):
     from transformers import AutoTokenizer
 
     from dflash_assets.data.tokenization import SequenceBuilder
-    from dflash_assets.generation.chat_render import read_chat_template
+    from dflash_assets.generation.engines.chat_render import read_chat_template
 
     path = str(inference.tokenizer_path())
     missing_directory(path)
@@ -55,10 +55,10 @@ def load_target_builder(inference: InferenceServerResource, chat_template=None):
 
 def check_tool_rendering(inference: InferenceServerResource, chat_template, prompts):
     """Before any request: when one of ``prompts`` (corpus rows: a DataFrame or dicts) uses tools
-    (:func:`~dflash_assets.generation.chat_render.uses_tools`), the target's template (``chat_template``, the file
-    ``target_model.chat_template`` names, else the model's own) must render a probe conversation's tools, tool call
-    and tool result (:func:`~dflash_assets.generation.chat_render.check_renders_tools`), and the servers must run
-    without a tool-call parser (rows keep the model's own markup and ids).
+    (:func:`~dflash_assets.generation.engines.chat_render.uses_tools`), the target's template (``chat_template``, the
+    file ``target_model.chat_template`` names, else the model's own) must render a probe conversation's tools, tool call
+    and tool result (:func:`~dflash_assets.generation.engines.chat_render.check_renders_tools`), and the servers must
+    run without a tool-call parser (rows keep the model's own markup and ids).
 
     Returns:
         the :class:`~dflash_assets.data.tokenization.SequenceBuilder` it loaded, None when no prompt uses tools.
@@ -67,8 +67,8 @@ def check_tool_rendering(inference: InferenceServerResource, chat_template, prom
         RangeRunError: the template leaves a part out or fails, the target's tokenizer does not load, or the
             servers' ``extra_args`` hold a tool-call parser flag; the message names the row, the key and the fix.
     """
-    from dflash_assets.generation.chat_render import ChatTemplateError, check_renders_tools, corpus_uses_tools
-    from dflash_assets.generation.range_plan import RangeRunError
+    from dflash_assets.generation.engines.chat_render import ChatTemplateError, check_renders_tools, corpus_uses_tools
+    from dflash_assets.generation.rows.range_plan import RangeRunError
     from dflash_assets.stages.resources.inference import tool_parser_flag
 
     first = corpus_uses_tools(prompts)
@@ -114,7 +114,7 @@ class ContinuationPlanner:
     def continuations(
         self, inference: InferenceServerResource, parts: list
     ) -> tuple[dict[int, dict], bool, str | None, bool]:
-        """Rows to continue rather than regenerate (see :mod:`dflash_assets.generation.continuation`).
+        """Rows to continue rather than regenerate (see :mod:`dflash_assets.generation.rows.continuation`).
 
         Returns ``(continuing, opened, note, problem)``: index -> the row as it is (not a copy);
         whether the target's generation prompt already ends with ``<think>`` (decides each prefix's
@@ -194,7 +194,7 @@ class ContinuationPlanner:
         self, inference: InferenceServerResource, parts: list, continuing: dict[int, dict]
     ) -> tuple[tuple[int, bool] | None, str | None, bool]:
         """Whether the end of this run is generated in chunks (``inference.client.tail_chunk_tokens``,
-        :mod:`dflash_assets.generation.tail_chunks`): ``((chunk_tokens, opened) or None, note, problem)``.
+        :mod:`dflash_assets.generation.rows.tail_chunks`): ``((chunk_tokens, opened) or None, note, problem)``.
         Off (None) when not configured or the sampling is not history-free; not possible (a warning)
         when the servers cannot continue. ``continuing``: :meth:`continuations`' rows (not chunked: they
         are continued whole). Safe to run in a thread: it logs nothing."""

@@ -31,17 +31,17 @@ from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.bfcl import SOURCE_PREFIX, BfclError, BfclTask, load_tasks
 from dflash_assets.data.on_policy import ON_POLICY_SCHEMA, TURN_STRIDE, Trajectory
 from dflash_assets.data.prompt_index import prompt_version
-from dflash_assets.generation.chat_render import check_prompt_tokens
-from dflash_assets.generation.range_plan import PartitionComplete, RangeRunError
-from dflash_assets.generation.records import THINK_CLOSE, invalid_reason, row_problem
-from dflash_assets.generation.results import TooManyFailuresError
+from dflash_assets.generation.client.results import TooManyFailuresError
+from dflash_assets.generation.engines.chat_render import check_prompt_tokens
+from dflash_assets.generation.rows.range_plan import PartitionComplete, RangeRunError
+from dflash_assets.generation.rows.records import THINK_CLOSE, invalid_reason, row_problem
 from dflash_assets.stages.completions.continuing import check_tool_rendering, load_target_builder
 from dflash_assets.stages.completions.tables import completion_stats
 from dflash_assets.stages.prompts import CORPUS_FILE
 
 if TYPE_CHECKING:
     from dflash_assets.data.tokenization import SequenceBuilder
-    from dflash_assets.generation.results import CompletionResult
+    from dflash_assets.generation.client.results import CompletionResult
     from dflash_assets.stages.resources.inference import InferenceServerResource
     from dflash_assets.stages.resources.storage import StorageResource
 

@@ -2,13 +2,13 @@
 start once for the whole run, the prompts of all its partitions go to the client as one stream
 (:mod:`~dflash_assets.stages.completions.range_stream`), and each partition is committed as soon as its last
 row is in: its table written atomically to ``completions/<pk>.parquet``, its journal removed, and a
-:class:`~dflash_assets.generation.range_plan.PartitionComplete` yielded, which the asset records as the
+:class:`~dflash_assets.generation.rows.range_plan.PartitionComplete` yielded, which the asset records as the
 partition's materialization while the run goes on.
 
 Row-level checkpoints: each finished row is appended (fsync) to ``completions/<pk>.journal.jsonl`` as it
 arrives; a rerun reads the journal and the last partition table and requests only rows that are missing, no
 longer valid under the current generation settings, or made for another prompt than the corpus's at their
-index (each row carries ``prompt_hash``; see :func:`~dflash_assets.generation.range_plan.plan_requests`).
+index (each row carries ``prompt_hash``; see :func:`~dflash_assets.generation.rows.range_plan.plan_requests`).
 
 No Dagster here: what the run needs from the Dagster instance comes in as callables.
 """
@@ -28,15 +28,15 @@ from dflash_assets.common.cost import GenerationMeter, generation_devices
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.cap_cut import cut_rows
 from dflash_assets.data.prompt_index import prompt_version
-from dflash_assets.generation.continuation import continuable
-from dflash_assets.generation.range_plan import (
+from dflash_assets.generation.rows.continuation import continuable
+from dflash_assets.generation.rows.range_plan import (
     Partition,
     PartitionComplete,
     plan_requests,
     prompt_length,
     prompt_lengths,
 )
-from dflash_assets.generation.records import (
+from dflash_assets.generation.rows.records import (
     PROMPT_TOO_LONG,
     invalid_reason,
     no_good_row_message,
@@ -274,7 +274,7 @@ class RangeRun:
     ) -> tuple[list[dict], dict[int, str]]:
         """Prompts of ``todo`` whose templated length leaves no room for the cap under the servers' context
         (:meth:`~dflash_assets.common.settings.GenerationSettings.prompt_room`), set aside before anything is
-        sent: each becomes a :func:`~dflash_assets.generation.records.too_long_row` in ``existing`` (written
+        sent: each becomes a :func:`~dflash_assets.generation.rows.records.too_long_row` in ``existing`` (written
         by the commit; not journaled: the next run judges it again at no cost). Lengths: a stored row's
         ``prompt_tokens`` for this prompt under this sampling (the server's count, or an earlier set-aside's),
         else the target's tokenizer once per prompt (:meth:`~dflash_assets.data.tokenization.SequenceBuilder.

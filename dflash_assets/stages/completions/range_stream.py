@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from dflash_assets.common.progress import StageProgressBar
-from dflash_assets.generation.continuation import NOT_CONTINUED, continuation_body, merge_continuation, prefix_text
-from dflash_assets.generation.journal import JournalError
-from dflash_assets.generation.range_plan import Partition, PartitionComplete, RangeRunError, StreamedRun
-from dflash_assets.generation.records import row_from_result, row_problem, set_aside_row
-from dflash_assets.generation.results import TooManyFailuresError
-from dflash_assets.generation.tail_chunks import TailChunker
+from dflash_assets.generation.client.results import TooManyFailuresError
+from dflash_assets.generation.rows.continuation import NOT_CONTINUED, continuation_body, merge_continuation, prefix_text
+from dflash_assets.generation.rows.journal import JournalError
+from dflash_assets.generation.rows.range_plan import Partition, PartitionComplete, RangeRunError, StreamedRun
+from dflash_assets.generation.rows.records import row_from_result, row_problem, set_aside_row
+from dflash_assets.generation.rows.tail_chunks import TailChunker
 
 if TYPE_CHECKING:
     from dflash_assets.stages.resources.inference import InferenceServerResource
@@ -52,7 +52,7 @@ def stream_partitions(
     (:meth:`ContinuationPlanner.continuations`); each prefix is built as its request goes out, not all at once
     before the run. ``tail``: :meth:`ContinuationPlanner.tail`'s ``(chunk_tokens, opened)``: the stream's last
     ``tail_prompts_per_slot`` x slots fresh prompts are generated in chunks
-    (:class:`~dflash_assets.generation.tail_chunks.TailChunker`). More than ``max_consecutive_failures``
+    (:class:`~dflash_assets.generation.rows.tail_chunks.TailChunker`). More than ``max_consecutive_failures``
     continuations in a row answered afresh (:data:`NOT_CONTINUED`) stop the run (:class:`RangeRunError`): a
     server that ignores ``continue_final_message`` would waste every one."""
     settings, log, continuing = run.settings, run.log, run.continuing_rows

@@ -14,7 +14,7 @@ import polars as pl
 from dflash_assets.data.ranges import key_range
 from dflash_assets.data.shapes import with_conversation_columns
 from dflash_assets.data.truncation import row_counts, token_summary
-from dflash_assets.generation.records import (
+from dflash_assets.generation.rows.records import (
     PROMPT_TOO_LONG,
     VALIDITY_COLUMNS,
     align_to_schema,
@@ -94,9 +94,9 @@ def partition_frame(
     byte for byte once written, to :func:`rows_to_frame` of every row as dicts; only one partition's text
     is in memory at a time.
 
-    A row the table cannot take as it is (:func:`~dflash_assets.generation.records.row_problem`: a count
+    A row the table cannot take as it is (:func:`~dflash_assets.generation.rows.records.row_problem`: a count
     past its type, a lone surrogate, a value of the wrong type) never blocks the commit: it is stored as
-    :func:`~dflash_assets.generation.records.set_aside_row` (the reason as its error; the next run requests
+    :func:`~dflash_assets.generation.rows.records.set_aside_row` (the reason as its error; the next run requests
     it again) and returned in the second value, ``{index: reason}``."""
     indexes = prompts["index"].to_list()
     chosen, set_aside = [], {}

@@ -5,11 +5,11 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from dflash_assets.dflash.train_config import TrainSettings
+from dflash_assets.dflash.training.config import TrainSettings
 
 
 class DrafterConfig(dg.Config, TrainSettings):
-    """The training settings (:class:`~dflash_assets.dflash.train_config.TrainSettings`, declared and defaulted
+    """The training settings (:class:`~dflash_assets.dflash.training.config.TrainSettings`, declared and defaulted
     there, once, for the asset and the library alike), plus what only the asset decides: the process layout,
     the feature source, the drafter's shape (None = the target's) and warm starts."""
 
@@ -35,7 +35,8 @@ class DrafterConfig(dg.Config, TrainSettings):
         "features from "
         "tokenized_sequences (nothing stored); auto: online when the hidden-state storage plan does not fit.",
     )
-    # the drafter's shape (dflash.model.DRAFT_SHAPE_FIELDS); None = the target's. hidden_size is always the target's.
+    # the drafter's shape (dflash.model.draft_config.DRAFT_SHAPE_FIELDS); None = the target's. hidden_size is always
+    # the target's.
     num_attention_heads: int | None = Field(
         default=None, ge=1, description="Draft attention query heads (default: the target's)."
     )

@@ -85,7 +85,7 @@ def heldout_set(
     features the frozen ``target`` computes per row (online; needs ``target`` and ``target_layer_ids``;
     without ``target``, rows without features, which :meth:`TokenizedRows.attach` can give them later)."""
     if mode == "online":
-        from dflash_assets.dflash.online import OnlineTargetFeatures, TokenizedRows, read_tokenized_rows
+        from dflash_assets.dflash.training.online import OnlineTargetFeatures, TokenizedRows, read_tokenized_rows
 
         paths, _ = tokenized_inputs(storage, keys)
         features = None if target is None else OnlineTargetFeatures(target, target_layer_ids)
@@ -97,7 +97,7 @@ def heldout_set(
             block_size=block_size,
             features=features,
         )
-    from dflash_assets.dflash.data import HiddenStateShards
+    from dflash_assets.dflash.shards.dataset import HiddenStateShards
     from dflash_assets.stages.shard_access import complete_shards
 
     shards, _, _ = complete_shards(storage, keys)

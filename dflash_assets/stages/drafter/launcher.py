@@ -3,8 +3,8 @@
 import json
 import os
 
-from dflash_assets.dflash.train_config import TrainConfig
-from dflash_assets.generation.processes import run_streaming
+from dflash_assets.dflash.training.config import TrainConfig
+from dflash_assets.generation.processes.sessions import run_streaming
 
 
 class TrainingRunError(RuntimeError):
@@ -22,7 +22,7 @@ def check_process_layout(config) -> None:
     Raises:
         TrainingRunError: the layout cannot be launched, saying why.
     """
-    from dflash_assets.dflash.distributed import torchrun_argv
+    from dflash_assets.dflash.training.distributed import torchrun_argv
 
     try:
         torchrun_argv(
@@ -41,13 +41,13 @@ def run_torchrun(log, cfg: TrainConfig, config, export_dir: str) -> None:
     this node joins the c10d rendezvous at ``rdzv_endpoint``; with ``$DFLASH_CELERY_BROKER`` set the other nodes'
     torchrun run as tasks on idle workers of other nodes (:mod:`dflash_assets.orchestration.node_ranks`), else
     the command for them is written to ``<run dir>/launch_other_nodes.sh`` and logged, for the user to run
-    (see :mod:`dflash_assets.dflash.distributed`).
+    (see :mod:`dflash_assets.dflash.training.distributed`).
 
     Raises:
         TrainingRunError: a bad process layout, torchrun exited non-zero (``metadata["log_tail"]``: its
             last 40 lines), or a node rank on another worker failed or never started (naming the node).
     """
-    from dflash_assets.dflash.distributed import torchrun_argv, write_node_script
+    from dflash_assets.dflash.training.distributed import torchrun_argv, write_node_script
 
     cfg_path = os.path.join(cfg.out_dir, "train_config.json")
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -127,8 +127,8 @@ def _run_with_node_ranks(log, argv: list[str], nnodes: int, on_line, tail: list[
     """
     import threading
 
-    from dflash_assets.dflash.distributed import NODE_NAME_ENV
-    from dflash_assets.generation.processes import stop_process_group
+    from dflash_assets.dflash.training.distributed import NODE_NAME_ENV
+    from dflash_assets.generation.processes.sessions import stop_process_group
     from dflash_assets.orchestration.cluster import WatchedResult, celery_app, lost_after_s
     from dflash_assets.orchestration.node_ranks import (
         NodeRankError,

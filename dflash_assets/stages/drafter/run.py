@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_assets.common.progress import StageProgressBar
-from dflash_assets.dflash.export import export_drafter
-from dflash_assets.dflash.target_layers import default_target_layer_ids, num_target_layers
-from dflash_assets.dflash.train import train
-from dflash_assets.dflash.train_config import TrainConfig
+from dflash_assets.dflash.export.directory import export_drafter
+from dflash_assets.dflash.target.layers import default_target_layer_ids, num_target_layers
+from dflash_assets.dflash.training.config import TrainConfig
+from dflash_assets.dflash.training.train import train
 from dflash_assets.stages.drafter.features import tokenized_inputs
 from dflash_assets.stages.drafter.identity import STATE_FILE, choose_run, data_fingerprint, file_sha256
 from dflash_assets.stages.drafter.launcher import TrainingRunError, run_torchrun

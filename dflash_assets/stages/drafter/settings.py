@@ -1,13 +1,13 @@
-"""A drafter run's :class:`~dflash_assets.dflash.train.TrainConfig` from the asset's settings, checked
+"""A drafter run's :class:`~dflash_assets.dflash.training.train.TrainConfig` from the asset's settings, checked
 against the target's config.json before any work."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dflash_assets.dflash.draft_config import DRAFT_SHAPE_FIELDS, DFlashConfig
-from dflash_assets.dflash.target_layers import resolve_target_layer_ids, text_config
-from dflash_assets.dflash.train_config import TrainConfig, TrainSettings
+from dflash_assets.dflash.model.draft_config import DRAFT_SHAPE_FIELDS, DFlashConfig
+from dflash_assets.dflash.target.layers import resolve_target_layer_ids, text_config
+from dflash_assets.dflash.training.config import TrainConfig, TrainSettings
 from dflash_assets.stages.drafter.config import DrafterConfig
 from dflash_assets.stages.drafter.features import hidden_states_config
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def draft_overrides(config: DrafterConfig) -> dict:
-    """The drafter-shape settings given (:data:`~dflash_assets.dflash.model.DRAFT_SHAPE_FIELDS`; None = the
+    """The drafter-shape settings given (:data:`~dflash_assets.dflash.model.draft_model.DRAFT_SHAPE_FIELDS`; None = the
     target's)."""
     values = {k: getattr(config, k) for k in DRAFT_SHAPE_FIELDS if getattr(config, k) is not None}
     if "layer_types" in values:
@@ -28,7 +28,7 @@ def resolved_settings(config: DrafterConfig, target_model: TargetModelResource) 
     """``(target_layer_ids, draft overrides)`` of a run, checked against the target's config.json (no model loaded).
 
     ``target_layer_ids`` are ``ops.hidden_states.config.target_layer_ids`` resolved once
-    (:func:`~dflash_assets.dflash.target_layers.resolve_target_layer_ids`) for offline and online training
+    (:func:`~dflash_assets.dflash.target.layers.resolve_target_layer_ids`) for offline and online training
     alike, so the layers the drafter learns from never depend on whether the storage plan fits. The drafter
     config is built here so that a bad shape or mask token fails before any work.
 

@@ -7,7 +7,7 @@ forward counts every forward, prefill included: ``generated tokens / target forw
 (one token per forward) and, for a drafter that drafts at every step, ``(1 + sum L) / (1 + steps)`` with ``L``
 the accepted length of each verification step. Per dataset the headline is pooled (all tokens / all forwards,
 what throughput sees), with the mean of per-prompt values beside it, each with its standard error across prompts
-(:func:`~dflash_assets.dflash.tau.tau_from_sums`).
+(:func:`~dflash_assets.dflash.decoding.tau.tau_from_sums`).
 
 Acceptance per draft position, for every method in one unit: the share of decode forwards (forwards after the
 prefill) whose k-th drafted token was accepted; a step that drafted nothing counts as not accepted. vLLM's own
@@ -20,8 +20,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dflash_assets.dflash.evaluation import first_divergence
-from dflash_assets.dflash.tau import tau_from_sums
+from dflash_assets.dflash.decoding.evaluation import first_divergence
+from dflash_assets.dflash.decoding.tau import tau_from_sums
 
 CHECK_BASELINE = "drafter_beats_ngram"
 PLAIN = 1.0  # plain decoding: one token per target forward, by definition

@@ -5,8 +5,8 @@ from typing import Literal
 import dagster as dg
 from pydantic import ConfigDict, Field, field_validator
 
-from dflash_assets.generation.engine_env import VLLM_CUDA_PACKAGES, VLLM_VERSION
-from dflash_assets.generation.secret_args import refuse_secret_args
+from dflash_assets.generation.engines.environments import VLLM_CUDA_PACKAGES, VLLM_VERSION
+from dflash_assets.generation.servers.secret_args import refuse_secret_args
 
 
 class EvaluationConfig(dg.Config):

@@ -12,7 +12,7 @@ from dflash_assets.data.ranges import key_range
 from dflash_assets.data.row_context import CORPUS_INDEX
 from dflash_assets.data.shapes import CorpusError, build_corpus, default_sources, expand_source, source_name
 from dflash_assets.data.tokenization import SequenceBuilder
-from dflash_assets.dflash.data import HiddenStateShards
+from dflash_assets.dflash.shards.dataset import HiddenStateShards
 from dflash_assets.stages.drafter.features import heldout_set
 from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets.stages.shard_access import ShardIntegrityError

@@ -1,7 +1,7 @@
 """``drafter_evaluation``'s engine mode: tau as SGLang itself reports it, with the exported drafter loaded.
 
 :func:`plan_engine` decides the servers and flags and checks the export by SGLang's loader rules
-(:func:`dflash_assets.dflash.engine_check.check_dflash_export`) before anything starts, so an export SGLang
+(:func:`dflash_assets.dflash.export.sglang_check.check_dflash_export`) before anything starts, so an export SGLang
 would refuse costs no GPU time; :func:`run_engine` starts the servers through the inference resource's own
 launcher (``engine: sglang``: the completions servers' settings plus the DFLASH flags) or uses running ones
 (``engine: external``), decodes the evaluation prompts greedily, and returns the report section;
@@ -22,10 +22,11 @@ from typing import Any
 
 import dagster as dg
 
-from dflash_assets.dflash.engine_check import ExportCheck, check_dflash_export, is_hybrid_target
-from dflash_assets.generation.engine_env import EngineEnvironment
-from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
-from dflash_assets.generation.sglang_dflash import (
+from dflash_assets.dflash.export.sglang_check import ExportCheck, check_dflash_export, is_hybrid_target
+from dflash_assets.generation.api.urls import redact
+from dflash_assets.generation.engines.environments import EngineEnvironment
+from dflash_assets.generation.servers.registry import orphan_message, reap_orphaned_servers
+from dflash_assets.generation.servers.sglang_dflash import (
     EngineError,
     EnginePrompt,
     dflash_server_flags,
@@ -35,8 +36,7 @@ from dflash_assets.generation.sglang_dflash import (
     ngram_server_flags,
     server_info,
 )
-from dflash_assets.generation.sglang_servers import SGLangServers
-from dflash_assets.generation.urls import redact
+from dflash_assets.generation.servers.sglang_servers import SGLangServers
 from dflash_assets.stages.evaluation.vllm_run import VLLMPlan, plan_vllm
 
 FLAGS_READ_FROM = "0.5.23"

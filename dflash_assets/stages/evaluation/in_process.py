@@ -9,12 +9,12 @@ import dagster as dg
 import torch
 
 from dflash_assets.common.progress import StageProgressBar
-from dflash_assets.dflash.acceptance import acceptance_length
-from dflash_assets.dflash.evaluation import acceptance_histogram_png, evaluate_drafters, untrained_drafter_like
-from dflash_assets.dflash.export import load_exported
-from dflash_assets.dflash.model import load_target_head
-from dflash_assets.dflash.online import OnlineTargetFeatures
-from dflash_assets.dflash.teacher_forced import teacher_forced_acceptance, teacher_forced_chain
+from dflash_assets.dflash.decoding.acceptance import acceptance_length
+from dflash_assets.dflash.decoding.evaluation import acceptance_histogram_png, evaluate_drafters, untrained_drafter_like
+from dflash_assets.dflash.decoding.teacher_forced import teacher_forced_acceptance, teacher_forced_chain
+from dflash_assets.dflash.export.directory import load_exported
+from dflash_assets.dflash.model.draft_model import load_target_head
+from dflash_assets.dflash.training.online import OnlineTargetFeatures
 from dflash_assets.orchestration.metadata import png_markdown
 from dflash_assets.stages.evaluation.baseline import in_process_forward_figures
 from dflash_assets.stages.evaluation.datasets import HELDOUT

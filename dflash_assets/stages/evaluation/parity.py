@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from dflash_assets.dflash.evaluation import first_divergence
+from dflash_assets.dflash.decoding.evaluation import first_divergence
 
 TAU_TOLERANCE = 0.05
 #: Least share of a dataset's prompts the engine must have measured for parity (and the engine's lossless

@@ -2,7 +2,7 @@
 
 An agent's drafter is judged where the agent works: a tool-call turn (JSON arguments inside the template's
 ``<tool_call>`` markup) drafts very differently from prose. A prompt counts as a tool-call turn when the
-target's own greedy output for it holds :data:`~dflash_assets.generation.records.TOOL_CALL_OPEN`; speculative
+target's own greedy output for it holds :data:`~dflash_assets.generation.rows.records.TOOL_CALL_OPEN`; speculative
 decoding is lossless, so the engine's output for that prompt is the same and both figures group the same prompts.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 
-from dflash_assets.generation.records import holds_tool_call
+from dflash_assets.generation.rows.records import holds_tool_call
 
 
 def _mean(values: Sequence[float]) -> float | None:

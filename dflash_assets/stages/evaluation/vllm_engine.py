@@ -34,10 +34,10 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from dflash_assets.dflash.tau import tau_from_sums
-from dflash_assets.generation.replies import MAX_TOKEN_VALUE, ReplyError, decode_reply, printable
-from dflash_assets.generation.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt, input_sha
-from dflash_assets.generation.urls import origin, redact
+from dflash_assets.dflash.decoding.tau import tau_from_sums
+from dflash_assets.generation.api.replies import MAX_TOKEN_VALUE, ReplyError, decode_reply, printable
+from dflash_assets.generation.api.urls import origin, redact
+from dflash_assets.generation.servers.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt, input_sha
 from dflash_assets.stages.evaluation.baseline import engine_forward_figures
 
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -332,7 +332,7 @@ def vllm_decode(
 
 
 def vllm_tau_by_dataset(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per dataset: :func:`~dflash_assets.dflash.tau.tau_from_sums` over ``(accepted + drafts, drafts)`` per
+    """Per dataset: :func:`~dflash_assets.dflash.decoding.tau.tau_from_sums` over ``(accepted + drafts, drafts)`` per
     prompt (``tau``: the mean of per-prompt means, z-lab's figure; ``tau_pooled``: all tokens over all steps),
     ``acceptance_per_position`` (accepted / drafts at each draft position, pooled), ``requests``,
     ``requests_measured`` (no error and at least one verification step: only these count in any figure),

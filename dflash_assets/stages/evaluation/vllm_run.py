@@ -20,20 +20,20 @@ from typing import Any
 import dagster as dg
 
 from dflash_assets.common.progress import StageProgressBar
-from dflash_assets.dflash.engine_check import ExportCheck, text_config
-from dflash_assets.dflash.engine_check_vllm import VLLM_SOURCE, check_vllm_export, mixes_sliding_and_full
-from dflash_assets.generation.engine_env import (
+from dflash_assets.dflash.export.sglang_check import ExportCheck, text_config
+from dflash_assets.dflash.export.vllm_check import VLLM_SOURCE, check_vllm_export, mixes_sliding_and_full
+from dflash_assets.generation.api.urls import redact
+from dflash_assets.generation.engines.environments import (
     EngineEnvironment,
     EngineEnvironmentError,
     make_in_background,
     vllm_environment,
     vllm_packages_for,
 )
-from dflash_assets.generation.ports import PortTakenError, free_port_block
-from dflash_assets.generation.servers import API_KEY_ENV
-from dflash_assets.generation.sglang_dflash import EngineError, EnginePrompt
-from dflash_assets.generation.urls import redact
-from dflash_assets.generation.vllm_servers import (
+from dflash_assets.generation.processes.ports import PortTakenError, free_port_block
+from dflash_assets.generation.servers.pool import API_KEY_ENV
+from dflash_assets.generation.servers.sglang_dflash import EngineError, EnginePrompt
+from dflash_assets.generation.servers.vllm_servers import (
     CPU_MEMORY_FRACTION,
     VLLMServers,
     build_vllm_command,
@@ -246,8 +246,8 @@ def _serve_and_decode(
 def evaluation_environment(config, device: str = "cpu") -> EngineEnvironment | None:
     """The vLLM environment ``config`` (an ``EvaluationConfig``) measures tau in on ``device`` (the target's:
     ``cpu`` or ``cuda``): ``vllm_packages`` / ``vllm_remove_packages`` where given, else vLLM's build for the device
-    (:func:`~dflash_assets.generation.engine_env.vllm_packages_for`), or ``engine_python``; None when its engine is
-    not vllm.
+    (:func:`~dflash_assets.generation.engines.environments.vllm_packages_for`), or ``engine_python``; None when its
+    engine is not vllm.
 
     Raises:
         ValueError: ``device`` is neither cpu nor cuda.

@@ -24,7 +24,7 @@ def served_settings(generation: GenerationResource, inference, target_model) -> 
     ``target_model``'s chat template (the servers render with it: another template makes every row stale).
 
     Raises:
-        dflash_assets.generation.chat_render.ChatTemplateError: ``target_model.chat_template`` names no readable
+        dflash_assets.generation.engines.chat_render.ChatTemplateError: ``target_model.chat_template`` names no readable
             file.
     """
     settings = generation.settings().with_template(target_model.chat_template_text())
@@ -38,7 +38,7 @@ def configured_settings() -> GenerationSettings:
 
     Raises:
         dflash_assets.orchestration.config.ConfigError: the config file or its generation section is invalid.
-        dflash_assets.generation.chat_render.ChatTemplateError: ``target_model.chat_template`` names no readable
+        dflash_assets.generation.engines.chat_render.ChatTemplateError: ``target_model.chat_template`` names no readable
             file.
     """
     from dflash_assets.orchestration.config import resource_fields

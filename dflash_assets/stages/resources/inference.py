@@ -15,27 +15,27 @@ import dagster as dg
 from pydantic import ConfigDict, Field
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.dflash.target_layers import text_config
-from dflash_assets.generation.engine_env import (
+from dflash_assets.dflash.target.layers import text_config
+from dflash_assets.generation.engines.environments import (
     SGLANG_SERVER_MODULE,
     EngineEnvironment,
     environment_python,
     sglang_environment,
     vllm_environment,
 )
-from dflash_assets.generation.ports import free_port_block
-from dflash_assets.generation.probe import probe_external
-from dflash_assets.generation.server_registry import orphan_message, reap_orphaned_servers
-from dflash_assets.generation.servers import API_KEY_ENV, ServerPool
-from dflash_assets.generation.sglang_servers import (
+from dflash_assets.generation.processes.ports import free_port_block
+from dflash_assets.generation.servers.pool import API_KEY_ENV, ServerPool
+from dflash_assets.generation.servers.probe import probe_external
+from dflash_assets.generation.servers.registry import orphan_message, reap_orphaned_servers
+from dflash_assets.generation.servers.sglang_servers import (
     LaunchCommand,
     SGLangServers,
     build_router_command,
     build_sglang_commands,
 )
-from dflash_assets.generation.supervision import ProbeSupervisor, ProcessSupervisor
-from dflash_assets.generation.transformers_server import LocalTransformersServer
-from dflash_assets.generation.vllm_servers import VLLMServers, build_vllm_commands
+from dflash_assets.generation.servers.supervision import ProbeSupervisor, ProcessSupervisor
+from dflash_assets.generation.servers.transformers_server import LocalTransformersServer
+from dflash_assets.generation.servers.vllm_servers import VLLMServers, build_vllm_commands
 from dflash_assets.orchestration.config import SECRET_ENV
 from dflash_assets.stages.resources.inference_sections import (
     ClientSettings,
@@ -76,7 +76,7 @@ class InferenceServerResource(dg.ConfigurableResource):
     ``api_key`` comes from the environment only: ``api_key=dg.EnvVar("DFLASH_SERVER_API_KEY")`` (a value in
     the config file is refused); it is sent as a bearer token and given to SGLang in a ``--config`` file only
     this user can read, to vLLM in its environment (never on a command line, where ``ps`` shows it to every
-    local user; see :mod:`~dflash_assets.generation.sglang_servers`).
+    local user; see :mod:`~dflash_assets.generation.servers.sglang_servers`).
 
     ``max_running_requests`` is both the server's limit (SGLang ``--max-running-requests``, vLLM
     ``--max-num-seqs``) and the client's concurrency per server; None means 16 in local mode and vLLM on CPU
@@ -318,7 +318,7 @@ class InferenceServerResource(dg.ConfigurableResource):
         log_dir.mkdir(parents=True, exist_ok=True)
         mrr = self.effective_max_running_requests()
         if self.mode == "local":
-            from dflash_assets.generation.local_model import local_model_dir
+            from dflash_assets.generation.engines.local_model import local_model_dir
 
             with LocalTransformersServer(
                 local_model_dir(self.local.model),
@@ -371,7 +371,7 @@ class InferenceServerResource(dg.ConfigurableResource):
     def completion_client(self, pool: ServerPool):
         """A :class:`CompletionClient` for ``pool`` with the ``client`` section's settings: concurrency = servers x
         max_running_requests."""
-        from dflash_assets.generation.client import CompletionClient
+        from dflash_assets.generation.client.completion_client import CompletionClient
 
         c = self.client
         return CompletionClient(
@@ -402,7 +402,7 @@ class InferenceServerResource(dg.ConfigurableResource):
     def tokenizer_path(self) -> Path:
         """Target model directory for the tokenizer stage, matching what the servers run.
 
-        local: ``local.model``'s directory (:func:`~dflash_assets.generation.local_model.local_model_dir`);
+        local: ``local.model``'s directory (:func:`~dflash_assets.generation.engines.local_model.local_model_dir`);
         sglang: ``sglang.model_path``;
         vllm: ``vllm.model_path``, else ``vllm.local_model``'s directory;
         external: ``external.tokenizer_path``.
@@ -410,7 +410,7 @@ class InferenceServerResource(dg.ConfigurableResource):
         Raises:
             ValueError: the mode's path is not configured.
         """
-        from dflash_assets.generation.local_model import local_model_dir
+        from dflash_assets.generation.engines.local_model import local_model_dir
 
         if self.mode == "local":
             return local_model_dir(self.local.model)

