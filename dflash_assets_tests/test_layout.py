@@ -8,11 +8,15 @@ from __future__ import annotations
 import ast
 import re
 import textwrap
+import warnings
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash_assets"
 SIMULATORS = PACKAGE.parent / "bench" / "dflash_simulators"  # import package dflash_simulators
-MAX_MODULE_LINES = 500
+# A module past WARN_MODULE_LINES is worth a look, not a failure: split it where its concern changes, never at a line
+# count (issue 51). Past MAX_MODULE_LINES it is a wall, and fails.
+WARN_MODULE_LINES = 500
+MAX_MODULE_LINES = 800
 MAX_ASSET_BODY_LINES = 55
 ASSET_DECORATORS = {"asset", "multi_asset", "graph_asset", "graph_multi_asset"}
 
@@ -404,12 +408,21 @@ def test_all_lists_only_names_defined_there():
 
 
 def test_module_sizes():
-    over = {}
+    """Past ``WARN_MODULE_LINES`` a warning names the module (look where its concern changes); past
+    ``MAX_MODULE_LINES`` the test fails."""
+    long, over = {}, {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
         lines = len(path.read_text().splitlines())
+        if lines > WARN_MODULE_LINES:
+            long[rel] = lines
         if lines > MAX_MODULE_LINES and rel not in OVER_MODULE_LIMIT:
             over[rel] = lines
+    if long:
+        warnings.warn(
+            f"modules over {WARN_MODULE_LINES} lines (split one where its concern changes, if it holds two): {long}",
+            stacklevel=1,
+        )
     assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {over}"
 
 
