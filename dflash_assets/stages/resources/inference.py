@@ -24,15 +24,11 @@ from dflash_assets.generation.engines.environments import (
     vllm_environment,
 )
 from dflash_assets.generation.processes.ports import free_port_block
+from dflash_assets.generation.servers.group import LaunchCommand
 from dflash_assets.generation.servers.pool import API_KEY_ENV, ServerPool
 from dflash_assets.generation.servers.probe import probe_external
 from dflash_assets.generation.servers.registry import orphan_message, reap_orphaned_servers
-from dflash_assets.generation.servers.sglang_servers import (
-    LaunchCommand,
-    SGLangServers,
-    build_router_command,
-    build_sglang_commands,
-)
+from dflash_assets.generation.servers.sglang_servers import SGLangServers, build_router_command, build_sglang_commands
 from dflash_assets.generation.servers.supervision import ProbeSupervisor, ProcessSupervisor
 from dflash_assets.generation.servers.transformers_server import LocalTransformersServer
 from dflash_assets.generation.servers.vllm_servers import VLLMServers, build_vllm_commands
