@@ -390,6 +390,22 @@ def test_names_are_imported_from_the_module_that_defines_them():
     assert not through, f"imported through a module that does not define them: {through}"
 
 
+def test_no_private_names_are_imported_across_modules():
+    """A name with a leading underscore is its module's own: a module of the package that needs another's makes it
+    public there (named and documented), rather than reaching into it."""
+    modules = _modules()
+    reached = []
+    for name, path in modules.items():
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module in modules and node.module != name:
+                reached += [
+                    f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+    assert not reached, f"private names imported from another module: {reached}"
+
+
 def test_script_imports_are_read():
     script = '"""\n    import os\n    from a import b\n    x = {name!r}\n"""'
     tree = ast.parse(f"S = {script}\nT = 'not code: import this'\n")
