@@ -335,6 +335,22 @@ def test_config_types_live_outside_asset_modules():
     assert not found, f"config types in asset modules (move them beside the code that uses them): {found}"
 
 
+def test_a_stage_package_keeps_its_config_type_in_config_py():
+    """A stage cut into a package (``stages/completions/``, ``drafter/``, ``evaluation/``) declares its ``Config``
+    in its ``config.py``, named for the stage, whichever of its modules reads it (issue 51)."""
+    found = []
+    for package in sorted(p.parent for p in (PACKAGE / "stages").glob("*/config.py")):
+        for path in sorted(package.glob("*.py")):
+            if path.name == "config.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef) and any(
+                    (b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")) == "Config" for b in node.bases
+                ):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.name}")
+    assert not found, f"config types outside their stage's config.py: {found}"
+
+
 def _defined(path: Path) -> set[str]:
     """Names a module binds itself at top level (functions, classes, assignments, also inside ``if``/``try``),
     not names it imports."""

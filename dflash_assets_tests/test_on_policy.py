@@ -16,7 +16,7 @@ from dflash_assets.assets.completions import completions
 from dflash_assets.data import bfcl
 from dflash_assets.data.on_policy import TURN_STRIDE, ToolCall, Trajectory, parse_tool_calls, row_key
 from dflash_assets.orchestration.partitions import prompt_ranges
-from dflash_assets.stages.completions.on_policy import CompletionsConfig
+from dflash_assets.stages.completions.config import CompletionsConfig
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource

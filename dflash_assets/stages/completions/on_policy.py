@@ -1,6 +1,7 @@
 """``completions`` with ``mode: on_policy``: the target runs the corpus's BFCL tasks as the assistant, turn after
 turn, against each task's executable tools (:class:`~dflash_assets.data.on_policy.Trajectory`), instead of
-regenerating one reply per corpus row. No Dagster here beyond the config class.
+regenerating one reply per corpus row (``ops.completions.config.mode``:
+:class:`~dflash_assets.stages.completions.config.CompletionsConfig`). No Dagster here.
 
 A conversation is run by the partition holding its first corpus row (the smallest index of its
 ``conversation_id``), once, whichever rows ``turns`` made of it; corpus rows of other sources have no environment
@@ -21,20 +22,19 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import dagster as dg
 import polars as pl
-from pydantic import Field
 
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.bfcl import SOURCE_PREFIX, BfclError, BfclTask, load_tasks
-from dflash_assets.data.on_policy import ON_POLICY_SCHEMA, TURN_STRIDE, Trajectory
+from dflash_assets.data.on_policy import ON_POLICY_SCHEMA, Trajectory
 from dflash_assets.data.prompt_index import prompt_version
 from dflash_assets.generation.client.results import TooManyFailuresError
 from dflash_assets.generation.engines.chat_render import check_prompt_tokens
 from dflash_assets.generation.rows.range_plan import PartitionComplete, RangeRunError
 from dflash_assets.generation.rows.records import THINK_CLOSE, invalid_reason, row_problem
+from dflash_assets.stages.completions.config import CompletionsConfig
 from dflash_assets.stages.completions.continuing import check_tool_rendering, load_target_builder
 from dflash_assets.stages.completions.tables import completion_stats
 from dflash_assets.stages.prompts import CORPUS_FILE
@@ -45,9 +45,8 @@ if TYPE_CHECKING:
     from dflash_assets.stages.resources.inference import InferenceServerResource
     from dflash_assets.stages.resources.storage import StorageResource
 
-__all__ = ["MODES", "CompletionsConfig", "OnPolicyRun", "conversation_anchors", "journal_name", "table_file"]
+__all__ = ["OnPolicyRun", "conversation_anchors", "journal_name", "table_file"]
 
-MODES = ("regenerate", "on_policy")
 #: Corpus sources whose conversations have an environment: ``bfcl:<category>`` files are named ``bfcl_<category>``.
 BFCL_SOURCE = SOURCE_PREFIX.rstrip(":") + "_"
 #: ``finish_reason`` of a reply whose tool calls a server's tool-call parser took out of its text: the model's own
@@ -75,29 +74,6 @@ def with_own_text(result: CompletionResult, builder: SequenceBuilder) -> Complet
     if result.reasoning_content is not None:
         text = text.split(THINK_CLOSE, 1)[1].lstrip("\n") if THINK_CLOSE in text else ""
     return dataclasses.replace(result, content=text, finish_reason="stop")
-
-
-class CompletionsConfig(dg.Config):
-    """How ``completions`` makes its rows."""
-
-    mode: Literal["regenerate", "on_policy"] = Field(
-        default="regenerate",
-        description="'regenerate' (default): one reply per corpus row, given the row's own context. 'on_policy': "
-        "the target runs each BFCL task of the corpus as the assistant, its tool calls executed and answered, "
-        "one row per assistant turn, written to completions/<pk>.on_policy.parquet (docs/configuration.md).",
-    )
-    max_rounds_per_user_turn: int = Field(
-        default=8,
-        ge=1,
-        description="on_policy: replies to one user turn after which the task's next user turn is asked, even if "
-        "the last one called a tool (its calls are still executed and answered).",
-    )
-    max_turns_per_conversation: int = Field(
-        default=64,
-        ge=1,
-        lt=TURN_STRIDE,
-        description="on_policy: assistant turns after which a conversation ends, whatever is left of the task.",
-    )
 
 
 def table_file(pk: str) -> tuple[str, str]:
