@@ -35,6 +35,7 @@ import httpx
 import pytest
 import yaml
 
+from dflash_assets.common import config as cfg
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.client.completion_client import CompletionClient
 from dflash_assets.generation.engines.environments import EngineEnvironment, EngineEnvironmentError
@@ -53,7 +54,6 @@ from dflash_assets.generation.servers.sglang_dflash import (
     engine_generate,
 )
 from dflash_assets.generation.servers.sglang_servers import build_router_command, build_sglang_commands
-from dflash_assets.orchestration import config as cfg
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_simulators.behaviours import Raw

@@ -26,9 +26,9 @@ from dagster._core.storage.tags import (
 from dagster._utils.schedules import is_valid_cron_string
 
 from dflash_assets.app.stage_order import PARTITION_STAGES
+from dflash_assets.common.config import completions_mode
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.orchestration import check_gate, freshness
-from dflash_assets.orchestration.config import completions_mode
 from dflash_assets.orchestration.freshness import settings_reason
 from dflash_assets.orchestration.history import latest_records
 from dflash_assets.orchestration.partitions import prompt_ranges

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     if getattr(args, "config", None):
         # before the definitions are imported: they build the resources from this file
         os.environ["DFLASH_CONFIG"] = os.path.abspath(args.config)
-    from dflash_assets.orchestration.config import ConfigError
+    from dflash_assets.common.config import ConfigError
 
     try:
         from dflash_assets.app import main_job as pipeline

@@ -20,12 +20,12 @@ from dflash_assets.app.cost_report import configured_bytes_per_token, cost_and_f
 from dflash_assets.app.stage_order import FINAL_STAGES, PARTITION_STAGES
 from dflash_assets.assets.drafter import config_changed_since_last
 from dflash_assets.assets.prompts import corpus_fingerprint
+from dflash_assets.common.config import completions_mode, config_path, op_config
 from dflash_assets.definitions import defs
 from dflash_assets.generation.engines.environments import make_in_background
 from dflash_assets.generation.engines.install import stop_installs, wait_for_installs
 from dflash_assets.generation.servers.registry import orphan_message, reap_orphaned_servers
 from dflash_assets.orchestration import check_gate, freshness
-from dflash_assets.orchestration.config import completions_mode, config_path, op_config
 from dflash_assets.orchestration.history import latest_record, plain_metadata
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.runs import process_tags, reap_dead_runs

@@ -222,7 +222,8 @@ def collect_status(
       a lowered cap, no request) and ``eta_s`` =
       tokens_remaining_est / tokens_per_s (seconds; None when either is unknown).
     """
-    from dflash_assets.orchestration import config, freshness
+    from dflash_assets.common import config
+    from dflash_assets.orchestration import freshness
 
     keys = list(instance.get_dynamic_partitions(prompt_ranges.name))
     corpus_meta = latest_metadata(instance, "prompt_corpus") or {}
@@ -415,7 +416,7 @@ def format_status(status: dict) -> str:
 def current_settings_and_store():
     """The active config's generation settings and storage (``$DFLASH_CONFIG``), or ``(None, None, error)``."""
     try:
-        from dflash_assets.orchestration.config import resource_fields
+        from dflash_assets.common.config import resource_fields
         from dflash_assets.stages.resources.generation import configured_settings
         from dflash_assets.stages.resources.storage import resolved_storage
 
@@ -430,7 +431,7 @@ def config_continues_cut_rows() -> bool:
     """Whether the active config's inference servers continue rows a lower cap cut (SGLang and
     ``continue_truncated``); False when the config does not load."""
     try:
-        from dflash_assets.orchestration.config import resource_fields
+        from dflash_assets.common.config import resource_fields
         from dflash_assets.stages.resources.inference import InferenceServerResource
 
         inference = InferenceServerResource(**resource_fields("inference"))
@@ -445,10 +446,10 @@ def corpus_preview(instance: dg.DagsterInstance, store) -> str | None:
     the run will request for them (prompts at an index the last corpus did not have; stable indices keep
     every other prompt's rows). Reads the prompt files (as the build does) without writing anything."""
     from dflash_assets.assets.prompts import corpus_fingerprint
+    from dflash_assets.common.config import op_config, resource_fields
     from dflash_assets.data.prompt_index import stable_corpus
     from dflash_assets.data.shapes import build_corpus
     from dflash_assets.orchestration import freshness
-    from dflash_assets.orchestration.config import op_config, resource_fields
     from dflash_assets.stages.prompts import CORPUS_FILE, PromptCorpusConfig
     from dflash_assets.stages.resources.storage import resolved_storage
 

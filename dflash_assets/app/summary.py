@@ -17,9 +17,9 @@ import dagster as dg
 
 from dflash_assets.app.summary_engine import ENGINE_KEYS, baseline_line, engine_line, tool_turn_lines
 from dflash_assets.assets import truncation as truncation_asset
+from dflash_assets.common.config import completions_mode
 from dflash_assets.dflash.shards.format import INDEX_NAME, SHARD_PATTERN
 from dflash_assets.orchestration.check_gate import BLOCKING_CHECKS, why_unevaluated
-from dflash_assets.orchestration.config import completions_mode
 from dflash_assets.orchestration.history import latest_metadata, plain_metadata
 from dflash_assets.stages.completions.on_policy import table_file as on_policy_file
 from dflash_assets.stages.completions.tables import partition_file

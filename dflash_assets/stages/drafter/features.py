@@ -11,7 +11,7 @@ import os
 
 import dagster as dg
 
-from dflash_assets.orchestration.config import op_config
+from dflash_assets.common.config import op_config
 from dflash_assets.stages.hidden_states import HiddenStatesConfig, storage_plan
 from dflash_assets.stages.storage_plan import resolve_features
 from dflash_assets.stages.tokenized import tokenized_file
