@@ -51,10 +51,6 @@ ROOT_ENTRIES = {"__init__.py", "__main__.py", "definitions.py", "configs", *ROOM
 UP_ALLOWED = {
     # the Qwen3.6 stand-in target trains its thinking and answer shapes on the bundled prompts
     ("dflash_assets.generation.engines.hybrid_standin", "dflash_assets.data.shapes"),
-    # request bodies and chat-template renderings take a corpus row's stored messages and tools through the one
-    # contract that says how they are stored (data.conversation: api_messages, api_tools), issue 43
-    ("dflash_assets.common.settings", "dflash_assets.data.conversation"),
-    ("dflash_assets.generation.engines.chat_render", "dflash_assets.data.conversation"),
 }
 
 # Files still over a limit, each to be split (issue 28); remove an entry once its file fits. None left.

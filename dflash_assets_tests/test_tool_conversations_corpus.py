@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.data.conversation import MESSAGES_SCHEMA, api_messages
+from dflash_assets.common.conversation import MESSAGES_SCHEMA, api_messages
 from dflash_assets.data.shapes import build_corpus
 from dflash_assets.stages.completions.tables import load_range_prompts
 from dflash_assets.stages.prompts import CORPUS_FILE

@@ -118,10 +118,10 @@ class GenerationSettings(GenerationFields):
         """Body for ``POST /v1/chat/completions`` (OpenAI schema plus SGLang/vLLM extras).
 
         ``messages``: the row's stored messages, sent through
-        :func:`~dflash_assets.data.conversation.api_messages` (null fields dropped, ``tool_calls`` parsed), so a
+        :func:`~dflash_assets.common.conversation.api_messages` (null fields dropped, ``tool_calls`` parsed), so a
         plain ``{role, content}`` conversation is sent exactly as before tools were stored. ``tools``: the row's
         stored ``tools`` (JSON text or a list; None or absent: none), sent through
-        :func:`~dflash_assets.data.conversation.api_tools` with ``tool_choice`` :data:`TOOL_CHOICE` when there
+        :func:`~dflash_assets.common.conversation.api_tools` with ``tool_choice`` :data:`TOOL_CHOICE` when there
         are any (no ``tools`` key otherwise).
 
         Every sampling field is sent, neutral values included (``top_k`` -1, ``min_p`` 0,
@@ -130,7 +130,7 @@ class GenerationSettings(GenerationFields):
         generation_config > OpenAI defaults"), so an omitted 1.0 could be sampled as a shipped 1.05 while
         every row's settings say 1.0.
         """
-        from dflash_assets.data.conversation import api_messages, api_tools
+        from dflash_assets.common.conversation import api_messages, api_tools
 
         body: dict[str, Any] = {
             "model": model,

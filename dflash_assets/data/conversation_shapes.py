@@ -86,7 +86,7 @@ class TurnContext:
 def normalize_record(record: Any) -> list[dict[str, Any]]:
     """The context one record gives with ``turns: last``: its messages with the trailing assistant turns dropped
     (a plain conversation: up to and including its last user message), API-shaped
-    (:func:`~dflash_assets.data.conversation.api_messages` form). The record's ``tools`` are not in it: see
+    (:func:`~dflash_assets.common.conversation.api_messages` form). The record's ``tools`` are not in it: see
     :func:`normalize_conversation`.
 
     Raises:

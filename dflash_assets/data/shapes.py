@@ -14,7 +14,7 @@ Shapes (one record per JSONL line, JSON-array element or Parquet row):
 - Alpaca ``instruction`` (+ optional ``input``)
 - plain ``prompt`` string
 
-A corpus row is the context of ONE assistant turn (:mod:`dflash_assets.data.conversation` stores it;
+A corpus row is the context of ONE assistant turn (:mod:`dflash_assets.common.conversation` stores it;
 :mod:`dflash_assets.data.conversation_shapes` reads a record as a conversation and cuts it into turns):
 ``turns="every"`` gives a row per assistant turn of a conversation, its own messages before that turn as
 context (the source's earlier assistant turns kept), plus a row for a trailing user or tool message with no
@@ -58,7 +58,7 @@ from typing import Any
 import fsspec
 import polars as pl
 
-from dflash_assets.data.conversation import MESSAGE_FIELDS, MESSAGES_SCHEMA, stored_message
+from dflash_assets.common.conversation import MESSAGE_FIELDS, MESSAGES_SCHEMA, stored_message
 from dflash_assets.data.conversation_shapes import (
     DEFAULT_TURNS,
     SHAPES_ACCEPTED,
@@ -179,7 +179,7 @@ def expand_source(spec: str, storage_options: dict | None = None) -> list[str]:
 
 def content_hash(messages: list[dict[str, Any]], tools: str | None = None) -> str:
     """SHA-256 (hex, first 16 chars) of a row's context, its identity (duplicates, stable indices): the
-    API-shaped ``messages`` (:func:`~dflash_assets.data.conversation.api_messages` form) as sorted-key JSON, and
+    API-shaped ``messages`` (:func:`~dflash_assets.common.conversation.api_messages` form) as sorted-key JSON, and
     with ``tools`` (their stored JSON text) only when there are some, so a row without tools hashes as rows did
     before tool conversations were read."""
     payload: Any = messages if tools is None else {"messages": messages, "tools": tools}

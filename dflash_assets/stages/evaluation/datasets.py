@@ -7,7 +7,7 @@ import json
 import dagster as dg
 import polars as pl
 
-from dflash_assets.data.conversation import api_messages
+from dflash_assets.common.conversation import api_messages
 from dflash_assets.data.ranges import key_range
 from dflash_assets.data.row_context import CORPUS_INDEX
 from dflash_assets.data.shapes import CorpusError, build_corpus, default_sources, expand_source, source_name
@@ -40,7 +40,7 @@ def evaluation_datasets(
     held_turns: list[int] | None = None,
 ) -> dict[str, list]:
     """``{dataset name: [(messages, tools), ...]}`` (messages API-shaped:
-    :func:`~dflash_assets.data.conversation.api_messages`; tools the row's JSON text or None): the held-out prompts
+    :func:`~dflash_assets.common.conversation.api_messages`; tools the row's JSON text or None): the held-out prompts
     of the corpus (``held``: their indexes, a
     stable hash of the prompt index chose them) and held-out on-policy turns (``held_turns``: their row keys in
     ``turns``, :data:`TURN_COLUMNS` of every on-policy turn trained on or held out; each one's context as it was
