@@ -15,7 +15,7 @@ from dflash_assets.data.tokenization import SequenceBuilder
 from dflash_assets.dflash.shards.dataset import HiddenStateShards
 from dflash_assets.stages.drafter.features import heldout_set
 from dflash_assets.stages.prompts import CORPUS_FILE
-from dflash_assets.stages.shard_access import ShardIntegrityError
+from dflash_assets.stages.stored_inputs import ShardIntegrityError
 from dflash_assets.stages.tokenized import tokenized_file
 
 #: Columns of an on-policy turn :func:`on_policy_turns` reads: its key, context hash and context.
