@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import dagster as dg
 
@@ -244,36 +245,88 @@ def collect_status(
     records = {pk: all_records[pk] for pk in done if pk in all_records}
     meta = {pk: plain_metadata(r) for pk, r in records.items()}
     rows_of = {pk: int(meta.get(pk, {}).get("rows", partition_prompt_count(pk)) or 0) for pk in done}
+    regen = (
+        _regeneration(done, meta, rows_of, reason_of, versions, settings, store, continues)
+        if settings is not None
+        else _Regeneration()
+    )
+    not_done = comp["failed_keys"] + comp["in_progress_keys"] + comp["missing_keys"]
+    edit = {k: int(corpus_meta[f"prompts_{k}"]) for k in ("new", "changed", "removed") if f"prompts_{k}" in corpus_meta}
+    if edit:  # what the corpus's last build changed, and what it costs: prompts still without a valid row for them
+        edit["to_request"] = sum(partition_prompt_count(pk) for pk in not_done) + sum(
+            v for k, v in regen.by_reason.items() if k in ("missing", "prompt changed", "prompt unknown")
+        )
+    return {
+        "partitions": len(keys),
+        "prompts": sum(partition_prompt_count(pk) for pk in keys),
+        "corpus_edit": edit,
+        "runs_in_progress": runs_in_progress(instance, all_records),
+        "held": held_partitions(instance, keys),  # {pk: "failed check <asset>.<check>"}: nothing after it runs
+        "stages": counts,
+        "pools": pool_usage(instance),
+        "completions": _completions_figures(
+            records,
+            meta,
+            rows_of,
+            regen,
+            rows_total=sum(partition_prompt_count(pk) for pk in keys),
+            rows_not_done=sum(partition_prompt_count(pk) for pk in not_done),
+            cap=settings.max_output_tokens if settings is not None else None,
+        ),
+    }
+
+
+@dataclass
+class _Regeneration:
+    """What the current settings make again in done partitions: rows by reason and the partitions holding them,
+    the tokens that costs, rows continued (by their current cap) or cut to a lowered cap, and stored rows of
+    removed prompts (dropped, no request)."""
+
+    by_reason: Counter = field(default_factory=Counter)
+    partitions: list[str] = field(default_factory=list)
+    tokens: float = 0.0
+    to_continue: Counter = field(default_factory=Counter)
+    to_cut: int = 0
+    removed: int = 0
+
+    @property
+    def rows(self) -> int:
+        return sum(self.by_reason.values())
+
+
+def _regeneration(done, meta, rows_of, reason_of, versions, settings, store, continues: bool) -> _Regeneration:
+    """:class:`_Regeneration` of the ``done`` partitions under ``settings``: judged row by row from the stored
+    tables when ``store`` is given (a partition touched as a whole otherwise, and an on-policy one always); a
+    row to regenerate costs no less than the mean tokens per done row, a continued row its expected
+    continuation (the truncation report's fit, else its current length)."""
+    from dflash_assets.orchestration import freshness
+
     tokens_done = sum(int(m.get("completion_tokens_total", 0) or 0) for m in meta.values())
-    generation_s, tokens_generated, requests = generation_time(records, meta)
     mean_tokens = tokens_done / sum(rows_of.values()) if sum(rows_of.values()) else None
+    regen = _Regeneration()
+    for pk in done:
+        if pk not in meta or (reason := reason_of(pk)) is None:
+            continue
+        if store is None or meta[pk].get("mode") == "on_policy":  # on-policy turns: made again as a whole
+            reasons, tokens, continued, cut = Counter({reason: rows_of[pk]}), 0, Counter(), 0
+        else:
+            prompts = None
+            if freshness.prompts_reason(meta[pk], (versions or {}).get(pk) if versions else None):
+                from dflash_assets.stages.prompts import CORPUS_FILE
 
-    regen, regen_parts, regen_tokens, to_continue, to_cut = Counter(), [], 0.0, Counter(), 0
-    removed = 0
-    if settings is not None:
-        for pk in done:
-            if pk not in meta or (reason := reason_of(pk)) is None:
-                continue
-            if store is None or meta[pk].get("mode") == "on_policy":  # on-policy turns: made again as a whole
-                reasons, tokens, continued, cut = Counter({reason: rows_of[pk]}), 0, Counter(), 0
-            else:
-                prompts = None
-                if freshness.prompts_reason(meta[pk], (versions or {}).get(pk) if versions else None):
-                    from dflash_assets.stages.prompts import CORPUS_FILE
-
-                    prompts = store.read_parquet(
-                        *CORPUS_FILE, columns=["index", "content_hash", "prompt_id"], index_ranges=[key_range(pk)]
-                    )
-                reasons, tokens, continued, cut = invalid_rows(store, pk, settings, continues, prompts)
-                removed += reasons.pop("removed", 0)
-            if reasons:
-                regen.update(reasons)
-                regen_parts.append(pk)
-                n = sum(reasons.values()) - sum(continued.values()) - cut
-                regen_tokens += max(tokens, n * (mean_tokens or 0.0))
-                to_continue.update(continued)
-                to_cut += cut
-    if to_continue:
+                prompts = store.read_parquet(
+                    *CORPUS_FILE, columns=["index", "content_hash", "prompt_id"], index_ranges=[key_range(pk)]
+                )
+            reasons, tokens, continued, cut = invalid_rows(store, pk, settings, continues, prompts)
+            regen.removed += reasons.pop("removed", 0)
+        if reasons:
+            regen.by_reason.update(reasons)
+            regen.partitions.append(pk)
+            n = sum(reasons.values()) - sum(continued.values()) - cut
+            regen.tokens += max(tokens, n * (mean_tokens or 0.0))
+            regen.to_continue.update(continued)
+            regen.to_cut += cut
+    if regen.to_continue:
         from dflash_assets.assets.truncation import REPORT_DIR
 
         report = None
@@ -282,56 +335,49 @@ def collect_status(
                 report = store.read_json(REPORT_DIR, "report.json")
         except Exception:
             report = None
-        estimate = continuation_tokens(report, to_continue, settings.max_output_tokens)
+        estimate = continuation_tokens(report, regen.to_continue, settings.max_output_tokens)
         # without a fit: each continued row at its current length (what a whole regeneration would cost at least)
-        regen_tokens += estimate if estimate is not None else sum(cap * n for cap, n in to_continue.items())
-    rows_total = sum(partition_prompt_count(pk) for pk in keys)
-    not_done = comp["failed_keys"] + comp["in_progress_keys"] + comp["missing_keys"]
-    regen_rows = sum(regen.values())
-    rows_remaining = sum(partition_prompt_count(pk) for pk in not_done) + regen_rows
+        regen.tokens += estimate if estimate is not None else sum(cap * n for cap, n in regen.to_continue.items())
+    return regen
+
+
+def _completions_figures(
+    records, meta, rows_of, regen: _Regeneration, *, rows_total: int, rows_not_done: int, cap: int | None
+) -> dict:
+    """``collect_status``'s ``completions``: rows done and remaining, the measured rates, the tokens remaining
+    and the ETA (see its docstring)."""
+    tokens_done = sum(int(m.get("completion_tokens_total", 0) or 0) for m in meta.values())
+    generation_s, tokens_generated, requests = generation_time(records, meta)
+    mean_tokens = tokens_done / sum(rows_of.values()) if sum(rows_of.values()) else None
+    rows_remaining = rows_not_done + regen.rows
     tokens_per_s = tokens_generated / generation_s if generation_s > 0 else None
     requests_per_s = requests / generation_s if generation_s > 0 else None
-    new_rows = rows_remaining - regen_rows
-    tokens_remaining = new_rows * mean_tokens + regen_tokens if mean_tokens is not None else None
+    new_rows = rows_remaining - regen.rows
+    tokens_remaining = new_rows * mean_tokens + regen.tokens if mean_tokens is not None else None
     eta_s = tokens_remaining / tokens_per_s if tokens_remaining is not None and tokens_per_s else None
     if rows_remaining == 0:
         tokens_remaining, eta_s = 0.0, 0.0
-    edit = {k: int(corpus_meta[f"prompts_{k}"]) for k in ("new", "changed", "removed") if f"prompts_{k}" in corpus_meta}
-    if edit:  # what the corpus's last build changed, and what it costs: prompts still without a valid row for them
-        new_rows = sum(partition_prompt_count(pk) for pk in not_done)
-        edit["to_request"] = new_rows + sum(
-            v for k, v in regen.items() if k in ("missing", "prompt changed", "prompt unknown")
-        )
     return {
-        "partitions": len(keys),
-        "prompts": rows_total,
-        "corpus_edit": edit,
-        "runs_in_progress": runs_in_progress(instance, all_records),
-        "held": held_partitions(instance, keys),  # {pk: "failed check <asset>.<check>"}: nothing after it runs
-        "stages": counts,
-        "pools": pool_usage(instance),
-        "completions": {
-            "rows_total": rows_total,
-            "rows_done": sum(rows_of.values()) - regen_rows - removed,
-            "tokens_done": tokens_done,
-            "generation_s": round(generation_s, 3),
-            "tokens_generated": round(tokens_generated),
-            "requests": requests,
-            "tokens_per_s": tokens_per_s,
-            "requests_per_s": requests_per_s,
-            "rows_remaining": rows_remaining,
-            "regenerate": {
-                "rows": regen_rows,
-                "partitions": regen_parts,
-                "by_reason": dict(sorted(regen.items())),
-                "continued": sum(to_continue.values()),
-                "cut_locally": to_cut,
-                "removed": removed,
-            },
-            "cap": settings.max_output_tokens if settings is not None else None,
-            "tokens_remaining_est": tokens_remaining,
-            "eta_s": eta_s,
+        "rows_total": rows_total,
+        "rows_done": sum(rows_of.values()) - regen.rows - regen.removed,
+        "tokens_done": tokens_done,
+        "generation_s": round(generation_s, 3),
+        "tokens_generated": round(tokens_generated),
+        "requests": requests,
+        "tokens_per_s": tokens_per_s,
+        "requests_per_s": requests_per_s,
+        "rows_remaining": rows_remaining,
+        "regenerate": {
+            "rows": regen.rows,
+            "partitions": regen.partitions,
+            "by_reason": dict(sorted(regen.by_reason.items())),
+            "continued": sum(regen.to_continue.values()),
+            "cut_locally": regen.to_cut,
+            "removed": regen.removed,
         },
+        "cap": cap,
+        "tokens_remaining_est": tokens_remaining,
+        "eta_s": eta_s,
     }
 
 
