@@ -162,6 +162,25 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
             f'this export is a {DRAFT_ARCHITECTURE}; fix: set architectures: ["{DRAFT_ARCHITECTURE}"] '
             "(dflash.export.directory.hf_config_dict writes it)"
         )
+    sizes_ok = _check_sizes(config, refuse)
+    act = config.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        refuse(
+            f"config.json hidden_act = {act!r}: SGLang's DFlashMLP supports {list(ACTIVATIONS)} only; fix: train with "
+            "silu"
+        )
+    _check_layer_types(config, refuse)
+    heads, kv = json_int(config.get("num_attention_heads")), json_int(config.get("num_key_value_heads"))
+    if sizes_ok and heads and kv and heads % kv:
+        refuse(
+            f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; fix: a head count "
+            "that the KV heads divide"
+        )
+    return _check_dflash_config(config, refuse) and sizes_ok
+
+
+def _check_sizes(config: dict, refuse) -> bool:
+    """The draft layers' sizes are positive integers; returns whether they all are."""
     sizes_ok = True
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         if json_int(config.get(key)) is None or int(config[key]) < 1:
@@ -177,12 +196,12 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
                 "DFlashConfig again"
             )
             sizes_ok = False
-    act = config.get("hidden_act", "silu")
-    if act not in ACTIVATIONS:
-        refuse(
-            f"config.json hidden_act = {act!r}: SGLang's DFlashMLP supports {list(ACTIVATIONS)} only; fix: train with "
-            "silu"
-        )
+    return sizes_ok
+
+
+def _check_layer_types(config: dict, refuse) -> None:
+    """``layer_types``: a list of the attention types SGLang's draft supports, one per layer, with a sliding
+    window when any layer slides."""
     layers = json_int(config.get("num_hidden_layers")) or 0
     types = config.get("layer_types")
     if types is not None:
@@ -216,12 +235,12 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
                         f"config.json sliding_window = {window!r}: must be a positive integer; fix: tokens a query "
                         "sees, itself included"
                     )
-    heads, kv = json_int(config.get("num_attention_heads")), json_int(config.get("num_key_value_heads"))
-    if sizes_ok and heads and kv and heads % kv:
-        refuse(
-            f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; fix: a head count "
-            "that the KV heads divide"
-        )
+
+
+def _check_dflash_config(config: dict, refuse) -> bool:
+    """``dflash_config``: the target layers and mask token the drafter trained with, its block size, no Domino
+    projector; returns whether the target layer ids are valid."""
+    layers_ok = True
     dfc = config.get("dflash_config")
     if dfc is not None and not isinstance(dfc, dict):
         refuse(f"config.json dflash_config = {dfc!r}: must be a mapping; fix: export the drafter again")
@@ -238,7 +257,7 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
             f"config.json dflash_config.target_layer_ids = {ids!r}: SGLang wants a non-empty list of non-negative "
             "ints; fix: export the layers the drafter trained on"
         )
-        sizes_ok = False
+        layers_ok = False
     mask = dfc.get("mask_token_id", config.get("mask_token_id"))
     if mask is None:
         refuse(
@@ -266,7 +285,7 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
             "config.json dflash_config.projector_type = 'domino': this project's drafter has no Domino projector; fix: "
             "remove projector_type"
         )
-    return sizes_ok
+    return layers_ok
 
 
 def _check_tensors(config: dict, tensors: dict[str, list[int]], dtypes: dict[str, str], check: ExportCheck) -> None:
