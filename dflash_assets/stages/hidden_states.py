@@ -202,22 +202,8 @@ def extract_stage(
     started = time.monotonic()
 
     bar = StageProgressBar(f"hidden_states {pk}", None, unit="shard")
-
-    def progress(p: dict) -> None:
-        bar.update_to(p["shard_number"] + 1, p["num_shards"], tok_s=f"{p['tokens'] / max(p['seconds'], 1e-9):.0f}")
-        log.info(
-            f"{pk}: shard {p['shard_number'] + 1}/{p['num_shards']} {'kept' if p['skipped'] else 'written'}, "
-            f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)"
-        )
-
     out_dir = partition_dir(storage, pk)
-    downloaded = []
-    if storage.is_remote and store.exists("hidden_states", pk, INDEX_NAME):
-        # a fresh machine: shards stored earlier are downloaded (size + sha256 checked), not recomputed;
-        # extract_partition then keeps the ones that still match the tokenized rows
-        _, downloaded = fetch_shards(storage, pk, store.read_json("hidden_states", pk, INDEX_NAME), on_bad="drop")
-        if downloaded:
-            log.info(f"{pk}: downloaded {len(downloaded)} stored shards instead of recomputing them")
+    downloaded = _download_stored_shards(storage, store, pk, log)
     with bar, torch.inference_mode():  # inference_mode, not set_grad_enabled: training may follow here
         result = extract_partition(
             model,
@@ -227,7 +213,7 @@ def extract_stage(
             rows_per_shard=config.rows_per_shard,
             max_tokens_per_batch=target_model.max_tokens_per_batch,
             dtype=torch.bfloat16,
-            progress_cb=progress,
+            progress_cb=_shard_progress(bar, pk, log),
             model_name=target_model.model_name(),
         )
     wall = time.monotonic() - started
@@ -258,6 +244,30 @@ def extract_stage(
         "wall_s": round(wall, 2),
     }
     return Extraction(index, rows, out_dir, store.uri("hidden_states", pk), metadata, _data_version(index))
+
+
+def _download_stored_shards(storage: StorageResource, store, pk: str, log) -> list[str]:
+    """On a fresh machine with S3 storage, the shards stored earlier are downloaded (size + sha256 checked), not
+    recomputed; extract_partition then keeps the ones that still match the tokenized rows. Returns their names."""
+    downloaded = []
+    if storage.is_remote and store.exists("hidden_states", pk, INDEX_NAME):
+        _, downloaded = fetch_shards(storage, pk, store.read_json("hidden_states", pk, INDEX_NAME), on_bad="drop")
+        if downloaded:
+            log.info(f"{pk}: downloaded {len(downloaded)} stored shards instead of recomputing them")
+    return downloaded
+
+
+def _shard_progress(bar: StageProgressBar, pk: str, log) -> Callable[[dict], None]:
+    """The extraction's per-shard callback: the progress bar and a line per shard."""
+
+    def progress(p: dict) -> None:
+        bar.update_to(p["shard_number"] + 1, p["num_shards"], tok_s=f"{p['tokens'] / max(p['seconds'], 1e-9):.0f}")
+        log.info(
+            f"{pk}: shard {p['shard_number'] + 1}/{p['num_shards']} {'kept' if p['skipped'] else 'written'}, "
+            f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)"
+        )
+
+    return progress
 
 
 def _upload(store, pk: str, out_dir: str, index: dict, downloaded: list[str], kept: list[str]) -> None:
