@@ -372,7 +372,8 @@ class MainJob:
 
     def print_summary(self) -> None:
         """The summary read back from the assets' metadata, the cost and forecast, and what this run did."""
-        from dflash_assets.app.summary import collect_summary, format_summary
+        from dflash_assets.app.summary import collect_summary
+        from dflash_assets.app.summary_lines import format_summary
 
         summary = collect_summary(self.instance, self.keys, ran=self.did_work)
         print(format_summary(summary))
