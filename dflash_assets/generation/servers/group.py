@@ -147,7 +147,7 @@ class ServerGroup:
             ``os.environ``.
         startup_timeout_s: seconds to wait for every server (loading a 27B model plus CUDA-graph capture
             takes minutes).
-        health_path: the path that answers 200 once a server is ready (``/health``; SGLang's generates a token).
+        health_path: the path that answers 200 once a server is ready; None: the engine's :attr:`HEALTH_PATH`.
         parent_death_signal: kill each server (launcher process) when this process dies (Linux).
 
     Attributes (inside ``with``): ``base_urls`` (``http://host:port/v1``, in command order). ``guard_group``
@@ -162,6 +162,8 @@ class ServerGroup:
     """
 
     guard_group = False
+    #: The path that answers 200 once a server is ready, unless one is given.
+    HEALTH_PATH = "/health"
 
     def __init__(
         self,
@@ -169,7 +171,7 @@ class ServerGroup:
         log_dir: Path | str,
         api_key: str | None = None,
         startup_timeout_s: float = 1800.0,
-        health_path: str = "/health",
+        health_path: str | None = None,
         parent_death_signal: bool = True,
         health_poll_s: float = 0.2,
     ) -> None:
@@ -181,7 +183,7 @@ class ServerGroup:
         self.log_dir = Path(log_dir)
         self.api_key = api_key
         self.startup_timeout_s = startup_timeout_s
-        self.health_path = health_path
+        self.health_path = health_path or self.HEALTH_PATH
         self._procs: list[subprocess.Popen] = []
         self._key_dir: Path | None = None  # 0700 directory of the key files (removed on stop)
         self._key_files: dict[int, Path] = {}

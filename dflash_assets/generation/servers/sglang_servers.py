@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from dflash_assets.generation.servers.group import LaunchCommand, ServerGroup, gpu_groups
 from dflash_assets.generation.servers.secret_args import refuse_secret_args
@@ -193,17 +192,7 @@ class SGLangServers(ServerGroup):
     Raises (on enter): as ``ServerGroup``.
     """
 
-    def __init__(
-        self,
-        commands: Sequence[LaunchCommand],
-        log_dir: Path | str,
-        api_key: str | None = None,
-        startup_timeout_s: float = 1800.0,
-        health_path: str = "/health_generate",
-        parent_death_signal: bool = True,
-        health_poll_s: float = 0.2,
-    ) -> None:
-        super().__init__(commands, log_dir, api_key, startup_timeout_s, health_path, parent_death_signal, health_poll_s)
+    HEALTH_PATH = "/health_generate"  # a one-token generation: a hung scheduler does not pass
 
     def label(self, command: LaunchCommand, index: int) -> str:
         """Pidfile label: ``sglang router`` or ``<engine> <index>``."""
