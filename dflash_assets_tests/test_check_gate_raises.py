@@ -20,7 +20,8 @@ import polars as pl
 import pytest
 import torch
 
-from dflash_assets.app.status import collect_status, format_status
+from dflash_assets.app.status import collect_status
+from dflash_assets.app.status_lines import format_status
 from dflash_assets.app.summary import failed_checks
 from dflash_assets.app.summary_lines import failed_check_lines
 from dflash_assets.assets.drafter import dflash_drafter
