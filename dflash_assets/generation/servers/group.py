@@ -137,7 +137,7 @@ class ServerGroup:
 
     Each port is checked free before its server starts, and no request (no key) goes to it before the
     socket listening there belongs to the server's session (see the module docstring): a process that
-    takes the port first is refused with a :class:`~dflash_assets.generation.processes.sessions.PortTakenError`.
+    takes the port first is refused with a :class:`~dflash_assets.generation.processes.ports.PortTakenError`.
 
     Args:
         commands: the servers to start (an engine's ``build_*_commands``).
