@@ -25,12 +25,16 @@ The broker URL, password included, stays in the environment: nothing here writes
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import dagster as dg
 
+from dflash_assets.orchestration.service_urls import checked_url, install_log_scrubber, scrubbed_errors
+
 #: Environment variable holding the Redis URL of the Celery broker (and result backend); unset: single node.
 CELERY_BROKER_ENV = "DFLASH_CELERY_BROKER"
+BROKER_FORM = "redis://[:PASSWORD@]HOST:6379/0"
 #: The queue every node's worker consumes (dagster-celery's default queue, so the executor needs no step tags).
 CELERY_QUEUE = "dagster"
 
@@ -38,18 +42,27 @@ CELERY_QUEUE = "dagster"
 def celery_broker_url() -> str | None:
     """The broker URL from :data:`CELERY_BROKER_ENV`, or None when unset or empty (single-node mode).
 
+    The whole URL is checked before kombu or redis-py sees it (:func:`~.service_urls.checked_url`: an unencoded
+    ``/`` in the password once made kombu quote a part of it, as the port, in the run's events), its database is a
+    number, and every log record of the process is scrubbed of it from then on.
+
     Raises:
-        ValueError: the variable is set to something other than a ``redis://`` / ``rediss://`` URL (naming the
-            variable, never its value: it may hold a password).
+        ValueError: the variable is set to something other than a ``redis://`` / ``rediss://`` URL, or a malformed
+            or ambiguous one (naming the variable, what is wrong and the form; never its value: it may hold a
+            password).
     """
     url = os.environ.get(CELERY_BROKER_ENV, "").strip()
     if not url:
         return None
     if not url.startswith(("redis://", "rediss://")):
         raise ValueError(
-            f"{CELERY_BROKER_ENV} must be a Redis URL (redis://[:PASSWORD@]HOST:6379/0, the broker every node's "
-            f"worker reads); unset it to run on one node"
+            f"{CELERY_BROKER_ENV} must be a Redis URL ({BROKER_FORM}, the broker every node's worker reads); "
+            "unset it to run on one node"
         )
+    install_log_scrubber()
+    parts = checked_url(CELERY_BROKER_ENV, url, ("redis", "rediss"), BROKER_FORM)
+    if parts.path not in ("", "/") and not re.fullmatch(r"/[0-9]{1,5}", parts.path):
+        raise ValueError(f"{CELERY_BROKER_ENV}'s path must be a database number (/0): use {BROKER_FORM}")
     return url
 
 
@@ -166,7 +179,9 @@ def _celery_executor_def() -> dg.ExecutorDefinition:
                 result = _submit_task(app, context, step, queue, priority, known_state)
                 return WatchedResult(result, app, step.key, lost_after)
 
-            return core_celery_execution_loop(plan_context, execution_plan, step_execution_fn=submit)
+            # the broker's errors reach the run's events (ENGINE_EVENT, RUN_FAILURE) and the UI scrubbed of its URL
+            with scrubbed_errors():
+                yield from core_celery_execution_loop(plan_context, execution_plan, step_execution_fn=submit)
 
     @dg.executor(name="celery", config_schema=CELERY_CONFIG, requirements=dg.multiple_process_executor_requirements())
     def watched_celery_executor(init_context):
