@@ -305,6 +305,18 @@ def op_config(*assets: str) -> dict:
     return {"ops": {a: ops[a] for a in assets if a in ops}}
 
 
+def on_policy_limits() -> tuple[int, int]:
+    """``(max_turns_per_conversation, max_rounds_per_user_turn)`` of ``ops.completions.config`` (their defaults
+    when unset): what freshness compares an on-policy partition's limits with."""
+    from dflash_assets.data.on_policy import DEFAULT_MAX_ROUNDS, DEFAULT_MAX_TURNS
+
+    section = (project_config()["ops"].get("completions") or {}).get("config") or {}
+    return (
+        int(section.get("max_turns_per_conversation", DEFAULT_MAX_TURNS)),
+        int(section.get("max_rounds_per_user_turn", DEFAULT_MAX_ROUNDS)),
+    )
+
+
 def completions_mode() -> str:
     """``ops.completions.config.mode`` of the config file (``regenerate`` when unset)."""
     section = project_config()["ops"].get("completions") or {}

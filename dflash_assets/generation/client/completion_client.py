@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import logging
 import time
@@ -280,8 +281,10 @@ class CompletionClient(ServerRouting, RequestAttempts):
                 the least loaded one when that server is down or at its share, as any retry.
             on_result: sync callback, called once per item that was started (success or final failure),
                 on the event loop thread; keep it quick (an fsync'd journal append is fine).
-            follow_up: sync callback on the event loop thread, called with each request's result before
-                ``on_result``; returning a body sends it as the next request for the same row instead of
+            follow_up: callback on the event loop thread, called with each request's result before
+                ``on_result``; it may return an awaitable (an ``async def``: awaited on the loop, so work it hands
+                to a thread leaves the loop, its timeouts and the stall watch running); returning a body sends it
+                as the next request for the same row instead of
                 delivering the result (the row's next chunk), returning None delivers it. Follow-ups go
                 out once ``items`` is exhausted, in :class:`FollowUpLanes` order: mostly each to the
                 server that answered the request before it. A follow-up wanted while generation is
@@ -344,6 +347,8 @@ class CompletionClient(ServerRouting, RequestAttempts):
                         return  # another worker's callback raised: the run is being aborted
                     try:
                         following = follow_up(result) if follow_up is not None else None
+                        if inspect.isawaitable(following):  # work off the loop (a tool call): the loop goes on
+                            following = await following
                         if following is None:
                             on_result(result)
                     except BaseException:
