@@ -94,15 +94,18 @@ def lost_after_s() -> float:
 
 
 class WorkerLostError(RuntimeError):
-    """The worker running a step stopped answering (its node was lost, or it was killed)."""
+    """No worker runs a started step any more (its node was lost, its worker killed or restarted)."""
 
 
 class WatchedResult:
     """A step's Celery result (``celery.result.AsyncResult``) as dagster-celery's execution loop reads it
-    (``ready``, ``get``, ``revoke``), plus a watch on the worker running it: once the task is STARTED on worker W,
-    W is pinged every ``lost_after_s / 3`` seconds; three pings in a row without a reply make the result ready,
-    ``get`` raise :class:`WorkerLostError` and the task revoked (terminated, should W come back). Without this a
-    run whose worker died waits forever: with early acknowledgement no other worker ever receives the task.
+    (``ready``, ``get``, ``revoke``), plus a watch on the task itself: once it is STARTED, the workers are asked
+    every ``lost_after_s / 3`` seconds which tasks they run (``inspect().active()``); three answers in a row in
+    which no worker lists it make the result ready, ``get`` raise :class:`WorkerLostError` and the task revoked
+    (terminated, should its worker come back). Without this a run whose worker died waits forever: with early
+    acknowledgement no other worker ever receives the task. Liveness is the task's, never the worker name's: a
+    worker a supervisor restarted under the same name answers pings but runs nothing of the lost step (issue 50,
+    finding 6: the run held its pool slot for good).
     ``what`` names the task in that error (default ``step <step_key>``), ``advice`` says what to do next."""
 
     def __init__(
@@ -134,19 +137,27 @@ class WatchedResult:
         if worker is None:
             self._misses = 0
             return False
-        replies = self._app.control.ping(destination=[worker], timeout=min(self._every, 5.0))
-        self._misses = 0 if replies else self._misses + 1
-        if self._misses >= 3:
+        self._misses = 0 if self._running_somewhere() else self._misses + 1
+        if self._misses >= 3 and not self._result.ready():  # it may have ended since it was last asked
             self._lost = worker
             self._result.revoke(terminate=True)
             return True
         return False
 
+    def _running_somewhere(self) -> bool:
+        """Whether a worker that answers lists the task among those it runs now (no answer: not running)."""
+        try:
+            active = self._app.control.inspect(timeout=min(self._every, 5.0)).active() or {}
+        except Exception:  # the broker unreachable: nothing says the task runs
+            return False
+        task_id = self._result.id
+        return any(isinstance(t, dict) and t.get("id") == task_id for tasks in active.values() for t in tasks or ())
+
     def get(self):
         if self._lost is not None:
             raise WorkerLostError(
-                f"{self._what}: worker {self._lost} stopped answering while running it (lost node or "
-                f"killed; {3 * self._every:.0f} s without a reply, {LOST_AFTER_ENV}); {self._advice}"
+                f"{self._what}: worker {self._lost} stopped answering while running it, or no longer runs it (lost "
+                f"node, killed, or restarted under its name; {3 * self._every:.0f} s, {LOST_AFTER_ENV}); {self._advice}"
             )
         # The dflash_drafter step waits on its node ranks from inside its own Celery task, where Celery refuses a
         # blocking get (prefork workers: "Never call result.get() within a task!"). Safe here: the awaited task

@@ -119,9 +119,7 @@ def mode_reason(meta: dict, mode: str | None) -> str | None:
     return None if mode is None or made_in == mode else f"made in mode {made_in}, configured {mode}"
 
 
-def on_policy_reason(
-    meta: dict, settings: GenerationSettings | None, limits: tuple[int, int] | None
-) -> str | None:
+def on_policy_reason(meta: dict, settings: GenerationSettings | None, limits: tuple[int, int] | None) -> str | None:
     """Why an on-policy partition (its latest metadata) must run again: exactly when a change touches one of its
     conversations, as a settings change touches regenerate mode's rows. ``limits``: the configured
     ``(max_turns_per_conversation, max_rounds_per_user_turn)`` (None: not compared).
