@@ -102,8 +102,10 @@ def test_the_rank_task_runs_only_the_projects_launch_command(tmp_path):
     train = ["--shards", "/s/a", "/s/b", "--features", "offline", "--out", "/r", "--config-json", "/r/c.json"]
     good = torchrun_argv(train, nproc_per_node=1, nnodes=2, rdzv_endpoint="10.0.0.1:29500", rdzv_id="run7")
     assert launch_command(good) == good
+    assert launch_command(["/other/node/python3", *good[1:]]) == good  # this node's interpreter runs
     head = [sys.executable, "-m", "torch.distributed.run"]
     bad = [
+        ["/bin/sh", *good[1:]],  # not Python
         [*good[:3], "--no-python", *good[3:]],  # a torchrun option the launcher never writes
         [*good[:-2], "--out", "/r", "--", "/bin/sh"],  # an argument past the training flags
         [*good[: good.index("-m", 3)], "-m", "os", *train],  # another module

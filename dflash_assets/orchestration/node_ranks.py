@@ -102,16 +102,16 @@ class RankCommandRefused(ValueError):
 
 def launch_command(argv: Sequence[str]) -> list[str]:
     """The command a rank task runs for ``argv``, rebuilt on this node: only the project's own multi-node launch
-    command runs, in ``torchrun_argv``'s form with this node's Python, the training module :data:`TRAIN_MODULE`,
-    the rendezvous options it writes (:data:`TORCHRUN_OPTIONS`, c10d, two nodes or more) and the training flags
-    :data:`TRAIN_FLAGS`. The broker's messages are not trusted (issue 50, finding 8: the task ran ``/bin/sh -c ...``
-    with the worker's environment and secrets, and the documented broker URL needs no password).
+    command runs, in ``torchrun_argv``'s form with this node's Python (``sys.executable``), the training module
+    :data:`TRAIN_MODULE`, the rendezvous options it writes (:data:`TORCHRUN_OPTIONS`, c10d, two nodes or more)
+    and the training flags :data:`TRAIN_FLAGS`. The broker's messages are not trusted (issue 50, finding 8: the
+    task ran ``/bin/sh -c ...`` with the worker's environment and secrets, and the documented broker URL needs no
+    password).
 
     Raises:
         RankCommandRefused: anything else, naming the first part that is not the launch command's (cut to 80
             characters).
     """
-    import sys
 
     from dflash_assets.dflash.training.distributed import torchrun_argv
 
@@ -119,9 +119,9 @@ def launch_command(argv: Sequence[str]) -> list[str]:
         return RankCommandRefused(f"refused to run a node rank: {why}; only the project's own launch command runs")
 
     args = [str(a) for a in argv]
-    head = [sys.executable, "-m", "torch.distributed.run"]
-    if args[:3] != head:
-        raise refuse(f"it does not start with this node's {' '.join(head)}")
+    # the launching node's interpreter is not run: this node's own (sys.executable) is, whatever the path sent
+    if args[1:3] != ["-m", "torch.distributed.run"] or not os.path.basename(args[0]).startswith("python"):
+        raise refuse("it is not PYTHON -m torch.distributed.run")
     options: dict[str, str] = {}
     rest = args[3:]
     while rest and rest[0].startswith("--"):
