@@ -166,6 +166,27 @@ def test_the_completions_mode_is_read_from_the_config_file_and_checked(tmp_path,
     assert msg.startswith(f"{path}: ops.completions.config: ") and "on-policy" in msg and "on_policy" in msg
 
 
+@pytest.mark.parametrize(
+    ("op", "setting"),
+    [
+        # issue 50, finding 9: these passed the start-up check; `truncated: Keep` failed only after every
+        # completion was generated, as `bad policy TokenizePolicy(...)`, naming no key
+        ("completions", "max_turns_per_conversation: 5000"),
+        ("tokenized_sequences", "truncated: Keep"),
+        ("prompt_corpus", "partition_size: 0"),
+        ("tokenized_sequences", "over_max_length: trim"),
+        ("tokenized_sequences", "degenerate_share: 1.5"),
+        ("completions", "max_rounds_per_user_turn: 0"),
+        ("dflash_drafter", "block_size: 1"),
+    ],
+)
+def test_a_bound_or_an_enumerated_word_is_checked_at_start_up_naming_the_key(tmp_path, monkeypatch, op, setting):
+    path = write(tmp_path, f"ops:\n  {op}: {{config: {{{setting}}}}}\n", monkeypatch)
+    msg = error_of(cfg.validate_ops, project_assets())
+    key, value = setting.split(": ")
+    assert msg.startswith(f"{path}: ops.{op}.config") and key in msg and value in msg, msg
+
+
 def test_bundled_configs_are_valid(monkeypatch):
     for path in sorted(cfg.BUNDLED.glob("*.yaml")):
         monkeypatch.setenv("DFLASH_CONFIG", str(path))

@@ -57,10 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     failed.add_argument("run_id")
     args = parser.parse_args(argv)
     home = _ensure_dagster_home()
+    from dflash_assets.orchestration.cluster import celery_broker_url
     from dflash_assets.orchestration.instance_url import check_postgres_url
 
     try:
         check_postgres_url()  # before any command opens the instance
+        celery_broker_url()  # before the definitions read it: one line, never a traceback
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -156,7 +156,7 @@ def expand_source(spec: str, storage_options: dict | None = None) -> list[str]:
         try:
             return [str(source_file(spec, cache_dir()))]
         except BfclError as exc:
-            raise CorpusError(f"{spec}: {exc}") from None
+            raise CorpusError(f"{spec if len(spec) <= 120 else spec[:120] + '...'}: {exc}") from None
     fs, path = fsspec.core.url_to_fs(spec, **(storage_options or {}))
     protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
     prefix = "" if protocol in ("file", "local") else f"{protocol}://"

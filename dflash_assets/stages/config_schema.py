@@ -112,19 +112,22 @@ def validate_ops(assets_defs: Iterable[Any]) -> None:
     """Check the ``ops`` section against the project's assets and their config schemas.
 
     Raises:
-        ConfigError: an op name that is no asset, a key other than ``config`` in an op's section, or
-            config Dagster's config type for that asset rejects (unknown key, wrong type); the
-            message names the file and ``ops.<asset>.config``.
+        ConfigError: an op name that is no asset, a key other than ``config`` in an op's section,
+            config Dagster's config type for that asset rejects (unknown key, wrong type), or a value its config
+            class rejects (a bound such as ``partition_size: 0``, an enumerated word such as ``truncated: Keep``,
+            which Dagster's types do not check and the step would only refuse when it starts, issue 50); the
+            message names the file and ``ops.<asset>.config[.<key>]``.
     """
     # checks one op's config against its config field, as a run would; dagster exports only whole-job validation
     from dagster._config import validate_config
 
     path = config_path()
-    schemas = {}
+    schemas, schemas_class = {}, {}
     for assets_def in assets_defs:
         field = assets_def.op.config_field
         for key in assets_def.keys:
             schemas[key.to_user_string()] = field
+            schemas_class[key.to_user_string()] = _config_class(assets_def)
     for name, section in project_config()["ops"].items():
         if name not in schemas:
             raise unknown_key(str(path), "ops", "op", str(name), schemas)
@@ -143,3 +146,39 @@ def validate_ops(assets_defs: Iterable[Any]) -> None:
         if not result.success:
             messages = "; ".join(e.message for e in result.errors)
             raise ConfigError(f"{path}: ops.{name}.config: {messages}")
+        _check_bounds(str(path), name, schemas_class.get(name), config or {})
+
+
+def _config_class(assets_def: Any) -> type | None:
+    """The ``dagster.Config`` class of an asset's ``config`` argument (None when it takes none)."""
+    import typing
+
+    function = getattr(getattr(assets_def.op, "compute_fn", None), "decorated_fn", None)
+    try:
+        hints = typing.get_type_hints(function) if function is not None else {}
+    except Exception:  # an annotation that does not resolve: Dagster's own check at run time stays
+        return None
+    cls = hints.get("config")
+    return cls if isinstance(cls, type) and hasattr(cls, "model_fields") else None
+
+
+def _check_bounds(path: str, name: str, cls: type | None, config: Mapping[str, Any]) -> None:
+    """Build ``cls`` from ``config`` as the step will: every pydantic bound and enumerated word is checked now.
+
+    Raises:
+        ConfigError: naming ``ops.<name>.config.<key>``, the value's problem and the file.
+    """
+    from pydantic import ValidationError
+
+    if cls is None:
+        return
+    try:
+        cls(**config)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors()[:3]:
+            key = ".".join(str(part) for part in error.get("loc", ()))
+            value = error.get("input")
+            said = f" (got {value!r})" if isinstance(value, (int, float, str)) and len(repr(value)) <= 80 else ""
+            problems.append(f"ops.{name}.config.{key}: {error.get('msg')}{said}")
+        raise ConfigError(f"{path}: {'; '.join(problems)}") from None

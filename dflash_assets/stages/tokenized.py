@@ -5,6 +5,7 @@ bench/bench_tokenize.py both run it)."""
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Literal
 
 import dagster as dg
 import polars as pl
@@ -86,15 +87,21 @@ class TokenizeConfig(dg.Config):
     """Policies for rows that are not plain finished completions (counts go to metadata)."""
 
     max_length: int = Field(default=3072, ge=8, description="Longest sequence kept, tokens (DFlash trains at 3072).")
-    truncated: str = Field(
+    truncated: Literal["drop", "keep"] = Field(
         default="drop", description="drop | keep rows with finish_reason length (kept without end token)."
     )
-    over_max_length: str = Field(default="drop", description="drop | cut sequences longer than max_length.")
+    over_max_length: Literal["drop", "cut"] = Field(
+        default="drop", description="drop | cut sequences longer than max_length."
+    )
     end_token: str = Field(
         default="", description="End-of-turn token; empty = <|im_end|> if in the vocabulary, else eos."
     )
-    degenerate_small_tokens: int = Field(default=16, description="A mask-length mode at or below this many tokens...")
-    degenerate_share: float = Field(default=0.5, description="...held by more than this share of rows fails the check.")
+    degenerate_small_tokens: int = Field(
+        default=16, ge=0, description="A mask-length mode at or below this many tokens..."
+    )
+    degenerate_share: float = Field(
+        default=0.5, ge=0.0, le=1.0, description="...held by more than this share of rows fails the check."
+    )
 
 
 def tokenize_stage(

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import logging
 import time
@@ -311,8 +312,10 @@ class CompletionClient(ServerRouting, RequestAttempts):
                 the least loaded one when that server is down or at its share, as any retry.
             on_result: sync callback, called once per item that was started (success or final failure),
                 on the event loop thread; keep it quick (an fsync'd journal append is fine).
-            follow_up: sync callback on the event loop thread, called with each request's result before
-                ``on_result``; returning a body sends it as the next request for the same row instead of
+            follow_up: callback on the event loop thread, called with each request's result before
+                ``on_result``; it may return an awaitable (an ``async def``: awaited on the loop, so work it hands
+                to a thread leaves the loop, its timeouts and the stall watch running); returning a body sends it
+                as the next request for the same row instead of
                 delivering the result (the row's next chunk), returning None delivers it. Follow-ups go
                 out once ``items`` is exhausted, in :class:`FollowUpLanes` order: mostly each to the
                 server that answered the request before it. A follow-up wanted while generation is
@@ -355,7 +358,7 @@ class CompletionClient(ServerRouting, RequestAttempts):
                     freed = result.server
                     if self._callback_failed:
                         return  # another worker's callback raised: the run is being aborted
-                    self._deliver(result, index, feed, on_result, follow_up)
+                    await self._deliver(result, index, feed, on_result, follow_up)
 
         workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
         self._loop = asyncio.get_running_loop()
@@ -379,7 +382,7 @@ class CompletionClient(ServerRouting, RequestAttempts):
             raise self._too_many
         return self.progress()
 
-    def _deliver(
+    async def _deliver(
         self,
         result: CompletionResult,
         index: int,
@@ -388,9 +391,12 @@ class CompletionClient(ServerRouting, RequestAttempts):
         follow_up: Callable[[CompletionResult], dict[str, Any] | None] | None,
     ) -> None:
         """Hand a request's result on: to ``follow_up`` first (a body back is the row's next request, queued on
-        the slot just freed), else to ``on_result`` (the row is done). A callback that raises stops the run."""
+        the slot just freed; an awaitable one, a tool call run off the loop, is awaited so the loop goes on), else
+        to ``on_result`` (the row is done). A callback that raises stops the run."""
         try:
             following = follow_up(result) if follow_up is not None else None
+            if inspect.isawaitable(following):
+                following = await following
             if following is None:
                 on_result(result)
         except BaseException:
