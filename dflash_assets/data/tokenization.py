@@ -28,10 +28,11 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from dflash_assets.data.conversation import api_tools
+from dflash_assets.data.conversation import api_messages, api_tools
 from dflash_assets.data.on_policy import TURN_STRIDE
 from dflash_assets.data.row_context import CORPUS_INDEX, CorpusRows
-from dflash_assets.generation.engines.chat_render import check_prompt_tokens, template_messages
+from dflash_assets.generation.engines.chat_render import check_prompt_tokens
+from dflash_assets.generation.engines.engine_render import engine_of, render_engine_inputs, template_inputs
 from dflash_assets.generation.rows.records import THINK_CLOSE, THINK_OPEN, completion_layout
 
 BATCH_ROWS = 128  # rows per batched tokenizer call
@@ -133,8 +134,11 @@ class SequenceBuilder:
             vocabulary has it, else the tokenizer's eos token.
     """
 
-    def __init__(self, tokenizer, end_token: str | None = None):
+    def __init__(self, tokenizer, end_token: str | None = None, engine: str | None = None):
         self.tokenizer = tokenizer
+        #: whose hand-over to the template renderings reproduce (:func:`~dflash_assets.generation.engines.engine_render.
+        #: template_inputs`) when a row names none: the servers' engine (``inference.backend()``)
+        self.engine = engine_of(engine)
         vocab = tokenizer.get_vocab()
         if end_token is None:
             end_token = "<|im_end|>" if "<|im_end|>" in vocab else tokenizer.eos_token
@@ -145,34 +149,46 @@ class SequenceBuilder:
         template = tokenizer.chat_template or ""
         self.template_knows_thinking = "enable_thinking" in template
 
-    def prompt_text(self, messages: list[dict[str, Any]], enable_thinking: bool, tools: str | list | None = None):
-        """The chat template rendered with the generation prompt, as the server rendered it."""
-        return self.prompt_texts([messages], [enable_thinking], [tools])[0]
+    def prompt_text(
+        self,
+        messages: list[dict[str, Any]],
+        enable_thinking: bool,
+        tools: str | list | None = None,
+        engine: str | None = None,
+    ):
+        """The chat template rendered with the generation prompt, as the server (``engine``, default
+        :attr:`engine`) renders it."""
+        return self.prompt_texts([messages], [enable_thinking], [tools], None if engine is None else [engine])[0]
+
+    def template_kwargs(self, enable_thinking: bool) -> dict[str, Any]:
+        """The request's ``chat_template_kwargs`` as they reach the template: ``enable_thinking`` where the
+        template reads it (vLLM passes only what the template reads; SGLang passes it whatever)."""
+        return {"enable_thinking": enable_thinking} if self.template_knows_thinking else {}
 
     def prompt_texts(
         self,
         conversations: list[list[dict[str, Any]]],
         enable_thinking: list[bool],
         tools: list[str | list | None] | None = None,
+        engines: list[str | None] | None = None,
     ) -> list[str]:
-        """:meth:`prompt_text` of many conversations (stored messages, through :func:`~dflash_assets.data.
-        chat_render.template_messages`), in one batched ``apply_chat_template`` call per ``enable_thinking``
-        value and tools list (a fifth faster than one per conversation). ``tools``: each one's stored tools."""
+        """:meth:`prompt_text` of many conversations (stored messages and tools, handed to the template as each
+        one's engine hands them: :func:`~dflash_assets.generation.engines.engine_render.template_inputs`; ``engines`` None:
+        :attr:`engine` for all), in one batched ``apply_chat_template`` call per engine, ``enable_thinking`` value
+        and tools list (a fifth faster than one per conversation). ``tools``: each one's stored tools."""
         out: list[str] = [""] * len(conversations)
         offered = [api_tools(t) for t in tools] if tools is not None else [None] * len(conversations)
-        groups: dict[tuple[bool, str], list[int]] = {}
-        for k, (flag, listed) in enumerate(zip(enable_thinking, offered, strict=True)):
-            groups.setdefault((flag, "" if listed is None else json.dumps(listed, sort_keys=True)), []).append(k)
-        for (flag, _), where in sorted(groups.items()):
-            kwargs: dict[str, Any] = {"enable_thinking": flag} if self.template_knows_thinking else {}
-            if offered[where[0]] is not None:
-                kwargs["tools"] = offered[where[0]]
-            rendered = self.tokenizer.apply_chat_template(
-                [template_messages(conversations[k]) for k in where],
-                add_generation_prompt=True,
-                tokenize=False,
-                **kwargs,
-            )
+        engines = [engine_of(e) if e else self.engine for e in engines] if engines else [self.engine] * len(out)
+        groups: dict[tuple[str, bool, str], list[int]] = {}
+        for k, (engine, flag, listed) in enumerate(zip(engines, enable_thinking, offered, strict=True)):
+            key = (engine, flag, "" if listed is None else json.dumps(listed, sort_keys=True))
+            groups.setdefault(key, []).append(k)
+        for (engine, flag, _), where in sorted(groups.items()):
+            inputs = [
+                template_inputs(engine, api_messages(conversations[k]), offered[k], self.template_kwargs(flag))
+                for k in where
+            ]
+            rendered = render_engine_inputs(self.tokenizer, engine, [i[0] for i in inputs], inputs[0][1], inputs[0][2])
             for k, text in zip(where, rendered):
                 out[k] = text
         return out

@@ -192,25 +192,28 @@ def corpus_uses_tools(corpus) -> int | None:
     return None if hit is None else int(hit)
 
 
-def render_prompt(tokenizer, messages: list[dict[str, Any]], tools: str | list | None, **kwargs) -> str:
-    """``tokenizer``'s chat template applied to a stored conversation (:func:`template_messages`) and its tools
-    (:func:`~dflash_assets.data.conversation.api_tools`; no ``tools`` argument when there are none) with the
-    generation prompt, as text."""
-    from dflash_assets.data.conversation import api_tools
+def render_prompt(
+    tokenizer, messages: list[dict[str, Any]], tools: str | list | None, engine: str = "openai", **kwargs
+) -> str:
+    """``tokenizer``'s chat template applied to a stored conversation and its tools with the generation prompt, as
+    text, both handed over as ``engine`` hands them (:func:`~dflash_assets.generation.engines.engine_render.
+    template_inputs`; ``openai``: :func:`template_messages` and the tools as stored; no ``tools`` argument when
+    there are none)."""
+    from dflash_assets.data.conversation import api_messages, api_tools
+    from dflash_assets.generation.engines.engine_render import render_engine_inputs, template_inputs
 
-    parsed = api_tools(tools)
-    extra = {"tools": parsed} if parsed else {}
-    return tokenizer.apply_chat_template(
-        template_messages(messages), add_generation_prompt=True, tokenize=False, **extra, **kwargs
-    )
+    shaped, offered, extra = template_inputs(engine, api_messages(messages), api_tools(tools), kwargs)
+    return render_engine_inputs(tokenizer, engine, [shaped], offered, extra)[0]
 
 
-def check_renders_tools(tokenizer, where: str) -> None:
+def check_renders_tools(tokenizer, where: str, engine: str = "openai") -> None:
     """Render the probe conversation (a tools list, an assistant tool call, a tool result) with ``tokenizer``'s
     chat template; the function name, the call's argument and the tool result text must all appear.
 
     Args:
         where: what the template is, for the message (``the target model at /path``).
+        engine: whose hand-over the probe is rendered with (the servers' engine: a template can render SGLang's
+            tool dump and fail on another, or the reverse).
 
     Raises:
         ChatTemplateError: the template fails on the probe or leaves a part out; the message names the part and
@@ -221,7 +224,7 @@ def check_renders_tools(tokenizer, where: str) -> None:
         f"{SMOLLM2_TOOLS_TEMPLATE} for the embedded SmolLM2 model), or leave conversations with tools out of the corpus"
     )
     try:
-        text = render_prompt(tokenizer, PROBE_MESSAGES, PROBE_TOOLS)
+        text = render_prompt(tokenizer, PROBE_MESSAGES, PROBE_TOOLS, engine)
     except Exception as exc:  # jinja2 errors, a template that raises on an unknown role
         raise ChatTemplateError(
             f"the corpus holds conversations with tools, and the chat template of {where} fails on them "
