@@ -36,8 +36,10 @@ Cases (``op``):
   ``_render_and_encode_chat_template``) with a recording tokenizer in place of the model's. ``template_calls``:
   every ``tokenizer.apply_chat_template`` call, its messages, ``tools`` and keyword arguments exactly as SGLang
   hands them over (the rendered text is the recorder's, so only the inputs are judged; rendering them with the
-  real tokenizer is the caller's); ``generate``: the ``GenerateReqInput`` it builds (``input_ids``: the ids the
-  recorder's ``encode`` returned, ``case["prompt_ids"]``; ``return_prompt_token_ids``, ``sampling_params``).
+  real tokenizer is the caller's); ``encoded``: other texts SGLang encoded (a continued message's prefix, whose ids
+  it appends, one stand-in id per character); ``generate``: the ``GenerateReqInput`` it builds (``input_ids``: the
+  ids the recorder's ``encode`` returned for the prompt, ``case["prompt_ids"]``, then those of ``encoded``;
+  ``return_prompt_token_ids``, ``sampling_params``).
 - ``router_args``: ``argv`` through ``sglang_router.launch_server``'s own ``main`` (sglang-router's parser:
   ``ServerArgs.add_cli_args``, ``RouterArgs.add_cli_args(use_router_prefix=True, exclude_host_port=True)``,
   ``--router-dp-worker-base-port``), stopped before any process starts: ``server`` (the ``ServerArgs`` it made),
@@ -330,9 +332,11 @@ class _RecordingTokenizer:
     (deep copies of what SGLang passes) and encodes any text as ``prompt_ids``."""
 
     chat_template = "{{ messages }}"
+    bos_token_id = None  # no BOS to strip from an encoded continuation prefix
 
     def __init__(self, prompt_ids: list[int]):
         self.calls: list[dict[str, Any]] = []
+        self.encoded: list[str] = []  # texts encoded besides the rendered prompt (a continuation's prefix)
         self.prompt_ids = list(prompt_ids)
 
     def apply_chat_template(self, messages, **kwargs):
@@ -342,7 +346,10 @@ class _RecordingTokenizer:
         return "recorded prompt"
 
     def encode(self, text, **kwargs):
-        return list(self.prompt_ids)
+        if text == "recorded prompt":
+            return list(self.prompt_ids)
+        self.encoded.append(text)
+        return [0] * len(text)  # one stand-in id per character
 
     def decode(self, ids, **kwargs):
         return "recorded prompt"
@@ -462,6 +469,7 @@ def chat_process(case: dict) -> dict:
     params = adapted.sampling_params
     return {
         "template_calls": _safe(tokenizer.calls),
+        "encoded": tokenizer.encoded,
         "generate": {
             "input_ids": adapted.input_ids,
             "text": adapted.text,
