@@ -7,6 +7,7 @@ turns prefer one server."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import polars as pl
@@ -15,13 +16,13 @@ from transformers import AutoTokenizer
 
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.conversation import stored_message
-from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
+from dflash_assets.data.sequence_builder import SequenceBuilder
+from dflash_assets.data.tokenization import TokenizePolicy, tokenize_partition
 from dflash_assets.generation.client.completion_client import CompletionClient
 from dflash_assets.generation.engines.chat_render import (
     BUNDLED_TEMPLATES,
     SMOLLM2_TOOLS_TEMPLATE,
     ChatTemplateError,
-    PromptTokensMismatch,
     check_renders_tools,
     first_difference,
     uses_tools,
@@ -338,18 +339,32 @@ def test_prompt_ids_check_names_the_row_and_token_where_rendering_parts(smol):
     builder, policy = SequenceBuilder(tok), TokenizePolicy()
     rows = [completion_row(3, server[3]), completion_row(4, server[4])]
     out, _, counts = tokenize_partition(rows_to_frame(rows), corpus, builder, policy)
-    assert counts["prompt_ids_checked"] == 2 and counts["kept"] == 2
+    assert counts["prompt_ids_checked"] == 2 and counts["kept"] == 2 and "prompt_ids_differ" not in counts
     for r in out.iter_rows(named=True):  # loss only on the regenerated turn: the context carries none
         assert r["input_ids"][: r["prompt_len"]] == server[r["index"]]
         assert r["loss_mask"] == [0] * len(server[r["index"]]) + [1] * (len(r["input_ids"]) - r["prompt_len"])
+        assert (r["ids_source"], r["rendering_matches"]) == ("rendered", True)  # rows before ids_source: rendered
     at = len(server[3]) - 9
     parted = [*server[3][:at], server[3][at] + 1, *server[3][at + 1 :]]
-    rows = [completion_row(3, parted), completion_row(4, None)]
-    with pytest.raises(PromptTokensMismatch, match=rf"row 3 \(prompt_id t:3\).* at token {at} of "):
-        tokenize_partition(rows_to_frame(rows), corpus, builder, policy)
+    # a row of the server's ids (ids_source server) is kept as the server's; the difference is named, not raised
+    ids = tok("It is sunny.", add_special_tokens=False)["input_ids"]
+    server_row = {**completion_row(3, parted), "ids_source": "server", "output_token_ids": ids, "engine": "vllm"}
+    out, aside, counts = tokenize_partition(
+        rows_to_frame([server_row, completion_row(4, None)]), corpus, builder, policy
+    )
+    kept = out.row(by_predicate=pl.col("index") == 3, named=True)
+    assert kept["input_ids"] == parted + ids + [builder.end_token_id] and kept["prompt_len"] == len(parted)
+    assert (kept["ids_source"], kept["engine"], kept["rendering_matches"]) == ("server", "vllm", False)
+    assert counts["prompt_ids_differ"] == 1 and counts["ids_server"] == 1 and counts["ids_rendered"] == 1
+    assert re.search(
+        rf"row 3 \(prompt_id t:3\).* at token {at} of {len(server[3])} \(project\)", counts.first_prompt_difference
+    )
+    # a row from before ids_source with ids that differ is set aside: nothing says its ids are the server's
     rows = [completion_row(3, None), completion_row(4, server[4][:-1])]  # the server's ids stop short
-    with pytest.raises(PromptTokensMismatch, match=rf"row 4 .* at token {len(server[4]) - 1} .*server '?\(ends here"):
-        tokenize_partition(rows_to_frame(rows), corpus, builder, policy)
+    out, aside, counts = tokenize_partition(rows_to_frame(rows), corpus, builder, policy)
+    assert out["index"].to_list() == [3] and counts["rendering_differs"] == 1
+    assert aside.row(0, named=True)["reason"].startswith("rendering_differs")
+    assert re.search(rf"row 4 .* at token {len(server[4]) - 1} .*server '\(ends here", counts.first_prompt_difference)
     out, _, counts = tokenize_partition(rows_to_frame([completion_row(4, None)]), corpus, builder, policy)
     assert "prompt_ids_checked" not in counts and counts["kept"] == 1  # no ids from the server: nothing to check
     # an old corpus without a tools column tokenizes as before

@@ -245,7 +245,8 @@ def test_a_partition_whose_every_prompt_was_set_aside_tokenizes_to_nothing_and_p
     rightly has nothing to train on."""
     from transformers import AutoTokenizer
 
-    from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
+    from dflash_assets.data.sequence_builder import SequenceBuilder
+    from dflash_assets.data.tokenization import TokenizePolicy, tokenize_partition
     from dflash_assets.generation.rows.records import rows_to_frame, too_long_row
     from dflash_assets.stages.tokenized import TokenizeConfig, run_checks
 

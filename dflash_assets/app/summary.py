@@ -15,6 +15,7 @@ from pathlib import Path
 
 import dagster as dg
 
+from dflash_assets.app import summary_engine
 from dflash_assets.app.summary_engine import ENGINE_KEYS, baseline_line, engine_line, tool_turn_lines
 from dflash_assets.assets import truncation as truncation_asset
 from dflash_assets.dflash.shards.format import INDEX_NAME, SHARD_PATTERN
@@ -122,6 +123,7 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
         "cap": report.get("cap"),
         "cap_advice": report.get("cap_advice"),
         "tokenized_rows": tok_rows,
+        **summary_engine.token_origin(keys, lambda key, pk: _meta(instance, key, pk)),
         "loss_tokens": loss_tokens,
         "hidden_state_bytes": hs_bytes,
         "hidden_state_tokens": hs_tokens,
@@ -380,11 +382,8 @@ def drafter_line(s: dict) -> str:
     if text is None:
         text = f"trained on {'-' if s.get('drafter_train_tokens') is None else s['drafter_train_tokens']} tokens"
     if s.get("drafter_ran") is False:
-        text = (
-            f"reused because nothing changed ({s.get('drafter_steps')} steps on "
-            f"{s.get('drafter_train_tokens')} tokens, "
-            "no training step this run)"
-        )
+        steps, tokens = s.get("drafter_steps"), s.get("drafter_train_tokens")
+        text = f"reused because nothing changed ({steps} steps on {tokens} tokens, no training step this run)"
     return f"{params} parameters; {text}"
 
 
@@ -473,7 +472,8 @@ def format_summary(s: dict) -> str:
         table = advice_table(s["cap_advice"])
         lines += [("cap advice         " if i == 0 else " " * 19) + row for i, row in enumerate(table)]
     lines += [
-        f"tokenized          {s['tokenized_rows']} rows, {s['loss_tokens']} loss tokens",
+        f"tokenized          {s['tokenized_rows']} rows, {s['loss_tokens']} loss tokens"
+        + summary_engine.ids_source_text(s),
         f"hidden states      {s['hidden_state_bytes']} bytes ({_size(s['hidden_state_bytes'])}) "
         f"for {s['hidden_state_tokens']} tokens",
         f"drafter            {drafter_line(s)}",

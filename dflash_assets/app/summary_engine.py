@@ -1,8 +1,11 @@
 """The summary's serving-engine lines: vLLM's or SGLang's tau beside the in-process figure, or the simulator's
-figure marked as plumbing; tau on tool-call turns apart; and who wins against the free baseline, n-gram lookup, in
-tokens per target forward."""
+figure marked as plumbing; tau on tool-call turns apart; who wins against the free baseline, n-gram lookup, in
+tokens per target forward; and where the training rows' ids come from (the server's, or the project's rendering)
+and whether the servers honoured the seed."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 ENGINE_KEYS = (
     "engine_kind",
@@ -96,3 +99,50 @@ def tool_turn_lines(s: dict) -> list[str]:
         for name, groups in (s.get("tool_call_turns") or {}).items()
         if name != "heldout" or groups["tool_call"]["prompts"]
     ]
+
+
+def token_origin(keys: list[str], meta) -> dict:
+    """From each partition's latest completions and tokenized_sequences metadata (``meta(asset, pk)``, a dict):
+    tokenized rows by ids source
+    (``tokenized_by_ids_source``; a partition tokenized before they were counted: ``unknown``), how many renderings
+    differ from the server's prompt ids (``prompt_ids_differ``), and what the servers said of the seed
+    (``seed_honoured``: the distinct values of the completions' ``seed_honoured``, absent when no seed was set)."""
+    sources: Counter = Counter()
+    differ, seeds = 0, set()
+    for pk in keys:
+        completions, tokenized = meta("completions", pk), meta("tokenized_sequences", pk)
+        counts = tokenized.get("counts") or {}
+        sources.update({k[len("ids_") :]: v for k, v in counts.items() if k.startswith("ids_")})
+        if tokenized and not any(k.startswith("ids_") for k in counts):
+            sources["unknown"] += tokenized.get("rows", 0)
+        differ += counts.get("prompt_ids_differ", 0)
+        seed = (completions.get("settings") or {}).get("seed")
+        if seed is not None:  # what the servers said of it (a partition made before they were asked: unknown)
+            seeds.add(completions.get("seed_honoured") or "unknown")
+    return {
+        "tokenized_by_ids_source": dict(sorted(sources.items())),
+        "prompt_ids_differ": differ,
+        "seed_honoured": sorted(seeds),
+    }
+
+
+#: what the summary says of a configured seed, by what the servers said of it (servers/origin.py)
+SEED_WORDS = {
+    "yes": "the servers sample with it",
+    "no": "the servers drop it",
+    "unknown": "unknowable: the servers do not say whether they sample with it (SGLang says so in /server_info, "
+    "vLLM always does; an external openai or transformers server does not)",
+}
+
+
+def ids_source_text(s: dict) -> str:
+    """``; ids: server N, rendered M`` (and how many renderings differ from the server's prompt ids), then what the
+    servers said of a configured seed (:data:`SEED_WORDS`), or nothing when no partition counted either."""
+    sources, text = s.get("tokenized_by_ids_source") or {}, ""
+    if sources:
+        text = "; ids: " + ", ".join(f"{k} {v}" for k, v in sources.items())
+    if s.get("prompt_ids_differ"):
+        text += f" ({s['prompt_ids_differ']} renderings differ from the server's prompt ids: see tokenized_sequences)"
+    if seeds := s.get("seed_honoured"):
+        text += "; seed: " + "; ".join(SEED_WORDS.get(v, v) for v in seeds)
+    return text

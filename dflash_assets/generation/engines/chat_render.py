@@ -70,11 +70,6 @@ class ChatTemplateError(ValueError):
     """The chat template cannot be used (the message names ``target_model.chat_template`` and the fix)."""
 
 
-class PromptTokensMismatch(ValueError):
-    """The project's rendering of a row's context is not the server's prompt tokens (the message names the row
-    and the first token where they part)."""
-
-
 def resolve_template_path(value: str | Path, config_dir: Path | None = None) -> Path:
     """Where ``target_model.chat_template``'s value points: an absolute path as is; a relative one against
     ``config_dir`` (the config file's directory) when a file is there, else a template shipped in
@@ -253,44 +248,3 @@ def first_difference(mine: list[int], server: list[int]) -> int | None:
         if a != b:
             return k
     return None if len(mine) == len(server) else min(len(mine), len(server))
-
-
-def check_prompt_tokens(rows: list[dict[str, Any]], prompt_ids: list[list[int]], decode=None) -> int:
-    """Compare the project's rendering of each row's context with the server's ``prompt_token_ids``.
-
-    Args:
-        rows: completions rows (``index``, ``prompt_id``, ``prompt_token_ids``: the server's ids or null).
-        prompt_ids: the project's prompt ids of each row, same order.
-        decode: optional ``ids -> text`` to quote the tokens where they part.
-
-    Returns:
-        how many rows were compared (rows without server ids are not).
-
-    Raises:
-        PromptTokensMismatch: the first row whose ids differ; the message names its index, prompt_id, the first
-            token position and both tokens there.
-    """
-    compared = 0
-    for row, mine in zip(rows, prompt_ids, strict=True):
-        server = row.get("prompt_token_ids")
-        if server is None:
-            continue
-        server = [int(t) for t in server]
-        compared += 1
-        at = first_difference(mine, server)
-        if at is None:
-            continue
-
-        def show(ids: list[int], at: int = at) -> str:
-            part = ids[at : at + 8]
-            if not part:
-                return "(ends here)"
-            return repr(decode(part)) if decode is not None else str(part)
-
-        raise PromptTokensMismatch(
-            f"row {row['index']} (prompt_id {row.get('prompt_id')}): the project's rendering of the context parts "
-            f"from the server's prompt_token_ids at token {at} of {len(mine)} (mine) / {len(server)} (server): "
-            f"mine {show(mine)}, server {show(server)}. The server and tokenization render with different chat "
-            f"templates or settings: set {CONFIG_KEY} so both use one file, and regenerate the completions"
-        )
-    return compared

@@ -43,7 +43,7 @@ def load_target_builder(inference: InferenceServerResource, chat_template=None):
     for a directory path that is not one, ChatTemplateError for an unreadable template)."""
     from transformers import AutoTokenizer
 
-    from dflash_assets.data.tokenization import SequenceBuilder
+    from dflash_assets.data.sequence_builder import SequenceBuilder
     from dflash_assets.generation.engines.chat_render import read_chat_template
 
     path = str(inference.tokenizer_path())
