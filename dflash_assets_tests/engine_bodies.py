@@ -64,7 +64,8 @@ def bfcl_row(turns: int = 6) -> tuple[list[dict[str, Any]], str]:
 
 
 def project_bodies(backend: str, model: str = "m", settings: GenerationSettings | None = None) -> list[Body]:
-    """The bodies the project sends a ``backend`` server, each made by the code that sends it."""
+    """The bodies the project sends a ``backend`` server, each made by the code that sends it (a tail chunk and
+    continuations only to SGLang: ``continue_final_message`` is SGLang's, ``ContinuationPlanner.gate``)."""
     settings = settings or GenerationSettings(max_output_tokens=16, seed=11)
     pool = ServerPool(["http://x/v1"], model, None, 4, backend)
     bfcl_messages, bfcl_tools = bfcl_row()
@@ -106,7 +107,16 @@ def project_bodies(backend: str, model: str = "m", settings: GenerationSettings 
             tools,
         )
     )
-    # the end of a run in chunks: a first chunk and its follow-up (a continuation of the text so far)
+    if backend == "sglang":
+        out += sglang_continuations(pool, settings, model, bfcl_messages, bfcl_tools, plain)
+    out.append(Body("start-up probe", start_up_probe_body(pool), [{"role": "user", "content": "Hi"}], None))
+    return out
+
+
+def sglang_continuations(pool, settings, model, bfcl_messages, bfcl_tools, plain) -> list[Body]:
+    """The bodies that continue a text: the end of a run in chunks (a first chunk and its follow-up) and a row cut
+    by a lower cap, continued."""
+    out = []
     chunker = TailChunker(settings, model, pool.adapt_body, opened=False, chunk_tokens=4, window_rows=1, total_rows=1)
     prompt = {"index": 8, "messages": bfcl_messages, "tools": bfcl_tools}
     first = chunker.first_body(1, prompt, pool.adapt_body(settings.request_body(model, bfcl_messages, 8, bfcl_tools)))
@@ -123,7 +133,6 @@ def project_bodies(backend: str, model: str = "m", settings: GenerationSettings 
         continuation_body(settings, model, plain, {"completion_tokens": 4}, "<think>\nSo far", 9, None)
     )
     out.append(Body("continuation of a cut row", continued, plain, None, continued=True))
-    out.append(Body("start-up probe", start_up_probe_body(pool), [{"role": "user", "content": "Hi"}], None))
     return out
 
 

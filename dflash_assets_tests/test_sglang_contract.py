@@ -32,18 +32,21 @@ import time
 from pathlib import Path
 
 import httpx
+import polars as pl
 import pytest
 import yaml
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.data.tokenization import SequenceBuilder
+from dflash_assets.data.conversation import stored_message
+from dflash_assets.data.sequence_builder import SequenceBuilder
+from dflash_assets.data.tokenization import TokenizePolicy, tokenize_partition
 from dflash_assets.generation.client.completion_client import CompletionClient
 from dflash_assets.generation.engines.engine_render import engine_tools, sglang_messages
 from dflash_assets.generation.engines.environments import EngineEnvironment, EngineEnvironmentError
 from dflash_assets.generation.engines.hybrid_standin import CHAT_TEMPLATE
 from dflash_assets.generation.processes.ports import free_port_block
 from dflash_assets.generation.rows.continuation import continuation_body
-from dflash_assets.generation.rows.records import row_from_result
+from dflash_assets.generation.rows.records import row_from_result, rows_to_frame
 from dflash_assets.generation.rows.tail_chunks import TailChunker
 from dflash_assets.generation.servers.pool import API_KEY_ENV, ServerPool
 from dflash_assets.generation.servers.sglang_dflash import (
@@ -182,6 +185,7 @@ def test_every_command_line_parses_in_sglangs_own_parser_with_the_values_intende
         {"op": "server_args", "argv": server_argv(tuple(keyed.launch_argv(key_file)))},
         {"op": "router_args", "argv": server_argv(router.argv)},
         {"op": "server_args", "argv": server_argv(deterministic.argv)},
+        {"op": "server_args", "argv": [*server_argv(deterministic.argv), "--attention-backend", "fa4"]},
         {"op": "server_args", "argv": ["--model-path", "/m", "--speculative-dflash-draft-window-size", "8"]},
         {"op": "router_args", "argv": ["--model-path", "/m", "--router-dp-worker-base-prot", "31000"]},
     ]
@@ -231,6 +235,12 @@ def test_every_command_line_parses_in_sglangs_own_parser_with_the_values_intende
         "attention_backend": "flashinfer",
         "sampling_backend": "pytorch",
         "disable_radix_cache": True,
+    }
+    # with --attention-backend fa4 beside it (what the GPU config's comment advises) the radix cache stays
+    assert verdicts[len(servers) + 4]["deterministic"] == {
+        "attention_backend": "fa4",
+        "sampling_backend": "pytorch",
+        "disable_radix_cache": False,
     }
     # the judge can refuse: a flag SGLang dropped in 0.5.20 is an argparse error naming it; so is a router flag
     # misspelt
@@ -426,15 +436,21 @@ def sglang_process(python: Path, bodies: list, prompt_ids: list[int] | None = No
     return judge(python, cases)
 
 
-def test_sglang_hands_the_template_what_the_project_renders_for_every_body(sglang_python, tojson_tokenizer):
+@pytest.fixture(scope="module")
+def processed(sglang_python) -> tuple[list, list[dict]]:
+    """Every body the project sends SGLang and SGLang's ``chat_process`` verdict on each (one judge run)."""
+    bodies = project_bodies("sglang")
+    return bodies, sglang_process(sglang_python, bodies, prompt_ids=[7, 8, 9])
+
+
+def test_sglang_hands_the_template_what_the_project_renders_for_every_body(processed, tojson_tokenizer):
     """Issue 49 items 2 and 3: every body the project sends (a plain prompt, a BFCL tool conversation with 31
     tools, the tool probe, tools without a description, an on-policy turn, a tail chunk and its follow-up, a
     continuation, the start-up probe) goes through SGLang's own ``_convert_to_internal_request``; the messages,
     tools and template arguments SGLang hands ``apply_chat_template`` are the project's, key order included, and
     rendered with a tojson template they give the same text; SGLang asks its tokenizer manager for the prompt's ids
     and honours the seed's value as ``sampling_seed``."""
-    bodies = project_bodies("sglang")
-    verdicts = sglang_process(sglang_python, bodies, prompt_ids=[7, 8, 9])
+    bodies, verdicts = processed
     builder = SequenceBuilder(tojson_tokenizer, engine="sglang")
     for b, verdict in zip(bodies, verdicts, strict=True):
         assert "error" not in verdict, (b.name, verdict)
@@ -469,6 +485,77 @@ def test_sglang_hands_the_template_what_the_project_renders_for_every_body(sglan
     text = builder.prompt_text(bare.messages, True, bare.tools)
     assert '{"name": "lookup", "parameters": {"type": "object", "properties": {}}, "description": null}' in text
     assert '"strict": true, "description": null}, "defer_loading": null}' in text
+
+
+def test_a_reply_with_prompt_ids_is_the_tokenized_row_exactly(sglang_python, processed, tojson_tokenizer):
+    """Done when, on SGLang's own code: a BFCL tool conversation's context as SGLang hands it to a tojson template,
+    rendered and encoded by the real tokenizer, is the engine output's ``prompt_token_ids``; SGLang's
+    ``_build_chat_response`` puts them beside the generated ids; the project's client reads both, the row says
+    they are the server's, and the tokenized row is exactly prompt ids + output ids + the end token."""
+    b, verdict = next((b, v) for b, v in zip(*processed, strict=True) if b.name.startswith("tool conversation"))
+    (call,) = verdict["template_calls"]
+    text = tojson_tokenizer.apply_chat_template(
+        call["messages"], tools=call["tools"], **{k: v for k, v in call.items() if k not in ("messages", "tools")}
+    )
+    prompt_ids = tojson_tokenizer.encode(text)  # as SGLang encodes it (no special token added for this tokenizer)
+    answer = '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>'
+    output_ids = tojson_tokenizer.encode(answer, add_special_tokens=False)
+    (reply,) = judge(
+        sglang_python,
+        [
+            {
+                "op": "chat_reply",
+                "server_argv": NO_PARSER,
+                "chat_template": TOJSON_TEMPLATE.read_text(),
+                "request": b.body,
+                "text": answer,
+                "output_ids": output_ids,
+                "finish_reason": {"type": "stop", "matched": 2},
+                "prompt_tokens": len(prompt_ids),
+                "prompt_token_ids": prompt_ids,
+            }
+        ],
+    )
+    choice = json.loads(reply["body"])["choices"][0]
+    assert (choice["prompt_token_ids"], choice["response_token_ids"]) == (prompt_ids, output_ids)
+    origin = {"engine": "sglang", "engine_version": "sglang 0.5.23", "template_sha256": "t" * 64}
+    with FakeServer(Raw(200, reply["body"].encode())) as server:
+        results = []
+        client = CompletionClient([server.url], concurrency=1, max_attempts=1, vocab_size=49152, origin=origin)
+        asyncio.run(client.generate([(4, b.body)], results.append))
+    prompt = {"index": 4, "prompt_id": "bfcl:4", "source": "bfcl", "content_hash": "h4"}
+    row = row_from_result(results[0], prompt, GenerationSettings(max_output_tokens=16))
+    assert (row["ids_source"], row["engine"], row["engine_version"]) == ("server", "sglang", "sglang 0.5.23")
+    corpus = pl.DataFrame(
+        {
+            "index": [4],
+            "prompt_id": ["bfcl:4"],
+            "messages": [[stored_message(m) for m in b.api_messages]],
+            "tools": [b.tools],
+            "content_hash": ["h4"],
+        }
+    )
+    builder = SequenceBuilder(tojson_tokenizer, engine="sglang")
+    tokenized, aside, counts = tokenize_partition(rows_to_frame([row]), corpus, builder, TokenizePolicy(8192))
+    (tok,) = tokenized.iter_rows(named=True)
+    assert tok["input_ids"] == prompt_ids + output_ids + [builder.end_token_id] and tok["prompt_len"] == len(prompt_ids)
+    assert (tok["ids_source"], tok["rendering_matches"], tok["template_sha256"]) == ("server", True, "t" * 64)
+    assert counts["ids_server"] == 1 and counts["prompt_ids_checked"] == 1 and aside.height == 0
+
+
+def test_the_length_pre_filter_is_sglangs_own_rule(sglang_python):
+    """Issue 49 item 5: SGLang's ``_validate_one_request`` takes a prompt of exactly context - cap tokens (the
+    pre-filter's room) and refuses one token more, and a prompt as long as the context whatever the cap."""
+    settings = GenerationSettings(max_output_tokens=64).with_context(200)
+    room = settings.prompt_room("sglang")
+    cases = [
+        {"op": "length_check", "context_length": 200, "prompt_tokens": n, "max_new_tokens": cap}
+        for n, cap in ((room, 64), (room + 1, 64), (200, 1), (199, 1))
+    ]
+    verdicts = judge(sglang_python, cases)
+    assert room == 136 and verdicts[0]["ok"] is True and verdicts[3]["ok"] is True
+    assert "137 tokens from the input messages and 64 tokens" in verdicts[1]["error"]
+    assert "The input (200 tokens) is longer than the model's context length" in verdicts[2]["error"]
 
 
 # ------------------------------------------------------------------------------------------ the simulator

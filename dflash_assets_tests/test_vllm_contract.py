@@ -10,19 +10,25 @@ dropped in silence.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.data.sequence_builder import SequenceBuilder
+from dflash_assets.generation.engines.engine_render import engine_tools, vllm_messages
 from dflash_assets.generation.engines.environments import vllm_environment, vllm_packages_for
+from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.generation.servers.pool import ServerPool
 from dflash_assets.generation.servers.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt
 from dflash_assets.generation.servers.vllm_servers import build_vllm_command, dflash_speculative_config
 from dflash_assets.stages.evaluation import vllm_engine
 from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets_tests.engine_bodies import TOJSON_TEMPLATE, project_bodies
 
 JUDGE = Path(__file__).resolve().parents[1] / "bench" / "dflash_simulators" / "vllm_judge.py"
 PROMPT = [{"role": "user", "content": "What is 2+2?"}]
@@ -125,3 +131,36 @@ def test_vllm_parses_every_command_line_and_takes_every_body(vllm_python, monkey
     assert completion_verdict["fields"]["return_token_ids"] is True
     # the judge can refuse
     assert "--max-num-seq-s" in verdicts[-1]["error"]
+
+
+def test_vllm_hands_the_template_what_the_project_renders_for_every_body(vllm_python):
+    """Issue 49 items 2 and 3: every body the project sends vLLM (a plain prompt, a BFCL tool conversation with 31
+    tools, the tool probe, tools without a description, an on-policy turn, the start-up probe) goes through the
+    renderer vLLM's own server builds for the project's command line (a tojson template): what vLLM hands
+    ``apply_chat_template`` is the project's, key order included, and the prompt ids vLLM tokenizes are exactly
+    the project's rendering of the same stored conversation."""
+    model = str(ensure_local_model())
+    command = InferenceServerResource(mode="vllm", vllm={"max_model_len": 8192}).vllm_commands(
+        "python", port_base=8000, chat_template=TOJSON_TEMPLATE
+    )[0]
+    bodies = project_bodies("vllm", model=model)
+    (verdict,) = judge(
+        vllm_python, [{"op": "chat_render", "serve_argv": flags(command.argv), "bodies": [b.body for b in bodies]}]
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = TOJSON_TEMPLATE.read_text()
+    builder = SequenceBuilder(tokenizer, engine="vllm")
+    for b, render in zip(bodies, verdict["renders"], strict=True):
+        assert "error" not in render, (b.name, render)
+        (call,) = render["template_calls"]
+        assert json.dumps(call["conversation"]) == json.dumps(vllm_messages(b.api_messages)), b.name  # key order too
+        assert json.dumps(call["tools"]) == json.dumps(engine_tools("vllm", b.api_tools)), b.name
+        assert call["add_generation_prompt"] is True and call["tokenize"] is False, b.name
+        assert call["chat_template"] == hashlib.sha256(TOJSON_TEMPLATE.read_text().encode()).hexdigest(), b.name
+        text = builder.prompt_text(b.messages, b.template_kwargs.get("enable_thinking", True), b.tools)
+        assert render["prompt_token_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"], b.name
+    # vLLM's dump adds a missing description as null and nothing else: the BFCL tools (all described) render as
+    # stored, where SGLang's adds 23 characters per tool (test_sglang_contract)
+    bfcl = next(b for b in bodies if b.name.startswith("tool conversation"))
+    raw = SequenceBuilder(tokenizer).prompt_text(bfcl.messages, True, bfcl.tools)
+    assert builder.prompt_text(bfcl.messages, True, bfcl.tools) == raw

@@ -40,6 +40,8 @@ Cases (``op``):
   it appends, one stand-in id per character); ``generate``: the ``GenerateReqInput`` it builds (``input_ids``: the
   ids the recorder's ``encode`` returned for the prompt, ``case["prompt_ids"]``, then those of ``encoded``;
   ``return_prompt_token_ids``, ``sampling_params``).
+- ``length_check``: SGLang's own context-length rule (``TokenizerManager._validate_one_request``) on a prompt of
+  ``prompt_tokens`` ids with ``max_new_tokens`` under ``context_length``: ``ok`` or SGLang's ``error``.
 - ``router_args``: ``argv`` through ``sglang_router.launch_server``'s own ``main`` (sglang-router's parser:
   ``ServerArgs.add_cli_args``, ``RouterArgs.add_cli_args(use_router_prefix=True, exclude_host_port=True)``,
   ``--router-dp-worker-base-port``), stopped before any process starts: ``server`` (the ``ServerArgs`` it made),
@@ -479,8 +481,43 @@ def chat_process(case: dict) -> dict:
     }
 
 
+def length_check(case: dict) -> dict:
+    """SGLang's own length rule (``TokenizerManager._validate_one_request``) on a prompt of ``prompt_tokens`` ids
+    and ``max_new_tokens``, under ``--context-length`` ``context_length`` (no EAGLE: no reserved tokens; no
+    ``--allow-auto-truncate``): ``{"ok": true}`` or ``error``, the ValueError SGLang answers with HTTP 400."""
+    from sglang.srt.managers import tokenizer_manager
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    tokenizer_manager.get_exec = lambda: types.SimpleNamespace(
+        features=types.SimpleNamespace(enable_encoder_swa_bounded_replay=False)
+    )
+    manager = types.SimpleNamespace(
+        context_len=int(case["context_length"]),
+        num_reserved_tokens=0,
+        allow_auto_truncate=False,
+        validate_total_tokens=True,
+        is_generation=True,
+        _validate_joint_schema_request=lambda obj, input_ids: None,
+        _validate_token_ids_logprob=_past_the_length_rule,  # what the function checks next: other fields
+    )
+    ids = [1] * int(case["prompt_tokens"])
+    request = GenerateReqInput(input_ids=ids, sampling_params={"max_new_tokens": int(case["max_new_tokens"])})
+    try:
+        tokenizer_manager.TokenizerManager._validate_one_request(manager, request, ids)
+    except ValueError as exc:
+        return {"error": str(exc)[:500]}
+    except _Stop:
+        return {"ok": True}
+    return {"crash": "the length rule was not reached"}
+
+
+def _past_the_length_rule(obj: Any) -> None:
+    raise _Stop
+
+
 class _Stop(Exception):
-    """Raised where ``sglang_router.launch_server.main`` would start processes (:func:`router_args`)."""
+    """Raised where the code judged has done what is judged: ``sglang_router.launch_server.main`` is about to start
+    processes (:func:`router_args`), ``_validate_one_request`` is past its length rule (:func:`length_check`)."""
 
 
 def router_args(case: dict) -> dict:
@@ -535,6 +572,7 @@ OPS = {
     "server_args": server_args,
     "chat_process": chat_process,
     "router_args": router_args,
+    "length_check": length_check,
     "chat_request": chat_request,
     "generate_request": generate_request,
     "chat_reply": chat_reply,
