@@ -15,7 +15,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.data.conversation import stored_message
+from dflash_assets.data.conversation import api_messages, stored_message
+from dflash_assets.data.prompt_check import explain
 from dflash_assets.data.sequence_builder import SequenceBuilder
 from dflash_assets.data.tokenization import TokenizePolicy, tokenize_partition
 from dflash_assets.generation.client.completion_client import CompletionClient
@@ -25,8 +26,10 @@ from dflash_assets.generation.engines.chat_render import (
     ChatTemplateError,
     check_renders_tools,
     first_difference,
+    template_messages,
     uses_tools,
 )
+from dflash_assets.generation.engines.engine_render import sglang_messages, vllm_messages
 from dflash_assets.generation.engines.hybrid_standin import CHAT_TEMPLATE as STANDIN_TEMPLATE
 from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.generation.rows.range_plan import RangeRunError
@@ -36,6 +39,7 @@ from dflash_assets.generation.servers.transformers_server import model_dir_with_
 from dflash_assets.stages.completions.continuing import check_tool_rendering
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets_tests.engine_bodies import TOJSON_TEMPLATE
 from dflash_simulators.behaviours import Reply
 from dflash_simulators.stand_in_server import FakeServer
 
@@ -370,6 +374,117 @@ def test_prompt_ids_check_names_the_row_and_token_where_rendering_parts(smol):
     # an old corpus without a tools column tokenizes as before
     plain = tokenize_partition(rows_to_frame([completion_row(4, server[4])]), corpus.drop("tools"), builder, policy)
     assert plain[2]["prompt_ids_checked"] == 1
+
+
+FIELD_BY_FIELD = BUNDLED_TEMPLATES / SMOLLM2_TOOLS_TEMPLATE  # writes a tool field by field
+PARAMETERS = {"type": "object", "properties": {"key": {"type": "string"}}}
+TOOLS_OF_RECORD = [
+    {"type": "function", "function": {"name": "find", "description": "Find a key.", "parameters": PARAMETERS}},
+    {"type": "function", "function": {"name": "lookup", "parameters": PARAMETERS}},  # no description
+]
+# what each engine's models dump, written out by hand from their code (engines/engine_render.py cites it):
+# SGLang's Tool keeps the client's function keys in order, appends a missing description as null, and adds
+# "defer_loading": null to every tool; vLLM's keeps its own field order (name, description, parameters), nulls kept
+LOOKUP_SGLANG = {"name": "lookup", "parameters": PARAMETERS, "description": None}
+SGLANG_DUMP = [
+    {"type": "function", "function": TOOLS_OF_RECORD[0]["function"], "defer_loading": None},
+    {"type": "function", "function": LOOKUP_SGLANG, "defer_loading": None},
+]
+VLLM_DUMP = [
+    TOOLS_OF_RECORD[0],
+    {"type": "function", "function": {"name": "lookup", "description": None, "parameters": PARAMETERS}},
+]
+MESSAGES = [{"role": "user", "content": "Find the key."}]
+
+
+def with_template(tokenizer, path: Path):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = path.read_text()
+    return tokenizer
+
+
+@pytest.mark.parametrize("template", [FIELD_BY_FIELD, TOJSON_TEMPLATE], ids=["field_by_field", "tojson"])
+def test_each_engine_renders_the_tools_its_own_models_dump(smol, template):
+    tokenizer = with_template(smol, template)
+    expected = {
+        engine: tokenizer.apply_chat_template(MESSAGES, tools=dump, add_generation_prompt=True, tokenize=False)
+        for engine, dump in (("sglang", SGLANG_DUMP), ("vllm", VLLM_DUMP), ("openai", TOOLS_OF_RECORD))
+    }
+    rendered = {
+        e: SequenceBuilder(tokenizer, engine=e).prompt_text(MESSAGES, True, json.dumps(TOOLS_OF_RECORD))
+        for e in expected
+    }
+    assert rendered == expected
+    if template == FIELD_BY_FIELD:  # a template that writes fields by name hides the dumps' differences
+        assert len(set(rendered.values())) == 1
+    else:  # the tojson form shows them: 23 characters per tool for SGLang, 21 per missing description
+        assert len(rendered["sglang"]) - len(rendered["openai"]) == 2 * len(', "defer_loading": null') + len(
+            ', "description": null'
+        )
+        assert len(rendered["vllm"]) - len(rendered["openai"]) == len('"description": null, ')
+        assert '{"name": "lookup", "description": null, "parameters"' in rendered["vllm"]
+
+
+# a template that reads enable_thinking, writes each tool and each message's tool calls with tojson
+KWARGS_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.tool_calls %} {{ m.tool_calls | tojson }}{% endif %}\n"
+    "{% endfor %}{% for t in tools or [] %}{{ t | tojson }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% if enable_thinking %} <think>{% endif %}{% endif %}"
+)
+FIND = {"id": "c0", "type": "function", "function": {"name": "find", "arguments": "{}"}}
+CALLED = [
+    {"role": "user", "content": "Find the key."},
+    {"role": "assistant", "content": "", "tool_calls": [FIND]},
+    {"role": "tool", "tool_call_id": "c0", "content": "found"},
+]
+
+
+def test_a_difference_is_explained_by_the_input_that_made_it(smol):
+    """Issue 49 item 1: the first differing token, its text on both sides and the cause (template kwargs, tools,
+    messages), each server rendering made here apart with one input changed the way an engine changes it."""
+    tokenizer = AutoTokenizer.from_pretrained(smol.name_or_path)
+    tokenizer.chat_template = KWARGS_TEMPLATE
+    builder = SequenceBuilder(tokenizer, engine="vllm")
+    tools = json.dumps(TOOLS_OF_RECORD)
+
+    def ids(messages, dumped, thinking=True):
+        text = tokenizer.apply_chat_template(
+            messages, tools=dumped, add_generation_prompt=True, tokenize=False, enable_thinking=thinking
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    mine = builder.encode_texts([builder.prompt_text(CALLED, True, tools)])[0]
+    vllm_messages_ = json.loads(json.dumps(vllm_messages(template_messages(CALLED))))
+    sglang_messages_ = json.loads(json.dumps(sglang_messages(api_messages(CALLED))))
+    assert mine == ids(vllm_messages_, VLLM_DUMP)  # the project renders as vLLM does
+    system = [{"role": "system", "content": "Be brief."}, *vllm_messages_]
+    cases = {
+        "template kwargs: the server rendered enable_thinking=False": ids(vllm_messages_, VLLM_DUMP, thinking=False),
+        "tools: the server handed the template the tools as sglang dumps them": ids(vllm_messages_, SGLANG_DUMP),
+        "tools: the server rendered no tools": ids(vllm_messages_, None),
+        "messages: the server handed the template the messages as sglang shapes": ids(sglang_messages_, VLLM_DUMP),
+        "messages: before the first message (a system prompt": ids(system, VLLM_DUMP),
+    }
+    for cause, server in cases.items():
+        assert explain(builder, "vllm", CALLED, tools, True, mine, server).startswith(cause), cause
+    # and the check names the row, the first token and both texts
+    stored = [[stored_message(m) for m in CALLED]]
+    corpus = pl.DataFrame(
+        {"index": [5], "prompt_id": ["t:5"], "messages": stored, "tools": [tools], "content_hash": ["h5"]}
+    )
+    server = cases["template kwargs: the server rendered enable_thinking=False"]
+    row = {**completion_row(5, server), "ids_source": "server", "output_token_ids": [1], "engine": "vllm"}
+    out, _, counts = tokenize_partition(rows_to_frame([row]), corpus, builder, TokenizePolicy())
+    at = first_difference(mine, server)
+    assert at == len(server) < len(mine)  # the server's ids end where the project's " <think>" begins
+    assert out["input_ids"][0].to_list()[: out["prompt_len"][0]] == server  # the server's ids, whatever differs
+    first = counts.first_prompt_difference
+    assert "row 5 (prompt_id t:5): " in first
+    assert f"at token {at} of {len(mine)} (project) / {len(server)} (server)" in first
+    assert f"project {tokenizer.decode(mine[at : at + 8])!r}, server '(ends here)'" in first
+    assert first.endswith(
+        "cause: template kwargs: the server rendered enable_thinking=False, the row's settings say True"
+    )
 
 
 def test_first_difference():

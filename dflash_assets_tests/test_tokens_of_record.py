@@ -1,8 +1,6 @@
-"""Issue 49: what the server saw is what the drafter learns.
+"""Issue 49: what the server saw is what the drafter learns (rendering as each engine does, and the explained
+difference: ``test_chat_templates``).
 
-- Rendering as the engine does (item 2): each engine's tool dump reaches the template, checked against tool dicts
-  written out here by hand from SGLang 0.5.23's and vLLM 0.32.0's models, with a field-by-field template (the
-  shipped SmolLM2 one: every engine renders alike) and a ``{{ tool | tojson }}`` one (each engine its own text).
 - The server's ids are the row (item 1, "Done when"): a BFCL tool conversation through ``completions`` on the
   GPU-node simulator rendering as SGLang does (``sglang_stub --sim-tokenizer``, SGLang's own tool dump, a tojson
   template) and ``tokenized_sequences``: every row is the server's prompt ids + output ids (+ the end token of a
@@ -14,7 +12,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import dagster as dg
@@ -25,7 +22,6 @@ from transformers import AutoTokenizer
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
-from dflash_assets.data.sequence_builder import SequenceBuilder
 from dflash_assets.generation.engines.chat_render import BUNDLED_TEMPLATES, SMOLLM2_TOOLS_TEMPLATE
 from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.generation.processes.ports import free_port_block
@@ -38,56 +34,11 @@ from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_assets_tests.engine_bodies import TOJSON_TEMPLATE
 
 FIELD_BY_FIELD = BUNDLED_TEMPLATES / SMOLLM2_TOOLS_TEMPLATE
-PARAMETERS = {"type": "object", "properties": {"key": {"type": "string"}}}
-TOOLS = [
-    {"type": "function", "function": {"name": "find", "description": "Find a key.", "parameters": PARAMETERS}},
-    {"type": "function", "function": {"name": "lookup", "parameters": PARAMETERS}},  # no description
-]
-# what each engine's models dump, written out by hand from their code (engines/engine_render.py cites it):
-# SGLang's Tool keeps the client's function keys in order, appends a missing description as null, and adds
-# "defer_loading": null to every tool; vLLM's keeps its own field order (name, description, parameters), nulls kept
-LOOKUP_SGLANG = {"name": "lookup", "parameters": PARAMETERS, "description": None}
-SGLANG_DUMP = [
-    {"type": "function", "function": TOOLS[0]["function"], "defer_loading": None},
-    {"type": "function", "function": LOOKUP_SGLANG, "defer_loading": None},
-]
-VLLM_DUMP = [
-    TOOLS[0],
-    {"type": "function", "function": {"name": "lookup", "description": None, "parameters": PARAMETERS}},
-]
-MESSAGES = [{"role": "user", "content": "Find the key."}]
 
 
 @pytest.fixture(scope="module")
 def smol() -> AutoTokenizer:
     return AutoTokenizer.from_pretrained(str(ensure_local_model()))
-
-
-def with_template(tokenizer, path: Path):
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
-    tokenizer.chat_template = path.read_text()
-    return tokenizer
-
-
-@pytest.mark.parametrize("template", [FIELD_BY_FIELD, TOJSON_TEMPLATE], ids=["field_by_field", "tojson"])
-def test_each_engine_renders_the_tools_its_own_models_dump(smol, template):
-    tokenizer = with_template(smol, template)
-    expected = {
-        engine: tokenizer.apply_chat_template(MESSAGES, tools=dump, add_generation_prompt=True, tokenize=False)
-        for engine, dump in (("sglang", SGLANG_DUMP), ("vllm", VLLM_DUMP), ("openai", TOOLS))
-    }
-    rendered = {
-        e: SequenceBuilder(tokenizer, engine=e).prompt_text(MESSAGES, True, json.dumps(TOOLS)) for e in expected
-    }
-    assert rendered == expected
-    if template == FIELD_BY_FIELD:  # a template that writes fields by name hides the dumps' differences
-        assert len(set(rendered.values())) == 1
-    else:  # the tojson form shows them: 23 characters per tool for SGLang, 21 per missing description
-        assert len(rendered["sglang"]) - len(rendered["openai"]) == 2 * len(', "defer_loading": null') + len(
-            ', "description": null'
-        )
-        assert len(rendered["vllm"]) - len(rendered["openai"]) == len('"description": null, ')
-        assert '{"name": "lookup", "description": null, "parameters"' in rendered["vllm"]
 
 
 # ------------------------------------------------------------------------------------------ the simulator
