@@ -18,7 +18,7 @@ from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.conversation import api_messages, stored_message
 from dflash_assets.data.prompt_check import explain
 from dflash_assets.data.sequence_builder import SequenceBuilder
-from dflash_assets.data.tokenization import TokenizePolicy, tokenize_partition
+from dflash_assets.data.tokenization import TokenizePolicy, read_provenance, tokenize_partition
 from dflash_assets.generation.client.completion_client import CompletionClient
 from dflash_assets.generation.engines.chat_render import (
     BUNDLED_TEMPLATES,
@@ -502,3 +502,13 @@ def test_shipped_templates_and_configs_are_package_data():
     data = {p for pattern in globs["dflash_assets"] for p in package.glob(pattern)}
     assert SHIPPED in data and package / "configs" / "local_demo.yaml" in data
     assert set(BUNDLED_TEMPLATES.iterdir()) <= data
+
+
+def test_a_tokenized_table_from_before_the_columns_reads_unknown_never_server():
+    """Issue 49: rows made before ``ids_source`` existed are read safely: their source is ``unknown``."""
+    old = pl.DataFrame({"index": [1, 2], "input_ids": [[1, 2], [3]], "prompt_len": [1, 0]})
+    read = read_provenance(old)
+    assert read["ids_source"].to_list() == ["unknown", "unknown"]
+    assert read["engine"].to_list() == [None, None] and read["rendering_matches"].to_list() == [None, None]
+    new = read.with_columns(pl.lit("server").alias("ids_source"))
+    assert read_provenance(new)["ids_source"].to_list() == ["server", "server"]  # a table that has them: as is
