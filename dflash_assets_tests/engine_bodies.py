@@ -29,6 +29,14 @@ BARE_TOOLS = [
 ]
 
 
+#: an earlier assistant turn with its thinking (reasoning_content: SGLang reads it, vLLM only as "reasoning")
+THOUGHT = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
+    {"role": "user", "content": "And 3+3?"},
+]
+
+
 @dataclass
 class Body:
     """One body as sent (``body``), the context it was made from (``messages``, ``tools``: stored or API shape)
@@ -83,6 +91,12 @@ def project_bodies(backend: str, model: str = "m", settings: GenerationSettings 
             pool.adapt_body(settings.request_body(model, PROBE_MESSAGES, 5, PROBE_TOOLS)),
             PROBE_MESSAGES,
             PROBE_TOOLS,
+        ),
+        Body(
+            "a follow-up after a turn that thought",
+            pool.adapt_body(settings.request_body(model, THOUGHT, 7)),
+            THOUGHT,
+            None,
         ),
         Body(
             "tools without a description, with strict",
