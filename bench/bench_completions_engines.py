@@ -48,7 +48,7 @@ from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.common.config import DEFAULT_CONFIG
 from dflash_assets.common.settings import default_sources
-from dflash_assets.data.tokenization import SequenceBuilder
+from dflash_assets.data.sequence_builder import SequenceBuilder
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets.stages.resources.generation import GenerationResource
@@ -115,8 +115,9 @@ def exactness(rows: pl.DataFrame, corpus: pl.DataFrame, builder: SequenceBuilder
     for row, item in zip(ok, built):
         if isinstance(item, Exception):
             continue
-        ids, prompt_len = item
+        ids, prompt_len = item.input_ids, len(item.rendered)  # the stage's own rendering of the prompt
         out["prompt_len_agrees"] += prompt_len == row["prompt_tokens"]
+        ids = item.rendered + ids[item.prompt_len :]
         if row["output_token_ids"] is not None:
             out["with_server_ids"] += ids[prompt_len:][: len(row["output_token_ids"])] == list(row["output_token_ids"])
         elif len(ids) - prompt_len != row["completion_tokens"]:

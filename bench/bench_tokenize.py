@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from headline import headline
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
+from dflash_assets.data.sequence_builder import SequenceBuilder
+from dflash_assets.data.tokenization import TokenizePolicy, tokenize_partition
 from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.generation.rows.records import rows_to_frame
 from dflash_assets.stages.tokenized import TokenizeConfig, tokenize_stage

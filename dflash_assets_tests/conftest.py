@@ -48,13 +48,18 @@ SLOW_MODULE_SECONDS = {
     "test_status": 128,
     # issue 50: five on-policy runs through a stand-in server (one waits out a 2 s tool time-out), the sandbox
     "test_on_policy_faults": 75,
-    "test_sglang_contract": 120,  # 27 s, and ~2 min more where its SGLang environment is not made yet
+    # 40 s (issue 49 added SGLang's chat processing, the router's parser, replies with prompt ids), and ~2 min more
+    # where its SGLang environment (sglang and sglang-router wheels, --no-deps) is not made yet
+    "test_sglang_contract": 120,
     "test_engine_env": 120,
     "test_server_trust": 73,
     "test_ui": 69,
     "test_backfill_schedule": 68,
     "test_kill_resume": 66,
-    "test_vllm_contract": 30,
+    # one judge run: vLLM's parser and request models, and its own renderer on every body (issue 49): 30-50 s
+    "test_vllm_contract": 50,
+    # two completions + tokenized runs on the GPU-node simulator rendering with the SmolLM2 tokenizer: 35 s
+    "test_tokens_of_record": 40,
     "test_ui_backfill": 60,
     "test_s3_storage": 58,
     "test_truncation_memory": 52,

@@ -2,11 +2,14 @@
 OpenAI-shape and ShareGPT-shape tool conversations beside a plain prompt goes through ``prompt_corpus`` ->
 ``completions`` (vLLM's CPU build serving the embedded SmolLM2 model with the shipped tools template) ->
 ``tokenized_sequences``: none is rejected for tool use, there is one row per assistant turn, every row's context
-tokens are exactly the server's ``prompt_token_ids``, and the loss covers the regenerated turn only. A target
-template that cannot render tools is refused before any server starts."""
+tokens are exactly the server's ``prompt_token_ids``, and the loss covers the regenerated turn only. The template
+writes each tool as ``{{ tool | tojson }}`` (issue 49, item 4): vLLM's own tool dump is in the server's ids, the rows
+are those ids and say so, and the project's rendering as vLLM does matches them. A target template that cannot
+render tools is refused before any server starts."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import dagster as dg
@@ -15,12 +18,12 @@ import polars as pl
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
-from dflash_assets.generation.engines.chat_render import SMOLLM2_TOOLS_TEMPLATE
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets_tests.engine_bodies import TOJSON_TEMPLATE
 
 CAP = 24
 WEATHER = {
@@ -104,7 +107,7 @@ def test_a_template_without_tools_is_refused_before_any_server_starts(tmp_path):
 
 def test_tool_conversations_train_on_exactly_what_the_server_conditioned_on(tmp_path):
     root = tmp_path / "data"
-    res = resources(root, chat_template=SMOLLM2_TOOLS_TEMPLATE)
+    res = resources(root, chat_template=str(TOJSON_TEMPLATE))
     with dg.instance_for_test() as instance:
         pk = corpus_partition(instance, res, write_source(tmp_path))
         result = dg.materialize(
@@ -129,10 +132,17 @@ def test_tool_conversations_train_on_exactly_what_the_server_conditioned_on(tmp_
     assert rows["prompt_token_ids"].null_count() == 0  # vLLM returned the ids it conditioned on, every row
     tokenized = pl.read_parquet(root / "tokenized_sequences" / f"{pk}.parquet").sort("index")
     assert tokenized.height == ASSISTANT_TURNS and counts["prompt_ids_checked"] == ASSISTANT_TURNS
+    assert counts["ids_server"] == ASSISTANT_TURNS and "prompt_ids_differ" not in counts
+    sha = hashlib.sha256(TOJSON_TEMPLATE.read_text().encode()).hexdigest()
     for row, tok in zip(rows.iter_rows(named=True), tokenized.iter_rows(named=True), strict=True):
         n = tok["prompt_len"]
         assert tok["input_ids"][:n] == row["prompt_token_ids"] and n == row["prompt_tokens"]  # context == server's
         assert tok["input_ids"][n:] == row["output_token_ids"]  # the regenerated turn, as generated
+        # issue 49, Done when: the row is the server's prompt ids + output ids, and says so; vLLM's tool dump (a
+        # tojson template) rendered by the project is the same ids
+        assert (row["ids_source"], row["engine"], row["template_sha256"]) == ("server", "vllm", sha)
+        assert row["engine_version"] == "vllm 0.32.0"  # what its /version said
+        assert (tok["ids_source"], tok["rendering_matches"], tok["template_sha256"]) == ("server", True, sha)
         assert tok["loss_mask"] == [0] * n + [1] * len(row["output_token_ids"])  # loss on that turn only
     # the tools, the earlier call and its result are in the context the rows were generated from
     by_index = dict(zip(corpus["index"], corpus["messages"]))

@@ -12,7 +12,7 @@ import pytest
 
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.cap_cut import cut_to_cap
-from dflash_assets.data.tokenization import SequenceBuilder
+from dflash_assets.data.sequence_builder import SequenceBuilder
 from dflash_assets.generation.rows.records import completion_layout
 from dflash_simulators.thinking_tokenizer import write_thinking_tokenizer
 

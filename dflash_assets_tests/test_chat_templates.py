@@ -7,25 +7,29 @@ turns prefer one server."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import polars as pl
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_assets.common.conversation import stored_message
+from dflash_assets.common.conversation import api_messages, stored_message
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
+from dflash_assets.data.prompt_check import explain
+from dflash_assets.data.sequence_builder import SequenceBuilder
+from dflash_assets.data.tokenization import TokenizePolicy, read_provenance, tokenize_partition
 from dflash_assets.generation.client.completion_client import CompletionClient
 from dflash_assets.generation.engines.chat_render import (
     BUNDLED_TEMPLATES,
     SMOLLM2_TOOLS_TEMPLATE,
     ChatTemplateError,
-    PromptTokensMismatch,
     check_renders_tools,
     first_difference,
+    template_messages,
     uses_tools,
 )
+from dflash_assets.generation.engines.engine_render import sglang_messages, vllm_messages
 from dflash_assets.generation.engines.hybrid_standin import CHAT_TEMPLATE as STANDIN_TEMPLATE
 from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.generation.rows.range_plan import RangeRunError
@@ -35,6 +39,7 @@ from dflash_assets.generation.servers.transformers_server import model_dir_with_
 from dflash_assets.stages.completions.continuing import check_tool_rendering
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets_tests.engine_bodies import TOJSON_TEMPLATE
 from dflash_simulators.behaviours import Reply
 from dflash_simulators.stand_in_server import FakeServer
 
@@ -338,23 +343,148 @@ def test_prompt_ids_check_names_the_row_and_token_where_rendering_parts(smol):
     builder, policy = SequenceBuilder(tok), TokenizePolicy()
     rows = [completion_row(3, server[3]), completion_row(4, server[4])]
     out, _, counts = tokenize_partition(rows_to_frame(rows), corpus, builder, policy)
-    assert counts["prompt_ids_checked"] == 2 and counts["kept"] == 2
+    assert counts["prompt_ids_checked"] == 2 and counts["kept"] == 2 and "prompt_ids_differ" not in counts
     for r in out.iter_rows(named=True):  # loss only on the regenerated turn: the context carries none
         assert r["input_ids"][: r["prompt_len"]] == server[r["index"]]
         assert r["loss_mask"] == [0] * len(server[r["index"]]) + [1] * (len(r["input_ids"]) - r["prompt_len"])
+        assert (r["ids_source"], r["rendering_matches"]) == ("rendered", True)  # rows before ids_source: rendered
     at = len(server[3]) - 9
     parted = [*server[3][:at], server[3][at] + 1, *server[3][at + 1 :]]
-    rows = [completion_row(3, parted), completion_row(4, None)]
-    with pytest.raises(PromptTokensMismatch, match=rf"row 3 \(prompt_id t:3\).* at token {at} of "):
-        tokenize_partition(rows_to_frame(rows), corpus, builder, policy)
+    # a row of the server's ids (ids_source server) is kept as the server's; the difference is named, not raised
+    ids = tok("It is sunny.", add_special_tokens=False)["input_ids"]
+    server_row = {**completion_row(3, parted), "ids_source": "server", "output_token_ids": ids, "engine": "vllm"}
+    out, aside, counts = tokenize_partition(
+        rows_to_frame([server_row, completion_row(4, None)]), corpus, builder, policy
+    )
+    kept = out.row(by_predicate=pl.col("index") == 3, named=True)
+    assert kept["input_ids"] == parted + ids + [builder.end_token_id] and kept["prompt_len"] == len(parted)
+    assert (kept["ids_source"], kept["engine"], kept["rendering_matches"]) == ("server", "vllm", False)
+    assert counts["prompt_ids_differ"] == 1 and counts["ids_server"] == 1 and counts["ids_rendered"] == 1
+    assert re.search(
+        rf"row 3 \(prompt_id t:3\).* at token {at} of {len(server[3])} \(project\)", counts.first_prompt_difference
+    )
+    # a row from before ids_source with ids that differ is set aside: nothing says its ids are the server's
     rows = [completion_row(3, None), completion_row(4, server[4][:-1])]  # the server's ids stop short
-    with pytest.raises(PromptTokensMismatch, match=rf"row 4 .* at token {len(server[4]) - 1} .*server '?\(ends here"):
-        tokenize_partition(rows_to_frame(rows), corpus, builder, policy)
+    out, aside, counts = tokenize_partition(rows_to_frame(rows), corpus, builder, policy)
+    assert out["index"].to_list() == [3] and counts["rendering_differs"] == 1
+    assert aside.row(0, named=True)["reason"].startswith("rendering_differs")
+    assert re.search(rf"row 4 .* at token {len(server[4]) - 1} .*server '\(ends here", counts.first_prompt_difference)
     out, _, counts = tokenize_partition(rows_to_frame([completion_row(4, None)]), corpus, builder, policy)
     assert "prompt_ids_checked" not in counts and counts["kept"] == 1  # no ids from the server: nothing to check
     # an old corpus without a tools column tokenizes as before
     plain = tokenize_partition(rows_to_frame([completion_row(4, server[4])]), corpus.drop("tools"), builder, policy)
     assert plain[2]["prompt_ids_checked"] == 1
+
+
+FIELD_BY_FIELD = BUNDLED_TEMPLATES / SMOLLM2_TOOLS_TEMPLATE  # writes a tool field by field
+PARAMETERS = {"type": "object", "properties": {"key": {"type": "string"}}}
+TOOLS_OF_RECORD = [
+    {"type": "function", "function": {"name": "find", "description": "Find a key.", "parameters": PARAMETERS}},
+    {"type": "function", "function": {"name": "lookup", "parameters": PARAMETERS}},  # no description
+]
+# what each engine's models dump, written out by hand from their code (engines/engine_render.py cites it):
+# SGLang's Tool keeps the client's function keys in order, appends a missing description as null, and adds
+# "defer_loading": null to every tool; vLLM's keeps its own field order (name, description, parameters), nulls kept
+LOOKUP_SGLANG = {"name": "lookup", "parameters": PARAMETERS, "description": None}
+SGLANG_DUMP = [
+    {"type": "function", "function": TOOLS_OF_RECORD[0]["function"], "defer_loading": None},
+    {"type": "function", "function": LOOKUP_SGLANG, "defer_loading": None},
+]
+VLLM_DUMP = [
+    TOOLS_OF_RECORD[0],
+    {"type": "function", "function": {"name": "lookup", "description": None, "parameters": PARAMETERS}},
+]
+MESSAGES = [{"role": "user", "content": "Find the key."}]
+
+
+def with_template(tokenizer, path: Path):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = path.read_text()
+    return tokenizer
+
+
+@pytest.mark.parametrize("template", [FIELD_BY_FIELD, TOJSON_TEMPLATE], ids=["field_by_field", "tojson"])
+def test_each_engine_renders_the_tools_its_own_models_dump(smol, template):
+    tokenizer = with_template(smol, template)
+    expected = {
+        engine: tokenizer.apply_chat_template(MESSAGES, tools=dump, add_generation_prompt=True, tokenize=False)
+        for engine, dump in (("sglang", SGLANG_DUMP), ("vllm", VLLM_DUMP), ("openai", TOOLS_OF_RECORD))
+    }
+    rendered = {
+        e: SequenceBuilder(tokenizer, engine=e).prompt_text(MESSAGES, True, json.dumps(TOOLS_OF_RECORD))
+        for e in expected
+    }
+    assert rendered == expected
+    if template == FIELD_BY_FIELD:  # a template that writes fields by name hides the dumps' differences
+        assert len(set(rendered.values())) == 1
+    else:  # the tojson form shows them: 23 characters per tool for SGLang, 21 per missing description
+        assert len(rendered["sglang"]) - len(rendered["openai"]) == 2 * len(', "defer_loading": null') + len(
+            ', "description": null'
+        )
+        assert len(rendered["vllm"]) - len(rendered["openai"]) == len('"description": null, ')
+        assert '{"name": "lookup", "description": null, "parameters"' in rendered["vllm"]
+
+
+# a template that reads enable_thinking, writes each tool and each message's tool calls with tojson
+KWARGS_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.tool_calls %} {{ m.tool_calls | tojson }}{% endif %}\n"
+    "{% endfor %}{% for t in tools or [] %}{{ t | tojson }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% if enable_thinking %} <think>{% endif %}{% endif %}"
+)
+FIND = {"id": "c0", "type": "function", "function": {"name": "find", "arguments": "{}"}}
+CALLED = [
+    {"role": "user", "content": "Find the key."},
+    {"role": "assistant", "content": "", "tool_calls": [FIND]},
+    {"role": "tool", "tool_call_id": "c0", "content": "found"},
+]
+
+
+def test_a_difference_is_explained_by_the_input_that_made_it(smol):
+    """Issue 49 item 1: the first differing token, its text on both sides and the cause (template kwargs, tools,
+    messages), each server rendering made here apart with one input changed the way an engine changes it."""
+    tokenizer = AutoTokenizer.from_pretrained(smol.name_or_path)
+    tokenizer.chat_template = KWARGS_TEMPLATE
+    builder = SequenceBuilder(tokenizer, engine="vllm")
+    tools = json.dumps(TOOLS_OF_RECORD)
+
+    def ids(messages, dumped, thinking=True):
+        text = tokenizer.apply_chat_template(
+            messages, tools=dumped, add_generation_prompt=True, tokenize=False, enable_thinking=thinking
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    mine = builder.encode_texts([builder.prompt_text(CALLED, True, tools)])[0]
+    vllm_messages_ = json.loads(json.dumps(vllm_messages(template_messages(CALLED))))
+    sglang_messages_ = json.loads(json.dumps(sglang_messages(api_messages(CALLED))))
+    assert mine == ids(vllm_messages_, VLLM_DUMP)  # the project renders as vLLM does
+    system = [{"role": "system", "content": "Be brief."}, *vllm_messages_]
+    cases = {
+        "template kwargs: the server rendered enable_thinking=False": ids(vllm_messages_, VLLM_DUMP, thinking=False),
+        "tools: the server handed the template the tools as sglang dumps them": ids(vllm_messages_, SGLANG_DUMP),
+        "tools: the server rendered no tools": ids(vllm_messages_, None),
+        "messages: the server handed the template the messages as sglang shapes": ids(sglang_messages_, VLLM_DUMP),
+        "messages: before the first message (a system prompt": ids(system, VLLM_DUMP),
+    }
+    for cause, server in cases.items():
+        assert explain(builder, "vllm", CALLED, tools, True, mine, server).startswith(cause), cause
+    # and the check names the row, the first token and both texts
+    stored = [[stored_message(m) for m in CALLED]]
+    corpus = pl.DataFrame(
+        {"index": [5], "prompt_id": ["t:5"], "messages": stored, "tools": [tools], "content_hash": ["h5"]}
+    )
+    server = cases["template kwargs: the server rendered enable_thinking=False"]
+    row = {**completion_row(5, server), "ids_source": "server", "output_token_ids": [1], "engine": "vllm"}
+    out, _, counts = tokenize_partition(rows_to_frame([row]), corpus, builder, TokenizePolicy())
+    at = first_difference(mine, server)
+    assert at == len(server) < len(mine)  # the server's ids end where the project's " <think>" begins
+    assert out["input_ids"][0].to_list()[: out["prompt_len"][0]] == server  # the server's ids, whatever differs
+    first = counts.first_prompt_difference
+    assert "row 5 (prompt_id t:5): " in first
+    assert f"at token {at} of {len(mine)} (project) / {len(server)} (server)" in first
+    assert f"project {tokenizer.decode(mine[at : at + 8])!r}, server '(ends here)'" in first
+    assert first.endswith(
+        "cause: template kwargs: the server rendered enable_thinking=False, the row's settings say True"
+    )
 
 
 def test_first_difference():
@@ -372,3 +502,13 @@ def test_shipped_templates_and_configs_are_package_data():
     data = {p for pattern in globs["dflash_assets"] for p in package.glob(pattern)}
     assert SHIPPED in data and package / "configs" / "local_demo.yaml" in data
     assert set(BUNDLED_TEMPLATES.iterdir()) <= data
+
+
+def test_a_tokenized_table_from_before_the_columns_reads_unknown_never_server():
+    """Issue 49: rows made before ``ids_source`` existed are read safely: their source is ``unknown``."""
+    old = pl.DataFrame({"index": [1, 2], "input_ids": [[1, 2], [3]], "prompt_len": [1, 0]})
+    read = read_provenance(old)
+    assert read["ids_source"].to_list() == ["unknown", "unknown"]
+    assert read["engine"].to_list() == [None, None] and read["rendering_matches"].to_list() == [None, None]
+    new = read.with_columns(pl.lit("server").alias("ids_source"))
+    assert read_provenance(new)["ids_source"].to_list() == ["server", "server"]  # a table that has them: as is

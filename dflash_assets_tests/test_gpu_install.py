@@ -238,3 +238,30 @@ def test_sglang_beside_the_project_torch_is_refused_with_pips_reason(resolutions
     refused = resolutions["conflict"]
     assert refused.returncode != 0 and not refused.versions()
     assert "sglang 0.5.23 depends on torch==2.14.1" in refused.output, refused.output[-3000:]
+
+
+def doc_resolution_table() -> dict[str, tuple[int, dict[str, str]]]:
+    """docs/gpu-node.md's "resolves to" table: environment -> (distributions, {name: version} of every
+    ``name version`` pair its row names, parenthesized ones included)."""
+    section = DOC.read_text().split("| environment | resolves to |", 1)[1].split("\n\n", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 2 or not (m := re.match(r"(\d+) distributions: (.*)", cells[1])):
+            continue
+        pairs = re.findall(r"([A-Za-z0-9][A-Za-z0-9._-]*) (\d[0-9A-Za-z.+-]*)", m.group(2))
+        table[cells[0].lower()] = (int(m.group(1)), {normalized(name): version for name, version in pairs})
+    return table
+
+
+def test_the_docs_table_is_what_pip_resolved(resolutions):
+    """Issue 49 item 5: the version table of docs/gpu-node.md is read from what this resolver test prints (it
+    named openai 3.60.0 for vLLM once the resolver gave 3.63.0): every count and version it states must be pip's
+    today; the failure prints the row to write."""
+    table = doc_resolution_table()
+    assert set(table) == {"project", "sglang", "vllm"}, table
+    for env, (count, stated) in table.items():
+        found = resolutions[env].versions()
+        actual = {name: found.get(name) for name in stated}
+        row = f"{len(found)} distributions: " + ", ".join(f"{name} {found.get(name)}" for name in stated)
+        assert (count, stated) == (len(found), actual), f"docs/gpu-node.md, {env}: write | {row} |"

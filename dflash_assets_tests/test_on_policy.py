@@ -450,8 +450,9 @@ def test_on_policy_turns_tokenize_with_their_own_context_and_stale_ones_are_set_
     checked against the corpus row its conversation started from, and set aside naming why when that row is
     gone, is another conversation's, or offers other tools."""
     from dflash_assets.data.on_policy import ON_POLICY_SCHEMA
+    from dflash_assets.data.sequence_builder import SequenceBuilder
     from dflash_assets.data.shapes import content_hash
-    from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
+    from dflash_assets.data.tokenization import TokenizePolicy, tokenize_partition
     from dflash_assets.generation.engines.chat_render import SMOLLM2_TOOLS_TEMPLATE
 
     target = TargetModelResource(chat_template=SMOLLM2_TOOLS_TEMPLATE)

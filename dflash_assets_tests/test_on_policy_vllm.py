@@ -33,7 +33,6 @@ from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.data.bfcl import ToolEnvironment, load_tasks
 from dflash_assets.data.on_policy import TURN_STRIDE
 from dflash_assets.dflash.shards.format import read_shard
-from dflash_assets.generation.engines.chat_render import SMOLLM2_TOOLS_TEMPLATE
 from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.generation.rows.journal import RowJournal
 from dflash_assets.orchestration import freshness
@@ -45,6 +44,7 @@ from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_assets.stages.tokenized import tokenized_file
+from dflash_assets_tests.engine_bodies import TOJSON_TEMPLATE
 from dflash_assets_tests.script_server import script_server
 
 CAP = 24
@@ -157,9 +157,10 @@ STAGE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
-    """``(base_url, served model name)`` of one real vLLM CPU server for the module (SmolLM2, tools template)."""
+    """``(base_url, served model name)`` of one real vLLM CPU server for the module (SmolLM2 with a template that
+    writes each tool as ``{{ tool | tojson }}``: vLLM's own tool dump reaches the rendered text, issue 49 item 4)."""
     inference = InferenceServerResource(mode="vllm", max_running_requests=4, vllm={"max_model_len": CONTEXT})
-    template = TargetModelResource(chat_template=SMOLLM2_TOOLS_TEMPLATE).chat_template_path()
+    template = TargetModelResource(chat_template=str(TOJSON_TEMPLATE)).chat_template_path()
     with inference.serve(log_dir=tmp_path_factory.mktemp("vllm_logs"), chat_template=template) as pool:
         yield pool.base_urls[0], pool.model
 
@@ -200,7 +201,7 @@ def resources(root: Path, url: str, model: str) -> dict:
             },
         ),
         "generation": GenerationResource(max_output_tokens=CAP, temperature=0.0),
-        "target_model": TargetModelResource(chat_template=SMOLLM2_TOOLS_TEMPLATE),
+        "target_model": TargetModelResource(chat_template=str(TOJSON_TEMPLATE)),
     }
 
 
@@ -258,24 +259,28 @@ def expected_conversation(rows: list[dict], max_rounds: int) -> None:
 
 
 def check_rows_train_on_what_was_sampled(rows: list[dict]) -> int:
-    """Every row's context renders to the server's prompt_token_ids, and the loss covers exactly its own output
-    ids (plus the end token of a stopped turn). Returns the rows whose ids the server gave."""
+    """Every row with the server's ids is exactly them (``ids_source`` server) and the project's rendering of its
+    context as vLLM hands it to the tojson template is the same ids (item 2 on a real server); the loss covers
+    exactly its own output ids (plus the end token of a stopped turn). Returns the rows whose ids the server gave."""
     builder = load_target_builder(InferenceServerResource(mode="vllm"), resources_template())
     built = builder.build_many(rows, [json.loads(r["messages"]) for r in rows], [r["tools"] for r in rows])
     compared = 0
-    for row, (input_ids, prompt_len) in zip(rows, built, strict=True):
+    for row, b in zip(rows, built, strict=True):
         ids = list(row["output_token_ids"])
         if row["finish_reason"] == "stop" and ids[-1] != builder.end_token_id:
             ids.append(builder.end_token_id)
-        assert input_ids[prompt_len:] == ids
+        assert b.input_ids[b.prompt_len :] == ids
         if row["prompt_token_ids"] is not None:
-            assert input_ids[:prompt_len] == list(row["prompt_token_ids"])
+            assert row["ids_source"] == b.source == "server" and row["engine"] == "vllm"
+            assert b.input_ids[: b.prompt_len] == list(row["prompt_token_ids"]) == b.rendered
             compared += 1
+        else:  # a scripted first turn: no prompt ids, rendered here as vLLM would
+            assert row["ids_source"] == b.source == "rendered"
     return compared
 
 
 def resources_template():
-    return TargetModelResource(chat_template=SMOLLM2_TOOLS_TEMPLATE).chat_template_path()
+    return TargetModelResource(chat_template=str(TOJSON_TEMPLATE)).chat_template_path()
 
 
 DRAFTER = {  # a few steps of a one-layer drafter on the stored features: that the turns train, not how well
@@ -356,7 +361,7 @@ def test_kill_9_mid_conversation_then_rerun_keeps_every_finished_turn_and_resend
         res = resources(root, url + "/v1", vllm[1])
         pk = build_corpus(instance, res)
         journal = root / "completions" / journal_name(pk)
-        script = STAGE.format(context=CONTEXT, cap=CAP, template=SMOLLM2_TOOLS_TEMPLATE)
+        script = STAGE.format(context=CONTEXT, cap=CAP, template=TOJSON_TEMPLATE)
         argv = [sys.executable, "-c", script, str(root), url + "/v1", vllm[1], str(ensure_local_model()), pk]
         stage = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + 240
@@ -429,6 +434,7 @@ def check_turns_tokenized_and_trained(root: Path, pk: str, tokenized_meta, hidde
         assert mask == [0] * row["prompt_len"] + [1] * len(sampled)  # no context token carries loss
         if turn["prompt_token_ids"] is not None:  # every real turn: the context is what the server saw
             assert list(row["input_ids"]) == list(turn["prompt_token_ids"]) + sampled
+            assert (row["ids_source"], row["engine"], row["rendering_matches"]) == ("server", "vllm", True)
             server_prompts += 1
         # checked against the corpus row its conversation started from
         assert row["corpus_index"] == row["index"] // TURN_STRIDE

@@ -32,17 +32,22 @@ import time
 from pathlib import Path
 
 import httpx
+import polars as pl
 import pytest
 import yaml
 
 from dflash_assets.common import config as cfg
+from dflash_assets.common.conversation import stored_message
 from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.data.sequence_builder import SequenceBuilder
+from dflash_assets.data.tokenization import TokenizePolicy, tokenize_partition
 from dflash_assets.generation.client.completion_client import CompletionClient
+from dflash_assets.generation.engines.engine_render import engine_tools, sglang_messages
 from dflash_assets.generation.engines.environments import EngineEnvironment, EngineEnvironmentError
 from dflash_assets.generation.engines.hybrid_standin import CHAT_TEMPLATE
 from dflash_assets.generation.processes.ports import free_port_block
 from dflash_assets.generation.rows.continuation import continuation_body
-from dflash_assets.generation.rows.records import row_from_result
+from dflash_assets.generation.rows.records import row_from_result, rows_to_frame
 from dflash_assets.generation.rows.tail_chunks import TailChunker
 from dflash_assets.generation.servers.group import write_key_config
 from dflash_assets.generation.servers.pool import API_KEY_ENV, ServerPool
@@ -53,9 +58,10 @@ from dflash_assets.generation.servers.sglang_dflash import (
     dflash_server_flags,
     engine_generate,
 )
-from dflash_assets.generation.servers.sglang_servers import build_router_command, build_sglang_commands
+from dflash_assets.generation.servers.sglang_servers import build_sglang_commands
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets_tests.engine_bodies import TOJSON_TEMPLATE, project_bodies
 from dflash_simulators.behaviours import Raw
 from dflash_simulators.simulated_replies import THINK_TOKEN_ID, reply_token_ids
 from dflash_simulators.stand_in_server import FakeServer
@@ -67,6 +73,7 @@ GPU_CONFIG = ROOT / "dflash_assets" / "configs" / "gpu_qwen36_27b.yaml"
 #: (versions as resolved next to it; ``openai`` is SGLang's own pin). Everything heavy is stood in.
 JUDGE_REQUIREMENTS = (
     "sglang==0.5.23",
+    "sglang-router==0.3.2",  # its launch_server parser (a Rust extension module that loads on any x86-64 Linux)
     "annotated-types==0.8.0",
     "anyio==4.16.0",
     "certifi==2026.10.19.post1",
@@ -171,21 +178,17 @@ def test_every_command_line_parses_in_sglangs_own_parser_with_the_values_intende
     engine = inference.sglang_commands(extra_args=dflash, use_router=False)
     key_file = write_key_config(tmp_path, "sk-judge-0123")
     keyed = build_sglang_commands(want["sglang"]["model_path"], api_key_env=API_KEY_ENV)[0]
-    router = build_router_command(
-        want["sglang"]["model_path"], num_servers=7, port=30000, worker_port_base=31000, context_length=16384
-    )
-    router_flags = server_argv(router.argv)
-    at = router_flags.index("--router-dp-worker-base-port")  # sglang_router's own flag: not ServerArgs'
-    assert router_flags[at + 1] == "31000"
-    del router_flags[at : at + 2]
+    router = inference.sglang_commands(use_router=True)[0]  # one sglang_router --dp-size 7 for the same servers
     deterministic = inference.sglang_commands(extra_args=["--enable-deterministic-inference"])[0]
     cases = [{"op": "server_args", "argv": server_argv(c.argv)} for c in servers]
     cases += [
         {"op": "server_args", "argv": server_argv(engine[0].argv)},
         {"op": "server_args", "argv": server_argv(tuple(keyed.launch_argv(key_file)))},
-        {"op": "server_args", "argv": router_flags},
+        {"op": "router_args", "argv": server_argv(router.argv)},
         {"op": "server_args", "argv": server_argv(deterministic.argv)},
+        {"op": "server_args", "argv": [*server_argv(deterministic.argv), "--attention-backend", "fa4"]},
         {"op": "server_args", "argv": ["--model-path", "/m", "--speculative-dflash-draft-window-size", "8"]},
+        {"op": "router_args", "argv": ["--model-path", "/m", "--router-dp-worker-base-prot", "31000"]},
     ]
     verdicts = judge(sglang_python, cases)
 
@@ -218,11 +221,32 @@ def test_every_command_line_parses_in_sglangs_own_parser_with_the_values_intende
     keyed_verdict = verdicts[len(servers) + 1]
     assert "sk-judge" not in " ".join(keyed.launch_argv(key_file))
     assert keyed_verdict["prepared"]["api_key"] == "sk-judge-0123"
-    router_verdict = verdicts[len(servers) + 2]["prepared"]
-    assert (router_verdict["dp_size"], router_verdict["context_length"], router_verdict["port"]) == (7, 16384, 30000)
-    assert verdicts[len(servers) + 3]["prepared"]["enable_deterministic_inference"] is True
-    # the judge can refuse: a flag SGLang dropped in 0.5.20 is an argparse error naming it
-    assert "--speculative-dflash-draft-window-size" in verdicts[-1]["error"]
+    # the router's command line through sglang-router's own launch_server parser (its ServerArgs and RouterArgs)
+    router_verdict = verdicts[len(servers) + 2]
+    parsed = router_verdict["server"]
+    assert {k: parsed[k] for k in intended} == intended
+    assert (parsed["dp_size"], parsed["port"]) == (g["num_servers"], 30000)
+    assert router_verdict["worker_base_port"] == 31000  # build_router_command's default
+    assert (router_verdict["router"]["host"], router_verdict["router"]["port"]) == ("127.0.0.1", 30000)
+    # --enable-deterministic-inference, as SGLang resolves it at launch on a B200: another attention backend, the
+    # pytorch sampler and no radix cache (prefix reuse lost: docs/configuration.md says so where the seed is set)
+    seeded = verdicts[len(servers) + 3]
+    assert seeded["prepared"]["enable_deterministic_inference"] is True
+    assert seeded["deterministic"] == {
+        "attention_backend": "flashinfer",
+        "sampling_backend": "pytorch",
+        "disable_radix_cache": True,
+    }
+    # with --attention-backend fa4 beside it (what the GPU config's comment advises) the radix cache stays
+    assert verdicts[len(servers) + 4]["deterministic"] == {
+        "attention_backend": "fa4",
+        "sampling_backend": "pytorch",
+        "disable_radix_cache": False,
+    }
+    # the judge can refuse: a flag SGLang dropped in 0.5.20 is an argparse error naming it; so is a router flag
+    # misspelt
+    assert "--speculative-dflash-draft-window-size" in verdicts[-2]["error"]
+    assert "--router-dp-worker-base-prot" in verdicts[-1]["error"]
 
 
 # ------------------------------------------------------------------------------------------ request bodies
@@ -379,6 +403,160 @@ def test_generate_meta_info_from_sglangs_own_arithmetic_becomes_the_engine_tau_r
     assert verdict["meta"]["spec_num_proposed_drafts"] == 8 * 15
     assert {k: record[k] for k in SPEC_FIELDS} == {k: verdict["meta"][k] for k in SPEC_FIELDS}
     assert (record["finish_reason"], record["completion_tokens"]) == ("length", 39)
+
+
+# ------------------------------------------------------------------------------------------ the template's inputs
+
+TOOL_DUMP_EXTRA = len(', "defer_loading": null')  # what SGLang's Tool dump adds to each tool written by tojson
+
+
+@pytest.fixture(scope="module")
+def tojson_tokenizer():
+    """The embedded SmolLM2 tokenizer with a ``{{ tool | tojson }}`` template (the Qwen2.5 / Qwen3 form)."""
+    from transformers import AutoTokenizer
+
+    from dflash_assets.generation.engines.local_model import ensure_local_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_local_model()))
+    tokenizer.chat_template = TOJSON_TEMPLATE.read_text()
+    return tokenizer
+
+
+def sglang_process(python: Path, bodies: list, prompt_ids: list[int] | None = None) -> list[dict]:
+    """SGLang's ``chat_process`` verdict on each body (served with the qwen3 reasoning parser, the tojson template)."""
+    cases = [
+        {
+            "op": "chat_process",
+            "server_argv": QWEN3,
+            "chat_template": TOJSON_TEMPLATE.read_text(),
+            "body": b.body,
+            **({"prompt_ids": prompt_ids} if prompt_ids else {}),
+        }
+        for b in bodies
+    ]
+    return judge(python, cases)
+
+
+@pytest.fixture(scope="module")
+def processed(sglang_python) -> tuple[list, list[dict]]:
+    """Every body the project sends SGLang and SGLang's ``chat_process`` verdict on each (one judge run)."""
+    bodies = project_bodies("sglang")
+    return bodies, sglang_process(sglang_python, bodies, prompt_ids=[7, 8, 9])
+
+
+def test_sglang_hands_the_template_what_the_project_renders_for_every_body(processed, tojson_tokenizer):
+    """Issue 49 items 2 and 3: every body the project sends (a plain prompt, a BFCL tool conversation with 31
+    tools, the tool probe, tools without a description, an on-policy turn, a tail chunk and its follow-up, a
+    continuation, the start-up probe) goes through SGLang's own ``_convert_to_internal_request``; the messages,
+    tools and template arguments SGLang hands ``apply_chat_template`` are the project's, key order included, and
+    rendered with a tojson template they give the same text; SGLang asks its tokenizer manager for the prompt's ids
+    and honours the seed's value as ``sampling_seed``."""
+    bodies, verdicts = processed
+    builder = SequenceBuilder(tojson_tokenizer, engine="sglang")
+    for b, verdict in zip(bodies, verdicts, strict=True):
+        assert "error" not in verdict, (b.name, verdict)
+        (call,) = verdict["template_calls"]
+        messages = sglang_messages(b.api_messages, continue_final_message=b.continued)
+        tools, kwargs = engine_tools("sglang", b.api_tools), {"add_generation_prompt": True, **b.template_kwargs}
+        assert json.dumps(call["messages"]) == json.dumps(messages), b.name  # key order too
+        assert json.dumps(call["tools"]) == json.dumps(tools), b.name
+        assert {k: call[k] for k in kwargs} == kwargs and call["tokenize"] is False, b.name
+        assert set(call) - {"messages", "tools"} == {*kwargs, "tokenize", "return_dict"}, b.name  # nothing else
+        theirs = tojson_tokenizer.apply_chat_template(
+            call["messages"], tools=call["tools"], **{k: v for k, v in call.items() if k not in ("messages", "tools")}
+        )
+        thinking = b.template_kwargs.get("enable_thinking", True)
+        assert builder.prompt_text(b.messages, thinking, b.tools) == theirs, b.name
+        generate = verdict["generate"]
+        prefix = [b.body["messages"][-1]["content"]] if b.continued else []  # SGLang encodes it after the prompt
+        assert verdict["encoded"] == prefix, b.name
+        assert generate["input_ids"] == [7, 8, 9] + [0] * len("".join(prefix)), b.name
+        # every body that carries return_token_ids (all but the start-up probe) gets the prompt's ids back
+        assert generate["return_prompt_token_ids"] is bool(b.body.get("return_token_ids")), b.name
+        assert generate["sampling_params"]["sampling_seed"] == b.body.get("seed"), b.name
+    # what SGLang's tool dump does to a tojson template, computed apart from the project's dump: the raw tools
+    # render 23 characters shorter per tool, and a function without a description gains "description": null
+    by_name = {b.name: b for b in bodies}
+    bfcl = by_name["tool conversation (BFCL, 31 tools)"]
+    raw = SequenceBuilder(tojson_tokenizer)  # the project's rendering before issue 49: the tools as stored
+    ours, before = (b.prompt_text(bfcl.messages, True, bfcl.tools) for b in (builder, raw))
+    extra = len(ours) - len(before)
+    assert len(bfcl.api_tools) == 31 and extra == 31 * TOOL_DUMP_EXTRA == 713
+    bare = by_name["tools without a description, with strict"]
+    text = builder.prompt_text(bare.messages, True, bare.tools)
+    assert '{"name": "lookup", "parameters": {"type": "object", "properties": {}}, "description": null}' in text
+    assert '"strict": true, "description": null}, "defer_loading": null}' in text
+
+
+def test_a_reply_with_prompt_ids_is_the_tokenized_row_exactly(sglang_python, processed, tojson_tokenizer):
+    """Done when, on SGLang's own code: a BFCL tool conversation's context as SGLang hands it to a tojson template,
+    rendered and encoded by the real tokenizer, is the engine output's ``prompt_token_ids``; SGLang's
+    ``_build_chat_response`` puts them beside the generated ids; the project's client reads both, the row says
+    they are the server's, and the tokenized row is exactly prompt ids + output ids + the end token."""
+    b, verdict = next((b, v) for b, v in zip(*processed, strict=True) if b.name.startswith("tool conversation"))
+    (call,) = verdict["template_calls"]
+    text = tojson_tokenizer.apply_chat_template(
+        call["messages"], tools=call["tools"], **{k: v for k, v in call.items() if k not in ("messages", "tools")}
+    )
+    prompt_ids = tojson_tokenizer.encode(text)  # as SGLang encodes it (no special token added for this tokenizer)
+    answer = '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>'
+    output_ids = tojson_tokenizer.encode(answer, add_special_tokens=False)
+    (reply,) = judge(
+        sglang_python,
+        [
+            {
+                "op": "chat_reply",
+                "server_argv": NO_PARSER,
+                "chat_template": TOJSON_TEMPLATE.read_text(),
+                "request": b.body,
+                "text": answer,
+                "output_ids": output_ids,
+                "finish_reason": {"type": "stop", "matched": 2},
+                "prompt_tokens": len(prompt_ids),
+                "prompt_token_ids": prompt_ids,
+            }
+        ],
+    )
+    choice = json.loads(reply["body"])["choices"][0]
+    assert (choice["prompt_token_ids"], choice["response_token_ids"]) == (prompt_ids, output_ids)
+    origin = {"engine": "sglang", "engine_version": "sglang 0.5.23", "template_sha256": "t" * 64}
+    with FakeServer(Raw(200, reply["body"].encode())) as server:
+        results = []
+        client = CompletionClient([server.url], concurrency=1, max_attempts=1, vocab_size=49152, origin=origin)
+        asyncio.run(client.generate([(4, b.body)], results.append))
+    prompt = {"index": 4, "prompt_id": "bfcl:4", "source": "bfcl", "content_hash": "h4"}
+    row = row_from_result(results[0], prompt, GenerationSettings(max_output_tokens=16))
+    assert (row["ids_source"], row["engine"], row["engine_version"]) == ("server", "sglang", "sglang 0.5.23")
+    corpus = pl.DataFrame(
+        {
+            "index": [4],
+            "prompt_id": ["bfcl:4"],
+            "messages": [[stored_message(m) for m in b.api_messages]],
+            "tools": [b.tools],
+            "content_hash": ["h4"],
+        }
+    )
+    builder = SequenceBuilder(tojson_tokenizer, engine="sglang")
+    tokenized, aside, counts = tokenize_partition(rows_to_frame([row]), corpus, builder, TokenizePolicy(8192))
+    (tok,) = tokenized.iter_rows(named=True)
+    assert tok["input_ids"] == prompt_ids + output_ids + [builder.end_token_id] and tok["prompt_len"] == len(prompt_ids)
+    assert (tok["ids_source"], tok["rendering_matches"], tok["template_sha256"]) == ("server", True, "t" * 64)
+    assert counts["ids_server"] == 1 and counts["prompt_ids_checked"] == 1 and aside.height == 0
+
+
+def test_the_length_pre_filter_is_sglangs_own_rule(sglang_python):
+    """Issue 49 item 5: SGLang's ``_validate_one_request`` takes a prompt of exactly context - cap tokens (the
+    pre-filter's room) and refuses one token more, and a prompt as long as the context whatever the cap."""
+    settings = GenerationSettings(max_output_tokens=64).with_context(200)
+    room = settings.prompt_room("sglang")
+    cases = [
+        {"op": "length_check", "context_length": 200, "prompt_tokens": n, "max_new_tokens": cap}
+        for n, cap in ((room, 64), (room + 1, 64), (200, 1), (199, 1))
+    ]
+    verdicts = judge(sglang_python, cases)
+    assert room == 136 and verdicts[0]["ok"] is True and verdicts[3]["ok"] is True
+    assert "137 tokens from the input messages and 64 tokens" in verdicts[1]["error"]
+    assert "The input (200 tokens) is longer than the model's context length" in verdicts[2]["error"]
 
 
 # ------------------------------------------------------------------------------------------ the simulator

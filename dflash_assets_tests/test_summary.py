@@ -318,7 +318,10 @@ def test_summary_numbers_equal_the_latest_metadata_per_partition(tmp_path):
     rate, cap = re.fullmatch(r"([\d.]+)% of completions hit the cap of (\d+) tokens", trunc).groups()
     assert float(rate) / 100 == pytest.approx(TRUNCATION["truncation_rate"], abs=5e-5) and int(cap) == TRUNCATION["cap"]
     assert line(text, "turn kinds") == "single-turn prompt 5 (40% cut), tool-call turn 2 (50% cut)"
-    assert ints(line(text, "tokenized")) == [tok_rows, loss_tokens]
+    tokenized, ids = line(text, "tokenized").split("; ids: ")
+    assert ints(tokenized) == [tok_rows, loss_tokens]
+    # partitions tokenized before rows recorded their ids' source (no ids_* counts): unknown, never the server's
+    assert ids == f"unknown {tok_rows}" and s["tokenized_by_ids_source"] == {"unknown": tok_rows}
     hs = line(text, "hidden states      ")
     assert re.fullmatch(rf"{hs_bytes} bytes \({hs_bytes / 1e6:.1f} MB\) for {hs_tokens} tokens", hs), hs
     assert line(text, "drafter  ") == f"{DRAFTER['parameters']} parameters; trained 30 steps on 245 tokens"

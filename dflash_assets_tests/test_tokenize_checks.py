@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.data.tokenization import SequenceBuilder
+from dflash_assets.data.sequence_builder import SequenceBuilder
 from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.generation.rows.records import rows_to_frame
 from dflash_assets.orchestration.check_gate import CHECK_ROUNDTRIP
@@ -117,7 +117,7 @@ def test_table_decode_equals_the_rust_decoder(tok):
 
     import numpy as np
 
-    from dflash_assets.data.tokenization import byte_level_token_bytes
+    from dflash_assets.data.token_bytes import byte_level_token_bytes
 
     builder = SequenceBuilder(tok)
     table = byte_level_token_bytes(tok)
@@ -145,7 +145,7 @@ def test_table_decode_is_refused_for_a_tokenizer_that_is_not_byte_level():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from dflash_assets.data.tokenization import byte_level_token_bytes
+    from dflash_assets.data.token_bytes import byte_level_token_bytes
 
     word_level = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
     word_level.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -18,7 +18,8 @@ from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
+from dflash_assets.data.sequence_builder import SequenceBuilder
+from dflash_assets.data.tokenization import TokenizePolicy, tokenize_partition
 from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.generation.rows.records import rows_to_frame
 from dflash_assets.orchestration.check_gate import CHECK_DEGENERATE
@@ -113,8 +114,10 @@ def test_served_completions_rebuild_independently(served, smol_tokenizer):
     assert all(r["error"] is None for r in rows.values())
     assert reasons.count("stop") >= 3 and reasons.count("length") >= 1, reasons  # both kinds are exercised
     assert tokenized["index"].to_list() == sorted(rows)  # truncated=keep: every row kept
-    blocking = {k: v for k, v in served["checks"].items() if k != "retokenized_length_matches_server"}
+    warn_only = ("retokenized_length_matches_server", "rendering_matches_server_prompt_ids")
+    blocking = {k: v for k, v in served["checks"].items() if k not in warn_only}
     assert all(blocking.values()) and len(blocking) == 4
+    assert served["checks"]["rendering_matches_server_prompt_ids"]  # no prompt ids from this server: nothing differs
     # the warn-only check flags exactly the rows whose re-tokenized length differs from the server's count
     differ = sorted(
         t["index"]
@@ -215,7 +218,7 @@ def test_thinking_masks_cover_generated_reasoning_markers_and_answer(tmp_path, o
     out, aside, counts = tokenize_partition(
         rows, corpus_frame(questions), SequenceBuilder(tok), TokenizePolicy(truncated="keep")
     )
-    assert dict(counts) == {"kept": 3, "tokenization_errors": 1}
+    assert dict(counts) == {"kept": 3, "ids_rendered": 3, "tokenization_errors": 1}
     # reasoning under enable_thinking=false is refused, never guessed into some layout
     assert aside["index"].to_list() == [3] and "enable_thinking=false" in aside["reason"][0]
     by_index = {r["index"]: r for r in out.iter_rows(named=True)}
@@ -384,7 +387,13 @@ def test_row_policies_counted_in_metadata(tmp_path, smol_tokenizer, tiny_target)
     result, _, _ = run_stages(tmp_path / "drop", pk, [tokenized_sequences], tiny_target, {"max_length": max_length})
     assert result.success
     meta = result.asset_materializations_for_node("tokenized_sequences")[0].metadata
-    assert meta["counts"].value == {"kept": 3, "dropped_truncated": 2, "error_rows": 1, "dropped_over_max_length": 3}
+    assert meta["counts"].value == {
+        "kept": 3,
+        "ids_rendered": 3,
+        "dropped_truncated": 2,
+        "error_rows": 1,
+        "dropped_over_max_length": 3,
+    }
     assert meta["rows"].value == 3
     aside = pl.read_parquet(tmp_path / "drop" / "tokenized_sequences" / f"{pk}.set_aside.parquet")
     assert sorted(aside["index"].to_list()) == [3, 4, 5, 6, 7, 8]
@@ -401,7 +410,13 @@ def test_row_policies_counted_in_metadata(tmp_path, smol_tokenizer, tiny_target)
     assert result.success
     meta = result.asset_materializations_for_node("tokenized_sequences")[0].metadata
     # row 8 cannot be cut: its prompt alone is longer than max_length
-    assert meta["counts"].value == {"kept": 7, "cut": 2, "error_rows": 1, "dropped_over_max_length": 1}
+    assert meta["counts"].value == {
+        "kept": 7,
+        "ids_rendered": 7,
+        "cut": 2,
+        "error_rows": 1,
+        "dropped_over_max_length": 1,
+    }
     out = pl.read_parquet(tmp_path / "keep" / "tokenized_sequences" / f"{pk}.parquet")
     assert out["index"].to_list() == [0, 1, 2, 3, 4, 6, 7]
     for r in out.iter_rows(named=True):

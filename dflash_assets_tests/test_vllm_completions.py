@@ -126,7 +126,7 @@ def test_completions_on_real_vllm_servers_are_exact(tmp_path):
     from dflash_assets.assets.completions import completions
     from dflash_assets.assets.prompts import prompt_corpus
     from dflash_assets.assets.tokenized import tokenized_sequences
-    from dflash_assets.data.tokenization import SequenceBuilder
+    from dflash_assets.data.sequence_builder import SequenceBuilder
     from dflash_assets.generation.engines.local_model import ensure_local_model
     from dflash_assets.orchestration.partitions import prompt_ranges
     from dflash_assets.stages.resources.generation import GenerationResource

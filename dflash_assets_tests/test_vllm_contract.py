@@ -5,24 +5,32 @@ suite made it) runs ``dflash_simulators/vllm_judge.py`` in a subprocess, exchang
 lines of mode ``vllm`` (CPU and a GPU node's layout) and of the evaluation's DFlash engine are parsed by vLLM's
 own parser and ``validate_parsed_serve_args``, with the values the config asks for; the chat body of the
 completions stage and the ``/v1/completions`` body of engine tau are validated by vLLM's request models, no key
-dropped in silence.
+dropped in silence; and (issue 49) every body the project sends vLLM, tools included, goes through vLLM's own
+renderer for the project's command line: what reaches the chat template and the prompt ids vLLM tokenizes are the
+project's rendering of the same conversation.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from dflash_assets.common.settings import GenerationSettings
+from dflash_assets.data.sequence_builder import SequenceBuilder
+from dflash_assets.generation.engines.engine_render import engine_tools, vllm_messages
 from dflash_assets.generation.engines.environments import vllm_environment, vllm_packages_for
+from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.generation.servers.pool import ServerPool
 from dflash_assets.generation.servers.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt
 from dflash_assets.generation.servers.vllm_servers import build_vllm_command, dflash_speculative_config
 from dflash_assets.stages.evaluation import vllm_engine
 from dflash_assets.stages.resources.inference import InferenceServerResource
+from dflash_assets_tests.engine_bodies import TOJSON_TEMPLATE, project_bodies
 
 JUDGE = Path(__file__).resolve().parents[1] / "bench" / "dflash_simulators" / "vllm_judge.py"
 PROMPT = [{"role": "user", "content": "What is 2+2?"}]
@@ -50,7 +58,9 @@ def flags(argv: tuple[str, ...]) -> list[str]:
     return list(argv[3:])
 
 
-def test_vllm_parses_every_command_line_and_takes_every_body(vllm_python, monkeypatch):
+@pytest.fixture(scope="module")
+def judged(vllm_python) -> dict:
+    """vLLM's verdict on every command line and body of both tests, in one judge run (vLLM imports in ~15 s)."""
     cpu = InferenceServerResource(mode="vllm", vllm={"model_path": "/models/m", "max_model_len": 2048})
     gpu = InferenceServerResource(
         mode="vllm",
@@ -86,17 +96,32 @@ def test_vllm_parses_every_command_line_and_takes_every_body(vllm_python, monkey
         sent.append(kw["json"])
         return 503, b"caught"
 
-    monkeypatch.setattr(vllm_engine, "read_counters", lambda *args: vllm_engine.SpecCounters())
-    monkeypatch.setattr(vllm_engine, "_bounded_get_or_post", post)
-    with pytest.raises(EngineError, match="HTTP 503: caught"):  # the body is all this call is for
-        vllm_engine.vllm_decode("http://x", "/models/m", [EnginePrompt("d", 0, [5, 6, 7])], 32, stop_token_ids=[2])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vllm_engine, "read_counters", lambda *args: vllm_engine.SpecCounters())
+        patch.setattr(vllm_engine, "_bounded_get_or_post", post)
+        with pytest.raises(EngineError, match="HTTP 503: caught"):  # the body is all this call is for
+            vllm_engine.vllm_decode("http://x", "/models/m", [EnginePrompt("d", 0, [5, 6, 7])], 32, stop_token_ids=[2])
+    # the bodies of issue 49 on the project's command line with a tojson template, through vLLM's own renderer
+    served = InferenceServerResource(mode="vllm", vllm={"max_model_len": 8192}).vllm_commands(
+        "python", port_base=8000, chat_template=TOJSON_TEMPLATE
+    )[0]
+    bodies = project_bodies("vllm", model=str(ensure_local_model()))
     cases = [{"op": "serve_args", "argv": flags(c.argv)} for c in commands]
     cases += [
         {"op": "chat_request", "body": chat},
         {"op": "completion_request", "body": sent[0]},
         {"op": "serve_args", "argv": ["--model", "/m", "--max-num-seq-s", "4"]},
+        {"op": "chat_render", "serve_argv": flags(served.argv), "bodies": [b.body for b in bodies]},
     ]
-    verdicts = judge(vllm_python, cases)
+    found = judge(vllm_python, cases)
+    return {
+        "cpu": cpu, "commands": commands, "chat": chat, "sent": sent, "bodies": bodies,
+        "verdicts": found[:-1], "renders": found[-1]["renders"],
+    }  # fmt: skip
+
+
+def test_vllm_parses_every_command_line_and_takes_every_body(judged):
+    cpu, commands, chat, sent, verdicts = (judged[k] for k in ("cpu", "commands", "chat", "sent", "verdicts"))
 
     parsed = [v["namespace"] for v in verdicts[: len(commands)]]
     assert all("error" not in v for v in verdicts[: len(commands)]), verdicts
@@ -125,3 +150,29 @@ def test_vllm_parses_every_command_line_and_takes_every_body(vllm_python, monkey
     assert completion_verdict["fields"]["return_token_ids"] is True
     # the judge can refuse
     assert "--max-num-seq-s" in verdicts[-1]["error"]
+
+
+def test_vllm_hands_the_template_what_the_project_renders_for_every_body(judged):
+    """Issue 49 items 2 and 3: every body the project sends vLLM (a plain prompt, a BFCL tool conversation with 31
+    tools, the tool probe, tools without a description, an on-policy turn, the start-up probe) goes through the
+    renderer vLLM's own server builds for the project's command line (a tojson template): what vLLM hands
+    ``apply_chat_template`` is the project's, key order included, and the prompt ids vLLM tokenizes are exactly
+    the project's rendering of the same stored conversation."""
+    bodies = judged["bodies"]
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_local_model()))
+    tokenizer.chat_template = TOJSON_TEMPLATE.read_text()
+    builder = SequenceBuilder(tokenizer, engine="vllm")
+    for b, render in zip(bodies, judged["renders"], strict=True):
+        assert "error" not in render, (b.name, render)
+        (call,) = render["template_calls"]
+        assert json.dumps(call["conversation"]) == json.dumps(vllm_messages(b.api_messages)), b.name  # key order too
+        assert json.dumps(call["tools"]) == json.dumps(engine_tools("vllm", b.api_tools)), b.name
+        assert call["add_generation_prompt"] is True and call["tokenize"] is False, b.name
+        assert call["chat_template"] == hashlib.sha256(TOJSON_TEMPLATE.read_text().encode()).hexdigest(), b.name
+        text = builder.prompt_text(b.messages, b.template_kwargs.get("enable_thinking", True), b.tools)
+        assert render["prompt_token_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"], b.name
+    # vLLM's dump adds a missing description as null and nothing else: the BFCL tools (all described) render as
+    # stored, where SGLang's adds 23 characters per tool (test_sglang_contract)
+    bfcl = next(b for b in bodies if b.name.startswith("tool conversation"))
+    raw = SequenceBuilder(tokenizer).prompt_text(bfcl.messages, True, bfcl.tools)
+    assert builder.prompt_text(bfcl.messages, True, bfcl.tools) == raw

@@ -17,7 +17,9 @@ Cases (``op``):
 
 - ``server_args``: ``argv`` parsed by ``ServerArgs.add_cli_args``'s parser (``namespace``: every dest, JSON-safe)
   and by ``prepare_server_args`` (``prepared``: the ``ServerArgs`` fields, or ``prepare_error``); an argparse
-  refusal gives ``error`` with argparse's message.
+  refusal gives ``error`` with argparse's message. With ``--enable-deterministic-inference``, ``deterministic``:
+  the attention backend, sampling backend and ``disable_radix_cache`` SGLang's ``handle_deterministic_inference``
+  resolves them to at launch.
 - ``chat_request``: ``body`` validated by ``ChatCompletionRequest`` (``error`` on a refusal); ``unknown``: the
   keys no field (or alias) of the model takes, which SGLang drops in silence; ``fields``: the validated values.
 - ``generate_request``: ``body`` given to ``GenerateReqInput(**body)`` and its ``sampling_params`` to
@@ -29,6 +31,21 @@ Cases (``op``):
 - ``generate_meta``: the speculative fields of ``/generate``'s ``meta_info`` as SGLang's
   ``TokenizerManager._calculate_spec_decoding_metrics`` computes them from ``spec_verify_ct``,
   ``spec_num_correct_drafts``, ``completion_tokens``, ``num_draft_tokens`` and ``histogram``.
+- ``chat_process``: what SGLang's chat endpoint makes of ``body`` before any model runs:
+  ``OpenAIServingChat._convert_to_internal_request`` (``_process_messages`` -> ``_apply_jinja_template`` ->
+  ``_render_and_encode_chat_template``) with a recording tokenizer in place of the model's. ``template_calls``:
+  every ``tokenizer.apply_chat_template`` call, its messages, ``tools`` and keyword arguments exactly as SGLang
+  hands them over (the rendered text is the recorder's, so only the inputs are judged; rendering them with the
+  real tokenizer is the caller's); ``encoded``: other texts SGLang encoded (a continued message's prefix, whose ids
+  it appends, one stand-in id per character); ``generate``: the ``GenerateReqInput`` it builds (``input_ids``: the
+  ids the recorder's ``encode`` returned for the prompt, ``case["prompt_ids"]``, then those of ``encoded``;
+  ``return_prompt_token_ids``, ``sampling_params``).
+- ``length_check``: SGLang's own context-length rule (``TokenizerManager._validate_one_request``) on a prompt of
+  ``prompt_tokens`` ids with ``max_new_tokens`` under ``context_length``: ``ok`` or SGLang's ``error``.
+- ``router_args``: ``argv`` through ``sglang_router.launch_server``'s own ``main`` (sglang-router's parser:
+  ``ServerArgs.add_cli_args``, ``RouterArgs.add_cli_args(use_router_prefix=True, exclude_host_port=True)``,
+  ``--router-dp-worker-base-port``), stopped before any process starts: ``server`` (the ``ServerArgs`` it made),
+  ``router`` (its ``RouterArgs``), ``worker_base_port``; an argparse refusal gives ``error``.
 """
 
 from __future__ import annotations
@@ -37,6 +54,7 @@ import abc
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -261,9 +279,24 @@ def server_args(case: dict) -> dict:
             prepared = prepare_server_args(argv)
         fields = getattr(type(prepared), "__struct_fields__", None) or list(vars(prepared))
         out["prepared"] = _safe({name: getattr(prepared, name, None) for name in fields})
+        if prepared.enable_deterministic_inference:
+            out["deterministic"] = _deterministic(prepared)
     except BaseException as exc:
         out["prepare_error"] = f"{type(exc).__name__}: {exc}"[:1000]
     return out
+
+
+def _deterministic(prepared: Any) -> dict:
+    """What ``--enable-deterministic-inference`` resolves to at launch on the stand-in machine (one B200):
+    SGLang's own ``handle_deterministic_inference`` run on the prepared ``ServerArgs``, read through its
+    ``resolved_view`` (the launch applies these declarations; ``prepare_server_args`` alone does not)."""
+    from sglang.srt.arg_groups.attention_hook import handle_deterministic_inference
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        handle_deterministic_inference(prepared)
+    view = resolved_view(prepared)
+    return {name: getattr(view, name) for name in ("attention_backend", "sampling_backend", "disable_radix_cache")}
 
 
 def chat_request(case: dict) -> dict:
@@ -296,32 +329,96 @@ def generate_request(case: dict) -> dict:
     return {"ok": True}
 
 
-def chat_reply(case: dict) -> dict:
+class _RecordingTokenizer:
+    """Stands in for the model's tokenizer in :func:`chat_process`: records every ``apply_chat_template`` call
+    (deep copies of what SGLang passes) and encodes any text as ``prompt_ids``."""
+
+    chat_template = "{{ messages }}"
+    bos_token_id = None  # no BOS to strip from an encoded continuation prefix
+
+    def __init__(self, prompt_ids: list[int]):
+        self.calls: list[dict[str, Any]] = []
+        self.encoded: list[str] = []  # texts encoded besides the rendered prompt (a continuation's prefix)
+        self.prompt_ids = list(prompt_ids)
+
+    def apply_chat_template(self, messages, **kwargs):
+        import copy
+
+        self.calls.append({"messages": copy.deepcopy(messages), **copy.deepcopy(kwargs)})
+        return "recorded prompt"
+
+    def encode(self, text, **kwargs):
+        if text == "recorded prompt":
+            return list(self.prompt_ids)
+        self.encoded.append(text)
+        return [0] * len(text)  # one stand-in id per character
+
+    def decode(self, ids, **kwargs):
+        return "recorded prompt"
+
+
+def _serving_chat(server_argv: list[str], chat_template: str | None, tokenizer: Any = None):
+    """An ``OpenAIServingChat`` with what its ``__init__`` would set from ``server_argv`` and the served
+    ``chat_template`` (a plain Jinja template, no tool-call parser unless the flags name one), without a model."""
+    from collections import OrderedDict
+
     from sglang.srt.entrypoints.openai import serving_chat
-    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
     from sglang.srt.parser.template_detection import detect_reasoning_pattern
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import json_response
 
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        args = prepare_server_args(list(case["server_argv"]))
+        args = prepare_server_args(list(server_argv))
     # the serving config SGLang publishes at start-up (the model's own config would be read for the rest)
     serving_chat.get_serving = lambda: types.SimpleNamespace(
-        return_input_ids=False, return_output_ids=False, enable_cache_report=args.enable_cache_report
+        return_input_ids=False,
+        return_output_ids=False,
+        enable_cache_report=args.enable_cache_report,
+        default_chat_template_kwargs=None,
+        trust_request_chat_template=False,
+        allow_auto_truncate=args.allow_auto_truncate,
     )
     json_response.Response = lambda content, media_type: content  # the body starlette would send
-    server = object.__new__(serving_chat.OpenAIServingChat)  # what __init__ sets that the builder reads
+    server = object.__new__(serving_chat.OpenAIServingChat)  # what __init__ sets that the code judged reads
     server.reasoning_parser = args.reasoning_parser
     server.tool_call_parser = args.tool_call_parser
     server.chat_encoding_spec = None
     server._encoding_adapter = None
     server._response_parser = None
     server._reasoning_detector = None
+    server.default_chat_template_kwargs = {}
+    server.default_sampling_params = {}
+    server.allowed_custom_labels = None
+    server.is_gpt_oss = server.is_gemma4 = server.is_minimax_m3 = False
+    server._tokenizer_auto_adds_specials = False  # Qwen / SmolLM2 tokenizers add no BOS to encode("")
+    server._prompt_text_round_trip_is_lossy = False  # a Hugging Face tokenizer's text round trip is exact
+    server._template_reads_reasoning_content = True
+    server._chat_template_cache = OrderedDict()
     # what SGLang's template manager detects in the served chat template (does it open the thinking, and with
-    # which toggle), by SGLang's own rules
-    always_on, toggle = detect_reasoning_pattern(case.get("chat_template"))
-    server.template_manager = types.SimpleNamespace(force_reasoning=always_on, reasoning_config=toggle)
-    server.tokenizer_manager = types.SimpleNamespace(tokenizer=None)
+    # which toggle), by SGLang's own rules; a Jinja template (no named conversation template), string content
+    always_on, toggle = detect_reasoning_pattern(chat_template)
+    server.template_manager = types.SimpleNamespace(
+        force_reasoning=always_on,
+        reasoning_config=toggle,
+        chat_template_name=None,
+        jinja_template_content_format="string",
+        jinja_template_may_reorder_tool_results=False,
+        python_chat_template=None,
+    )
+    model_config = types.SimpleNamespace(
+        is_multimodal=False, hf_config=types.SimpleNamespace(architectures=["Qwen3ForCausalLM"])
+    )
+    server.tokenizer_manager = types.SimpleNamespace(
+        tokenizer=tokenizer, model_config=model_config, served_model_name="judge"
+    )
+    return server, args
+
+
+def chat_reply(case: dict) -> dict:
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+    from sglang.srt.utils import json_response
+
+    server, args = _serving_chat(case["server_argv"], case.get("chat_template"))
     request = ChatCompletionRequest.model_validate(case["request"])
     output_ids = list(case["output_ids"])
     meta = {
@@ -333,6 +430,10 @@ def chat_reply(case: dict) -> dict:
         "weight_version": args.weight_version,
     }
     ret = [{"text": case["text"], "output_ids": output_ids, "meta_info": meta}]
+    if case.get("prompt_token_ids") is not None:
+        # what TokenizerManager puts beside the output when the request asked for prompt ids
+        # (``state.prompt_token_ids``: the tokenized input, ``return_prompt_token_ids``)
+        ret[0]["prompt_token_ids"] = list(case["prompt_token_ids"])
     response = server._build_chat_response(request, ret, 0)
     body = json_response.model_json_response(response)
     return {"body": body.decode() if isinstance(body, bytes) else body}
@@ -353,8 +454,125 @@ def generate_meta(case: dict) -> dict:
     return {"meta": _safe(meta)}
 
 
+def chat_process(case: dict) -> dict:
+    from pydantic import ValidationError
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    tokenizer = _RecordingTokenizer(case.get("prompt_ids") or [1, 2, 3])
+    server, _ = _serving_chat(case["server_argv"], case.get("chat_template"), tokenizer)
+    try:
+        request = ChatCompletionRequest.model_validate(case["body"])
+    except ValidationError as exc:
+        return {"error": str(exc)[:2000]}
+    try:
+        adapted, _ = server._convert_to_internal_request(request)
+    except ValueError as exc:  # SGLang answers these with HTTP 400
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000], "template_calls": _safe(tokenizer.calls)}
+    params = adapted.sampling_params
+    return {
+        "template_calls": _safe(tokenizer.calls),
+        "encoded": tokenizer.encoded,
+        "generate": {
+            "input_ids": adapted.input_ids,
+            "text": adapted.text,
+            "return_prompt_token_ids": adapted.return_prompt_token_ids,
+            "sampling_params": _safe(params if isinstance(params, dict) else vars(params)),
+        },
+    }
+
+
+def length_check(case: dict) -> dict:
+    """SGLang's own length rule (``TokenizerManager._validate_one_request``) on a prompt of ``prompt_tokens`` ids
+    and ``max_new_tokens``, under ``--context-length`` ``context_length`` (no EAGLE: no reserved tokens; no
+    ``--allow-auto-truncate``): ``{"ok": true}`` or ``error``, the ValueError SGLang answers with HTTP 400."""
+    from sglang.srt.managers import tokenizer_manager
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    tokenizer_manager.get_exec = lambda: types.SimpleNamespace(
+        features=types.SimpleNamespace(enable_encoder_swa_bounded_replay=False)
+    )
+    manager = types.SimpleNamespace(
+        context_len=int(case["context_length"]),
+        num_reserved_tokens=0,
+        allow_auto_truncate=False,
+        validate_total_tokens=True,
+        is_generation=True,
+        _validate_joint_schema_request=lambda obj, input_ids: None,
+        _validate_token_ids_logprob=_past_the_length_rule,  # what the function checks next: other fields
+    )
+    ids = [1] * int(case["prompt_tokens"])
+    request = GenerateReqInput(input_ids=ids, sampling_params={"max_new_tokens": int(case["max_new_tokens"])})
+    try:
+        tokenizer_manager.TokenizerManager._validate_one_request(manager, request, ids)
+    except ValueError as exc:
+        return {"error": str(exc)[:500]}
+    except _Stop:
+        return {"ok": True}
+    return {"crash": "the length rule was not reached"}
+
+
+def _past_the_length_rule(obj: Any) -> None:
+    raise _Stop
+
+
+class _Stop(Exception):
+    """Raised where the code judged has done what is judged: ``sglang_router.launch_server.main`` is about to start
+    processes (:func:`router_args`), ``_validate_one_request`` is past its length rule (:func:`length_check`)."""
+
+
+def router_args(case: dict) -> dict:
+    import multiprocessing
+
+    from sglang.srt.server_args import ServerArgs
+    from sglang_router import launch_server
+    from sglang_router.router_args import RouterArgs
+
+    made: dict[str, Any] = {}
+    server_from, router_from = ServerArgs.from_cli_args.__func__, RouterArgs.from_cli_args.__func__
+
+    def server(cls, args):
+        made["server"], made["worker_base_port"] = server_from(cls, args), args.router_dp_worker_base_port
+        return made["server"]
+
+    def router(cls, args, use_router_prefix=False):
+        made["router"] = router_from(cls, args, use_router_prefix)
+        return made["router"]
+
+    def stop(*args, **kwargs):
+        raise _Stop
+
+    ServerArgs.from_cli_args, RouterArgs.from_cli_args = classmethod(server), classmethod(router)
+    launch_server.find_available_ports = stop  # the first thing main does after parsing: pick worker ports
+    multiprocessing.set_start_method = lambda *args, **kwargs: None  # main sets "spawn"; once per process
+    sys.argv = ["sglang_router.launch_server", *case["argv"]]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            launch_server.main()
+    except _Stop:
+        pass
+    except SystemExit as exc:
+        said = [line for line in err.getvalue().splitlines() if "error:" in line]
+        return {"error": (said[-1] if said else f"exit {exc.code}")[-1000:]}
+    finally:
+        ServerArgs.from_cli_args, RouterArgs.from_cli_args = classmethod(server_from), classmethod(router_from)
+
+    def fields(obj: Any) -> dict:
+        names = getattr(type(obj), "__struct_fields__", None) or [f.name for f in dataclasses.fields(obj)]
+        return _safe({name: getattr(obj, name, None) for name in names})
+
+    return {
+        "server": fields(made["server"]),
+        "router": fields(made["router"]),
+        "worker_base_port": made["worker_base_port"],
+    }
+
+
 OPS = {
     "server_args": server_args,
+    "chat_process": chat_process,
+    "router_args": router_args,
+    "length_check": length_check,
     "chat_request": chat_request,
     "generate_request": generate_request,
     "chat_reply": chat_reply,

@@ -59,10 +59,17 @@ Admission (the request gets its slot; the cache is looked up then) appends ``{"e
 also carries ``stalled_s``, the simulated seconds its decode waited for other requests' prefills.
 
 Where it differs from SGLang 0.5.23 (whose own models judge the project's requests and replies in
-``dflash_assets_tests/test_sglang_contract.py``): generated ids come back as ``choices[0].response_token_ids``
-only with ``--sim-token-ids`` (SGLang: whenever ``return_token_ids`` is asked), so tests that tokenize the
-stub's text keep their references; the ids are :data:`~dflash_simulators.simulated_replies.THINK_TOKEN_ID` /
-``ANSWER_TOKEN_ID`` per token, no real vocabulary. ``/generate``'s ``output_ids`` are zeros. No context limit
+``dflash_assets_tests/test_sglang_contract.py``): without ``--sim-tokenizer`` there is no tokenizer: the prompt is
+not rendered (``usage.prompt_tokens`` counts the messages' words + 5), ``tools`` and ``tool_choice`` change nothing,
+no ``prompt_token_ids`` come back, and generated ids come back as ``choices[0].response_token_ids`` only with
+``--sim-token-ids`` (SGLang: whenever ``return_token_ids`` is asked), so tests that tokenize the stub's text keep
+their references; those ids are :data:`~dflash_simulators.simulated_replies.THINK_TOKEN_ID` / ``ANSWER_TOKEN_ID``
+per token, no real vocabulary. With ``--sim-tokenizer`` (``--model-path`` a model directory, ``--chat-template``
+as SGLang takes it) the prompt is rendered as SGLang renders it, tools included as its ``Tool`` model dumps them
+and dropped under ``tool_choice`` "none", and a ``return_token_ids`` reply carries ``choices[0].prompt_token_ids``
+and ``response_token_ids`` that decode to its text (:mod:`~dflash_simulators.sim_render`, whose docstring lists
+what remains different: no reasoning parser there, the text all in ``content``).
+``/generate``'s ``output_ids`` are zeros. No context limit
 (SGLang: HTTP 400 when prompt + ``max_new_tokens`` exceed ``--context-length``), and ``seed`` is neither used
 nor refused. A continuation past the thinking gets its text as ``content`` with ``reasoning_content`` null;
 SGLang's reasoning parser, which never sees the prefix's ``</think>`` and is forced on by a template that opens
@@ -103,7 +110,15 @@ SAMPLING_PARAMS = frozenset(
         "custom_params", "watermark",
     }
 )  # fmt: skip
-from dflash_simulators.simulated_replies import drawn_length, prompt_tokens_of, reply_fields, reply_token_ids
+from dflash_simulators.sim_render import SimRenderer
+from dflash_simulators.simulated_replies import (
+    ANSWER_TOKEN_ID,
+    THINK_TOKEN_ID,
+    drawn_length,
+    prompt_tokens_of,
+    reply_fields,
+    reply_token_ids,
+)
 
 
 def process_start_time() -> float:
@@ -126,6 +141,7 @@ class Simulator:
     def __init__(self, args: argparse.Namespace, dflash: DFlashSim | None = None) -> None:
         self.args = args
         self.dflash = dflash
+        self.renderer = SimRenderer(args.model_path, args.chat_template) if args.sim_tokenizer else None
         self.speed = args.sim_speed
         self.slots = asyncio.Semaphore(args.max_running_requests)
         self.ready = False
@@ -220,6 +236,13 @@ class Simulator:
         )
         fields = reply_fields(length, int(max_tokens), done, raw=body.get("separate_reasoning") is False)
         prompt_tokens = prompt_tokens_of(messages)
+        prompt_ids = output_ids = None
+        if self.renderer is not None:  # --sim-tokenizer: SGLang's rendering and ids that decode to the text
+            prompt_ids = self.renderer.prompt_ids(body)
+            drawn = reply_token_ids(length, int(max_tokens), done)
+            output_ids = self.renderer.reply_ids(drawn.count(THINK_TOKEN_ID), drawn.count(ANSWER_TOKEN_ID))
+            fields = {**fields, "reasoning_content": None, "content": self.renderer.text(output_ids)}
+            prompt_tokens = len(prompt_ids)
         conversation = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
         stalled = await self.occupy(key, max_tokens, (conversation, prompt_tokens, done, fields["completion_tokens"]))
         self.log_request(
@@ -234,7 +257,10 @@ class Simulator:
             },
             "finish_reason": fields["finish_reason"],
         }
-        if self.args.sim_token_ids and body.get("return_token_ids"):  # SGLang's chat name for the generated ids
+        if output_ids is not None and body.get("return_token_ids"):  # as SGLang: the prompt's ids beside them
+            choice["prompt_token_ids"] = prompt_ids
+            choice["response_token_ids"] = output_ids
+        elif self.args.sim_token_ids and body.get("return_token_ids"):  # SGLang's chat name for the generated ids
             choice["response_token_ids"] = reply_token_ids(length, int(max_tokens), done)
         return {
             "id": f"sim-{self.finished}",
@@ -290,6 +316,7 @@ class Simulator:
             "tp_size": self.args.tp_size,
             "max_running_requests": self.args.max_running_requests,
             "speculative_algorithm": None,
+            "enable_deterministic_inference": self.args.enable_deterministic_inference,
             **(self.dflash.server_info() if self.dflash is not None else {}),
         }
 
@@ -426,6 +453,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-running-requests", type=int, default=40)
     p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--chat-template", default=None, help="as SGLang's: the Jinja template file (used with --sim-tokenizer)"
+    )
+    p.add_argument("--enable-deterministic-inference", action="store_true", help="reported in /server_info")
     p.add_argument("--sim-startup-s", type=float, default=180.0, help="simulated seconds until the port opens")
     p.add_argument("--sim-decode-tok-per-s", type=float, default=87.5, help="decode rate of one slot, simulated tok/s")
     p.add_argument(
@@ -450,6 +481,12 @@ def _parser() -> argparse.ArgumentParser:
         "--sim-token-ids",
         action="store_true",
         help="answer return_token_ids with choices[0].response_token_ids, as SGLang does (off: no ids)",
+    )
+    p.add_argument(
+        "--sim-tokenizer",
+        action="store_true",
+        help="load --model-path's tokenizer: render each chat request as SGLang does (tools dumped by its Tool model, "
+        "none with tool_choice none), return its prompt_token_ids and ids that decode to the reply (sim_render.py)",
     )
     p.add_argument("--sim-starts-file", default=None, help="append one line per start")
     p.add_argument("--sim-request-log", default=None, help="append one JSON line per request arrival and finish")

@@ -13,6 +13,13 @@ Cases (``op``):
 - ``chat_request`` / ``completion_request``: ``body`` validated by vLLM's ``ChatCompletionRequest`` /
   ``CompletionRequest`` (``error`` on a refusal); ``unknown``: keys no field (or alias) takes, which vLLM
   only logs and drops; ``fields``: the validated values that were set.
+- ``chat_render``: what vLLM's chat endpoint makes of each of ``bodies`` before the engine sees it, on the
+  server ``serve_argv`` describes (its ``--model`` directory and ``--chat-template``): the state vLLM's CPU-only
+  render server builds (``vllm/entrypoints/launchers/render``: ``run_launch_fastapi``'s configs,
+  ``init_render_app_state``), then ``OnlineRenderer.render_chat`` per body, with the real tokenizer. Per body:
+  ``prompt_token_ids`` (the engine input vLLM tokenized: what a reply's ``prompt_token_ids`` holds),
+  ``template_calls`` (each ``tokenizer.apply_chat_template`` call: ``conversation``, ``tools`` and the keyword
+  arguments, ``chat_template`` replaced by its SHA-256), or ``error`` (vLLM's error response).
 """
 
 from __future__ import annotations
@@ -72,7 +79,74 @@ def completion_request(case: dict) -> dict:
     return _request(CompletionRequest, case["body"])
 
 
-OPS = {"serve_args": serve_args, "chat_request": chat_request, "completion_request": completion_request}
+def chat_render(case: dict) -> dict:
+    import asyncio
+    import copy
+    import hashlib
+
+    from starlette.datastructures import State
+    from vllm import AsyncEngineArgs, envs
+    from vllm.config import VllmConfig
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.render.app_state import init_render_app_state
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(list(case["serve_argv"]))
+    validate_parsed_serve_args(args)
+
+    async def render() -> list[dict]:
+        # vllm/entrypoints/launchers/render/entry.py run_launch_fastapi, without the socket
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        model_config = engine_args.create_model_config()
+        model_config.quantization = None
+        envs.VLLM_CPU_KVCACHE_SPACE = 0
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            logging_config=engine_args.create_logging_config(),
+            structured_outputs_config=engine_args.create_structured_outputs_config(),
+        )
+        state = State()
+        await init_render_app_state(vllm_config, state, args)
+        renderer = state.online_renderer
+        tokenizer = renderer.renderer.tokenizer
+        calls: list[dict] = []
+        apply = tokenizer.apply_chat_template
+
+        def recorded(*positional, **kwargs):
+            call = copy.deepcopy(kwargs)
+            if isinstance(call.get("chat_template"), str):
+                call["chat_template"] = hashlib.sha256(call["chat_template"].encode()).hexdigest()
+            calls.append({"positional": copy.deepcopy(list(positional)), **call})
+            return apply(*positional, **kwargs)
+
+        tokenizer.apply_chat_template = recorded
+        out = []
+        for body in case["bodies"]:
+            calls.clear()
+            try:
+                result = await renderer.render_chat(ChatCompletionRequest.model_validate(body))
+            except Exception as exc:  # a refusal the endpoint answers with 400
+                out.append({"error": f"{type(exc).__name__}: {exc}"[:2000], "template_calls": _safe(calls)})
+                continue
+            if not isinstance(result, tuple):  # an ErrorResponse
+                error = result.model_dump() if hasattr(result, "model_dump") else repr(result)
+                out.append({"error": _safe(error), "template_calls": _safe(calls)})
+                continue
+            _, engine_inputs = result
+            out.append({"prompt_token_ids": list(engine_inputs[0]["prompt_token_ids"]), "template_calls": _safe(calls)})
+        return out
+
+    with contextlib.redirect_stdout(sys.stderr):
+        return {"renders": asyncio.run(render())}
+
+
+OPS = {
+    "serve_args": serve_args,
+    "chat_request": chat_request,
+    "completion_request": completion_request,
+    "chat_render": chat_render,
+}
 
 
 def main() -> None:

@@ -122,6 +122,7 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
         "cap": report.get("cap"),
         "cap_advice": report.get("cap_advice"),
         "tokenized_rows": sums["tokenized_rows"],
+        **_token_origin(instance, keys),
         "loss_tokens": sums["loss_tokens"],
         "hidden_state_bytes": sums["hidden_state_bytes"],
         "hidden_state_tokens": sums["hidden_state_tokens"],
@@ -186,6 +187,30 @@ def _partition_sums(instance: dg.DagsterInstance, keys: list[str]) -> tuple[dict
         "hidden_state_tokens": hs_tokens,
     }
     return sums, seen
+
+
+def _token_origin(instance: dg.DagsterInstance, keys: list[str]) -> dict:
+    """From each partition's latest completions and tokenized_sequences metadata: tokenized rows by ids source
+    (``tokenized_by_ids_source``; a partition tokenized before they were counted: ``unknown``), how many renderings
+    differ from the server's prompt ids (``prompt_ids_differ``), and what the servers said of the seed
+    (``seed_honoured``: the distinct values of the completions' ``seed_honoured``, absent when no seed was set)."""
+    sources: Counter = Counter()
+    differ, seeds = 0, set()
+    for pk in keys:
+        completions, tokenized = _meta(instance, "completions", pk), _meta(instance, "tokenized_sequences", pk)
+        counts = tokenized.get("counts") or {}
+        sources.update({k[len("ids_") :]: v for k, v in counts.items() if k.startswith("ids_")})
+        if tokenized and not any(k.startswith("ids_") for k in counts):
+            sources["unknown"] += tokenized.get("rows", 0)
+        differ += counts.get("prompt_ids_differ", 0)
+        seed = (completions.get("settings") or {}).get("seed")
+        if seed is not None:  # what the servers said of it (a partition made before they were asked: unknown)
+            seeds.add(completions.get("seed_honoured") or "unknown")
+    return {
+        "tokenized_by_ids_source": dict(sorted(sources.items())),
+        "prompt_ids_differ": differ,
+        "seed_honoured": sorted(seeds),
+    }
 
 
 def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None) -> list[dict]:

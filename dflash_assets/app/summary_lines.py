@@ -1,8 +1,9 @@
 """The end-of-run summary as lines (:func:`format_summary`), from the figures :func:`~dflash_assets.app.summary.
 collect_summary` gathered: the corpus, completions, features, the drafter and its acceptance, failed checks, where
 every output is; the serving engine's lines (vLLM's or SGLang's tau beside the in-process figure, or the
-simulator's figure marked as plumbing), tau on tool-call turns apart, and who wins against the free baseline,
-n-gram lookup, in tokens per target forward."""
+simulator's figure marked as plumbing), tau on tool-call turns apart, who wins against the free baseline,
+n-gram lookup, in tokens per target forward; and where the training rows' ids come from (the server's, or the
+project's rendering) and whether the servers honoured the seed."""
 
 from __future__ import annotations
 
@@ -81,6 +82,28 @@ def tool_turn_lines(s: dict) -> list[str]:
     ]
 
 
+#: what the summary says of a configured seed, by what the servers said of it (generation/servers/origin.py)
+SEED_WORDS = {
+    "yes": "the servers sample with it",
+    "no": "the servers drop it",
+    "unknown": "unknowable: the servers do not say whether they sample with it (SGLang says so in /server_info, "
+    "vLLM always does; an external openai or transformers server does not)",
+}
+
+
+def ids_source_text(s: dict) -> str:
+    """``; ids: server N, rendered M`` (and how many renderings differ from the server's prompt ids), then what the
+    servers said of a configured seed (:data:`SEED_WORDS`), or nothing when no partition counted either."""
+    sources, text = s.get("tokenized_by_ids_source") or {}, ""
+    if sources:
+        text = "; ids: " + ", ".join(f"{k} {v}" for k, v in sources.items())
+    if s.get("prompt_ids_differ"):
+        text += f" ({s['prompt_ids_differ']} renderings differ from the server's prompt ids: see tokenized_sequences)"
+    if seeds := s.get("seed_honoured"):
+        text += "; seed: " + "; ".join(SEED_WORDS.get(v, v) for v in seeds)
+    return text
+
+
 def failed_check_lines(checks: list[dict], max_keys: int = 5) -> list[str]:
     """``failed checks      <asset.check> (WARN): 3 of 4 partitions failed: pk1, pk2, pk3`` lines
     (``none`` if empty)."""
@@ -145,11 +168,8 @@ def drafter_line(s: dict) -> str:
     if text is None:
         text = f"trained on {'-' if s.get('drafter_train_tokens') is None else s['drafter_train_tokens']} tokens"
     if s.get("drafter_ran") is False:
-        text = (
-            f"reused because nothing changed ({s.get('drafter_steps')} steps on "
-            f"{s.get('drafter_train_tokens')} tokens, "
-            "no training step this run)"
-        )
+        steps, tokens = s.get("drafter_steps"), s.get("drafter_train_tokens")
+        text = f"reused because nothing changed ({steps} steps on {tokens} tokens, no training step this run)"
     return f"{params} parameters; {text}"
 
 
@@ -238,7 +258,7 @@ def format_summary(s: dict) -> str:
         table = advice_table(s["cap_advice"])
         lines += [("cap advice         " if i == 0 else " " * 19) + row for i, row in enumerate(table)]
     lines += [
-        f"tokenized          {s['tokenized_rows']} rows, {s['loss_tokens']} loss tokens",
+        f"tokenized          {s['tokenized_rows']} rows, {s['loss_tokens']} loss tokens" + ids_source_text(s),
         f"hidden states      {s['hidden_state_bytes']} bytes ({_size(s['hidden_state_bytes'])}) "
         f"for {s['hidden_state_tokens']} tokens",
         f"drafter            {drafter_line(s)}",
@@ -275,5 +295,6 @@ __all__ = [
     "failed_check_lines",
     "feature_lines",
     "format_summary",
+    "ids_source_text",
     "tool_turn_lines",
 ]

@@ -1,10 +1,12 @@
 """Stage 4: ``tokenized_sequences[pk]``: ``input_ids`` + ``loss_mask`` per completion, with blocking checks."""
 
+from collections import Counter
+
 import dagster as dg
 import polars as pl
 
 from dflash_assets.common.cost import CpuClock
-from dflash_assets.data.tokenization import SequenceBuilder
+from dflash_assets.data.sequence_builder import SequenceBuilder
 from dflash_assets.orchestration.check_gate import CHECK_DEGENERATE, CHECK_NONEMPTY, CHECK_ROUNDTRIP
 from dflash_assets.orchestration.history import latest_metadata
 from dflash_assets.orchestration.partitions import prompt_ranges
@@ -14,6 +16,7 @@ from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_assets.stages.tokenized import (
     CHECK_MAX_LENGTH,
+    CHECK_RENDERING,
     CHECK_RETOKENIZED,
     CompletionsSourceError,
     TokenizeConfig,
@@ -51,6 +54,12 @@ from dflash_assets.stages.tokenized import (
             CHECK_MAX_LENGTH,
             asset="tokenized_sequences",
             description="Warns with the share of rows that max_length would cut at the current cap.",
+        ),
+        dg.AssetCheckSpec(
+            CHECK_RENDERING,
+            asset="tokenized_sequences",
+            description="Warns when the project's rendering of a context (the length pre-filter's, the in-process "
+            "evaluation's) differs from the server's prompt ids; the rows keep the server's ids.",
         ),
         dg.AssetCheckSpec(
             CHECK_RETOKENIZED,
@@ -104,6 +113,11 @@ def tokenized_sequences(
         )
     for row in aside.head(10).iter_rows(named=True):
         context.log.warning(f"{pk}: row {row['index']} set aside: {row['reason']}")
+    if counts.first_prompt_difference:
+        context.log.warning(
+            f"{pk}: {counts['prompt_ids_differ']} rows' rendering differs from the server's prompt "
+            f"ids (the rows keep the server's): {counts.first_prompt_difference}"
+        )
     lengths = tokenized["num_loss_tokens"].to_list()
     total_tokens = int(tokenized["input_ids"].list.len().sum() or 0)
     yield dg.MaterializeResult(
@@ -116,6 +130,8 @@ def tokenized_sequences(
             "num_loss_tokens_min": min(lengths, default=0),
             "num_loss_tokens_median": float(pl.Series(lengths).median() or 0) if lengths else 0.0,
             "end_token": builder.end_token,
+            "rows_by_ids_source": dict(sorted(Counter(tokenized["ids_source"].to_list()).items())),
+            "first_prompt_difference": counts.first_prompt_difference or "",
             "completions_mode": source.mode,
             "completions_path": store.uri(*source.parts),
             "path": dg.MetadataValue.path(uri),

@@ -101,13 +101,15 @@ class GenerationSettings(GenerationFields):
 
     def prompt_room(self, backend: str | None = None) -> int | None:
         """The longest templated prompt, in tokens, that fits with a full cap under ``context_length``; None
-        when the context is unknown. SGLang refuses prompt + ``max_new_tokens`` >= its context (HTTP 400,
-        ``TokenizerManager._validate_one_request``), so one token less for ``backend`` ``sglang``; vLLM refuses
-        a prompt longer than its context and silently lowers ``max_tokens`` to what is left (a row cut short
-        of the cap), so prompt + cap must not pass it."""
+        when the context is unknown. The same for every ``backend``: SGLang 0.5.23 refuses a prompt of the
+        context's length or more and prompt + ``max_new_tokens`` above the context (HTTP 400; ``managers/
+        tokenizer_manager.py`` ``TokenizerManager._validate_one_request``: ``input_token_num >= context_len``, then
+        ``max_new_tokens + input_token_num > context_len``; no tokens reserved without EAGLE), so prompt + cap may
+        equal it; vLLM refuses a prompt longer than its context and silently lowers ``max_tokens`` to what is left
+        (a row cut short of the cap), so prompt + cap must not pass it either."""
         if self.context_length is None:
             return None
-        return self.context_length - self.max_output_tokens - (1 if backend == "sglang" else 0)
+        return self.context_length - self.max_output_tokens
 
     def sampling_fingerprint(self) -> str:
         """Hash of every setting except ``max_output_tokens``, and of the chat template when one is set

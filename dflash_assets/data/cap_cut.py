@@ -55,7 +55,7 @@ def cut_rows(
         ``continued_from_tokens`` kept only while below the cap; latency, server and attempts those of the
         request that made the tokens. ``(None, reason)`` otherwise.
     """
-    from dflash_assets.data.tokenization import TokenizationError
+    from dflash_assets.data.sequence_builder import TokenizationError
 
     cap, fingerprint = settings.max_output_tokens, settings.sampling_fingerprint()
     out: list[tuple[dict[str, Any] | None, str | None]] = [(None, None)] * len(rows)

@@ -103,8 +103,9 @@ def check_seed(built: Mapping[str, Any]) -> None:
     raise ConfigError(
         f"{config_path()}: resources.generation.seed is {generation.seed} but SGLang ignores a request's seed unless "
         f"its servers run with {SGLANG_DETERMINISTIC_FLAG}, so no row would be sampled with it: add "
-        f"{SGLANG_DETERMINISTIC_FLAG} to resources.inference.sglang.extra_args (batch-invariant kernels: slower "
-        "decoding), or remove resources.generation.seed"
+        f"{SGLANG_DETERMINISTIC_FLAG} to resources.inference.sglang.extra_args (its cost: PyTorch's sampler, another "
+        "attention backend and, except with --attention-backend fa3/fa4/triton, no radix cache, so continuations and "
+        "conversation turns lose prefix reuse: docs/configuration.md), or remove resources.generation.seed"
     )
 
 

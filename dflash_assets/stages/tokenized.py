@@ -12,13 +12,15 @@ import polars as pl
 import pyarrow as pa
 from pydantic import Field
 
-from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, degenerate_mask_mode, tokenize_partition
+from dflash_assets.data.sequence_builder import SequenceBuilder
+from dflash_assets.data.tokenization import TokenizePolicy, degenerate_mask_mode, tokenize_partition
 from dflash_assets.generation.rows.records import PROMPT_TOO_LONG
 from dflash_assets.orchestration.check_gate import CHECK_DEGENERATE, CHECK_NONEMPTY, CHECK_ROUNDTRIP
 from dflash_assets.storage.store import parquet_bytes
 
 CHECK_MAX_LENGTH = "max_length_fits_prompt_plus_cap"
 CHECK_RETOKENIZED = "retokenized_length_matches_server"
+CHECK_RENDERING = "rendering_matches_server_prompt_ids"
 
 
 def tokenized_file(pk: str) -> tuple[str, str]:
@@ -132,7 +134,7 @@ def tokenize_stage(
     policy = TokenizePolicy(config.max_length, config.truncated, config.over_max_length)
     tokenized, aside, counts = tokenize_partition(completions, prompts, builder, policy, on_policy)
     uri, version = _write_outputs(store, pk, tokenized, aside)
-    checks = list(run_checks(tokenized, completions, builder, config, cap, on_policy))
+    checks = list(run_checks(tokenized, completions, builder, config, cap, on_policy, counts))
     return tokenized, aside, counts, uri, version, checks
 
 
@@ -156,8 +158,12 @@ def run_checks(
     config: TokenizeConfig,
     cap: int,
     on_policy: bool = False,
+    counts=None,
 ):
     """The per-partition checks as AssetCheckResults (the first three block downstream stages).
+
+    ``counts``: the partition's :class:`~dflash_assets.data.prompt_check.TokenizeCounts`, whose first prompt
+    difference (the project's rendering against the server's prompt ids) the rendering check quotes.
 
     An on-policy partition (``on_policy``) in which no conversation ran (none of the corpus's BFCL
     conversations starts in it) has no row, rightly, as a partition whose every prompt was too long.
@@ -212,6 +218,7 @@ def run_checks(
         if differ
         else None,
     )
+    yield rendering_check(tokenized, counts)
     prompt_lens = tokenized["prompt_len"].to_list()
     would_cut = sum(1 for p in prompt_lens if p + cap > config.max_length)
     share = would_cut / len(prompt_lens) if prompt_lens else 0.0
@@ -262,6 +269,32 @@ def _round_trip(
         if not server_ids[position[index[k]]]
     ]
     return bad, retokenized
+
+
+def rendering_check(tokenized: pl.DataFrame, counts=None) -> dg.AssetCheckResult:
+    """WARN when the project's rendering of a context differs from the server's prompt ids (the tokenized rows are
+    the server's ids either way): the length pre-filter and the in-process evaluation render that way, so they
+    measure contexts the engine does not serve. Quotes the first difference with its cause."""
+    matches = _column(tokenized, "rendering_matches")
+    compared = sum(m is not None for m in matches)
+    differ = [i for i, m in zip(tokenized["index"].to_list(), matches) if m is False]
+    aside = (counts or {}).get("rendering_differs", 0)
+    first = getattr(counts, "first_prompt_difference", None)
+    return dg.AssetCheckResult(
+        check_name=CHECK_RENDERING,
+        passed=not differ and not aside,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={
+            "compared_rows": compared,
+            "differing_rows": len(differ) + aside,
+            "first_indexes": json.dumps(differ[:10]),
+            "first_difference": first or "",
+        },
+        description=f"{len(differ) + aside} of {compared + aside} rows: the project's rendering is not the server's "
+        f"prompt ids (rows keep the server's); first: {first}"
+        if differ or aside
+        else None,
+    )
 
 
 def _squash(text: str) -> str:

@@ -277,6 +277,7 @@ class RequestAttempts:
                 attempts=attempts,
                 error=message,
                 context_refused=exc.context_refused,
+                origin=self.origin,
             )
         return CompletionResult(
             index=index,
@@ -284,5 +285,6 @@ class RequestAttempts:
             server=server.label,
             attempts=attempts,
             error=None,
+            origin=self.origin,
             **self._redact_fields(fields),
         )

@@ -44,7 +44,7 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import httpx
@@ -153,6 +153,7 @@ class CompletionClient(ServerRouting, RequestAttempts):
         request_timeout_s: float | None = None,
         max_reply_bytes: int = MAX_REPLY_BYTES,
         vocab_size: int | None = None,
+        origin: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(base_urls, str):
             base_urls = [base_urls]
@@ -179,6 +180,7 @@ class CompletionClient(ServerRouting, RequestAttempts):
         self.request_timeout_s = request_timeout_s
         self.max_reply_bytes = max_reply_bytes
         self.vocab_size = vocab_size
+        self.origin = dict(origin or {})  # what each result carries of the servers (servers/origin.py)
         self.max_attempts = max_attempts
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s

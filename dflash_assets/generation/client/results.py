@@ -3,7 +3,9 @@ a run after too many failures in a row."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 
 class TooManyFailuresError(RuntimeError):
@@ -54,6 +56,9 @@ class CompletionResult:
             ``token_ids``, ``output_ids``, ``logprobs``), ``none`` when it is None.
         context_refused: the server refused the prompt as too long for its context (HTTP 400): the row fails,
             but it never counts toward ``max_consecutive_failures`` (it says nothing of the server's health).
+        origin: what the servers said of themselves (:func:`~dflash_assets.generation.servers.origin.
+            server_origin`: ``engine``, ``engine_version``, ``template_sha256``), which the row records; empty when
+            the client was given none.
     """
 
     index: int
@@ -70,6 +75,7 @@ class CompletionResult:
     prompt_token_ids: list[int] | None = None
     output_token_ids_source: str = "none"
     context_refused: bool = False
+    origin: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def ok(self) -> bool:

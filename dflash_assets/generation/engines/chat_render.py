@@ -70,11 +70,6 @@ class ChatTemplateError(ValueError):
     """The chat template cannot be used (the message names ``target_model.chat_template`` and the fix)."""
 
 
-class PromptTokensMismatch(ValueError):
-    """The project's rendering of a row's context is not the server's prompt tokens (the message names the row
-    and the first token where they part)."""
-
-
 def resolve_template_path(value: str | Path, config_dir: Path | None = None) -> Path:
     """Where ``target_model.chat_template``'s value points: an absolute path as is; a relative one against
     ``config_dir`` (the config file's directory) when a file is there, else a template shipped in
@@ -192,25 +187,28 @@ def corpus_uses_tools(corpus) -> int | None:
     return None if hit is None else int(hit)
 
 
-def render_prompt(tokenizer, messages: list[dict[str, Any]], tools: str | list | None, **kwargs) -> str:
-    """``tokenizer``'s chat template applied to a stored conversation (:func:`template_messages`) and its tools
-    (:func:`~dflash_assets.common.conversation.api_tools`; no ``tools`` argument when there are none) with the
-    generation prompt, as text."""
-    from dflash_assets.common.conversation import api_tools
+def render_prompt(
+    tokenizer, messages: list[dict[str, Any]], tools: str | list | None, engine: str = "openai", **kwargs
+) -> str:
+    """``tokenizer``'s chat template applied to a stored conversation and its tools with the generation prompt, as
+    text, both handed over as ``engine`` hands them (:func:`~dflash_assets.generation.engines.engine_render.
+    template_inputs`; ``openai``: :func:`template_messages` and the tools as stored; no ``tools`` argument when
+    there are none)."""
+    from dflash_assets.common.conversation import api_messages, api_tools
+    from dflash_assets.generation.engines.engine_render import render_engine_inputs, template_inputs
 
-    parsed = api_tools(tools)
-    extra = {"tools": parsed} if parsed else {}
-    return tokenizer.apply_chat_template(
-        template_messages(messages), add_generation_prompt=True, tokenize=False, **extra, **kwargs
-    )
+    shaped, offered, extra = template_inputs(engine, api_messages(messages), api_tools(tools), kwargs)
+    return render_engine_inputs(tokenizer, engine, [shaped], offered, extra)[0]
 
 
-def check_renders_tools(tokenizer, where: str) -> None:
+def check_renders_tools(tokenizer, where: str, engine: str = "openai") -> None:
     """Render the probe conversation (a tools list, an assistant tool call, a tool result) with ``tokenizer``'s
     chat template; the function name, the call's argument and the tool result text must all appear.
 
     Args:
         where: what the template is, for the message (``the target model at /path``).
+        engine: whose hand-over the probe is rendered with (the servers' engine: a template can render SGLang's
+            tool dump and fail on another, or the reverse).
 
     Raises:
         ChatTemplateError: the template fails on the probe or leaves a part out; the message names the part and
@@ -221,7 +219,7 @@ def check_renders_tools(tokenizer, where: str) -> None:
         f"{SMOLLM2_TOOLS_TEMPLATE} for the embedded SmolLM2 model), or leave conversations with tools out of the corpus"
     )
     try:
-        text = render_prompt(tokenizer, PROBE_MESSAGES, PROBE_TOOLS)
+        text = render_prompt(tokenizer, PROBE_MESSAGES, PROBE_TOOLS, engine)
     except Exception as exc:  # jinja2 errors, a template that raises on an unknown role
         raise ChatTemplateError(
             f"the corpus holds conversations with tools, and the chat template of {where} fails on them "
@@ -250,44 +248,3 @@ def first_difference(mine: list[int], server: list[int]) -> int | None:
         if a != b:
             return k
     return None if len(mine) == len(server) else min(len(mine), len(server))
-
-
-def check_prompt_tokens(rows: list[dict[str, Any]], prompt_ids: list[list[int]], decode=None) -> int:
-    """Compare the project's rendering of each row's context with the server's ``prompt_token_ids``.
-
-    Args:
-        rows: completions rows (``index``, ``prompt_id``, ``prompt_token_ids``: the server's ids or null).
-        prompt_ids: the project's prompt ids of each row, same order.
-        decode: optional ``ids -> text`` to quote the tokens where they part.
-
-    Returns:
-        how many rows were compared (rows without server ids are not).
-
-    Raises:
-        PromptTokensMismatch: the first row whose ids differ; the message names its index, prompt_id, the first
-            token position and both tokens there.
-    """
-    compared = 0
-    for row, mine in zip(rows, prompt_ids, strict=True):
-        server = row.get("prompt_token_ids")
-        if server is None:
-            continue
-        server = [int(t) for t in server]
-        compared += 1
-        at = first_difference(mine, server)
-        if at is None:
-            continue
-
-        def show(ids: list[int], at: int = at) -> str:
-            part = ids[at : at + 8]
-            if not part:
-                return "(ends here)"
-            return repr(decode(part)) if decode is not None else str(part)
-
-        raise PromptTokensMismatch(
-            f"row {row['index']} (prompt_id {row.get('prompt_id')}): the project's rendering of the context parts "
-            f"from the server's prompt_token_ids at token {at} of {len(mine)} (mine) / {len(server)} (server): "
-            f"mine {show(mine)}, server {show(server)}. The server and tokenization render with different chat "
-            f"templates or settings: set {CONFIG_KEY} so both use one file, and regenerate the completions"
-        )
-    return compared

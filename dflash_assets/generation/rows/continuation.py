@@ -30,6 +30,7 @@ from typing import Any
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.api.replies import NO_OUTPUT_IDS
 from dflash_assets.generation.rows.records import (
+    IDS_RENDERED,
     THINK_CLOSE,
     THINK_OPEN,
     completion_layout,
@@ -181,6 +182,7 @@ def merge_continuation(
         completion_tokens=old_tokens + int(result.completion_tokens or 0),
         output_token_ids=None,
         output_token_ids_source=NO_OUTPUT_IDS,
+        ids_source=IDS_RENDERED,  # the server re-tokenized the prefix: the project renders the row's text
         truncated_in_reasoning=bool(result.finish_reason == "length" and reasoning is not None and not closed),
         empty_answer=not answer.strip(),
         tool_call=holds_tool_call(answer),

@@ -62,7 +62,18 @@ COMPLETIONS_SCHEMA = {
     "turn_kind": pl.String,
     # the regenerated turn holds a tool call (TOOL_CALL_OPEN in its answer; null: a row made before the column)
     "tool_call": pl.Boolean,
+    # where the row's training ids come from (IDS_SERVER: the reply gave the prompt's ids and the generated ids,
+    # tokenized_sequences takes them as they are; IDS_RENDERED: it did not, the project renders the context; null:
+    # a row made before the column, read as IDS_UNKNOWN, never as the server's)
+    "ids_source": pl.String,
+    # the engine that served the row (sglang, vllm, transformers, openai) and its version as the server said it
+    # ("unknown" when it did not; servers/origin.py), and the SHA-256 of the chat template it rendered with
+    "engine": pl.String,
+    "engine_version": pl.String,
+    "template_sha256": pl.String,
 }
+#: ``ids_source`` values: the server's ids; the project's rendering; a row made before the column
+IDS_SERVER, IDS_RENDERED, IDS_UNKNOWN = "server", "rendered", "unknown"
 #: Counts that rows made before the column existed read as 0.
 _ZERO_IF_MISSING = ("continued_from_tokens", "cut_from_tokens", "tail_chunks")
 #: Token counts and ids: below 2**31 (the Int32 id column; no context is that long), never negative.
@@ -232,10 +243,15 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
     ``empty_answer``: a finished request whose answer text is empty or whitespace.
     ``output_token_ids_source``: the result's, ``none`` when it holds no ids.
     ``turn_kind``: the corpus row's; ``tool_call``: :func:`holds_tool_call` of the answer (None for an error row).
+    ``ids_source``: :data:`IDS_SERVER` when the reply gave both the prompt's and the generated ids, else
+    :data:`IDS_RENDERED` (None for an error row); ``engine``, ``engine_version``, ``template_sha256``: the
+    result's ``origin`` (what the servers said of themselves), None where it says nothing.
     """
     ok = result.error is None
     reasoning, answer, closed = split_reasoning(result.content, result.reasoning_content) if ok else (None, None, True)
     ids = result.output_token_ids
+    prompt_ids = getattr(result, "prompt_token_ids", None) if ok else None
+    origin = getattr(result, "origin", None) or {}
     return {
         "index": int(prompt["index"]),
         "prompt_id": prompt["prompt_id"],
@@ -263,9 +279,13 @@ def row_from_result(result: Any, prompt: dict[str, Any], settings: GenerationSet
         "cut_from_tokens": 0,
         "tail_chunks": 0,
         "context_length": settings.context_length,
-        "prompt_token_ids": getattr(result, "prompt_token_ids", None) if ok else None,
+        "prompt_token_ids": prompt_ids,
         "turn_kind": prompt.get("turn_kind"),
         "tool_call": holds_tool_call(answer) if ok else None,
+        "ids_source": (IDS_SERVER if ids is not None and prompt_ids is not None else IDS_RENDERED) if ok else None,
+        "engine": origin.get("engine"),
+        "engine_version": origin.get("engine_version"),
+        "template_sha256": origin.get("template_sha256"),
     }
 
 

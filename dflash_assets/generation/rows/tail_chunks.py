@@ -170,6 +170,7 @@ class TailChunker:
             server=result.server,
             attempts=state["attempts"],
             error=error,
+            origin=getattr(result, "origin", None),
         )
         row = row_from_result(whole, prompt, self.settings)
         row["tail_chunks"] = requests if requests > 1 else 0

@@ -45,6 +45,9 @@ class ServerPool:
     #: fields added to every request body (a ``transformers serve`` without continuous batching gets the
     #: sampling as a per-request ``generation_config``); never secrets
     extra_body: Mapping[str, Any] = field(default_factory=dict)
+    #: what every row these servers make records of them (:func:`~dflash_assets.generation.servers.origin.
+    #: server_origin`: ``engine``, ``engine_version``, ``template_sha256``, ``seed_honoured``); empty: not asked
+    origin: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def headers(self) -> dict[str, str]:
         """HTTP headers for every request (the bearer token when an API key is set)."""

@@ -38,11 +38,12 @@ def missing_directory(path: str) -> None:
 def load_target_builder(inference: InferenceServerResource, chat_template=None):
     """A SequenceBuilder on the target's tokenizer, from a local directory or a hub id already in the
     local cache (no network wait on a GPU node), its chat template replaced by the file ``chat_template``
-    (``target_model.chat_template``, the servers' template) when given. Raises whatever loading raises
-    (FileNotFoundError for a directory path that is not one, ChatTemplateError for an unreadable template)."""
+    (``target_model.chat_template``, the servers' template) when given; it renders a conversation as the servers'
+    engine hands it to the template (``inference.backend()``). Raises whatever loading raises (FileNotFoundError
+    for a directory path that is not one, ChatTemplateError for an unreadable template)."""
     from transformers import AutoTokenizer
 
-    from dflash_assets.data.tokenization import SequenceBuilder
+    from dflash_assets.data.sequence_builder import SequenceBuilder
     from dflash_assets.generation.engines.chat_render import read_chat_template
 
     path = str(inference.tokenizer_path())
@@ -50,7 +51,7 @@ def load_target_builder(inference: InferenceServerResource, chat_template=None):
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
-    return SequenceBuilder(tokenizer)
+    return SequenceBuilder(tokenizer, engine=inference.backend())
 
 
 def check_tool_rendering(inference: InferenceServerResource, chat_template, prompts):
@@ -95,7 +96,7 @@ def check_tool_rendering(inference: InferenceServerResource, chat_template, prom
             f"({type(exc).__name__}: {str(exc)[:200]})"
         ) from None
     try:
-        check_renders_tools(builder.tokenizer, where)
+        check_renders_tools(builder.tokenizer, where, builder.engine)
     except ChatTemplateError as exc:
         raise RangeRunError(f"row {first}: {exc}") from None
     return builder

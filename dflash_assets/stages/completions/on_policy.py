@@ -35,12 +35,13 @@ from dflash_assets.data.on_policy import (
     ON_POLICY_SCHEMA,
     Trajectory,
 )
+from dflash_assets.data.prompt_check import PromptCheck
 from dflash_assets.data.prompt_index import prompt_version
+from dflash_assets.data.tokenization import check_renderings
 from dflash_assets.data.tool_sandbox import ToolSandbox
 from dflash_assets.generation.client.results import TooManyFailuresError
-from dflash_assets.generation.engines.chat_render import check_prompt_tokens
 from dflash_assets.generation.rows.journal import JournalError
-from dflash_assets.generation.rows.range_plan import PartitionComplete, RangeRunError
+from dflash_assets.generation.rows.range_plan import PartitionComplete
 from dflash_assets.generation.rows.records import (
     PROMPT_TOO_LONG,
     THINK_CLOSE,
@@ -55,7 +56,7 @@ from dflash_assets.stages.completions.tables import completion_stats
 from dflash_assets.stages.prompts import CORPUS_FILE
 
 if TYPE_CHECKING:
-    from dflash_assets.data.tokenization import SequenceBuilder
+    from dflash_assets.data.sequence_builder import SequenceBuilder
     from dflash_assets.generation.client.results import CompletionResult
     from dflash_assets.stages.resources.inference import InferenceServerResource
     from dflash_assets.stages.resources.storage import StorageResource
@@ -168,6 +169,7 @@ class OnPolicyRun:
         self.log, self.store, self.settings, self.keys = log, store, settings, keys
         self.config, self.chat_template = config, chat_template
         self.parts: list[OnPolicyPartition] = []
+        self.origin: dict = {}  # what the servers said of themselves (servers/origin.py)
         self.failure: Exception | None = None
         self.sandbox: ToolSandbox | None = None
         self._tasks: dict[str, dict[str, BfclTask]] = {}
@@ -179,8 +181,7 @@ class OnPolicyRun:
         conversations all ended (the others keep their journal: :meth:`failure_message` says why).
 
         Raises:
-            RangeRunError: the target's template cannot render tools, or a row's context is not the server's
-                prompt tokens (nothing of that partition written; its journal kept).
+            RangeRunError: the target's template cannot render tools (nothing written; journals kept).
         """
         builder = None
         self.sandbox = ToolSandbox(self.config.tool_timeout_s, self.config.max_tool_result_kb * 1024)
@@ -284,6 +285,7 @@ class OnPolicyRun:
         journal that cannot be written stops the run."""
         settings = self.settings
         client = inference.completion_client(pool)
+        self.origin = dict(pool.origin)
         by_index = {t.anchor["index"]: (part, t) for part, t in todo}
         room = settings.prompt_room(inference.backend())
         tools_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="on-policy-tools")
@@ -372,8 +374,8 @@ class OnPolicyRun:
         """Write the partition's table (atomic) and drop its journal, once each of its conversations ended; else a
         :class:`PartitionComplete` with the failure (journal kept, the next run resumes it).
 
-        Raises:
-            RangeRunError: a row's context is not the server's prompt tokens (PromptTokensMismatch's message).
+        The rows keep the server's ids; where the project's rendering of a turn's context differs from them it is
+        logged and counted (``prompt_ids_differ``, ``first_prompt_difference``), never raised.
         """
         pk = part.pk
         unfinished = [t.anchor["conversation_id"] for t in part.trajectories if not t.done]
@@ -385,17 +387,15 @@ class OnPolicyRun:
                 f"{str(first[1])[:300]}); their finished turns are journaled: rerun the partition to resume",
             )
         rows = sorted(part.rows.values(), key=lambda r: r["index"])
-        checked = 0
-        if rows:
-            built = builder.build_many(rows, [json.loads(r["messages"]) for r in rows], [r["tools"] for r in rows])
-            pairs = [(r, b[0][: b[1]]) for r, b in zip(rows, built) if isinstance(b, tuple)]
-            try:
-                checked = check_prompt_tokens(*zip(*pairs), decode=builder.tokenizer.decode) if pairs else 0
-            except ValueError as exc:  # PromptTokensMismatch: stored rows replay as they are, so say how to drop them
-                raise RangeRunError(
-                    f"{pk}: {exc} (on-policy rows are replayed from completions/{journal_name(pk)} and "
-                    f"{'/'.join(table_file(pk))}: remove both to generate the partition's conversations again)"
-                ) from None
+        check = PromptCheck()
+        if rows:  # the rows keep the server's ids; the project's rendering of them is reported, never raised
+            contexts = [json.loads(r["messages"]) for r in rows], [r["tools"] for r in rows]
+            check = check_renderings(builder, rows, builder.build_many(rows, *contexts), *contexts)
+            if check.first is not None:
+                self.log.warning(
+                    f"{pk}: {len(check.differ)} of {check.compared} turns' rendering differs from the server's "
+                    f"prompt ids (the rows keep the server's): {check.first.message()}"
+                )
         frame = pl.DataFrame(rows, schema=ON_POLICY_SCHEMA) if rows else pl.DataFrame(schema=ON_POLICY_SCHEMA)
         uri = self.store.write_parquet(frame, *table_file(pk))
         part.journal.discard()
@@ -419,7 +419,11 @@ class OnPolicyRun:
             "turns_resumed": part.resumed,
             "turns_generated": part.generated,
             "corpus_rows_without_environment": part.without_environment,
-            "prompt_ids_checked": checked,
+            "seed_honoured": self.origin.get("seed_honoured", "unknown"),
+            "prompt_ids_checked": check.compared,
+            "prompt_ids_differ": len(check.differ),
+            "first_prompt_difference": check.first.message() if check.first is not None else "",
+            "rows_by_ids_source": dict(sorted(Counter(r.get("ids_source") or "unknown" for r in rows).items())),
             "output_tokens": sum(r["completion_tokens"] or 0 for r in rows),
             "max_rounds_per_user_turn": self.config.max_rounds_per_user_turn,
             "max_turns_per_conversation": self.config.max_turns_per_conversation,

@@ -467,6 +467,7 @@ class RangeRun:
                 run_slots_capacity=self.capacity,
                 run_eta_s=round(eta, 1) if eta is not None else -1.0,
                 run_elapsed_s=round(now - self.started, 2),
+                seed_honoured=self.client.origin.get("seed_honoured", "unknown"),  # servers/origin.py
             )
             faults = [
                 f

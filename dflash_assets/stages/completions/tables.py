@@ -15,6 +15,7 @@ from dflash_assets.data.ranges import key_range
 from dflash_assets.data.shapes import with_conversation_columns
 from dflash_assets.data.truncation import row_counts, token_summary
 from dflash_assets.generation.rows.records import (
+    IDS_UNKNOWN,
     PROMPT_TOO_LONG,
     VALIDITY_COLUMNS,
     align_to_schema,
@@ -132,6 +133,13 @@ def partition_frame(
     return pl.concat([old, new]).sort("index").rechunk(), set_aside
 
 
+def _column(frame: pl.DataFrame, name: str, missing: str) -> list[str]:
+    """``frame[name]`` as a list, nulls (and a table without the column) read as ``missing``."""
+    if name not in frame.columns:
+        return [missing] * frame.height
+    return frame[name].fill_null(missing).to_list()
+
+
 def completion_stats(frame: pl.DataFrame) -> dict:
     """Metadata numbers: finish_reason counts and completion-token mean/P50/P90/P99/max (of generated rows:
     those set aside as too long for the context are counted as ``prompt_too_long``), and the generated rows
@@ -157,6 +165,12 @@ def completion_stats(frame: pl.DataFrame) -> dict:
         "output_ids_missing": int(ok["output_token_ids"].is_null().sum()),
         "output_token_ids_sources": dict(
             sorted(Counter(ok["output_token_ids_source"].fill_null("unrecorded").to_list()).items())
+        ),
+        # where the rows' training ids come from (records.IDS_*; a row made before the column: unknown) and which
+        # engines, at which versions, made them (servers/origin.py)
+        "rows_by_ids_source": dict(sorted(Counter(_column(ok, "ids_source", IDS_UNKNOWN)).items())),
+        "engines": sorted(
+            {f"{e} ({v})" for e, v in zip(_column(ok, "engine", "unknown"), _column(ok, "engine_version", "unknown"))}
         ),
         # the caps and contexts (0: unknown) rows set aside as too long were judged under: either changing
         # makes them judged again (freshness.settings_reason)

@@ -11,8 +11,8 @@ from dflash_assets.common.conversation import api_messages
 from dflash_assets.common.settings import default_sources
 from dflash_assets.data.ranges import key_range
 from dflash_assets.data.row_context import CORPUS_INDEX
+from dflash_assets.data.sequence_builder import SequenceBuilder
 from dflash_assets.data.shapes import CorpusError, build_corpus, expand_source, source_name
-from dflash_assets.data.tokenization import SequenceBuilder
 from dflash_assets.dflash.shards.dataset import HiddenStateShards
 from dflash_assets.stages.drafter.features import heldout_set
 from dflash_assets.stages.prompts import CORPUS_FILE
@@ -186,7 +186,10 @@ def evaluation_prompts(storage, store, keys: list[str], train_meta: dict, block_
     datasets = evaluation_datasets(corpus, held, config.prompt_files, config.num_prompts, turns, held_turns)
     held = sorted({*held, *held_turns})
     tokenizer = target_model.load_tokenizer()
-    builder = SequenceBuilder(tokenizer)
+    # rendered as the engine that serves the drafter hands a conversation to the template (issue 49): its tool dump
+    builder = SequenceBuilder(
+        tokenizer, engine={"vllm": "vllm", "sglang": "sglang", "external": "sglang"}.get(config.engine)
+    )
     prompts = {}
     for name, conversations in datasets.items():
         if not conversations:

@@ -4,6 +4,7 @@ servers someone else runs)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -293,9 +294,9 @@ class InferenceServerResource(dg.ConfigurableResource):
 
         Args:
             log_dir: directory for server logs (``transformers_serve.log``, ``sglang_<i>.log``, ``vllm_<i>.log``).
-            settings: local mode only: the sampling ``transformers serve`` is frozen with at startup
-                (its continuous batcher keeps the first request's sampling); None = model defaults
-                (greedy for SmolLM2). SGLang and vLLM honour per-request sampling, so they need none.
+            settings: the run's: local mode freezes ``transformers serve``'s sampling with them at startup (None:
+                model defaults, greedy for SmolLM2); SGLang and vLLM sample per request. Servers that say they drop
+                its ``seed`` are refused (RuntimeError, :meth:`stamped`).
             chat_template: ``target_model.chat_template``'s file (:meth:`~dflash_assets.stages.resources.target_model.
                 TargetModelResource.chat_template_path`): every server started renders with it (vLLM and SGLang
                 ``--chat-template``, the local server a model directory with it); None: the model's own. Servers
@@ -324,7 +325,7 @@ class InferenceServerResource(dg.ConfigurableResource):
                 startup_timeout_s=self.startup_timeout_s,
                 chat_template=chat_template,
             ) as server:
-                yield server.pool(mrr)
+                yield self.stamped(server.pool(mrr), chat_template, settings)
         elif self.mode == "external":
             x = self.external
             if not x.base_urls or not x.served_model_name:
@@ -332,22 +333,20 @@ class InferenceServerResource(dg.ConfigurableResource):
             for url in x.base_urls:
                 probe_external(url, x.served_model_name, self.api_key, timeout_s=min(self.startup_timeout_s, 300.0))
             supervisor = ProbeSupervisor(x.base_urls, x.served_model_name, self.api_key, self.server_retry_s)
-            yield ServerPool(
+            pool = ServerPool(
                 list(x.base_urls), x.served_model_name, self.api_key, mrr, x.backend, supervisor=supervisor
             )
+            yield self.stamped(pool, None, settings)
         elif self.mode == "vllm":
             python = self.vllm_environment().ensure(dg.get_dagster_logger().info)  # first use: a few minutes
             commands = self.vllm_commands(python, chat_template=chat_template)
             dg.get_dagster_logger().info(f"starting {len(commands)} vLLM server(s): {commands[0].redacted()}")
             with VLLMServers(commands, log_dir, self.api_key, self.startup_timeout_s) as servers:
-                yield ServerPool(
-                    servers.base_urls,
-                    str(self.tokenizer_path()),
-                    self.api_key,
-                    mrr,
-                    "vllm",
-                    supervisor=ProcessSupervisor(servers, self.server_retry_s, self.max_server_restarts),
+                supervisor = ProcessSupervisor(servers, self.server_retry_s, self.max_server_restarts)
+                pool = ServerPool(
+                    servers.base_urls, str(self.tokenizer_path()), self.api_key, mrr, "vllm", supervisor=supervisor
                 )
+                yield self.stamped(pool, chat_template, settings)
         else:
             if environment := self.sglang_environment():  # first use: several minutes (SGLang's own torch)
                 environment.ensure(dg.get_dagster_logger().info)
@@ -355,14 +354,24 @@ class InferenceServerResource(dg.ConfigurableResource):
             with SGLangServers(commands, log_dir, self.api_key, self.startup_timeout_s) as servers:
                 # Behind a router one URL fronts num_servers servers: scale its concurrency to match.
                 per_url = mrr * self.sglang.num_servers if self.sglang.use_router else mrr
-                yield ServerPool(
-                    servers.base_urls,
-                    self.sglang.model_path,
-                    self.api_key,
-                    per_url,
-                    "sglang",
-                    supervisor=ProcessSupervisor(servers, self.server_retry_s, self.max_server_restarts),
+                supervisor = ProcessSupervisor(servers, self.server_retry_s, self.max_server_restarts)
+                pool = ServerPool(
+                    servers.base_urls, self.sglang.model_path, self.api_key, per_url, "sglang", supervisor=supervisor
                 )
+                yield self.stamped(pool, chat_template, settings)
+
+    def stamped(self, pool: ServerPool, chat_template: Path | None = None, settings=None) -> ServerPool:
+        """``pool`` with what its rows record of it (:func:`~dflash_assets.generation.servers.origin.server_origin`;
+        the template of servers started here: ``chat_template``, else the served model's own). Raises RuntimeError
+        when ``settings`` set a seed the servers say they drop (:func:`~dflash_assets.generation.servers.origin.
+        seed_refusal`)."""
+        from dflash_assets.generation.servers.origin import seed_refusal, server_origin
+
+        model = None if self.mode == "external" else self.tokenizer_path()
+        facts = server_origin(pool.backend, pool.base_urls, self.api_key, chat_template, model)
+        if refusal := seed_refusal(facts, getattr(settings, "seed", None)):
+            raise RuntimeError(refusal)
+        return dataclasses.replace(pool, origin=facts)
 
     def completion_client(self, pool: ServerPool):
         """A :class:`CompletionClient` for ``pool`` with the ``client`` section's settings: concurrency = servers x
@@ -383,6 +392,7 @@ class InferenceServerResource(dg.ConfigurableResource):
             stall_timeout_s=c.stall_timeout_s,
             max_reply_bytes=int(c.max_reply_mb * (1 << 20)),
             vocab_size=self.vocab_size(),
+            origin=pool.origin,
         )
 
     def vocab_size(self) -> int | None:
