@@ -21,7 +21,8 @@ from dflash_assets.generation.engines.environments import vllm_environment, vllm
 from dflash_assets.generation.servers.pool import ServerPool
 from dflash_assets.generation.servers.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt
 from dflash_assets.generation.servers.vllm_servers import build_vllm_command, dflash_speculative_config
-from dflash_assets.stages.evaluation import vllm_engine
+from dflash_assets.stages.evaluation import vllm_counters, vllm_engine
+from dflash_assets.stages.evaluation.vllm_run import PER_REQUEST_METRICS_FLAGS
 from dflash_assets.stages.resources.inference import InferenceServerResource
 
 JUDGE = Path(__file__).resolve().parents[1] / "bench" / "dflash_simulators" / "vllm_judge.py"
@@ -73,6 +74,7 @@ def test_vllm_parses_every_command_line_and_takes_every_body(vllm_python, monkey
         dtype="float32",
         max_model_len=512,
         enforce_eager=True,
+        extra_args=list(PER_REQUEST_METRICS_FLAGS),  # each request's verification steps in its reply
     )
     commands = [*cpu.vllm_commands("python", port_base=8000), *gpu.vllm_commands("python", port_base=8010), engine]
 
@@ -86,10 +88,17 @@ def test_vllm_parses_every_command_line_and_takes_every_body(vllm_python, monkey
         sent.append(kw["json"])
         return 503, b"caught"
 
-    monkeypatch.setattr(vllm_engine, "read_counters", lambda *args: vllm_engine.SpecCounters())
-    monkeypatch.setattr(vllm_engine, "_bounded_get_or_post", post)
+    monkeypatch.setattr(vllm_counters, "read_counters", lambda *args: vllm_counters.SpecCounters())
+    monkeypatch.setattr(vllm_engine, "bounded_request", post)
     with pytest.raises(EngineError, match="HTTP 503: caught"):  # the body is all this call is for
-        vllm_engine.vllm_decode("http://x", "/models/m", [EnginePrompt("d", 0, [5, 6, 7])], 32, stop_token_ids=[2])
+        vllm_engine.vllm_decode(
+            "http://x",
+            "/models/m",
+            [EnginePrompt("d", 0, [5, 6, 7])],
+            32,
+            stop_token_ids=[2],
+            num_speculative_tokens=15,
+        )
     cases = [{"op": "serve_args", "argv": flags(c.argv)} for c in commands]
     cases += [
         {"op": "chat_request", "body": chat},
@@ -115,6 +124,7 @@ def test_vllm_parses_every_command_line_and_takes_every_body(vllm_python, monkey
     spec = engine_ns["speculative_config"]
     spec = json.loads(spec) if isinstance(spec, str) else spec
     assert spec == {"method": "dflash", "model": "/exports/drafter", "num_speculative_tokens": 15}
+    assert engine_ns["per_request_spec_decode_metrics"] == "detailed"
 
     chat_verdict, completion_verdict = verdicts[len(commands)], verdicts[len(commands) + 1]
     assert chat_verdict["unknown"] == [] and "error" not in chat_verdict

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from dflash_assets.app.summary_engine import ENGINE_KEYS, baseline_line, engine_line, tool_turn_lines
+from dflash_assets.app.summary_engine import ENGINE_KEYS, baseline_lines, engine_line, tool_turn_lines
 from dflash_assets.assets import truncation as truncation_asset
 from dflash_assets.dflash.shards.format import INDEX_NAME, SHARD_PATTERN
 from dflash_assets.orchestration.check_gate import BLOCKING_CHECKS, why_unevaluated
@@ -482,7 +482,7 @@ def format_summary(s: dict) -> str:
         *[" " * 19 + row.strip() for row in dataset_lines(s)],
         *[" " * 19 + row for row in tool_turn_lines(s)],
         *([engine_line(s)] if engine_line(s) else []),
-        *([baseline_line(s)] if baseline_line(s) else []),
+        *baseline_lines(s),
         *failed_check_lines(s.get("failed_checks") or []),
         "",
         "== where the outputs are ==",
