@@ -243,6 +243,6 @@ def test_an_export_that_disagrees_with_training_fails_parity_in_the_real_engine(
     assert f"the export's {field}" in text, text
     if field == "block_size":
         assert f"drafted at most {2 * trained['block_size'] - 1} tokens per step" in text
-    else:  # a step where the engine's drafter parted from the trained one, named
+    if field == "mask_token_id":  # every drafted position's input differs: a step where they parted, named
         assert "verification steps disagree beyond the numeric tolerance" in text and "draft position" in text
     print(field, parity["by_dataset"])
