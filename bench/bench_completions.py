@@ -46,7 +46,7 @@ from headline import headline
 
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.data.shapes import default_sources
+from dflash_assets.common.settings import default_sources
 from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.generation.servers.transformers_server import LocalTransformersServer
 from dflash_assets.orchestration.partitions import prompt_ranges

@@ -46,9 +46,9 @@ from headline import headline
 
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.data.shapes import default_sources
+from dflash_assets.common.config import DEFAULT_CONFIG
+from dflash_assets.common.settings import default_sources
 from dflash_assets.data.tokenization import SequenceBuilder
-from dflash_assets.orchestration.config import DEFAULT_CONFIG
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets.stages.resources.generation import GenerationResource

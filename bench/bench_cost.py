@@ -80,7 +80,7 @@ def run(base: Path, args) -> int:
     keys = node.make_corpus()
     from dflash_assets.app.cost_report import format_comparison, write_cost_report
     from dflash_assets.app.cost_table import format_cost_table, stage_costs
-    from dflash_assets.orchestration.config import resource_fields
+    from dflash_assets.common.config import resource_fields
     from dflash_assets.stages.forecast import collect_forecast, format_forecast, rows_done
     from dflash_assets.stages.resources.inference import InferenceServerResource
     from dflash_assets.stages.resources.storage import StorageResource

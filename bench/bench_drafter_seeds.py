@@ -27,7 +27,7 @@ from headline import headline
 
 from dflash_assets.assets.drafter import dflash_drafter
 from dflash_assets.assets.evaluation import drafter_evaluation
-from dflash_assets.orchestration.config import config_path
+from dflash_assets.common.config import config_path
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource

@@ -48,7 +48,7 @@ from headline import headline
 
 from dflash_assets.assets.drafter import dflash_drafter
 from dflash_assets.assets.evaluation import drafter_evaluation
-from dflash_assets.orchestration.config import config_path
+from dflash_assets.common.config import config_path
 from dflash_assets.orchestration.partitions import prompt_ranges
 
 ROOT = Path(__file__).resolve().parent.parent

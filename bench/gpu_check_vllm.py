@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from headline import headline
 
-from dflash_assets.orchestration.config import BUNDLED
+from dflash_assets.common.config import BUNDLED
 
 
 def find_vllm_python(given: str | None) -> tuple[str | None, str]:

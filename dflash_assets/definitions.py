@@ -6,22 +6,13 @@ import dagster as dg
 
 from dflash_assets.app.automation import build_backfill_schedule, build_cap_change_sensor
 from dflash_assets.app.stage_order import ASSETS, PARTITION_STAGES
+from dflash_assets.common.config import build_resources, op_config
 from dflash_assets.generation.servers.pool import API_KEY_ENV
 from dflash_assets.orchestration.cluster import celery_broker_url, partition_executor
-from dflash_assets.orchestration.config import (
-    build_resources,
-    check_local_model,
-    check_seed,
-    op_config,
-    validate_ops,
-)
 from dflash_assets.orchestration.instance_url import check_postgres_url
 from dflash_assets.orchestration.runs import reaping_executor
-from dflash_assets.stages.resources.cost import CostResource
-from dflash_assets.stages.resources.generation import GenerationResource
-from dflash_assets.stages.resources.inference import InferenceServerResource
-from dflash_assets.stages.resources.storage import StorageResource, s3_credentials_from_env
-from dflash_assets.stages.resources.target_model import TargetModelResource
+from dflash_assets.stages.config_schema import RESOURCE_CLASSES, check_local_model, check_seed, validate_ops
+from dflash_assets.stages.resources.storage import s3_credentials_from_env
 
 partition_stages_job = dg.define_asset_job(
     "partition_stages",
@@ -39,15 +30,9 @@ def api_key_from_env() -> dict:
 check_postgres_url()  # a cluster instance's URL: psycopg2's scheme, refused before a run's first write fails
 validate_ops(ASSETS)  # unknown op names / config keys in the config file are errors, named with the file
 
+# the resources the config file's root schema names (stages/config_schema.py), each from its section
 RESOURCES = build_resources(
-    {
-        "storage": StorageResource,
-        "inference": InferenceServerResource,
-        "generation": GenerationResource,
-        "target_model": TargetModelResource,
-        "cost": CostResource,
-    },
-    extra={"storage": s3_credentials_from_env(), "inference": api_key_from_env()},
+    RESOURCE_CLASSES, extra={"storage": s3_credentials_from_env(), "inference": api_key_from_env()}
 )
 check_local_model(RESOURCES)  # the local server and the target model are one model
 check_seed(RESOURCES)  # a seed SGLang would ignore is refused, never recorded as used

@@ -46,6 +46,8 @@ SLOW_MODULE_SECONDS = {
     "test_train_nodes_celery": 130,
     "test_gpu_install": 140,  # pip dry runs against PyPI: 63 s at load 2-4, 140 s at load 11-16
     "test_status": 128,
+    # issue 50: five on-policy runs through a stand-in server (one waits out a 2 s tool time-out), the sandbox
+    "test_on_policy_faults": 75,
     "test_sglang_contract": 120,  # 27 s, and ~2 min more where its SGLang environment is not made yet
     "test_engine_env": 120,
     "test_server_trust": 73,

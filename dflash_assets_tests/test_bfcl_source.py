@@ -271,6 +271,30 @@ def test_a_malformed_source_is_refused_naming_the_option(spec, words):
     assert words in str(err.value) and spec in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        # issue 50, finding 10: a bare ValueError (int('²')), OSError (a directory name of 300 digits) and ValueError
+        # (Python's 4300-digit int limit), none naming the source or the option; the others were taken silently
+        (
+            "bfcl:multi_turn_base?limit=\u00b2",
+            "limit must be a positive integer (1 to 1000000, digits 0-9), got '\u00b2'",
+        ),
+        ("bfcl:multi_turn_base?limit=" + "9" * 300, "limit must be a positive integer (1 to 1000000"),
+        ("bfcl:multi_turn_base?limit=" + "9" * 5000, "limit must be a positive integer (1 to 1000000"),
+        ("bfcl:multi_turn_base?limit=3&limit=2", "option(s) ['limit'] given more than once"),
+        ("bfcl:multi_turn_base?limit=3#heldout", "a '#...' suffix is not an option"),
+    ],
+)
+def test_a_bad_limit_a_repeated_option_or_a_suffix_is_refused_naming_source_and_option(spec, words, cache):
+    with pytest.raises(CorpusError) as err:
+        build_corpus([spec])
+    text = str(err.value)
+    assert words in text and "source 'bfcl:multi_turn_base?limit=" in text
+    assert len(text) < 1000  # the 5000 digits are not quoted back
+    assert not cache.exists() or not list(cache.rglob("*.jsonl"))  # nothing built from a spec read wrongly
+
+
 def test_without_the_wheel_the_source_fails_naming_the_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bfcl_eval" else real(name, *a))

@@ -13,8 +13,8 @@ import polars as pl
 import pytest
 from transformers import AutoTokenizer
 
+from dflash_assets.common.conversation import stored_message
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.data.conversation import stored_message
 from dflash_assets.data.tokenization import SequenceBuilder, TokenizePolicy, tokenize_partition
 from dflash_assets.generation.client.completion_client import CompletionClient
 from dflash_assets.generation.engines.chat_render import (

@@ -16,7 +16,8 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 
-from dflash_assets.app.status import collect_status, format_status
+from dflash_assets.app.status import collect_status
+from dflash_assets.app.status_lines import format_status
 from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.tokenized import tokenized_sequences
 from dflash_assets.common.settings import GenerationSettings

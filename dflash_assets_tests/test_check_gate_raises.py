@@ -20,8 +20,10 @@ import polars as pl
 import pytest
 import torch
 
-from dflash_assets.app.status import collect_status, format_status
-from dflash_assets.app.summary import failed_check_lines, failed_checks
+from dflash_assets.app.status import collect_status
+from dflash_assets.app.status_lines import format_status
+from dflash_assets.app.summary import failed_checks
+from dflash_assets.app.summary_lines import failed_check_lines
 from dflash_assets.assets.drafter import dflash_drafter
 from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.tokenized import tokenized_sequences

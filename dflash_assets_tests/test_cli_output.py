@@ -61,3 +61,28 @@ def test_cli_has_a_verbose_flag():
         [sys.executable, "-m", "dflash_assets", "run", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert "--verbose" in proc.stdout
+
+
+def test_a_run_into_a_home_without_an_instance_file_prints_no_dagster_boilerplate(tmp_path):
+    """Issue 51: into a DAGSTER_HOME without a dagster.yaml, Dagster printed its missing-file notice on every
+    instance it opened and its telemetry banner; the run now writes the project's instance file there, once,
+    and says so in one line."""
+    home, empty = tmp_path / "home", tmp_path / "empty.jsonl"
+    empty.write_text("")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"ops:\n  prompt_corpus: {{config: {{sources: [{empty}]}}}}\n")
+    env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_STORAGE_ROOT": str(tmp_path / "data")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_assets", "run", "--config", str(config)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert "the file is empty" in out  # the run got as far as the corpus
+    for boilerplate in ("No dagster instance configuration", "Telemetry", "Welcome to Dagster"):
+        assert boilerplate not in out
+    assert (home / "dagster.yaml").read_text() == (ROOT / "dagster.yaml").read_text()
+    assert out.count("had no dagster.yaml") == 1

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.orchestration import config as cfg
+from dflash_assets.common import config as cfg
+from dflash_assets.stages import config_schema
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.storage import StorageResource
 
@@ -139,34 +140,57 @@ def test_unknown_top_level_key(tmp_path, monkeypatch):
 
 def test_unknown_op_name(tmp_path, monkeypatch):
     path = write(tmp_path, "ops:\n  prompt_corpuz: {config: {max_prompts: 3}}\n", monkeypatch)
-    msg = error_of(cfg.validate_ops, project_assets())
+    msg = error_of(config_schema.validate_ops, project_assets())
     assert msg.startswith(f"{path}: ops: unknown op 'prompt_corpuz' (did you mean 'prompt_corpus'?)")
     assert "completions" in msg and "dflash_drafter" in msg
 
 
 def test_unknown_op_config_key_and_bad_type(tmp_path, monkeypatch):
     path = write(tmp_path, "ops:\n  prompt_corpus: {config: {max_prompt: 3}}\n", monkeypatch)
-    msg = error_of(cfg.validate_ops, project_assets())
+    msg = error_of(config_schema.validate_ops, project_assets())
     assert msg.startswith(f"{path}: ops.prompt_corpus.config: ") and '"max_prompt"' in msg and "max_prompts" in msg
     path = write(tmp_path, "ops:\n  prompt_corpus: {config: {partition_size: big}}\n", monkeypatch)
-    msg = error_of(cfg.validate_ops, project_assets())
+    msg = error_of(config_schema.validate_ops, project_assets())
     assert msg.startswith(f"{path}: ops.prompt_corpus.config: ") and "partition_size" in msg
     path = write(tmp_path, "ops:\n  prompt_corpus: {configs: {}}\n", monkeypatch)
-    assert error_of(cfg.validate_ops, project_assets()).startswith(f"{path}: ops.prompt_corpus: unknown key 'configs'")
+    assert error_of(config_schema.validate_ops, project_assets()).startswith(
+        f"{path}: ops.prompt_corpus: unknown key 'configs'"
+    )
 
 
 def test_the_completions_mode_is_read_from_the_config_file_and_checked(tmp_path, monkeypatch):
     write(tmp_path, "ops:\n  completions: {config: {mode: on_policy, max_rounds_per_user_turn: 2}}\n", monkeypatch)
-    cfg.validate_ops(project_assets())
+    config_schema.validate_ops(project_assets())
     path = write(tmp_path, "ops:\n  completions: {config: {mode: on-policy}}\n", monkeypatch)
-    msg = error_of(cfg.validate_ops, project_assets())
+    msg = error_of(config_schema.validate_ops, project_assets())
     assert msg.startswith(f"{path}: ops.completions.config: ") and "on-policy" in msg and "on_policy" in msg
+
+
+@pytest.mark.parametrize(
+    ("op", "setting"),
+    [
+        # issue 50, finding 9: these passed the start-up check; `truncated: Keep` failed only after every
+        # completion was generated, as `bad policy TokenizePolicy(...)`, naming no key
+        ("completions", "max_turns_per_conversation: 5000"),
+        ("tokenized_sequences", "truncated: Keep"),
+        ("prompt_corpus", "partition_size: 0"),
+        ("tokenized_sequences", "over_max_length: trim"),
+        ("tokenized_sequences", "degenerate_share: 1.5"),
+        ("completions", "max_rounds_per_user_turn: 0"),
+        ("dflash_drafter", "block_size: 1"),
+    ],
+)
+def test_a_bound_or_an_enumerated_word_is_checked_at_start_up_naming_the_key(tmp_path, monkeypatch, op, setting):
+    path = write(tmp_path, f"ops:\n  {op}: {{config: {{{setting}}}}}\n", monkeypatch)
+    msg = error_of(cfg.validate_ops, project_assets())
+    key, value = setting.split(": ")
+    assert msg.startswith(f"{path}: ops.{op}.config") and key in msg and value in msg, msg
 
 
 def test_bundled_configs_are_valid(monkeypatch):
     for path in sorted(cfg.BUNDLED.glob("*.yaml")):
         monkeypatch.setenv("DFLASH_CONFIG", str(path))
-        cfg.validate_ops(project_assets())
+        config_schema.validate_ops(project_assets())
         assert set(
             cfg.build_resources({"generation": GenerationResource, "storage": StorageResource, **_other_classes()})
         )
@@ -247,6 +271,32 @@ def test_the_seed_check_refuses_only_an_sglang_without_deterministic_inference(
     write(tmp_path, f"resources:\n  inference: {inference}\n  generation: {generation}\n", monkeypatch)
     built = cfg.build_resources({"generation": GenerationResource, **_other_classes()})
     if refused:
-        assert "--enable-deterministic-inference" in error_of(cfg.check_seed, built)
+        assert "--enable-deterministic-inference" in error_of(config_schema.check_seed, built)
     else:
-        cfg.check_seed(built)
+        config_schema.check_seed(built)
+
+
+def test_the_root_schema_is_the_assets_own():
+    """stages/config_schema.py names every key of the file in one place: each asset with the config type it
+    takes and each resource an asset takes with its class, as the assets declare them (issue 51)."""
+    import typing
+
+    import dagster as dg
+
+    from dflash_assets.stages.config_schema import OP_CONFIGS, RESOURCE_CLASSES
+
+    taken = set()
+    for assets_def in ASSETS:
+        hints = typing.get_type_hints(assets_def.op.compute_fn.decorated_fn).values()
+        types = [h for h in hints if isinstance(h, type) and issubclass(h, dg.Config)]
+        resources = {h for h in types if issubclass(h, dg.ConfigurableResource)}
+        configs = [h for h in types if h not in resources]
+        for key in assets_def.keys:
+            assert OP_CONFIGS[key.to_user_string()] == (configs[0] if configs else None), key
+        taken |= resources
+    assert set(OP_CONFIGS) == {k.to_user_string() for a in ASSETS for k in a.keys}
+    assert taken <= set(RESOURCE_CLASSES.values())
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    named = [f"resources.{name}" for name in RESOURCE_CLASSES]
+    named += [f"ops.{name}.config" for name, cls in OP_CONFIGS.items() if cls is not None]
+    assert not [n for n in named if f"## `{n}`" not in reference], "docs/configuration.md lacks a section"

@@ -15,8 +15,8 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from dflash_assets.common.conversation import api_messages  # the messages as the server received them
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.data.conversation import api_messages  # the messages as the server received them
 from dflash_assets.generation.rows.continuation import (
     NOT_CONTINUED,
     continuable,

@@ -10,9 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.data.conversation import api_messages
+from dflash_assets.common.conversation import api_messages
+from dflash_assets.common.settings import default_sources
 from dflash_assets.data.ranges import key_range, partition_keys
-from dflash_assets.data.shapes import CorpusError, build_corpus, default_sources
+from dflash_assets.data.shapes import CorpusError, build_corpus
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.prompts import CORPUS_FILE
 from dflash_assets.stages.resources.storage import StorageResource

@@ -31,7 +31,8 @@ import polars as pl
 import pytest
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-from dflash_assets.app.status import collect_status, format_status
+from dflash_assets.app.status import collect_status
+from dflash_assets.app.status_lines import format_status
 from dflash_assets.assets.completions import completions
 from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.prompts import prompt_corpus

@@ -27,7 +27,7 @@ from dflash_assets.app.cost_report import (
 )
 from dflash_assets.app.cost_table import format_cost_table, stage_costs
 from dflash_assets.common import cost
-from dflash_assets.orchestration.config import ConfigError
+from dflash_assets.common.config import ConfigError
 from dflash_assets.stages.forecast import collect_forecast, format_forecast, mean_interval, rows_done, t975
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
@@ -208,7 +208,7 @@ def test_range_run_shares_add_up_to_devices_x_wall():
 
 
 def test_unknown_cost_key_is_a_config_error(tmp_path, monkeypatch):
-    from dflash_assets.orchestration.config import build_resources
+    from dflash_assets.common.config import build_resources
     from dflash_assets.stages.resources.cost import CostResource
 
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({"resources": {"cost": {"gpu_hour_usd": 3}}}))

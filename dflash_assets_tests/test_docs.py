@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dflash_assets.dflash.training.config import TrainConfig, TrainSettings
-from dflash_assets.stages.completions.on_policy import CompletionsConfig
+from dflash_assets.stages.completions.config import CompletionsConfig
 from dflash_assets.stages.drafter.config import DrafterConfig
 from dflash_assets.stages.evaluation.config import EvaluationConfig
 from dflash_assets.stages.hidden_states import HiddenStatesConfig

@@ -30,7 +30,7 @@ from dflash_assets.assets.evaluation import drafter_evaluation
 from dflash_assets.assets.hidden_states import hidden_states
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.assets.tokenized import tokenized_sequences
-from dflash_assets.orchestration.config import DEFAULT_CONFIG
+from dflash_assets.common.config import DEFAULT_CONFIG
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.storage import StorageResource

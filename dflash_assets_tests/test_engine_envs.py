@@ -15,8 +15,8 @@ import dagster as dg
 import pytest
 import yaml
 
+from dflash_assets.common.config import BUNDLED
 from dflash_assets.generation.engines.environments import EngineEnvironmentError
-from dflash_assets.orchestration.config import BUNDLED
 from dflash_assets.stages.evaluation.config import EvaluationConfig
 from dflash_assets.stages.evaluation.engine import plan_engine
 from dflash_assets.stages.evaluation.vllm_run import evaluation_environment

@@ -22,7 +22,7 @@ import httpx
 import polars as pl
 import pytest
 
-from dflash_assets.app.summary_engine import engine_line
+from dflash_assets.app.summary_lines import engine_line
 from dflash_assets.assets.evaluation import drafter_evaluation
 from dflash_assets.dflash.shards.dataset import heldout_fraction_of
 from dflash_assets.generation.processes.ports import free_port_block

@@ -13,7 +13,7 @@ import json
 
 import yaml
 
-from dflash_assets.orchestration.config import BUNDLED
+from dflash_assets.common.config import BUNDLED
 
 GPU_CONFIG = BUNDLED / "gpu_qwen36_27b.yaml"
 

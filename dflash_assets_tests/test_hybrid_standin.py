@@ -129,7 +129,8 @@ def test_served_without_continuous_batching_and_sampling_sent_per_request(standi
 
 
 def test_local_server_and_target_model_must_name_the_same_model(tmp_path, monkeypatch):
-    from dflash_assets.orchestration.config import ConfigError, check_local_model
+    from dflash_assets.common.config import ConfigError
+    from dflash_assets.stages.config_schema import check_local_model
     from dflash_assets.stages.resources.inference import InferenceServerResource
     from dflash_assets.stages.resources.target_model import TargetModelResource
 

@@ -21,7 +21,7 @@ import polars as pl
 import torch
 import yaml
 
-from dflash_assets.orchestration.config import BUNDLED
+from dflash_assets.common.config import BUNDLED
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER_IDS = [1, 2, 3, 4, 5]  # the default rule over 8 decoder layers

@@ -8,7 +8,7 @@ import warnings
 import dagster as dg
 import pytest
 
-from dflash_assets.orchestration import config as cfg
+from dflash_assets.common import config as cfg
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.inference_sections import FLAT_KEYS, ConfigKeyDeprecationWarning
 

@@ -26,9 +26,10 @@ from dflash_assets.assets.completions import completions
 from dflash_assets.assets.prompts import prompt_corpus
 from dflash_assets.generation.api.urls import api_root, chat_completions_url, redact
 from dflash_assets.generation.rows.journal import RowJournal
+from dflash_assets.generation.servers.group import LaunchCommand
 from dflash_assets.generation.servers.pool import API_KEY_ENV
 from dflash_assets.generation.servers.probe import probe_chat, probe_external
-from dflash_assets.generation.servers.sglang_servers import LaunchCommand, SGLangServers
+from dflash_assets.generation.servers.sglang_servers import SGLangServers
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.app.summary_engine import baseline_lines
+from dflash_assets.app.summary_lines import baseline_lines
 from dflash_assets.dflash.decoding.evaluation import acceptance_histogram_png
 from dflash_assets.generation.servers.sglang_dflash import ngram_server_flags
 from dflash_assets.generation.servers.vllm_servers import ngram_speculative_config

@@ -16,7 +16,7 @@ from dflash_assets.assets.completions import completions
 from dflash_assets.data import bfcl
 from dflash_assets.data.on_policy import TURN_STRIDE, ToolCall, Trajectory, parse_tool_calls, row_key
 from dflash_assets.orchestration.partitions import prompt_ranges
-from dflash_assets.stages.completions.on_policy import CompletionsConfig
+from dflash_assets.stages.completions.config import CompletionsConfig
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets.stages.resources.storage import StorageResource
@@ -231,6 +231,14 @@ class Handler(BaseHTTPRequestHandler):
             if MODE == "parsed_ids":
                 choice["token_ids"] = {ids}
             return self.reply({{"choices": [choice], "usage": usage}})
+        if MODE == "count" and "tools" in request:  # a turn (the start-up probe carries no tools)
+            with open({count_file!r}, "a") as f:
+                f.write("request\\n")
+        if MODE in ("surrogate", "power") and first:  # issue 50, findings 3 and 5: the model's call, as ASCII text
+            text = {call_text!r}
+            message = {{"role": "assistant", "content": text}}
+            choice = {{"index": 0, "finish_reason": "stop", "message": message}}
+            return self.reply({{"choices": [choice], "usage": usage}})
         if MODE == "context" and "tools" in request and not first:  # the second turn no longer fits
             message = "This model's maximum context length is 10 tokens; the messages hold 12"
             return self.reply({{"error": {{"message": message}}}}, status=400)
@@ -241,23 +249,37 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """
 
 
-def on_policy_through(tmp_path, mode: str, ids: list[int] | None = None):
+def on_policy_through(
+    tmp_path,
+    mode: str,
+    ids: list[int] | None = None,
+    *,
+    call_text: str = "",
+    source: str = "bfcl:multi_turn_base?limit=1&tools=used",
+    config: dict | None = None,
+    context_length: int | None = None,
+):
     """``completions`` in on_policy mode over one BFCL task, through a stand-in server of ``mode`` (in its own
-    process): the Dagster result and the completions step's materialization metadata (None when it failed)."""
+    process): the Dagster result and the completions step's materialization metadata (None when it failed).
+    ``call_text``: the first reply of modes ``surrogate`` / ``power``; mode ``count`` writes a line per request to
+    ``tmp_path/requests.txt``; ``config``: more of ``ops.completions.config``; ``context_length``: the servers'."""
     from dflash_assets.assets.prompts import prompt_corpus
     from dflash_assets.generation.engines.chat_render import SMOLLM2_TOOLS_TEMPLATE
     from dflash_assets.generation.engines.local_model import ensure_local_model
     from dflash_assets_tests.script_server import script_server
 
-    with script_server(STAND_IN.format(mode=mode, ids=ids)) as url, dg.instance_for_test() as instance:
+    script = STAND_IN.format(mode=mode, ids=ids, call_text=call_text, count_file=str(tmp_path / "requests.txt"))
+    with script_server(script) as url, dg.instance_for_test() as instance:
         external = {"base_urls": [url], "served_model_name": "m", "tokenizer_path": str(ensure_local_model())}
+        if context_length is not None:
+            external["context_length"] = context_length
         resources = {
             "storage": StorageResource(root=str(tmp_path)),
             "inference": InferenceServerResource(mode="external", external=external),
             "generation": GenerationResource(max_output_tokens=8),
             "target_model": TargetModelResource(chat_template=SMOLLM2_TOOLS_TEMPLATE),
         }
-        sources = {"sources": ["bfcl:multi_turn_base?limit=1&tools=used"]}
+        sources = {"sources": [source]}
         corpus = {"ops": {"prompt_corpus": {"config": sources}}}
         assert dg.materialize([prompt_corpus], instance=instance, resources=resources, run_config=corpus).success
         (pk,) = instance.get_dynamic_partitions(prompt_ranges.name)
@@ -266,7 +288,7 @@ def on_policy_through(tmp_path, mode: str, ids: list[int] | None = None):
             instance=instance,
             resources=resources,
             partition_key=pk,
-            run_config={"ops": {"completions": {"config": {"mode": "on_policy"}}}},
+            run_config={"ops": {"completions": {"config": {"mode": "on_policy", **(config or {})}}}},
             raise_on_error=False,
         )
     events = result.asset_materializations_for_node("completions") if result.success else []

@@ -129,7 +129,8 @@ PROXY = textwrap.dedent(
 STAGE = textwrap.dedent(
     """
     import logging, sys
-    from dflash_assets.stages.completions.on_policy import CompletionsConfig, OnPolicyRun
+    from dflash_assets.stages.completions.config import CompletionsConfig
+    from dflash_assets.stages.completions.on_policy import OnPolicyRun
     from dflash_assets.stages.completions.tables import load_range_prompts
     from dflash_assets.stages.resources.generation import GenerationResource
     from dflash_assets.stages.resources.inference import InferenceServerResource

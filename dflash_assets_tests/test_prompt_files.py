@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 
 from dflash_assets.assets.prompts import corpus_fingerprint, prompt_corpus
-from dflash_assets.data.conversation import api_messages
+from dflash_assets.common.conversation import api_messages
 from dflash_assets.data.conversation_shapes import normalize_record
 from dflash_assets.data.shapes import CorpusError, build_corpus
 from dflash_assets.stages.prompts import CORPUS_FILE, REJECTED_FILE, PromptCorpusConfig

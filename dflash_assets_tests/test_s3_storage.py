@@ -557,7 +557,7 @@ def test_drafter_inputs_download_to_empty_scratch(s3_target, tmp_path):
     """complete_shards / ensure_local_dir fetch what a fresh machine lacks: complete partitions' shards
     (by the sizes their index records), the drafter export; incomplete or absent partitions are skipped."""
     from dflash_assets.stages.drafter.run import EXPORT_DIR
-    from dflash_assets.stages.shard_access import complete_shards
+    from dflash_assets.stages.stored_inputs import complete_shards
 
     resource = resolved(storage_resource(s3_target, tmp_path / "scratch"))
     store = resource.open()

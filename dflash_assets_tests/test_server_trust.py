@@ -23,7 +23,8 @@ import pytest
 
 from dflash_assets.generation.processes.ports import PortTakenError, free_port, free_port_block
 from dflash_assets.generation.processes.proc_info import session_members
-from dflash_assets.generation.servers import sglang_servers
+from dflash_assets.generation.servers import group as server_group
+from dflash_assets.generation.servers.group import LaunchCommand, write_key_config
 from dflash_assets.generation.servers.pool import API_KEY_ENV
 from dflash_assets.generation.servers.sglang_servers import SGLangServers, build_sglang_commands
 from dflash_assets.generation.servers.supervision import ProcessSupervisor
@@ -117,7 +118,7 @@ def test_key_file_is_private_and_holds_what_sglang_reads(tmp_path):
 
     from dflash_simulators.sglang_stub import parse_args
 
-    path = sglang_servers.write_key_config(tmp_path, KEY)
+    path = write_key_config(tmp_path, KEY)
     assert path.suffix == ".yaml" and (path.stat().st_mode & 0o777) == 0o600
     assert yaml.safe_load(path.read_text()) == {"api-key": KEY}
     assert parse_args(["--port", "1", "--config", str(path)]).api_key == KEY
@@ -164,7 +165,7 @@ def test_a_squatter_that_takes_the_port_while_the_server_loads_is_refused_and_se
     monkeypatch.setenv("DFLASH_SERVER_REGISTRY", str(tmp_path / "registry"))
     port = free_port_block(1)
     squatters, children = [], []
-    real_start = sglang_servers.start_process
+    real_start = server_group.start_process
 
     def start_then_squat(*args, **kwargs):
         proc = real_start(*args, **kwargs)
@@ -172,7 +173,7 @@ def test_a_squatter_that_takes_the_port_while_the_server_loads_is_refused_and_se
         squatters.append(start_squatter(port, tmp_path / "received"))
         return proc
 
-    monkeypatch.setattr(sglang_servers, "start_process", start_then_squat)
+    monkeypatch.setattr(server_group, "start_process", start_then_squat)
     slow = ["--sim-startup-s", "3", "--sim-speed", "1"]
     commands = build_sglang_commands("sim", port_base=port, module=STUB, extra_args=slow, api_key_env=API_KEY_ENV)
     try:
@@ -278,7 +279,7 @@ def test_an_sglang_without_config_files_fails_saying_the_key_needs_one(tmp_path,
     """An SGLang older than --config exits at start-up (argparse); the error says why and what to do."""
     monkeypatch.setenv("DFLASH_SERVER_REGISTRY", str(tmp_path / "registry"))
     script = "import argparse; p = argparse.ArgumentParser(); p.add_argument('--port'); p.parse_args()"
-    command = sglang_servers.LaunchCommand(
+    command = LaunchCommand(
         (sys.executable, "-c", script, "--port", "1"), {}, "127.0.0.1", free_port(), api_key_env=API_KEY_ENV
     )
     with pytest.raises(RuntimeError) as err, SGLangServers([command], tmp_path / "logs", api_key=KEY):

@@ -14,8 +14,9 @@ import pytest
 
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.processes.ports import free_port
+from dflash_assets.generation.servers.group import LaunchCommand
 from dflash_assets.generation.servers.pool import ServerPool
-from dflash_assets.generation.servers.sglang_servers import LaunchCommand, build_router_command, build_sglang_commands
+from dflash_assets.generation.servers.sglang_servers import build_router_command, build_sglang_commands
 from dflash_assets.generation.servers.transformers_server import (
     LocalTransformersServer,
     transformers_generation_config,

@@ -35,6 +35,7 @@ import httpx
 import pytest
 import yaml
 
+from dflash_assets.common import config as cfg
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.client.completion_client import CompletionClient
 from dflash_assets.generation.engines.environments import EngineEnvironment, EngineEnvironmentError
@@ -43,6 +44,7 @@ from dflash_assets.generation.processes.ports import free_port_block
 from dflash_assets.generation.rows.continuation import continuation_body
 from dflash_assets.generation.rows.records import row_from_result
 from dflash_assets.generation.rows.tail_chunks import TailChunker
+from dflash_assets.generation.servers.group import write_key_config
 from dflash_assets.generation.servers.pool import API_KEY_ENV, ServerPool
 from dflash_assets.generation.servers.sglang_dflash import (
     GREEDY_SAMPLING,
@@ -51,12 +53,7 @@ from dflash_assets.generation.servers.sglang_dflash import (
     dflash_server_flags,
     engine_generate,
 )
-from dflash_assets.generation.servers.sglang_servers import (
-    build_router_command,
-    build_sglang_commands,
-    write_key_config,
-)
-from dflash_assets.orchestration import config as cfg
+from dflash_assets.generation.servers.sglang_servers import build_router_command, build_sglang_commands
 from dflash_assets.stages.resources.generation import GenerationResource
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_simulators.behaviours import Raw

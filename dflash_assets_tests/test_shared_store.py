@@ -14,7 +14,7 @@ import dagster as dg
 import pytest
 
 from dflash_assets.stages.resources.storage import StorageResource
-from dflash_assets.stages.shard_access import complete_shards
+from dflash_assets.stages.stored_inputs import complete_shards
 
 try:
     from dflash_assets_tests.s3_fixtures import moto_server, s3_env, s3_target
@@ -73,7 +73,7 @@ def test_scratch_shard_of_the_right_size_but_other_content_is_replaced(s3_target
 
 
 def test_verified_scratch_shard_is_not_downloaded_again(s3_target, tmp_path):
-    from dflash_assets.stages.shard_access import fetch_shards
+    from dflash_assets.stages.stored_inputs import fetch_shards
 
     storage = s3_storage(s3_target, tmp_path / "scratch")
     store_partition(s3_target, "0-9", b"x" * 1000)

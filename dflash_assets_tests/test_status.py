@@ -12,7 +12,8 @@ import dagster as dg
 import pytest
 import yaml
 
-from dflash_assets.app.status import collect_status, format_status, print_status
+from dflash_assets.app.status import collect_status, print_status
+from dflash_assets.app.status_lines import format_status
 from dflash_assets.data.ranges import partition_keys
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.pools import INFERENCE_POOL, ensure_pool_limits

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dflash_assets.stages.resources.storage import StorageResource
-from dflash_assets.stages.shard_access import ShardIntegrityError, fetch_shards
+from dflash_assets.stages.stored_inputs import ShardIntegrityError, fetch_shards
 from dflash_assets.storage.store import IntegrityError, UnsafeNameError, check_name
 
 try:
@@ -74,7 +74,7 @@ def test_a_hostile_shard_name_in_index_json_never_becomes_a_path(s3_target, tmp_
     assert fetched == ["shard-00000.safetensors"] and [Path(p).name for p in paths] == fetched
     written = {p for p in tmp_path.rglob("*")} - before
     scratch_dir = tmp_path / "scratch" / s3_target.bucket / s3_target.prefix / "hidden_states" / PK
-    # the shard and its verification record (shard_access._stamp_path), nothing for the hostile name
+    # the shard and its verification record (stored_inputs._stamp_path), nothing for the hostile name
     assert {p for p in written if p.is_file()} == {
         scratch_dir / "shard-00000.safetensors",
         scratch_dir / ".shard-00000.safetensors.verified.json",

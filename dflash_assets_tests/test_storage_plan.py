@@ -141,8 +141,8 @@ def test_free_space_is_checked_locally_without_a_budget(project, monkeypatch):
 
 def test_auto_features_follow_the_plan(project):
     """features: auto -> online exactly when the plan does not fit (what the main job and the drafter use)."""
-    from dflash_assets.stages.hidden_states import HiddenStatesConfig, storage_plan
-    from dflash_assets.stages.storage_plan import resolve_features
+    from dflash_assets.stages.hidden_states import HiddenStatesConfig
+    from dflash_assets.stages.storage_plan import resolve_features, storage_plan
 
     needed = project["tokens"] * PER_TOKEN
     args = (project["instance"], project["storage"], project["target"])

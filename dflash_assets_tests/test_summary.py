@@ -10,7 +10,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from dflash_assets.app.summary import collect_summary, format_summary
+from dflash_assets.app.summary import collect_summary
+from dflash_assets.app.summary_lines import format_summary
 from dflash_assets.orchestration.check_gate import BLOCKING_CHECKS
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.resources.storage import StorageResource

@@ -16,8 +16,8 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from dflash_assets.common.conversation import api_messages  # the messages as the server received them
 from dflash_assets.common.settings import GenerationSettings
-from dflash_assets.data.conversation import api_messages  # the messages as the server received them
 from dflash_assets.generation.rows.records import row_from_result
 from dflash_assets.generation.rows.tail_chunks import TailChunker
 from dflash_assets.stages.completions.continuing import ContinuationPlanner

@@ -453,8 +453,8 @@ def test_gpu_config_cuts_long_thinking_rows_instead_of_setting_them_aside(tmp_pa
     supervised tokens intact, and the drafter's training rows keep every one of them."""
     import yaml
 
+    from dflash_assets.common.config import BUNDLED
     from dflash_assets.dflash.training.online import TokenizedRows
-    from dflash_assets.orchestration.config import BUNDLED
     from dflash_assets.stages.drafter.config import DrafterConfig
     from dflash_assets.stages.tokenized import TokenizeConfig
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import dagster as dg
 import polars as pl
 import pytest
 
 from dflash_assets.assets.prompts import prompt_corpus
-from dflash_assets.data.conversation import MESSAGES_SCHEMA, api_messages
+from dflash_assets.common.conversation import MESSAGES_SCHEMA, api_messages
 from dflash_assets.data.shapes import build_corpus
 from dflash_assets.stages.completions.tables import load_range_prompts
 from dflash_assets.stages.prompts import CORPUS_FILE
@@ -299,6 +300,31 @@ def test_malformed_tool_use_is_set_aside_with_its_reason_and_good_rows_are_kept(
     assert reasons[12] == "tool message: messages[3] (tool) answers call id 'c1' a second time"
     assert result.corpus["line"].to_list() == [1, 1, 1, 14]
     assert result.rejected_by_reason["bad tool call"] == 3
+
+
+def test_arguments_whose_text_the_tokenizer_cannot_take_are_set_aside_naming_file_line_and_reason(tmp_path):
+    """Issue 50, finding 4: arguments text ``{"path": "\\ud800"}`` (ASCII, valid JSON) was accepted into the corpus;
+    completions then failed with the tokenizer's ``TypeError: TextEncodeInput must be Union[...]``, naming no row or
+    file, and the partition's good rows were not generated either."""
+    surrogate = {**CALL, "function": {"name": "weather", "arguments": '{"path": "\\ud800"}'}}
+    legacy = {"name": "weather", "arguments": {"city": "\ud800"}}  # an object holding one, as a reader gives it
+    records = [
+        OPENAI,
+        {"messages": [USER_1, {**ASSISTANT_CALL, "tool_calls": [surrogate]}, RESULT, ANSWER], "tools": WEATHER_TOOLS},
+        {"messages": [USER_1, {**ASSISTANT_CALL, "tool_calls": [legacy]}, RESULT, ANSWER], "tools": WEATHER_TOOLS},
+    ]
+    path = tmp_path / "traces.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "\\ud800" in path.read_text() and path.read_bytes().isascii()
+    result = build_corpus([str(path)])
+    assert result.corpus["line"].unique().to_list() == [1]
+    rejected = result.rejected.select("file", "line", "reason").to_dicts()
+    assert [(Path(r["file"]).name, r["line"]) for r in rejected] == [("traces.jsonl", 2), ("traces.jsonl", 3)]
+    assert rejected[0]["reason"] == (
+        "bad tool call: messages[1] (assistant) tool_calls[0] (weather) arguments hold a lone surrogate (\\ud800), "
+        "not valid Unicode: the tokenizer cannot render them; fix or remove the record"
+    )
+    assert rejected[1]["reason"].startswith("invalid Unicode") or "lone surrogate" in rejected[1]["reason"]
 
 
 def test_single_turn_plain_records_keep_their_content_hash_and_prompt_id(tmp_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_assets.app.summary_engine import tool_turn_lines
+from dflash_assets.app.summary_lines import tool_turn_lines
 from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.stages.evaluation.tool_turns import tool_call_turns, tool_turn_line
 

@@ -15,9 +15,10 @@ import dagster as dg
 import polars as pl
 import pytest
 
+from dflash_assets.common import config as cfg
 from dflash_assets.generation.servers.pool import ServerPool
 from dflash_assets.generation.servers.vllm_servers import CPU_BIND_VARIABLE, build_vllm_commands, cpu_core_groups
-from dflash_assets.orchestration import config as cfg
+from dflash_assets.stages import config_schema
 from dflash_assets.stages.resources.inference import InferenceServerResource
 
 SECRET = "vllm-test-key-7f3a9c"
@@ -106,7 +107,7 @@ def test_vllm_mode_on_the_local_model_must_match_the_target(tmp_path, monkeypatc
     )
     built = cfg.build_resources({"inference": InferenceServerResource, "target_model": TargetModelResource})
     with pytest.raises(cfg.ConfigError, match=r"resources\.inference\.vllm\.local_model is .*same model"):
-        cfg.check_local_model(built)
+        config_schema.check_local_model(built)
 
 
 # ------------------------------------------------------------------------------------- the real vLLM server
@@ -279,8 +280,8 @@ def test_main_job_on_vllm_sets_aside_prompts_too_long_for_its_context(tmp_path):
     import yaml
     from transformers import AutoTokenizer
 
+    from dflash_assets.common.config import BUNDLED
     from dflash_assets.generation.engines.local_model import ensure_local_model
-    from dflash_assets.orchestration.config import BUNDLED
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_local_model())
 

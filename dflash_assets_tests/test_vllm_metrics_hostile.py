@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from dflash_assets.app.summary_engine import engine_line
+from dflash_assets.app.summary_lines import engine_line
 from dflash_assets.generation.servers.sglang_dflash import EnginePrompt
 from dflash_assets.stages.evaluation.engine import engine_metadata
 from dflash_assets.stages.evaluation.parity import MIN_MEASURED_SHARE, engine_parity, lossless_summary

@@ -210,7 +210,7 @@ def test_a_start_up_cause_far_above_the_log_tail_still_gets_its_hint(tmp_path):
     import sys
 
     from dflash_assets.generation.processes.ports import free_port_block
-    from dflash_assets.generation.servers.sglang_servers import LaunchCommand
+    from dflash_assets.generation.servers.group import LaunchCommand
     from dflash_assets.generation.servers.vllm_servers import TORCHVISION_HINT, VLLMServers
 
     script = (

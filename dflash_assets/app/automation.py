@@ -26,9 +26,9 @@ from dagster._core.storage.tags import (
 from dagster._utils.schedules import is_valid_cron_string
 
 from dflash_assets.app.stage_order import PARTITION_STAGES
+from dflash_assets.common.config import completions_mode
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.orchestration import check_gate, freshness
-from dflash_assets.orchestration.config import completions_mode
 from dflash_assets.orchestration.freshness import settings_reason
 from dflash_assets.orchestration.history import latest_records
 from dflash_assets.orchestration.partitions import prompt_ranges
@@ -240,6 +240,27 @@ def downstream_requests(
     return requests, len(todo), held
 
 
+def _spread_over_nodes(
+    instance: dg.DagsterInstance, wanted: int, runs: int, per_run: int | None, downstream_limit: int
+) -> tuple[int, int | None, int]:
+    """``(runs, partitions per run, later-stage runs)`` of a tick over several nodes: the ``wanted`` unfinished
+    partitions cut into one range per ``dflash_inference`` slot (one per node's servers), all in this tick; the
+    later stages up to ``downstream_limit`` per ``dflash_gpu`` slot."""
+    slots = pool_usage(instance, [INFERENCE_POOL, GPU_POOL])
+    if wanted:
+        nodes = max(1, slots.get(INFERENCE_POOL, {}).get("limit") or 1)
+        share = -(-wanted // nodes)  # ceil: every unfinished partition in this tick's `nodes` runs
+        runs, per_run = max(runs, nodes), min(per_run or share, share)
+    return runs, per_run, downstream_limit * max(1, slots.get(GPU_POOL, {}).get("limit") or 1)
+
+
+def _range_run_key(records: dict, pks: list[str]) -> str:
+    """A range run's key: the range and its newest completions materialization (storage id; 0 without one), so a
+    tick evaluated twice launches nothing twice."""
+    newest = max((records[pk].storage_id for pk in pks if pk in records), default=0)
+    return f"completions:{pks[0]}...{pks[-1]}:{newest}"
+
+
 def build_backfill_schedule(
     job,
     cron: str | None = None,
@@ -308,18 +329,10 @@ def build_backfill_schedule(
         runs, per_run = max_runs_per_tick, max_partitions_per_run
         downstream_limit, range_tags = max_downstream_per_tick, {"dflash/trigger": "backfill"}
         if spread_over_nodes:
-            slots = pool_usage(instance, [INFERENCE_POOL, GPU_POOL])
-            if wanted:
-                nodes = max(1, slots.get(INFERENCE_POOL, {}).get("limit") or 1)
-                share = -(-len(wanted) // nodes)  # ceil: every unfinished partition in this tick's `nodes` runs
-                runs, per_run = max(runs, nodes), min(per_run or share, share)
-            downstream_limit *= max(1, slots.get(GPU_POOL, {}).get("limit") or 1)
+            runs, per_run, downstream_limit = _spread_over_nodes(instance, len(wanted), runs, per_run, downstream_limit)
             range_tags[MAX_RETRIES_TAG] = "0"  # this schedule re-cuts a failed range over the nodes instead
         ranges = contiguous_ranges(keys, wanted, running | set(given_up), per_run, max_gap=max_finished_gap)[:runs]
-        requests = []
-        for pks in ranges:
-            newest = max((records[pk].storage_id for pk in pks if pk in records), default=0)
-            requests.append(range_request(pks, f"completions:{pks[0]}...{pks[-1]}:{newest}", range_tags))
+        requests = [range_request(pks, _range_run_key(records, pks), range_tags) for pks in ranges]
         names = (
             {k.to_user_string() for k in job.selection.resolve(context.repository_def.asset_graph)}
             if context.repository_def

@@ -1,19 +1,35 @@
 """Shell entry point: ``python -m dflash_assets run | status | mark-failed RUN_ID``.
 
 Every command sets ``DAGSTER_HOME`` to the project root (where ``dagster.yaml`` lives) unless it is
-already set, so run history persists and the Dagster UI shows the same runs.
+already set, so run history persists and the Dagster UI shows the same runs; a ``DAGSTER_HOME`` without a
+``dagster.yaml`` gets a copy of the project's, so no Dagster notice or banner reaches the output.
 """
 
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from dflash_assets.common.settings import PROJECT_ROOT
 
+#: The instance settings a DAGSTER_HOME without its own dagster.yaml gets: the project's (pools, run retries, the
+#: run launcher that reaps killed runs, telemetry off); where the project's file is not beside the package (an
+#: installed wheel), telemetry off alone.
+INSTANCE_FILE = PROJECT_ROOT / "dagster.yaml"
+MINIMAL_INSTANCE = "telemetry:\n  enabled: false\n"
+
 
 def _ensure_dagster_home() -> str:
+    """``$DAGSTER_HOME`` (default: the project root), made, with an instance file: Dagster prints a notice of a
+    missing ``dagster.yaml`` on every instance it opens, and its telemetry banner, into the run's output. A home
+    without one gets the project's, and one line says so."""
     home = os.environ.setdefault("DAGSTER_HOME", str(PROJECT_ROOT))
     os.makedirs(home, exist_ok=True)
+    instance_file = Path(home, "dagster.yaml")
+    if not instance_file.exists():
+        text = INSTANCE_FILE.read_text() if INSTANCE_FILE.is_file() else MINIMAL_INSTANCE
+        instance_file.write_text(text)
+        print(f"DAGSTER_HOME {home} had no dagster.yaml: wrote the project's instance settings there", flush=True)
     return home
 
 
@@ -41,10 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     failed.add_argument("run_id")
     args = parser.parse_args(argv)
     home = _ensure_dagster_home()
+    from dflash_assets.orchestration.cluster import celery_broker_url
     from dflash_assets.orchestration.instance_url import check_postgres_url
 
     try:
         check_postgres_url()  # before any command opens the instance
+        celery_broker_url()  # before the definitions read it: one line, never a traceback
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -63,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     if getattr(args, "config", None):
         # before the definitions are imported: they build the resources from this file
         os.environ["DFLASH_CONFIG"] = os.path.abspath(args.config)
-    from dflash_assets.orchestration.config import ConfigError
+    from dflash_assets.common.config import ConfigError
 
     try:
         from dflash_assets.app import main_job as pipeline

@@ -181,7 +181,7 @@ def configured_cost_text(instance, store, pilot: str | None = None) -> str:
     """:func:`cost_and_forecast` with the active config's inference servers and ``resources.cost`` price; a
     note instead of the forecast when the config's inference section does not load."""
     from dflash_assets.app.cost_table import configured_price
-    from dflash_assets.orchestration.config import resource_fields
+    from dflash_assets.common.config import resource_fields
     from dflash_assets.stages.resources.inference import InferenceServerResource
 
     try:
@@ -219,8 +219,8 @@ def configured_bytes_per_token(model_path: str | None = None) -> int | None:
     with ``ops.hidden_states.config.target_layer_ids`` (default: 5 layers); None without a model directory
     (the local CPU model is not made just for a forecast) or when its config.json does not read."""
     try:
+        from dflash_assets.common.config import op_config, resource_fields
         from dflash_assets.dflash.target.features import bytes_per_token
-        from dflash_assets.orchestration.config import op_config, resource_fields
         from dflash_assets.stages.storage_plan import target_shape
 
         path = model_path if model_path is not None else resource_fields("target_model").get("model_path")

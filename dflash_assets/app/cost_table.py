@@ -96,7 +96,7 @@ def format_cost_table(costs: dict[str, dict], device_hour_usd: float | None) -> 
 def configured_price() -> float | None:
     """``resources.cost.device_hour_usd`` of the active config (None when unset or the config is unreadable)."""
     try:
-        from dflash_assets.orchestration.config import resource_fields
+        from dflash_assets.common.config import resource_fields
         from dflash_assets.stages.resources.cost import CostResource
 
         return CostResource(**resource_fields("cost")).device_hour_usd

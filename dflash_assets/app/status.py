@@ -13,15 +13,16 @@ files changed since the corpus was built, it previews the next build (new, chang
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import dagster as dg
 
 from dflash_assets.app.stage_order import PARTITION_STAGES
+from dflash_assets.app.status_lines import format_status
 from dflash_assets.data.ranges import key_range
-from dflash_assets.orchestration.check_gate import held_message, held_partitions
+from dflash_assets.orchestration.check_gate import held_partitions
 from dflash_assets.orchestration.history import latest_metadata, latest_records, plain_metadata
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.pools import pool_usage
@@ -222,7 +223,8 @@ def collect_status(
       a lowered cap, no request) and ``eta_s`` =
       tokens_remaining_est / tokens_per_s (seconds; None when either is unknown).
     """
-    from dflash_assets.orchestration import config, freshness
+    from dflash_assets.common import config
+    from dflash_assets.orchestration import freshness
 
     keys = list(instance.get_dynamic_partitions(prompt_ranges.name))
     corpus_meta = latest_metadata(instance, "prompt_corpus") or {}
@@ -243,36 +245,88 @@ def collect_status(
     records = {pk: all_records[pk] for pk in done if pk in all_records}
     meta = {pk: plain_metadata(r) for pk, r in records.items()}
     rows_of = {pk: int(meta.get(pk, {}).get("rows", partition_prompt_count(pk)) or 0) for pk in done}
+    regen = (
+        _regeneration(done, meta, rows_of, reason_of, versions, settings, store, continues)
+        if settings is not None
+        else _Regeneration()
+    )
+    not_done = comp["failed_keys"] + comp["in_progress_keys"] + comp["missing_keys"]
+    edit = {k: int(corpus_meta[f"prompts_{k}"]) for k in ("new", "changed", "removed") if f"prompts_{k}" in corpus_meta}
+    if edit:  # what the corpus's last build changed, and what it costs: prompts still without a valid row for them
+        edit["to_request"] = sum(partition_prompt_count(pk) for pk in not_done) + sum(
+            v for k, v in regen.by_reason.items() if k in ("missing", "prompt changed", "prompt unknown")
+        )
+    return {
+        "partitions": len(keys),
+        "prompts": sum(partition_prompt_count(pk) for pk in keys),
+        "corpus_edit": edit,
+        "runs_in_progress": runs_in_progress(instance, all_records),
+        "held": held_partitions(instance, keys),  # {pk: "failed check <asset>.<check>"}: nothing after it runs
+        "stages": counts,
+        "pools": pool_usage(instance),
+        "completions": _completions_figures(
+            records,
+            meta,
+            rows_of,
+            regen,
+            rows_total=sum(partition_prompt_count(pk) for pk in keys),
+            rows_not_done=sum(partition_prompt_count(pk) for pk in not_done),
+            cap=settings.max_output_tokens if settings is not None else None,
+        ),
+    }
+
+
+@dataclass
+class _Regeneration:
+    """What the current settings make again in done partitions: rows by reason and the partitions holding them,
+    the tokens that costs, rows continued (by their current cap) or cut to a lowered cap, and stored rows of
+    removed prompts (dropped, no request)."""
+
+    by_reason: Counter = field(default_factory=Counter)
+    partitions: list[str] = field(default_factory=list)
+    tokens: float = 0.0
+    to_continue: Counter = field(default_factory=Counter)
+    to_cut: int = 0
+    removed: int = 0
+
+    @property
+    def rows(self) -> int:
+        return sum(self.by_reason.values())
+
+
+def _regeneration(done, meta, rows_of, reason_of, versions, settings, store, continues: bool) -> _Regeneration:
+    """:class:`_Regeneration` of the ``done`` partitions under ``settings``: judged row by row from the stored
+    tables when ``store`` is given (a partition touched as a whole otherwise, and an on-policy one always); a
+    row to regenerate costs no less than the mean tokens per done row, a continued row its expected
+    continuation (the truncation report's fit, else its current length)."""
+    from dflash_assets.orchestration import freshness
+
     tokens_done = sum(int(m.get("completion_tokens_total", 0) or 0) for m in meta.values())
-    generation_s, tokens_generated, requests = generation_time(records, meta)
     mean_tokens = tokens_done / sum(rows_of.values()) if sum(rows_of.values()) else None
+    regen = _Regeneration()
+    for pk in done:
+        if pk not in meta or (reason := reason_of(pk)) is None:
+            continue
+        if store is None or meta[pk].get("mode") == "on_policy":  # on-policy turns: made again as a whole
+            reasons, tokens, continued, cut = Counter({reason: rows_of[pk]}), 0, Counter(), 0
+        else:
+            prompts = None
+            if freshness.prompts_reason(meta[pk], (versions or {}).get(pk) if versions else None):
+                from dflash_assets.stages.prompts import CORPUS_FILE
 
-    regen, regen_parts, regen_tokens, to_continue, to_cut = Counter(), [], 0.0, Counter(), 0
-    removed = 0
-    if settings is not None:
-        for pk in done:
-            if pk not in meta or (reason := reason_of(pk)) is None:
-                continue
-            if store is None or meta[pk].get("mode") == "on_policy":  # on-policy turns: made again as a whole
-                reasons, tokens, continued, cut = Counter({reason: rows_of[pk]}), 0, Counter(), 0
-            else:
-                prompts = None
-                if freshness.prompts_reason(meta[pk], (versions or {}).get(pk) if versions else None):
-                    from dflash_assets.stages.prompts import CORPUS_FILE
-
-                    prompts = store.read_parquet(
-                        *CORPUS_FILE, columns=["index", "content_hash", "prompt_id"], index_ranges=[key_range(pk)]
-                    )
-                reasons, tokens, continued, cut = invalid_rows(store, pk, settings, continues, prompts)
-                removed += reasons.pop("removed", 0)
-            if reasons:
-                regen.update(reasons)
-                regen_parts.append(pk)
-                n = sum(reasons.values()) - sum(continued.values()) - cut
-                regen_tokens += max(tokens, n * (mean_tokens or 0.0))
-                to_continue.update(continued)
-                to_cut += cut
-    if to_continue:
+                prompts = store.read_parquet(
+                    *CORPUS_FILE, columns=["index", "content_hash", "prompt_id"], index_ranges=[key_range(pk)]
+                )
+            reasons, tokens, continued, cut = invalid_rows(store, pk, settings, continues, prompts)
+            regen.removed += reasons.pop("removed", 0)
+        if reasons:
+            regen.by_reason.update(reasons)
+            regen.partitions.append(pk)
+            n = sum(reasons.values()) - sum(continued.values()) - cut
+            regen.tokens += max(tokens, n * (mean_tokens or 0.0))
+            regen.to_continue.update(continued)
+            regen.to_cut += cut
+    if regen.to_continue:
         from dflash_assets.assets.truncation import REPORT_DIR
 
         report = None
@@ -281,141 +335,56 @@ def collect_status(
                 report = store.read_json(REPORT_DIR, "report.json")
         except Exception:
             report = None
-        estimate = continuation_tokens(report, to_continue, settings.max_output_tokens)
+        estimate = continuation_tokens(report, regen.to_continue, settings.max_output_tokens)
         # without a fit: each continued row at its current length (what a whole regeneration would cost at least)
-        regen_tokens += estimate if estimate is not None else sum(cap * n for cap, n in to_continue.items())
-    rows_total = sum(partition_prompt_count(pk) for pk in keys)
-    not_done = comp["failed_keys"] + comp["in_progress_keys"] + comp["missing_keys"]
-    regen_rows = sum(regen.values())
-    rows_remaining = sum(partition_prompt_count(pk) for pk in not_done) + regen_rows
+        regen.tokens += estimate if estimate is not None else sum(cap * n for cap, n in regen.to_continue.items())
+    return regen
+
+
+def _completions_figures(
+    records, meta, rows_of, regen: _Regeneration, *, rows_total: int, rows_not_done: int, cap: int | None
+) -> dict:
+    """``collect_status``'s ``completions``: rows done and remaining, the measured rates, the tokens remaining
+    and the ETA (see its docstring)."""
+    tokens_done = sum(int(m.get("completion_tokens_total", 0) or 0) for m in meta.values())
+    generation_s, tokens_generated, requests = generation_time(records, meta)
+    mean_tokens = tokens_done / sum(rows_of.values()) if sum(rows_of.values()) else None
+    rows_remaining = rows_not_done + regen.rows
     tokens_per_s = tokens_generated / generation_s if generation_s > 0 else None
     requests_per_s = requests / generation_s if generation_s > 0 else None
-    new_rows = rows_remaining - regen_rows
-    tokens_remaining = new_rows * mean_tokens + regen_tokens if mean_tokens is not None else None
+    new_rows = rows_remaining - regen.rows
+    tokens_remaining = new_rows * mean_tokens + regen.tokens if mean_tokens is not None else None
     eta_s = tokens_remaining / tokens_per_s if tokens_remaining is not None and tokens_per_s else None
     if rows_remaining == 0:
         tokens_remaining, eta_s = 0.0, 0.0
-    edit = {k: int(corpus_meta[f"prompts_{k}"]) for k in ("new", "changed", "removed") if f"prompts_{k}" in corpus_meta}
-    if edit:  # what the corpus's last build changed, and what it costs: prompts still without a valid row for them
-        new_rows = sum(partition_prompt_count(pk) for pk in not_done)
-        edit["to_request"] = new_rows + sum(
-            v for k, v in regen.items() if k in ("missing", "prompt changed", "prompt unknown")
-        )
     return {
-        "partitions": len(keys),
-        "prompts": rows_total,
-        "corpus_edit": edit,
-        "runs_in_progress": runs_in_progress(instance, all_records),
-        "held": held_partitions(instance, keys),  # {pk: "failed check <asset>.<check>"}: nothing after it runs
-        "stages": counts,
-        "pools": pool_usage(instance),
-        "completions": {
-            "rows_total": rows_total,
-            "rows_done": sum(rows_of.values()) - regen_rows - removed,
-            "tokens_done": tokens_done,
-            "generation_s": round(generation_s, 3),
-            "tokens_generated": round(tokens_generated),
-            "requests": requests,
-            "tokens_per_s": tokens_per_s,
-            "requests_per_s": requests_per_s,
-            "rows_remaining": rows_remaining,
-            "regenerate": {
-                "rows": regen_rows,
-                "partitions": regen_parts,
-                "by_reason": dict(sorted(regen.items())),
-                "continued": sum(to_continue.values()),
-                "cut_locally": to_cut,
-                "removed": removed,
-            },
-            "cap": settings.max_output_tokens if settings is not None else None,
-            "tokens_remaining_est": tokens_remaining,
-            "eta_s": eta_s,
+        "rows_total": rows_total,
+        "rows_done": sum(rows_of.values()) - regen.rows - regen.removed,
+        "tokens_done": tokens_done,
+        "generation_s": round(generation_s, 3),
+        "tokens_generated": round(tokens_generated),
+        "requests": requests,
+        "tokens_per_s": tokens_per_s,
+        "requests_per_s": requests_per_s,
+        "rows_remaining": rows_remaining,
+        "regenerate": {
+            "rows": regen.rows,
+            "partitions": regen.partitions,
+            "by_reason": dict(sorted(regen.by_reason.items())),
+            "continued": sum(regen.to_continue.values()),
+            "cut_locally": regen.to_cut,
+            "removed": regen.removed,
         },
+        "cap": cap,
+        "tokens_remaining_est": tokens_remaining,
+        "eta_s": eta_s,
     }
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "unknown"
-    seconds = round(seconds)
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
-
-
-def format_status(status: dict) -> str:
-    """Human-readable text of :func:`collect_status`'s dict: a stage table, then throughput and ETA."""
-    lines = [f"partitions: {status['partitions']} ({prompt_ranges.name}, {status['prompts']} prompts)"]
-    header = f"{'stage':<22}{'done':>7}{'failed':>8}{'in progress':>13}{'missing':>9}"
-    lines += [header, "-" * len(header)]
-    for name, c in status["stages"].items():
-        lines.append(f"{name:<22}{c['done']:>7}{c['failed']:>8}{c['in_progress']:>13}{c['missing']:>9}")
-        if c["failed_keys"]:
-            shown = ", ".join(c["failed_keys"][:5]) + (" ..." if len(c["failed_keys"]) > 5 else "")
-            lines.append(f"  failed: {shown}")
-    if held := status.get("held"):
-        lines.append(held_message(held))
-    for pool, p in status.get("pools", {}).items():
-        limit = "no limit" if p["limit"] is None else f"limit {p['limit']}"
-        lines.append(f"pool {pool}: {limit}, {p['in_use']} in use, {p['waiting']} waiting")
-    comp = status["completions"]
-    rate = f"{comp['tokens_per_s']:.1f} output tok/s" if comp["tokens_per_s"] is not None else "rate unknown"
-    if comp.get("requests_per_s") is not None:
-        rate += f", {comp['requests_per_s']:.2f} req/s"
-    lines.append(
-        f"completions done: {comp['rows_done']} / {comp.get('rows_total', status['prompts'])} rows valid"
-        + (f" under cap {comp['cap']}" if comp.get("cap") is not None else "")
-        + f"; {comp['tokens_done']} completion tokens; generation {comp['generation_s']:.1f} s ({rate})"
-    )
-    regen = comp.get("regenerate") or {}
-    if edit := status.get("corpus_edit"):
-        lines.append(
-            f"corpus, last build: {edit['new']} new, {edit['changed']} changed, {edit['removed']} removed prompts "
-            f"(stable indices: unchanged prompts keep their rows); completions still to request for new or "
-            f"changed prompts and partitions not done: {edit['to_request']}"
-            + (
-                f"; {regen['removed']} stored rows of removed prompts are dropped, no request"
-                if regen.get("removed")
-                else ""
-            )
-        )
-    if preview := status.get("corpus_preview"):
-        lines.append(preview)
-    if regen.get("rows"):
-        reasons = ", ".join(f"{k}: {v}" for k, v in regen["by_reason"].items())
-        lines.append(
-            f"to regenerate under the current settings: {regen['rows']} rows in {len(regen['partitions'])} "
-            f"partitions ({reasons})"
-            + (f"; {regen['continued']} of them continued from the tokens they have" if regen.get("continued") else "")
-            + (
-                f"; up to {regen['cut_locally']} of them cut to the lower cap from their own tokens, no request "
-                "(those whose tokens match their text; the estimate counts them at 0 tokens)"
-                if regen.get("cut_locally")
-                else ""
-            )
-        )
-    for run in status.get("runs_in_progress", []):
-        eta = run["eta_s"] if run["eta_s"] is not None and run["eta_s"] >= 0 else None
-        lines.append(
-            f"run {run['run_id'][:8]} in progress ({run['range']}): {run['rows_done']} / {run['rows_total']} rows, "
-            f"{run['req_per_s']} req/s, {run['output_tok_per_s']} output tok/s, slots {run['slots_in_flight']} / "
-            f"{run['slots_capacity']}, ETA {_duration(eta)} "
-            f"(at its last partition commit, {time.time() - run['as_of']:.0f} s ago)"
-        )
-    remaining = comp["tokens_remaining_est"]
-    lines.append(
-        f"completions remaining: {comp['rows_remaining']} prompts, ~{remaining:.0f} tokens"
-        if remaining is not None
-        else f"completions remaining: {comp['rows_remaining']} prompts, tokens unknown (no partition done yet)"
-    )
-    lines[-1] += f", ETA {_duration(comp['eta_s'])}"
-    return "\n".join(lines)
 
 
 def current_settings_and_store():
     """The active config's generation settings and storage (``$DFLASH_CONFIG``), or ``(None, None, error)``."""
     try:
-        from dflash_assets.orchestration.config import resource_fields
+        from dflash_assets.common.config import resource_fields
         from dflash_assets.stages.resources.generation import configured_settings
         from dflash_assets.stages.resources.storage import resolved_storage
 
@@ -430,7 +399,7 @@ def config_continues_cut_rows() -> bool:
     """Whether the active config's inference servers continue rows a lower cap cut (SGLang and
     ``continue_truncated``); False when the config does not load."""
     try:
-        from dflash_assets.orchestration.config import resource_fields
+        from dflash_assets.common.config import resource_fields
         from dflash_assets.stages.resources.inference import InferenceServerResource
 
         inference = InferenceServerResource(**resource_fields("inference"))
@@ -445,10 +414,10 @@ def corpus_preview(instance: dg.DagsterInstance, store) -> str | None:
     the run will request for them (prompts at an index the last corpus did not have; stable indices keep
     every other prompt's rows). Reads the prompt files (as the build does) without writing anything."""
     from dflash_assets.assets.prompts import corpus_fingerprint
+    from dflash_assets.common.config import op_config, resource_fields
     from dflash_assets.data.prompt_index import stable_corpus
     from dflash_assets.data.shapes import build_corpus
     from dflash_assets.orchestration import freshness
-    from dflash_assets.orchestration.config import op_config, resource_fields
     from dflash_assets.stages.prompts import CORPUS_FILE, PromptCorpusConfig
     from dflash_assets.stages.resources.storage import resolved_storage
 
@@ -474,9 +443,10 @@ def corpus_preview(instance: dg.DagsterInstance, store) -> str | None:
 
 
 def print_status(instance: dg.DagsterInstance | None = None, pilot: str | None = None) -> int:
-    """Print :func:`format_status` for ``instance`` (default: ``DagsterInstance.get()``) under the active
-    config's generation settings, then the cost table and forecast (from the ``pilot`` range ``FIRST...LAST``
-    when given, :mod:`dflash_assets.app.cost_report`); returns exit code 0."""
+    """Print :func:`~dflash_assets.app.status_lines.format_status` for ``instance`` (default:
+    ``DagsterInstance.get()``) under the active config's generation settings, then the cost table and forecast
+    (from the ``pilot`` range ``FIRST...LAST`` when given, :mod:`dflash_assets.app.cost_report`); returns exit
+    code 0."""
     settings, store, error = current_settings_and_store()
     if error:
         print(

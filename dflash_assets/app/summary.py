@@ -2,24 +2,22 @@
 
 :func:`collect_summary` gathers the numbers (never recomputed from the data: each is an asset's metadata,
 summed over partitions where the asset is partitioned, one latest materialization per partition) and
-where every output lives; :func:`format_summary` prints them.
+where every output lives; :func:`~dflash_assets.app.summary_lines.format_summary` makes them lines.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections import Counter
 from pathlib import Path
 
 import dagster as dg
 
-from dflash_assets.app.summary_engine import ENGINE_KEYS, baseline_lines, engine_line, tool_turn_lines
 from dflash_assets.assets import truncation as truncation_asset
+from dflash_assets.common.config import completions_mode
 from dflash_assets.dflash.shards.format import INDEX_NAME, SHARD_PATTERN
 from dflash_assets.orchestration.check_gate import BLOCKING_CHECKS, why_unevaluated
-from dflash_assets.orchestration.config import completions_mode
 from dflash_assets.orchestration.history import latest_metadata, plain_metadata
 from dflash_assets.stages.completions.on_policy import table_file as on_policy_file
 from dflash_assets.stages.completions.tables import partition_file
@@ -28,6 +26,29 @@ from dflash_assets.stages.evaluation.in_process import REPORT_DIR as EVALUATION_
 from dflash_assets.stages.prompts import CORPUS_FILE, REJECTED_FILE
 from dflash_assets.stages.tokenized import tokenized_file
 
+ENGINE_KEYS = (
+    "engine_kind",
+    "engine_simulated",
+    "engine_requests",
+    "engine_requests_measured",
+    "engine_tau",
+    "engine_tau_stderr",
+    "engine_tau_pooled",
+    "simulated_engine_tau",
+    "simulated_engine_tau_pooled",
+    "engine_parity_steps",
+    "engine_parity_mismatches",
+    "engine_parity_ties",
+    "tokens_per_forward_by_dataset",
+    "baseline_statistic",
+    "ngram_tokens_per_forward",
+    "ngram_tokens_per_forward_stderr",
+    "drafter_tokens_per_forward",
+    "drafter_tokens_per_forward_source",
+    "drafter_in_process_tokens_per_forward",
+    "baseline_verdict",
+    "ngram_baseline_not_compared",
+)
 PK = "<pk>"
 # File and folder names the asset modules write without exporting a constant (kept here, once).
 TRUNCATION_REPORT = (truncation_asset.REPORT_DIR, "report.json")
@@ -71,24 +92,7 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
         (see :func:`output_locations`), ``ui_command``.
     """
     corpus = _unpartitioned(instance, "prompt_corpus")
-    finish: Counter = Counter()
-    comp_rows = comp_errors = ids_missing = too_long = tok_rows = loss_tokens = hs_bytes = hs_tokens = 0
-    seen = {"completions": False, "tokenized_sequences": False, "hidden_states": False}
-    for pk in keys:
-        c = _meta(instance, "completions", pk)
-        finish.update(c.get("finish_reasons", {}))
-        comp_rows += c.get("rows", 0)
-        comp_errors += c.get("errors", 0)
-        ids_missing += c.get("output_ids_missing", 0)  # 0 for a partition committed before it was counted
-        too_long += c.get("prompt_too_long", 0)
-        t = _meta(instance, "tokenized_sequences", pk)
-        tok_rows += t.get("rows", 0)
-        loss_tokens += t.get("loss_tokens", 0)
-        h = _meta(instance, "hidden_states", pk)
-        hs_bytes += h.get("bytes", 0) or 0
-        hs_tokens += h.get("tokens", 0) or 0
-        for name, meta in (("completions", c), ("tokenized_sequences", t), ("hidden_states", h)):
-            seen[name] = seen[name] or bool(meta)
+    sums, seen = _partition_sums(instance, keys)
     report = _unpartitioned(instance, "truncation_report")
     drafter = _unpartitioned(instance, "dflash_drafter")
     evaluation = _unpartitioned(instance, "drafter_evaluation")
@@ -111,20 +115,20 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
         "prompts_edit": {k: corpus[f"prompts_{k}"] for k in ("new", "changed", "removed") if f"prompts_{k}" in corpus},
         "partitions": len(keys),
         "partition_keys": list(keys),
-        "completions": comp_rows,
-        "completion_errors": comp_errors,
-        "completions_without_ids": ids_missing,
-        "prompt_too_long": too_long,  # set aside as too long for the servers' context, never sent
-        "finish_reasons": dict(sorted(finish.items())),
+        "completions": sums["rows"],
+        "completion_errors": sums["errors"],
+        "completions_without_ids": sums["output_ids_missing"],
+        "prompt_too_long": sums["prompt_too_long"],  # set aside as too long for the servers' context, never sent
+        "finish_reasons": dict(sorted(sums["finish"].items())),
         "truncation_rate": report.get("truncation_rate"),
         "rows_per_turn_kind": report.get("rows_per_turn_kind") or {},
         "truncation_rate_per_turn_kind": report.get("truncation_rate_per_turn_kind") or {},
         "cap": report.get("cap"),
         "cap_advice": report.get("cap_advice"),
-        "tokenized_rows": tok_rows,
-        "loss_tokens": loss_tokens,
-        "hidden_state_bytes": hs_bytes,
-        "hidden_state_tokens": hs_tokens,
+        "tokenized_rows": sums["tokenized_rows"],
+        "loss_tokens": sums["loss_tokens"],
+        "hidden_state_bytes": sums["hidden_state_bytes"],
+        "hidden_state_tokens": sums["hidden_state_tokens"],
         "drafter_parameters": drafter.get("parameters"),
         "drafter_train_tokens": drafter.get("train_tokens"),
         "drafter_steps": drafter.get("steps"),
@@ -151,6 +155,41 @@ def collect_summary(instance: dg.DagsterInstance, keys: list[str], storage=None,
         "outputs": output_locations(storage, keys),
         "ui_command": ui_command(instance),
     }
+
+
+def _partition_sums(instance: dg.DagsterInstance, keys: list[str]) -> tuple[dict, dict[str, bool]]:
+    """The partitioned stages' figures summed over ``keys`` (latest materialization of each partition), and
+    which of those stages has any materialization."""
+    finish: Counter = Counter()
+    comp_rows = comp_errors = ids_missing = too_long = tok_rows = loss_tokens = hs_bytes = hs_tokens = 0
+    seen = {"completions": False, "tokenized_sequences": False, "hidden_states": False}
+    for pk in keys:
+        c = _meta(instance, "completions", pk)
+        finish.update(c.get("finish_reasons", {}))
+        comp_rows += c.get("rows", 0)
+        comp_errors += c.get("errors", 0)
+        ids_missing += c.get("output_ids_missing", 0)  # 0 for a partition committed before it was counted
+        too_long += c.get("prompt_too_long", 0)
+        t = _meta(instance, "tokenized_sequences", pk)
+        tok_rows += t.get("rows", 0)
+        loss_tokens += t.get("loss_tokens", 0)
+        h = _meta(instance, "hidden_states", pk)
+        hs_bytes += h.get("bytes", 0) or 0
+        hs_tokens += h.get("tokens", 0) or 0
+        for name, meta in (("completions", c), ("tokenized_sequences", t), ("hidden_states", h)):
+            seen[name] = seen[name] or bool(meta)
+    sums = {
+        "finish": finish,
+        "rows": comp_rows,
+        "errors": comp_errors,
+        "output_ids_missing": ids_missing,
+        "prompt_too_long": too_long,
+        "tokenized_rows": tok_rows,
+        "loss_tokens": loss_tokens,
+        "hidden_state_bytes": hs_bytes,
+        "hidden_state_tokens": hs_tokens,
+    }
+    return sums, seen
 
 
 def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None) -> list[dict]:
@@ -240,24 +279,6 @@ def failed_checks(instance: dg.DagsterInstance, keys: list[str], check_keys=None
     return out
 
 
-def failed_check_lines(checks: list[dict], max_keys: int = 5) -> list[str]:
-    """``failed checks      <asset.check> (WARN): 3 of 4 partitions failed: pk1, pk2, pk3`` lines
-    (``none`` if empty)."""
-    if not checks:
-        return ["failed checks      none"]
-    lines = []
-    for i, c in enumerate(checks):
-        where = (
-            f"{c['failed']} of {c['evaluated']} partitions failed: {', '.join(c['partitions'][:max_keys])}"
-            + (f" (+{len(c['partitions']) - max_keys} more)" if len(c["partitions"]) > max_keys else "")
-            if c["partitions"]
-            else "failed"
-        )
-        text = f"{c['check']} ({c['severity']}): {where}" + (f"; {c['description']}" if c.get("description") else "")
-        lines.append(("failed checks      " if i == 0 else " " * 19) + text)
-    return lines
-
-
 def _feature_figures(instance: dg.DagsterInstance, keys: list[str], drafter: dict) -> dict:
     """The drafter's feature source (offline / online), its target forwards, and the latest storage plan."""
     plan = None
@@ -272,23 +293,6 @@ def _feature_figures(instance: dg.DagsterInstance, keys: list[str], drafter: dic
         "offline_subset": drafter.get("offline_subset") or {},
         "storage_plan": plan,
     }
-
-
-def feature_lines(s: dict) -> list[str]:
-    """Summary lines on where the drafter's target features came from and the storage plan."""
-    lines = []
-    if s.get("features") == "online":
-        lines.append(
-            f"features           online: the frozen target computed every batch's features during training "
-            f"({s.get('target_forwards') or 0} target forwards); no hidden-state shard stored"
-        )
-    elif s.get("features") == "offline":
-        sub = s.get("offline_subset") or {}
-        extra = f"; subset {sub}" if sub.get("max_rows") is not None or sub.get("fraction") is not None else ""
-        lines.append(f"features           offline: read from stored hidden-state shards{extra}")
-    if s.get("storage_plan"):
-        lines.append(f"storage plan       {s['storage_plan']}")
-    return lines
 
 
 def output_locations(storage, keys: list[str]) -> list[tuple[str, str, str]]:
@@ -349,152 +353,3 @@ def ui_command(instance: dg.DagsterInstance) -> str:
     else:
         dagster = "dagster"
     return f"DAGSTER_HOME={home} {dagster} dev -h 127.0.0.1 -p {UI_PORT}"
-
-
-def _size(num_bytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{num_bytes} B"
-
-
-def advice_table(markdown: str) -> list[str]:
-    """The cap-advice Markdown table (truncation_report metadata) as aligned text rows; other text kept as is."""
-    rows = [
-        [c.strip() for c in line.strip().strip("|").split("|")]
-        for line in markdown.splitlines()
-        if line.strip().startswith("|")
-    ]
-    rows = [r for r in rows if not all(re.fullmatch(r":?-+:?", c) for c in r)]
-    if not rows:
-        return [line for line in markdown.splitlines() if line.strip()]
-    widths = [max(len(r[i]) if i < len(r) else 0 for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-
-
-def drafter_line(s: dict) -> str:
-    """``N parameters; trained N steps on M tokens`` / ``resumed at step K ...`` / ``reused because nothing changed``
-    (the drafter asset's ``outcome_text``); a drafter this command did not materialize is reported as reused."""
-    params = "-" if s.get("drafter_parameters") is None else s["drafter_parameters"]
-    text = s.get("drafter_outcome_text")
-    if text is None:
-        text = f"trained on {'-' if s.get('drafter_train_tokens') is None else s['drafter_train_tokens']} tokens"
-    if s.get("drafter_ran") is False:
-        text = (
-            f"reused because nothing changed ({s.get('drafter_steps')} steps on "
-            f"{s.get('drafter_train_tokens')} tokens, "
-            "no training step this run)"
-        )
-    return f"{params} parameters; {text}"
-
-
-def acceptance_line(s: dict) -> str:
-    """``tau T +- SE (mean of per-prompt means; pooled P +- SE) (untrained drafter: T0 +- SE0) on N held-out prompts,
-    speedup X, lossless: yes``; SE is the standard error across prompts; parts not measured are left out (the
-    untrained drafter's unless ``drafter_evaluation.untrained_baseline`` ran it) or ``-``;
-    ``(reused: drafter unchanged, no decoding)`` when the evaluation did not decode again."""
-    if s.get("tau") is None and s.get("engine_kind") is not None:
-        return "acceptance length  tau - (in-process decoding not run: drafter_evaluation.in_process is false)"
-    if s.get("tau") is None:
-        return "acceptance length  tau -"
-
-    def with_se(value, se) -> str:
-        return f"{value}" if se is None else f"{value} +- {se}"
-
-    text = f"acceptance length  tau {with_se(s['tau'], s.get('tau_stderr'))}"
-    if s.get("tau_pooled") is not None:
-        text += f" (mean of per-prompt means; pooled {with_se(s['tau_pooled'], s.get('tau_pooled_stderr'))})"
-    if s.get("tau_untrained") is not None:
-        text += f" (untrained drafter: {with_se(s['tau_untrained'], s.get('tau_untrained_stderr'))})"
-    if s.get("eval_prompts") is not None:
-        text += f" on {s['eval_prompts']} held-out prompts"
-    if s.get("speedup") is not None:
-        text += f", speedup {s['speedup']}x"
-    if s.get("lossless") is not None:
-        text += f", lossless: {'yes' if s['lossless'] else 'NO'}"
-    if s.get("evaluation_ran") is False or s.get("evaluation_outcome") == "reused":
-        text += " (reused: drafter unchanged, no decoding)"
-    return text
-
-
-def dataset_lines(s: dict) -> list[str]:
-    """One line per extra evaluation dataset (beyond the held-out prompts):
-    ``name: tau T +- SE (pooled ...) on N prompts``."""
-    rows = []
-    for name, d in (s.get("tau_by_dataset") or {}).items():
-        if name == "heldout":
-            continue
-        untrained = "" if d.get("tau_untrained") is None else f"; untrained {d['tau_untrained']}"
-        rows.append(
-            f"  {name}: tau {d.get('tau')} +- {d.get('tau_stderr')} (pooled {d.get('tau_pooled')} +- "
-            f"{d.get('tau_pooled_stderr')}{untrained}) on {d.get('prompts')} prompts"
-        )
-    return rows
-
-
-def format_summary(s: dict) -> str:
-    """The summary from :func:`collect_summary` as aligned text lines: numbers, then where each output is."""
-
-    def fmt(v):
-        return "-" if v is None else v
-
-    n_parts = s["partitions"]
-    reasons = ", ".join(f"{k} {v}" for k, v in s["finish_reasons"].items()) or "-"
-    rate = s["truncation_rate"]
-    lines = [
-        "== dflash-assets summary ==",
-        (
-            f"prompts            {fmt(s['prompts'])} ({fmt(s['duplicates'])} duplicates, "
-            f"{fmt(s['rejected'])} rejected) "
-            f"in {n_parts} partition{'' if n_parts == 1 else 's'}"
-            + (
-                f"; last build: {edit.get('new', 0)} new, {edit.get('changed', 0)} changed, "
-                f"{edit.get('removed', 0)} removed"
-                if (edit := s.get("prompts_edit"))
-                else ""
-            )
-        ),
-        f"completions        {s['completions']} rows (errors: {s['completion_errors']}"
-        + (
-            f"; set aside as too long for the context, never sent: {s['prompt_too_long']}"
-            if s.get("prompt_too_long")
-            else ""
-        )
-        + f"), {s.get('completions_without_ids', 0)} without the model's own token ids; finish_reason: {reasons}",
-        f"truncation         {'-' if rate is None else f'{rate:.2%}'} of completions hit the cap of "
-        f"{fmt(s['cap'])} tokens",
-    ]
-    if kinds := s.get("rows_per_turn_kind"):  # issue 43: rows by what their turn was, and how often each hit the cap
-        rates = s.get("truncation_rate_per_turn_kind") or {}
-        lines.append(
-            "turn kinds         " + ", ".join(f"{kind} {n} ({rates.get(kind, 0):.0%} cut)" for kind, n in kinds.items())
-        )
-    if isinstance(s.get("cap_advice"), str) and s["cap_advice"].strip():
-        table = advice_table(s["cap_advice"])
-        lines += [("cap advice         " if i == 0 else " " * 19) + row for i, row in enumerate(table)]
-    lines += [
-        f"tokenized          {s['tokenized_rows']} rows, {s['loss_tokens']} loss tokens",
-        f"hidden states      {s['hidden_state_bytes']} bytes ({_size(s['hidden_state_bytes'])}) "
-        f"for {s['hidden_state_tokens']} tokens",
-        f"drafter            {drafter_line(s)}",
-        *feature_lines(s),
-        acceptance_line(s),
-        *[" " * 19 + row.strip() for row in dataset_lines(s)],
-        *[" " * 19 + row for row in tool_turn_lines(s)],
-        *([engine_line(s)] if engine_line(s) else []),
-        *baseline_lines(s),
-        *failed_check_lines(s.get("failed_checks") or []),
-        "",
-        "== where the outputs are ==",
-    ]
-    materialized = s.get("materialized", {})
-    for label, location, asset in s["outputs"]:
-        missing = "" if materialized.get(asset, True) else "  (not written yet)"
-        if asset == "hidden_states" and s.get("features") == "online" and missing:
-            missing = "  (not written: the drafter trained online)"
-        lines.append(f"{label:<19}{location}{missing}")
-    keys = s.get("partition_keys") or []
-    if len(keys) > 1:
-        lines.append(f"{PK:<19}one of {len(keys)} partition keys: {keys[0]} .. {keys[-1]}")
-    lines.append(f"{'open the UI':<19}{s['ui_command']}   # then http://127.0.0.1:{UI_PORT}")
-    return "\n".join(lines)

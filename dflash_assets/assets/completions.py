@@ -27,7 +27,8 @@ from dflash_assets.orchestration.history import plain_metadata
 from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.orchestration.pools import INFERENCE_POOL
 from dflash_assets.orchestration.runs import partition_busy_message, runs_holding_partitions
-from dflash_assets.stages.completions.on_policy import CompletionsConfig, OnPolicyRun
+from dflash_assets.stages.completions.config import CompletionsConfig
+from dflash_assets.stages.completions.on_policy import OnPolicyRun
 from dflash_assets.stages.completions.range_run import RangeRun
 from dflash_assets.stages.completions.tables import load_range_prompts
 from dflash_assets.stages.resources.generation import GenerationResource, served_settings

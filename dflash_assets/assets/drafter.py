@@ -26,7 +26,7 @@ from dflash_assets.stages.drafter.run import (
 from dflash_assets.stages.drafter.settings import resolved_settings, train_config_for
 from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
-from dflash_assets.stages.shard_access import ShardIntegrityError
+from dflash_assets.stages.stored_inputs import ShardIntegrityError
 
 
 def config_changed_since_last(instance: dg.DagsterInstance, key: str, config: dg.Config) -> bool:

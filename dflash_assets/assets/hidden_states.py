@@ -13,11 +13,10 @@ from dflash_assets.stages.hidden_states import (
     check_shards,
     extract_stage,
     layer_ids_or_error,
-    storage_plan,
 )
 from dflash_assets.stages.resources.storage import StorageResource
 from dflash_assets.stages.resources.target_model import TargetModelResource
-from dflash_assets.stages.storage_plan import StoragePlan
+from dflash_assets.stages.storage_plan import StoragePlan, storage_plan
 from dflash_assets.stages.tokenized import tokenized_file
 
 

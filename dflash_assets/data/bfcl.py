@@ -29,6 +29,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -345,31 +346,56 @@ def bfcl_split(task_id: str) -> str:
     return "heldout" if bucket < _HELDOUT_PER_10 else "train"
 
 
+#: The largest ``limit=`` taken: more than any category holds, few enough digits for a directory name.
+MAX_LIMIT = 1_000_000
+
+
+def _said(spec: str) -> str:
+    """``spec`` as an error quotes it: its first 120 characters (a 5000-digit limit is not repeated)."""
+    return repr(spec if len(spec) <= 120 else spec[:120] + "...")
+
+
 def _parse_spec(spec: str) -> tuple[str, int | None, str, str]:
     """``(category, limit, split, tools)`` of a ``bfcl:<category>[?limit=N][&split=...][&tools=involved|used]``
-    spec; BfclError if malformed."""
+    spec.
+
+    Raises:
+        BfclError: naming the source and the option: an unknown category or option, an option given twice, a
+            ``#...`` suffix, a limit that is not a whole number from 1 to :data:`MAX_LIMIT` in ASCII digits
+            (``limit=²`` passed ``str.isdigit``; a 300-digit one made a directory name too long, a 5000-digit one
+            hit Python's int conversion limit), or another value outside its words.
+    """
     parts = urlsplit(spec[len(SOURCE_PREFIX) :])
     category = parts.path
     if category not in CATEGORIES:
-        raise BfclError(f"source {spec!r}: unknown BFCL category {category!r}; categories: {list(CATEGORIES)}")
-    query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    unknown = sorted(set(query) - {"limit", "split", "tools"})
+        raise BfclError(f"source {_said(spec)}: unknown BFCL category {category!r}; categories: {list(CATEGORIES)}")
+    options = f"options: limit=N (1 to {MAX_LIMIT}), split={'|'.join(SPLITS)}, tools={'|'.join(TOOL_CHOICES)}"
+    if "#" in spec:
+        raise BfclError(f"source {_said(spec)}: a '#...' suffix is not an option; remove it ({options})")
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    names = [name for name, _ in pairs]
+    unknown = sorted(set(names) - {"limit", "split", "tools"})
     if unknown:
-        raise BfclError(
-            f"source {spec!r}: unknown option(s) {unknown}; options: limit=N, split={'|'.join(SPLITS)}, "
-            f"tools={'|'.join(TOOL_CHOICES)}"
-        )
+        raise BfclError(f"source {_said(spec)}: unknown option(s) {unknown}; {options}")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise BfclError(f"source {_said(spec)}: option(s) {twice} given more than once; give each once ({options})")
+    query = dict(pairs)
     limit = None
     if "limit" in query:
-        if not query["limit"].isdigit() or int(query["limit"]) < 1:
-            raise BfclError(f"source {spec!r}: limit must be a positive integer, got {query['limit']!r}")
-        limit = int(query["limit"])
+        text = query["limit"]
+        if not (re.fullmatch(r"[0-9]{1,7}", text) and 1 <= int(text) <= MAX_LIMIT):
+            raise BfclError(
+                f"source {_said(spec)}: limit must be a positive integer (1 to {MAX_LIMIT}, digits 0-9), got "
+                f"{_said(text)}"
+            )
+        limit = int(text)
     split = query.get("split", "train")
     if split not in SPLITS:
-        raise BfclError(f"source {spec!r}: split must be one of {list(SPLITS)}, got {split!r}")
+        raise BfclError(f"source {_said(spec)}: split must be one of {list(SPLITS)}, got {_said(split)}")
     tools = query.get("tools", "involved")
     if tools not in TOOL_CHOICES:
-        raise BfclError(f"source {spec!r}: tools must be one of {list(TOOL_CHOICES)}, got {tools!r}")
+        raise BfclError(f"source {_said(spec)}: tools must be one of {list(TOOL_CHOICES)}, got {_said(tools)}")
     return category, limit, split, tools
 
 

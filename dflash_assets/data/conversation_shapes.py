@@ -86,7 +86,7 @@ class TurnContext:
 def normalize_record(record: Any) -> list[dict[str, Any]]:
     """The context one record gives with ``turns: last``: its messages with the trailing assistant turns dropped
     (a plain conversation: up to and including its last user message), API-shaped
-    (:func:`~dflash_assets.data.conversation.api_messages` form). The record's ``tools`` are not in it: see
+    (:func:`~dflash_assets.common.conversation.api_messages` form). The record's ``tools`` are not in it: see
     :func:`normalize_conversation`.
 
     Raises:
@@ -294,6 +294,14 @@ class _Conversation:
                 raise RowError(
                     f"bad tool call: {at} ({name}) arguments are not a JSON object (got {type(parsed).__name__})"
                 )
+            try:  # JSON text may escape a lone surrogate ("\ud800"): valid in the file, refused by the tokenizer
+                json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = exc.object[exc.start : exc.start + 1].encode("unicode_escape").decode()
+                raise RowError(
+                    f"bad tool call: {at} ({name}) arguments hold a lone surrogate ({bad}), not valid Unicode: the "
+                    "tokenizer cannot render them; fix or remove the record"
+                ) from None
             call_id = call.get("id")
             call_id = str(call_id) if isinstance(call_id, (str, int)) and call_id != "" else f"call_{self.n_calls}"
             if call_id in ids:

@@ -31,6 +31,7 @@ import polars as pl
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.bfcl import BfclTask, ToolEnvironment
 from dflash_assets.data.shapes import content_hash
+from dflash_assets.data.tool_sandbox import DEFAULT_MAX_RESULT_BYTES, checked_result
 from dflash_assets.generation.rows.records import COMPLETIONS_SCHEMA, TOOL_CALL_OPEN, row_from_result
 
 __all__ = [
@@ -47,6 +48,9 @@ __all__ = [
 TOOL_CALL_CLOSE = "</tool_call>"
 #: Row keys: the conversation's corpus index x TURN_STRIDE + its assistant turn (0-based); ``max_turns`` < it.
 TURN_STRIDE = 1 << 12
+#: ``ops.completions.config``'s defaults (freshness compares a partition's limits with the configured ones).
+DEFAULT_MAX_ROUNDS = 8
+DEFAULT_MAX_TURNS = 64
 #: What an on-policy row holds beyond the completions schema (JSON text: the context as sent, the reply as
 #: appended to it, the tool messages its calls got).
 ON_POLICY_COLUMNS = {
@@ -167,21 +171,42 @@ class Trajectory:
         anchor: the corpus row of the conversation's first turn (``index``, ``conversation_id``, ``source``).
         max_rounds: replies to one user turn after which the next user turn is asked, calls or not (>= 1).
         max_turns: assistant turns after which the conversation ends (1 .. TURN_STRIDE - 1).
+        env: what executes the calls (``call(name, arguments) -> str``): default the task's own
+            :class:`~dflash_assets.data.bfcl.ToolEnvironment` in this process; a run passes a
+            :class:`~dflash_assets.data.tool_sandbox.SandboxedEnvironment` (bounded in time and size).
+        max_result_bytes: results over this many UTF-8 bytes, or not valid Unicode, become error results
+            (:func:`~dflash_assets.data.tool_sandbox.checked_result`), as any other row text is checked.
 
     Attributes:
         messages: the conversation so far (API-shaped): the context of the next request while not ``done``.
         turn: assistant turns so far; ``kind``: the next turn's kind (``prompt``, ``after_tool``, ``follow_up``).
+        ended_by: why it is done (``task``: its last user turn answered, ``max_turns``, ``context``: the next turn
+            no longer fits the servers' context), None while not done.
+        rounds_capped: user turns left for the next one at ``max_rounds`` although the last reply called a tool;
+        rounds_max: the most replies given to one user turn (freshness: which limit changes touch it).
 
     Raises:
         ValueError: a limit out of range. BfclError: the environment cannot be built (see ToolEnvironment).
     """
 
-    def __init__(self, task: BfclTask, tools: str, anchor: dict[str, Any], max_rounds: int, max_turns: int):
+    def __init__(
+        self,
+        task: BfclTask,
+        tools: str,
+        anchor: dict[str, Any],
+        max_rounds: int,
+        max_turns: int,
+        env: Any = None,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+    ):
         if max_rounds < 1 or not 1 <= max_turns < TURN_STRIDE:
             raise ValueError(f"max_rounds must be >= 1 and max_turns in [1, {TURN_STRIDE}): {max_rounds}, {max_turns}")
         self.task, self.tools, self.anchor = task, tools, anchor
         self.max_rounds, self.max_turns = max_rounds, max_turns
-        self.env = ToolEnvironment(task)
+        self.env = env if env is not None else ToolEnvironment(task)
+        self.max_result_bytes = max_result_bytes
+        self.ended_by: str | None = None
+        self.rounds_capped = self.rounds_max = 0
         self._offered = json.loads(tools) if tools else []
         self.messages: list[dict[str, Any]] = []
         self.user_turn, self.rounds, self.turn = -1, 0, 0
@@ -193,13 +218,17 @@ class Trajectory:
         while True:
             self.user_turn += 1
             if self.user_turn >= len(self.task.turns):
-                self.done = True
+                self.end("task")
                 return
             users = self.task.turns[self.user_turn]
             if users:  # a turn without a user message adds nothing to ask
                 self.messages.extend({"role": m["role"], "content": m["content"]} for m in users)
                 self.kind = "prompt" if self.turn == 0 else "follow_up"
                 return
+
+    def end(self, why: str) -> None:
+        """The conversation is done, ``why`` (:attr:`ended_by`)."""
+        self.done, self.ended_by = True, why
 
     @property
     def key(self) -> int:
@@ -259,7 +288,10 @@ class Trajectory:
         calls = parse_tool_calls(reply.get("content"), self._offered)
         results = []
         for k, call in enumerate(calls):
-            text = self.env.call(call.name, call.arguments) if call.error is None else error_result(call.error)
+            if call.error is None:
+                text = checked_result(call.name, self.env.call(call.name, call.arguments), self.max_result_bytes)
+            else:
+                text = error_result(call.error)
             message = {"role": "tool", "tool_call_id": f"call_{self.turn}_{k}", "content": text}
             if call.name is not None:
                 message["name"] = call.name
@@ -267,11 +299,14 @@ class Trajectory:
         self.messages.extend(results)
         self.turn += 1
         self.rounds += 1
+        self.rounds_max = max(self.rounds_max, self.rounds)
         if self.turn >= self.max_turns:
-            self.done = True
+            more = (calls and self.rounds < self.max_rounds) or any(self.task.turns[self.user_turn + 1 :])
+            self.end("max_turns" if more else "task")  # only a conversation the limit cut is touched by raising it
         elif calls and self.rounds < self.max_rounds:
             self.kind = "after_tool"
         else:
+            self.rounds_capped += bool(calls)
             self._next_user_turn()
         return results
 

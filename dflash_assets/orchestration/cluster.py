@@ -25,12 +25,16 @@ The broker URL, password included, stays in the environment: nothing here writes
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import dagster as dg
 
+from dflash_assets.orchestration.service_urls import checked_url, install_log_scrubber, scrubbed_errors
+
 #: Environment variable holding the Redis URL of the Celery broker (and result backend); unset: single node.
 CELERY_BROKER_ENV = "DFLASH_CELERY_BROKER"
+BROKER_FORM = "redis://[:PASSWORD@]HOST:6379/0"
 #: The queue every node's worker consumes (dagster-celery's default queue, so the executor needs no step tags).
 CELERY_QUEUE = "dagster"
 
@@ -38,18 +42,27 @@ CELERY_QUEUE = "dagster"
 def celery_broker_url() -> str | None:
     """The broker URL from :data:`CELERY_BROKER_ENV`, or None when unset or empty (single-node mode).
 
+    The whole URL is checked before kombu or redis-py sees it (:func:`~.service_urls.checked_url`: an unencoded
+    ``/`` in the password once made kombu quote a part of it, as the port, in the run's events), its database is a
+    number, and every log record of the process is scrubbed of it from then on.
+
     Raises:
-        ValueError: the variable is set to something other than a ``redis://`` / ``rediss://`` URL (naming the
-            variable, never its value: it may hold a password).
+        ValueError: the variable is set to something other than a ``redis://`` / ``rediss://`` URL, or a malformed
+            or ambiguous one (naming the variable, what is wrong and the form; never its value: it may hold a
+            password).
     """
     url = os.environ.get(CELERY_BROKER_ENV, "").strip()
     if not url:
         return None
     if not url.startswith(("redis://", "rediss://")):
         raise ValueError(
-            f"{CELERY_BROKER_ENV} must be a Redis URL (redis://[:PASSWORD@]HOST:6379/0, the broker every node's "
-            f"worker reads); unset it to run on one node"
+            f"{CELERY_BROKER_ENV} must be a Redis URL ({BROKER_FORM}, the broker every node's worker reads); "
+            "unset it to run on one node"
         )
+    install_log_scrubber()
+    parts = checked_url(CELERY_BROKER_ENV, url, ("redis", "rediss"), BROKER_FORM)
+    if parts.path not in ("", "/") and not re.fullmatch(r"/[0-9]{1,5}", parts.path):
+        raise ValueError(f"{CELERY_BROKER_ENV}'s path must be a database number (/0): use {BROKER_FORM}")
     return url
 
 
@@ -81,15 +94,18 @@ def lost_after_s() -> float:
 
 
 class WorkerLostError(RuntimeError):
-    """The worker running a step stopped answering (its node was lost, or it was killed)."""
+    """No worker runs a started step any more (its node was lost, its worker killed or restarted)."""
 
 
 class WatchedResult:
     """A step's Celery result (``celery.result.AsyncResult``) as dagster-celery's execution loop reads it
-    (``ready``, ``get``, ``revoke``), plus a watch on the worker running it: once the task is STARTED on worker W,
-    W is pinged every ``lost_after_s / 3`` seconds; three pings in a row without a reply make the result ready,
-    ``get`` raise :class:`WorkerLostError` and the task revoked (terminated, should W come back). Without this a
-    run whose worker died waits forever: with early acknowledgement no other worker ever receives the task.
+    (``ready``, ``get``, ``revoke``), plus a watch on the task itself: once it is STARTED, the workers are asked
+    every ``lost_after_s / 3`` seconds which tasks they run (``inspect().active()``); three answers in a row in
+    which no worker lists it make the result ready, ``get`` raise :class:`WorkerLostError` and the task revoked
+    (terminated, should its worker come back). Without this a run whose worker died waits forever: with early
+    acknowledgement no other worker ever receives the task. Liveness is the task's, never the worker name's: a
+    worker a supervisor restarted under the same name answers pings but runs nothing of the lost step (issue 50,
+    finding 6: the run held its pool slot for good).
     ``what`` names the task in that error (default ``step <step_key>``), ``advice`` says what to do next."""
 
     def __init__(
@@ -121,19 +137,27 @@ class WatchedResult:
         if worker is None:
             self._misses = 0
             return False
-        replies = self._app.control.ping(destination=[worker], timeout=min(self._every, 5.0))
-        self._misses = 0 if replies else self._misses + 1
-        if self._misses >= 3:
+        self._misses = 0 if self._running_somewhere() else self._misses + 1
+        if self._misses >= 3 and not self._result.ready():  # it may have ended since it was last asked
             self._lost = worker
             self._result.revoke(terminate=True)
             return True
         return False
 
+    def _running_somewhere(self) -> bool:
+        """Whether a worker that answers lists the task among those it runs now (no answer: not running)."""
+        try:
+            active = self._app.control.inspect(timeout=min(self._every, 5.0)).active() or {}
+        except Exception:  # the broker unreachable: nothing says the task runs
+            return False
+        task_id = self._result.id
+        return any(isinstance(t, dict) and t.get("id") == task_id for tasks in active.values() for t in tasks or ())
+
     def get(self):
         if self._lost is not None:
             raise WorkerLostError(
-                f"{self._what}: worker {self._lost} stopped answering while running it (lost node or "
-                f"killed; {3 * self._every:.0f} s without a reply, {LOST_AFTER_ENV}); {self._advice}"
+                f"{self._what}: worker {self._lost} stopped answering while running it, or no longer runs it (lost "
+                f"node, killed, or restarted under its name; {3 * self._every:.0f} s, {LOST_AFTER_ENV}); {self._advice}"
             )
         # The dflash_drafter step waits on its node ranks from inside its own Celery task, where Celery refuses a
         # blocking get (prefork workers: "Never call result.get() within a task!"). Safe here: the awaited task
@@ -166,7 +190,9 @@ def _celery_executor_def() -> dg.ExecutorDefinition:
                 result = _submit_task(app, context, step, queue, priority, known_state)
                 return WatchedResult(result, app, step.key, lost_after)
 
-            return core_celery_execution_loop(plan_context, execution_plan, step_execution_fn=submit)
+            # the broker's errors reach the run's events (ENGINE_EVENT, RUN_FAILURE) and the UI scrubbed of its URL
+            with scrubbed_errors():
+                yield from core_celery_execution_loop(plan_context, execution_plan, step_execution_fn=submit)
 
     @dg.executor(name="celery", config_schema=CELERY_CONFIG, requirements=dg.multiple_process_executor_requirements())
     def watched_celery_executor(init_context):

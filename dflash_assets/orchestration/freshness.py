@@ -44,6 +44,7 @@ from collections.abc import Sequence
 
 import dagster as dg
 
+from dflash_assets.common.config import project_config
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.generation.rows.records import PROMPT_TOO_LONG, TOO_LONG_CAP, TOO_LONG_CONTEXT
 from dflash_assets.orchestration.check_gate import check_reason, failed_blocking_checks
@@ -57,6 +58,18 @@ PROMPTS_UNVERSIONED = "made before rows named their prompt"
 
 
 # ------------------------------------------------------------------------------------------ pure rules
+
+
+def on_policy_limits() -> tuple[int, int]:
+    """``(max_turns_per_conversation, max_rounds_per_user_turn)`` of ``ops.completions.config`` (their defaults
+    when unset): what freshness compares an on-policy partition's limits with."""
+    from dflash_assets.data.on_policy import DEFAULT_MAX_ROUNDS, DEFAULT_MAX_TURNS
+
+    section = (project_config()["ops"].get("completions") or {}).get("config") or {}
+    return (
+        int(section.get("max_turns_per_conversation", DEFAULT_MAX_TURNS)),
+        int(section.get("max_rounds_per_user_turn", DEFAULT_MAX_ROUNDS)),
+    )
 
 
 def corpus_reason(meta: dict | None, fingerprint: str) -> str | None:
@@ -118,17 +131,61 @@ def mode_reason(meta: dict, mode: str | None) -> str | None:
     return None if mode is None or made_in == mode else f"made in mode {made_in}, configured {mode}"
 
 
+def on_policy_reason(meta: dict, settings: GenerationSettings | None, limits: tuple[int, int] | None) -> str | None:
+    """Why an on-policy partition (its latest metadata) must run again: exactly when a change touches one of its
+    conversations, as a settings change touches regenerate mode's rows. ``limits``: the configured
+    ``(max_turns_per_conversation, max_rounds_per_user_turn)`` (None: not compared).
+
+    - ``max_turns_per_conversation`` raised: a conversation the old limit ended (the run continues it); lowered:
+      a conversation longer than the new one (cut to it);
+    - ``max_rounds_per_user_turn`` raised: a user turn left at the old limit with a call pending; lowered: a user
+      turn that had more replies;
+    - the servers' context (``settings.context_length``) other than the one a conversation the servers refused
+      to go on with was run under.
+
+    A partition made before these counts were recorded counts as touched by any change of a limit."""
+    if meta.get("mode") != "on_policy":
+        return None
+    if limits is not None:
+        for (now, key), (cut, longest, what) in zip(
+            zip(limits, ("max_turns_per_conversation", "max_rounds_per_user_turn")),
+            (
+                ("conversations_ended_at_max_turns", "conversation_turns_max", "conversations"),
+                ("user_turns_ended_at_max_rounds", "rounds_max", "user turns"),
+            ),
+        ):
+            then = meta.get(key)
+            if then is None or now == then:
+                continue
+            if now > then and meta.get(cut, 1) > 0:
+                return f"{key} raised ({then} -> {now}): {meta.get(cut, 'some')} {what} ended at the old limit"
+            if now < then and meta.get(longest, then) > now:
+                return f"{key} lowered ({then} -> {now}): {what} past the new limit"
+    context = settings.context_length if settings is not None else None
+    ended = meta.get("conversations_ended_at_context", 0)
+    if context is not None and ended and meta.get("context_length") != context:
+        then = meta.get("context_length")
+        return f"servers' context changed ({then} -> {context}): {ended} conversations ended at it"
+    return None
+
+
 def completions_reason(
-    meta: dict | None, settings: GenerationSettings | None, corpus_version: str | None, mode: str | None = None
+    meta: dict | None,
+    settings: GenerationSettings | None,
+    corpus_version: str | None,
+    mode: str | None = None,
+    limits: tuple[int, int] | None = None,
 ) -> str | None:
     """Why ``completions[pk]`` (its latest metadata, None when never materialized) is not up to date (``mode``:
-    the configured ``ops.completions.config.mode``, None: not compared)."""
+    the configured ``ops.completions.config.mode``, None: not compared; ``limits``: the configured on-policy
+    limits, :func:`on_policy_reason`)."""
     if meta is None:
         return NOT_MATERIALIZED
     return (
         mode_reason(meta, mode)
         or prompts_reason(meta, corpus_version)
         or (settings_reason(meta, settings) if settings is not None else None)
+        or on_policy_reason(meta, settings, limits)
     )
 
 
@@ -175,9 +232,10 @@ def completions_reasons(
         records = latest_records(instance, "completions", keys)
     if versions is False:
         versions = corpus_versions(instance)
+    limits = on_policy_limits() if mode == "on_policy" else None
     return {
         pk: completions_reason(
-            plain_metadata(records.get(pk)), settings, (versions or {}).get(pk) if versions else None, mode
+            plain_metadata(records.get(pk)), settings, (versions or {}).get(pk) if versions else None, mode, limits
         )
         for pk in keys
     }

@@ -88,11 +88,86 @@ def this_node() -> str:
     return node_of(hostname) if hostname else node_name()
 
 
+#: The flags of the training module a rank command may carry (the launcher's ``run_torchrun``); the first two take
+#: several values.
+TRAIN_FLAGS = ("--shards", "--tokenized", "--features", "--out", "--target-model", "--export", "--config-json")
+LIST_FLAGS = ("--shards", "--tokenized")
+TORCHRUN_OPTIONS = ("--nnodes", "--nproc_per_node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id")
+TRAIN_MODULE = "dflash_assets.dflash.training.train"
+
+
+class RankCommandRefused(ValueError):
+    """A rank task's command is not the project's own multi-node launch command (the message says which part)."""
+
+
+def launch_command(argv: Sequence[str]) -> list[str]:
+    """The command a rank task runs for ``argv``, rebuilt on this node: only the project's own multi-node launch
+    command runs, in ``torchrun_argv``'s form with this node's Python (``sys.executable``), the training module
+    :data:`TRAIN_MODULE`, the rendezvous options it writes (:data:`TORCHRUN_OPTIONS`, c10d, two nodes or more)
+    and the training flags :data:`TRAIN_FLAGS`. The broker's messages are not trusted (issue 50, finding 8: the
+    task ran ``/bin/sh -c ...`` with the worker's environment and secrets, and the documented broker URL needs no
+    password).
+
+    Raises:
+        RankCommandRefused: anything else, naming the first part that is not the launch command's (cut to 80
+            characters).
+    """
+
+    from dflash_assets.dflash.training.distributed import torchrun_argv
+
+    def refuse(why: str) -> RankCommandRefused:
+        return RankCommandRefused(f"refused to run a node rank: {why}; only the project's own launch command runs")
+
+    args = [str(a) for a in argv]
+    # the launching node's interpreter is not run: this node's own (sys.executable) is, whatever the path sent
+    if args[1:3] != ["-m", "torch.distributed.run"] or not os.path.basename(args[0]).startswith("python"):
+        raise refuse("it is not PYTHON -m torch.distributed.run")
+    options: dict[str, str] = {}
+    rest = args[3:]
+    while rest and rest[0].startswith("--"):
+        key, _, value = rest.pop(0).partition("=")
+        if key not in TORCHRUN_OPTIONS or not value or key in options:
+            raise refuse(f"torchrun option {key[:80]!r} is not one the launch command writes")
+        options[key] = value
+    if rest[:2] != ["-m", TRAIN_MODULE]:
+        raise refuse(f"the module run is not {TRAIN_MODULE}")
+    rest, train_args = rest[2:], []
+    while rest:
+        flag = rest.pop(0)
+        if flag not in TRAIN_FLAGS or flag in train_args:
+            raise refuse(f"training argument {flag[:80]!r} is not one of {', '.join(TRAIN_FLAGS)} (each once)")
+        values = []
+        while rest and rest[0] not in TRAIN_FLAGS and (not values or flag in LIST_FLAGS):
+            if rest[0].startswith("-"):
+                raise refuse(f"training argument {rest[0][:80]!r} is not one of {', '.join(TRAIN_FLAGS)}")
+            values.append(rest.pop(0))
+        train_args += [flag, *values]
+    try:
+        nnodes, nproc = int(options.get("--nnodes", "")), int(options.get("--nproc_per_node", ""))
+    except ValueError:
+        raise refuse("--nnodes and --nproc_per_node must be numbers") from None
+    if options.get("--rdzv-backend") != "c10d" or nnodes < 2 or nproc < 1:
+        raise refuse("a node rank is a c10d rendezvous of two or more nodes")
+    return torchrun_argv(
+        train_args,
+        nproc_per_node=nproc,
+        nnodes=nnodes,
+        rdzv_endpoint=options.get("--rdzv-endpoint", ""),
+        rdzv_id=options.get("--rdzv-id", ""),
+    )
+
+
 def run_node_rank(argv: Sequence[str], worker: str) -> dict:
-    """Run one node's torchrun ``argv`` (its own process group) with :data:`NODE_NAME_ENV` set to this worker's
-    node; returns ``{"worker", "node", "exit_code", "log_tail"}`` (the last :data:`TAIL_LINES` lines). SIGTERM
-    (the task revoked with ``terminate=True``) stops torchrun's whole group, then raises :class:`RankStopped`."""
+    """Run one node's torchrun (its own process group), the command :func:`launch_command` rebuilds from
+    ``argv``, with :data:`NODE_NAME_ENV` set to this worker's node; returns ``{"worker", "node", "exit_code",
+    "log_tail"}`` (the last :data:`TAIL_LINES` lines). SIGTERM (the task revoked with ``terminate=True``) stops
+    torchrun's whole group, then raises :class:`RankStopped`.
+
+    Raises:
+        RankCommandRefused: ``argv`` is not the project's launch command (nothing runs)."""
     from dflash_assets.generation.processes.sessions import run_streaming
+
+    argv = launch_command(argv)
 
     node = node_of(worker)
     tail: list[str] = []

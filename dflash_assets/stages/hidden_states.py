@@ -26,11 +26,9 @@ from dflash_assets.dflash.target.features import bytes_per_token
 from dflash_assets.dflash.target.kernels import linear_attention_kernels
 from dflash_assets.dflash.target.layers import resolve_target_layer_ids, text_config
 from dflash_assets.generation.rows.records import PROMPT_TOO_LONG
-from dflash_assets.orchestration.history import latest_metadata_by_partition
-from dflash_assets.orchestration.partitions import prompt_ranges
 from dflash_assets.stages.prompts import CORPUS_FILE
-from dflash_assets.stages.shard_access import fetch_shards
-from dflash_assets.stages.storage_plan import StoragePlan, compute_plan, in_subset, subset_threshold, target_shape
+from dflash_assets.stages.storage_plan import StoragePlan, corpus_indexes, in_subset, subset_threshold
+from dflash_assets.stages.stored_inputs import fetch_shards
 
 if TYPE_CHECKING:
     from dflash_assets.stages.resources.storage import StorageResource
@@ -87,54 +85,10 @@ class Extraction:
     data_version: str
 
 
-def storage_plan(
-    instance: dg.DagsterInstance,
-    storage: StorageResource,
-    target_model: TargetModelResource,
-    config: HiddenStatesConfig,
-    *,
-    exact: dict[str, tuple[int, int]] | None = None,
-    fallback_tokens_per_row: float = 0.0,
-    indexes: list[int] | None = None,
-) -> StoragePlan:
-    """The storage plan of ``config`` over every partition (see :mod:`dflash_assets.stages.storage_plan`):
-    tokens from tokenized_sequences metadata, bytes stored from hidden_states metadata (partitions in
-    ``exact`` excluded: they are being rewritten), free space at the local root or scratch."""
-    keys = instance.get_dynamic_partitions(prompt_ranges.name)
-    exact = exact or {}
-    # two instance queries per asset whatever the partition count (a run per partition would make ~1,800 at 903)
-    tokenized = latest_metadata_by_partition(instance, "tokenized_sequences", keys)
-    partitions = {pk: tokenized.get(pk, {}) for pk in keys}
-    hidden = latest_metadata_by_partition(instance, "hidden_states", [pk for pk in keys if pk not in exact])
-    stored = {pk: int(hidden.get(pk, {}).get("bytes") or 0) for pk in keys if pk not in exact}
-    model_dir = target_model.resolved_path()
-    layer_ids, hidden = target_shape(model_dir, config.target_layer_ids or None)
-    budget = int(config.storage_budget_gb * 1e9) if config.storage_budget_gb else None
-    root = None if storage.is_remote else storage.root.removeprefix("file://")
-    return compute_plan(
-        corpus_indexes=indexes if indexes is not None else corpus_indexes(storage.open()),
-        partitions=partitions,
-        hidden_state_bytes=stored,
-        layer_ids=layer_ids,
-        hidden_size=hidden,
-        max_rows=config.max_rows,
-        fraction=config.fraction,
-        budget_bytes=budget,
-        local_root=root,
-        fallback_tokens_per_row=fallback_tokens_per_row,
-        exact=exact,
-    )
-
-
 def prompt_hashes(store, pk: str) -> dict[int, str]:
     """``{index: content_hash}`` of the corpus's prompts in partition ``pk``'s range (two columns read)."""
     frame = store.read_parquet(*CORPUS_FILE, columns=["index", "content_hash"], index_ranges=[key_range(pk)])
     return dict(zip(frame["index"].to_list(), frame["content_hash"].to_list()))
-
-
-def corpus_indexes(store) -> list[int]:
-    """Every prompt index of the corpus (only the ``index`` column chunks are read)."""
-    return store.read_parquet(*CORPUS_FILE, columns=["index"])["index"].to_list()
 
 
 def layer_ids_or_error(config_ids: list[int], target) -> list[int]:
@@ -248,22 +202,8 @@ def extract_stage(
     started = time.monotonic()
 
     bar = StageProgressBar(f"hidden_states {pk}", None, unit="shard")
-
-    def progress(p: dict) -> None:
-        bar.update_to(p["shard_number"] + 1, p["num_shards"], tok_s=f"{p['tokens'] / max(p['seconds'], 1e-9):.0f}")
-        log.info(
-            f"{pk}: shard {p['shard_number'] + 1}/{p['num_shards']} {'kept' if p['skipped'] else 'written'}, "
-            f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)"
-        )
-
     out_dir = partition_dir(storage, pk)
-    downloaded = []
-    if storage.is_remote and store.exists("hidden_states", pk, INDEX_NAME):
-        # a fresh machine: shards stored earlier are downloaded (size + sha256 checked), not recomputed;
-        # extract_partition then keeps the ones that still match the tokenized rows
-        _, downloaded = fetch_shards(storage, pk, store.read_json("hidden_states", pk, INDEX_NAME), on_bad="drop")
-        if downloaded:
-            log.info(f"{pk}: downloaded {len(downloaded)} stored shards instead of recomputing them")
+    downloaded = _download_stored_shards(storage, store, pk, log)
     with bar, torch.inference_mode():  # inference_mode, not set_grad_enabled: training may follow here
         result = extract_partition(
             model,
@@ -273,7 +213,7 @@ def extract_stage(
             rows_per_shard=config.rows_per_shard,
             max_tokens_per_batch=target_model.max_tokens_per_batch,
             dtype=torch.bfloat16,
-            progress_cb=progress,
+            progress_cb=_shard_progress(bar, pk, log),
             model_name=target_model.model_name(),
         )
     wall = time.monotonic() - started
@@ -304,6 +244,30 @@ def extract_stage(
         "wall_s": round(wall, 2),
     }
     return Extraction(index, rows, out_dir, store.uri("hidden_states", pk), metadata, _data_version(index))
+
+
+def _download_stored_shards(storage: StorageResource, store, pk: str, log) -> list[str]:
+    """On a fresh machine with S3 storage, the shards stored earlier are downloaded (size + sha256 checked), not
+    recomputed; extract_partition then keeps the ones that still match the tokenized rows. Returns their names."""
+    downloaded = []
+    if storage.is_remote and store.exists("hidden_states", pk, INDEX_NAME):
+        _, downloaded = fetch_shards(storage, pk, store.read_json("hidden_states", pk, INDEX_NAME), on_bad="drop")
+        if downloaded:
+            log.info(f"{pk}: downloaded {len(downloaded)} stored shards instead of recomputing them")
+    return downloaded
+
+
+def _shard_progress(bar: StageProgressBar, pk: str, log) -> Callable[[dict], None]:
+    """The extraction's per-shard callback: the progress bar and a line per shard."""
+
+    def progress(p: dict) -> None:
+        bar.update_to(p["shard_number"] + 1, p["num_shards"], tok_s=f"{p['tokens'] / max(p['seconds'], 1e-9):.0f}")
+        log.info(
+            f"{pk}: shard {p['shard_number'] + 1}/{p['num_shards']} {'kept' if p['skipped'] else 'written'}, "
+            f"{p['tokens']} tokens in {p['seconds']:.1f}s ({p['tokens'] / max(p['seconds'], 1e-9):.0f} tok/s)"
+        )
+
+    return progress
 
 
 def _upload(store, pk: str, out_dir: str, index: dict, downloaded: list[str], kept: list[str]) -> None:

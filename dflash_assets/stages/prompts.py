@@ -12,10 +12,11 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from dflash_assets.common.settings import default_sources
 from dflash_assets.data.conversation_shapes import DEFAULT_TURNS, TURN_KINDS
 from dflash_assets.data.prompt_index import StableCorpus, save_index, stable_corpus
 from dflash_assets.data.reader import GiB, MiB, ReadLimits
-from dflash_assets.data.shapes import CorpusError, CorpusResult, build_corpus, default_sources
+from dflash_assets.data.shapes import CorpusError, CorpusResult, build_corpus
 from dflash_assets.generation.processes.machine import process_gone, process_record
 from dflash_assets.storage.lock import LockBusyError, StoreLock
 

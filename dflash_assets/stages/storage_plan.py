@@ -1,11 +1,12 @@
-"""Hidden-state storage plan: the bytes every selected row's features take, against free space or a budget.
+"""Hidden-state storage plan: the bytes every selected row's features take, against free space or a budget,
+and the drafter's feature source it decides (:func:`feature_source`): the one place both are decided.
 
-Computed before ``hidden_states`` writes anything and by the main job / ``dflash_drafter`` to choose
-offline or online features. Tokens come from ``tokenized_sequences`` metadata (``total_tokens``,
-``rows`` per partition); a partition not tokenized yet is estimated at the mean tokens per row of the
-tokenized ones (or, before any, at the generation cap). Bytes per token: ``n_layers * hidden * 2 +
-5`` (:func:`~dflash_assets.dflash.target.features.bytes_per_token`); hidden size and layer count are
-read from the target's ``config.json`` (the model is not loaded).
+Computed before ``hidden_states`` writes anything (:func:`storage_plan`) and by the main job,
+``dflash_drafter`` and ``drafter_evaluation`` to choose offline or online features. Tokens come from
+``tokenized_sequences`` metadata (``total_tokens``, ``rows`` per partition); a partition not tokenized yet is
+estimated at the mean tokens per row of the tokenized ones (or, before any, at the generation cap). Bytes per
+token: ``n_layers * hidden * 2 + 5`` (:func:`~dflash_assets.dflash.target.features.bytes_per_token`); hidden size
+and layer count are read from the target's ``config.json`` (the model is not loaded).
 
 Subset: ``fraction`` keeps the rows whose stable hash ``h(index)`` is below it; ``max_rows`` keeps the
 ``max_rows`` rows of the whole corpus with the smallest hashes. The hash is salted apart from the
@@ -19,12 +20,22 @@ import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from dflash_assets.data.ranges import key_range
 from dflash_assets.dflash.target.features import bytes_per_token
 from dflash_assets.dflash.target.layers import resolve_target_layer_ids, text_config
+from dflash_assets.orchestration.history import latest_metadata_by_partition
+from dflash_assets.orchestration.partitions import prompt_ranges
+from dflash_assets.storage.stage_outputs import OUTPUTS
+
+if TYPE_CHECKING:
+    import dagster as dg
+
+    from dflash_assets.stages.resources.storage import StorageResource
+    from dflash_assets.stages.resources.target_model import TargetModelResource
 
 SUBSET_SALT = "dflash-hidden-states-subset:"
 MARGIN = 0.05  # head room on top of the planned bytes (safetensors headers, index files, rounding)
@@ -66,6 +77,15 @@ def target_shape(model_dir: str | os.PathLike, layer_ids: list[int] | None) -> t
     """``(target_layer_ids, hidden_size)`` from the target's config.json (ids: :func:`resolve_target_layer_ids`)."""
     text = text_config(model_dir)
     return resolve_target_layer_ids(text, layer_ids, 5), int(text["hidden_size"])
+
+
+class PlanSettings(Protocol):
+    """What the plan reads of the hidden-state settings (``ops.hidden_states.config``, a ``HiddenStatesConfig``)."""
+
+    target_layer_ids: list[int]
+    storage_budget_gb: float | None
+    max_rows: int | None
+    fraction: float | None
 
 
 @dataclass
@@ -244,3 +264,72 @@ def resolve_features(mode: str, plan: StoragePlan | None) -> str:
     if mode != "auto":
         raise ValueError(f"features must be auto, offline or online, got {mode!r}")
     return "offline" if plan is None or plan.fits else "online"
+
+
+def storage_plan(
+    instance: dg.DagsterInstance,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    config: PlanSettings,
+    *,
+    exact: dict[str, tuple[int, int]] | None = None,
+    fallback_tokens_per_row: float = 0.0,
+    indexes: list[int] | None = None,
+) -> StoragePlan:
+    """The storage plan of ``config`` (``ops.hidden_states.config``) over every partition: tokens from
+    tokenized_sequences metadata, bytes stored from hidden_states metadata (partitions in ``exact`` excluded:
+    they are being rewritten), free space at the local root or scratch; ``indexes``: the corpus's prompt
+    indexes when the caller has read them (else read here)."""
+    keys = instance.get_dynamic_partitions(prompt_ranges.name)
+    exact = exact or {}
+    # two instance queries per asset whatever the partition count (a run per partition would make ~1,800 at 903)
+    tokenized = latest_metadata_by_partition(instance, "tokenized_sequences", keys)
+    partitions = {pk: tokenized.get(pk, {}) for pk in keys}
+    hidden = latest_metadata_by_partition(instance, "hidden_states", [pk for pk in keys if pk not in exact])
+    stored = {pk: int(hidden.get(pk, {}).get("bytes") or 0) for pk in keys if pk not in exact}
+    model_dir = target_model.resolved_path()
+    layer_ids, hidden = target_shape(model_dir, config.target_layer_ids or None)
+    budget = int(config.storage_budget_gb * 1e9) if config.storage_budget_gb else None
+    root = None if storage.is_remote else storage.root.removeprefix("file://")
+    return compute_plan(
+        corpus_indexes=indexes if indexes is not None else corpus_indexes(storage.open()),
+        partitions=partitions,
+        hidden_state_bytes=stored,
+        layer_ids=layer_ids,
+        hidden_size=hidden,
+        max_rows=config.max_rows,
+        fraction=config.fraction,
+        budget_bytes=budget,
+        local_root=root,
+        fallback_tokens_per_row=fallback_tokens_per_row,
+        exact=exact,
+    )
+
+
+def corpus_indexes(store) -> list[int]:
+    """Every prompt index of the corpus (only the ``index`` column chunks are read)."""
+    return store.read_parquet(*OUTPUTS["prompt_corpus"], columns=["index"])["index"].to_list()
+
+
+def feature_source(
+    instance: dg.DagsterInstance,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    setting: str,
+    config: PlanSettings,
+    fallback_tokens_per_row: float = 0.0,
+) -> tuple[str, str]:
+    """``(offline | online, why)``: where the drafter's target features come from for its ``features`` setting
+    (``ops.dflash_drafter.config.features``), decided here for the main job, ``dflash_drafter`` and
+    ``drafter_evaluation`` alike. ``auto`` computes the storage plan of ``config`` (``ops.hidden_states.config``):
+    online when storing every selected row's features does not fit; without a plan yet (no corpus, no target
+    config), offline (``hidden_states`` then plans, and fails, itself)."""
+    if setting in ("offline", "online"):
+        return setting, f"features: {setting} (configured)"
+    try:
+        plan = storage_plan(instance, storage, target_model, config, fallback_tokens_per_row=fallback_tokens_per_row)
+    except (OSError, KeyError, ValueError) as exc:
+        return "offline", f"features: auto -> offline (no storage plan yet: {type(exc).__name__}: {exc})"
+    chosen = resolve_features(setting, plan)
+    why = "fits" if plan.fits else "does not fit"
+    return chosen, f"features: auto -> {chosen} (storage plan {why}: {plan.describe()})"

@@ -5,6 +5,7 @@ bench/bench_tokenize.py both run it)."""
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Literal
 
 import dagster as dg
 import polars as pl
@@ -86,15 +87,21 @@ class TokenizeConfig(dg.Config):
     """Policies for rows that are not plain finished completions (counts go to metadata)."""
 
     max_length: int = Field(default=3072, ge=8, description="Longest sequence kept, tokens (DFlash trains at 3072).")
-    truncated: str = Field(
+    truncated: Literal["drop", "keep"] = Field(
         default="drop", description="drop | keep rows with finish_reason length (kept without end token)."
     )
-    over_max_length: str = Field(default="drop", description="drop | cut sequences longer than max_length.")
+    over_max_length: Literal["drop", "cut"] = Field(
+        default="drop", description="drop | cut sequences longer than max_length."
+    )
     end_token: str = Field(
         default="", description="End-of-turn token; empty = <|im_end|> if in the vocabulary, else eos."
     )
-    degenerate_small_tokens: int = Field(default=16, description="A mask-length mode at or below this many tokens...")
-    degenerate_share: float = Field(default=0.5, description="...held by more than this share of rows fails the check.")
+    degenerate_small_tokens: int = Field(
+        default=16, ge=0, description="A mask-length mode at or below this many tokens..."
+    )
+    degenerate_share: float = Field(
+        default=0.5, ge=0.0, le=1.0, description="...held by more than this share of rows fails the check."
+    )
 
 
 def tokenize_stage(
@@ -184,6 +191,48 @@ def run_checks(
         metadata={"mode_num_loss_tokens": mode[0] if mode else -1, "mode_share": round(mode[1], 3) if mode else 0.0},
         description=(f"{mode[1]:.0%} of rows supervise exactly {mode[0]} tokens: empty answers?" if mode else None),
     )
+    bad, retokenized = _round_trip(tokenized, completions, builder)
+    yield dg.AssetCheckResult(
+        check_name=CHECK_ROUNDTRIP,
+        passed=not bad,
+        metadata={"mismatched_rows": len(bad), "first_indexes": json.dumps(bad[:10])},
+    )
+    differ = [i for i, n, c in retokenized if c is not None and n != c]
+    yield dg.AssetCheckResult(
+        check_name=CHECK_RETOKENIZED,
+        passed=not differ,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={
+            "retokenized_rows": len(retokenized),
+            "length_differs": len(differ),
+            "first_indexes": json.dumps(differ[:10]),
+        },
+        description=f"{len(differ)} re-tokenized rows differ from the server's token count; "
+        "serve with token ids (SGLang) to be exact"
+        if differ
+        else None,
+    )
+    prompt_lens = tokenized["prompt_len"].to_list()
+    would_cut = sum(1 for p in prompt_lens if p + cap > config.max_length)
+    share = would_cut / len(prompt_lens) if prompt_lens else 0.0
+    yield dg.AssetCheckResult(
+        check_name=CHECK_MAX_LENGTH,
+        passed=share <= 0.5,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={
+            "share_prompt_plus_cap_over_max_length": round(share, 4),
+            "max_length": config.max_length,
+            "cap": cap,
+        },
+    )
+
+
+def _round_trip(
+    tokenized: pl.DataFrame, completions: pl.DataFrame, builder: SequenceBuilder
+) -> tuple[list[int], list[tuple[int, int, int | None]]]:
+    """``(indexes of whole rows whose text is not in their supervised tokens decoded, (index, loss tokens, the
+    server's completion tokens) of whole rows re-tokenized here: the server returned no token ids)``."""
+    index, num_loss = tokenized["index"].to_list(), tokenized["num_loss_tokens"].to_list()
     position = {i: k for k, i in enumerate(completions["index"].to_list())}
     reasoning, content = _column(completions, "reasoning_content"), _column(completions, "content")
     server_ids = (
@@ -207,43 +256,12 @@ def run_checks(
         # an exact substring is a squashed one too (whitespace runs inside it are runs of the decoded text)
         if not all(t in decoded or _squash(t) in _squash(decoded) for t in expected):
             bad.append(index[k])
-    yield dg.AssetCheckResult(
-        check_name=CHECK_ROUNDTRIP,
-        passed=not bad,
-        metadata={"mismatched_rows": len(bad), "first_indexes": json.dumps(bad[:10])},
-    )
     retokenized = [
         (index[k], num_loss[k], completion_tokens[position[index[k]]])
         for k in whole
         if not server_ids[position[index[k]]]
     ]
-    differ = [i for i, n, c in retokenized if c is not None and n != c]
-    yield dg.AssetCheckResult(
-        check_name=CHECK_RETOKENIZED,
-        passed=not differ,
-        severity=dg.AssetCheckSeverity.WARN,
-        metadata={
-            "retokenized_rows": len(retokenized),
-            "length_differs": len(differ),
-            "first_indexes": json.dumps(differ[:10]),
-        },
-        description=f"{len(differ)} re-tokenized rows differ from the server's token count; "
-        "serve with token ids (SGLang) to be exact"
-        if differ
-        else None,
-    )
-    would_cut = sum(1 for p in prompt_lens if p + cap > config.max_length)
-    share = would_cut / len(prompt_lens) if prompt_lens else 0.0
-    yield dg.AssetCheckResult(
-        check_name=CHECK_MAX_LENGTH,
-        passed=share <= 0.5,
-        severity=dg.AssetCheckSeverity.WARN,
-        metadata={
-            "share_prompt_plus_cap_over_max_length": round(share, 4),
-            "max_length": config.max_length,
-            "cap": cap,
-        },
-    )
+    return bad, retokenized
 
 
 def _squash(text: str) -> str:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dflash_assets.storage.atomic import atomic_write_bytes, fsync_dir, temp_path
-from dflash_assets.storage.store import Storage, _error_code
+from dflash_assets.storage.store import Storage, s3_error_code
 
 __all__ = ["LockBusyError", "StoreLock", "writer_identity"]
 
@@ -130,7 +130,7 @@ class StoreLock:
         except FileExistsError:  # 412 on If-None-Match: another writer holds it
             return False
         except OSError as exc:  # 412 on If-Match (s3fs: EINVAL), or 409: another writer changed it first
-            if exc.errno == errno.EINVAL or _error_code(exc.__cause__ or exc) in _REFUSED:
+            if exc.errno == errno.EINVAL or s3_error_code(exc.__cause__ or exc) in _REFUSED:
                 return False
             raise
         return True

@@ -141,7 +141,9 @@ class RetryPolicy:
     max_wait_s: float = 30.0
 
 
-def _error_code(exc: BaseException) -> str | None:
+def s3_error_code(exc: BaseException) -> str | None:
+    """The S3 error code of a botocore ``ClientError`` (``"NoSuchKey"``, ``"PreconditionFailed"``), else its HTTP
+    status as a string; None for an exception that carries no S3 response."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         err = response.get("Error") or {}
@@ -192,7 +194,7 @@ def is_transient(exc: BaseException) -> bool:
             ),
         ):
             return True
-        code = _error_code(current)
+        code = s3_error_code(current)
         if code is not None:
             return code in _TRANSIENT_CODES or code.startswith("5")
         if type(current).__module__.startswith("aiohttp") or type(current).__name__ == "FSTimeoutError":

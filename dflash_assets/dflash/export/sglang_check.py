@@ -96,7 +96,8 @@ def is_hybrid_target(target_config: dict) -> bool:
     return any(t in ("linear_attention", "mamba") for t in types)
 
 
-def _int(value: Any) -> int | None:
+def json_int(value: Any) -> int | None:
+    """``value`` as an ``int`` when it is an integer of JSON (a bool is not), else None."""
     return int(value) if isinstance(value, Integral) and not isinstance(value, bool) else None
 
 
@@ -161,28 +162,47 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
             f'this export is a {DRAFT_ARCHITECTURE}; fix: set architectures: ["{DRAFT_ARCHITECTURE}"] '
             "(dflash.export.directory.hf_config_dict writes it)"
         )
-    sizes_ok = True
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-        if _int(config.get(key)) is None or int(config[key]) < 1:
-            refuse(
-                f"config.json {key} = {config.get(key)!r}: SGLang's DFlash layers need a positive integer; fix: export "
-                "the drafter's DFlashConfig again"
-            )
-            sizes_ok = False
-    for key in ("num_key_value_heads", "head_dim"):
-        if config.get(key) is not None and (_int(config[key]) is None or int(config[key]) < 1):
-            refuse(
-                f"config.json {key} = {config[key]!r}: must be a positive integer; fix: export the drafter's "
-                "DFlashConfig again"
-            )
-            sizes_ok = False
+    sizes_ok = _check_sizes(config, refuse)
     act = config.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         refuse(
             f"config.json hidden_act = {act!r}: SGLang's DFlashMLP supports {list(ACTIVATIONS)} only; fix: train with "
             "silu"
         )
-    layers = _int(config.get("num_hidden_layers")) or 0
+    _check_layer_types(config, refuse)
+    heads, kv = json_int(config.get("num_attention_heads")), json_int(config.get("num_key_value_heads"))
+    if sizes_ok and heads and kv and heads % kv:
+        refuse(
+            f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; fix: a head count "
+            "that the KV heads divide"
+        )
+    return _check_dflash_config(config, refuse) and sizes_ok
+
+
+def _check_sizes(config: dict, refuse) -> bool:
+    """The draft layers' sizes are positive integers; returns whether they all are."""
+    sizes_ok = True
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if json_int(config.get(key)) is None or int(config[key]) < 1:
+            refuse(
+                f"config.json {key} = {config.get(key)!r}: SGLang's DFlash layers need a positive integer; fix: export "
+                "the drafter's DFlashConfig again"
+            )
+            sizes_ok = False
+    for key in ("num_key_value_heads", "head_dim"):
+        if config.get(key) is not None and (json_int(config[key]) is None or int(config[key]) < 1):
+            refuse(
+                f"config.json {key} = {config[key]!r}: must be a positive integer; fix: export the drafter's "
+                "DFlashConfig again"
+            )
+            sizes_ok = False
+    return sizes_ok
+
+
+def _check_layer_types(config: dict, refuse) -> None:
+    """``layer_types``: a list of the attention types SGLang's draft supports, one per layer, with a sliding
+    window when any layer slides."""
+    layers = json_int(config.get("num_hidden_layers")) or 0
     types = config.get("layer_types")
     if types is not None:
         if isinstance(types, str) or not isinstance(types, list):
@@ -210,17 +230,17 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
                         "raises 'DFLASH sliding_attention layers require config.sliding_window'; fix: export "
                         "sliding_window (tokens a query sees, itself included)"
                     )
-                elif _int(window) is None or int(window) < 1:
+                elif json_int(window) is None or int(window) < 1:
                     refuse(
                         f"config.json sliding_window = {window!r}: must be a positive integer; fix: tokens a query "
                         "sees, itself included"
                     )
-    heads, kv = _int(config.get("num_attention_heads")), _int(config.get("num_key_value_heads"))
-    if sizes_ok and heads and kv and heads % kv:
-        refuse(
-            f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; fix: a head count "
-            "that the KV heads divide"
-        )
+
+
+def _check_dflash_config(config: dict, refuse) -> bool:
+    """``dflash_config``: the target layers and mask token the drafter trained with, its block size, no Domino
+    projector; returns whether the target layer ids are valid."""
+    layers_ok = True
     dfc = config.get("dflash_config")
     if dfc is not None and not isinstance(dfc, dict):
         refuse(f"config.json dflash_config = {dfc!r}: must be a mapping; fix: export the drafter again")
@@ -232,19 +252,19 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
             "config.json dflash_config.target_layer_ids is missing: SGLang would pick its default layers, not the ones "
             "this drafter trained on; fix: export dflash_config.target_layer_ids"
         )
-    elif not isinstance(ids, list) or not ids or any(_int(i) is None or int(i) < 0 for i in ids):
+    elif not isinstance(ids, list) or not ids or any(json_int(i) is None or int(i) < 0 for i in ids):
         refuse(
             f"config.json dflash_config.target_layer_ids = {ids!r}: SGLang wants a non-empty list of non-negative "
             "ints; fix: export the layers the drafter trained on"
         )
-        sizes_ok = False
+        layers_ok = False
     mask = dfc.get("mask_token_id", config.get("mask_token_id"))
     if mask is None:
         refuse(
             "config.json dflash_config.mask_token_id is missing: SGLang would look mask_token up in the target "
             "tokenizer (or add it), not use the id the drafter trained with; fix: export dflash_config.mask_token_id"
         )
-    elif _int(mask) is None or int(mask) < 0:
+    elif json_int(mask) is None or int(mask) < 0:
         refuse(
             f"config.json dflash_config.mask_token_id = {mask!r}: SGLang wants a non-negative integer; fix: export the "
             "drafter's mask_token_id"
@@ -256,7 +276,7 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
             f"(default {DEFAULT_MASK_TOKEN!r}) or name the token"
         )
     block = dfc.get("block_size", config.get("block_size"))
-    if block is not None and (_int(block) is None or int(block) < 1):
+    if block is not None and (json_int(block) is None or int(block) < 1):
         refuse(
             f"config.json block_size = {block!r}: SGLang wants a positive integer; fix: export the drafter's block_size"
         )
@@ -265,7 +285,7 @@ def _check_config(config: dict, check: ExportCheck) -> bool:
             "config.json dflash_config.projector_type = 'domino': this project's drafter has no Domino projector; fix: "
             "remove projector_type"
         )
-    return sizes_ok
+    return layers_ok
 
 
 def _check_tensors(config: dict, tensors: dict[str, list[int]], dtypes: dict[str, str], check: ExportCheck) -> None:
@@ -324,8 +344,8 @@ def _check_target(config: dict, target: dict, tokenizer_vocab: dict[str, int] | 
     refuse, warn = check.refusals.append, check.warnings.append
     tc = text_config(target)
     dfc = config.get("dflash_config") or {}
-    vocab = _int(tc.get("vocab_size", target.get("vocab_size")))
-    mask = _int(dfc.get("mask_token_id", config.get("mask_token_id")))
+    vocab = json_int(tc.get("vocab_size", target.get("vocab_size")))
+    mask = json_int(dfc.get("mask_token_id", config.get("mask_token_id")))
     if vocab is not None and mask is not None and mask >= vocab:
         refuse(
             f"dflash_config.mask_token_id {mask} >= the target's vocab_size {vocab}: SGLang raises 'mask_token_id is "
@@ -341,22 +361,22 @@ def _check_target(config: dict, target: dict, tokenizer_vocab: dict[str, int] | 
                 f"{mask_token!r}: SGLang raises 'mask_token_id conflicts with tokenizer vocab id'; fix: set "
                 f"mask_token_id to {known}, or name the token you use in dflash_config.mask_token"
             )
-    layers = _int(tc.get("num_hidden_layers"))
+    layers = json_int(tc.get("num_hidden_layers"))
     ids = dfc.get("target_layer_ids", config.get("target_layer_ids"))
     if layers is not None and isinstance(ids, list):
-        out = [i for i in ids if _int(i) is not None and not 0 <= int(i) < layers]
+        out = [i for i in ids if json_int(i) is not None and not 0 <= int(i) < layers]
         if out:
             refuse(
                 f"dflash_config.target_layer_ids {out} lie outside the target's {layers} layers: SGLang raises "
                 "'target_layer_ids contains an out-of-range layer id'; fix: train on this target's layers"
             )
-    trained = _int(dfc.get("num_target_layers", config.get("num_target_layers")))
+    trained = json_int(dfc.get("num_target_layers", config.get("num_target_layers")))
     if layers is not None and trained is not None and trained != layers:
         warn(
             f"num_target_layers {trained} differs from the target's num_hidden_layers {layers} (SGLang warns and goes "
             "on)"
         )
-    hidden, th = _int(config.get("hidden_size")), _int(tc.get("hidden_size"))
+    hidden, th = json_int(config.get("hidden_size")), json_int(tc.get("hidden_size"))
     if hidden is not None and th is not None and hidden != th:
         refuse(
             f"config.json hidden_size {hidden} differs from the target's {th}: the target's features enter fc "
@@ -370,8 +390,8 @@ def _check_flags(
 ) -> None:
     refuse, warn = check.refusals.append, check.warnings.append
     heads, kv = (
-        _int(config.get("num_attention_heads")),
-        _int(config.get("num_key_value_heads")) or _int(config.get("num_attention_heads")),
+        json_int(config.get("num_attention_heads")),
+        json_int(config.get("num_key_value_heads")) or json_int(config.get("num_attention_heads")),
     )
     if heads and heads % tp_size:
         refuse(
@@ -384,7 +404,7 @@ def _check_flags(
             "asserts it); fix: another --tp-size"
         )
     dfc = config.get("dflash_config") or {}
-    block = _int(dfc.get("block_size", config.get("block_size")))
+    block = json_int(dfc.get("block_size", config.get("block_size")))
     if num_draft_tokens is not None:
         if num_draft_tokens < 1:
             refuse(f"--speculative-num-draft-tokens {num_draft_tokens} must be positive; fix: the drafter's block size")

@@ -35,8 +35,8 @@ from dflash_assets.dflash.export.files import safetensors_header
 from dflash_assets.dflash.export.sglang_check import (
     DRAFT_ARCHITECTURE,
     ExportCheck,
-    _int,
     expected_parameters,
+    json_int,
     read_export_config,
     text_config,
 )
@@ -67,14 +67,14 @@ def _check_config(config: dict, check: ExportCheck, device: str) -> None:
             "(and does not add one to it); fix: remove it"
         )
     ids = dfc.get("target_layer_ids")
-    if not isinstance(ids, list) or not ids or any(_int(i) is None or int(i) < 0 for i in ids):
+    if not isinstance(ids, list) or not ids or any(json_int(i) is None or int(i) < 0 for i in ids):
         refuse(
             f"config.json dflash_config.target_layer_ids = {ids!r}: vLLM wants a non-empty list of non-negative ints "
             "(without it vLLM falls back to other keys or defaults, not the layers the drafter trained on); fix: "
             "export the trained target_layer_ids"
         )
     mask = dfc.get("mask_token_id", config.get("mask_token_id"))
-    if _int(mask) is None or int(mask) < 0:
+    if json_int(mask) is None or int(mask) < 0:
         refuse(
             f"config.json dflash_config.mask_token_id = {mask!r}: vLLM embeds the masked block positions with this "
             "id; fix: export the drafter's mask_token_id"
@@ -133,23 +133,26 @@ def _check_target(config: dict, target: dict, check: ExportCheck) -> None:
     refuse, warn = check.refusals.append, check.warnings.append
     tc = text_config(target)
     dfc = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
-    vocab, mask = _int(tc.get("vocab_size")), _int(dfc.get("mask_token_id", config.get("mask_token_id")))
+    vocab, mask = (
+        json_int(tc.get("vocab_size")),
+        json_int(dfc.get("mask_token_id", config.get("mask_token_id"))),
+    )
     if vocab is not None and mask is not None and mask >= vocab:
         refuse(f"dflash_config.mask_token_id {mask} >= the target's vocab_size {vocab}: the target cannot embed it")
-    layers, ids = _int(tc.get("num_hidden_layers")), dfc.get("target_layer_ids")
+    layers, ids = json_int(tc.get("num_hidden_layers")), dfc.get("target_layer_ids")
     if layers is not None and isinstance(ids, list):
-        beyond = [i for i in ids if _int(i) is not None and int(i) + 1 > layers]
+        beyond = [i for i in ids if json_int(i) is not None and int(i) + 1 > layers]
         if beyond:
             refuse(
                 f"dflash_config.target_layer_ids {beyond}: vLLM captures the input of layer id + 1, and the target "
                 f"has {layers} layers; fix: train on this target's layers"
             )
-        if any(_int(i) is not None and int(i) + 1 == layers for i in ids):
+        if any(json_int(i) is not None and int(i) + 1 == layers for i in ids):
             warn(
                 f"target_layer_ids holds {layers - 1}, the last layer: vLLM would capture after the last decoder layer"
             )
-    width = _int(config.get("target_hidden_size")) or _int(config.get("hidden_size"))
-    if width is not None and _int(tc.get("hidden_size")) is not None and width != int(tc["hidden_size"]):
+    width = json_int(config.get("target_hidden_size")) or json_int(config.get("hidden_size"))
+    if width is not None and json_int(tc.get("hidden_size")) is not None and width != int(tc["hidden_size"]):
         refuse(
             f"the drafter's target_hidden_size / hidden_size {width} differs from the target's {tc['hidden_size']}: "
             "fc's input would not match the captured features; fix: train against this target"
@@ -191,7 +194,7 @@ def check_vllm_export(
         except (OSError, ValueError) as exc:
             check.refusals.append(f"target config in {target_dir} unreadable ({type(exc).__name__}: {exc})")
     dfc = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
-    block = _int(dfc.get("block_size", config.get("block_size")))
+    block = json_int(dfc.get("block_size", config.get("block_size")))
     if num_speculative_tokens is not None and block is not None and num_speculative_tokens != block - 1:
         check.warnings.append(
             f"num_speculative_tokens {num_speculative_tokens} is not block_size - 1 = {block - 1}: vLLM drafts "

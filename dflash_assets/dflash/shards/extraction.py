@@ -157,43 +157,129 @@ def extract_partition(
     started = time.perf_counter()
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {dtype}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if model_name is None:
-        model_name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
-    model.eval()
-    extractor = TargetFeatureExtractor(model, target_layer_ids)
-    hidden_size, n_layers = extractor.hidden_size, len(extractor.target_layer_ids)
-    plans = plan_shards(rows, rows_per_shard)
-    expected_meta = {
-        p.name: shard_metadata(target_layer_ids, hidden_size, model_name, dtype, len(p.rows), p.num_tokens, p.sha)
-        for p in plans
-    }
+    job = _ShardJob(model, rows, Path(out_dir), target_layer_ids, rows_per_shard, dtype, model_name)
+    job.remove_strays()
+    valid = job.valid_shards()
+    job.check_free_space(valid, free_space_margin)
+    write_index(job.out, job.index(complete=False))
+    written, skipped = [], []
+    for number, plan in enumerate(job.plans):
+        shard_started = time.perf_counter()
+        if plan.name in valid:
+            job.keep(plan)
+            skipped.append(plan.name)
+        else:
+            job.write(plan, job.features(plan, max_tokens_per_batch))
+            written.append(plan.name)
+        if progress_cb is not None:
+            progress_cb(
+                {
+                    "shard": plan.name,
+                    "shard_number": number,
+                    "num_shards": len(job.plans),
+                    "rows": len(plan.rows),
+                    "tokens": plan.num_tokens,
+                    "bytes": job.sizes[plan.name],
+                    "skipped": plan.name in valid,
+                    "seconds": time.perf_counter() - shard_started,
+                }
+            )
+    index = job.index(complete=True)
+    write_index(job.out, index)
+    return PartitionExtraction(index, written, skipped, time.perf_counter() - started)
 
-    planned_names = {p.name for p in plans}
-    for entry in out.iterdir():
-        stale_tmp = entry.name.startswith(".shard-") and entry.name.endswith(".tmp")
-        extra_shard = (
-            entry.name.startswith("shard-") and entry.name.endswith(".safetensors") and entry.name not in planned_names
+
+class _ShardJob:
+    """One partition's extraction (:func:`extract_partition`), phase by phase: the plan (``plans``, each shard's
+    expected metadata), stray files removed, the shards already valid, the free space, then each shard kept or
+    computed (:meth:`features`) and written, and the index that lists them."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        rows: Sequence[dict[str, Any]],
+        out: Path,
+        target_layer_ids: Sequence[int],
+        rows_per_shard: int,
+        dtype: torch.dtype,
+        model_name: str | None,
+    ) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        if model_name is None:
+            model_name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+        model.eval()
+        self.out, self.model_name, self.dtype = out, model_name, dtype
+        self.target_layer_ids, self.rows_per_shard = target_layer_ids, rows_per_shard
+        self.extractor = TargetFeatureExtractor(model, target_layer_ids)
+        self.hidden_size, self.n_layers = self.extractor.hidden_size, len(self.extractor.target_layer_ids)
+        self.device = _model_device(model)
+        self.plans = plan_shards(rows, rows_per_shard)
+        self.expected_meta = {
+            p.name: shard_metadata(
+                target_layer_ids, self.hidden_size, model_name, dtype, len(p.rows), p.num_tokens, p.sha
+            )
+            for p in self.plans
+        }
+        self.sizes: dict[str, int] = {}
+        self.hashes: dict[str, str] = {}  # file SHA-256 per shard: a copy elsewhere (S3) is verified against it
+        self.previous: dict[str, dict] = {}
+
+    def remove_strays(self) -> None:
+        """Stale temp files, shard files beyond the plan and temporary index files go."""
+        planned_names = {p.name for p in self.plans}
+        for entry in self.out.iterdir():
+            stale_tmp = entry.name.startswith(".shard-") and entry.name.endswith(".tmp")
+            extra_shard = (
+                entry.name.startswith("shard-")
+                and entry.name.endswith(".safetensors")
+                and entry.name not in planned_names
+            )
+            if entry.is_file() and (stale_tmp or extra_shard or entry.name.startswith(f".{INDEX_NAME}.")):
+                entry.unlink(missing_ok=True)
+
+    def valid_shards(self) -> set[str]:
+        """The planned shards on disk that ``validate_shard`` accepts for the same rows, tokens and metadata (the
+        previous index is read for their recorded hashes)."""
+        self.previous = {e["name"]: e for e in (read_index(self.out) or {}).get("shards", [])}
+        return {
+            p.name
+            for p in self.plans
+            if validate_shard(
+                self.out / p.name, len(p.rows), p.row_index.tolist(), expected_metadata=self.expected_meta[p.name]
+            )
+        }
+
+    def check_free_space(self, valid: set[str], margin: float) -> None:
+        """Raise InsufficientDiskSpaceError when the shards still to write do not fit (before any write)."""
+        todo = [p for p in self.plans if p.name not in valid]
+        dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        needed = estimate_bytes(
+            sum(p.num_tokens for p in todo),
+            self.n_layers,
+            self.hidden_size,
+            dtype_bytes,
+            sum(len(p.rows) for p in todo),
+            len(todo),
         )
-        if entry.is_file() and (stale_tmp or extra_shard or entry.name.startswith(f".{INDEX_NAME}.")):
-            entry.unlink(missing_ok=True)
+        if todo:
+            check_free_space(self.out, needed, margin)
 
-    hashes: dict[str, str] = {}  # file SHA-256 per shard: a copy elsewhere (S3) is verified against it
-    previous = {e["name"]: e for e in (read_index(out) or {}).get("shards", [])}
-
-    def index_for(sizes: dict[str, int], complete: bool) -> dict[str, Any]:
+    def index(self, complete: bool) -> dict[str, Any]:
+        """``index.json``: the format, the plan, and each shard's size and hash as known (sizes only when
+        complete)."""
+        sizes = self.sizes if complete else {}
+        hidden_size, n_layers, dtype = self.hidden_size, self.n_layers, self.dtype
         return {
             "format": FORMAT,
             "complete": complete,
-            "target_layer_ids": [int(i) for i in target_layer_ids],
+            "target_layer_ids": [int(i) for i in self.target_layer_ids],
             "hidden_size": hidden_size,
             "feature_size": n_layers * hidden_size,
             "dtype": DTYPE_NAMES[dtype],
-            "model_name": model_name,
-            "rows_per_shard": rows_per_shard,
-            "num_rows": sum(len(p.rows) for p in plans),
-            "num_tokens": sum(p.num_tokens for p in plans),
+            "model_name": self.model_name,
+            "rows_per_shard": self.rows_per_shard,
+            "num_rows": sum(len(p.rows) for p in self.plans),
+            "num_tokens": sum(p.num_tokens for p in self.plans),
             "bytes_per_token": bytes_per_token(n_layers, hidden_size, torch.tensor([], dtype=dtype).element_size()),
             "total_bytes": sum(sizes.values()) if complete else None,
             "shards": [
@@ -205,88 +291,59 @@ def extract_partition(
                     "first_index": int(p.row_index[0]),
                     "last_index": int(p.row_index[-1]),
                     "rows_sha256": p.sha,
-                    "sha256": hashes.get(p.name),
+                    "sha256": self.hashes.get(p.name),
                 }
-                for p in plans
+                for p in self.plans
             ],
         }
 
-    valid = {
-        p.name
-        for p in plans
-        if validate_shard(out / p.name, len(p.rows), p.row_index.tolist(), expected_metadata=expected_meta[p.name])
-    }
-    todo = [p for p in plans if p.name not in valid]
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-    needed = estimate_bytes(
-        sum(p.num_tokens for p in todo), n_layers, hidden_size, dtype_bytes, sum(len(p.rows) for p in todo), len(todo)
-    )
-    if todo:
-        check_free_space(out, needed, free_space_margin)
-    write_index(out, index_for({}, complete=False))
+    def keep(self, plan: _PlannedShard) -> None:
+        """A valid shard stays untouched: its size, and its hash from the previous index when that one recorded
+        the same rows and size (else hashed again)."""
+        path = self.out / plan.name
+        self.sizes[plan.name] = path.stat().st_size
+        old = self.previous.get(plan.name) or {}
+        known = (
+            old.get("sha256")
+            if old.get("rows_sha256") == plan.sha and old.get("bytes") == self.sizes[plan.name]
+            else None
+        )
+        self.hashes[plan.name] = known or file_sha256(path)
 
-    device = _model_device(model)
-    pad_id = 0  # any id works: right padding is masked and never attended to by real tokens
-    sizes: dict[str, int] = {}
-    written, skipped = [], []
-    for number, plan in enumerate(plans):
-        shard_started = time.perf_counter()
-        path = out / plan.name
-        if plan.name in valid:
-            sizes[plan.name] = path.stat().st_size
-            old = previous.get(plan.name) or {}
-            known = (
-                old.get("sha256")
-                if old.get("rows_sha256") == plan.sha and old.get("bytes") == sizes[plan.name]
-                else None
-            )
-            hashes[plan.name] = known or file_sha256(path)
-            skipped.append(plan.name)
-        else:
-            digest: dict = {}
-            hidden = torch.empty(plan.num_tokens, extractor.feature_size, dtype=dtype)
-            lengths = plan.cu_seqlens.diff().tolist()
-            for batch in iter_batches_by_token_budget(lengths, max_tokens_per_batch):
-                max_len = max(lengths[p] for p in batch)
-                input_ids = torch.full((len(batch), max_len), pad_id, dtype=torch.long)
-                attention_mask = torch.zeros((len(batch), max_len), dtype=torch.long)
-                for b, p in enumerate(batch):
-                    start, end = int(plan.cu_seqlens[p]), int(plan.cu_seqlens[p + 1])
-                    input_ids[b, : end - start] = plan.input_ids[start:end]
-                    attention_mask[b, : end - start] = 1
-                features = extractor(input_ids.to(device), attention_mask.to(device), dtype=dtype).cpu()
-                for b, p in enumerate(batch):
-                    start, end = int(plan.cu_seqlens[p]), int(plan.cu_seqlens[p + 1])
-                    hidden[start:end] = features[b, : end - start]
-                del features
-            sizes[plan.name] = write_shard(
-                path,
-                hidden,
-                plan.input_ids,
-                plan.loss_mask,
-                plan.cu_seqlens,
-                plan.row_index,
-                target_layer_ids=target_layer_ids,
-                hidden_size=hidden_size,
-                model_name=model_name,
-                digest_out=digest,
-            )
-            hashes[plan.name] = digest["sha256"]
-            written.append(plan.name)
-            del hidden
-        if progress_cb is not None:
-            progress_cb(
-                {
-                    "shard": plan.name,
-                    "shard_number": number,
-                    "num_shards": len(plans),
-                    "rows": len(plan.rows),
-                    "tokens": plan.num_tokens,
-                    "bytes": sizes[plan.name],
-                    "skipped": plan.name in valid,
-                    "seconds": time.perf_counter() - shard_started,
-                }
-            )
-    index = index_for(sizes, complete=True)
-    write_index(out, index)
-    return PartitionExtraction(index, written, skipped, time.perf_counter() - started)
+    def features(self, plan: _PlannedShard, max_tokens_per_batch: int) -> torch.Tensor:
+        """The shard's target features ``[tokens, n_layers * hidden]``: its rows batched by token budget,
+        right-padded (any pad id: padding is masked and never attended to by real tokens)."""
+        pad_id = 0
+        hidden = torch.empty(plan.num_tokens, self.extractor.feature_size, dtype=self.dtype)
+        lengths = plan.cu_seqlens.diff().tolist()
+        for batch in iter_batches_by_token_budget(lengths, max_tokens_per_batch):
+            max_len = max(lengths[p] for p in batch)
+            input_ids = torch.full((len(batch), max_len), pad_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(batch), max_len), dtype=torch.long)
+            for b, p in enumerate(batch):
+                start, end = int(plan.cu_seqlens[p]), int(plan.cu_seqlens[p + 1])
+                input_ids[b, : end - start] = plan.input_ids[start:end]
+                attention_mask[b, : end - start] = 1
+            features = self.extractor(input_ids.to(self.device), attention_mask.to(self.device), dtype=self.dtype).cpu()
+            for b, p in enumerate(batch):
+                start, end = int(plan.cu_seqlens[p]), int(plan.cu_seqlens[p + 1])
+                hidden[start:end] = features[b, : end - start]
+            del features
+        return hidden
+
+    def write(self, plan: _PlannedShard, hidden: torch.Tensor) -> None:
+        """Write the shard (atomically, byte-identical for the same inputs); record its size and hash."""
+        digest: dict = {}
+        self.sizes[plan.name] = write_shard(
+            self.out / plan.name,
+            hidden,
+            plan.input_ids,
+            plan.loss_mask,
+            plan.cu_seqlens,
+            plan.row_index,
+            target_layer_ids=self.target_layer_ids,
+            hidden_size=self.hidden_size,
+            model_name=self.model_name,
+            digest_out=digest,
+        )
+        self.hashes[plan.name] = digest["sha256"]

@@ -70,14 +70,7 @@ class RequestAttempts:
     ) -> tuple[dict[str, Any], ServerState]:
         """One HTTP attempt on the least-loaded server (or ``prefer``, see :meth:`_pick_server`); raises
         :class:`AttemptError` on any failure."""
-        while (
-            self.supervisor is not None
-            and getattr(self.supervisor, "can_restart", False)
-            and not self._stopping
-            and all(s.down_reason is not None for s in self._servers)
-            and any(s.recovering for s in self._servers)
-        ):
-            await asyncio.sleep(0.1)  # every server is being restarted: wait for one rather than fail rows
+        await self._wait_while_every_server_restarts()
         server = self._pick_server(prefer)
         if server.in_flight == 0:
             server.last_progress = time.monotonic()  # busy from now: the stall clock starts
@@ -85,102 +78,8 @@ class RequestAttempts:
         self._requests_sent += 1
         self._sent_per_server[server.label] += 1
         try:
-            try:
-                request = httpx.Request(
-                    "POST",
-                    server.url,
-                    headers=self._headers,
-                    content=payload,
-                    extensions={"timeout": self._timeouts},
-                )
-                exchange = asyncio.ensure_future(
-                    bounded_exchange(http, request, self.max_reply_bytes, self.request_timeout_s)
-                )
-                server.tasks.add(exchange)
-                try:
-                    response, reply = await exchange
-                except asyncio.CancelledError:
-                    current = asyncio.current_task()
-                    if (
-                        exchange.cancelled()
-                        and server.down_reason is not None
-                        and not (current and current.cancelling())
-                    ):
-                        self._rerouted += 1
-                        raise AttemptError(
-                            f"{server.label} was taken out ({server.down_reason}) with this request in flight; "
-                            "re-sent to another server",
-                            transient=True,
-                            server=server.label,
-                            rerouted=True,
-                        ) from None
-                    raise
-                finally:
-                    server.tasks.discard(exchange)
-            except httpx.ReadTimeout as exc:
-                raise AttemptError(
-                    f"read timeout after {self.read_timeout_s:g} s from {server.label} (the server may "
-                    f"still be generating): {type(exc).__name__}",
-                    transient=self.retry_read_timeouts,
-                    server=server.label,
-                ) from None
-            except TimeoutError:  # the whole-request deadline (asyncio.timeout in _exchange)
-                raise AttemptError(
-                    f"request timeout after {self.request_timeout_s:g} s from {server.label}: no whole reply in "
-                    "that time (the server may still be generating, or sends its reply too slowly)",
-                    transient=self.retry_read_timeouts,
-                    server=server.label,
-                ) from None
-            except ReplyTooLarge as exc:
-                said = "its Content-Length says" if exc.declared else "read so far:"
-                raise AttemptError(
-                    f"reply from {server.label} is over the {self.max_reply_bytes:,}-byte cap ({said} "
-                    f"{exc.size:,} bytes); no chat completion of this run is that large",
-                    transient=False,
-                    server=server.label,
-                ) from None
-            except ReplyUnreadable as exc:
-                raise AttemptError(
-                    f"malformed reply from {server.label}: {exc}", transient=False, server=server.label
-                ) from None
-            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-                detail = str(exc) or "no detail"
-                raise AttemptError(
-                    f"{type(exc).__name__} talking to {server.label}: {detail}",
-                    transient=True,
-                    server=server.label,
-                    server_fault=True,
-                ) from None
-            except httpx.HTTPError as exc:  # unsupported protocol, bad URL, ...: retrying cannot help
-                raise AttemptError(
-                    f"{type(exc).__name__} talking to {server.label}: {exc}", transient=False, server=server.label
-                ) from None
-            except AttemptError:
-                raise
-            except Exception as exc:
-                raise AttemptError(
-                    f"{type(exc).__name__} talking to {server.label}: {exc}", transient=False, server=server.label
-                ) from None
-            status = response.status_code
-            if status != 200:
-                transient = status in _TRANSIENT_STATUSES or status >= 500
-                said = server_error_message(reply)
-                refused = status == 400 and bool(_CONTEXT_REFUSAL.search(said))
-                raise AttemptError(
-                    f"{CONTEXT_REFUSED + ': ' if refused else ''}HTTP {status} from {server.label}: {said}",
-                    transient=transient,
-                    server=server.label,
-                    server_fault=status >= 500,
-                    context_refused=refused,
-                )
-            try:
-                fields = parse_chat_completion(decode_reply(reply), self.vocab_size)
-            except Exception as exc:
-                # The server finished (and paid for) the generation: re-sending would redo it.
-                detail = str(exc) if isinstance(exc, ReplyError) else f"{type(exc).__name__}: {exc}"
-                raise AttemptError(
-                    f"malformed reply from {server.label}: {detail}", transient=False, server=server.label
-                ) from None
+            response, reply = await self._post(http, server, payload)
+            fields = self._reply_fields(server, response, reply)
             server.recent_faults = 0
             server.avoid_until = 0.0
             server.last_progress = time.monotonic()
@@ -191,6 +90,118 @@ class RequestAttempts:
             raise
         finally:
             server.in_flight -= 1
+
+    async def _wait_while_every_server_restarts(self) -> None:
+        """Every server is down and being restarted: wait for one rather than fail rows."""
+        while (
+            self.supervisor is not None
+            and getattr(self.supervisor, "can_restart", False)
+            and not self._stopping
+            and all(s.down_reason is not None for s in self._servers)
+            and any(s.recovering for s in self._servers)
+        ):
+            await asyncio.sleep(0.1)
+
+    async def _post(self, http: httpx.AsyncHTTPTransport, server: ServerState, payload: bytes) -> tuple[Any, bytes]:
+        """``(response, reply body)`` of one POST of ``payload`` to ``server``, its reply read with a bound on its
+        size and time; every failure raised as an :class:`AttemptError` saying whether a retry can help and
+        whether it is the server's fault (a request in flight on a server taken out is re-sent elsewhere)."""
+        try:
+            request = httpx.Request(
+                "POST",
+                server.url,
+                headers=self._headers,
+                content=payload,
+                extensions={"timeout": self._timeouts},
+            )
+            exchange = asyncio.ensure_future(
+                bounded_exchange(http, request, self.max_reply_bytes, self.request_timeout_s)
+            )
+            server.tasks.add(exchange)
+            try:
+                return await exchange
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if exchange.cancelled() and server.down_reason is not None and not (current and current.cancelling()):
+                    self._rerouted += 1
+                    raise AttemptError(
+                        f"{server.label} was taken out ({server.down_reason}) with this request in flight; "
+                        "re-sent to another server",
+                        transient=True,
+                        server=server.label,
+                        rerouted=True,
+                    ) from None
+                raise
+            finally:
+                server.tasks.discard(exchange)
+        except httpx.ReadTimeout as exc:
+            raise AttemptError(
+                f"read timeout after {self.read_timeout_s:g} s from {server.label} (the server may "
+                f"still be generating): {type(exc).__name__}",
+                transient=self.retry_read_timeouts,
+                server=server.label,
+            ) from None
+        except TimeoutError:  # the whole-request deadline (asyncio.timeout in _exchange)
+            raise AttemptError(
+                f"request timeout after {self.request_timeout_s:g} s from {server.label}: no whole reply in "
+                "that time (the server may still be generating, or sends its reply too slowly)",
+                transient=self.retry_read_timeouts,
+                server=server.label,
+            ) from None
+        except ReplyTooLarge as exc:
+            said = "its Content-Length says" if exc.declared else "read so far:"
+            raise AttemptError(
+                f"reply from {server.label} is over the {self.max_reply_bytes:,}-byte cap ({said} "
+                f"{exc.size:,} bytes); no chat completion of this run is that large",
+                transient=False,
+                server=server.label,
+            ) from None
+        except ReplyUnreadable as exc:
+            raise AttemptError(
+                f"malformed reply from {server.label}: {exc}", transient=False, server=server.label
+            ) from None
+        except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+            detail = str(exc) or "no detail"
+            raise AttemptError(
+                f"{type(exc).__name__} talking to {server.label}: {detail}",
+                transient=True,
+                server=server.label,
+                server_fault=True,
+            ) from None
+        except httpx.HTTPError as exc:  # unsupported protocol, bad URL, ...: retrying cannot help
+            raise AttemptError(
+                f"{type(exc).__name__} talking to {server.label}: {exc}", transient=False, server=server.label
+            ) from None
+        except AttemptError:
+            raise
+        except Exception as exc:
+            raise AttemptError(
+                f"{type(exc).__name__} talking to {server.label}: {exc}", transient=False, server=server.label
+            ) from None
+
+    def _reply_fields(self, server: ServerState, response: Any, reply: bytes) -> dict[str, Any]:
+        """The chat completion's fields of a reply; an HTTP error status or a malformed reply raised as an
+        :class:`AttemptError` (a context refusal named as one)."""
+        status = response.status_code
+        if status != 200:
+            transient = status in _TRANSIENT_STATUSES or status >= 500
+            said = server_error_message(reply)
+            refused = status == 400 and bool(_CONTEXT_REFUSAL.search(said))
+            raise AttemptError(
+                f"{CONTEXT_REFUSED + ': ' if refused else ''}HTTP {status} from {server.label}: {said}",
+                transient=transient,
+                server=server.label,
+                server_fault=status >= 500,
+                context_refused=refused,
+            )
+        try:
+            return parse_chat_completion(decode_reply(reply), self.vocab_size)
+        except Exception as exc:
+            # The server finished (and paid for) the generation: re-sending would redo it.
+            detail = str(exc) if isinstance(exc, ReplyError) else f"{type(exc).__name__}: {exc}"
+            raise AttemptError(
+                f"malformed reply from {server.label}: {detail}", transient=False, server=server.label
+            ) from None
 
     async def _request(
         self, http: httpx.AsyncHTTPTransport, index: int, body: dict[str, Any], prefer: str | None = None

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import logging
 import time
@@ -59,6 +60,37 @@ from dflash_assets.generation.client.routing import ServerRouting, ServerState
 __all__ = ["CompletionClient"]
 
 logger = logging.getLogger(__name__)
+
+
+class _RowFeed:
+    """What :meth:`CompletionClient.generate`'s workers take next: the next fresh item (its route's server
+    preferred), else a follow-up queued by a row generated in parts (:class:`FollowUpLanes`), else nothing."""
+
+    def __init__(self, items: Iterable, route_server: Callable[[str], str], steal_margin: int) -> None:
+        self.iterator = iter(items)
+        self.route_server = route_server
+        self.pending = FollowUpLanes(steal_margin=steal_margin)
+        self.row_tokens: dict[int, int] = {}  # tokens of the parts before, per row being followed up
+        self.fresh_left = True
+
+    def next_item(self, freed: str | None) -> tuple[int, dict[str, Any], str | None] | None:
+        """The next fresh item, else a follow-up, else None: the worker ends. A worker that queues a
+        follow-up takes one right after (no await between), so a worker that finds nothing queued is
+        never needed again: every later follow-up comes from, and is sent by, a worker still busy."""
+        if self.fresh_left:
+            try:
+                item = next(self.iterator)
+            except StopIteration:
+                self.fresh_left = False
+            else:
+                route = item[2] if len(item) > 2 else None
+                return item[0], item[1], None if route is None else self.route_server(route)
+        return self.pending.take(freed)
+
+    def follow(self, result: CompletionResult, index: int, following: dict[str, Any]) -> None:
+        """Queue row ``index``'s next request, preferring the server that answered ``result``."""
+        self.row_tokens[index] = self.row_tokens.get(index, 0) + (result.completion_tokens or 0)
+        self.pending.push(result.server, self.row_tokens[index], index, following)
 
 
 class CompletionClient(ServerRouting, RequestAttempts):
@@ -280,8 +312,10 @@ class CompletionClient(ServerRouting, RequestAttempts):
                 the least loaded one when that server is down or at its share, as any retry.
             on_result: sync callback, called once per item that was started (success or final failure),
                 on the event loop thread; keep it quick (an fsync'd journal append is fine).
-            follow_up: sync callback on the event loop thread, called with each request's result before
-                ``on_result``; returning a body sends it as the next request for the same row instead of
+            follow_up: callback on the event loop thread, called with each request's result before
+                ``on_result``; it may return an awaitable (an ``async def``: awaited on the loop, so work it hands
+                to a thread leaves the loop, its timeouts and the stall watch running); returning a body sends it
+                as the next request for the same row instead of
                 delivering the result (the row's next chunk), returning None delivers it. Follow-ups go
                 out once ``items`` is exhausted, in :class:`FollowUpLanes` order: mostly each to the
                 server that answered the request before it. A follow-up wanted while generation is
@@ -298,25 +332,7 @@ class CompletionClient(ServerRouting, RequestAttempts):
                 cancelled (their results could not be recorded either).
         """
         self._reset_counters()
-        iterator = iter(items)
-        pending = FollowUpLanes(steal_margin=max(1, self.concurrency // len(self._servers) // 8))
-        row_tokens: dict[int, int] = {}  # tokens of the parts before, per row being followed up
-        fresh_left = True
-
-        def next_item(freed: str | None) -> tuple[int, dict[str, Any], str | None] | None:
-            """The next fresh item, else a follow-up, else None: the worker ends. A worker that queues a
-            follow-up takes one right after (no await between), so a worker that finds nothing queued is
-            never needed again: every later follow-up comes from, and is sent by, a worker still busy."""
-            nonlocal fresh_left
-            if fresh_left:
-                try:
-                    item = next(iterator)
-                except StopIteration:
-                    fresh_left = False
-                else:
-                    route = item[2] if len(item) > 2 else None
-                    return item[0], item[1], None if route is None else self.route_server(route)
-            return pending.take(freed)
+        feed = _RowFeed(items, self.route_server, max(1, self.concurrency // len(self._servers) // 8))
 
         # One small transport (connection pool) per worker ("lane"): a worker has at most one request
         # in flight, so its pool never queues. A single shared httpcore pool re-scans every connection
@@ -330,7 +346,7 @@ class CompletionClient(ServerRouting, RequestAttempts):
             async with httpx.AsyncHTTPTransport(verify=ssl_context, limits=limits, retries=0) as http:
                 freed = None  # the server this worker's last request ended on
                 while not self._stopping:
-                    item = next_item(freed)
+                    item = feed.next_item(freed)
                     if item is None:
                         break
                     index, body, prefer = item
@@ -342,21 +358,7 @@ class CompletionClient(ServerRouting, RequestAttempts):
                     freed = result.server
                     if self._callback_failed:
                         return  # another worker's callback raised: the run is being aborted
-                    try:
-                        following = follow_up(result) if follow_up is not None else None
-                        if following is None:
-                            on_result(result)
-                    except BaseException:
-                        self._callback_failed = self._stopping = True
-                        raise
-                    if following is None:
-                        row_tokens.pop(index, None)
-                        self._record(result)
-                    elif not self._stopping:
-                        # queued for this worker's next turn of the loop (next_item), on the slot just freed
-                        self._output_tokens += result.completion_tokens or 0
-                        row_tokens[index] = row_tokens.get(index, 0) + (result.completion_tokens or 0)
-                        pending.push(result.server, row_tokens[index], index, following)
+                    await self._deliver(result, index, feed, on_result, follow_up)
 
         workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
         self._loop = asyncio.get_running_loop()
@@ -379,6 +381,34 @@ class CompletionClient(ServerRouting, RequestAttempts):
         if self._too_many is not None:
             raise self._too_many
         return self.progress()
+
+    async def _deliver(
+        self,
+        result: CompletionResult,
+        index: int,
+        feed: _RowFeed,
+        on_result: Callable[[CompletionResult], None],
+        follow_up: Callable[[CompletionResult], dict[str, Any] | None] | None,
+    ) -> None:
+        """Hand a request's result on: to ``follow_up`` first (a body back is the row's next request, queued on
+        the slot just freed; an awaitable one, a tool call run off the loop, is awaited so the loop goes on), else
+        to ``on_result`` (the row is done). A callback that raises stops the run."""
+        try:
+            following = follow_up(result) if follow_up is not None else None
+            if inspect.isawaitable(following):
+                following = await following
+            if following is None:
+                on_result(result)
+        except BaseException:
+            self._callback_failed = self._stopping = True
+            raise
+        if following is None:
+            feed.row_tokens.pop(index, None)
+            self._record(result)
+        elif not self._stopping:
+            # queued for this worker's next turn of the loop (next_item), on the slot just freed
+            self._output_tokens += result.completion_tokens or 0
+            feed.follow(result, index, following)
 
     def generate_blocking(
         self,

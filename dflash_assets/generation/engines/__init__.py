@@ -3,6 +3,4 @@ installed (``environments``, ``install``), the local CPU targets by name (``loca
 stand-in of the user's target (``hybrid_standin``), the target's chat template and the checks that a row's
 context tokens are the server's (``chat_render``).
 
-May import its own modules and ``generation.processes``, ``generation.api``, and the cores below ``generation``; two
-arrows up to ``data`` stay, named in docs/design.md: the stand-in reads the bundled prompts (``data.shapes``) inside
-the function that needs them, and the chat template renders stored messages (``data.conversation``)."""
+May import its own modules and ``generation.processes``, ``generation.api``, and the cores below ``generation``."""

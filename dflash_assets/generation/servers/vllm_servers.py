@@ -23,8 +23,8 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from dflash_assets.generation.servers.group import LaunchCommand, ServerGroup, gpu_groups
 from dflash_assets.generation.servers.secret_args import refuse_secret_args
-from dflash_assets.generation.servers.sglang_servers import LaunchCommand, SGLangServers, _gpu_groups
 
 VLLM_KEY_VARIABLE = "VLLM_API_KEY"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -199,7 +199,7 @@ def build_vllm_commands(
     bind: list[str] | None = None
     groups: list[list[int] | None] = [None] * num_servers
     if not on_cpu:
-        groups = list(_gpu_groups(num_servers, tp_size, gpu_ids))
+        groups = list(gpu_groups(num_servers, tp_size, gpu_ids))
     elif num_servers > 1 and CPU_BIND_VARIABLE not in base_env and CPU_BIND_VARIABLE not in os.environ:
         bind = cpu_core_groups(num_servers)  # else every server binds the same cores ("auto": one NUMA node's)
     if memory_fraction is None and on_cpu:
@@ -234,14 +234,14 @@ def build_vllm_commands(
     return commands
 
 
-class VLLMServers(SGLangServers):
-    """vLLM servers from :func:`build_vllm_command` commands: started, supervised and stopped as
-    :class:`~dflash_assets.generation.servers.sglang_servers.SGLangServers` does (free port first, listener proven
+class VLLMServers(ServerGroup):
+    """vLLM servers from :func:`build_vllm_command` commands: the
+    :class:`~dflash_assets.generation.servers.group.ServerGroup` of vLLM servers (free port first, listener proven
     ours, process group stopped on exit, logs ``vllm_<i>.log``), each under
     :mod:`~dflash_assets.generation.servers.group_guard` so EngineCore dies with the launcher, a kill -9 too; healthy
     when ``/health`` answers 200 (vLLM has no generation probe: the caller's first request is one).
 
-    Raises (on enter): as ``SGLangServers``.
+    Raises (on enter): as ``ServerGroup``.
     """
 
     guard_group = True  # EngineCore and its workers set no parent-death signal: the guard takes them down

@@ -1,6 +1,7 @@
 """``completions`` with ``mode: on_policy``: the target runs the corpus's BFCL tasks as the assistant, turn after
 turn, against each task's executable tools (:class:`~dflash_assets.data.on_policy.Trajectory`), instead of
-regenerating one reply per corpus row. No Dagster here beyond the config class.
+regenerating one reply per corpus row (``ops.completions.config.mode``:
+:class:`~dflash_assets.stages.completions.config.CompletionsConfig`). No Dagster here.
 
 A conversation is run by the partition holding its first corpus row (the smallest index of its
 ``conversation_id``), once, whichever rows ``turns`` made of it; corpus rows of other sources have no environment
@@ -14,27 +15,41 @@ row's context is the server's ``prompt_token_ids``.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import dagster as dg
 import polars as pl
-from pydantic import Field
 
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.data.bfcl import SOURCE_PREFIX, BfclError, BfclTask, load_tasks
-from dflash_assets.data.on_policy import ON_POLICY_SCHEMA, TURN_STRIDE, Trajectory
+from dflash_assets.data.on_policy import (
+    ON_POLICY_COLUMNS,
+    ON_POLICY_SCHEMA,
+    Trajectory,
+)
 from dflash_assets.data.prompt_index import prompt_version
+from dflash_assets.data.tool_sandbox import ToolSandbox
 from dflash_assets.generation.client.results import TooManyFailuresError
 from dflash_assets.generation.engines.chat_render import check_prompt_tokens
+from dflash_assets.generation.rows.journal import JournalError
 from dflash_assets.generation.rows.range_plan import PartitionComplete, RangeRunError
-from dflash_assets.generation.rows.records import THINK_CLOSE, invalid_reason, row_problem
+from dflash_assets.generation.rows.records import (
+    PROMPT_TOO_LONG,
+    THINK_CLOSE,
+    invalid_reason,
+    row_problem,
+    too_long_reason,
+    too_long_row,
+)
+from dflash_assets.stages.completions.config import CompletionsConfig
 from dflash_assets.stages.completions.continuing import check_tool_rendering, load_target_builder
 from dflash_assets.stages.completions.tables import completion_stats
 from dflash_assets.stages.prompts import CORPUS_FILE
@@ -45,9 +60,8 @@ if TYPE_CHECKING:
     from dflash_assets.stages.resources.inference import InferenceServerResource
     from dflash_assets.stages.resources.storage import StorageResource
 
-__all__ = ["MODES", "CompletionsConfig", "OnPolicyRun", "conversation_anchors", "journal_name", "table_file"]
+__all__ = ["OnPolicyRun", "conversation_anchors", "journal_name", "table_file"]
 
-MODES = ("regenerate", "on_policy")
 #: Corpus sources whose conversations have an environment: ``bfcl:<category>`` files are named ``bfcl_<category>``.
 BFCL_SOURCE = SOURCE_PREFIX.rstrip(":") + "_"
 #: ``finish_reason`` of a reply whose tool calls a server's tool-call parser took out of its text: the model's own
@@ -77,27 +91,22 @@ def with_own_text(result: CompletionResult, builder: SequenceBuilder) -> Complet
     return dataclasses.replace(result, content=text, finish_reason="stop")
 
 
-class CompletionsConfig(dg.Config):
-    """How ``completions`` makes its rows."""
-
-    mode: Literal["regenerate", "on_policy"] = Field(
-        default="regenerate",
-        description="'regenerate' (default): one reply per corpus row, given the row's own context. 'on_policy': "
-        "the target runs each BFCL task of the corpus as the assistant, its tool calls executed and answered, "
-        "one row per assistant turn, written to completions/<pk>.on_policy.parquet (docs/configuration.md).",
-    )
-    max_rounds_per_user_turn: int = Field(
-        default=8,
-        ge=1,
-        description="on_policy: replies to one user turn after which the task's next user turn is asked, even if "
-        "the last one called a tool (its calls are still executed and answered).",
-    )
-    max_turns_per_conversation: int = Field(
-        default=64,
-        ge=1,
-        lt=TURN_STRIDE,
-        description="on_policy: assistant turns after which a conversation ends, whatever is left of the task.",
-    )
+def on_policy_row_problem(row: dict) -> str | None:
+    """Why an on-policy row cannot be stored as it is (:func:`~dflash_assets.generation.rows.records.row_problem`, and
+    its own text columns: text, valid Unicode), or None."""
+    if (problem := row_problem(row)) is not None:
+        return problem
+    for name, dtype in ON_POLICY_COLUMNS.items():
+        value = row.get(name)
+        if value is None or dtype != pl.String:
+            continue
+        if not isinstance(value, str):
+            return f"{name} is a {type(value).__name__}, not text"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"{name} holds a lone surrogate at character {exc.start:,} (not valid Unicode)"
+    return None
 
 
 def table_file(pk: str) -> tuple[str, str]:
@@ -160,6 +169,7 @@ class OnPolicyRun:
         self.config, self.chat_template = config, chat_template
         self.parts: list[OnPolicyPartition] = []
         self.failure: Exception | None = None
+        self.sandbox: ToolSandbox | None = None
         self._tasks: dict[str, dict[str, BfclTask]] = {}
 
     def run(
@@ -173,6 +183,7 @@ class OnPolicyRun:
                 prompt tokens (nothing of that partition written; its journal kept).
         """
         builder = None
+        self.sandbox = ToolSandbox(self.config.tool_timeout_s, self.config.max_tool_result_kb * 1024)
         try:
             for prompts in prompts_by_pk.values():
                 builder = builder or check_tool_rendering(inference, self.chat_template, prompts)
@@ -190,6 +201,7 @@ class OnPolicyRun:
             for part in self.parts:
                 yield self.commit(part, builder)
         finally:
+            self.sandbox.close()
             for part in self.parts:
                 part.journal.close()
 
@@ -226,11 +238,20 @@ class OnPolicyRun:
                 anchor,
                 self.config.max_rounds_per_user_turn,
                 self.config.max_turns_per_conversation,
+                env=self.sandbox.environment(f"{pk}/{cid}", task) if self.sandbox is not None else None,
+                max_result_bytes=self.config.max_tool_result_kb * 1024,
             )
             while not t.done and (row := stored.get(t.key)) is not None:
                 key = t.key
-                if row.get("error") or invalid_reason(row, self.settings) is not None or not t.replay(row):
+                if row.get("error") or invalid_reason(row, self.settings) is not None:
                     break  # this turn and the later ones are generated again
+                if row.get("finish_reason") == PROMPT_TOO_LONG:  # judged under this cap and context: still ended
+                    if row.get("prompt_hash") != t.context_hash() or row.get("turn") != t.turn:
+                        break
+                    t.end("context")
+                    part.ended_at_context += 1
+                elif not t.replay(row):
+                    break
                 part.rows[key] = row
                 part.resumed += 1
             part.trajectories.append(t)
@@ -253,20 +274,56 @@ class OnPolicyRun:
     ):
         """Run the conversations of ``todo`` to their ends through one client: each conversation has one request
         in flight at a time (its next turn is a follow-up of its last, to the same server); each turn's row is
-        journaled as its reply arrives."""
+        journaled as its reply arrives.
+
+        Each turn is length-checked before it is sent, as regenerate mode checks a prompt: one whose templated
+        context leaves no room for the cap under the servers' context ends its conversation with a
+        ``prompt_too_long`` row, never sent. A reply's tool calls run on a worker thread (the sandbox bounds
+        them), so the event loop, the request timeouts and the stall watch go on meanwhile. A turn that cannot
+        be taken (its row fails the row check, a tool raises past the sandbox) fails that conversation only; a
+        journal that cannot be written stops the run."""
         settings = self.settings
         client = inference.completion_client(pool)
         by_index = {t.anchor["index"]: (part, t) for part, t in todo}
+        room = settings.prompt_room(inference.backend())
+        tools_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="on-policy-tools")
+
+        def next_body(part: OnPolicyPartition, t: Trajectory) -> dict | None:
+            """The next turn's request, or None when its context leaves no room (its too-long row journaled)."""
+            if room is not None and builder is not None:
+                n = builder.prompt_lengths([t.messages], settings.enable_thinking, [t.tools])[0]
+                if n > room:
+                    prompt = {
+                        "index": t.key,
+                        "prompt_id": f"{t.anchor['conversation_id']}#on_policy{t.turn}",
+                        "content_hash": t.context_hash(),
+                        "source": t.anchor["source"],
+                        "turn_kind": t.kind,
+                    }
+                    row = too_long_row(prompt, settings, n)
+                    row.update(conversation_id=t.anchor["conversation_id"], turn=t.turn, tools=t.tools)
+                    row["messages"] = json.dumps(t.messages, ensure_ascii=False)
+                    self.log.warning(
+                        f"{t.anchor['conversation_id']}: ended at turn {t.turn}, not sent: "
+                        f"{too_long_reason(n, settings, room)}"
+                    )
+                    part.journal.append(row)
+                    part.rows[row["index"]] = row
+                    t.end("context")
+                    part.ended_at_context += 1
+                    return None
+            return pool.adapt_body(t.request_body(settings, pool.model))
 
         def items():
-            for _, t in todo:
-                yield t.anchor["index"], pool.adapt_body(t.request_body(settings, pool.model))
+            for part, t in todo:
+                if (body := next_body(part, t)) is not None:
+                    yield t.anchor["index"], body
 
-        def follow_up(result):
+        async def follow_up(result):
             part, t = by_index[result.index]
             cid = t.anchor["conversation_id"]
             if not result.ok and result.context_refused:  # the conversation outgrew the servers' context
-                t.done = True
+                t.end("context")
                 part.ended_at_context += 1
                 self.log.warning(f"{cid}: ended at turn {t.turn}, its context no longer fits: {result.error[:300]}")
                 return None
@@ -276,24 +333,39 @@ class OnPolicyRun:
             if result.finish_reason == PARSED_CALLS and (result := with_own_text(result, builder)) is None:
                 part.failed[cid] = PARSED_CALLS_ERROR
                 return None
-            row = t.row(result, settings)
-            if (problem := row_problem(row)) is not None:
+            turn = t.turn
+            try:  # the reply's tool calls execute here, off the event loop
+                row = await asyncio.get_running_loop().run_in_executor(tools_thread, t.row, result, settings)
+            except Exception as exc:  # one turn costs its conversation, never the run
+                part.failed[cid] = f"turn {turn} could not be taken: {type(exc).__name__}: {str(exc)[:300]}"
+                return None
+            if (problem := on_policy_row_problem(row)) is not None:
                 part.failed[cid] = f"turn {row['turn']} could not be stored: {problem}"
                 return None
-            part.journal.append(row)  # durable before the conversation goes on
+            try:
+                part.journal.append(row)  # durable before the conversation goes on
+            except JournalError:
+                raise
+            except (TypeError, ValueError) as exc:  # UnicodeEncodeError included: nothing was written
+                part.failed[cid] = f"turn {row['turn']} could not be stored: {str(exc)[:300]}"
+                return None
             part.rows[row["index"]] = row
             part.generated += 1
-            return None if t.done else pool.adapt_body(t.request_body(settings, pool.model))
+            return None if t.done else next_body(part, t)
 
         started = time.monotonic()
         try:
             client.generate_blocking(items(), lambda result: None, follow_up)
         except TooManyFailuresError as exc:
             self.failure = exc
+        finally:
+            tools_thread.shutdown(wait=True)
         progress = client.progress()
+        timeouts = self.sandbox.timeouts if self.sandbox is not None else 0
         self.log.info(
             f"on-policy: {sum(p.generated for p in self.parts)} turns generated in {time.monotonic() - started:.1f} s "
-            f"({progress.output_tokens} output tokens, {progress.rows_failed} stopped by a failed request)"
+            f"({progress.output_tokens} output tokens, {progress.rows_failed} stopped by a failed request, "
+            f"{timeouts} tool calls stopped at {self.config.tool_timeout_s:g} s)"
         )
 
     def commit(self, part: OnPolicyPartition, builder) -> PartitionComplete:
@@ -328,7 +400,7 @@ class OnPolicyRun:
         uri = self.store.write_parquet(frame, *table_file(pk))
         part.journal.discard()
         data_version = hashlib.sha256(self.store.read_bytes(*table_file(pk))).hexdigest()[:20]
-        calls = [json.loads(r["tool_messages"]) for r in rows]
+        calls = [json.loads(r.get("tool_messages") or "[]") for r in rows]  # a prompt_too_long row has none
         metadata = {
             # what freshness reads of any completions partition: the corpus version it answers, the row counts,
             # the settings fingerprints and caps of its rows (a corpus or settings change makes it stale)
@@ -351,6 +423,14 @@ class OnPolicyRun:
             "output_tokens": sum(r["completion_tokens"] or 0 for r in rows),
             "max_rounds_per_user_turn": self.config.max_rounds_per_user_turn,
             "max_turns_per_conversation": self.config.max_turns_per_conversation,
+            # what freshness reads when those limits or the servers' context change: the conversations they cut
+            "conversations_ended_at_max_turns": sum(t.ended_by == "max_turns" for t in part.trajectories),
+            "conversation_turns_max": max((t.turn for t in part.trajectories), default=0),
+            "user_turns_ended_at_max_rounds": sum(t.rounds_capped for t in part.trajectories),
+            "rounds_max": max((t.rounds_max for t in part.trajectories), default=0),
+            "context_length": self.settings.context_length,
+            "tool_timeout_s": self.config.tool_timeout_s,
+            "max_tool_result_kb": self.config.max_tool_result_kb,
             "settings": self.settings.model_dump(),
             "path": uri,
         }

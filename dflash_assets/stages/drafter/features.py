@@ -1,20 +1,19 @@
 """Where the drafter's target features come from: stored shards (offline) or the frozen target (online).
 
 Shared by the main job (which skips ``hidden_states`` when online), ``dflash_drafter`` and
-``drafter_evaluation``. ``features: auto`` (the default) is decided by the storage plan
-(:mod:`dflash_assets.stages.storage_plan`): online when storing every selected row's features does not fit.
+``drafter_evaluation``. ``features: auto`` (the default) is decided with the storage plan, in one place
+(:func:`dflash_assets.stages.storage_plan.feature_source`): online when storing every selected row's features
+does not fit.
 """
 
 from __future__ import annotations
 
-import os
-
 import dagster as dg
 
-from dflash_assets.orchestration.config import op_config
-from dflash_assets.stages.hidden_states import HiddenStatesConfig, storage_plan
-from dflash_assets.stages.storage_plan import resolve_features
-from dflash_assets.stages.tokenized import tokenized_file
+from dflash_assets.common.config import op_config
+from dflash_assets.stages.hidden_states import HiddenStatesConfig
+from dflash_assets.stages.storage_plan import feature_source
+from dflash_assets.stages.stored_inputs import complete_shards, tokenized_inputs
 
 
 def hidden_states_config() -> HiddenStatesConfig:
@@ -32,42 +31,9 @@ def configured_mode() -> str:
 def decide_mode(
     instance: dg.DagsterInstance, storage, target_model, mode: str, fallback_tokens_per_row: float = 0.0
 ) -> tuple[str, str]:
-    """``(offline|online, reason)`` for a ``features`` setting; ``auto`` computes the storage plan."""
-    if mode in ("offline", "online"):
-        return mode, f"features: {mode} (configured)"
-    try:
-        plan = storage_plan(
-            instance, storage, target_model, hidden_states_config(), fallback_tokens_per_row=fallback_tokens_per_row
-        )
-    except (
-        OSError,
-        KeyError,
-        ValueError,
-    ) as exc:  # no corpus yet, no target config: hidden_states plans (and fails) itself
-        return "offline", f"features: auto -> offline (no storage plan yet: {type(exc).__name__}: {exc})"
-    chosen = resolve_features(mode, plan)
-    why = "fits" if plan.fits else "does not fit"
-    return chosen, f"features: auto -> {chosen} (storage plan {why}: {plan.describe()})"
-
-
-def tokenized_inputs(storage, keys: list[str]) -> tuple[list[str], list[str]]:
-    """``(local parquet paths, partitions used)`` of tokenized_sequences, in partition order (S3: downloaded
-    to scratch when missing or of another size)."""
-    store = storage.open()
-    paths, used = [], []
-    for pk in keys:
-        parts = tokenized_file(pk)
-        if not store.exists(*parts):
-            continue
-        path = (
-            storage.ensure_local(*parts, size=store.size(*parts))
-            if storage.is_remote
-            else storage.local_scratch(*parts)
-        )
-        if os.path.exists(path):
-            paths.append(path)
-            used.append(pk)
-    return paths, used
+    """``(offline|online, reason)`` for a ``features`` setting, with the project's hidden-state settings
+    (:func:`~dflash_assets.stages.storage_plan.feature_source` decides)."""
+    return feature_source(instance, storage, target_model, mode, hidden_states_config(), fallback_tokens_per_row)
 
 
 def heldout_set(
@@ -98,7 +64,6 @@ def heldout_set(
             features=features,
         )
     from dflash_assets.dflash.shards.dataset import HiddenStateShards
-    from dflash_assets.stages.shard_access import complete_shards
 
     shards, _, _ = complete_shards(storage, keys)
     return HiddenStateShards(

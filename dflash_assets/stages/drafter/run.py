@@ -12,10 +12,9 @@ from dflash_assets.dflash.export.directory import export_drafter
 from dflash_assets.dflash.target.layers import default_target_layer_ids, num_target_layers
 from dflash_assets.dflash.training.config import TrainConfig
 from dflash_assets.dflash.training.train import train
-from dflash_assets.stages.drafter.features import tokenized_inputs
 from dflash_assets.stages.drafter.identity import STATE_FILE, choose_run, data_fingerprint, file_sha256
 from dflash_assets.stages.drafter.launcher import TrainingRunError, run_torchrun
-from dflash_assets.stages.shard_access import complete_shards
+from dflash_assets.stages.stored_inputs import complete_shards, tokenized_inputs
 from dflash_assets.storage.atomic import atomic_write_bytes
 
 DRAFTER_DIR = "dflash_drafter"

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def draft_overrides(config: DrafterConfig) -> dict:
-    """The drafter-shape settings given (:data:`~dflash_assets.dflash.model.draft_model.DRAFT_SHAPE_FIELDS`; None = the
+    """The drafter-shape settings given (:data:`~dflash_assets.dflash.model.draft_config.DRAFT_SHAPE_FIELDS`; None = the
     target's)."""
     values = {k: getattr(config, k) for k in DRAFT_SHAPE_FIELDS if getattr(config, k) is not None}
     if "layer_types" in values:

@@ -7,15 +7,16 @@ import json
 import dagster as dg
 import polars as pl
 
-from dflash_assets.data.conversation import api_messages
+from dflash_assets.common.conversation import api_messages
+from dflash_assets.common.settings import default_sources
 from dflash_assets.data.ranges import key_range
 from dflash_assets.data.row_context import CORPUS_INDEX
-from dflash_assets.data.shapes import CorpusError, build_corpus, default_sources, expand_source, source_name
+from dflash_assets.data.shapes import CorpusError, build_corpus, expand_source, source_name
 from dflash_assets.data.tokenization import SequenceBuilder
 from dflash_assets.dflash.shards.dataset import HiddenStateShards
 from dflash_assets.stages.drafter.features import heldout_set
 from dflash_assets.stages.prompts import CORPUS_FILE
-from dflash_assets.stages.shard_access import ShardIntegrityError
+from dflash_assets.stages.stored_inputs import ShardIntegrityError
 from dflash_assets.stages.tokenized import tokenized_file
 
 #: Columns of an on-policy turn :func:`on_policy_turns` reads: its key, context hash and context.
@@ -40,7 +41,7 @@ def evaluation_datasets(
     held_turns: list[int] | None = None,
 ) -> dict[str, list]:
     """``{dataset name: [(messages, tools), ...]}`` (messages API-shaped:
-    :func:`~dflash_assets.data.conversation.api_messages`; tools the row's JSON text or None): the held-out prompts
+    :func:`~dflash_assets.common.conversation.api_messages`; tools the row's JSON text or None): the held-out prompts
     of the corpus (``held``: their indexes, a
     stable hash of the prompt index chose them) and held-out on-policy turns (``held_turns``: their row keys in
     ``turns``, :data:`TURN_COLUMNS` of every on-policy turn trained on or held out; each one's context as it was

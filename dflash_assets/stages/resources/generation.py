@@ -37,11 +37,11 @@ def configured_settings() -> GenerationSettings:
     None when that section does not load) and stamped with its chat template (``resources.target_model``).
 
     Raises:
-        dflash_assets.orchestration.config.ConfigError: the config file or its generation section is invalid.
+        dflash_assets.common.config.ConfigError: the config file or its generation section is invalid.
         dflash_assets.generation.engines.chat_render.ChatTemplateError: ``target_model.chat_template`` names no readable
             file.
     """
-    from dflash_assets.orchestration.config import resource_fields
+    from dflash_assets.common.config import resource_fields
     from dflash_assets.stages.resources.inference import InferenceServerResource
     from dflash_assets.stages.resources.target_model import TargetModelResource
 

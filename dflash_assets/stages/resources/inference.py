@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 import dagster as dg
 from pydantic import ConfigDict, Field
 
+from dflash_assets.common.config import SECRET_ENV
 from dflash_assets.common.settings import GenerationSettings
 from dflash_assets.dflash.target.layers import text_config
 from dflash_assets.generation.engines.environments import (
@@ -24,19 +25,14 @@ from dflash_assets.generation.engines.environments import (
     vllm_environment,
 )
 from dflash_assets.generation.processes.ports import free_port_block
+from dflash_assets.generation.servers.group import LaunchCommand
 from dflash_assets.generation.servers.pool import API_KEY_ENV, ServerPool
 from dflash_assets.generation.servers.probe import probe_external
 from dflash_assets.generation.servers.registry import orphan_message, reap_orphaned_servers
-from dflash_assets.generation.servers.sglang_servers import (
-    LaunchCommand,
-    SGLangServers,
-    build_router_command,
-    build_sglang_commands,
-)
+from dflash_assets.generation.servers.sglang_servers import SGLangServers, build_router_command, build_sglang_commands
 from dflash_assets.generation.servers.supervision import ProbeSupervisor, ProcessSupervisor
 from dflash_assets.generation.servers.transformers_server import LocalTransformersServer
 from dflash_assets.generation.servers.vllm_servers import VLLMServers, build_vllm_commands
-from dflash_assets.orchestration.config import SECRET_ENV
 from dflash_assets.stages.resources.inference_sections import (
     ClientSettings,
     ExternalSettings,

@@ -9,8 +9,8 @@ from urllib.parse import urlparse
 import dagster as dg
 from pydantic import Field
 
+from dflash_assets.common.config import SECRET_ENV
 from dflash_assets.common.settings import cache_dir, default_storage_root
-from dflash_assets.orchestration.config import SECRET_ENV
 from dflash_assets.storage.store import RetryPolicy, Storage, StorageError, check_name
 
 ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
@@ -61,7 +61,7 @@ class StorageResource(dg.ConfigurableResource):
     endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto...); None = AWS.")
     region: str | None = Field(default=None, description="S3 region; None = from the environment / us-east-1.")
     # secrets: from the environment only (a value in the config file is refused, see
-    # dflash_assets.orchestration.config.secret_env)
+    # dflash_assets.common.config.secret_env)
     aws_access_key_id: str | None = Field(
         default=None,
         description="Set with EnvVar('AWS_ACCESS_KEY_ID'), never literally.",

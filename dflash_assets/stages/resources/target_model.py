@@ -43,8 +43,8 @@ class TargetModelResource(dg.ConfigurableResource):
         """
         if not self.chat_template:
             return None
+        from dflash_assets.common.config import config_path
         from dflash_assets.generation.engines.chat_render import resolve_template_path
-        from dflash_assets.orchestration.config import config_path
 
         try:
             config_dir = config_path().parent

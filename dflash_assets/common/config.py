@@ -1,4 +1,5 @@
-"""The project config file: resources and per-asset run config, one YAML for the UI, the shell and the CLI.
+"""The project config file, read: resources and per-asset run config, one YAML for the UI, the shell and the CLI.
+Its root schema, every key it may hold in one place, is :mod:`dflash_assets.stages.config_schema`.
 
 ``$DFLASH_CONFIG`` names the file; without it the bundled ``configs/local_demo.yaml`` (the embedded
 default) is used. ``resources`` holds the resource fields; ``ops`` is Dagster run config for the
@@ -6,7 +7,8 @@ assets, used as the default config of the project's jobs and by ``python -m dfla
 
 Nothing in the file is ignored: an unknown top-level key, resource name, resource field, op name or
 op config key is a :class:`ConfigError` naming the key, where it is, the valid keys and the file, and so
-is invalid YAML and every value the resource classes or Dagster's config types reject.
+is invalid YAML and every value the resource classes or Dagster's config types reject (the ops section is
+checked against the assets' config types by :func:`~dflash_assets.stages.config_schema.validate_ops`).
 
 Secrets never come from the file: a resource field marked ``json_schema_extra={SECRET_ENV: "NAME"}``
 (the server API key, the S3 credentials) given a value there is a :class:`ConfigError` naming the key
@@ -44,7 +46,9 @@ def config_path() -> Path:
     return path
 
 
-def _unknown(path: str, where: str, what: str, key: str, valid: Iterable[str]) -> ConfigError:
+def unknown_key(path: str, where: str, what: str, key: str, valid: Iterable[str]) -> ConfigError:
+    """The error for ``key``, a ``what`` (key, resource, op) the file gives at ``where`` that is none of ``valid``:
+    naming the file, the place, the closest valid one (did you mean) and all of them."""
     valid = sorted(valid)
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -64,7 +68,7 @@ def _load(path: str, mtime: float) -> dict:
         )
     for key in data:
         if key not in TOP_LEVEL_KEYS:
-            raise _unknown(path, "top level", "key", str(key), TOP_LEVEL_KEYS)
+            raise unknown_key(path, "top level", "key", str(key), TOP_LEVEL_KEYS)
     for section in TOP_LEVEL_KEYS:
         if not isinstance(data.get(section) or {}, dict):
             raise ConfigError(
@@ -111,7 +115,7 @@ def build_resources(
     sections = project_config()["resources"]
     for name in sections:
         if name not in classes:
-            raise _unknown(str(path), "resources", "resource", str(name), classes)
+            raise unknown_key(str(path), "resources", "resource", str(name), classes)
     built = {}
     for name, cls in classes.items():
         fields = resource_fields(name)
@@ -139,7 +143,7 @@ def _check_keys(path: str, where: str, cls: type, fields: Mapping[str, Any]) -> 
     valid = [f for f in cls.model_fields if not f.startswith("_")]
     for key in fields:
         if key not in valid:
-            raise _unknown(path, where, "key", str(key), valid)
+            raise unknown_key(path, where, "key", str(key), valid)
         if env := secret_env(cls, key):
             raise ConfigError(
                 f"{path}: {where}.{key}: a secret cannot be set in the config file (Dagster would show "
@@ -169,90 +173,6 @@ def secret_env(cls: type, field: str) -> str | None:
     info = getattr(cls, "model_fields", {}).get(field)
     extra = getattr(info, "json_schema_extra", None)
     return extra.get(SECRET_ENV) if isinstance(extra, dict) else None
-
-
-def check_local_model(built: Mapping[str, Any]) -> None:
-    """The local server and the target model must be the same local model (the tokenizer, hidden states and
-    evaluation would otherwise read another model than the one that wrote the completions).
-
-    Raises:
-        ConfigError: ``inference`` serves a local model (``local.model``, or ``vllm.local_model`` without
-            ``vllm.model_path``), ``target_model.model_path`` is empty and ``target_model.local_model`` names another
-            one; the message names both keys and the file.
-    """
-    inference, target = built.get("inference"), built.get("target_model")
-    if inference is None or target is None or target.model_path:
-        return
-    served = inference.local_model_name()
-    if served is not None and served != target.local_model:
-        key = "local.model" if inference.mode == "local" else "vllm.local_model"
-        raise ConfigError(
-            f"{config_path()}: resources.inference.{key} is {served!r} but "
-            f"resources.target_model.local_model is {target.local_model!r}: the local server and the target model "
-            "must be the same model; set both to one name"
-        )
-
-
-#: The SGLang server flag without which it ignores a request's ``seed`` (SGLang 0.5.23: batch-invariant kernels).
-SGLANG_DETERMINISTIC_FLAG = "--enable-deterministic-inference"
-
-
-def check_seed(built: Mapping[str, Any]) -> None:
-    """A configured ``generation.seed`` must take effect: SGLang drops a request's ``seed`` unless its servers
-    run with ``--enable-deterministic-inference`` (issue 38), and every row would record a seed no sampling used.
-
-    Raises:
-        ConfigError: ``inference.mode`` is ``sglang``, ``generation.seed`` is set and
-            ``inference.sglang.extra_args`` lacks the flag; the message names both keys, the file and the fix.
-    """
-    inference, generation = built.get("inference"), built.get("generation")
-    if inference is None or generation is None or generation.seed is None or inference.mode != "sglang":
-        return
-    if SGLANG_DETERMINISTIC_FLAG in inference.sglang.extra_args:
-        return
-    raise ConfigError(
-        f"{config_path()}: resources.generation.seed is {generation.seed} but SGLang ignores a request's seed unless "
-        f"its servers run with {SGLANG_DETERMINISTIC_FLAG}, so no row would be sampled with it: add "
-        f"{SGLANG_DETERMINISTIC_FLAG} to resources.inference.sglang.extra_args (batch-invariant kernels: slower "
-        "decoding), or remove resources.generation.seed"
-    )
-
-
-def validate_ops(assets_defs: Iterable[Any]) -> None:
-    """Check the ``ops`` section against the project's assets and their config schemas.
-
-    Raises:
-        ConfigError: an op name that is no asset, a key other than ``config`` in an op's section, or
-            config Dagster's config type for that asset rejects (unknown key, wrong type); the
-            message names the file and ``ops.<asset>.config``.
-    """
-    # checks one op's config against its config field, as a run would; dagster exports only whole-job validation
-    from dagster._config import validate_config
-
-    path = config_path()
-    schemas = {}
-    for assets_def in assets_defs:
-        field = assets_def.op.config_field
-        for key in assets_def.keys:
-            schemas[key.to_user_string()] = field
-    for name, section in project_config()["ops"].items():
-        if name not in schemas:
-            raise _unknown(str(path), "ops", "op", str(name), schemas)
-        if not isinstance(section, dict):
-            raise ConfigError(f"{path}: ops.{name}: must be a mapping with key 'config', got {type(section).__name__}")
-        for key in section:
-            if key != "config":
-                raise _unknown(str(path), f"ops.{name}", "key", str(key), ["config"])
-        field = schemas[name]
-        config = section.get("config")
-        if field is None:
-            if config:
-                raise ConfigError(f"{path}: ops.{name}.config: this asset takes no config; remove the section")
-            continue
-        result = validate_config(field.config_type, config if config is not None else {})
-        if not result.success:
-            messages = "; ".join(e.message for e in result.errors)
-            raise ConfigError(f"{path}: ops.{name}.config: {messages}")
 
 
 def _first_lines(exc: BaseException, n: int = 6) -> str:

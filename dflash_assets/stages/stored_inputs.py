@@ -1,11 +1,13 @@
-"""Access to stored hidden-state shards, local or on S3: one partition's shards fetched and verified
-against its ``index.json`` (size and SHA-256), and the shards of every complete partition."""
+"""The drafter's inputs read back from storage, local or on S3: one partition's hidden-state shards fetched and
+verified against its ``index.json`` (size and SHA-256), the shards of every complete partition (offline
+features), and the tokenized rows the frozen target computes features from (online)."""
 
 import json
 import os
 
 from dflash_assets.dflash.shards.format import INDEX_NAME
 from dflash_assets.stages.resources.storage import StorageResource
+from dflash_assets.stages.tokenized import tokenized_file
 from dflash_assets.storage.atomic import atomic_write_bytes
 from dflash_assets.storage.store import IntegrityError, UnsafeNameError, check_name, file_sha256
 
@@ -138,4 +140,24 @@ def complete_shards(storage, keys: list[str], indexes: dict | None = None) -> tu
     return shards, used, skipped
 
 
-__all__ = ["ShardIntegrityError", "complete_shards", "fetch_shards", "local_copy_matches"]
+def tokenized_inputs(storage, keys: list[str]) -> tuple[list[str], list[str]]:
+    """``(local parquet paths, partitions used)`` of tokenized_sequences, in partition order (S3: downloaded
+    to scratch when missing or of another size)."""
+    store = storage.open()
+    paths, used = [], []
+    for pk in keys:
+        parts = tokenized_file(pk)
+        if not store.exists(*parts):
+            continue
+        path = (
+            storage.ensure_local(*parts, size=store.size(*parts))
+            if storage.is_remote
+            else storage.local_scratch(*parts)
+        )
+        if os.path.exists(path):
+            paths.append(path)
+            used.append(pk)
+    return paths, used
+
+
+__all__ = ["ShardIntegrityError", "complete_shards", "fetch_shards", "local_copy_matches", "tokenized_inputs"]
