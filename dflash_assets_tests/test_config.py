@@ -182,7 +182,7 @@ def test_the_completions_mode_is_read_from_the_config_file_and_checked(tmp_path,
 )
 def test_a_bound_or_an_enumerated_word_is_checked_at_start_up_naming_the_key(tmp_path, monkeypatch, op, setting):
     path = write(tmp_path, f"ops:\n  {op}: {{config: {{{setting}}}}}\n", monkeypatch)
-    msg = error_of(cfg.validate_ops, project_assets())
+    msg = error_of(config_schema.validate_ops, project_assets())
     key, value = setting.split(": ")
     assert msg.startswith(f"{path}: ops.{op}.config") and key in msg and value in msg, msg
 

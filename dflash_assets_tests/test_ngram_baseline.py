@@ -8,24 +8,30 @@ The real engine path (both servers, one run) is in ``test_vllm_ngram.py``.
 from __future__ import annotations
 
 import json
+import math
+import random
+import statistics
 from pathlib import Path
 
 import pytest
 
-from dflash_assets.app.summary_lines import baseline_line
+from dflash_assets.app.summary_lines import baseline_lines
 from dflash_assets.dflash.decoding.evaluation import acceptance_histogram_png
 from dflash_assets.generation.servers.sglang_dflash import ngram_server_flags
 from dflash_assets.generation.servers.vllm_servers import ngram_speculative_config
 from dflash_assets.stages.evaluation.baseline import (
     baseline_check,
     compare_methods,
+    context_bucket,
     engine_forward_figures,
     in_process_forward_figures,
     ngram_lossless,
+    paired_engine_figures,
+    paired_ratio,
     tokens_per_forward,
     verdict,
 )
-from dflash_assets.stages.evaluation.vllm_engine import parse_spec_counters
+from dflash_assets.stages.evaluation.vllm_counters import parse_spec_counters
 
 DATA = Path(__file__).parent / "data"
 
@@ -116,14 +122,67 @@ def test_engine_figures_count_steps_without_a_draft():
     assert 1 + sum(fig["accepted_per_decode_step"]) == pytest.approx((20 - 1 + 8 - 1) / 16)
 
 
-def test_verdict_wording_and_ties():
-    assert verdict(1.53, 1.78) == (
-        "ngram",
-        "DFlash 1.53 vs n-gram lookup 1.78 tokens per forward (no training): the drafter loses on these prompts",
+def test_paired_ratio_is_the_delta_method_on_log_r():
+    """Computed independently: log R = log sum t_a - log sum f_a - log sum t_b + log sum f_b, whose gradient per
+    prompt gives the influence ``t_ai / T_a - f_ai / F_a - t_bi / T_b + f_bi / F_b``."""
+    rows = [(48, 30, 48, 33), (40, 20, 40, 31), (64, 40, 64, 36), (12, 9, 12, 12)]
+    ta, fa, tb, fb = (sum(r[k] for r in rows) for k in range(4))
+    z = [r[0] / ta - r[1] / fa - r[2] / tb + r[3] / fb for r in rows]
+    ratio = (ta / fa) / (tb / fb)
+    se = ratio * math.sqrt(len(rows) / (len(rows) - 1) * sum(x * x for x in z))
+    got = paired_ratio(rows)
+    assert got["ratio"] == pytest.approx(ratio) and got["ratio_stderr"] == pytest.approx(se)
+    assert got["ratio_z"] == pytest.approx((ratio - 1) / se) and got["prompts"] == 4
+    diffs = [a / b - c / d for a, b, c, d in rows]
+    assert got["mean_difference"] == pytest.approx(sum(diffs) / 4)
+    assert paired_ratio([(5, 0, 5, 3)])["ratio"] is None  # no forward: not a pair
+
+
+def test_the_paired_standard_error_matches_the_spread_of_the_ratio():
+    """Monte Carlo: 400 draws of 32 prompts whose forwards vary together; the mean stated standard error is within
+    15% of the ratio's observed spread (an unpaired one would be far larger)."""
+    rng = random.Random(0)
+    ratios, ses = [], []
+    for _ in range(400):
+        rows = []
+        for _ in range(32):
+            tokens, easy = rng.randint(20, 64), rng.uniform(1.2, 2.4)  # a prompt easy for both or hard for both
+            rows.append(
+                (tokens, max(1, round(tokens / easy)), tokens, max(1, round(tokens / (easy * rng.uniform(0.8, 1.0)))))
+            )
+        got = paired_ratio(rows)
+        ratios.append(got["ratio"])
+        ses.append(got["ratio_stderr"])
+    spread = statistics.stdev(ratios)
+    assert statistics.fmean(ses) == pytest.approx(spread, rel=0.15)
+
+
+def test_verdict_needs_two_paired_standard_errors():
+    win = paired_ratio([(40, 20, 40, 30), (40, 19, 40, 28), (40, 21, 40, 31), (40, 20, 40, 29)])
+    assert verdict(win)[0] == "drafter"
+    assert verdict(win)[1].startswith(
+        "DFlash 2.00 vs n-gram lookup 1.36 tokens per forward (no training), pooled over 4 "
     )
-    assert verdict(2.104, 1.6)[0] == "drafter" and "the drafter wins" in verdict(2.104, 1.6)[1]
-    assert verdict(1.534, 1.531)[0] == "tie"
-    assert verdict(None, 1.5) == (None, None)
+    assert "the drafter wins by more than 2 standard errors" in verdict(win)[1]
+    noisy = paired_ratio([(40, 20, 40, 22), (40, 30, 40, 25), (40, 20, 40, 24), (40, 26, 40, 22)])
+    assert verdict(noisy)[0] == "tie" and "within 2 standard errors of a tie" in verdict(noisy)[1]
+    lose = paired_ratio([(40, 30, 40, 20), (40, 29, 40, 19), (40, 31, 40, 21)])
+    assert verdict(lose)[0] == "ngram"
+    assert verdict(None) == (None, None)
+
+
+def test_splits_by_turn_kind_and_context_length():
+    assert [context_bucket(n) for n in (10, 512, 513, 1024, 2048, 2049)] == [
+        "<=512", "<=512", "513-1024", "513-1024", "1025-2048", ">2048",
+    ]  # fmt: skip
+    drafter = [_rec("d", i, 30, f, 1, 1, [1, 0, 0]) for i, f in enumerate([10, 15, 20, 12])]
+    ngram = [_rec("d", i, 30, f, 1, 1, [1, 0, 0]) for i, f in enumerate([20, 15, 10, 24])]
+    groups = {("d", i): {"turn kind": k} for i, k in enumerate(["tool call", "plain", "plain", "tool call"])}
+    got = paired_engine_figures(drafter, ngram, groups)["d"]
+    assert got["ratio"] == pytest.approx((120 / 57) / (120 / 69))
+    by = got["by turn kind"]
+    assert set(by) == {"plain", "tool call"}
+    assert by["tool call"]["ratio"] == pytest.approx((60 / 22) / (60 / 44)) and by["tool call"]["prompts"] == 2
 
 
 def _section(drafter_tpf_records, ngram_records):
@@ -132,6 +191,7 @@ def _section(drafter_tpf_records, ngram_records):
     return {
         "kind": "vllm",
         "simulated": False,
+        "requests": drafter_tpf_records,
         "datasets": vllm_tau_by_dataset(drafter_tpf_records),
         "ngram": {"datasets": vllm_tau_by_dataset(ngram_records), "requests": ngram_records},
     }
@@ -166,8 +226,8 @@ def test_compare_methods_and_the_warning_check():
     check = baseline_check(comparison)
     assert not check["passed"] and check["compared"]
     assert check["reasons"] == [
-        "heldout: DFlash 1.50 vs n-gram lookup 2.00 tokens per forward (no training): the drafter loses on these "
-        "prompts"
+        "heldout: DFlash 1.50 vs n-gram lookup 2.00 tokens per forward (no training), pooled over 1 prompts in one "
+        "vLLM run each: 0.75x +- 0.00 (paired standard error): the drafter loses by more than 2 standard errors"
     ]
     # no engine: the in-process figure stands alone and the check passes, saying why nothing was compared
     alone = compare_methods(local, None)
@@ -188,21 +248,21 @@ def test_ngram_output_is_checked_against_plain_greedy():
     assert ngram_lossless(records, {"d": [None, [8, 9]]}) == []  # unknown expected output: not compared
 
 
-def test_summary_line_says_who_wins():
+def test_summary_lines_say_who_wins_per_dataset():
+    lose = verdict(paired_ratio([(40, 30, 40, 20), (40, 29, 40, 19), (40, 31, 40, 21)]))[1]
+    win = verdict(paired_ratio([(40, 20, 40, 30), (40, 19, 40, 28), (40, 21, 40, 31)]))[1]
     s = {
-        "baseline_verdict": verdict(1.53, 1.78)[1],
-        "drafter_tokens_per_forward": 1.53,
-        "drafter_tokens_per_forward_source": "engine",
-        "drafter_in_process_tokens_per_forward": 1.55,
-        "ngram_tokens_per_forward_stderr": 0.04,
+        "tokens_per_forward_by_dataset": {"humaneval": {"verdict": win}, "bfcl": {"verdict": lose}},
+        "baseline_statistic": "pooled ratio",
     }
-    assert baseline_line(s) == (
-        "vs n-gram lookup   DFlash 1.53 vs n-gram lookup 1.78 tokens per forward (no training): the drafter loses "
-        "on these prompts (plain decoding 1.00; both from the same vLLM run; DFlash in process 1.55; n-gram +- 0.04)"
-    )
+    assert baseline_lines(s) == [
+        f"vs n-gram lookup   humaneval: {win}",
+        f"                   bfcl: {lose}",
+        "                   (statistic: pooled ratio; plain decoding 1.00)",
+    ]
     alone = {"drafter_tokens_per_forward": 1.6, "ngram_baseline_not_compared": "no engine run (engine: none)"}
-    assert baseline_line(alone).endswith("n-gram lookup not measured: no engine run (engine: none)")
-    assert baseline_line({}) is None
+    assert baseline_lines(alone)[0].endswith("n-gram lookup not measured: no engine run (engine: none)")
+    assert baseline_lines({}) == []
 
 
 def test_launch_settings_for_the_ngram_run():
@@ -240,10 +300,11 @@ def test_the_evaluations_checks_cover_ngram_output_and_its_metadata(tmp_path):
         "lossless": True,
         "accepted_lengths": [[2]],
         "block_size": 4,
+        "step_parity": {"prompts_replayed": 1, "steps_compared": 1, "mismatches": 0, "ties": 0, "listed": []},
     }
     report = {"datasets": {"heldout": {"trained": trained, "untrained": {"lossless": True}}}}
     drafter = [_rec("heldout", 0, 3, 2, 1, 1, [1, 0, 0], out=[1, 2, 3])]
-    drafter[0]["tau"] = 1.5  # 1 + accepted / drafts, as vLLM counts it
+    drafter[0].update(tau=1.5, steps=[[3, 1]])  # 1 + accepted / drafts, as vLLM counts it
     ngram = [_rec("heldout", 0, 3, 3, 0, 0, [0, 0, 0], out=[1, 2, 9])]
     section = {**_section(drafter, ngram), "requests": drafter}
     meta = {"block_size": 4, "target_layer_ids": [1], "mask_token_id": 7}
@@ -251,7 +312,7 @@ def test_the_evaluations_checks_cover_ngram_output_and_its_metadata(tmp_path):
     assert checks["engine_parity"]["passed"], checks
     assert not checks["lossless"]["passed"]
     assert checks["lossless"]["reasons"] == [
-        "heldout: the engine's n-gram output differs from plain greedy decoding at prompt 0, generated token 2 "
+        "heldout: the engine's n-gram output differs from the greedy output at prompt 0, generated token 2 "
         "(expected id 3, got 9)"
     ]
     md = baseline_metadata(compare_methods(report["datasets"], section))

@@ -28,7 +28,8 @@ from dflash_assets.generation.engines.local_model import ensure_local_model
 from dflash_assets.generation.servers.pool import ServerPool
 from dflash_assets.generation.servers.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt
 from dflash_assets.generation.servers.vllm_servers import build_vllm_command, dflash_speculative_config
-from dflash_assets.stages.evaluation import vllm_engine
+from dflash_assets.stages.evaluation import vllm_counters, vllm_engine
+from dflash_assets.stages.evaluation.vllm_run import PER_REQUEST_METRICS_FLAGS
 from dflash_assets.stages.resources.inference import InferenceServerResource
 from dflash_assets_tests.engine_bodies import TOJSON_TEMPLATE, project_bodies
 
@@ -83,6 +84,7 @@ def judged(vllm_python) -> dict:
         dtype="float32",
         max_model_len=512,
         enforce_eager=True,
+        extra_args=list(PER_REQUEST_METRICS_FLAGS),  # each request's verification steps in its reply
     )
     commands = [*cpu.vllm_commands("python", port_base=8000), *gpu.vllm_commands("python", port_base=8010), engine]
 
@@ -97,10 +99,17 @@ def judged(vllm_python) -> dict:
         return 503, b"caught"
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(vllm_engine, "read_counters", lambda *args: vllm_engine.SpecCounters())
-        patch.setattr(vllm_engine, "_bounded_get_or_post", post)
+        patch.setattr(vllm_counters, "read_counters", lambda *args: vllm_counters.SpecCounters())
+        patch.setattr(vllm_engine, "bounded_request", post)
         with pytest.raises(EngineError, match="HTTP 503: caught"):  # the body is all this call is for
-            vllm_engine.vllm_decode("http://x", "/models/m", [EnginePrompt("d", 0, [5, 6, 7])], 32, stop_token_ids=[2])
+            vllm_engine.vllm_decode(
+                "http://x",
+                "/models/m",
+                [EnginePrompt("d", 0, [5, 6, 7])],
+                32,
+                stop_token_ids=[2],
+                num_speculative_tokens=15,
+            )
     # the bodies of issue 49 on the project's command line with a tojson template, through vLLM's own renderer
     served = InferenceServerResource(mode="vllm", vllm={"max_model_len": 8192}).vllm_commands(
         "python", port_base=8000, chat_template=TOJSON_TEMPLATE
@@ -140,6 +149,7 @@ def test_vllm_parses_every_command_line_and_takes_every_body(judged):
     spec = engine_ns["speculative_config"]
     spec = json.loads(spec) if isinstance(spec, str) else spec
     assert spec == {"method": "dflash", "model": "/exports/drafter", "num_speculative_tokens": 15}
+    assert engine_ns["per_request_spec_decode_metrics"] == "detailed"
 
     chat_verdict, completion_verdict = verdicts[len(commands)], verdicts[len(commands) + 1]
     assert chat_verdict["unknown"] == [] and "error" not in chat_verdict

@@ -17,8 +17,9 @@ from dflash_assets.dflash.model.draft_model import DFlashDraftModel
 from dflash_assets.generation.api.replies import ReplyError
 from dflash_assets.generation.engines.environments import EngineEnvironment, EngineEnvironmentError
 from dflash_assets.generation.servers.vllm_servers import build_vllm_command, dflash_speculative_config
-from dflash_assets.stages.evaluation.parity import engine_parity, lossless_summary
-from dflash_assets.stages.evaluation.vllm_engine import parse_completion, parse_spec_counters, vllm_tau_by_dataset
+from dflash_assets.stages.evaluation.parity import engine_parity
+from dflash_assets.stages.evaluation.vllm_counters import parse_spec_counters
+from dflash_assets.stages.evaluation.vllm_engine import parse_completion, vllm_tau_by_dataset
 
 DATA = Path(__file__).parent / "data"
 
@@ -73,15 +74,19 @@ def test_first_divergence_names_prompt_and_token():
     assert first_divergence([[1, 2]], [[1, 2, 3]]) == {"prompt": 0, "token": 2, "expected": None, "actual": 3}
 
 
-def _local(per_prompt, plain):
-    return {"heldout": {"trained": {"per_prompt_tau": per_prompt, "plain_output_ids": plain, "lossless": True}}}
+def _local(per_prompt, listed=(), steps=6):
+    mismatches = sum(1 for d in listed if not d["tie"])
+    parity = {
+        "prompts_replayed": len(per_prompt), "steps_compared": steps, "differences": len(listed),
+        "ties": len(listed) - mismatches, "mismatches": mismatches, "listed": list(listed), "tolerance": 0.02,
+    }  # fmt: skip
+    return {"heldout": {"trained": {"per_prompt_tau": per_prompt, "step_parity": parity, "lossless": True}}}
 
 
-def _engine(taus, outputs, drafted=3):
+def _engine(taus, drafted=3):
     return {
         "requests": [
-            {"dataset": "heldout", "position": i, "tau": t, "output_ids": o}
-            for i, (t, o) in enumerate(zip(taus, outputs))
+            {"dataset": "heldout", "position": i, "tau": t, "steps": [[drafted, 1]] * 3} for i, t in enumerate(taus)
         ],
         "datasets": {"heldout": {"num_speculative_tokens": drafted}},
     }
@@ -89,27 +94,34 @@ def _engine(taus, outputs, drafted=3):
 
 TRAINED = {"block_size": 4, "target_layer_ids": [1, 8], "mask_token_id": 7}
 EXPORT = {"dflash_config": {"block_size": 4, "target_layer_ids": [1, 8], "mask_token_id": 7}}
+DIFF = {"prompt": 1, "step": 4, "anchor": 212, "draft_position": 2, "engine_accepted": 1, "here_accepted": 3,
+        "output_token": 17, "here_token": 17, "margin": 3.25, "tie": False}  # fmt: skip
 
 
-def test_parity_passes_when_engine_and_in_process_agree():
-    out = engine_parity(_engine([1.5, 2.0], [[1, 2], [3]]), _local([1.5, 2.02], [[1, 2], [3]]), TRAINED, EXPORT)
+def test_parity_passes_when_every_step_agrees_and_counts_ties_apart():
+    tie = {**DIFF, "margin": 0.004, "tie": True}
+    out = engine_parity(_engine([1.5, 2.0]), _local([1.5, 2.02], [tie]), TRAINED, EXPORT)
     assert out["passed"], out
-    assert out["by_dataset"]["heldout"]["difference"] == pytest.approx(-0.01)
+    row = out["by_dataset"]["heldout"]
+    assert (row["mismatches"], row["ties"], row["steps_compared"]) == (0, 1, 6)
+    # the two taus of a handful of prompts differ by far more than 0.05 here: not a reason (the steps agree)
+    assert row["difference"] == pytest.approx(-0.01)
+    far = engine_parity(_engine([1.5, 2.6]), _local([1.5, 2.02]), TRAINED, EXPORT)
+    assert far["passed"] and far["by_dataset"]["heldout"]["difference"] == pytest.approx(0.29)
 
 
-def test_parity_fails_on_tau_output_and_block_and_names_the_cause():
+def test_parity_fails_on_a_step_and_the_block_and_names_the_cause():
     broken = {"dflash_config": {**EXPORT["dflash_config"], "mask_token_id": 3}}
-    out = engine_parity(
-        _engine([1.0, 1.0], [[1, 2], [3, 5]], drafted=7), _local([1.5, 2.0], [[1, 2], [3, 4]]), TRAINED, broken
-    )
+    out = engine_parity(_engine([1.0, 1.0], drafted=7), _local([1.5, 2.0], [DIFF]), TRAINED, broken, decode=str)
     text = " | ".join(out["reasons"])
     assert not out["passed"]
-    assert "tau 1.000 vs in-process 1.750" in text
-    assert "prompt 1, generated token 1 (expected id 4, got 5)" in text
-    assert "drafted 7 tokens per step; the drafter trained on blocks of 4" in text
+    assert (
+        "heldout: 1 of 6 verification steps disagree beyond the numeric tolerance (0.02 logits; 0 ties within it); "
+        "the first: prompt 1, step 4 (anchor position 212), draft position 2: vLLM accepted 1 drafts, the drafter "
+        "here 3 (here id 17 '[17]', the output has id 17 '[17]'; 3.25 logits apart)"
+    ) in text
+    assert "drafted at most 7 tokens per step; the drafter trained on blocks of 4" in text
     assert "mask_token_id 3 is not the 7" in text
-    summary = lossless_summary(_local([1.5], [[1]]), out)
-    assert not summary["passed"] and "prompt 1, generated token 1" in summary["reasons"][0]
 
 
 def _export(tmp_path, **overrides) -> Path:
@@ -221,7 +233,7 @@ def test_an_in_process_lossless_mismatch_alone_is_a_failed_check(tmp_path):
     from dflash_assets.stages.evaluation.parity import CHECK_LOSSLESS, CHECK_PARITY
     from dflash_assets.stages.evaluation.run import check_results, evaluation_checks
 
-    local = _local([1.5], [[1, 2, 3]])
+    local = {"heldout": {"trained": {"per_prompt_tau": [1.5], "plain_output_ids": [[1, 2, 3]], "lossless": True}}}
     local["heldout"]["untrained"] = {"lossless": False, "first_mismatch": {"prompt": 0, "token": 2}}
     checks = evaluation_checks({"datasets": local}, None, TRAINED, str(tmp_path), in_process=True)
     assert not checks[CHECK_LOSSLESS]["passed"]

@@ -39,14 +39,16 @@ from dflash_assets.stages.resources.target_model import TargetModelResource
         dg.AssetCheckSpec(
             CHECK_PARITY,
             asset="drafter_evaluation",
-            description="engine vllm: the engine's tau within 0.05 of the in-process tau per dataset, its output "
-            "lossless, and it drafts block_size - 1 tokens: the export serves as the drafter trained.",
+            description="engine vllm: every verification step vLLM ran, replayed here at its anchor with the drafter "
+            "as trained, accepts as many drafts (numeric ties apart), and vLLM drafts block_size - 1 tokens: the "
+            "export serves as the drafter trained.",
         ),
         dg.AssetCheckSpec(
             CHECK_BASELINE,
             asset="drafter_evaluation",
-            description="Warns (non-blocking) when the trained drafter makes no more tokens per target forward than "
-            "the engine's n-gram lookup (no training) on the same prompts with as many draft tokens.",
+            description="Warns (non-blocking) unless the trained drafter makes more tokens per target forward than "
+            "the engine's n-gram lookup (no training) on the same prompts with as many draft tokens, by more than two "
+            "paired standard errors of the pooled ratio.",
         ),
     ],
     group_name="drafter",
@@ -64,8 +66,10 @@ from dflash_assets.stages.resources.target_model import TargetModelResource
         "estimate along the decoder's own anchor chain on held-out features. With engine: sglang | external, also the "
         "acceptance length SGLang reports per request with the export loaded by --speculative-algorithm DFLASH (the "
         "export is checked against SGLang's loader rules before any server starts; a simulated engine is labelled so). "
-        "With engine: vllm, also vLLM's n-gram lookup (no training) on the same prompts with as many draft tokens, "
-        "compared with the drafter and plain decoding in generated tokens per target forward. "
+        "With engine: vllm, the prompts go to vLLM together, with the drafter, with vLLM's n-gram lookup (no training) "
+        "and with plain decoding, each request's verification steps read from vLLM's own per-request figures, the "
+        "methods compared in generated tokens per target forward with paired standard errors; the in-process side "
+        "then replays vLLM's outputs step by step instead of decoding again. "
         "Reuses the last report when the drafter's weights did not change. Writes drafter_evaluation/report.json and "
         "acceptance.png."
     ),
@@ -102,7 +106,7 @@ def drafter_evaluation(
         return
     block_size = config_from_hf_dict(json.loads(Path(export_dir, "config.json").read_text())).block_size
     keys = context.instance.get_dynamic_partitions(prompt_ranges.name)
-    rows_only, held, prompts, eos = evaluation_prompts(
+    rows_only, held, prompts, eos, last_roles = evaluation_prompts(
         storage, store, keys, train_meta, block_size, config, target_model, context.log
     )
     started = time.monotonic()
@@ -121,6 +125,7 @@ def drafter_evaluation(
         eos,
         held,
         export_sha,
+        last_roles,
     )
     store.write_json(report, REPORT_DIR, "report.json")
     wall_s = time.monotonic() - started

@@ -243,41 +243,41 @@ def evaluate_drafters(
                     progress(who, i + 1, len(prompts_ids), spec[who][-1])
         if plain_results is not None:
             plain.append(plain_results[i])
-    out = {}
-    for name in names:
-        runs, bs = spec[name], kw(name)["block_size"]
-        mismatched = [i for i, (a, b) in enumerate(zip(plain, runs)) if a.output_ids != b.output_ids]
-        fw_plain = sum(r.num_target_forwards for r in plain)
-        fw_spec = sum(r.num_target_forwards for r in runs)
-        wall_plain = sum(r.wall_s for r in plain)
-        wall_spec = sum(r.wall_s for r in runs)
-        out[name] = {
-            **tau_statistics([r.accepted_lengths for r in runs], bs),
-            "accepted_lengths": [list(r.accepted_lengths) for r in runs],
-            "block_size": bs,
-            "num_prompts": len(prompts_ids),
-            "new_tokens": sum(r.num_new_tokens for r in runs),
-            "target_forwards_plain": fw_plain,
-            "target_forwards_spec": fw_spec,
-            "target_forwards_saved": fw_plain - fw_spec,
-            "forward_reduction": fw_plain / fw_spec if fw_spec else math.nan,
-            "target_tokens_plain": sum(r.num_target_tokens for r in plain),
-            "target_tokens_spec": sum(r.num_target_tokens for r in runs),
-            "rollback": ",".join(sorted({r.rollback for r in runs})) or "none",
-            "rollback_forwards": sum(r.rollback_forwards for r in runs),
-            "rollback_tokens": sum(r.rollback_tokens for r in runs),
-            "wall_s_plain": wall_plain,
-            "wall_s_spec": wall_spec,
-            "speedup": wall_plain / wall_spec if wall_spec > 0 else math.nan,
-            "timing": "reused plain results"
-            if plain_results is not None
-            else "warm, interleaved per prompt (order rotating)",
-            "lossless": not mismatched,
-            "mismatched_prompts": mismatched,
-            "first_mismatch": first_divergence([r.output_ids for r in plain], [r.output_ids for r in runs]),
-            "plain_output_ids": [list(r.output_ids) for r in plain],
-        }
-    return out
+    timing = "reused plain results" if plain_results is not None else "warm, interleaved per prompt (order rotating)"
+    return {name: _drafter_figures(spec[name], plain, kw(name)["block_size"], timing) for name in names}
+
+
+def _drafter_figures(runs: list[SpecResult], plain: list[SpecResult], bs: int, timing: str) -> dict:
+    """:func:`evaluate_drafters`' figures of one drafter from its runs beside the plain ones, prompt by prompt."""
+    mismatched = [i for i, (a, b) in enumerate(zip(plain, runs)) if a.output_ids != b.output_ids]
+    fw_plain = sum(r.num_target_forwards for r in plain)
+    fw_spec = sum(r.num_target_forwards for r in runs)
+    wall_plain = sum(r.wall_s for r in plain)
+    wall_spec = sum(r.wall_s for r in runs)
+    return {
+        **tau_statistics([r.accepted_lengths for r in runs], bs),
+        "accepted_lengths": [list(r.accepted_lengths) for r in runs],
+        "block_size": bs,
+        "num_prompts": len(runs),
+        "new_tokens": sum(r.num_new_tokens for r in runs),
+        "target_forwards_plain": fw_plain,
+        "target_forwards_spec": fw_spec,
+        "target_forwards_saved": fw_plain - fw_spec,
+        "forward_reduction": fw_plain / fw_spec if fw_spec else math.nan,
+        "target_tokens_plain": sum(r.num_target_tokens for r in plain),
+        "target_tokens_spec": sum(r.num_target_tokens for r in runs),
+        "rollback": ",".join(sorted({r.rollback for r in runs})) or "none",
+        "rollback_forwards": sum(r.rollback_forwards for r in runs),
+        "rollback_tokens": sum(r.rollback_tokens for r in runs),
+        "wall_s_plain": wall_plain,
+        "wall_s_spec": wall_spec,
+        "speedup": wall_plain / wall_spec if wall_spec > 0 else math.nan,
+        "timing": timing,
+        "lossless": not mismatched,
+        "mismatched_prompts": mismatched,
+        "first_mismatch": first_divergence([r.output_ids for r in plain], [r.output_ids for r in runs]),
+        "plain_output_ids": [list(r.output_ids) for r in plain],
+    }
 
 
 def first_divergence(expected: Sequence[Sequence[int]], actual: Sequence[Sequence[int]]) -> dict | None:

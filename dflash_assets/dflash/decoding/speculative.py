@@ -254,6 +254,58 @@ def _accept_sampling(
 
 
 @torch.inference_mode()
+def _draft_settings(drafter, target_layer_ids, block_size, mask_token_id) -> tuple[list[int], int, int]:
+    """``(target_layer_ids, block_size, mask_token_id)``: those given, else ``drafter.config``'s.
+
+    Raises:
+        ValueError: ``block_size < 2``.
+    """
+    cfg = getattr(drafter, "config", None)
+    layer_ids = list(target_layer_ids if target_layer_ids is not None else cfg.target_layer_ids)
+    block = int(block_size if block_size is not None else cfg.block_size)
+    if block < 2:
+        raise ValueError(f"block_size must be >= 2, got {block}")
+    return layer_ids, block, int(mask_token_id if mask_token_id is not None else cfg.mask_token_id)
+
+
+def _extend_context(drafter, draft_cache, context: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """Newly accepted positions' features into the drafter's context: its key/value cache when it keeps one
+    (the context tensor is then returned as is), else appended to ``context`` ``[1, C, n*H]``."""
+    if draft_cache is not None:
+        drafter.extend_context(draft_cache, features)
+        return context
+    return torch.cat([context, features], dim=1)
+
+
+def _draft(drafter, block, last: int, start: int, verify: int, draft_cache, context, temperature, generator):
+    """One drafter forward over ``[last, MASK..]`` at positions ``start ..``: ``(drafts [verify-1], their
+    probabilities or None)`` on the drafter's device; no forward (empty drafts) when ``verify <= 1``. The context
+    comes from ``draft_cache`` (projected keys/values) or, None, from ``context`` (features ``[1, C, n*H]``)."""
+    if verify <= 1:
+        return torch.zeros(0, dtype=torch.long, device=block.device), None
+    block[0, 0] = last
+    if draft_cache is not None:
+        hidden = drafter.forward_block(block, draft_cache)
+    else:
+        positions = torch.arange(start + block.shape[1], device=block.device)[None]
+        hidden = drafter(block, target_hidden=context, position_ids=positions, attention_mask=None)
+    draft_logits = drafter.compute_logits(hidden[0, 1:verify])  # [verify-1, V]
+    if temperature > 0:
+        probs = _probs(draft_logits, temperature)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
+    return draft_logits.argmax(-1), None
+
+
+def _accept(drafts: torch.Tensor, draft_probs, logits: torch.Tensor, temperature: float, generator) -> tuple[int, int]:
+    """``(accepted drafts, the target's bonus token)`` of one verification (``logits`` [verify, V]): greedy, or the
+    speculative sampling rule when ``temperature > 0``."""
+    if temperature > 0 and draft_probs is not None:
+        return _accept_sampling(drafts, draft_probs.to(logits.device), logits, temperature, generator)
+    if temperature > 0:
+        return 0, int(_choose(logits[-1], temperature, generator))
+    return _accept_greedy(drafts, logits)
+
+
 def target_generate(
     target: nn.Module,
     input_ids,
@@ -360,80 +412,45 @@ def dflash_generate(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    cfg = getattr(drafter, "config", None)
-    target_layer_ids = list(target_layer_ids if target_layer_ids is not None else cfg.target_layer_ids)
-    block_size = int(block_size if block_size is not None else cfg.block_size)
-    mask_token_id = int(mask_token_id if mask_token_id is not None else cfg.mask_token_id)
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2, got {block_size}")
-    device = _device_of(target)
-    draft_device = _device_of(drafter)
+    target_layer_ids, block_size, mask_token_id = _draft_settings(drafter, target_layer_ids, block_size, mask_token_id)
+    device, draft_device = _device_of(target), _device_of(drafter)
     eos = {int(t) for t in (eos_token_ids or ())}
     prompt = _prompt_tensor(input_ids, device)
-    num_prompt = prompt.shape[0]
     cache_kw = _cache_kwarg(target)
     accepted_lengths: list[int] = []
-    draft_forwards = 0
-
     _sync(device)
     t0 = time.perf_counter()
     cache = _new_cache(target)
     cached = use_context_cache and hasattr(drafter, "extend_context") and hasattr(drafter, "forward_block")
     restore = VerifyRollback(target, cache, rollback)
-    target_tokens = num_prompt
+    target_tokens = prompt.shape[0]
     with FeatureCapture(target, target_layer_ids) as capture, restore:
         out = _target_forward(target, prompt, 0, cache, cache_kw, logits_to_keep=1)
         context = capture.pop().to(draft_device)  # [1, P, n*H]: features of positions 0..P-1
-        if cached:
-            draft_cache = drafter.extend_context(drafter.new_context_cache(), context)
-        first = int(_choose(out.logits[0, -1], temperature, generator))
-        generated = [first]
-        forwards = 1
-        stopped = first in eos
+        draft_cache = drafter.extend_context(drafter.new_context_cache(), context) if cached else None
+        generated = [int(_choose(out.logits[0, -1], temperature, generator))]
+        forwards, draft_forwards, stopped = 1, 0, generated[0] in eos
         block = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=draft_device)
         while not stopped and len(generated) < max_new_tokens:
-            start = num_prompt + len(generated) - 1  # position of the last token (not in the KV cache)
+            start = prompt.shape[0] + len(generated) - 1  # position of the last token (not in the KV cache)
             verify = min(block_size, max_new_tokens - len(generated))  # tokens this step may produce
             last = generated[-1]
-            draft_probs = None
-            if verify > 1:
-                block[0, 0] = last
-                if cached:
-                    hidden = drafter.forward_block(block, draft_cache)
-                else:
-                    positions = torch.arange(start + block_size, device=draft_device)[None]
-                    hidden = drafter(block, target_hidden=context, position_ids=positions, attention_mask=None)
-                draft_logits = drafter.compute_logits(hidden[0, 1:verify])  # [verify-1, V]
-                draft_forwards += 1
-                if temperature > 0:
-                    draft_probs = _probs(draft_logits, temperature)
-                    drafts = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
-                else:
-                    drafts = draft_logits.argmax(-1)
-                drafts = drafts.to(device)
-            else:
-                drafts = torch.zeros(0, dtype=torch.long, device=device)
+            drafts, draft_probs = _draft(
+                drafter, block, last, start, verify, draft_cache, context, temperature, generator
+            )
+            drafts = drafts.to(device)
+            draft_forwards += int(verify > 1)
             verify_ids = torch.cat([torch.tensor([last], device=device), drafts])
             restore.before_verify(verify_ids.shape[0])
             out = _target_forward(target, verify_ids, start, cache, cache_kw, logits_to_keep=0)
-            forwards += 1
-            target_tokens += verify_ids.shape[0]
+            forwards, target_tokens = forwards + 1, target_tokens + verify_ids.shape[0]
             feats = capture.pop()  # [1, verify, n*H] at positions start .. start+verify-1
-            logits = out.logits[0]  # [verify, V]
-            if temperature > 0 and draft_probs is not None:
-                j, bonus = _accept_sampling(drafts, draft_probs.to(device), logits, temperature, generator)
-            elif temperature > 0:
-                j, bonus = 0, int(_choose(logits[-1], temperature, generator))
-            else:
-                j, bonus = _accept_greedy(drafts, logits)
+            j, bonus = _accept(drafts, draft_probs, out.logits[0], temperature, generator)
             new, stopped = _eos_cut([*drafts[:j].tolist(), bonus], eos)
             generated.extend(new)
             accepted_lengths.append(len(new))
             # accepted positions start .. start+len(new)-1 hold [last, d_1..d_j]: the next block's context
-            if cached:
-                drafter.extend_context(draft_cache, feats[:, : len(new)].to(draft_device))
-            else:
-                context = torch.cat([context, feats[:, : len(new)].to(draft_device)], dim=1)
+            context = _extend_context(drafter, draft_cache, context, feats[:, : len(new)].to(draft_device))
 
             def replay(n: int, ids=verify_ids, at=start) -> None:  # rollback "forward": the accepted tokens again
                 _target_forward(target, ids[:n], at, cache, cache_kw, logits_to_keep=1)
@@ -442,14 +459,6 @@ def dflash_generate(
             restore.after_verify(start, verify_ids.shape[0], len(new), replay)
     _sync(device)
     return SpecResult(
-        output_ids=generated,
-        accepted_lengths=accepted_lengths,
-        num_target_forwards=forwards,
-        wall_s=time.perf_counter() - t0,
-        stopped_on_eos=stopped,
-        num_draft_forwards=draft_forwards,
-        num_target_tokens=target_tokens,
-        rollback=restore.mode,
-        rollback_forwards=restore.forwards,
-        rollback_tokens=restore.tokens,
-    )
+        generated, accepted_lengths, forwards, time.perf_counter() - t0, stopped, draft_forwards, target_tokens,
+        restore.mode, restore.forwards, restore.tokens,
+    )  # fmt: skip

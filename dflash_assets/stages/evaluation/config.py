@@ -58,6 +58,13 @@ class EvaluationConfig(dg.Config):
         "decoding (1.0), n-gram and the drafter (engine vllm: a second server; sglang: the NGRAM flags are "
         "recorded, not run).",
     )
+    plain_baseline: bool = Field(
+        strict=True,
+        default=True,
+        description="engine vllm: also decode the same prompts with plain decoding on a third server (1.0 token per "
+        "target forward by definition; its wall time and its output beside the speculative ones, which must equal "
+        "it). Costs one more server start; off, the outputs are still checked against the target in process.",
+    )
     ngram_prompt_lookup_max: int = Field(
         strict=True, default=4, ge=1, description="vLLM n-gram: the longest context suffix looked up (tokens)."
     )
@@ -131,7 +138,13 @@ class EvaluationConfig(dg.Config):
         refuse_secret_args(value, "drafter_evaluation.engine_extra_args")  # the key comes from the environment
         return value
 
-    engine_concurrency: int = Field(strict=True, default=16, ge=1, description="Engine requests in flight per server.")
+    engine_concurrency: int = Field(
+        strict=True,
+        default=32,
+        ge=1,
+        description="Engine requests in flight per server (the server batches them; vLLM reports each request's "
+        "verification steps itself, so the figures are per prompt whatever the batch).",
+    )
     engine_request_timeout_s: float = Field(
         strict=True, default=3600.0, gt=0, description="Seconds one engine request may take."
     )

@@ -152,7 +152,9 @@ def evaluation_prompts(storage, store, keys: list[str], train_meta: dict, block_
             ``features``, ``eval_fraction`` and ``max_length`` say which rows it held out).
 
     Returns:
-        ``(held-out rows without features, held-out prompt indexes, {dataset: [input_ids, ...]}, eos ids)``.
+        ``(held-out rows without features, held-out prompt indexes, {dataset: [input_ids, ...]}, eos ids,
+        {dataset: [the role of each prompt's last message, ...]})``: a ``tool`` role makes the turn an answer after
+        tools.
 
     Raises:
         dagster.Failure: no held-out row or prompt, an unreadable prompt file, or a stored shard that fails
@@ -190,15 +192,16 @@ def evaluation_prompts(storage, store, keys: list[str], train_meta: dict, block_
     builder = SequenceBuilder(
         tokenizer, engine={"vllm": "vllm", "sglang": "sglang", "external": "sglang"}.get(config.engine)
     )
-    prompts = {}
+    prompts, last_roles = {}, {}
     for name, conversations in datasets.items():
         if not conversations:
             log.warning(f"dataset {name}: no prompt left (all trained on, or empty): skipped")
             continue
+        last_roles[name] = [str((m[-1] if m else {}).get("role", "")) for m, _ in conversations]
         prompts[name] = [  # rendered as the corpus's rows are for the servers: with the row's tools
             tokenizer(builder.prompt_text(m, enable_thinking=True, tools=t), add_special_tokens=False)["input_ids"]
             for m, t in conversations
         ]
     if HELDOUT not in prompts:
         raise dg.Failure("no held-out prompt could be evaluated")
-    return rows_only, held, prompts, [builder.end_token_id]
+    return rows_only, held, prompts, [builder.end_token_id], last_roles

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import dagster as dg
 
+from dflash_assets.generation.rows.records import holds_tool_call
 from dflash_assets.stages.drafter.run import EXPORT_DIR
 from dflash_assets.stages.evaluation.baseline import (
     CHECK_BASELINE,
     baseline_check,
     compare_methods,
     comparison_table,
+    context_bucket,
     ngram_lossless,
 )
 from dflash_assets.stages.evaluation.datasets import HELDOUT
@@ -48,6 +50,7 @@ def run_evaluation(
     eos: list[int],
     held: list[int],
     export_sha: str,
+    last_roles: dict[str, list[str]] | None = None,
 ) -> tuple[dict, dict, dict | None]:
     """Decode ``prompts`` on the engine when ``plan`` is set (first: its servers need the GPUs the in-process
     target would hold), then in this process when ``config.in_process``.
@@ -90,6 +93,7 @@ def run_evaluation(
             rows_only,
             online=online,
             engine_positions=_engine_positions(comparison.get(HELDOUT)),
+            engine_section=engine_section,
         )
         report.update(parts["report"])
         metadata.update(parts["metadata"])
@@ -98,7 +102,9 @@ def run_evaluation(
         head = engine_section["datasets"][HELDOUT]
         tau = "-" if head.get("tau") is None else f"{head['tau']:.3f}"
         log.info(f"engine ({engine_section['label']}): heldout tau {tau} over {head['requests_measured']} requests")
-    comparison = compare_methods(report.get("datasets"), engine_section)
+    decode = target_model.load_tokenizer().decode
+    groups = prompt_groups(prompts, last_roles or {}, engine_section, decode)
+    comparison = compare_methods(report.get("datasets"), engine_section, groups)
     report["tokens_per_forward"] = comparison
     if report.get("datasets"):
         turns = tool_call_turns(report, target_model.load_tokenizer().decode)
@@ -108,7 +114,7 @@ def run_evaluation(
     metadata.update(baseline_metadata(comparison))
     for line in (c["verdict"] for c in comparison.values() if c.get("verdict")):
         log.info(f"baseline: {line}")
-    checks = evaluation_checks(report, engine_section, train_meta, export_dir, config.in_process)
+    checks = evaluation_checks(report, engine_section, train_meta, export_dir, config.in_process, decode)
     checks[CHECK_BASELINE] = baseline_check(comparison, _why_no_baseline(config, engine_section))
     if checks[CHECK_BASELINE].get("why"):
         metadata["ngram_baseline_not_compared"] = checks[CHECK_BASELINE]["why"]
@@ -118,12 +124,38 @@ def run_evaluation(
         metadata["engine_parity"] = dg.MetadataValue.md(
             parity_table(checks[CHECK_PARITY], _engine_name(engine_section))
         )
-        metadata["engine_parity_max_difference"] = max(
-            (abs(d["difference"]) for d in checks[CHECK_PARITY]["by_dataset"].values() if d["difference"] is not None),
-            default=None,
-        )
+        rows = checks[CHECK_PARITY]["by_dataset"].values()
+        metadata["engine_parity_steps"] = sum(d["steps_compared"] for d in rows)
+        metadata["engine_parity_mismatches"] = sum(d["mismatches"] for d in rows)
+        metadata["engine_parity_ties"] = sum(d["ties"] for d in rows)
     log_failed_checks(log, checks)
     return report, metadata, engine_section
+
+
+def prompt_groups(
+    prompts: dict[str, list[list[int]]], last_roles: dict[str, list[str]], engine_section: dict | None, decode
+) -> dict[tuple[str, int], dict[str, str]]:
+    """Each prompt's groups for the splits of the comparison: ``turn kind`` (``tool call`` when the greedy output,
+    the engine's, calls a tool; ``answer after tools`` when the context ends with a tool result; else ``plain``)
+    and ``context tokens`` (:func:`~dflash_assets.stages.evaluation.baseline.context_bucket`)."""
+    outputs = {
+        (r["dataset"], r["position"]): r["output_ids"]
+        for r in (engine_section or {}).get("requests") or []
+        if "error" not in r and r.get("output_ids") is not None
+    }
+    out = {}
+    for name, rows in prompts.items():
+        roles = last_roles.get(name) or []
+        for i, ids in enumerate(rows):
+            output = outputs.get((name, i))
+            if output is not None and holds_tool_call(decode(list(output))):
+                kind = "tool call"
+            elif i < len(roles) and roles[i] == "tool":
+                kind = "answer after tools"
+            else:
+                kind = "plain"
+            out[(name, i)] = {"turn kind": kind, "context tokens": context_bucket(len(ids))}
+    return out
 
 
 def log_failed_checks(log, checks: dict[str, dict]) -> None:
@@ -184,13 +216,23 @@ def baseline_metadata(comparison: dict) -> dict:
                 "ngram": (c.get("ngram") or {}).get("tokens_per_forward"),
                 "drafter_engine": (c.get("drafter_engine") or {}).get("tokens_per_forward"),
                 "drafter_in_process": (c.get("drafter_in_process") or {}).get("tokens_per_forward"),
+                **_paired_keys(c.get("paired")),
                 "winner": c.get("winner"),
                 "verdict": c.get("verdict"),
             }
             for name, c in comparison.items()
         },
+        "baseline_statistic": head.get("statistic"),
         "tokens_per_forward_table": dg.MetadataValue.md(comparison_table(comparison)),
     }
+
+
+def _paired_keys(paired: dict | None) -> dict:
+    """The verdict's statistic of one dataset, rounded: ``ratio`` (DFlash / n-gram, pooled), ``ratio_stderr``
+    (paired), ``prompts`` (measured by both)."""
+    p = paired or {}
+    rounded = {k: None if p.get(k) is None else round(float(p[k]), 4) for k in ("ratio", "ratio_stderr")}
+    return {**rounded, "prompts": p.get("prompts")}
 
 
 def _engine_name(section: dict | None) -> str:
@@ -198,7 +240,7 @@ def _engine_name(section: dict | None) -> str:
 
 
 def evaluation_checks(
-    report: dict, engine_section: dict | None, train_meta: dict, export_dir: str, in_process: bool
+    report: dict, engine_section: dict | None, train_meta: dict, export_dir: str, in_process: bool, decode=None
 ) -> dict[str, dict]:
     """The outcome of the ``lossless`` and ``engine_parity`` checks: ``{name: {"passed", "reasons", ...}}``.
 
@@ -215,15 +257,16 @@ def evaluation_checks(
         parity["why"] = f"engine {engine_section['kind']}: parity is compared for engine: vllm"
     else:
         export_config = json.loads((Path(export_dir) / "config.json").read_text())
-        parity = {**engine_parity(engine_section, local, train_meta, export_config), "compared": True}
+        parity = {**engine_parity(engine_section, local, train_meta, export_config, decode=decode), "compared": True}
     lossless = lossless_summary(local, parity if parity["compared"] else None)
-    ngram_records = ((engine_section or {}).get("ngram") or {}).get("requests") or []
-    if ngram_records:  # n-gram speculation is lossless too: its output against plain greedy decoding
+    others = {m: ((engine_section or {}).get(m) or {}).get("requests") or [] for m in ("ngram", "plain")}
+    if any(others.values()):  # every method decodes greedily: the same output as the drafter's
         expected = {n: (d.get("trained") or {}).get("plain_output_ids") or [] for n, d in local.items()}
-        if not expected:  # no in-process run: the drafter's engine output, itself checked by engine_parity
+        if not expected:  # no in-process run: the drafter's engine output
             expected = _engine_outputs(engine_section.get("requests") or [])
-        extra = ngram_lossless(ngram_records, expected)
-        lossless = {"passed": lossless["passed"] and not extra, "reasons": lossless["reasons"] + extra}
+        for method, records in others.items():
+            extra = ngram_lossless(records, expected, method) if records else []
+            lossless = {"passed": lossless["passed"] and not extra, "reasons": lossless["reasons"] + extra}
     return {CHECK_LOSSLESS: lossless, CHECK_PARITY: parity}
 
 

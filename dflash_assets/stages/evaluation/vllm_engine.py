@@ -1,26 +1,31 @@
-"""Acceptance length as vLLM counts it: prompts decoded one at a time on a vLLM server running the export as a
-DFlash drafter, tau read from the server's own Prometheus counters.
+"""Acceptance as vLLM counts it: the evaluation prompts decoded concurrently on a vLLM server, each request's
+verification steps read from vLLM's own per-request figures.
 
-vLLM 0.32 counts, per verification step of a request, one draft (``vllm:spec_decode_num_drafts``), its
-``num_speculative_tokens`` drafted tokens (``..._num_draft_tokens``), the drafted tokens the target accepted
-(``..._num_accepted_tokens``) and, per draft position, whether it was accepted
-(``..._num_accepted_tokens_per_pos{position="k"}``). A step yields its accepted tokens plus the target's own
-next token, so a prompt's tau is ``(accepted + drafts) / drafts = 1 + accepted / drafts``: tokens per target
-verification step with the bonus token counted and the prefill's token left out, as the in-process evaluation
-counts it. Prompts are sent one at a time so the difference of the counters around a request is that request's.
+vLLM 0.32 started with ``--per-request-spec-decode-metrics detailed`` returns, in every ``/v1/completions``
+reply, ``metrics.speculative_decoding`` with ``per_step_accepted`` and ``per_step_drafted``: for each
+verification step of that request, in order, the drafted tokens the target accepted and the tokens drafted
+(``vllm/v1/metrics/stats.py`` ``RequestSpecDecodeMetrics``, observed by the scheduler at every step that
+verified a draft: ``vllm/v1/core/sched/scheduler.py`` ``update_from_output``). So the prompts go to the server
+together (it batches them) and each prompt's figures are its own, not counter differences around it.
 
-Target forwards, the unit that compares methods (:mod:`~dflash_assets.stages.evaluation.baseline`): vLLM counts a
-draft only for a step that had one, so a method that sometimes proposes nothing (n-gram lookup) has decode steps
-the spec counters never see. The forwards are read from the count of ``vllm:iteration_tokens_total`` (a histogram
-vLLM observes once per engine step that returned tokens: the prefill step and every decode step, one request at a
-time here); ``generated - accepted`` is not exact, as vLLM counts a final step's accepted drafts before it trims
-the tokens past the stop (read in vLLM 0.32's ``Scheduler.update_from_output``; seen: 33 forwards where
-``generated - accepted`` said 30).
+Units. A step yields its accepted drafts plus the target's own next token; tau (``1 + accepted / drafts``)
+counts verification steps only. *Target forwards* count every engine step of the request, the prefill's
+included (:mod:`~dflash_assets.stages.evaluation.baseline`): for a drafter that drafts at every decode step
+(DFlash) that is ``1 + steps``; n-gram lookup drafts nothing where no suffix recurs, and vLLM observes no
+figure for such a step, so its forwards come from replaying the lookup rule on the output
+(:func:`~dflash_assets.dflash.decoding.ngram.ngram_steps`), which must reproduce vLLM's drafted steps in order;
+plain decoding makes one token per forward. vLLM observes a final step's accepted drafts before it trims the
+tokens past the stop, so the last step may count drafts the reply does not carry (seen: 2 accepted past a
+48-token stop); forwards are unaffected.
 
-A reply is checked before it counts (size cap, JSON, field types); a bad reply costs its prompt, never the run.
-So do counters that cannot be counts (NaN, +-Inf, negative), a ``position`` label outside the drafter's block
-(never a list as long as the label says), and counters that went down around a request (a restart, a reset): that
-prompt is not measured, its record says why, and the dataset's figures count only measured prompts.
+Whole-run check. The server's Prometheus counters (``vllm:spec_decode_num_drafts``,
+``..._num_accepted_tokens``) are read before and after the run; their differences must equal the sums of the
+per-request figures (the same scheduler figures, summed by vLLM itself). The outcome is recorded, never a
+reason to drop a prompt.
+
+A reply is checked before it counts (size cap, JSON, field types, ids inside the vocabulary, the prompt ids
+vLLM read equal to those sent, step figures that are counts a block allows): a bad reply costs its prompt,
+never the run; the record's ``error`` says why.
 """
 
 from __future__ import annotations
@@ -28,170 +33,25 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from dflash_assets.dflash.decoding.ngram import ngram_steps
 from dflash_assets.dflash.decoding.tau import tau_from_sums
 from dflash_assets.generation.api.replies import MAX_TOKEN_VALUE, ReplyError, decode_reply, printable
 from dflash_assets.generation.api.urls import origin, redact
 from dflash_assets.generation.servers.sglang_dflash import GREEDY_SAMPLING, EngineError, EnginePrompt, input_sha
 from dflash_assets.stages.evaluation.baseline import engine_forward_figures
+from dflash_assets.stages.evaluation.vllm_counters import bounded_request, counter_check, try_counters
 
-DRAFTS = "vllm:spec_decode_num_drafts"
-DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
-ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
-GENERATION_TOKENS = "vllm:generation_tokens"
-ITERATIONS = "vllm:iteration_tokens_total_count"  # the histogram's sample count: engine steps that returned tokens
-MAX_METRICS_BYTES = 4 << 20
 MAX_REPLY_BYTES = 8 << 20
-#: positions accepted when the caller names no block size (DFlash blocks are 16; no allocation per hostile label)
-MAX_POSITIONS = 256
-
-
-@dataclass
-class SpecCounters:
-    """vLLM's speculative-decoding counters, summed over engines and models (counts, not rates).
-
-    Attributes:
-        drafts: verification steps that checked a draft; draft_tokens: tokens drafted; accepted: drafted tokens
-        accepted; per_position: accepted count per draft position (index 0 = the first drafted token);
-        generation_tokens: tokens returned to requests; iterations: engine steps that returned tokens (target
-        forwards: the prefill's and every decode step's, drafted or not).
-    """
-
-    drafts: float = 0.0
-    draft_tokens: float = 0.0
-    accepted: float = 0.0
-    per_position: list[float] = field(default_factory=list)
-    generation_tokens: float = 0.0
-    iterations: float = 0.0
-
-    def went_down(self, before: SpecCounters) -> str | None:
-        """Which counter is lower now than ``before`` (``"drafts 120 -> 80"``), None when none is: counters only
-        grow, so a lower one means the server restarted or reset them and no difference is this request's."""
-        pairs = [("drafts", self.drafts, before.drafts), ("draft_tokens", self.draft_tokens, before.draft_tokens)]
-        pairs += [("accepted", self.accepted, before.accepted)]
-        pairs += [("generation_tokens", self.generation_tokens, before.generation_tokens)]
-        pairs += [("iterations", self.iterations, before.iterations)]
-        pairs += [
-            (f"accepted at position {k}", now, before.per_position[k] if k < len(before.per_position) else 0.0)
-            for k, now in enumerate(self.per_position)
-        ]
-        pairs += [
-            (f"accepted at position {k}", 0.0, then)
-            for k, then in enumerate(before.per_position)
-            if k >= len(self.per_position) and then > 0
-        ]
-        return next((f"{name} {then:g} -> {now:g}" for name, now, then in pairs if now < then), None)
-
-    def minus(self, before: SpecCounters) -> SpecCounters:
-        """The counts since ``before`` (positions padded to the longer list).
-
-        Raises:
-            ReplyError: a counter went down since ``before`` (see :meth:`went_down`).
-        """
-        if why := self.went_down(before):
-            raise ReplyError(f"/metrics counters went down ({why}): the server restarted or reset them")
-        n = max(len(self.per_position), len(before.per_position))
-        mine = self.per_position + [0.0] * (n - len(self.per_position))
-        theirs = before.per_position + [0.0] * (n - len(before.per_position))
-        return SpecCounters(
-            self.drafts - before.drafts,
-            self.draft_tokens - before.draft_tokens,
-            self.accepted - before.accepted,
-            [a - b for a, b in zip(mine, theirs)],
-            self.generation_tokens - before.generation_tokens,
-            self.iterations - before.iterations,
-        )
-
-
-def parse_spec_counters(text: str, block_size: int | None = None) -> SpecCounters:
-    """The :class:`SpecCounters` in a Prometheus text exposition (``GET /metrics``). Counters vLLM has not
-    registered (no speculative decoding configured) read as 0 and ``per_position`` as [].
-
-    Args:
-        block_size: the drafter's block (draft positions ``0 .. block_size - 1`` at most); None:
-            :data:`MAX_POSITIONS`.
-
-    Raises:
-        ReplyError: the text is not a Prometheus exposition; a speculative-decoding counter that is not a finite,
-            non-negative count (NaN, +-Inf, < 0); a ``position`` label that is not an integer in
-            ``[0, block_size)``. Each names the counter and the value.
-    """
-    out = SpecCounters()
-    positions: dict[int, float] = {}
-    limit = block_size if block_size is not None else MAX_POSITIONS
-    try:
-        families = list(text_string_to_metric_families(text))
-    except ValueError as exc:
-        raise ReplyError(f"/metrics is not a Prometheus exposition ({printable(str(exc))[:200]})") from None
-    for family in families:
-        for sample in family.samples:
-            if sample.name == ITERATIONS:
-                name = ITERATIONS
-            elif sample.name.endswith("_total"):  # not the _created gauges beside each counter
-                name = sample.name[: -len("_total")]
-            else:
-                continue
-            if name not in (DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POSITION, GENERATION_TOKENS, ITERATIONS):
-                continue
-            if not math.isfinite(sample.value) or sample.value < 0:
-                raise ReplyError(f"/metrics: {sample.name} is {sample.value!r}, not a count")
-            if name == ITERATIONS:
-                out.iterations += sample.value
-            elif name == GENERATION_TOKENS:
-                out.generation_tokens += sample.value
-            elif name == DRAFTS:
-                out.drafts += sample.value
-            elif name == DRAFT_TOKENS:
-                out.draft_tokens += sample.value
-            elif name == ACCEPTED:
-                out.accepted += sample.value
-            else:
-                label = sample.labels.get("position", "")
-                if not (label.isdecimal() and len(label) <= 6 and int(label) < limit):
-                    raise ReplyError(
-                        f"/metrics: {sample.name} has position={printable(label)[:40]!r}, not a draft position of "
-                        f"a block of {limit} (0 .. {limit - 1})"
-                    )
-                positions[int(label)] = positions.get(int(label), 0.0) + sample.value
-    out.per_position = [positions.get(k, 0.0) for k in range(max(positions) + 1)] if positions else []
-    return out
-
-
-def _bounded_get_or_post(client: httpx.Client, method: str, url: str, max_bytes: int, **kw) -> tuple[int, bytes]:
-    with client.stream(method, url, **kw) as response:
-        declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_bytes:
-            raise ReplyError(f"{method} {url}: the reply declares {int(declared):,} bytes, over {max_bytes:,}")
-        body = bytearray()
-        for chunk in response.iter_bytes():
-            body += chunk
-            if len(body) > max_bytes:
-                raise ReplyError(f"{method} {url}: the reply is over {max_bytes:,} bytes")
-        return response.status_code, bytes(body)
-
-
-def read_counters(client: httpx.Client, base_url: str, block_size: int | None = None) -> SpecCounters:
-    """The server's :class:`SpecCounters` now (``GET <origin>/metrics``, at most 4 MiB read).
-
-    Raises:
-        ReplyError: not 200, too large, or what :func:`parse_spec_counters` refuses.
-        httpx.HTTPError: the server did not answer.
-    """
-    status, body = _bounded_get_or_post(client, "GET", origin(base_url) + "/metrics", MAX_METRICS_BYTES)
-    if status != 200:
-        raise ReplyError(f"/metrics answered HTTP {status}")
-    return parse_spec_counters(body.decode("utf-8", errors="replace"), block_size)
 
 
 def parse_completion(payload: Any, vocab_size: int | None = None) -> dict[str, Any]:
-    """``output_ids``, ``finish_reason`` and ``completion_tokens`` of a ``/v1/completions`` reply asked with
-    ``return_token_ids``.
+    """``output_ids``, ``finish_reason``, ``completion_tokens`` and ``prompt_ids`` (``choices[0].prompt_token_ids``,
+    the ids vLLM read; None when the reply has none) of a ``/v1/completions`` reply asked with ``return_token_ids``.
 
     Raises:
         ReplyError: a field missing or of the wrong type, an id outside ``[0, vocab_size)``, or a token count
@@ -202,44 +62,135 @@ def parse_completion(payload: Any, vocab_size: int | None = None) -> dict[str, A
     choice = payload["choices"][0]
     if not isinstance(choice, dict):
         raise ReplyError("choices[0] is not an object")
-    ids = choice.get("token_ids")
     limit = vocab_size or MAX_TOKEN_VALUE
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    ids = _id_list(choice.get("token_ids"), "choices[0].token_ids", limit)
+    if ids is None:
         raise ReplyError("choices[0].token_ids is not a list of integers (is return_token_ids supported?)")
-    bad = [t for t in ids if not 0 <= t < limit]
-    if bad:
-        raise ReplyError(f"choices[0].token_ids holds {bad[0]}, outside [0, {limit})")
+    prompt_ids = _id_list(choice.get("prompt_token_ids"), "choices[0].prompt_token_ids", limit)
+    if prompt_ids is None and choice.get("prompt_token_ids") is not None:
+        raise ReplyError("choices[0].prompt_token_ids is not a list of integers")
     finish = choice.get("finish_reason")
     if finish is not None and not isinstance(finish, str):
         raise ReplyError("choices[0].finish_reason is not a string")
     usage = payload.get("usage")
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens != len(ids):
+    if not _count(tokens) or tokens != len(ids):
         raise ReplyError(f"usage.completion_tokens {printable(repr(tokens))[:40]} is not the {len(ids)} ids returned")
-    return {"output_ids": ids, "finish_reason": finish, "completion_tokens": tokens}
+    return {"output_ids": ids, "finish_reason": finish, "completion_tokens": tokens, "prompt_ids": prompt_ids}
 
 
-def _settled(
-    before: SpecCounters, read: Callable[[], SpecCounters], completion_tokens: int, wait_s: float
-) -> SpecCounters:
-    """The counters once they account for the request's tokens, or as they are after ``wait_s``: vLLM records a
-    step's stats just after it sends the step's tokens, the spec counters first, then the generated tokens and the
-    step count in one call, so ``generation_tokens`` reaching the reply's count means all of them are in. Without
-    that counter (an older vLLM): drafts + accepted >= tokens - 1, true when every decode step drafted."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        now = read()
-        if now.went_down(before):
-            return now  # no wait will make this difference the request's: the caller refuses it
-        delta = now.minus(before)
-        done = (
-            delta.generation_tokens >= completion_tokens
-            if now.generation_tokens > 0
-            else delta.drafts + delta.accepted >= completion_tokens - 1
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _id_list(value: Any, field_name: str, limit: int) -> list[int] | None:
+    """``value`` as token ids (None when it is not a list of integers).
+
+    Raises:
+        ReplyError: an id outside ``[0, limit)``."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return None
+    bad = next((t for t in value if not 0 <= t < limit), None)
+    if bad is not None:
+        raise ReplyError(f"{field_name} holds {bad}, outside [0, {limit})")
+    return value
+
+
+def parse_step_metrics(payload: Any, num_speculative_tokens: int, completion_tokens: int) -> list[tuple[int, int]]:
+    """The request's verification steps, ``(drafted, accepted)`` each, in order, from the reply's
+    ``metrics.speculative_decoding`` (``per_step_drafted``, ``per_step_accepted``; vLLM 0.32 with
+    ``--per-request-spec-decode-metrics detailed``). A request whose decoding never verified a draft has none.
+
+    Raises:
+        ReplyError: no such figures (the flag is missing or the server is no vLLM 0.32), lists of other lengths or
+            of values that are not counts, a step drafting more than ``num_speculative_tokens`` or accepting more
+            than it drafted, more steps than ``completion_tokens`` allows (each step returns at least one token,
+            the prefill one more), or summary fields that disagree with the lists.
+    """
+    metrics = payload.get("metrics") if isinstance(payload, dict) else None
+    spec = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
+    if not isinstance(spec, dict):
+        raise ReplyError(
+            "the reply has no metrics.speculative_decoding (is the server vLLM 0.32 started with "
+            "--per-request-spec-decode-metrics detailed?)"
         )
-        if done or time.monotonic() > deadline:
-            return now
-        time.sleep(0.02)
+    accepted, drafted = spec.get("per_step_accepted", []), spec.get("per_step_drafted", [])
+    steps = spec.get("num_spec_steps")
+    if not _count(steps) or not isinstance(accepted, list) or not isinstance(drafted, list):
+        raise ReplyError("metrics.speculative_decoding: num_spec_steps or the per-step lists are not counts")
+    if steps > max(completion_tokens - 1, 0) and steps > 0:
+        raise ReplyError(f"metrics.speculative_decoding: {steps} steps for {completion_tokens} tokens")
+    if len(accepted) != steps or len(drafted) != steps:
+        raise ReplyError(
+            f"metrics.speculative_decoding: {len(accepted)} accepted and {len(drafted)} drafted per step for "
+            f"num_spec_steps {steps}"
+        )
+    out = []
+    for d, a in zip(drafted, accepted):
+        if not (_count(d) and _count(a) and a <= d <= num_speculative_tokens):
+            raise ReplyError(
+                f"metrics.speculative_decoding: a step drafted {printable(repr(d))[:20]} and accepted "
+                f"{printable(repr(a))[:20]}, not counts with accepted <= drafted <= {num_speculative_tokens}"
+            )
+        out.append((d, a))
+    total = spec.get("num_accepted_draft_tokens")
+    if total is not None and total != sum(a for _, a in out):
+        raise ReplyError(
+            f"metrics.speculative_decoding: num_accepted_draft_tokens {printable(repr(total))[:20]} is "
+            f"not the sum of per_step_accepted ({sum(a for _, a in out)})"
+        )
+    return out
+
+
+def forwards_of(record: Mapping[str, Any], method: str, prompt_ids: Sequence[int], ngram: Mapping[str, int]) -> dict:
+    """Target forwards of one measured request (prefill included) and how they were found: ``{"forwards",
+    "forwards_source"}`` (+ ``forwards_check`` when the n-gram replay disagreed with vLLM's steps, then the lower
+    bound ``1 + steps + untracked`` is used).
+
+    ``method``: ``"dflash"`` (a decode step per verification step, plus any the reply's tokens need beyond them),
+    ``"ngram"`` (the lookup rule replayed on the output, :func:`~dflash_assets.dflash.decoding.ngram.ngram_steps`,
+    with ``ngram``'s ``prompt_lookup_min``, ``prompt_lookup_max``, ``num_speculative_tokens``; its drafted steps
+    must equal vLLM's in order, the last step's accepted count excepted, which vLLM takes before trimming) or
+    ``"plain"`` (one token per forward)."""
+    tokens = int(record["completion_tokens"])
+    if method == "plain":
+        return {"forwards": max(tokens, 1), "forwards_source": "one token per forward"}
+    steps = [tuple(s) for s in record["steps"]]
+    untracked = max(0, tokens - 1 - sum(1 + a for _, a in steps))  # decode steps that drafted nothing
+    bound = 1 + len(steps) + untracked
+    if method == "dflash":
+        return {"forwards": bound, "forwards_source": "1 + vLLM's verification steps"}
+    replay = ngram_steps(
+        prompt_ids,
+        record["output_ids"],
+        ngram["prompt_lookup_min"],
+        ngram["prompt_lookup_max"],
+        ngram["num_speculative_tokens"],
+    )
+    drafted = [s for s in replay if s[0] > 0]
+    same = len(drafted) == len(steps) and all(
+        d == vd and (a == va or (i == len(steps) - 1 and va > a))
+        for i, ((d, a), (vd, va)) in enumerate(zip(drafted, steps))
+    )
+    if same:
+        return {"forwards": 1 + len(replay), "forwards_source": "the n-gram rule replayed, vLLM's steps matched"}
+    return {
+        "forwards": bound,
+        "forwards_source": "lower bound: 1 + vLLM's steps + the tokens no step accounts for",
+        "forwards_check": f"the n-gram replay's drafted steps ({len(drafted)}) differ from vLLM's ({len(steps)})",
+    }
+
+
+def _record_steps(record: dict[str, Any], steps: list[tuple[int, int]], width: int) -> None:
+    accepted = sum(a for _, a in steps)
+    record.update(
+        steps=[list(s) for s in steps],
+        drafts=len(steps),
+        draft_tokens=sum(d for d, _ in steps),
+        accepted=accepted,
+        accepted_per_position=[sum(1 for _, a in steps if a > k) for k in range(width)],
+        tau=(1.0 + accepted / len(steps)) if steps else None,
+    )
 
 
 def vllm_decode(
@@ -252,17 +203,22 @@ def vllm_decode(
     api_key: str | None = None,
     timeout_s: float = 3600.0,
     vocab_size: int | None = None,
-    block_size: int | None = None,
+    num_speculative_tokens: int = 0,
+    concurrency: int = 16,
     progress: Callable[[int, int, dict], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Decode each prompt greedily, one at a time, on the vLLM server at ``base_url`` and return one record per
-    prompt, in order: ``dataset``, ``position``, ``input_sha``, ``output_ids``, ``completion_tokens``,
-    ``finish_reason``, ``drafts``, ``draft_tokens``, ``accepted``, ``accepted_per_position``, ``forwards`` (target
-    forwards, prefill included: the engine steps that returned tokens; None when vLLM exposes no step count)
-    (this request's counter differences) and ``tau`` (``1 + accepted / drafts``; None without a verification
-    step), or ``error`` (a reply that was not a valid completion, an HTTP error, ``/metrics`` values
-    :func:`parse_spec_counters` refuses or counters that went down: that prompt alone is lost, the reason in
-    ``error``). ``block_size``: the drafter's block, bounding the draft positions ``/metrics`` may name.
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Decode every prompt greedily on the vLLM server at ``base_url``, ``concurrency`` requests in flight.
+
+    Returns:
+        ``(records, counter_check)``. One record per prompt, in prompt order: ``dataset``, ``position``,
+        ``input_sha``, ``output_ids``, ``completion_tokens``, ``finish_reason``, ``prompt_ids_match`` (the ids vLLM
+        read equal those sent; None when it returned none), ``wall_s``; with speculation
+        (``num_speculative_tokens > 0``) also ``steps`` (``[drafted, accepted]`` per verification step:
+        :func:`parse_step_metrics`), ``drafts``, ``draft_tokens``, ``accepted``, ``accepted_per_position`` and
+        ``tau`` (``1 + accepted / drafts``; None without a step); or ``error`` (that prompt alone is lost: an
+        invalid reply, other prompt ids read than sent, an HTTP error). ``counter_check``: the whole run's
+        Prometheus counter differences beside the sums of the per-request figures (``agrees``), or why they could
+        not be read.
 
     Every sampling field that could differ from greedy is sent (vLLM fills an omitted one from the model's
     ``generation_config.json``).
@@ -273,20 +229,12 @@ def vllm_decode(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = httpx.Timeout(connect=30.0, read=timeout_s, write=60.0, pool=None)
     url = origin(base_url) + "/v1/completions"
-    records: list[dict[str, Any]] = []
-    with httpx.Client(headers=headers, timeout=timeout) as client:
+    width = max(int(num_speculative_tokens), 0)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    with httpx.Client(headers=headers, timeout=timeout, limits=limits) as client:
+        before = try_counters(client, base_url, width or None, api_key)
 
-        def read() -> SpecCounters:
-            return read_counters(client, base_url, block_size)
-
-        def baseline() -> tuple[SpecCounters | None, str | None]:
-            try:
-                return read(), None
-            except (httpx.HTTPError, ReplyError) as exc:
-                return None, redact(f"{type(exc).__name__}: {exc}", api_key)[:500]
-
-        before, unread = baseline()
-        for i, prompt in enumerate(prompts):
+        def one(prompt: EnginePrompt) -> dict[str, Any]:
             record: dict[str, Any] = {
                 "dataset": prompt.dataset,
                 "position": prompt.position,
@@ -301,43 +249,49 @@ def vllm_decode(
                 "skip_special_tokens": False,
                 "return_token_ids": True,
             }
-            if before is None:
-                before, unread = baseline()  # the last read failed: this prompt needs a baseline of its own
+            started = time.monotonic()
             try:
-                if before is None:
-                    raise ReplyError(f"no /metrics baseline before the request ({unread})")
-                status, raw = _bounded_get_or_post(client, "POST", url, MAX_REPLY_BYTES, json=body)
+                status, raw = bounded_request(client, "POST", url, MAX_REPLY_BYTES, json=body)
                 if status != 200:
                     raise ReplyError(f"HTTP {status}: {printable(raw[:300].decode('utf-8', errors='replace'))}")
-                record.update(parse_completion(decode_reply(raw), vocab_size))
-                after = _settled(before, read, record["completion_tokens"], wait_s=5.0)
-                delta, before = after.minus(before), after
-                record.update(
-                    drafts=int(delta.drafts),
-                    draft_tokens=int(delta.draft_tokens),
-                    accepted=int(delta.accepted),
-                    forwards=int(delta.iterations) if after.iterations > 0 else None,
-                    accepted_per_position=[int(x) for x in delta.per_position],
-                    tau=(1.0 + delta.accepted / delta.drafts) if delta.drafts > 0 else None,
-                )
+                payload = decode_reply(raw)
+                parsed = parse_completion(payload, vocab_size)
+                seen = parsed.pop("prompt_ids")
+                if seen is not None and [int(t) for t in seen] != list(prompt.input_ids):
+                    where = next((i for i, (a, b) in enumerate(zip(seen, prompt.input_ids)) if a != b), None)
+                    raise ReplyError(
+                        f"vLLM read other prompt ids than sent ({len(seen)} vs {len(prompt.input_ids)} ids, first "
+                        f"difference at {where if where is not None else min(len(seen), len(prompt.input_ids))})"
+                    )
+                record.update(parsed, prompt_ids_match=None if seen is None else True)
+                if width:
+                    _record_steps(record, parse_step_metrics(payload, width, parsed["completion_tokens"]), width)
             except (httpx.HTTPError, ReplyError) as exc:
                 record["error"] = redact(f"{type(exc).__name__}: {exc}", api_key)[:500]
-                before, unread = baseline()  # the next request's: whatever this one left counted
-            records.append(record)
-            if progress is not None:
-                progress(i + 1, len(prompts), record)
-    if records and all("error" in r for r in records):
-        raise EngineError(f"vLLM {origin(base_url)}: every request failed; the first: {records[0]['error']}")
-    return records
+            record["wall_s"] = round(time.monotonic() - started, 3)
+            return record
+
+        records: list[dict[str, Any] | None] = [None] * len(prompts)
+        with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="vllm-eval") as pool:
+            futures = {pool.submit(one, p): i for i, p in enumerate(prompts)}
+            for done, future in enumerate(as_completed(futures), start=1):
+                records[futures[future]] = record = future.result()
+                if progress is not None:
+                    progress(done, len(prompts), record)
+        finished = [r for r in records if r is not None]
+        check = counter_check(client, base_url, width, before, finished, api_key)
+    if finished and all("error" in r for r in finished):
+        raise EngineError(f"vLLM {origin(base_url)}: every request failed; the first: {finished[0]['error']}")
+    return finished, check
 
 
 def vllm_tau_by_dataset(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per dataset: :func:`~dflash_assets.dflash.decoding.tau.tau_from_sums` over ``(accepted + drafts, drafts)`` per
-    prompt (``tau``: the mean of per-prompt means, z-lab's figure; ``tau_pooled``: all tokens over all steps),
+    """Per dataset: :func:`~dflash_assets.dflash.decoding.tau.tau_from_sums` over ``(accepted + drafts, drafts)``
+    per prompt (``tau``: the mean of per-prompt means, z-lab's figure; ``tau_pooled``: all tokens over all steps),
     ``acceptance_per_position`` (accepted / drafts at each draft position, pooled), ``requests``,
-    ``requests_measured`` (no error and at least one verification step: only these count in any figure),
-    ``errors``, ``first_error`` and ``forwards`` (tokens per target forward and acceptance per decode step:
-    :func:`~dflash_assets.stages.evaluation.baseline.engine_forward_figures`)."""
+    ``requests_measured`` (no error and at least one verification step: only these count in tau), ``errors``,
+    ``first_error`` and ``forwards`` (tokens per target forward and acceptance per decode step of every prompt
+    with ``forwards``: :func:`~dflash_assets.stages.evaluation.baseline.engine_forward_figures`)."""
     out: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(r["dataset"] for r in records):
         rows = [r for r in records if r["dataset"] == name]
@@ -362,11 +316,4 @@ def vllm_tau_by_dataset(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[
     return out
 
 
-__all__ = [
-    "SpecCounters",
-    "parse_completion",
-    "parse_spec_counters",
-    "read_counters",
-    "vllm_decode",
-    "vllm_tau_by_dataset",
-]
+__all__ = ["forwards_of", "parse_completion", "parse_step_metrics", "vllm_decode", "vllm_tau_by_dataset"]

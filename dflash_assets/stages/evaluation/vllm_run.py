@@ -40,7 +40,7 @@ from dflash_assets.generation.servers.vllm_servers import (
     dflash_speculative_config,
     ngram_speculative_config,
 )
-from dflash_assets.stages.evaluation.vllm_engine import vllm_decode, vllm_tau_by_dataset
+from dflash_assets.stages.evaluation.vllm_engine import forwards_of, vllm_decode, vllm_tau_by_dataset
 
 
 @dataclass
@@ -107,6 +107,10 @@ def plan_vllm(config, target_model, export_dir: str, log) -> VLLMPlan:
     return VLLMPlan(environment, Path(target_dir), export_dir, spec, launch, check, ngram_config=ngram)
 
 
+#: the flag that makes vLLM 0.32 return each request's verification steps (vllm_engine's module docstring)
+PER_REQUEST_METRICS_FLAGS = ("--per-request-spec-decode-metrics", "detailed")
+
+
 def run_vllm(
     plan: VLLMPlan,
     prompts: dict[str, list[list[int]]],
@@ -117,33 +121,35 @@ def run_vllm(
     api_key: str | None,
     log,
 ) -> dict[str, Any]:
-    """Make (or reuse) the engine environment, start one vLLM server with the export, decode every prompt greedily
-    one at a time, stop the server; then, when ``plan.ngram_config`` is set, the same on a second server running
-    vLLM's n-gram speculation with as many draft tokens (the ``ngram`` key). Returns the report's ``engine``
-    section.
+    """Make (or reuse) the engine environment, then per method one vLLM server, up, every prompt decoded greedily
+    (``config.engine_concurrency`` in flight), down: the export as DFlash drafter; vLLM's n-gram speculation with as
+    many draft tokens when ``plan.ngram_config`` is set (the ``ngram`` key); plain decoding when
+    ``config.plain_baseline`` (the ``plain`` key). Each request's target forwards are attached
+    (:func:`~dflash_assets.stages.evaluation.vllm_engine.forwards_of`). Returns the report's ``engine`` section.
 
     Raises:
         dagster.Failure: the environment could not be made, a server did not come up (its log tail says why), or
-            every request failed; the API key is never in the message.
+            every request of a method failed; the API key is never in the message.
     """
     todo = [EnginePrompt(name, i, tuple(ids)) for name, rows in prompts.items() for i, ids in enumerate(rows)]
     waited = time.monotonic()
+    methods = {"dflash": plan.speculative_config}
+    if plan.ngram_config:
+        methods["ngram"] = plan.ngram_config
+    if getattr(config, "plain_baseline", False):
+        methods["plain"] = None
+    runs: dict[str, dict] = {}
     try:
         python = plan.environment.ensure(log.info)
         environment_wait_s = time.monotonic() - waited  # 0-ish when made ahead (prepare_in_background)
-        drafter = _serve_and_decode(
-            plan, plan.speculative_config, "", python, todo, max_new_tokens, eos, log_dir, config, api_key, log
-        )
-        ngram = (
-            _serve_and_decode(
-                plan, plan.ngram_config, "ngram", python, todo, max_new_tokens, eos, log_dir, config, api_key, log
+        for method, spec in methods.items():
+            runs[method] = _serve_and_decode(
+                plan, spec, method, python, todo, max_new_tokens, eos, log_dir, config, api_key, log
             )
-            if plan.ngram_config
-            else None
-        )
     except (EngineEnvironmentError, RuntimeError, TimeoutError, EngineError, PortTakenError) as exc:
         raise dg.Failure(f"drafter_evaluation engine (vLLM): {redact(str(exc), api_key)}") from None
     label = f"vLLM {_version(python)} (real engine)"
+    drafter = runs["dflash"]
     section = {
         "kind": "vllm",
         "simulated": False,
@@ -158,72 +164,78 @@ def run_vllm(
         # seconds: waiting for the environment (its install, when not made ahead), server start-up, decoding
         "timing_s": {"environment_wait": round(environment_wait_s, 1), **drafter["timing_s"]},
         "requests": drafter["records"],
-        "tau_definition": "per prompt 1 + accepted / drafts from vLLM's Prometheus counters "
-        "(vllm:spec_decode_num_accepted_tokens, vllm:spec_decode_num_drafts) differenced around the request; per "
-        "dataset the mean of per-prompt values (z-lab's figure) and pooled (all tokens / all verification steps); "
-        "the prefill's token is not counted, as in the in-process figure",
-        "forwards_definition": "target forwards per request = the engine steps that returned its tokens (the count "
-        "of vllm:iteration_tokens_total, one request at a time), prefill included; tokens per forward = "
-        "completion tokens / forwards (plain decoding 1.0)",
+        "counter_check": drafter["counter_check"],
+        "concurrency": config.engine_concurrency,
+        "tau_definition": "per prompt 1 + accepted / verification steps, from vLLM's own per-request figures "
+        "(metrics.speculative_decoding with --per-request-spec-decode-metrics detailed); per dataset the mean of "
+        "per-prompt values (z-lab's figure) and pooled (all tokens / all verification steps); the prefill's token "
+        "is not counted, as in the in-process figure",
+        "forwards_definition": "target forwards per request = 1 (the prefill) + its decode steps: vLLM's verification "
+        "steps for DFlash, the n-gram rule replayed on the output and matched to vLLM's drafted steps for n-gram "
+        "lookup, one per token for plain decoding; tokens per forward = completion tokens / forwards",
     }
-    if ngram is not None:
-        section["ngram"] = {
-            "label": f"{label}, n-gram (prompt lookup) speculation, no training",
-            "server_flags": [ngram["command"]],
-            "speculative_config": plan.ngram_config,
-            "num_draft_tokens": int(plan.ngram_config["num_speculative_tokens"]),
-            "datasets": vllm_tau_by_dataset(ngram["records"]),
-            "timing_s": ngram["timing_s"],
-            "requests": ngram["records"],
-        }
+    for method in ("ngram", "plain"):
+        if method in runs:
+            run = runs[method]
+            section[method] = {
+                "label": f"{label}, "
+                + ("n-gram (prompt lookup) speculation" if method == "ngram" else "plain decoding")
+                + ", no training",
+                "server_flags": [run["command"]],
+                "speculative_config": methods[method],
+                "num_draft_tokens": int((methods[method] or {}).get("num_speculative_tokens", 0)),
+                "datasets": vllm_tau_by_dataset(run["records"]),
+                "timing_s": run["timing_s"],
+                "requests": run["records"],
+                "counter_check": run["counter_check"],
+            }
     return section
 
 
 def _serve_and_decode(
-    plan: VLLMPlan, spec: dict, name: str, python, todo, max_new_tokens, eos, log_dir, config, api_key, log
+    plan: VLLMPlan, spec: dict | None, method: str, python, todo, max_new_tokens, eos, log_dir, config, api_key, log
 ) -> dict[str, Any]:
-    """One vLLM server with ``spec`` as its ``--speculative-config``: up, every prompt decoded, down. ``name``
-    labels the log lines; the server log is ``<log_dir>/<name>/vllm_0.log`` (unnamed: ``<log_dir>/vllm_0.log``).
-    Returns ``command`` (redacted), ``records`` and ``timing_s`` (``startup``, ``decode``)."""
+    """One vLLM server with ``spec`` as its ``--speculative-config`` (None: plain decoding): up, every prompt
+    decoded, down. ``method`` (``dflash``, ``ngram``, ``plain``) names the log lines and the server log,
+    ``<log_dir>/vllm_0.log`` for the drafter, ``<log_dir>/<method>/vllm_0.log`` for the others. Returns
+    ``command`` (redacted), ``records`` (each with its target forwards), ``counter_check`` and ``timing_s``
+    (``startup``, ``decode``)."""
     longest = max((len(p.input_ids) for p in todo), default=0)
     target = json.loads((plan.target_dir / "config.json").read_text())
     launch = {k: v for k, v in plan.launch.items() if k != "device"}
+    k = int((spec or {}).get("num_speculative_tokens", 0))
+    if spec is not None:
+        launch["extra_args"] = [*launch.get("extra_args", []), *PER_REQUEST_METRICS_FLAGS]
     command = build_vllm_command(
         python,
         plan.target_dir,
         free_port_block(1),
         speculative_config=spec,
-        max_model_len=longest + max_new_tokens + int(spec["num_speculative_tokens"]) + 16,
+        max_model_len=longest + max_new_tokens + k + 16,
+        max_num_seqs=max(config.engine_concurrency, 1),
         api_key_env=API_KEY_ENV if api_key else None,
         **launch,
     )
-    what = f"vLLM ({name})" if name else "vLLM"
+    what = "vLLM" if method == "dflash" else f"vLLM ({method})"
+    sub_dir = log_dir if method == "dflash" else str(Path(log_dir) / method)
     log.info(f"engine: starting {command.redacted()}")
     started = time.monotonic()
     with (
-        VLLMServers(
-            [command], str(Path(log_dir) / name) if name else log_dir, api_key, config.engine_startup_timeout_s
-        ) as servers,
+        VLLMServers([command], sub_dir, api_key, config.engine_startup_timeout_s) as servers,
         StageProgressBar(f"drafter_evaluation {what}", len(todo), unit="prompt") as bar,
     ):
         startup_s = time.monotonic() - started
-        log.info(f"engine: {what} up in {startup_s:.0f} s; {len(todo)} prompts, one at a time")
+        log.info(f"engine: {what} up in {startup_s:.0f} s; {len(todo)} prompts, {config.engine_concurrency} at a time")
 
         def progress(done: int, total: int, record: dict) -> None:
             bar.update_to(done)
-            tau = record.get("tau")
-            log.info(
-                f"engine: {what} prompt {done}/{total} ({record['dataset']}): "
-                + (
-                    f"error {record['error']}"
-                    if "error" in record
-                    else f"tau {tau if tau is None else round(tau, 3)}, {record.get('completion_tokens')} tokens in "
-                    f"{record.get('forwards')} target forwards"
-                )
-            )
+            if "error" in record:
+                log.warning(f"engine: {what} prompt {record['position']} of {record['dataset']}: {record['error']}")
+            elif done == total or done % max(1, total // 4) == 0:
+                log.info(f"engine: {what} {done}/{total} prompts decoded, {time.monotonic() - decoding:.0f} s")
 
         decoding = time.monotonic()
-        records = vllm_decode(
+        records, counter_check = vllm_decode(
             servers.base_urls[0],
             str(plan.target_dir),
             todo,
@@ -232,13 +244,21 @@ def _serve_and_decode(
             api_key=api_key,
             timeout_s=config.engine_request_timeout_s,
             vocab_size=text_config(target).get("vocab_size"),
-            block_size=int(spec["num_speculative_tokens"]) + 1,  # the draft positions /metrics may name
+            num_speculative_tokens=k,
+            concurrency=config.engine_concurrency,
             progress=progress,
         )
         decode_s = time.monotonic() - decoding
+    by_key = {(p.dataset, p.position): p.input_ids for p in todo}
+    for r in records:
+        if "error" not in r:
+            r.update(forwards_of(r, method, by_key[(r["dataset"], r["position"])], spec or {}))
+    if not counter_check.get("agrees", True):
+        log.warning(f"engine: {what}: vLLM's counters disagree with its per-request figures: {counter_check}")
     return {
         "command": command.redacted(),
         "records": records,
+        "counter_check": counter_check,
         "timing_s": {"startup": round(startup_s, 1), "decode": round(decode_s, 1)},
     }
 

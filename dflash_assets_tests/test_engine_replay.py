@@ -1,0 +1,136 @@
+"""Issue 48 item 2: parity that tests the mechanism. An engine's speculative decoding is replayed step by step
+(``dflash/decoding/engine_replay.py``) and each step's accepted count compared.
+
+The "engine" here is this project's own decoder (``dflash_generate``: a KV cache, a drafter context cache, one
+verification forward per step), an implementation independent of the replay (one forward over the whole output,
+every anchor in one drafter forward with the training mask). A drafter overfit on a tiny random target's greedy
+outputs gives steps of every accepted length; the real vLLM engine is ``test_engine_parity_vllm.py``'s.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dflash_assets.dflash.decoding.engine_replay import numeric_tolerance, replay_prompt
+from dflash_assets.dflash.decoding.ngram import ngram_steps
+from dflash_assets.dflash.decoding.speculative import dflash_generate, target_generate
+from dflash_assets.dflash.model.draft_config import DFlashConfig
+from dflash_assets.dflash.model.draft_model import load_target_head
+from dflash_assets_tests.test_ngram_baseline import ngram_replay
+from dflash_assets_tests.tiny_target import HIDDEN, LAYER_IDS, LAYERS, VOCAB, make_target
+from dflash_simulators.overfit_drafter import greedy_rows, overfit
+
+BLOCK = 4
+NEW = 24
+TOL = numeric_tolerance(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("replay")
+    target, path = make_target(tmp)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB - 1, (10 + 3 * i,), generator=g).tolist() for i in range(8)]
+    plain = [target_generate(target, p, NEW) for p in prompts]
+    config = DFlashConfig(
+        hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+        vocab_size=VOCAB, mask_token_id=VOCAB - 1, target_layer_ids=LAYER_IDS, num_target_layers=LAYERS,
+        num_hidden_layers=1, block_size=BLOCK,
+    )  # fmt: skip
+    embed, head = load_target_head(str(path))
+    # trained only part way: every accepted length occurs, partial acceptances included
+    result, _ = overfit(target, greedy_rows(prompts, plain), LAYER_IDS, tmp, config, (embed, head), steps=60, lr=5e-3)
+    drafter = result.model.eval()
+    runs = [dflash_generate(target, drafter, p, NEW) for p in prompts]
+    return {"target": target, "drafter": drafter, "prompts": prompts, "runs": runs, "plain": plain}
+
+
+def _steps(run):
+    """``(drafted, accepted)`` per step of a ``dflash_generate`` run: it drafts fewer near ``NEW`` tokens."""
+    out, got = [], 1
+    for n in run.accepted_lengths:
+        out.append((min(BLOCK - 1, NEW - got - 1), n - 1))
+        got += n
+    return out
+
+
+def test_the_replay_reproduces_every_step_of_an_independent_decoder(setting):
+    lengths = [n for run in setting["runs"] for n in run.accepted_lengths]
+    assert {1, BLOCK} <= set(lengths) and any(1 < n < BLOCK for n in lengths), lengths  # a varied run
+    for p, run, plain in zip(setting["prompts"], setting["runs"], setting["plain"]):
+        assert run.output_ids == plain.output_ids  # lossless, so the replay's "engine output" is the greedy one
+        replay = replay_prompt(setting["target"], setting["drafter"], p, run.output_ids, _steps(run), tolerance=TOL)
+        assert replay.here_accepted == replay.engine_accepted == [n - 1 for n in run.accepted_lengths]
+        assert replay.differences == [] and replay.target_mismatches == []
+        # this drafter's own chain over the output is the decoder's chain
+        assert replay.own_accepted_lengths == run.accepted_lengths
+
+
+def _first_mismatches(setting, drafter, steps_of=_steps):
+    found = []
+    for p, run in zip(setting["prompts"], setting["runs"]):
+        replay = replay_prompt(setting["target"], drafter, p, run.output_ids, steps_of(run), tolerance=TOL)
+        found += replay.mismatches
+    return found
+
+
+@pytest.mark.parametrize(
+    "inject",
+    ["a mis-saved weight", "a wrong mask token", "a wrong target-layer map"],
+)
+def test_each_injected_mismatch_is_named_at_its_step(setting, inject):
+    drafter = copy.deepcopy(setting["drafter"])
+    if inject == "a mis-saved weight":
+        with torch.no_grad():
+            drafter.fc.weight.mul_(-1.0)
+    elif inject == "a wrong mask token":
+        drafter.config.mask_token_id = 5
+    else:
+        drafter.config.target_layer_ids = [0, 2, 4]
+    found = _first_mismatches(setting, drafter)
+    assert found, f"{inject}: no step differed"
+    d = found[0]
+    assert d.margin > TOL and not d.tie
+    assert 1 <= d.position < BLOCK and d.engine_accepted != d.here_accepted
+    assert d.anchor >= len(setting["prompts"][0])
+
+
+def test_steps_the_engine_reports_wrongly_are_named(setting):
+    """The engine side at fault: one step reported with one more accepted draft than its output allows."""
+    p, run = setting["prompts"][0], setting["runs"][0]
+    steps = _steps(run)
+    i = next(k for k, (_, a) in enumerate(steps) if a < BLOCK - 2)
+    steps[i] = (BLOCK - 1, steps[i][1] + 1)
+    replay = replay_prompt(setting["target"], setting["drafter"], p, run.output_ids, steps, tolerance=TOL)
+    assert [d.step for d in replay.differences][:1] == [i]
+    assert replay.differences[0].position == steps[i][1]  # the draft the engine claims, this drafter refused
+    assert replay.differences[0].here_accepted == steps[i][1] - 1
+
+
+def test_an_output_that_is_not_the_targets_greedy_one_is_named(setting):
+    p, run = setting["prompts"][1], setting["runs"][1]
+    output = list(run.output_ids)
+    output[5] = (output[5] + 1) % (VOCAB - 1)
+    replay = replay_prompt(setting["target"], setting["drafter"], p, output, None, tolerance=TOL)
+    assert [m[0] for m in replay.target_mismatches][:1] == [5]
+    assert replay.target_mismatches[0][1] == output[5] and replay.target_mismatches[0][2] == run.output_ids[5]
+
+
+def test_ngram_steps_follow_the_rule_as_an_independent_replay_does():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        vocab = int(torch.randint(2, 20, (1,), generator=g))
+        prompt = torch.randint(0, vocab, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        output = torch.randint(0, vocab, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        lo = int(torch.randint(1, 3, (1,), generator=g))
+        hi, k = lo + int(torch.randint(0, 3, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+        steps, reference = ngram_steps(prompt, output, lo, hi, k), ngram_replay(prompt, output, lo, hi, k)
+        assert 1 + len(steps) == reference["forwards"]
+        assert sum(1 for d, _ in steps if d) == reference["drafts"]
+        assert (sum(d for d, _ in steps), sum(a for _, a in steps)) == (
+            reference["draft_tokens"],
+            reference["accepted"],
+        )
