@@ -246,3 +246,22 @@ def test_an_export_that_disagrees_with_training_fails_parity_in_the_real_engine(
     if field == "mask_token_id":  # every drafted position's input differs: a step where they parted, named
         assert "verification steps disagree beyond the numeric tolerance" in text and "draft position" in text
     print(field, parity["by_dataset"])
+
+
+def test_a_template_changed_since_tokenization_fails_parity(demo_runs):
+    """The drafter records the chat template its rows were rendered with, the one the evaluation renders with
+    when nothing changed; a target_model.chat_template set since tokenization fails parity naming the template
+    (issue 48: step parity replays the same tokens on both sides and cannot see it)."""
+    from dflash_assets.generation.servers.origin import text_sha256
+    from dflash_assets.stages.evaluation.parity import template_vs_trained
+    from dflash_assets_tests.engine_bodies import TOJSON_TEMPLATE
+
+    trained = demo_runs["drafters"][0]["template_sha256"]
+    same = demo_runs["resources"]["target_model"].load_tokenizer().chat_template
+    assert trained == [text_sha256(same)]
+    assert demo_runs["checks"]["engine_parity"], "a clean run's parity check failed"
+    changed = TargetModelResource(
+        **{**_demo()["resources"].get("target_model", {}), "chat_template": str(TOJSON_TEMPLATE)}
+    )
+    (reason,) = template_vs_trained(trained, text_sha256(changed.load_tokenizer().chat_template))
+    assert reason.startswith("template: the drafter trained on rows rendered with chat template " + trained[0][:12])

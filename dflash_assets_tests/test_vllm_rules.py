@@ -289,3 +289,17 @@ def test_the_group_guard_takes_a_servers_children_down_with_its_launcher(tmp_pat
             os.killpg(leader, signal.SIGKILL)
     exits = subprocess.run([sys.executable, guard.__file__, sys.executable, "-c", "raise SystemExit(3)"])
     assert exits.returncode == 3 and Path(guard.__file__).name == "group_guard.py"
+
+
+def test_a_template_is_compared_only_where_both_sides_know_it():
+    """The parity precondition (issue 48): the evaluation's rendering must be among the rows' templates; an
+    unknown hash on either side (an external server's rows, an old partition) is not a mismatch."""
+    from dflash_assets.stages.evaluation.parity import template_vs_trained
+
+    a, b = "a" * 64, "b" * 64
+    assert template_vs_trained([a], a) == []
+    assert template_vs_trained([a, b], b) == []  # rows of two templates: the evaluation's is one of them
+    assert template_vs_trained(["unknown"], a) == [] and template_vs_trained([], a) == []
+    assert template_vs_trained([a], "unknown") == []
+    (reason,) = template_vs_trained([a, "unknown"], b)
+    assert "chat template aaaaaaaaaaaa" in reason and "renders its prompts with bbbbbbbbbbbb" in reason

@@ -104,8 +104,8 @@ def dflash_drafter(
     png = loss_curve_of_run(plan.run_dir)
     store = storage.open()
     weights = publish_export(store, plan.export_dir, png)
-    subset = _offline_subset(context.instance, data.used) if data.mode == "offline" else {}
-    metadata = drafter_metadata(summary, plan, data, config, outcome, weights, png, wall, subset)
+    upstream = _upstream_metadata(context.instance, data)
+    metadata = drafter_metadata(summary, plan, data, config, outcome, weights, png, wall, *upstream)
     trained = 0 if plan.reused else summary["train_tokens"]  # a reused run cost nothing now
     metadata.update(device_cost(target_model.device, 0.0 if plan.reused else wall, trained, 0, summary["world_size"]))
     # same weights, same version: the evaluation reuses its report
@@ -113,6 +113,22 @@ def dflash_drafter(
         metadata={**metadata, "export_path": dg.MetadataValue.path(store.uri(*EXPORT_DIR))},
         data_version=dg.DataVersion(file_sha256(weights)[:20]),  # streamed: GBs of weights
     )
+
+
+def _upstream_metadata(instance: dg.DagsterInstance, data) -> tuple[dict, list[str]]:
+    """What the drafter records of the partitions it trained on: the offline subset (``{}`` online) and the
+    chat templates of their rows."""
+    subset = _offline_subset(instance, data.used) if data.mode == "offline" else {}
+    return subset, _templates_trained_on(instance, data.used)
+
+
+def _templates_trained_on(instance: dg.DagsterInstance, used: list[str]) -> list[str]:
+    """The chat templates (SHA-256 hex) of the tokenized rows of partitions ``used``, from their latest
+    materializations' ``rows_by_template``; ``[]`` when none recorded one (tokenized before it was counted)."""
+    from dflash_assets.orchestration.history import latest_metadata_by_partition
+
+    seen = latest_metadata_by_partition(instance, "tokenized_sequences", used).values()
+    return sorted({sha for meta in seen for sha in (meta.get("rows_by_template") or {})})
 
 
 def _offline_subset(instance: dg.DagsterInstance, used: list[str]) -> dict:

@@ -130,7 +130,7 @@ def tokenized_sequences(
             "num_loss_tokens_min": min(lengths, default=0),
             "num_loss_tokens_median": float(pl.Series(lengths).median() or 0) if lengths else 0.0,
             "end_token": builder.end_token,
-            "rows_by_ids_source": dict(sorted(Counter(tokenized["ids_source"].to_list()).items())),
+            **_rows_by_origin(tokenized),
             "first_prompt_difference": counts.first_prompt_difference or "",
             "completions_mode": source.mode,
             "completions_path": store.uri(*source.parts),
@@ -139,3 +139,12 @@ def tokenized_sequences(
         data_version=dg.DataVersion(version),
     )
     yield from checks
+
+
+def _rows_by_origin(tokenized) -> dict[str, dict[str, int]]:
+    """Rows counted by ``ids_source`` and by ``template_sha256``: the chat templates the rows were rendered with,
+    which the drafter records and the evaluation compares its own rendering with."""
+    return {
+        "rows_by_ids_source": dict(sorted(Counter(tokenized["ids_source"].to_list()).items())),
+        "rows_by_template": dict(sorted(Counter(tokenized["template_sha256"].to_list()).items())),
+    }

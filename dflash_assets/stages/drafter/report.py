@@ -42,6 +42,7 @@ def drafter_metadata(
     png: bytes,
     wall_s: float,
     offline_subset: dict,
+    templates: list[str] | None = None,
 ) -> dict:
     """The ``dflash_drafter`` materialization's metadata (plain values; the asset adds the export path).
 
@@ -49,6 +50,8 @@ def drafter_metadata(
         weights: path of the export's ``model.safetensors``.
         plan: the run's :class:`~dflash_assets.stages.drafter.run.RunPlan`; ``data``: its
             :class:`~dflash_assets.stages.drafter.run.TrainingData`; ``config``: the asset's ``DrafterConfig``.
+        templates: SHA-256 (hex) of the chat templates the rows trained on were rendered with (recorded as
+            ``template_sha256``; the evaluation's parity check compares its own rendering with them).
     """
     draft_cfg = summary["draft_config"]
     evaluation = summary.get("eval") or {}
@@ -82,6 +85,7 @@ def drafter_metadata(
         "target_forwards": summary.get("target_forwards", 0),
         "target_kernels": summary.get("target_kernels") or "",
         "offline_subset": offline_subset,
+        "template_sha256": templates or [],  # the rows' chat templates: the evaluation renders with one of them
         "seed": config.seed,
         "eval_fraction": config.eval_fraction,
         "max_length": config.max_length,

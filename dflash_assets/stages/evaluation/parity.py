@@ -42,6 +42,25 @@ def export_vs_trained(export_config: Mapping[str, Any], trained: Mapping[str, An
     return lines
 
 
+def template_vs_trained(trained: list[str] | None, rendered: str) -> list[str]:
+    """One line when the chat template the evaluation renders its prompts with (``rendered``, SHA-256 hex of its
+    text) is not among the templates of the rows the drafter trained on (``trained``: the drafter's metadata
+    ``template_sha256``, from the tokenized partitions' ``rows_by_template``). Rows and renders of an unknown
+    template (``"unknown"``: an external server's, or rows tokenized before the hash was kept) are not compared.
+    A drafter trained on another rendering of the conversation is measured on text it never saw: step parity
+    cannot show it (both sides replay the same tokens), so it is checked here, before any step."""
+    known = sorted({t for t in trained or [] if t and t != "unknown"})
+    if not known or not rendered or rendered == "unknown" or rendered in known:
+        return []
+    shown = ", ".join(t[:12] for t in known)
+    return [
+        f"template: the drafter trained on rows rendered with chat template {shown}, the evaluation renders its "
+        f"prompts with {rendered[:12]}: target_model.chat_template (or the model's own template) changed since "
+        "the rows were tokenized; materialize completions and tokenized_sequences again with this template, or "
+        "set target_model.chat_template back to the one the rows used"
+    ]
+
+
 def engine_parity(
     engine_section: Mapping[str, Any],
     in_process_datasets: Mapping[str, Mapping[str, Any]],
@@ -204,4 +223,5 @@ __all__ = [
     "export_vs_trained",
     "lossless_summary",
     "parity_table",
+    "template_vs_trained",
 ]

@@ -10,6 +10,7 @@ from pathlib import Path
 import dagster as dg
 
 from dflash_assets.generation.rows.records import holds_tool_call
+from dflash_assets.generation.servers.origin import text_sha256
 from dflash_assets.stages.drafter.run import EXPORT_DIR
 from dflash_assets.stages.evaluation.baseline import (
     CHECK_BASELINE,
@@ -28,6 +29,7 @@ from dflash_assets.stages.evaluation.parity import (
     engine_parity,
     lossless_summary,
     parity_table,
+    template_vs_trained,
 )
 from dflash_assets.stages.evaluation.tool_turns import tool_call_turns, tool_turn_line
 from dflash_assets.stages.evaluation.vllm_run import VLLMPlan, run_vllm
@@ -114,7 +116,8 @@ def run_evaluation(
     metadata.update(baseline_metadata(comparison))
     for line in (c["verdict"] for c in comparison.values() if c.get("verdict")):
         log.info(f"baseline: {line}")
-    checks = evaluation_checks(report, engine_section, train_meta, export_dir, config.in_process, decode)
+    rendered = text_sha256(target_model.load_tokenizer().chat_template)
+    checks = evaluation_checks(report, engine_section, train_meta, export_dir, config.in_process, decode, rendered)
     checks[CHECK_BASELINE] = baseline_check(comparison, _why_no_baseline(config, engine_section))
     if checks[CHECK_BASELINE].get("why"):
         metadata["ngram_baseline_not_compared"] = checks[CHECK_BASELINE]["why"]
@@ -240,13 +243,21 @@ def _engine_name(section: dict | None) -> str:
 
 
 def evaluation_checks(
-    report: dict, engine_section: dict | None, train_meta: dict, export_dir: str, in_process: bool, decode=None
+    report: dict,
+    engine_section: dict | None,
+    train_meta: dict,
+    export_dir: str,
+    in_process: bool,
+    decode=None,
+    rendered_template: str = "unknown",
 ) -> dict[str, dict]:
     """The outcome of the ``lossless`` and ``engine_parity`` checks: ``{name: {"passed", "reasons", ...}}``.
 
     Parity is compared for a real vLLM engine beside an in-process run; otherwise it says why it was not
     (``compared: False``): a simulated engine's figures are not a measurement, and SGLang's per-request figures
-    count the prefill token differently."""
+    count the prefill token differently. Whatever the engine, parity fails when ``rendered_template`` (SHA-256 of
+    the template the prompts were rendered with) is not among the drafter's rows' templates
+    (:func:`~dflash_assets.stages.evaluation.parity.template_vs_trained`)."""
     local = report.get("datasets") or {}
     parity: dict = {"passed": True, "reasons": [], "compared": False}
     if engine_section is None:
@@ -258,6 +269,9 @@ def evaluation_checks(
     else:
         export_config = json.loads((Path(export_dir) / "config.json").read_text())
         parity = {**engine_parity(engine_section, local, train_meta, export_config, decode=decode), "compared": True}
+    template = template_vs_trained(train_meta.get("template_sha256"), rendered_template)
+    if template:  # a precondition of parity: the rows and the prompts rendered alike
+        parity = {**parity, "passed": False, "reasons": [*template, *parity["reasons"]]}
     lossless = lossless_summary(local, parity if parity["compared"] else None)
     others = {m: ((engine_section or {}).get(m) or {}).get("requests") or [] for m in ("ngram", "plain")}
     if any(others.values()):  # every method decodes greedily: the same output as the drafter's
