@@ -55,6 +55,13 @@ class TrainSettings(BaseModel):
         "a row, the context included, with the target's argmax as the label everywhere (what greedy verification "
         "accepts; the context's tokens are not the target's). Needs the target's distribution like distill_weight.",
     )
+    init_from_target: bool = Field(
+        default=False,
+        description="Initialise the draft layers from the target's last num_hidden_layers decoder layers, fc as the "
+        "identity on the deepest feature layer below them and hidden_norm / norm from the target's norms "
+        "(dflash.model.target_init), instead of at random; tensors whose shape differs are copied in part or kept "
+        "random.",
+    )
 
 
 class TrainConfig(TrainSettings):

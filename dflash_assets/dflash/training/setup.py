@@ -171,10 +171,17 @@ def draft_config_and_head(
 
 
 def build_model(cfg: TrainConfig, dc: DFlashConfig, target_head: tuple, device: torch.device) -> DFlashDraftModel:
-    """The drafter, initialised (seeded, or from ``cfg.init_from``'s export), on ``device``, with the frozen
-    target head attached (bf16 on CUDA, float32 on CPU)."""
+    """The drafter, initialised (seeded; from the target's last layers with ``cfg.init_from_target``; from
+    ``cfg.init_from``'s export, which wins), on ``device``, with the frozen target head attached (bf16 on CUDA,
+    float32 on CPU)."""
     model = DFlashDraftModel(dc)
     model.reset_parameters(cfg.init_std, seed=cfg.seed)
+    if cfg.init_from_target:
+        from dflash_assets.dflash.model.target_init import init_from_target_layers
+
+        if not cfg.target_model_path:
+            raise ValueError("init_from_target needs TrainConfig.target_model_path (the target's weights)")
+        init_from_target_layers(model, cfg.target_model_path)
     if cfg.init_from:
         load_init_weights(model, cfg.init_from)
     model.to(device)

@@ -20,7 +20,7 @@ RESULT_NEUTRAL = {"nproc", "nnodes", "rdzv_endpoint", "rdzv_id", "features"}
 # existed keeps its id (its drafter had the target's shape, which is what unset means)
 ADDED_LATER = {"num_attention_heads", "num_key_value_heads", "head_dim"}
 # likewise, settings added later whose unset value is not None: left out while they hold it
-ADDED_LATER_DEFAULTS = {"distill_weight": 0.0, "loss_positions": "generated"}
+ADDED_LATER_DEFAULTS = {"init_from_target": False, "distill_weight": 0.0, "loss_positions": "generated"}
 
 
 def config_fingerprint(config) -> str:
