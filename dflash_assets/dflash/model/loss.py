@@ -88,6 +88,56 @@ def _chunk_ce(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Ten
     return ce, hit
 
 
+def _chunk_distill(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    target_ids: torch.Tensor,
+    target_logprobs: torch.Tensor,
+    weight: float,
+):
+    """``(1 - weight) * CE(label) + weight * CE(target top-k, renormalised)`` per position, and the argmax hits."""
+    w = head_weight if torch.is_autocast_enabled(hidden.device.type) else head_weight.to(hidden.dtype)
+    logits = F.linear(hidden, w).float()
+    logp = torch.log_softmax(logits, dim=-1)
+    ce = -logp.gather(1, labels[:, None])[:, 0]
+    soft = -(torch.softmax(target_logprobs.float(), dim=-1) * logp.gather(1, target_ids)).sum(-1)
+    hit = (logits.detach().argmax(-1) == labels).float()
+    return (1.0 - weight) * ce + weight * soft, hit
+
+
+def distillation_terms(
+    labels: torch.Tensor,
+    target_ids: torch.Tensor | None,
+    target_logprobs: torch.Tensor | None,
+    distill_weight: float,
+    target_labels: bool,
+) -> tuple[torch.Tensor, bool]:
+    """The hard labels the loss uses (the target's argmax, ``target_ids[..., 0]``, when ``target_labels``) and
+    whether the soft term is on.
+
+    Args:
+        labels: int64 [..., Q] the data's labels; target_ids: int64 [..., Q, k] the target's top-k token ids of each
+            label, best first, and target_logprobs: float [..., Q, k] their natural-log probabilities (both None
+            without the target's distribution); distill_weight: the soft term's weight in [0, 1]; target_labels:
+            replace the labels with the target's argmax.
+
+    Returns:
+        ``(labels, soft)``: int64 [..., Q] the labels to use (``labels`` itself unless ``target_labels``) and
+        whether ``distill_weight > 0``.
+
+    Raises:
+        ValueError: ``distill_weight`` outside [0, 1], or distillation asked for without the target's distribution.
+    """
+    if not 0.0 <= distill_weight <= 1.0:
+        raise ValueError(f"distill_weight must be in [0, 1], got {distill_weight}")
+    if (distill_weight > 0 or target_labels) and (target_ids is None or target_logprobs is None):
+        raise ValueError("distillation needs the target's distribution per label (dflash.target.tail)")
+    if target_labels:
+        labels = target_ids[..., 0].to(labels.dtype)
+    return labels, distill_weight > 0
+
+
 def dflash_loss_from_hidden(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
@@ -96,6 +146,11 @@ def dflash_loss_from_hidden(
     block_size: int,
     gamma: float | None = None,
     logits_budget: int = 2**28,
+    *,
+    target_ids: torch.Tensor | None = None,
+    target_logprobs: torch.Tensor | None = None,
+    distill_weight: float = 0.0,
+    target_labels: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Same result as :func:`dflash_loss` but computes logits only at counted positions, in chunks.
 
@@ -103,11 +158,19 @@ def dflash_loss_from_hidden(
     when there is more than one chunk each is recomputed in backward (activation checkpointing), so
     peak memory stays about ``logits_budget * 4`` bytes however many blocks are trained at once.
 
+    Distillation (off by default): with the target's top-k distribution of each label, ``target_ids`` int64 and
+    ``target_logprobs`` float [..., Q, k] (:mod:`~dflash_assets.dflash.target.tail`), each counted position's term
+    is ``(1 - distill_weight) * CE(label) + distill_weight * CE(p_target)``, ``p_target`` the softmax of the top-k
+    log-probabilities (renormalised over those k tokens; Hinton et al. 2015, arXiv 1503.02531), weighted over the
+    block as before; ``target_labels`` makes the label the target's argmax (``target_ids[..., 0]``), the token
+    greedy verification accepts, and the accuracy is counted against it.
+
     Args:
         hidden: [..., Q, H] draft hidden states; head_weight: [V, H] target LM head;
         labels, label_mask: [..., Q] as in :func:`dflash_loss`.
     """
     gamma = default_gamma(block_size) if gamma is None else gamma
+    labels, soft = distillation_terms(labels, target_ids, target_logprobs, distill_weight, target_labels)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1)
     flat_mask = label_mask.reshape(-1)
@@ -125,14 +188,20 @@ def dflash_loss_from_hidden(
         return {"loss": zero, "correct": correct, "count": count, "weight_sum": zero.detach()}
     ws = position_weights(block_size, gamma, device=device)[pos[sel]]
     h, y = flat_hidden[sel], flat_labels[sel]
+    if soft:
+        k = target_ids.shape[-1]
+        t_ids, t_lp = target_ids.reshape(-1, k)[sel], target_logprobs.reshape(-1, k)[sel]
     chunk = max(1, logits_budget // head_weight.shape[0])
     ces, hits = [], []
     for start in range(0, h.shape[0], chunk):
-        args = (h[start : start + chunk], head_weight, y[start : start + chunk])
+        part = slice(start, start + chunk)
+        fn, args = _chunk_ce, (h[part], head_weight, y[part])
+        if soft:
+            fn, args = _chunk_distill, (*args, t_ids[part], t_lp[part], float(distill_weight))
         if h.shape[0] > chunk and torch.is_grad_enabled():
-            ce, hit = torch.utils.checkpoint.checkpoint(_chunk_ce, *args, use_reentrant=False)
+            ce, hit = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
         else:
-            ce, hit = _chunk_ce(*args)
+            ce, hit = fn(*args)
         ces.append(ce)
         hits.append(hit)
     ce, hit = torch.cat(ces), torch.cat(hits)
@@ -167,6 +236,7 @@ __all__ = [
     "default_gamma",
     "dflash_loss",
     "dflash_loss_from_hidden",
+    "distillation_terms",
     "expected_acceptance_length",
     "position_weights",
 ]

@@ -173,6 +173,8 @@ class TrainingBatch:
     Online features (samples without stored features, width 0): ``context_input_ids`` int64 [B, C]
     (right-padded) and ``context_lengths`` int64 [B] say what the target must compute; the training
     loop then replaces ``context_hidden`` with the target's features. None for offline batches.
+    ``target_ids`` int64 [B, Q, k] / ``target_logprobs`` float32 [B, Q, k]: the target's top-k distribution of each
+    block position's label (:mod:`~dflash_assets.dflash.target.tail`), when the samples carry it; else None.
     """
 
     context_hidden: torch.Tensor
@@ -185,6 +187,8 @@ class TrainingBatch:
     num_context_tokens: int
     context_input_ids: torch.Tensor | None = None
     context_lengths: torch.Tensor | None = None
+    target_ids: torch.Tensor | None = None
+    target_logprobs: torch.Tensor | None = None
 
     def to(self, device, non_blocking: bool = False) -> TrainingBatch:
         """Copy of the batch with all tensors on ``device``."""
@@ -200,6 +204,8 @@ class TrainingBatch:
             self.num_context_tokens,
             None if self.context_input_ids is None else self.context_input_ids.to(**kw),
             self.context_lengths,
+            None if self.target_ids is None else self.target_ids.to(**kw),
+            None if self.target_logprobs is None else self.target_logprobs.to(**kw),
         )
 
     def pin_memory(self) -> TrainingBatch:
@@ -215,6 +221,8 @@ class TrainingBatch:
             self.num_context_tokens,
             None if self.context_input_ids is None else self.context_input_ids.pin_memory(),
             self.context_lengths,
+            None if self.target_ids is None else self.target_ids.pin_memory(),
+            None if self.target_logprobs is None else self.target_logprobs.pin_memory(),
         )
 
 
@@ -224,7 +232,9 @@ def collate_training_batch(
     """Pad rows and their sampled anchors into one :class:`TrainingBatch`.
 
     The context is cut at the largest anchor of the batch (features at positions >= every anchor are
-    never visible). Padding blocks have anchor 0, all labels masked, and see only themselves.
+    never visible). Padding blocks have anchor 0, all labels masked, and see only themselves. Samples that carry
+    the target's distribution (``target_ids`` / ``target_logprobs`` [T, k], :mod:`~dflash_assets.dflash.target.tail`)
+    give the batch its per-block-position copy; padding positions get ids 0 and log-probabilities -1e4.
     """
     bsz = len(samples)
     m_max = max(max((a.numel() for a in anchors), default=0), 1)
@@ -242,6 +252,11 @@ def collate_training_batch(
     online = d == 0  # no stored features: the target computes them from these context tokens
     ctx_ids = torch.zeros(bsz, c_len, dtype=torch.long) if online else None
     ctx_lengths = torch.zeros(bsz, dtype=torch.long) if online else None
+    target_ids = target_logprobs = None  # the target's top-k per position, when the rows carry it (dflash.target.tail)
+    if "target_ids" in samples[0]:
+        k = samples[0]["target_ids"].shape[1]
+        target_ids = torch.zeros(bsz, q, k, dtype=torch.long)
+        target_logprobs = torch.full((bsz, q, k), -1e4, dtype=torch.float32)
     n_block = n_ctx = 0
     for b, (s, a) in enumerate(zip(samples, anchors)):
         m = a.numel()
@@ -262,7 +277,12 @@ def collate_training_batch(
         labels[b, :n] = blk["labels"]
         label_mask[b, :n] = blk["label_mask"]
         pos[b, c_len : c_len + n] = blk["block_position_ids"]
-    return TrainingBatch(ctx, block_ids, labels, label_mask, pos, attn, n_block, n_ctx, ctx_ids, ctx_lengths)
+        if target_ids is not None:
+            target_ids[b, :n] = s["target_ids"][blk["block_position_ids"]].to(torch.long)
+            target_logprobs[b, :n] = s["target_logprobs"][blk["block_position_ids"]].to(torch.float32)
+    return TrainingBatch(
+        ctx, block_ids, labels, label_mask, pos, attn, n_block, n_ctx, ctx_ids, ctx_lengths, target_ids, target_logprobs
+    )
 
 
 def iter_rows(dataset: HiddenStateShards, order: Iterable[int]):

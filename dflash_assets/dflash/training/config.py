@@ -4,6 +4,7 @@ a whole run), what it returns (:class:`TrainResult`) and the files it writes in 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,6 +41,27 @@ class TrainSettings(BaseModel):
     )
     checkpoint_every: int = Field(default=200, ge=0, description="Steps between checkpoints (0 = end only).")
     seed: int = Field(default=0, description="Initialisation, data order and anchors.")
+    distill_weight: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Weight of the target's own next-token distribution (top-20, from its layers after the deepest "
+        "feature layer run on the stored features: dflash.target.tail) in each label's loss, beside 1 - this on the "
+        "hard label; 0 = the recipe's hard labels only. Offline features only.",
+    )
+    loss_positions: Literal["generated", "all"] = Field(
+        default="generated",
+        description="generated: anchors and labels on the target's own tokens (loss_mask); all: at every position of "
+        "a row, the context included, with the target's argmax as the label everywhere (what greedy verification "
+        "accepts; the context's tokens are not the target's). Needs the target's distribution like distill_weight.",
+    )
+    init_from_target: bool = Field(
+        default=False,
+        description="Initialise the draft layers from the target's last num_hidden_layers decoder layers, fc as the "
+        "identity on the deepest feature layer below them and hidden_norm / norm from the target's norms "
+        "(dflash.model.target_init), instead of at random; tensors whose shape differs are copied in part or kept "
+        "random.",
+    )
 
 
 class TrainConfig(TrainSettings):

@@ -23,8 +23,11 @@ def evaluate(
     gamma: float | None = None,
     max_rows: int | None = None,
     device: torch.device | str | None = None,
+    distill_weight: float = 0.0,
+    target_labels: bool = False,
 ) -> dict:
-    """Loss and per-position accuracy of ``model`` on ``dataset`` with fixed (seeded) anchors.
+    """Loss and per-position accuracy of ``model`` on ``dataset`` with fixed (seeded) anchors (``distill_weight`` and
+    ``target_labels`` as in training: :func:`batch_loss`).
 
     Returns:
         ``{"loss", "acc_per_position": [block_size floats, NaN at 0], "tau_estimate", "rows"}``.
@@ -43,7 +46,7 @@ def evaluate(
         )
         batch = batch.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = batch_loss(model, model, batch, gamma)
+            out = batch_loss(model, model, batch, gamma, distill_weight, target_labels)
         loss_sum += float(out["loss"]) * float(out["weight_sum"])
         weight_sum += float(out["weight_sum"])
         correct += out["correct"]
@@ -58,9 +61,17 @@ def evaluate(
     }
 
 
-def batch_loss(model_call, model: DFlashDraftModel, batch: TrainingBatch, gamma: float | None) -> dict:
+def batch_loss(
+    model_call,
+    model: DFlashDraftModel,
+    batch: TrainingBatch,
+    gamma: float | None,
+    distill_weight: float = 0.0,
+    target_labels: bool = False,
+) -> dict:
     """:func:`~dflash_assets.dflash.model.loss.dflash_loss_from_hidden` of one batch through ``model_call`` (the model,
-    or its DDP wrapper), with the frozen LM head of ``model``."""
+    or its DDP wrapper), with the frozen LM head of ``model`` (and the batch's target distribution when
+    ``distill_weight > 0`` or ``target_labels``)."""
     hidden = model_call(
         batch.block_input_ids,
         target_hidden=batch.context_hidden,
@@ -68,5 +79,14 @@ def batch_loss(model_call, model: DFlashDraftModel, batch: TrainingBatch, gamma:
         attention_mask=batch.attention_mask,
     )
     return dflash_loss_from_hidden(
-        hidden, model.target_lm_head_weight, batch.labels, batch.label_mask, model.config.block_size, gamma
+        hidden,
+        model.target_lm_head_weight,
+        batch.labels,
+        batch.label_mask,
+        model.config.block_size,
+        gamma,
+        target_ids=batch.target_ids,
+        target_logprobs=batch.target_logprobs,
+        distill_weight=distill_weight,
+        target_labels=target_labels,
     )

@@ -181,7 +181,9 @@ class _Loop:
         """Forward, backward, clip and step on one batch: ``(loss parts, step loss, grad norm, lr used)``."""
         cfg, dd, device = self.cfg, self.dd, self.dd.device
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            res = batch_loss(self.train_model, self.model, batch, cfg.loss_gamma)
+            res = batch_loss(
+                self.train_model, self.model, batch, cfg.loss_gamma, cfg.distill_weight, cfg.loss_positions == "all"
+            )
         loss, step_loss = res["loss"], res["loss"].detach().float()
         if dd.enabled:
             # DDP averages gradients over ranks; scale so the result is the gradient of the global
@@ -232,6 +234,8 @@ class _Loop:
                 seed=cfg.seed,
                 gamma=cfg.loss_gamma,
                 max_rows=cfg.eval_max_rows,
+                distill_weight=cfg.distill_weight,
+                target_labels=cfg.loss_positions == "all",
             )
             rec.update(
                 {
@@ -291,5 +295,7 @@ def _summary(
             seed=cfg.seed,
             gamma=cfg.loss_gamma,
             max_rows=cfg.eval_max_rows,
+            distill_weight=cfg.distill_weight,
+            target_labels=cfg.loss_positions == "all",
         )
     return summary

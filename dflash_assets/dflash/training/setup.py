@@ -37,12 +37,17 @@ def seed_everything(seed: int) -> None:
 def training_datasets(cfg: TrainConfig, dd: Distributed, draft_config, online_target):
     """(train set, eval set or None, online features or None) for ``cfg.features``."""
     split_kw = dict(eval_fraction=cfg.eval_fraction, max_length=cfg.max_length, block_size=cfg.block_size)
+    distill = cfg.distill_weight > 0 or cfg.loss_positions == "all"
     if cfg.features == "offline":
         dataset = HiddenStateShards(cfg.shards, split="train", **split_kw)
         eval_set = HiddenStateShards(cfg.shards, split="eval", **split_kw) if cfg.eval_fraction > 0 else None
+        if distill:
+            dataset, eval_set = with_target_distribution(cfg, dd, dataset, eval_set, draft_config)
         return dataset, eval_set, None
     if cfg.features != "online":
         raise ValueError(f"TrainConfig.features must be 'offline' or 'online', got {cfg.features!r}")
+    if distill:
+        raise ValueError("distill_weight and loss_positions: all need offline features (stored shards)")
     from dflash_assets.dflash.training.online import (
         OnlineTargetFeatures,
         TokenizedRows,
@@ -71,6 +76,33 @@ def training_datasets(cfg: TrainConfig, dd: Distributed, draft_config, online_ta
     dataset = TokenizedRows(rows, split="train", features=features, **split_kw).tokens_only()
     eval_set = TokenizedRows(rows, split="eval", features=features, **split_kw) if cfg.eval_fraction > 0 else None
     return dataset, eval_set, features
+
+
+def with_target_distribution(cfg: TrainConfig, dd: Distributed, dataset, eval_set, draft_config):
+    """``(dataset, eval_set)`` whose rows carry the target's top-20 distribution
+    (:class:`~dflash_assets.dflash.target.tail.WithTargetDistribution`), every position a label position when
+    ``cfg.loss_positions == "all"``. The target's layers after the deepest feature layer run on this rank's device.
+
+    Raises:
+        ValueError: no target model path.
+    """
+    from dflash_assets.dflash.target.tail import TargetTail, WithTargetDistribution
+
+    if not cfg.target_model_path:
+        raise ValueError("distill_weight / loss_positions: all need TrainConfig.target_model_path (the target)")
+    layer_ids = (
+        draft_config.target_layer_ids
+        if draft_config is not None
+        else cfg.target_layer_ids
+        or dataset.target_layer_ids
+        or resolve_target_layer_ids(cfg.target_model_path, None, cfg.num_context_features)
+    )
+    tail = TargetTail(cfg.target_model_path, list(layer_ids), device=dd.device)
+    wrap = [
+        WithTargetDistribution(d, tail, cfg.loss_positions == "all") if d is not None else None
+        for d in (dataset, eval_set)
+    ]
+    return wrap[0], wrap[1]
 
 
 def resolve_draft_config(cfg: TrainConfig, dataset: HiddenStateShards) -> DFlashConfig:
@@ -139,10 +171,17 @@ def draft_config_and_head(
 
 
 def build_model(cfg: TrainConfig, dc: DFlashConfig, target_head: tuple, device: torch.device) -> DFlashDraftModel:
-    """The drafter, initialised (seeded, or from ``cfg.init_from``'s export), on ``device``, with the frozen
-    target head attached (bf16 on CUDA, float32 on CPU)."""
+    """The drafter, initialised (seeded; from the target's last layers with ``cfg.init_from_target``; from
+    ``cfg.init_from``'s export, which wins), on ``device``, with the frozen target head attached (bf16 on CUDA,
+    float32 on CPU)."""
     model = DFlashDraftModel(dc)
     model.reset_parameters(cfg.init_std, seed=cfg.seed)
+    if cfg.init_from_target:
+        from dflash_assets.dflash.model.target_init import init_from_target_layers
+
+        if not cfg.target_model_path:
+            raise ValueError("init_from_target needs TrainConfig.target_model_path (the target's weights)")
+        init_from_target_layers(model, cfg.target_model_path)
     if cfg.init_from:
         load_init_weights(model, cfg.init_from)
     model.to(device)

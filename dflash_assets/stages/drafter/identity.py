@@ -19,15 +19,20 @@ RESULT_NEUTRAL = {"nproc", "nnodes", "rdzv_endpoint", "rdzv_id", "features"}
 # settings added after runs were recorded: left out of the fingerprint while unset, so a run made before they
 # existed keeps its id (its drafter had the target's shape, which is what unset means)
 ADDED_LATER = {"num_attention_heads", "num_key_value_heads", "head_dim"}
+# likewise, settings added later whose unset value is not None: left out while they hold it
+ADDED_LATER_DEFAULTS = {"init_from_target": False, "distill_weight": 0.0, "loss_positions": "generated"}
 
 
 def config_fingerprint(config) -> str:
     """SHA-256 (16 hex) of the settings that shape the result (:data:`RESULT_NEUTRAL` excluded, and
-    :data:`ADDED_LATER` ones while None)."""
+    :data:`ADDED_LATER` ones while None, :data:`ADDED_LATER_DEFAULTS` ones while at that default)."""
     values = config.model_dump(exclude=RESULT_NEUTRAL)
     for key in ADDED_LATER:
         if values.get(key) is None:
             values.pop(key, None)
+    for key, default in ADDED_LATER_DEFAULTS.items():
+        if key in values and values[key] == default:
+            values.pop(key)
     return _sha(values)[:16]
 
 
