@@ -187,6 +187,20 @@ def test_a_bound_or_an_enumerated_word_is_checked_at_start_up_naming_the_key(tmp
     assert msg.startswith(f"{path}: ops.{op}.config") and key in msg and value in msg, msg
 
 
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [  # issue 50, finding 10: taken silently at start-up, refused only when the corpus built
+        ("bfcl:multi_turn_base?limit=3&limit=2", "given more than once"),
+        ("bfcl:multi_turn_base#x", "suffix"),
+        ("bfcl:multi_turn_base?limit=\u00b2", "limit must be a positive integer"),
+    ],
+)
+def test_a_bfcl_sources_options_are_checked_at_start_up(tmp_path, monkeypatch, source, said):
+    path = write(tmp_path, f'ops:\n  prompt_corpus: {{config: {{sources: ["{source}"]}}}}\n', monkeypatch)
+    msg = error_of(config_schema.validate_ops, project_assets())
+    assert msg.startswith(f"{path}: ops.prompt_corpus.config.sources") and said in msg, msg
+
+
 def test_bundled_configs_are_valid(monkeypatch):
     for path in sorted(cfg.BUNDLED.glob("*.yaml")):
         monkeypatch.setenv("DFLASH_CONFIG", str(path))

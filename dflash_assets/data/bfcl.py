@@ -399,6 +399,17 @@ def _parse_spec(spec: str) -> tuple[str, int | None, str, str]:
     return category, limit, split, tools
 
 
+def check_source_spec(spec: str) -> str:
+    """``spec`` unchanged when it is not a ``bfcl:`` source or its options are well formed (the config's start-up
+    check runs it on every source, issue 50).
+
+    Raises:
+        BfclError: as :func:`source_records` for a malformed spec, before any task is read."""
+    if spec.startswith(SOURCE_PREFIX):
+        _parse_spec(spec)
+    return spec
+
+
 def source_records(spec: str) -> list[dict[str, Any]]:
     """The records a ``bfcl:`` source spec gives: its category's tasks on the chosen side of :func:`bfcl_split`
     (default ``train``; ``all`` for both), in file order, the first ``limit`` of them, each replayed by

@@ -10,9 +10,10 @@ from typing import Any, Literal
 
 import dagster as dg
 import polars as pl
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from dflash_assets.common.settings import default_sources
+from dflash_assets.data.bfcl import check_source_spec
 from dflash_assets.data.conversation_shapes import DEFAULT_TURNS, TURN_KINDS
 from dflash_assets.data.prompt_index import StableCorpus, save_index, stable_corpus
 from dflash_assets.data.reader import GiB, MiB, ReadLimits
@@ -42,6 +43,13 @@ class PromptCorpusConfig(dg.Config):
         "trailing assistant turns. A single-turn record gives the same one row (same index) either way; only "
         "multi-turn records cost more requests.",
     )
+
+    @field_validator("sources")
+    @classmethod
+    def _bfcl_options(cls, sources: list[str]) -> list[str]:
+        # a bfcl: source's options, checked at start-up (validate_ops builds this class), not when the corpus builds
+        return [check_source_spec(spec) for spec in sources]
+
     partition_size: int = Field(default=1000, ge=1, description="Prompts per index-range partition.")
     max_prompts: int | None = Field(
         default=None,
