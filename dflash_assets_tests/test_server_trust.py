@@ -285,3 +285,17 @@ def test_an_sglang_without_config_files_fails_saying_the_key_needs_one(tmp_path,
     with pytest.raises(RuntimeError) as err, SGLangServers([command], tmp_path / "logs", api_key=KEY):
         pass
     assert "exited with code 2; this SGLang takes no --config file" in str(err.value) and KEY not in str(err.value)
+
+
+def test_a_port_block_is_drawn_whatever_the_global_seed():
+    """Seen in the suite (test_drafter_quality's vLLM server refused with PortTakenError, its port held by another
+    test's server): training seeds Python's global generator (random.seed(0)), so two processes that had trained
+    with the same seed drew the same port block. The draw must neither read nor advance the global generator."""
+    import random
+
+    from dflash_assets.generation.processes.ports import free_port_block
+
+    random.seed(0)
+    state = random.getstate()
+    free_port_block(2)
+    assert random.getstate() == state

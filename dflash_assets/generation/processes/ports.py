@@ -172,8 +172,11 @@ def free_port_block(count: int, host: str = "127.0.0.1", low: int = 20000, high:
     """
     import random
 
+    # drawn from the OS, never from the global generator: training seeds that one (random.seed(0)), and two
+    # processes seeded alike drew the same block and started servers on each other's port (PortTakenError)
+    draw = random.SystemRandom()
     for _ in range(200):
-        base = random.randrange(low, high - count)
+        base = draw.randrange(low, high - count)
         try:
             for port in range(base, base + count):
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
