@@ -114,8 +114,8 @@ def render_prompts(work: Path) -> Path:
     if path.exists():
         return path
     from dflash_assets.common.conversation import api_messages
+    from dflash_assets.data.sequence_builder import SequenceBuilder
     from dflash_assets.data.shapes import build_corpus
-    from dflash_assets.data.tokenization import SequenceBuilder
     from dflash_assets.stages.evaluation.datasets import prompt_file_path
 
     tok = target_resource().load_tokenizer()

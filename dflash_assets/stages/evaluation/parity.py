@@ -23,6 +23,16 @@ from typing import Any
 #: on a minority of prompts, or a systematic loss (every long prompt's reply rejected) that could bias tau, fails;
 #: at 90% tau's standard error is at most 1/sqrt(0.9) = 1.05 times that of all prompts.
 MIN_MEASURED_SHARE = 0.9
+#: Logits by which an engine's own kernels may move this drafter's lead of one candidate token over the next, beyond
+#: the dtype's rounding (a near tie). Measured on the main job's drafter (issue 48), vLLM's CPU build against this
+#: process, float32 on both sides: 13 of 2,608 steps differed, by margins of 0.03-0.56 logits, the same with 1 and
+#: 32 requests in flight and without prefix caching (the kernels, not batching); each injected bug (target layers
+#: reversed, mask token, rope_theta, a weight negated) moved 18-34% of the steps, most of them by over 1 logit (up
+#: to 42).
+KERNEL_TOLERANCE_LOGITS = 1.0
+#: Most share of the steps compared that may be near ties (within :data:`KERNEL_TOLERANCE_LOGITS`) before parity
+#: fails: 0.5% on a clean export, 18% or more for every bug injected.
+MAX_NEAR_TIE_SHARE = 0.02
 CHECK_PARITY = "engine_parity"
 CHECK_LOSSLESS = "lossless"
 _DRAFT_FIELDS = ("target_layer_ids", "block_size", "mask_token_id")
@@ -108,7 +118,7 @@ def engine_parity(
         engine_tau = sum(r["tau"] for r in both) / len(both) if both else None
         local_tau = sum(per_prompt[r["position"]] for r in both) / len(both) if both else None
         needed = min_measured(len(records))
-        first = next((d for d in steps.get("listed", []) if not d["tie"]), None)
+        first, near = _beyond_the_kernels(steps)
         by_dataset[name] = row = {
             "engine_tau": engine_tau,
             "in_process_tau": local_tau,
@@ -120,6 +130,7 @@ def engine_parity(
             "steps_compared": int(steps.get("steps_compared", 0)),
             "mismatches": int(steps.get("mismatches", 0)),
             "ties": int(steps.get("ties", 0)),
+            "near_ties": near,
             "tolerance": steps.get("tolerance"),
             "first_mismatch": first,
         }
@@ -148,15 +159,39 @@ def engine_parity(
     return {"passed": not reasons, "reasons": reasons, "by_dataset": by_dataset, "export_vs_trained": causes}
 
 
+def _beyond_the_kernels(steps: Mapping[str, Any]) -> tuple[dict | None, int]:
+    """``(the first listed mismatch that fails parity or None, near ties)``: a mismatch by more than
+    :data:`KERNEL_TOLERANCE_LOGITS` fails; those within it (near ties) fail only when more than
+    :data:`MAX_NEAR_TIE_SHARE` of the steps are. A replay without ``mismatch_margins`` counts every mismatch."""
+    listed = [d for d in steps.get("listed", []) if not d["tie"]]
+    margins = steps.get("mismatch_margins")
+    if margins is None:
+        return (listed[0] if listed else None), 0
+    near = sum(1 for m in margins if m <= KERNEL_TOLERANCE_LOGITS)
+    beyond = next((d for d in listed if d["margin"] > KERNEL_TOLERANCE_LOGITS), None)
+    if beyond is None and len(margins) > near:  # listed holds only the first few: name the largest margin
+        beyond = {"margin": margins[-1], "unlisted": True}
+    if beyond is None and near > MAX_NEAR_TIE_SHARE * max(int(steps.get("steps_compared", 0)), 1):
+        beyond = listed[0] if listed else None
+    return beyond, near
+
+
 def _mismatch_line(name: str, row: dict, d: dict, engine_name: str, decode) -> str:
     """One reason: how many steps disagree and where the first one is."""
 
     def token(i: int) -> str:
         return f"id {i}" + (f" {decode([i])!r}" if decode is not None else "")
 
-    return (
+    head = (
         f"{name}: {row['mismatches']} of {row['steps_compared']} verification steps disagree beyond the numeric "
-        f"tolerance ({row['tolerance']} logits; {row['ties']} ties within it); the first: prompt {d['prompt']}, step "
+        f"tolerance ({row['tolerance']} logits; {row['ties']} ties within it; {row['near_ties']} near ties within "
+        f"the engine's kernels' {KERNEL_TOLERANCE_LOGITS} logits, at most {MAX_NEAR_TIE_SHARE:.0%} of the steps "
+        "allowed)"
+    )
+    if d.get("unlisted"):
+        return f"{head}; one by {d['margin']} logits"
+    return (
+        f"{head}; the first: prompt {d['prompt']}, step "
         f"{d['step']} (anchor position {d['anchor']}), draft position {d['draft_position']}: {engine_name} accepted "
         f"{d['engine_accepted']} drafts, the drafter here {d['here_accepted']} (here {token(d['here_token'])}, the "
         f"output has {token(d['output_token'])}; {d['margin']} logits apart)"

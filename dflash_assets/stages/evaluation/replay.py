@@ -36,7 +36,8 @@ def replay_engine_datasets(
         engine lost the prompt), ``plain_output_ids`` (the engine's output, checked against the target here),
         ``block_size``, ``num_prompts``, ``new_tokens``, ``lossless`` (every replayed output the target's greedy
         output here), ``first_mismatch``, ``source``, and ``step_parity``: ``prompts_replayed``,
-        ``steps_compared``, ``differences`` (count), ``ties``, ``mismatches`` (count), ``listed`` (the first
+        ``steps_compared``, ``differences`` (count), ``ties``, ``mismatches`` (count), ``mismatch_margins``
+        (each mismatch's margin, logits, ascending), ``listed`` (the first
         :data:`MAX_LISTED` differences with dataset position, step, anchor, draft position, both accepted counts,
         both tokens, margin, tie), ``target_ties``, ``tolerance``, ``wall_s``.
     """
@@ -112,6 +113,8 @@ def _entry(replays, outputs, block: int, tolerance: float, wall_s: float) -> dic
             "differences": len(differences),
             "ties": sum(1 for _, d in differences if d.tie),
             "mismatches": sum(1 for _, d in differences if not d.tie),
+            # every mismatch's margin: the parity check tells the engine's kernels from a bug by them
+            "mismatch_margins": sorted(round(d.margin, 4) for _, d in differences if not d.tie),
             "listed": listed,
             "target_ties": sum(r.target_ties for _, r in kept),
             "target_mismatches": sum(len(r.target_mismatches) for _, r in kept),
