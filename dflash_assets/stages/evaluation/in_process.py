@@ -59,7 +59,7 @@ def in_process_evaluation(
         heldout_set.attach(OnlineTargetFeatures(target, drafter.config.target_layer_ids))
     with torch.no_grad():
         if _replayable(engine_section):
-            results = _replay(log, target, drafter, prompts, engine_section, target_model.dtype)
+            results = _replay(log, target, drafters, prompts, engine_section, target_model.dtype)
         else:
             results = _decode(log, config, target, drafters, prompts, eos)
         log.info(f"teacher-forced chain estimate on {len(heldout_set)} held-out rows")
@@ -95,8 +95,11 @@ def _replayable(engine_section: dict | None) -> bool:
     )
 
 
-def _replay(log, target, drafter, prompts, engine_section: dict, dtype: str) -> dict[str, dict]:
-    """Every engine drafter record replayed here; ``{dataset: {"trained": entry}}``."""
+def _replay(log, target, drafters: dict, prompts, engine_section: dict, dtype: str) -> dict[str, dict]:
+    """Every engine drafter record replayed here; ``{dataset: {"trained": entry[, "untrained": entry]}}``: the
+    untrained drafter (when loaded) replayed over the same outputs, its own chain of anchors the floor beside the
+    trained one's (its step parity means nothing: vLLM served the trained drafter)."""
+    drafter = drafters["trained"]
     tolerance = numeric_tolerance(getattr(torch, str(dtype), torch.float32))
     total = sum(len(v) for v in prompts.values())
     log.info(f"replaying the engine's {total} outputs here (one target forward each; tolerance {tolerance} logits)")
@@ -111,7 +114,12 @@ def _replay(log, target, drafter, prompts, engine_section: dict, dtype: str) -> 
             f"replay {name}: {s['prompts_replayed']} prompts, {s['steps_compared']} engine steps, "
             f"{s['mismatches']} mismatches, {s['ties']} ties; {time.monotonic() - started:.0f} s into the replay"
         )
-    return {name: {"trained": entry} for name, entry in replayed.items()}
+    results = {name: {"trained": entry} for name, entry in replayed.items()}
+    if "untrained" in drafters:
+        floor = replay_engine_datasets(target, drafters["untrained"], prompts, engine_section["requests"], tolerance)
+        for name, entry in floor.items():
+            results[name]["untrained"] = entry
+    return results
 
 
 def _decode(log, config, target, drafters: dict, prompts, eos) -> dict[str, dict]:
@@ -243,5 +251,6 @@ def _untrained_figures(head: dict, base: dict, chain_base: dict) -> dict:
         "tau_untrained_stderr": _r(se_base),
         "tau_margin_in_stderr": round((head["tau"] - base["tau"]) / max(math.hypot(se, se_base), 1e-9), 2),
         "teacher_forced_tau_untrained": _r(chain_base["tau"]),
-        "speedup_wall_untrained": _r(base["speedup"], 3),
+        # a replay has no wall time of its own (the engine decoded)
+        **({"speedup_wall_untrained": _r(base["speedup"], 3)} if "speedup" in base else {}),
     }
