@@ -15,25 +15,12 @@ import torch
 from dflash_assets.dflash.model.loss import dflash_loss_from_hidden
 from dflash_assets.dflash.shards.dataset import HiddenStateShards, collate_training_batch
 from dflash_assets.dflash.target.tail import TargetTail, WithTargetDistribution
+from dflash_assets_tests.tiny_target import make_target
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    model = LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(path)
+    model, path = make_target(tmp_path_factory.mktemp("tiny_llama"), layers=8, vocab=64)
     return path, model
 
 

@@ -13,23 +13,12 @@ import torch
 from dflash_assets.dflash.model.draft_config import DFlashConfig
 from dflash_assets.dflash.model.draft_model import DFlashDraftModel, load_target_head
 from dflash_assets.dflash.model.target_init import init_from_target_layers
+from dflash_assets_tests.tiny_target import make_target
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model, _ = make_target(tmp_path_factory.mktemp("tiny_source"), layers=8, vocab=64)
     with torch.no_grad():  # norms away from 1, so that copying them is visible
         for name, p in model.named_parameters():
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):

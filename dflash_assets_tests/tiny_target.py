@@ -15,16 +15,17 @@ VOCAB, HIDDEN, LAYERS = 96, 32, 6
 LAYER_IDS = [1, 3, 5]
 
 
-def make_target(root: Path, seed: int = 0):
-    """``(model, directory)``: 6 layers, hidden 32, vocab 96, untied LM head, float32, eval mode."""
+def make_target(root: Path, seed: int = 0, layers: int = LAYERS, vocab: int = VOCAB):
+    """``(model, directory)``: ``layers`` layers (6), hidden 32, ``vocab`` tokens (96), untied LM head, float32,
+    eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=HIDDEN,
         intermediate_size=64,
-        num_hidden_layers=LAYERS,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
