@@ -18,6 +18,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from dflash_assets.generation.servers.origin import UNKNOWN
+
 #: Least share of a dataset's prompts the engine must have measured for parity (and the engine's lossless
 #: verdict) to count. 90%: a transient loss of a few prompts (6 of the demo's 64) passes, while a verdict resting
 #: on a minority of prompts, or a systematic loss (every long prompt's reply rejected) that could bias tau, fails;
@@ -59,8 +61,8 @@ def template_vs_trained(trained: list[str] | None, rendered: str) -> list[str]:
     template (``"unknown"``: an external server's, or rows tokenized before the hash was kept) are not compared.
     A drafter trained on another rendering of the conversation is measured on text it never saw: step parity
     cannot show it (both sides replay the same tokens), so it is checked here, before any step."""
-    known = sorted({t for t in trained or [] if t and t != "unknown"})
-    if not known or not rendered or rendered == "unknown" or rendered in known:
+    known = sorted({t for t in trained or [] if t and t != UNKNOWN})
+    if not known or not rendered or rendered == UNKNOWN or rendered in known:
         return []
     shown = ", ".join(t[:12] for t in known)
     return [

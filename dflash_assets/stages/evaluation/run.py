@@ -10,7 +10,7 @@ from pathlib import Path
 import dagster as dg
 
 from dflash_assets.generation.rows.records import holds_tool_call
-from dflash_assets.generation.servers.origin import text_sha256
+from dflash_assets.generation.servers.origin import UNKNOWN, text_sha256
 from dflash_assets.stages.drafter.run import EXPORT_DIR
 from dflash_assets.stages.evaluation.baseline import (
     CHECK_BASELINE,
@@ -249,7 +249,7 @@ def evaluation_checks(
     export_dir: str,
     in_process: bool,
     decode=None,
-    rendered_template: str = "unknown",
+    rendered_template: str = UNKNOWN,
 ) -> dict[str, dict]:
     """The outcome of the ``lossless`` and ``engine_parity`` checks: ``{name: {"passed", "reasons", ...}}``.
 
