@@ -82,6 +82,13 @@ FAST = ["--sim-startup-s", "250", *SIM[2:]]
 TARGET = {"local_model": "qwen3.6-hybrid-standin"}
 KILL_AFTER_DONE = 6  # node-a's prompts done when it is killed: its second partition holds 1-2 of them
 STEP_WORKER = "in celery worker"
+IN_FLIGHT = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+    dg.DagsterRunStatus.CANCELING,
+]
 
 
 def wait_for(predicate, timeout_s: float, what: str, logs) -> object:
@@ -212,6 +219,10 @@ def test_the_daemon_backfills_over_two_nodes_and_a_lost_node_resumes_elsewhere(s
                 return all(set(keys) <= instance.get_materialized_partitions(dg.AssetKey(s)) for s in STAGES)
 
             wait_for(done, 900, "every stage of every partition", logs)
+            # a run's last step is stored before the run process records its end: stopping the daemon in between
+            # killed that run process, leaving a run that had done its work STARTED for good (CI, stop 53)
+            in_flight = dg.RunsFilter(statuses=IN_FLIGHT)
+            wait_for(lambda: not instance.get_run_records(in_flight), 120, "every run to record its end", logs)
             wall = time.monotonic() - started
     finally:
         stop_tree(daemon)
