@@ -116,3 +116,56 @@ def test_the_rank_task_runs_only_the_projects_launch_command(tmp_path):
     for argv in bad:
         with pytest.raises(RankCommandRefused):
             launch_command(argv)
+
+
+def test_the_projects_launch_command_runs_only_under_a_live_steps_lease(tmp_path):
+    """Finding 8, the rest: write access to Redis could still send the project's own command (any run directory,
+    any config file); a node runs it only when the step's lease in that run directory holds that exact command and
+    the worker's token, and the lease is younger than the start timeout."""
+    import json
+    import os
+    import time
+
+    from dflash_assets.dflash.training.distributed import torchrun_argv
+    from dflash_assets.orchestration.node_ranks import (
+        LEASE_FILE,
+        RankCommandRefused,
+        check_lease,
+        remove_lease,
+        run_node_rank,
+        write_lease,
+    )
+
+    run = tmp_path / "run"
+    run.mkdir()
+    train = ["--shards", "/s/a", "--features", "offline", "--out", str(run), "--config-json", str(run / "c.json")]
+    good = torchrun_argv(train, nproc_per_node=1, nnodes=2, rdzv_endpoint="10.0.0.1:29500", rdzv_id="run7")
+    worker = "node-b@host"
+    with pytest.raises(RankCommandRefused, match="no readable lease"):  # what a message sent by hand finds
+        run_node_rank(good, worker, "0" * 32)
+
+    tokens = write_lease(good, [worker, "node-c@host"])
+    lease = run / LEASE_FILE
+    assert oct(lease.stat().st_mode & 0o777) == "0o600"
+    assert len(tokens[worker]) == 32 and tokens[worker] != tokens["node-c@host"]
+    check_lease(good, worker, tokens[worker], 120.0)  # the step's own message: no error
+    other = [*good[:-1], str(tmp_path / "elsewhere.json")]  # same run directory, another config file
+    refusals = {
+        "the command is not the one": (other, worker, tokens[worker]),
+        "the token is not the one": (good, worker, tokens["node-c@host"]),  # another worker's token
+        "the token is not the one the step's lease gives worker node-d": (good, "node-d@host", tokens[worker]),
+    }
+    for why, (argv, name, token) in refusals.items():
+        with pytest.raises(RankCommandRefused, match=why) as refused:
+            run_node_rank(argv, name, token)
+        assert tokens[worker] not in str(refused.value) and tokens["node-c@host"] not in str(refused.value)
+    body = json.loads(lease.read_text())
+    lease.write_text(json.dumps({**body, "written_at": time.time() - 121}))  # older than the start timeout
+    with pytest.raises(RankCommandRefused, match=r"lease is 121 s old \(at most 120 s"):
+        run_node_rank(good, worker, tokens[worker])
+    remove_lease(good)
+    assert not lease.exists()
+    remove_lease(good)  # already gone: fine
+    with pytest.raises(RankCommandRefused, match="no readable lease"):
+        check_lease(good, worker, tokens[worker], 120.0)
+    assert os.listdir(run) == []  # nothing ran, nothing written

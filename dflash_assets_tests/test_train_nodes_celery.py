@@ -235,6 +235,80 @@ def test_no_idle_worker_on_another_node_fails_after_the_start_timeout(on_node_a,
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+def test_a_rank_sent_by_hand_through_the_broker_runs_nothing(on_node_a, data, tmp_path):
+    """Issue 50, finding 8: anyone who can write to Redis can send node-b's worker the project's own launch command
+    (here: a real training's); with no live step's lease in its run directory the task fails on the node, refused,
+    and no torchrun starts there."""
+    from celery.utils.nodenames import worker_direct
+
+    from dflash_assets.dflash.training.distributed import torchrun_argv
+    from dflash_assets.orchestration.cluster import celery_app
+
+    workers = start_workers(["node-b"], {"node-b": worker_env(on_node_a)}, tmp_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = train_config(data, out)
+    (out / "train_config.json").write_text(cfg.model_dump_json())
+    train = ["--shards", *cfg.shards, "--features", "offline", "--out", str(out), "--config-json", str(out / "c.json")]
+    argv = torchrun_argv(train, nproc_per_node=1, nnodes=2, rdzv_endpoint=layout().rdzv_endpoint, rdzv_id="byhand")
+    try:
+        (name,) = [w for w in celery_app().control.inspect(timeout=2.0).ping() or {} if w.startswith("node-b@")]
+        sent = celery_app().send_task(RANK_TASK, args=[argv, "0" * 32], queue=worker_direct(name), routing_key=name)
+        with pytest.raises(Exception, match="refused to run a node rank: no readable lease"):
+            sent.get(timeout=60, propagate=True)
+        below = torchruns_below(workers[0])
+        b_log = workers[0].tail(20000)
+    finally:
+        for worker in workers:
+            worker.stop()
+    assert below == [] and "RankCommandRefused" in b_log, b_log
+    assert not (out / "train_log.jsonl").exists()
+
+
+def test_a_rank_whose_worker_is_restarted_under_its_name_is_lost(on_node_a, data, tmp_path):
+    """Issue 50, finding 6 with a real worker: node-b's worker runs a rank (its torchrun waiting at the rendezvous
+    for node-a, which never comes) and is killed with kill -9, and a supervisor starts it again under the same name
+    at once, well before the lost-after time. The new worker answers pings but runs nothing of the rank: the watch
+    says lost within three missed answers, instead of waiting on a result that never comes."""
+    from celery.utils.nodenames import worker_direct
+
+    from dflash_assets.dflash.training.distributed import torchrun_argv
+    from dflash_assets.orchestration.cluster import WatchedResult, WorkerLostError, celery_app
+    from dflash_assets.orchestration.node_ranks import write_lease
+
+    env = worker_env(on_node_a)
+    workers = start_workers(["node-b"], {"node-b": env}, tmp_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    train = ["--shards", *data["shards"], "--features", "offline", "--out", str(out)]
+    argv = torchrun_argv(train, nproc_per_node=1, nnodes=2, rdzv_endpoint=layout().rdzv_endpoint, rdzv_id="lost")
+    app = celery_app()
+    try:
+        (name,) = [w for w in app.control.inspect(timeout=2.0).ping() or {} if w.startswith("node-b@")]
+        tokens = write_lease(argv, [name])
+        sent = app.send_task(RANK_TASK, args=[argv, tokens[name]], queue=worker_direct(name), routing_key=name)
+        watched = WatchedResult(sent, app, "", 3.0, "node rank on node-b")
+        deadline = time.monotonic() + 60
+        while not torchruns_below(workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sent.state == "STARTED" and torchruns_below(workers[0]), workers[0].tail()
+        workers[0].kill()  # kill -9 of the worker and everything below it
+        workers[0] = NodeWorker("node-b", env, tmp_path / "node-b.again.worker.log", cwd=ROOT)
+        workers[0].wait_ready()
+        assert name in (app.control.inspect(timeout=2.0).ping() or {})  # the same name answers again
+        restarted = time.monotonic()
+        while not watched.ready() and time.monotonic() < restarted + 60:
+            time.sleep(0.2)
+        lost_s = time.monotonic() - restarted
+        with pytest.raises(WorkerLostError, match="restarted under its name"):
+            watched.get()
+    finally:
+        for worker in workers:
+            worker.stop()
+    print(f"rank on the restarted worker judged lost {lost_s:.1f} s after the restart")
+    assert lost_s < 30, lost_s  # three answers 1 s apart, not the 60 s of waiting
+
+
 def torchruns_below(worker: NodeWorker) -> list[int]:
     """The torchrun processes (agent or training worker) below a node's Celery worker."""
     found = []

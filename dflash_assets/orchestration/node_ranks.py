@@ -19,11 +19,21 @@ another step meanwhile), a rank that exits non-zero, or a worker that stops answ
 node; when the step fails or is interrupted, every rank is revoked (SIGTERM to the task, which stops its torchrun's
 process group). Every node must see the run directory, the inputs and the export at the same paths (a shared
 filesystem): the command carries the launching node's paths.
+
+The broker is not trusted (issue 50, finding 8). A node runs a rank only for a live step: before sending, the
+step writes a lease, :data:`LEASE_FILE` in the run directory (the shared filesystem, which Redis cannot write),
+holding the exact command, one random token per chosen worker and the time it was written; each task carries
+its worker's token. The node rebuilds the command (:func:`launch_command`), reads the lease from the command's
+``--out`` directory and runs only if the command is the lease's, the token is its own worker's and the lease is
+younger than the start timeout; the step removes the lease when its launch ends.
 """
 
 from __future__ import annotations
 
+import hmac
+import json
 import os
+import secrets
 import signal
 import threading
 import time
@@ -157,17 +167,90 @@ def launch_command(argv: Sequence[str]) -> list[str]:
     )
 
 
-def run_node_rank(argv: Sequence[str], worker: str) -> dict:
+#: The lease a step writes in its run directory while it launches node ranks (see the module docstring).
+LEASE_FILE = "node_ranks.lease.json"
+
+
+def out_dir_of(argv: Sequence[str]) -> str:
+    """The run directory of a launch command: the value of its ``--out`` flag.
+
+    Raises:
+        RankCommandRefused: the command has no ``--out`` value.
+    """
+    args = list(argv)
+    if "--out" not in args[:-1]:
+        raise RankCommandRefused("refused to run a node rank: the command names no run directory (--out)")
+    return str(args[args.index("--out") + 1])
+
+
+def write_lease(argv: Sequence[str], workers: Sequence[str]) -> dict[str, str]:
+    """Write the lease for sending ``argv`` to ``workers`` (``NAME@HOST``) into the command's run directory,
+    atomically and readable by its owner only; returns ``{worker: token}`` (32 hex characters each).
+
+    Raises:
+        RankCommandRefused: ``argv`` has no ``--out``.
+        OSError: the run directory cannot be written.
+    """
+    from dflash_assets.storage.atomic import atomic_write_bytes
+
+    tokens = {w: secrets.token_hex(16) for w in workers}
+    lease = {"argv": [str(a) for a in argv], "tokens": tokens, "written_at": time.time()}
+    path = os.path.join(out_dir_of(argv), LEASE_FILE)
+    atomic_write_bytes(path, json.dumps(lease).encode())
+    os.chmod(path, 0o600)
+    return tokens
+
+
+def remove_lease(argv: Sequence[str]) -> None:
+    """Remove the lease of ``argv`` (the launch ended); a missing one is fine."""
+    try:
+        os.remove(os.path.join(out_dir_of(argv), LEASE_FILE))
+    except FileNotFoundError:
+        pass
+
+
+def check_lease(argv: Sequence[str], worker: str, token: str, max_age_s: float) -> None:
+    """Check, on the node, that ``argv`` is sent by a live step: the lease in its ``--out`` directory holds this
+    exact command, ``token`` is ``worker``'s and the lease is at most ``max_age_s`` seconds old.
+
+    Raises:
+        RankCommandRefused: no lease, another command, a wrong token or an old lease (the message says which,
+            never a token).
+    """
+
+    def refuse(why: str) -> RankCommandRefused:
+        return RankCommandRefused(f"refused to run a node rank: {why}; only a live dflash_drafter step's launch runs")
+
+    path = os.path.join(out_dir_of(argv), LEASE_FILE)
+    try:
+        with open(path) as f:
+            lease = json.load(f)
+        expected, written_at = lease["tokens"].get(worker, ""), float(lease["written_at"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise refuse(f"no readable lease at {path[:200]}") from None
+    if lease.get("argv") != [str(a) for a in argv]:
+        raise refuse("the command is not the one the step's lease holds")
+    if not (isinstance(expected, str) and expected and hmac.compare_digest(expected, str(token))):
+        raise refuse(f"the token is not the one the step's lease gives worker {worker[:80]}")
+    age_s = time.time() - written_at
+    if not -60.0 <= age_s <= max_age_s:  # a minute of clock skew between nodes is tolerated
+        raise refuse(f"the step's lease is {age_s:.0f} s old (at most {max_age_s:.0f} s, {START_TIMEOUT_ENV})")
+
+
+def run_node_rank(argv: Sequence[str], worker: str, token: str = "") -> dict:
     """Run one node's torchrun (its own process group), the command :func:`launch_command` rebuilds from
     ``argv``, with :data:`NODE_NAME_ENV` set to this worker's node; returns ``{"worker", "node", "exit_code",
     "log_tail"}`` (the last :data:`TAIL_LINES` lines). SIGTERM (the task revoked with ``terminate=True``) stops
     torchrun's whole group, then raises :class:`RankStopped`.
 
     Raises:
-        RankCommandRefused: ``argv`` is not the project's launch command (nothing runs)."""
+        RankCommandRefused: ``argv`` is not the project's launch command, or no live step's lease holds it for
+            this worker and ``token`` (:func:`check_lease`; nothing runs)."""
     from dflash_assets.generation.processes.sessions import run_streaming
 
-    argv = launch_command(argv)
+    rebuilt = launch_command(argv)
+    check_lease(argv, worker, token, start_timeout_s())
+    argv = rebuilt
 
     node = node_of(worker)
     tail: list[str] = []
@@ -193,8 +276,8 @@ def register_rank_task(celery) -> None:
     """Register :data:`RANK_TASK` (:func:`run_node_rank` on the worker that takes it) on the Celery app."""
 
     @celery.task(name=RANK_TASK, bind=True)
-    def train_node_rank(self, argv: list[str]) -> dict:
-        return run_node_rank(argv, self.request.hostname)
+    def train_node_rank(self, argv: list[str], token: str = "") -> dict:
+        return run_node_rank(argv, self.request.hostname, token)
 
 
 def idle_workers(app, count: int, exclude_node: str, timeout_s: float, log) -> list[str]:
@@ -226,7 +309,8 @@ def idle_workers(app, count: int, exclude_node: str, timeout_s: float, log) -> l
 
 
 class NodeRanks:
-    """The node ranks of one run, each a :data:`RANK_TASK` sent to the direct queue of one worker.
+    """The node ranks of one run, each a :data:`RANK_TASK` sent to the direct queue of one worker with that
+    worker's lease token (``tokens``, from :func:`write_lease`).
 
     ``watched(result, what)`` wraps each task's result in a watch on its worker
     (:class:`~dflash_assets.orchestration.cluster.WatchedResult`: ``ready``, ``get``, lost workers). ``watch`` (a
@@ -234,13 +318,22 @@ class NodeRanks:
     ``collect`` waits for every rank's result; ``revoke`` terminates every rank still running.
     """
 
-    def __init__(self, app, argv: Sequence[str], workers: list[str], start_timeout: float, watched: Callable):
+    def __init__(
+        self,
+        app,
+        argv: Sequence[str],
+        workers: list[str],
+        start_timeout: float,
+        watched: Callable,
+        tokens: dict[str, str],
+    ):
         from celery.utils.nodenames import worker_direct
 
         self.workers, self.start_timeout = workers, start_timeout
         self.sent = time.monotonic()
         self.results = {
-            w: app.send_task(RANK_TASK, args=[list(argv)], queue=worker_direct(w), routing_key=w) for w in workers
+            w: app.send_task(RANK_TASK, args=[list(argv), tokens[w]], queue=worker_direct(w), routing_key=w)
+            for w in workers
         }
         self.watched = {w: watched(r, f"node rank on {node_of(w)}") for w, r in self.results.items()}
         self.failure: NodeRankError | None = None

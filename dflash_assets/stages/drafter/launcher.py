@@ -125,17 +125,15 @@ def _run_with_node_ranks(log, argv: list[str], nnodes: int, on_line, tail: list[
         TrainingRunError: no idle workers, a rank failed / did not start / was lost (naming its node), or this
             node's torchrun exited non-zero (``metadata["log_tail"]``).
     """
-    import threading
-
-    from dflash_assets.dflash.training.distributed import NODE_NAME_ENV
-    from dflash_assets.generation.processes.sessions import stop_process_group
     from dflash_assets.orchestration.cluster import WatchedResult, celery_app, lost_after_s
     from dflash_assets.orchestration.node_ranks import (
         NodeRankError,
         NodeRanks,
         idle_workers,
+        remove_lease,
         start_timeout_s,
         this_node,
+        write_lease,
     )
 
     try:
@@ -147,7 +145,23 @@ def _run_with_node_ranks(log, argv: list[str], nnodes: int, on_line, tail: list[
     def watched(result, what: str) -> WatchedResult:
         return WatchedResult(result, app, "", lost_after, what, RESUME_ADVICE)
 
-    ranks = NodeRanks(app, argv, workers, timeout, watched)
+    tokens = write_lease(argv, workers)  # what the other nodes check before they run anything
+    try:
+        _launch_with_ranks(log, NodeRanks(app, argv, workers, timeout, watched, tokens), argv, me, on_line, tail)
+    finally:
+        remove_lease(argv)
+
+
+def _launch_with_ranks(log, ranks, argv: list[str], me: str, on_line, tail: list[str]) -> None:
+    """This node's torchrun beside the ranks already sent (``ranks``, a ``NodeRanks``): see
+    :func:`_run_with_node_ranks`."""
+    import threading
+
+    from dflash_assets.dflash.training.distributed import NODE_NAME_ENV
+    from dflash_assets.generation.processes.sessions import stop_process_group
+    from dflash_assets.orchestration.node_ranks import NodeRankError
+
+    workers, timeout = ranks.workers, ranks.start_timeout
     log.info(f"node ranks sent to {', '.join(workers)}; launching this node's ({me}) " + " ".join(argv[:9]) + " ...")
     local, stop = [], threading.Event()
 
