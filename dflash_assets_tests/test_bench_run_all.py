@@ -215,3 +215,23 @@ def test_prefix_affinity_bench_counts_prefill_by_hand():
     rows = [("A", a1), ("A", a1 + list(range(9, 17))), ("B", b1), ("B", b1 + list(range(109, 117)))]
     assert bench.prefilled(rows, 2, affinity=False, capacity=1000, page_size=4) == 8 + 16 + 8 + 16
     assert bench.prefilled(rows, 2, affinity=True, capacity=1000, page_size=4) == 8 + 8 + 8 + 8
+
+
+def test_bench_args_reach_the_one_bench_named(tmp_path):
+    """A bench of hours (the learning curve) runs a part of its grid: --bench-args go to the one bench in --only."""
+    benches, results = tmp_path / "benches", tmp_path / "RESULTS.md"
+    benches.mkdir()
+    fake_bench(
+        benches,
+        "bench_a",
+        """
+        import json, sys
+        print("HEADLINE " + json.dumps({"figure": "args " + " ".join(sys.argv[1:]), "value": 1, "goal": "-"}))
+        """,
+    )
+    cmd = [sys.executable, str(ROOT / "bench" / "run_all"), "--benches", str(benches), "--results", str(results)]
+    done = subprocess.run([*cmd, "--only", "bench_a", "--bench-args=--levers 'n 4' --sizes 1"], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    assert table(results)[0][1] == "args --levers n 4 --sizes 1"
+    refused = subprocess.run([*cmd, "--bench-args=--sizes 1"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--bench-args needs exactly one bench in --only" in refused.stderr
