@@ -299,3 +299,31 @@ def test_a_port_block_is_drawn_whatever_the_global_seed():
     state = random.getstate()
     free_port_block(2)
     assert random.getstate() == state
+
+
+def test_a_block_drawn_by_one_process_is_not_drawn_by_another_while_its_server_loads(tmp_path, monkeypatch):
+    """CI, stop 53 (test_cost): ``PortTakenError: port 28795 ... held by pid 13638 (python), not SGLang server 0
+    (pid 13618)``: a block is free only until its server binds it (seconds for the simulator, minutes for a real
+    engine), and a server of the other test process, drawing meanwhile, took the same port. A drawn block is claimed
+    on the machine: another process drawing gets another block, until the claim is older than its time to live."""
+    import random
+    import subprocess
+    import sys
+
+    from dflash_assets.generation.processes import ports
+
+    monkeypatch.setattr(ports, "_claims_dir", lambda: tmp_path / "claims")  # this test's claims only
+    claimer = (
+        "from pathlib import Path; from dflash_assets.generation.processes import ports; "
+        f"ports._claims_dir = lambda: Path({str(tmp_path / 'claims')!r}); print(ports.free_port_block(3))"
+    )
+    base = int(subprocess.run([sys.executable, "-c", claimer], capture_output=True, text=True, check=True).stdout)
+    taken = range(base, base + 3)
+    assert sorted(int(p.name) for p in ports._claims_dir().iterdir()) == list(taken)  # claimed, past its process
+
+    draws = iter([base + 1, base + 100])  # the other process's draw overlaps, then one that does not
+    monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, lo, hi: next(draws))
+    assert ports.free_port_block(2) == base + 100  # the overlapping block was free to bind, but claimed
+    assert not ports.claim_ports(range(base + 2, base + 4))  # one port claimed: nothing claimed
+    assert not (ports._claims_dir() / str(base + 3)).exists()
+    assert ports.claim_ports(range(base + 2, base + 4), ttl_s=0.0)  # an old claim is taken over

@@ -161,11 +161,69 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+#: Where drawn port blocks are claimed on this machine (one file per port), so two processes drawing at once (two
+#: pipelines on one node, two test workers) never get the same free-looking block while a server still loads.
+CLAIMS_DIR_NAME = "dflash_port_claims"
+#: Seconds a claim holds: long enough for a server drawn for to load and bind, then the port is free to draw again.
+CLAIM_TTL_S = 900.0
+
+
+def _claims_dir() -> Path:
+    """``/tmp/dflash_port_claims_<uid>``: the machine's, whatever ``$TMPDIR`` a process has (processes that draw
+    with different ones must still see each other's claims)."""
+    import tempfile
+
+    root = Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())
+    return root / f"{CLAIMS_DIR_NAME}_{os.getuid()}"
+
+
+def claim_ports(ports: range, ttl_s: float = CLAIM_TTL_S) -> bool:
+    """Claim ``ports`` for this process for ``ttl_s`` seconds (a file per port, created exclusively, so of two
+    processes claiming at once one wins); a claim older than ``ttl_s`` is taken over. Returns False, having claimed
+    nothing, when a port is claimed already."""
+    folder = _claims_dir()
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+    except OSError:  # no shared place to claim in: the bind test alone decides, as before claims
+        return True
+    now = time.time()
+    for old in folder.iterdir():  # claims of servers long started (or never): a few hundred files at most
+        try:
+            if now - old.stat().st_mtime > ttl_s:
+                old.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+    made: list[Path] = []
+    for port in ports:
+        path = folder / str(port)
+        for _ in range(2):
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                made.append(path)
+                break
+            except FileExistsError:
+                try:
+                    stale = time.time() - path.stat().st_mtime > ttl_s
+                except FileNotFoundError:
+                    continue  # released meanwhile: try again
+                if not stale:
+                    break
+                path.unlink(missing_ok=True)  # then try again; another taker may win that race
+        if not made or made[-1] != path:
+            for done in made:
+                done.unlink(missing_ok=True)
+            return False
+    return True
+
+
 def free_port_block(count: int, host: str = "127.0.0.1", low: int = 20000, high: int = 32000) -> int:
     """First port of ``count`` consecutive TCP ports all free on ``host`` now, for servers that listen on
     ``port_base + i``. Drawn below Linux's ephemeral range (32768-60999 by default), so the outgoing
     connections of clients never hold one of them: a block picked with port 0 + i can collide with
-    one (seen: EADDRINUSE on ``port_base + 1``).
+    one (seen: EADDRINUSE on ``port_base + 1``). The block is claimed on this machine for :data:`CLAIM_TTL_S`
+    seconds (:func:`claim_ports`): a free port is free only until its server binds it, minutes later for a loading
+    engine, and another process drawing meanwhile took it (seen in CI: ``PortTakenError ... held by pid A
+    (python), not SGLang server 0 (pid B)``, A a server of another test process).
 
     Raises:
         RuntimeError: no free block found in 200 tries.
@@ -183,5 +241,6 @@ def free_port_block(count: int, host: str = "127.0.0.1", low: int = 20000, high:
                     s.bind((host, port))
         except OSError:
             continue
-        return base
+        if claim_ports(range(base, base + count)):
+            return base
     raise RuntimeError(f"no {count} consecutive free ports in {low}-{high} on {host}")
