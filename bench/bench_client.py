@@ -122,6 +122,43 @@ def _run_floor(url: str, n: int, concurrency: int) -> float:
     return time.perf_counter() - start
 
 
+#: The user's node (../shared/docs/SCALE.md): ~25,000 output tokens/s in all, ~2,600 output tokens a row on average.
+NODE_TOKENS_PER_S, NODE_TOKENS_PER_ROW = 25_000, 2_600
+#: Where a profiled request's client CPU goes, by the module path that spends it (first match wins).
+PROFILE_GROUPS = (
+    ("HTTP (httpcore, h11, httpx, anyio)", ("/httpcore/", "/h11/", "/httpx/", "/anyio/", "/sniffio/")),
+    ("event loop and sockets (asyncio, ssl, selectors)", ("/asyncio/", "/selectors.py", "/ssl.py", "/socket.py")),
+    ("JSON", ("/json/",)),
+    ("this project's client (routing, attempts, journal callbacks)", ("/dflash_assets/",)),
+    ("retries (tenacity)", ("/tenacity/",)),
+)
+
+
+def profile_client(url: str, n: int, concurrency: int) -> dict[str, float]:
+    """Client CPU of ``n`` requests under cProfile, as shares of the profiled total by :data:`PROFILE_GROUPS`
+    (own time of each function; C functions apart)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _run(url, n, concurrency, False)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    shares: dict[str, float] = {}
+    for (filename, _line, _name), (_cc, _nc, own_s, _cum, _callers) in stats.stats.items():
+        group = next((g for g, marks in PROFILE_GROUPS if any(m in filename for m in marks)), "other Python")
+        if filename == "~":  # C functions: socket send / recv, isinstance, dict and list methods
+            group = "built-in C functions (socket send / recv, isinstance, ...)"
+        shares[group] = shares.get(group, 0.0) + own_s
+    total = sum(shares.values()) or 1.0
+    print("client CPU by where it goes (cProfile, own time):")
+    for group, own in sorted(shares.items(), key=lambda kv: -kv[1]):
+        print(f"  {own / total:6.1%}  {group}")
+    stats.sort_stats("tottime").print_stats(12)
+    return {g: own / total for g, own in shares.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=5000)
@@ -193,6 +230,23 @@ def main() -> None:
             "client / raw per-worker httpx transport requests/s (strictly less work)",
             statistics.median(floors),
             "none (context: what the client costs)",
+        )
+        # what bounds it, and what the node asks of it (issue 52: >= 1,000 req/s, or the bound explained)
+        shares = profile_client(url, min(2000, args.requests), args.concurrency)
+        http = shares.get(PROFILE_GROUPS[0][0], 0.0) + shares.get(PROFILE_GROUPS[1][0], 0.0)
+        headline(
+            "client CPU in HTTP and the event loop (httpcore, h11, httpx, asyncio; cProfile own time), share",
+            round(http, 3),
+            "none (context: the bound: one Python thread doing HTTP/1.1; this project's code "
+            f"{shares.get(PROFILE_GROUPS[3][0], 0.0):.1%})",
+        )
+        need = NODE_TOKENS_PER_S / NODE_TOKENS_PER_ROW
+        headline(
+            f"client requests/s (median round) / requests/s the user's node needs ({NODE_TOKENS_PER_S:,} output "
+            f"tok/s / {NODE_TOKENS_PER_ROW:,} tokens a row = {need:.1f} req/s, SCALE.md)",
+            round(rate / need, 1),
+            ">= 10 (the client on under a tenth of one core at the node's rate)",
+            rate / need >= 10,
         )
     finally:
         proc.terminate()
