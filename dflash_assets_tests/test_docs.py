@@ -40,6 +40,8 @@ def test_readme_is_short_and_has_no_run_log():
 
 def test_readme_says_once_what_ran_on_a_serving_engine():
     assert README.count("nothing on a real SGLang") == 1
+    # issue 52: the H200's gpu_check row stood beside "nothing on a GPU"
+    assert "nothing on a GPU" not in README and "On a GPU: `bench/gpu_check` on one H200" in README
     assert "bench/dflash_simulators/sglang_stub.py" in README
 
 

@@ -96,6 +96,9 @@ def demo_runs(local_inference, tmp_path_factory):
                 engine="vllm" if seed == 0 else "none",
                 prompt_files=[],
                 untrained_baseline=True,  # off by default; this test compares against it
+                # plain decoding's own server is test_vllm_ngram's (three methods, each its own forwards): here it
+                # would only add a third vLLM start to the suite's longest module
+                plain_baseline=False,
             )
             run_config = {
                 "ops": {"dflash_drafter": {"config": train_config}, "drafter_evaluation": {"config": eval_config}}
