@@ -274,12 +274,16 @@ def test_resource_defaults():
         InferenceServerResource(mode="external").tokenizer_path()
 
 
-def test_free_port_block_skips_a_block_with_a_taken_port_and_stays_below_the_ephemeral_range():
+def test_free_port_block_skips_a_block_with_a_taken_port_and_stays_below_the_ephemeral_range(monkeypatch):
     """The simulator tests once drew port_base with port 0 and got EADDRINUSE on port_base + 1 (an
     outgoing connection's ephemeral port): a block must be free as a whole, below 32768."""
     import socket
 
+    from dflash_assets.generation.processes import ports
     from dflash_assets.generation.processes.ports import free_port_block
+
+    # the binding rule alone: a draw's claim on the machine (test_server_trust) would make base unavailable below
+    monkeypatch.setattr(ports, "claim_ports", lambda block, ttl_s=0.0: True)
 
     base = free_port_block(3)
     assert base >= 20000 and base + 3 <= 32000

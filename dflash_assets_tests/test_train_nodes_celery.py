@@ -257,6 +257,10 @@ def test_a_rank_sent_by_hand_through_the_broker_runs_nothing(on_node_a, data, tm
         with pytest.raises(Exception, match="refused to run a node rank: no readable lease"):
             sent.get(timeout=60, propagate=True)
         below = torchruns_below(workers[0])
+        # the result is back before the worker's log has the task's failure line (seen in CI): wait for it
+        deadline = time.monotonic() + 30
+        while "RankCommandRefused" not in workers[0].tail(20000) and time.monotonic() < deadline:
+            time.sleep(0.2)
         b_log = workers[0].tail(20000)
     finally:
         for worker in workers:
