@@ -169,3 +169,31 @@ def test_the_projects_launch_command_runs_only_under_a_live_steps_lease(tmp_path
     with pytest.raises(RankCommandRefused, match="no readable lease"):
         check_lease(good, worker, tokens[worker], 120.0)
     assert os.listdir(run) == []  # nothing ran, nothing written
+
+
+def test_the_lease_is_owner_only_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """The lease's tokens are never readable by others, not even for the moment between the write and a chmod:
+    the temp file is created 0600 (the last stop's lease was chmodded after the rename, default-readable
+    until then)."""
+    import os
+
+    from dflash_assets.dflash.training.distributed import torchrun_argv
+    from dflash_assets.orchestration.node_ranks import LEASE_FILE, write_lease
+    from dflash_assets.storage import atomic
+
+    run = tmp_path / "run"
+    run.mkdir()
+    argv = torchrun_argv(["--out", str(run)], nproc_per_node=1, nnodes=2, rdzv_endpoint="10.0.0.1:1", rdzv_id="r")
+    seen, replace = [], os.replace
+
+    def spy(src, dst):  # the temp file's mode as it becomes the lease
+        seen.append((os.path.basename(dst), os.stat(src).st_mode & 0o777))
+        return replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", spy)
+    old = os.umask(0o022)  # the usual default: a file made without a mode would be 0644
+    try:
+        write_lease(argv, ["node-b@host"])
+    finally:
+        os.umask(old)
+    assert seen == [(LEASE_FILE, 0o600)]

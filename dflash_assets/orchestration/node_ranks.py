@@ -196,8 +196,7 @@ def write_lease(argv: Sequence[str], workers: Sequence[str]) -> dict[str, str]:
     tokens = {w: secrets.token_hex(16) for w in workers}
     lease = {"argv": [str(a) for a in argv], "tokens": tokens, "written_at": time.time()}
     path = os.path.join(out_dir_of(argv), LEASE_FILE)
-    atomic_write_bytes(path, json.dumps(lease).encode())
-    os.chmod(path, 0o600)
+    atomic_write_bytes(path, json.dumps(lease).encode(), mode=0o600)  # owner-only from creation, temp file too
     return tokens
 
 

@@ -194,25 +194,15 @@ def claim_ports(ports: range, ttl_s: float = CLAIM_TTL_S) -> bool:
         except FileNotFoundError:
             pass
     made: list[Path] = []
-    for port in ports:
+    for port in ports:  # stale claims are gone (above): an existing file is a live claim
         path = folder / str(port)
-        for _ in range(2):
-            try:
-                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-                made.append(path)
-                break
-            except FileExistsError:
-                try:
-                    stale = time.time() - path.stat().st_mtime > ttl_s
-                except FileNotFoundError:
-                    continue  # released meanwhile: try again
-                if not stale:
-                    break
-                path.unlink(missing_ok=True)  # then try again; another taker may win that race
-        if not made or made[-1] != path:
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
             for done in made:
                 done.unlink(missing_ok=True)
             return False
+        made.append(path)
     return True
 
 
