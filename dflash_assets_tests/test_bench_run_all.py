@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -235,3 +236,41 @@ def test_bench_args_reach_the_one_bench_named(tmp_path):
     assert table(results)[0][1] == "args --levers n 4 --sizes 1"
     refused = subprocess.run([*cmd, "--bench-args=--sizes 1"], capture_output=True, text=True)
     assert refused.returncode == 2 and "--bench-args needs exactly one bench in --only" in refused.stderr
+
+
+def test_runs_list_every_run_that_still_has_a_row_and_no_other(tmp_path):
+    """Each row's run (its load average) stays under Runs however many runs came after it; a run whose rows were all
+    measured again goes. (Seen: only the last ten runs were kept, and the H200 gpu_check rows lost their run.)"""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader("run_all_module", str(ROOT / "bench" / "run_all"))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+
+    def line(minute: int, commit: str, benches: str) -> str:
+        stamp = f"2026-12-0{1 + minute // 60} {minute % 60:02d}:00:00 UTC"
+        return f"- run {stamp}, commit {commit}, machine `m-1`: {benches}; load"
+
+    def row(bench: str, commit: str) -> dict:
+        return {"bench": bench, "figure": "f", "value": 1, "goal": "-", "met": "-", "date": "d", "commit": commit,
+                "machine": "m-1"}  # fmt: skip
+
+    runs = [line(0, "c0", "bench_a, bench_b"), *(line(i, f"c{i}", "bench_b") for i in range(1, 12))]
+    rows = [row("bench_a", "c0"), row("bench_b", "c11")]  # bench_b's eleven later runs each replaced its row
+    results = tmp_path / "RESULTS.md"
+    module.write_results(results, rows, {"m-1": "here"}, runs)
+    assert module.read_results(results)[2] == [runs[0], runs[-1]]
+    # runs at one commit: the latest of a bench claims its rows
+    same = [line(0, "c", "bench_a"), line(1, "c", "bench_b"), line(2, "c", "bench_a")]
+    assert module._runs_with_rows(same, [row("bench_a", "c"), row("bench_b", "c")]) == same[1:]
+    # end to end: run_all's own lines, a second apart at least, the one of the bench run again replaced
+    benches = tmp_path / "benches"
+    benches.mkdir()
+    for name in ("bench_a", "bench_b"):
+        fake_bench(benches, name, 'print(\'HEADLINE {"figure": "x", "value": 1, "goal": "-", "met": null}\')')
+    for name in ("bench_a", "bench_b", "bench_a"):
+        time.sleep(1.1)
+        assert run_all(benches, results, name).returncode == 0
+    listed = [ln.split("`: ")[1].split(";")[0] for ln in results.read_text().splitlines() if ln.startswith("- run ")]
+    assert listed == ["bench_b", "bench_a"]
