@@ -7,6 +7,7 @@ import dagster as dg
 from dflash_assets.app.automation import build_backfill_schedule, build_cap_change_sensor
 from dflash_assets.app.stage_order import ASSETS, PARTITION_STAGES
 from dflash_assets.common.config import build_resources, op_config
+from dflash_assets.common.stop_signals import restore_stop_signals
 from dflash_assets.generation.servers.pool import API_KEY_ENV
 from dflash_assets.orchestration.cluster import celery_broker_url, partition_executor
 from dflash_assets.orchestration.instance_url import check_postgres_url
@@ -27,6 +28,7 @@ def api_key_from_env() -> dict:
     return {"api_key": dg.EnvVar(API_KEY_ENV)} if os.environ.get(API_KEY_ENV) else {}
 
 
+restore_stop_signals()  # every process loading the pipeline (CLI, step, daemon) stops on SIGINT / SIGTERM
 check_postgres_url()  # a cluster instance's URL: psycopg2's scheme, refused before a run's first write fails
 validate_ops(ASSETS)  # unknown op names / config keys in the config file are errors, named with the file
 

@@ -13,12 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_assets.common.stop_signals import restore_stop_signals
+
 # One torch thread per process: the tests run a model server and the pipeline in separate processes on a
 # 2-core machine, and two processes each spinning two OpenMP threads were several times slower (40 greedy
 # tokens from SmolLM2 took 28 s with 2 threads against 5 s with 1 while another process was busy). Set
 # before any server is spawned, so its processes inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Started in the background of a shell without job control (`nohup pytest &`, some CI runners), the suite inherits
+# SIGINT ignored and Dagster copies that to SIGTERM: a test's Ctrl-C or SIGTERM to its child was lost and every
+# threaded run's log capture waited 60 s (two false failures and test_status at 125 s instead of 8, 2026-12-07).
+restore_stop_signals()
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from dflash_assets.common.settings import PROJECT_ROOT
+from dflash_assets.common.stop_signals import restore_stop_signals
 
 #: The instance settings a DAGSTER_HOME without its own dagster.yaml gets: the project's (pools, run retries, the
 #: run launcher that reaps killed runs, telemetry off); where the project's file is not beside the package (an
@@ -35,6 +36,7 @@ def _ensure_dagster_home() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments and dispatch; exits non-zero with a one-line error on failure."""
+    restore_stop_signals()  # started in a script's background: Ctrl-C and `kill PID` still stop the run
     parser = argparse.ArgumentParser(prog="python -m dflash_assets", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="materialize the whole pipeline on the configured (default: embedded) setup")
