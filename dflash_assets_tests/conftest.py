@@ -52,7 +52,6 @@ SLOW_MODULE_SECONDS = {
     # then a Dagster run of dflash_drafter over two workers (~32 s of it): 95 s at load 3 on 2 cores
     "test_train_nodes_celery": 130,
     "test_gpu_install": 140,  # pip dry runs against PyPI: 63 s at load 2-4, 140 s at load 11-16
-    "test_status": 128,
     # issue 50: five on-policy runs through a stand-in server (one waits out a 2 s tool time-out), the sandbox
     "test_on_policy_faults": 75,
     # 40 s (issue 49 added SGLang's chat processing, the router's parser, replies with prompt ids), and ~2 min more
