@@ -47,15 +47,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _default_stop_signals() -> None:
-    """The child starts with SIGINT and SIGTERM at their defaults whatever this process inherited: run in
-    the background of a shell without job control, SIGINT comes ignored, and Dagster's interrupt set-up
-    (run by earlier tests in this process) copies SIGINT's disposition to SIGTERM, so the child would
-    inherit an ignored SIGTERM and the default-handler test could not pass."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def _start(tmp_path: Path, install_handler: bool) -> subprocess.Popen:
     script = tmp_path / "generate.py"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), install_handler=install_handler))
@@ -64,7 +55,6 @@ def _start(tmp_path: Path, install_handler: bool) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=_default_stop_signals,
     )
     deadline = time.monotonic() + 60
     line = ""

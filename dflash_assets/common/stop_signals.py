@@ -14,22 +14,15 @@ import signal
 import threading
 
 
-def restore_stop_signals() -> list[str]:
+def restore_stop_signals() -> None:
     """Give an ignored SIGINT Python's default handler (KeyboardInterrupt) and an ignored SIGTERM the default action.
 
     Only from the main thread (``signal.signal`` refuses any other); a no-op where neither is ignored, so a
     handler someone installed is kept.
-
-    Returns:
-        The names of the signals restored (``["SIGINT", "SIGTERM"]``, a part of it, or empty).
     """
     if threading.current_thread() is not threading.main_thread():
-        return []
-    restored = []
+        return
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        restored.append("SIGINT")
     if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        restored.append("SIGTERM")
-    return restored
