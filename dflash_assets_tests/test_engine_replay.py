@@ -134,3 +134,59 @@ def test_ngram_steps_follow_the_rule_as_an_independent_replay_does():
             reference["draft_tokens"],
             reference["accepted"],
         )
+
+
+def _two_layer_drafter() -> torch.nn.Module:
+    from dflash_assets.dflash.model.draft_model import DFlashDraftModel
+
+    config = DFlashConfig(
+        hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+        vocab_size=VOCAB, mask_token_id=VOCAB - 1, target_layer_ids=LAYER_IDS, num_target_layers=LAYERS,
+        num_hidden_layers=2, block_size=BLOCK,
+    )  # fmt: skip
+    drafter = DFlashDraftModel(config)
+    drafter.reset_parameters(seed=5)
+    g = torch.Generator().manual_seed(6)
+    drafter.attach_target(torch.randn(VOCAB, HIDDEN, generator=g))
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.k_norm.weight.copy_(torch.rand(8, generator=g) + 0.5)
+    return drafter.eval()
+
+
+def test_the_engine_view_norms_every_layers_context_keys_with_layer_0s_weight_and_nothing_else():
+    """Issue 48: vLLM 0.32.0's CPU build normalises every draft layer's context keys with layer 0's k_norm weight
+    (vllm_probe). The replay's copy computes exactly that: layer 1's context keys by hand with layer 0's weight, its
+    block keys with its own; both context paths (whole forward, cached context) agree; the drafter is unchanged and
+    shares its weights with the copy."""
+    from dflash_assets.dflash.decoding.engine_replay import with_context_k_norm_of_layer0
+    from dflash_assets.dflash.model.draft_model import rope_cos_sin
+
+    drafter = _two_layer_drafter()
+    engine = with_context_k_norm_of_layer0(drafter)
+    assert engine.layers[1].self_attn.q_proj.weight is drafter.layers[1].self_attn.q_proj.weight
+    assert engine.target_lm_head_weight is drafter.target_lm_head_weight
+    assert all(layer.self_attn.context_k_norm_weight is None for layer in drafter.layers)
+    assert set(engine.state_dict()) == set(drafter.state_dict())  # nothing new is saved
+
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(1, 6, HIDDEN, generator=g)
+    cos, sin = rope_cos_sin(torch.arange(6)[None], 8, drafter.config.rope_theta, torch.float32)
+    attn = drafter.layers[1].self_attn
+    k = attn.k_proj(h).view(1, 6, 2, 8)
+    normed = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + attn.k_norm.eps)
+    with torch.no_grad():
+        for weight, context in ((drafter.layers[0].self_attn.k_norm.weight, True), (attn.k_norm.weight, False)):
+            want = (normed * weight).transpose(1, 2)
+            want = want * cos[:, None] + torch.cat([-want[..., 4:], want[..., :4]], -1) * sin[:, None]
+            got, _ = engine.layers[1].self_attn.kv(h, cos, sin, context=context)
+            torch.testing.assert_close(got, want)
+
+    features = torch.randn(1, 9, len(LAYER_IDS) * HIDDEN, generator=g)
+    block = torch.tensor([[5] + [VOCAB - 1] * (BLOCK - 1)])
+    with torch.no_grad():
+        whole = engine(block, target_hidden=features, position_ids=torch.arange(9 + BLOCK)[None])
+        cached = engine.forward_block(block, engine.extend_context(engine.new_context_cache(), features))
+        trained = drafter(block, target_hidden=features, position_ids=torch.arange(9 + BLOCK)[None])
+    torch.testing.assert_close(whole, cached)
+    assert (whole - trained).abs().max() > 1e-3  # the layers' k_norm weights differ: so do the drafts' states

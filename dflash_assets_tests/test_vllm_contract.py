@@ -186,3 +186,27 @@ def test_vllm_hands_the_template_what_the_project_renders_for_every_body(judged)
     bfcl = next(b for b in bodies if b.name.startswith("tool conversation"))
     raw = SequenceBuilder(tokenizer).prompt_text(bfcl.messages, True, bfcl.tools)
     assert builder.prompt_text(bfcl.messages, True, bfcl.tools) == raw
+
+
+def test_the_kernel_probe_reads_what_vllms_cpu_rms_norm_does_with_per_layer_weights(vllm_python, tmp_path):
+    """Issue 48: vLLM's CPU rms_norm, given keys of two layers and their k_norm weights stacked [2, head_dim]
+    (qwen3_dflash's context-key path), applies layer 0's weight to both. The probe runs the op in vLLM's own
+    environment, names the outcome, keeps it beside the environment and reads it back; a probe that cannot run
+    says so and is not kept."""
+    from dflash_assets.stages.evaluation.vllm_probe import LAYER_0, PER_LAYER, UNKNOWN, cached_probe, context_k_norm
+
+    first = cached_probe(vllm_python, "cpu", "float32", tmp_path)
+    assert first["context_k_norm"] == LAYER_0, first
+    assert first["layer_0_error"] < 1e-5 and first["per_layer_error"] > 0.5
+    kept = tmp_path / "dflash_probe_cpu_float32.json"
+    assert json.loads(kept.read_text()) == first
+    kept.write_text(json.dumps({**first, "context_k_norm": PER_LAYER}))  # read back, not probed again
+    assert cached_probe(vllm_python, "cpu", "float32", tmp_path)["context_k_norm"] == PER_LAYER
+    other = tmp_path / "other"
+    other.mkdir()
+    lost = cached_probe(tmp_path / "no-python", "cpu", "float32", other)
+    assert lost["context_k_norm"] == UNKNOWN and "no-python" in lost["error"]
+    assert list(other.iterdir()) == []
+    assert [context_k_norm(*e) for e in ((1e-7, 2.0), (2.0, 1e-7), (0.01, 0.05), (0.5, 0.9))] == [
+        PER_LAYER, LAYER_0, UNKNOWN, UNKNOWN
+    ]  # fmt: skip

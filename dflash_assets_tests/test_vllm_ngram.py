@@ -14,23 +14,25 @@ counters.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import dagster as dg
 import pytest
 import torch
 
-from dflash_assets.dflash.decoding.engine_replay import numeric_tolerance
+from dflash_assets.dflash.decoding.engine_replay import numeric_tolerance, with_context_k_norm_of_layer0
 from dflash_assets.dflash.decoding.speculative import target_generate
 from dflash_assets.dflash.export.directory import export_drafter, load_exported
 from dflash_assets.dflash.model.draft_config import DFlashConfig
-from dflash_assets.dflash.model.draft_model import load_target_head
+from dflash_assets.dflash.model.draft_model import DFlashDraftModel, load_target_head
 from dflash_assets.dflash.target.layers import default_target_layer_ids, text_config
 from dflash_assets.stages.evaluation.baseline import compare_methods
 from dflash_assets.stages.evaluation.config import EvaluationConfig
 from dflash_assets.stages.evaluation.datasets import HELDOUT
 from dflash_assets.stages.evaluation.parity import engine_parity
 from dflash_assets.stages.evaluation.replay import replay_engine_datasets
+from dflash_assets.stages.evaluation.vllm_probe import LAYER_0
 from dflash_assets.stages.evaluation.vllm_run import plan_vllm, run_vllm
 from dflash_assets.stages.resources.target_model import TargetModelResource
 from dflash_assets_tests.test_ngram_baseline import ngram_replay
@@ -169,3 +171,53 @@ def test_each_mismatch_on_the_in_process_side_is_named_at_a_step(engine_run, inj
     assert not parity["passed"]
     line = next(r for r in parity["reasons"] if "verification steps disagree" in r)
     assert "step" in line and "draft position" in line and "logits apart" in line, line
+
+
+@pytest.fixture(scope="module")
+def two_layer_run(engine_run):
+    """The trained layer served as layer 1 of two, behind a layer 0 that adds nothing to the residual stream
+    (``o_proj`` and ``down_proj`` zero) and whose ``k_norm`` weight is far from the trained layer's: where vLLM
+    normalises layer 1's context keys with layer 0's weight, the trained layer sees other context keys."""
+    trained = _drafter(engine_run)
+    config = dataclasses.replace(trained.config, num_hidden_layers=2, layer_types=None)
+    model = DFlashDraftModel(config)
+    state = {k: v for k, v in trained.trainable_state_dict().items() if not k.startswith("layers.")}
+    for k, v in trained.trainable_state_dict().items():
+        if k.startswith("layers.0."):
+            state["layers.1." + k.removeprefix("layers.0.")] = v
+    with torch.no_grad():
+        layer0 = model.layers[0]
+        layer0.self_attn.o_proj.weight.zero_()
+        layer0.mlp.down_proj.weight.zero_()
+        layer0.self_attn.k_norm.weight.copy_(torch.linspace(0.2, 3.0, config.head_dim))
+        state.update({f"layers.0.{k}": v for k, v in layer0.state_dict().items()})
+    model.load_state_dict(state, strict=True)
+    export = export_drafter(model, engine_run["tmp"] / "export_two_layers")
+    cfg = EvaluationConfig(
+        engine="vllm", num_prompts=PROMPTS, max_new_tokens=NEW_TOKENS, ngram_baseline=False, plain_baseline=False
+    )
+    log = engine_run["log"]
+    section = run_vllm(
+        plan_vllm(cfg, engine_run["target_model"], str(export), log), {HELDOUT: engine_run["prompts"]}, NEW_TOKENS,
+        engine_run["eos"], str(engine_run["tmp"] / "logs_two_layers"), cfg, None, log,
+    )  # fmt: skip
+    return {**engine_run, "section": section, "export": export}
+
+
+def test_vllm_cpu_normalises_every_layers_context_keys_with_layer_0s_weight_and_the_replay_does_too(two_layer_run):
+    """Issue 48: the main job's 2-layer drafter differed from vLLM's CPU build on 80 of 2,542 steps. The cause,
+    measured: vLLM normalises all layers' context keys in one rms_norm call with the weights stacked per layer, and
+    its CPU kernel applies layer 0's row to every layer. The probe finds it in vLLM's own environment; replayed the
+    way the engine computes it, every step agrees; replayed as trained, steps differ and parity names them."""
+    section = two_layer_run["section"]
+    assert section["context_k_norm"] == LAYER_0, section["kernel_probe"]
+    assert section["kernel_probe"]["layer_0_error"] < 1e-5 < 0.1 < section["kernel_probe"]["per_layer_error"]
+    as_trained = _drafter(two_layer_run)
+    parity, replayed = _parity(two_layer_run, with_context_k_norm_of_layer0(as_trained))
+    assert parity["passed"], parity["reasons"]
+    assert replayed["step_parity"]["mismatches"] == 0 and replayed["step_parity"]["steps_compared"] > 0
+    accepted = [a for r in section["requests"] for _, a in r["steps"]]
+    assert max(accepted) > 0, accepted  # the served drafter drafts tokens the target accepts
+    parity, replayed = _parity(two_layer_run, as_trained)
+    assert not parity["passed"] and replayed["step_parity"]["mismatches"] > 0, replayed["step_parity"]
+    assert "verification steps disagree beyond the numeric tolerance" in parity["reasons"][0]

@@ -116,32 +116,32 @@ def test_parity_fails_on_a_step_and_the_block_and_names_the_cause():
     text = " | ".join(out["reasons"])
     assert not out["passed"]
     assert (
-        "heldout: 1 of 6 verification steps disagree beyond the numeric tolerance (0.02 logits; 0 ties within it; 0 "
-        "near ties within the engine's kernels' 1.0 logits, at most 2% of the steps allowed); the first: prompt 1, "
-        "step 4 (anchor position 212), draft position 2: vLLM accepted 1 drafts, the drafter "
+        "heldout: 1 of 6 verification steps disagree beyond the numeric tolerance (0.02 logits; 0 ties within it); "
+        "the first: prompt 1, step 4 (anchor position 212), draft position 2: vLLM accepted 1 drafts, the drafter "
         "here 3 (here id 17 '[17]', the output has id 17 '[17]'; 3.25 logits apart)"
     ) in text
     assert "drafted at most 7 tokens per step; the drafter trained on blocks of 4" in text
     assert "mask_token_id 3 is not the 7" in text
 
 
-def test_near_ties_of_the_engines_kernels_pass_up_to_their_share_and_a_larger_margin_fails():
-    """Issue 48: a clean export in vLLM's CPU build differed from this process on 0.5% of the steps, by at most 0.56
-    logits; every injected bug moved 18% or more, most by over 1 logit. Near ties pass up to 2% of the steps."""
-    near = {**DIFF, "margin": 0.56}
+def test_any_step_beyond_the_numeric_tolerance_fails_however_small_or_rare():
+    """Issue 48: vLLM's CPU build differed from this process on 80 of 2,542 steps by 0.02-1.47 logits; the cause was
+    the engine computing the drafter otherwise (vllm_probe), not rounding, so no share of such steps is allowed:
+    one step 0.03 logits apart among 200 fails, and one counted but not listed is named by its margin."""
+    near = {**DIFF, "margin": 0.03}
 
-    def judged(margins, steps):
-        local = _local([1.5, 2.0], [near], steps=steps)
-        local["heldout"]["trained"]["step_parity"]["mismatch_margins"] = margins
+    def judged(listed, margins, steps):
+        local = _local([1.5, 2.0], listed, steps=steps)
+        local["heldout"]["trained"]["step_parity"].update(mismatch_margins=margins, mismatches=len(margins))
         return engine_parity(_engine([1.5, 2.0]), local, TRAINED, EXPORT)
 
-    clean = judged([0.03, 0.56], steps=200)  # 1% of the steps, within 1 logit
-    assert clean["passed"], clean["reasons"]
-    assert clean["by_dataset"]["heldout"]["near_ties"] == 2
-    crowded = judged([0.1] * 5, steps=200)  # 2.5% of the steps
-    assert not crowded["passed"] and "5 near ties" in crowded["reasons"][0]
-    beyond = judged([0.03, 1.7], steps=200)  # one step by more than the kernels explain, not among those listed
-    assert not beyond["passed"] and beyond["reasons"][0].endswith("one by 1.7 logits")
+    one = judged([near], [0.03], steps=200)
+    assert not one["passed"] and "1 of 200 verification steps disagree" in one["reasons"][0]
+    assert "0.03 logits apart" in one["reasons"][0]
+    tie = {**DIFF, "margin": 0.01, "tie": True}
+    unlisted = judged([tie], [1.7], steps=200)
+    assert not unlisted["passed"] and unlisted["reasons"][0].endswith("one by 1.7 logits")
+    assert judged([tie], [], steps=200)["passed"]
 
 
 def _export(tmp_path, **overrides) -> Path:

@@ -11,9 +11,10 @@ engine's own anchor, and compared with the accepted count the engine reported. A
 draft position where the two drafters parted, and it cannot cascade into later steps.
 
 Float rounding is the only legitimate source of difference (the engine's kernels and summation order are not
-ours): a difference at a draft position where this drafter's two candidate tokens are within
-``tolerance`` logits of each other is a tie, counted apart; any other is a mismatch, which the export, the
-engine's loader or the features caused (a wrong target-layer map, mask token, template, loader key or saved
+ours), besides what an engine is known to compute otherwise, replayed as it computes it
+(:func:`with_context_k_norm_of_layer0`): a difference at a draft position where this drafter's two candidate
+tokens are within ``tolerance`` logits of each other is a tie, counted apart; any other is a mismatch, which the
+export, the engine's loader or the features caused (a wrong target-layer map, mask token, template, loader key or saved
 weight all move logits by far more; the tests inject each). The same one forward also checks the engine's
 output itself against the target here (teacher forced: each token the argmax of the target's logits, ties
 allowed the same way).
@@ -25,6 +26,7 @@ cost of one target forward and a few drafter forwards per prompt instead of a de
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +36,7 @@ from torch import nn
 from dflash_assets.dflash.decoding.speculative import FeatureCapture
 from dflash_assets.dflash.shards.dataset import collate_training_batch
 
-__all__ = ["PromptReplay", "StepDifference", "numeric_tolerance", "replay_prompt"]
+__all__ = ["PromptReplay", "StepDifference", "numeric_tolerance", "replay_prompt", "with_context_k_norm_of_layer0"]
 
 #: logits within which two candidate tokens count as tied, by the dtype both sides decode in: float32 rounding
 #: through a few hundred accumulations moves a logit by ~1e-4 (seen: |engine - here| up to 2e-4 on the demo's
@@ -45,6 +47,26 @@ _TOLERANCE = {torch.float32: 0.02, torch.float64: 0.02, torch.bfloat16: 0.5, tor
 def numeric_tolerance(dtype: torch.dtype) -> float:
     """Logits within which two candidate tokens are tied when the engine and this process decode in ``dtype``."""
     return _TOLERANCE.get(dtype, 0.5)
+
+
+def with_context_k_norm_of_layer0(drafter: nn.Module) -> nn.Module:
+    """A copy of ``drafter`` whose every layer normalises its context's keys with layer 0's ``k_norm`` weight, as
+    vLLM's CPU build computes a DFlash drafter (0.32.0): its context-key path normalises the keys of all layers in
+    one ``rms_norm`` call with the per-layer weights stacked ``[num_layers, head_dim]``, and the CPU kernel applies
+    the first row to every layer (:func:`~dflash_assets.stages.evaluation.vllm_probe.grouped_rms_norm_probe`
+    measures it in the engine's own environment). The block's own keys and everything else are the model's. The
+    weights are shared with ``drafter``, not copied; ``drafter`` is unchanged."""
+    first = drafter.layers[0].self_attn.k_norm.weight.detach()
+    layers = []
+    for layer in drafter.layers:  # shallow copies: parameters and the target's head are shared, not duplicated
+        attn = copy.copy(layer.self_attn)
+        attn._buffers = {**layer.self_attn._buffers, "context_k_norm_weight": first}
+        shell = copy.copy(layer)
+        shell._modules = {**layer._modules, "self_attn": attn}
+        layers.append(shell)
+    engine = copy.copy(drafter)
+    engine._modules = {**drafter._modules, "layers": nn.ModuleList(layers)}
+    return engine
 
 
 @dataclass

@@ -78,11 +78,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` normalised, scaled by ``weight`` (default: this norm's own)."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (self.weight if weight is None else weight) * x.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -113,12 +114,19 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        # The k_norm weight the context's keys take instead of k_norm's, [head_dim]; None: k_norm's (the model).
+        # Set only to replay an engine that computes otherwise (engine_replay.with_context_k_norm_of_layer0).
+        self.register_buffer("context_k_norm_weight", None, persistent=False)
 
-    def kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (k_norm, RoPE) and values of ``h`` [B, L, H] at the positions of ``cos``/``sin`` [B, L, head_dim]:
-        two [B, num_key_value_heads, L, head_dim] tensors."""
+        two [B, num_key_value_heads, L, head_dim] tensors. ``context``: ``h`` is the projected context (its keys
+        take ``context_k_norm_weight`` when set)."""
         b, n, _ = h.shape
-        k = self.k_norm(self.k_proj(h).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        weight = self.context_k_norm_weight if context else None
+        k = self.k_norm(self.k_proj(h).view(b, n, self.num_kv_heads, self.head_dim), weight).transpose(1, 2)
         v = self.v_proj(h).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return k * cos[:, None] + _rotate_half(k) * sin[:, None], v
 
@@ -130,7 +138,7 @@ class DFlashAttention(nn.Module):
         cq, sq = cos[:, None, -q_len:], sin[:, None, -q_len:]
         q = q * cq + _rotate_half(q) * sq
         kx, vx = self.kv(x, cos[:, -q_len:], sin[:, -q_len:])
-        kc, vc = context_kv if context_kv is not None else self.kv(context, cos[:, :-q_len], sin[:, :-q_len])
+        kc, vc = context_kv if context_kv is not None else self.kv(context, cos[:, :-q_len], sin[:, :-q_len], True)
         k, v = torch.cat([kc, kx], dim=2), torch.cat([vc, vx], dim=2)
         if self.num_kv_heads != self.num_heads:
             # Expanded explicitly so that SDPA can pick its masked memory-efficient kernel.
@@ -316,7 +324,7 @@ class DFlashDraftModel(nn.Module):
         positions = torch.arange(cache.length, cache.length + c, device=context.device)[None]
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, torch.float32)
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.kv(context, cos, sin)
+            k, v = layer.self_attn.kv(context, cos, sin, context=True)
             cache.keys[i] = k if cache.keys[i] is None else torch.cat([cache.keys[i], k], dim=2)
             cache.values[i] = v if cache.values[i] is None else torch.cat([cache.values[i], v], dim=2)
         cache.length += c

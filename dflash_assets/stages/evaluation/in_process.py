@@ -11,7 +11,7 @@ import torch
 
 from dflash_assets.common.progress import StageProgressBar
 from dflash_assets.dflash.decoding.acceptance import acceptance_length
-from dflash_assets.dflash.decoding.engine_replay import numeric_tolerance
+from dflash_assets.dflash.decoding.engine_replay import numeric_tolerance, with_context_k_norm_of_layer0
 from dflash_assets.dflash.decoding.evaluation import acceptance_histogram_png, evaluate_drafters, untrained_drafter_like
 from dflash_assets.dflash.decoding.teacher_forced import teacher_forced_acceptance, teacher_forced_chain
 from dflash_assets.dflash.export.directory import load_exported
@@ -21,6 +21,7 @@ from dflash_assets.orchestration.metadata import png_markdown
 from dflash_assets.stages.evaluation.baseline import in_process_forward_figures
 from dflash_assets.stages.evaluation.datasets import HELDOUT
 from dflash_assets.stages.evaluation.replay import replay_engine_datasets
+from dflash_assets.stages.evaluation.vllm_probe import LAYER_0
 from dflash_assets.stages.resources.target_model import TargetModelResource
 
 REPORT_DIR = "drafter_evaluation"
@@ -100,6 +101,9 @@ def _replay(log, target, drafters: dict, prompts, engine_section: dict, dtype: s
     untrained drafter (when loaded) replayed over the same outputs, its own chain of anchors the floor beside the
     trained one's (its step parity means nothing: vLLM served the trained drafter)."""
     drafter = drafters["trained"]
+    if engine_section.get("context_k_norm") == LAYER_0:
+        drafter = with_context_k_norm_of_layer0(drafter)
+        log.info("replaying with layer 0's k_norm on every layer's context keys, as this vLLM build computes it")
     tolerance = numeric_tolerance(getattr(torch, str(dtype), torch.float32))
     total = sum(len(v) for v in prompts.values())
     log.info(f"replaying the engine's {total} outputs here (one target forward each; tolerance {tolerance} logits)")

@@ -41,6 +41,7 @@ from dflash_assets.generation.servers.vllm_servers import (
     ngram_speculative_config,
 )
 from dflash_assets.stages.evaluation.vllm_engine import forwards_of, vllm_decode, vllm_tau_by_dataset
+from dflash_assets.stages.evaluation.vllm_probe import LAYER_0, UNKNOWN, cached_probe
 
 
 @dataclass
@@ -142,6 +143,7 @@ def run_vllm(
     try:
         python = plan.environment.ensure(log.info)
         environment_wait_s = time.monotonic() - waited  # 0-ish when made ahead (prepare_in_background)
+        probe = _probe(plan, python, log)
         for method, spec in methods.items():
             runs[method] = _serve_and_decode(
                 plan, spec, method, python, todo, max_new_tokens, eos, log_dir, config, api_key, log
@@ -166,6 +168,9 @@ def run_vllm(
         "requests": drafter["records"],
         "counter_check": drafter["counter_check"],
         "concurrency": config.engine_concurrency,
+        # how this vLLM build normalises the drafter's context keys: the step replay computes the drafter the same way
+        "context_k_norm": probe["context_k_norm"],
+        "kernel_probe": probe,
         "tau_definition": "per prompt 1 + accepted / verification steps, from vLLM's own per-request figures "
         "(metrics.speculative_decoding with --per-request-spec-decode-metrics detailed); per dataset the mean of "
         "per-prompt values (z-lab's figure) and pooled (all tokens / all verification steps); the prefill's token "
@@ -190,6 +195,25 @@ def run_vllm(
                 "counter_check": run["counter_check"],
             }
     return section
+
+
+def _probe(plan: VLLMPlan, python: Path, log) -> dict:
+    """:func:`~dflash_assets.stages.evaluation.vllm_probe.cached_probe` on the server's device and dtype, logged."""
+    device, dtype = plan.launch.get("device", "cpu"), str(plan.launch.get("dtype") or "float32")
+    cache = None if plan.environment.python else Path(python).parent.parent
+    probe = cached_probe(python, device, dtype, cache)
+    outcome = probe["context_k_norm"]
+    if outcome == LAYER_0:
+        log.info(
+            f"engine: this vLLM build's rms_norm applies layer 0's k_norm weight to every DFlash layer's context keys "
+            f"on {device} (probe: {probe['per_layer_error']:.3g} from per-layer weights, {probe['layer_0_error']:.3g} "
+            "from layer 0's); the step replay computes the drafter the same way"
+        )
+    elif outcome == UNKNOWN:
+        log.warning(
+            f"engine: could not tell how vLLM normalises the drafter's context keys ({probe}); replayed as trained"
+        )
+    return probe
 
 
 def _serve_and_decode(
