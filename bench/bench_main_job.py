@@ -126,7 +126,7 @@ def engine_headlines(report: dict, cache: Path | None) -> float | None:
             f"main job: {engine.get('label')} verification steps on {d.get('prompts_compared')} {name} prompts "
             f"replayed here that disagree beyond the numeric tolerance of {d.get('tolerance')} logits (of "
             f"{d.get('steps_compared')}; {d.get('ties')} ties within it; the engine's context keys normed "
-            f"{engine.get('context_k_norm', 'per_layer')})",
+            f"{engine.get('context_k_norm', 'not probed')})",
             d.get("mismatches") or 0,
             "0",
             d.get("first_mismatch") is None and bool(d.get("steps_compared")),

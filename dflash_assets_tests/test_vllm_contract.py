@@ -207,6 +207,12 @@ def test_the_kernel_probe_reads_what_vllms_cpu_rms_norm_does_with_per_layer_weig
     lost = cached_probe(tmp_path / "no-python", "cpu", "float32", other)
     assert lost["context_k_norm"] == UNKNOWN and "no-python" in lost["error"]
     assert list(other.iterdir()) == []
+    chatty = tmp_path / "chatty-python"  # exits 0 but prints no figures (a warning on stdout, say)
+    chatty.write_text("#!/bin/sh\necho 'INFO warming up'\n")
+    chatty.chmod(0o755)
+    unread = cached_probe(chatty, "cpu", "float32", other)
+    assert unread["context_k_norm"] == UNKNOWN and "INFO warming up" in unread["error"]
+    assert list(other.iterdir()) == []
     assert [context_k_norm(*e) for e in ((1e-7, 2.0), (2.0, 1e-7), (0.01, 0.05), (0.5, 0.9))] == [
         PER_LAYER, LAYER_0, UNKNOWN, UNKNOWN
     ]  # fmt: skip

@@ -47,8 +47,8 @@ def grouped_rms_norm_probe(python: str | Path, device: str, dtype: str, timeout_
 
     Returns:
         ``per_layer_error`` and ``layer_0_error`` (largest absolute difference from each layer normalised with its
-        own weight, and with layer 0's), ``context_k_norm`` (:func:`context_k_norm`), and ``error`` (the last
-        line the probe printed) when it could not run.
+        own weight, and with layer 0's), ``context_k_norm`` (:func:`context_k_norm`); when it could not run or
+        printed no figures, ``context_k_norm`` :data:`UNKNOWN` and ``error`` (why, with the last line it printed).
     """
     try:
         proc = subprocess.run(
@@ -60,7 +60,11 @@ def grouped_rms_norm_probe(python: str | Path, device: str, dtype: str, timeout_
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return {"context_k_norm": UNKNOWN, "error": f"exit {proc.returncode}: {tail[:300]}"}
-    figures = json.loads(lines[-1])
+    try:
+        figures = json.loads(lines[-1])
+        figures = {k: float(figures[k]) for k in ("per_layer_error", "layer_0_error")}
+    except (ValueError, TypeError, KeyError):
+        return {"context_k_norm": UNKNOWN, "error": f"unreadable output: {lines[-1][:300]}"}
     return {**figures, "context_k_norm": context_k_norm(figures["per_layer_error"], figures["layer_0_error"])}
 
 

@@ -200,7 +200,7 @@ def run_vllm(
 def _probe(plan: VLLMPlan, python: Path, log) -> dict:
     """:func:`~dflash_assets.stages.evaluation.vllm_probe.cached_probe` on the server's device and dtype, logged."""
     device, dtype = plan.launch.get("device", "cpu"), str(plan.launch.get("dtype") or "float32")
-    cache = None if plan.environment.python else Path(python).parent.parent
+    cache = None if plan.environment.python else plan.environment.directory()
     probe = cached_probe(python, device, dtype, cache)
     outcome = probe["context_k_norm"]
     if outcome == LAYER_0:
