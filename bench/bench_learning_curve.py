@@ -44,7 +44,6 @@ import argparse
 import concurrent.futures
 import hashlib
 import json
-import math
 import os
 import resource
 import subprocess
@@ -78,12 +77,10 @@ DEMO = {
 #: name -> (data: [(variant, set)], training changes). Variants: t06s<j>_c<cap> (sample j at temperature 0.6,
 #: cut at cap), g_c<cap> (greedy). A size of k units takes units 0..k-1 of every listed (variant, set).
 BASE_DATA = [("t06s0_c128", "code"), ("t06s0_c128", "bfcl")]
+N4_DATA = [(f"t06s{j}_c128", "code") for j in range(4)] + [(f"t06s{j}_c128", "bfcl") for j in range(2)]
 LEVERS: dict[str, tuple[list, dict]] = {
     "demo (T 0.6, n 1, cap 128)": (BASE_DATA, {}),
-    "n 4 samples per prompt": (
-        [(f"t06s{j}_c128", "code") for j in range(4)] + [(f"t06s{j}_c128", "bfcl") for j in range(2)],
-        {},
-    ),
+    "n 4 samples per prompt": (N4_DATA, {}),
     "cap 256": ([("t06s0_c256", "code"), ("t06s0_c256", "bfcl")], {}),
     "greedy data (temperature 0)": ([("g_c128", "code"), ("g_c128", "bfcl")], {}),
     "init from target layers": (BASE_DATA, {"init_from_target": True}),
@@ -91,10 +88,7 @@ LEVERS: dict[str, tuple[list, dict]] = {
     "distill + loss on all positions": (BASE_DATA, {"distill_weight": 0.5, "loss_positions": "all"}),
     # the best combination of the levers alone at 8 units (n 4 and init from target layers each +0.04 on code;
     # distill within the paired SE of the demo's row)
-    "n 4 + init from target layers": (
-        [(f"t06s{j}_c128", "code") for j in range(4)] + [(f"t06s{j}_c128", "bfcl") for j in range(2)],
-        {"init_from_target": True},
-    ),
+    "n 4 + init from target layers": (N4_DATA, {"init_from_target": True}),
     # the demo's 1100 steps are 14-27 epochs of a 1-2 unit set (loss ~0.001): half of them, if the held-out ratio
     # holds, is ~3 minutes of the main job's budget
     "demo at 550 steps": (BASE_DATA, {"max_steps": 550}),
@@ -509,17 +503,15 @@ def met(f: dict, goal: float) -> bool:
 def tokens_to_goal(points: list[tuple[int, float]], goal: float) -> tuple[float, float] | None:
     """Least-squares fit ``ratio = a + b log2(loss tokens)`` over ``points`` ``[(loss tokens, ratio)]``; returns
     (the gain per doubling ``b``, loss tokens where the fit reaches ``goal``), or None for fewer than 3 points or
-    no gain. An extrapolation of this bench's curve (its 1100 steps at every size), not a measurement."""
+    no gain. An extrapolation of this bench's curve (the lever's steps at every size), not a measurement."""
     if len(points) < 3:
         return None
-    xs = [math.log2(t) for t, _ in points]
-    ys = [r for _, r in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    import numpy as np
+
+    b, a = np.polyfit(np.log2([t for t, _ in points]), [r for _, r in points], 1)
     if b <= 0:
         return None
-    return b, 2 ** (mx + (goal - my) / b)
+    return float(b), float(2 ** ((goal - a) / b))
 
 
 def report(results: dict, args) -> None:
