@@ -46,7 +46,19 @@ def test_cpu_servers_are_eager_float32_on_their_own_cores(monkeypatch):
     assert cpu_core_groups(2, [0, 1, 2, 3, 4]) == ["0,1,2", "3,4"]
     assert cpu_core_groups(3, [5]) == ["5", "5", "5"]
     one = build_vllm_commands("/py", "/m", 1, 21000)[0]
-    assert CPU_BIND_VARIABLE not in one.env  # one server: vLLM's own binding
+    assert CPU_BIND_VARIABLE not in one.env  # one server: no binding of ours
+    # one server on a CPU runs its model in EngineCore's process (vLLM's CPU platform needs both settings to keep
+    # "uni"); several servers keep vLLM's worker processes, which apply each server's core binding
+    assert _flag(list(one.argv), "--distributed-executor-backend") == "uni"
+    assert one.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    for c in commands:
+        assert "--distributed-executor-backend" not in c.argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in c.env
+    own = build_vllm_commands("/py", "/m", 1, 21000, extra_args=["--distributed-executor-backend", "mp"])[0]
+    assert own.argv.count("--distributed-executor-backend") == 1  # the user's executor, not ours beside it
+    assert _flag(list(own.argv), "--distributed-executor-backend") == "mp"
+    monkeypatch.setenv(CPU_BIND_VARIABLE, "0")  # a binding the user chose: vLLM's worker applies it
+    bound = build_vllm_commands("/py", "/m", 1, 21000)[0]
+    assert "--distributed-executor-backend" not in bound.argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in bound.env
 
 
 def test_gpu_servers_get_their_gpus_and_vllm_defaults():
@@ -57,6 +69,7 @@ def test_gpu_servers_get_their_gpus_and_vllm_defaults():
     argv = list(commands[0].argv)
     assert _flag(argv, "--tensor-parallel-size") == "2" and _flag(argv, "--reasoning-parser") == "qwen3"
     assert _flag(argv, "--dtype") == "auto" and "--enforce-eager" not in argv and "--gpu-memory-utilization" not in argv
+    assert "--distributed-executor-backend" not in argv  # a GPU server keeps vLLM's worker processes
     with pytest.raises(ValueError, match="need 4 GPUs"):
         build_vllm_commands("/py", "/m", 2, 30000, device="cuda", tp_size=2, gpu_ids=[0, 1])
 
