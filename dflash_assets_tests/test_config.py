@@ -148,7 +148,10 @@ def test_unknown_op_name(tmp_path, monkeypatch):
 def test_unknown_op_config_key_and_bad_type(tmp_path, monkeypatch):
     path = write(tmp_path, "ops:\n  prompt_corpus: {config: {max_prompt: 3}}\n", monkeypatch)
     msg = error_of(config_schema.validate_ops, project_assets())
-    assert msg.startswith(f"{path}: ops.prompt_corpus.config: ") and '"max_prompt"' in msg and "max_prompts" in msg
+    # the fix said as for a resource's unknown key: the closest key, then every valid one (the new user's run of
+    # issue 52's stop got Dagster's schema dump instead)
+    assert msg.startswith(f"{path}: ops.prompt_corpus.config: unknown key 'max_prompt' (did you mean 'max_prompts'?)")
+    assert "valid keys: " in msg and "partition_size" in msg and "{" not in msg
     path = write(tmp_path, "ops:\n  prompt_corpus: {config: {partition_size: big}}\n", monkeypatch)
     msg = error_of(config_schema.validate_ops, project_assets())
     assert msg.startswith(f"{path}: ops.prompt_corpus.config: ") and "partition_size" in msg

@@ -113,11 +113,11 @@ def validate_ops(assets_defs: Iterable[Any]) -> None:
     """Check the ``ops`` section against the project's assets and their config schemas.
 
     Raises:
-        ConfigError: an op name that is no asset, a key other than ``config`` in an op's section,
-            config Dagster's config type for that asset rejects (unknown key, wrong type), or a value its config
-            class rejects (a bound such as ``partition_size: 0``, an enumerated word such as ``truncated: Keep``,
-            which Dagster's types do not check and the step would only refuse when it starts, issue 50); the
-            message names the file and ``ops.<asset>.config[.<key>]``.
+        ConfigError: an op name that is no asset, a key other than ``config`` in an op's section, a key its config
+            class does not have (naming the closest one and all of them), config Dagster's config type for that
+            asset rejects (wrong type), or a value its config class rejects (a bound such as ``partition_size: 0``,
+            an enumerated word such as ``truncated: Keep``, which Dagster's types do not check and the step would
+            only refuse when it starts, issue 50); the message names the file and ``ops.<asset>.config[.<key>]``.
     """
     # checks one op's config against its config field, as a run would; dagster exports only whole-job validation
     from dagster._config import validate_config
@@ -143,6 +143,12 @@ def validate_ops(assets_defs: Iterable[Any]) -> None:
             if config:
                 raise ConfigError(f"{path}: ops.{name}.config: this asset takes no config; remove the section")
             continue
+        cls = schemas_class.get(name)
+        if cls is not None and isinstance(config, dict):  # Dagster's own message lists the schema, not the fix
+            valid = [f for f in cls.model_fields if not f.startswith("_")]
+            for key in config:
+                if key not in valid:
+                    raise unknown_key(str(path), f"ops.{name}.config", "key", str(key), valid)
         result = validate_config(field.config_type, config if config is not None else {})
         if not result.success:
             messages = "; ".join(e.message for e in result.errors)
