@@ -132,6 +132,18 @@ def build_resources(
     return built
 
 
+def check_known_keys(path: str, where: str, cls: type, fields: Mapping[str, Any]) -> None:
+    """Every key of ``fields`` is a field of ``cls`` (a pydantic model: a resource or an op's config class).
+
+    Raises:
+        ConfigError: the first unknown key, naming the file, its place, the closest field and all of them.
+    """
+    valid = [f for f in cls.model_fields if not f.startswith("_")]
+    for key in fields:
+        if key not in valid:
+            raise unknown_key(path, where, "key", str(key), valid)
+
+
 def _check_keys(path: str, where: str, cls: type, fields: Mapping[str, Any]) -> None:
     """Every key of ``fields`` is a field of ``cls`` and no secret; a section (a field whose type is a pydantic
     model, e.g. ``inference.vllm``) given as a mapping is checked the same way, key by key, then its values.
@@ -140,10 +152,8 @@ def _check_keys(path: str, where: str, cls: type, fields: Mapping[str, Any]) -> 
         ConfigError: an unknown key (naming its place, the valid keys and the closest one), a secret, or a value
             the section's class rejects.
     """
-    valid = [f for f in cls.model_fields if not f.startswith("_")]
+    check_known_keys(path, where, cls, fields)
     for key in fields:
-        if key not in valid:
-            raise unknown_key(path, where, "key", str(key), valid)
         if env := secret_env(cls, key):
             raise ConfigError(
                 f"{path}: {where}.{key}: a secret cannot be set in the config file (Dagster would show "

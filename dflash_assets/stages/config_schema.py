@@ -28,7 +28,7 @@ from typing import Any
 
 import dagster as dg
 
-from dflash_assets.common.config import ConfigError, config_path, project_config, unknown_key
+from dflash_assets.common.config import ConfigError, check_known_keys, config_path, project_config, unknown_key
 from dflash_assets.stages.completions.config import CompletionsConfig
 from dflash_assets.stages.drafter.config import DrafterConfig
 from dflash_assets.stages.evaluation.config import EvaluationConfig
@@ -145,10 +145,7 @@ def validate_ops(assets_defs: Iterable[Any]) -> None:
             continue
         cls = schemas_class.get(name)
         if cls is not None and isinstance(config, dict):  # Dagster's own message lists the schema, not the fix
-            valid = [f for f in cls.model_fields if not f.startswith("_")]
-            for key in config:
-                if key not in valid:
-                    raise unknown_key(str(path), f"ops.{name}.config", "key", str(key), valid)
+            check_known_keys(str(path), f"ops.{name}.config", cls, config)
         result = validate_config(field.config_type, config if config is not None else {})
         if not result.success:
             messages = "; ".join(e.message for e in result.errors)
