@@ -108,7 +108,8 @@ def build_vllm_command(
         env: variables set on top of the parent's (``VLLM_USE_V2_MODEL_RUNNER``, thread counts).
         gpu_ids: ``CUDA_VISIBLE_DEVICES`` for this server; None: not set.
         in_process_worker: the model runs in EngineCore's process (:data:`IN_PROCESS_WORKER_FLAGS` and
-            :data:`IN_PROCESS_WORKER_ENV`); for one server on a CPU. Left out when ``extra_args`` names an executor.
+            :data:`IN_PROCESS_WORKER_ENV`); for one server on a CPU. Left out when ``extra_args`` names an executor
+            or a core binding is set (``env`` or this environment: :func:`cpu_binding_unset`).
     """
     argv = [str(python), "-m", SERVER_MODULE, "--model", str(model_path), "--dtype", dtype]
     if max_model_len is not None:
@@ -123,7 +124,7 @@ def build_vllm_command(
         argv += ["--speculative-config", json.dumps(speculative_config, separators=(",", ":"))]
     argv += ["--host", host, "--port", str(port), *extra_args]
     variables = dict(env or {})
-    if in_process_worker and IN_PROCESS_WORKER_FLAGS[0] not in extra_args:
+    if in_process_worker and IN_PROCESS_WORKER_FLAGS[0] not in extra_args and cpu_binding_unset(variables):
         argv += IN_PROCESS_WORKER_FLAGS
         variables.update(IN_PROCESS_WORKER_ENV)
     if gpu_ids is not None:
@@ -225,7 +226,6 @@ def build_vllm_commands(
         bind = cpu_core_groups(num_servers)  # else every server binds the same cores ("auto": one NUMA node's)
     if memory_fraction is None and on_cpu:
         memory_fraction = CPU_MEMORY_FRACTION
-    in_process = on_cpu and num_servers == 1 and cpu_binding_unset(base_env)
     flags = list(extra_args)
     if tp_size > 1:
         flags = ["--tensor-parallel-size", str(tp_size), *flags]
@@ -251,7 +251,7 @@ def build_vllm_commands(
                 extra_args=flags,
                 env=server_env,
                 gpu_ids=groups[i],
-                in_process_worker=in_process,
+                in_process_worker=on_cpu and num_servers == 1,
             )
         )
     return commands

@@ -37,7 +37,6 @@ from dflash_assets.generation.servers.vllm_servers import (
     CPU_MEMORY_FRACTION,
     VLLMServers,
     build_vllm_command,
-    cpu_binding_unset,
     dflash_speculative_config,
     ngram_speculative_config,
 )
@@ -98,8 +97,8 @@ def plan_vllm(config, target_model, export_dir: str, log) -> VLLMPlan:
         "extra_args": list(config.engine_extra_args),
         "env": env,
         "device": device,
-        # one server at a time: on a CPU its model runs in EngineCore's process, on both cores (vllm_servers)
-        "in_process_worker": device == "cpu" and cpu_binding_unset(env),
+        # one server at a time: on a CPU its model runs in EngineCore's process, on every core (vllm_servers)
+        "in_process_worker": device == "cpu",
     }
     environment = evaluation_environment(config, device)
     spec = dflash_speculative_config(export_dir, tokens + 1)
