@@ -240,9 +240,10 @@ def test_an_export_that_disagrees_with_training_fails_parity_in_the_real_engine(
     drafter = load_exported(demo_runs["export"], embed_weight=embed, lm_head_weight=head, overrides=as_trained)
     with torch.no_grad():
         replayed = replay_engine_datasets(
-            target_model.load_model(), drafter.eval(), prompts, section["requests"], numeric_tolerance(torch.float32)
-        )
-    parity = engine_parity(section, {HELDOUT: {"trained": replayed[HELDOUT]}}, trained, config)
+            target_model.load_model(), {"trained": drafter.eval()}, prompts, section["requests"],
+            numeric_tolerance(torch.float32),
+        )  # fmt: skip
+    parity = engine_parity(section, replayed, trained, config)
     text = " | ".join(parity["reasons"])
     assert not parity["passed"], parity
     assert f"the export's {field}" in text, text

@@ -190,3 +190,65 @@ def test_the_engine_view_norms_every_layers_context_keys_with_layer_0s_weight_an
         trained = drafter(block, target_hidden=features, position_ids=torch.arange(9 + BLOCK)[None])
     torch.testing.assert_close(whole, cached)
     assert (whole - trained).abs().max() > 1e-3  # the layers' k_norm weights differ: so do the drafts' states
+
+
+def test_turns_that_extend_each_other_reuse_the_turn_befores_cache_and_replay_alike(setting):
+    """Issue 48's main job spent 97 of its 109 replay seconds in target forwards over BFCL turns, each turn's prompt
+    the turn before's prompt, reply and tool result (72% of the tokens shared). The replay runs them in token order
+    and the target over what follows the shared prefix only; every step still matches the independent decoder's, the
+    figures equal a whole forward's, and the tokens taken from the cache are the shared prefixes, counted here."""
+    from dflash_assets.dflash.decoding.engine_replay import PrefixCache, prefix_reusable
+    from dflash_assets.stages.evaluation.replay import replay_engine_datasets
+    from dflash_assets_tests.tiny_target import make_hybrid_target
+
+    target, drafter = setting["target"], setting["drafter"]
+    g = torch.Generator().manual_seed(11)
+    prompt = setting["prompts"][0]
+    turns, runs = [], []
+    for _ in range(4):  # each turn: the last one's prompt and reply, then a "tool result" of 3 tokens
+        run = dflash_generate(target, drafter, prompt, NEW)
+        turns.append(prompt)
+        runs.append(run)
+        prompt = [*prompt, *run.output_ids, *torch.randint(0, VOCAB - 1, (3,), generator=g).tolist()]
+    order = [2, 0, 3, 1]  # positions out of conversation order: the replay sorts them
+    prompts = {"agentic": [turns[i] for i in order], "code": setting["prompts"][1:3]}
+    code_runs = [dflash_generate(target, drafter, p, NEW) for p in prompts["code"]]
+    records = [
+        {"dataset": "agentic", "position": pos, "output_ids": runs[i].output_ids, "steps": _steps(runs[i])}
+        for pos, i in enumerate(order)
+    ] + [
+        {"dataset": "code", "position": pos, "output_ids": r.output_ids, "steps": _steps(r)}
+        for pos, r in enumerate(code_runs)
+    ]
+    lines: list[str] = []
+    with torch.no_grad():
+        got = replay_engine_datasets(target, {"trained": drafter}, prompts, records, TOL, log=lines.append)
+    for name, runs_by_pos in (("agentic", [runs[i] for i in order]), ("code", code_runs)):
+        entry = got[name]["trained"]
+        assert entry["accepted_lengths"] == [r.accepted_lengths for r in runs_by_pos]
+        assert entry["step_parity"]["differences"] == 0 and entry["lossless"]
+        whole = [
+            replay_prompt(target, drafter, p, r.output_ids, _steps(r), tolerance=TOL)
+            for p, r in zip(prompts[name], runs_by_pos)
+        ]
+        assert entry["accepted_lengths"] == [w.own_accepted_lengths for w in whole]
+    # turn k+1 shares turn k's prompt and reply; the code prompts share nothing with the turns (random ids)
+    shared = sum(len(turns[k]) + len(runs[k].output_ids) for k in range(3))
+    total = sum(len(p) + len(r.output_ids) for p, r in zip(turns + prompts["code"], runs + code_runs))
+    assert lines == [
+        f"replay: {shared:,} of {total:,} tokens ({shared / total:.0%}) taken from the prompt before's KV cache "
+        "(shared prefixes)"
+    ]
+    # the features the cache gives equal a whole forward's (float rounding only)
+    prefix = PrefixCache(target)
+    from dflash_assets.dflash.decoding.engine_replay import _features_and_logits
+
+    for p, r in zip(turns[:2], runs[:2]):
+        ids = torch.tensor([*p, *r.output_ids])
+        cached, cached_logits = _features_and_logits(target, ids, LAYER_IDS, len(r.output_ids) + 1, prefix)
+        fresh, fresh_logits = _features_and_logits(target, ids, LAYER_IDS, len(r.output_ids) + 1)
+        torch.testing.assert_close(cached, fresh, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cached_logits, fresh_logits, atol=1e-4, rtol=1e-5)
+    assert prefix.reused_tokens == len(turns[0]) + len(runs[0].output_ids)
+    # a hybrid target's linear-attention state cannot be cut back: whole forwards there
+    assert prefix_reusable(target) and not prefix_reusable(make_hybrid_target()[0])

@@ -95,10 +95,11 @@ def _drafter(run, **overrides):
 def _parity(run, drafter, section=None):
     section = section or run["section"]
     with torch.no_grad():
-        replayed = replay_engine_datasets(run["target"], drafter, {HELDOUT: run["prompts"]}, section["requests"], TOL)
+        replayed = replay_engine_datasets(
+            run["target"], {"trained": drafter}, {HELDOUT: run["prompts"]}, section["requests"], TOL
+        )
     export_config = json.loads((run["export"] / "config.json").read_text())
-    local = {name: {"trained": entry} for name, entry in replayed.items()}
-    return engine_parity(section, local, run["trained"], export_config), replayed[HELDOUT]
+    return engine_parity(section, replayed, run["trained"], export_config), replayed[HELDOUT]["trained"]
 
 
 def test_three_methods_decode_the_same_prompts_each_with_its_own_forwards(engine_run):

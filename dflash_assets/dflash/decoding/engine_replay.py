@@ -22,21 +22,37 @@ allowed the same way).
 Beside the parity, the replay walks this drafter's own chain of anchors over the same output (next anchor =
 anchor + accepted + 1), which is what in-process speculative decoding would measure on these prompts, at the
 cost of one target forward and a few drafter forwards per prompt instead of a decode.
+
+Prompts of an evaluation share long prefixes (the turns of one agentic conversation: each turn's prompt is the one
+before, its reply and the tool's result; 73% of the main job's replayed tokens): a :class:`PrefixCache` keeps the
+last sequence's KV cache and features, and the next forward runs over what differs only (attention-only targets;
+a linear-attention layer's recurrent state cannot be cut back to a prefix). One forward also serves several
+drafters (the trained one and its untrained floor).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from dflash_assets.dflash.decoding.speculative import FeatureCapture
+from dflash_assets.dflash.decoding.speculative import FeatureCapture, _cache_kwarg, _new_cache, _target_forward
 from dflash_assets.dflash.shards.dataset import collate_training_batch
+from dflash_assets.dflash.target.hybrid_cache import crop_attention_layers
 
-__all__ = ["PromptReplay", "StepDifference", "numeric_tolerance", "replay_prompt", "with_context_k_norm_of_layer0"]
+__all__ = [
+    "PrefixCache",
+    "PromptReplay",
+    "StepDifference",
+    "numeric_tolerance",
+    "prefix_reusable",
+    "replay_prompt",
+    "replay_prompt_drafters",
+    "with_context_k_norm_of_layer0",
+]
 
 #: logits within which two candidate tokens count as tied, by the dtype both sides decode in: float32 rounding
 #: through a few hundred accumulations moves a logit by ~1e-4 (seen: |engine - here| up to 2e-4 on the demo's
@@ -119,13 +135,74 @@ class PromptReplay:
         return [d for d in self.differences if not d.tie]
 
 
+def prefix_reusable(target: nn.Module) -> bool:
+    """Whether ``target``'s KV cache can be cut back to a prefix and extended (:class:`PrefixCache`): every layer
+    full attention (``layer_types`` absent or all ``full_attention``, no active sliding window). A hybrid target's
+    linear-attention state (Qwen3.5/3.6) holds the whole sequence in a fixed-size state and cannot be cut."""
+    config = getattr(target, "config", None)
+    config = getattr(config, "text_config", None) or config
+    if config is None:
+        return False
+    types = getattr(config, "layer_types", None)
+    if types is not None and any(t != "full_attention" for t in types):
+        return False
+    return not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
+
+
+class PrefixCache:
+    """The last sequence a replay ran the target over: its ids, KV cache and features, so the next sequence's
+    forward runs only over what follows their common prefix (:func:`prefix_reusable` targets; otherwise every
+    forward is whole). Features of a shared prefix equal a whole forward's up to float rounding (another
+    summation order), far inside :func:`numeric_tolerance`. Memory: one sequence's KV cache and features.
+
+    Attributes:
+        reused_tokens / total_tokens: tokens taken from the cache / of every sequence run (for the log).
+    """
+
+    def __init__(self, target: nn.Module) -> None:
+        self.enabled = prefix_reusable(target)
+        self.ids: torch.Tensor | None = None
+        self.cache = None
+        self.features: torch.Tensor | None = None
+        self.reused_tokens = 0
+        self.total_tokens = 0
+
+    def shared(self, ids: torch.Tensor, keep: int) -> int:
+        """Tokens of ``ids`` [T] the next forward can take from the cache: the common prefix with the last
+        sequence, leaving the last ``keep`` positions (whose logits are wanted) to the forward."""
+        if not self.enabled or self.ids is None:
+            return 0
+        n = min(self.ids.numel(), ids.numel() - keep)
+        if n <= 0:
+            return 0
+        same = (self.ids[:n] == ids[:n].to(self.ids.device)).to(torch.int64)
+        return int(same.cumprod(0).sum())
+
+
 @torch.no_grad()
-def _features_and_logits(target: nn.Module, ids: torch.Tensor, layer_ids: Sequence[int], keep: int):
+def _features_and_logits(
+    target: nn.Module, ids: torch.Tensor, layer_ids: Sequence[int], keep: int, prefix: PrefixCache | None = None
+):
     """Target features ``[T, n*H]`` float32 of ``ids`` [T] and the logits ``[keep, V]`` float32 of its last ``keep``
-    positions, from one forward."""
+    positions, from one forward (over what follows the prefix ``prefix`` holds, when it holds one)."""
+    shared = prefix.shared(ids, keep) if prefix is not None else 0
     with FeatureCapture(target, layer_ids) as capture:
-        out = target(input_ids=ids[None], logits_to_keep=keep, use_cache=False)
-        features = capture.pop()[0].float()
+        if prefix is None or not prefix.enabled:
+            out = target(input_ids=ids[None], logits_to_keep=keep, use_cache=False)
+            features = capture.pop()[0].float()
+        else:
+            if shared:
+                cache = prefix.cache
+                crop_attention_layers(cache, shared)
+            else:
+                cache = _new_cache(target)
+            out = _target_forward(target, ids[shared:], shared, cache, _cache_kwarg(target), logits_to_keep=keep)
+            new = capture.pop()[0].float()
+            features = torch.cat([prefix.features[:shared], new]) if shared else new
+            prefix.ids, prefix.cache, prefix.features = ids, cache, features
+            prefix.reused_tokens += shared
+    if prefix is not None:
+        prefix.total_tokens += ids.numel()
     return features, out.logits[0].float()
 
 
@@ -174,6 +251,7 @@ def replay_prompt(
     *,
     tolerance: float,
     anchors_per_forward: int = 64,
+    prefix: PrefixCache | None = None,
 ) -> PromptReplay:
     """Replay one prompt's engine output (see the module docstring).
 
@@ -185,6 +263,7 @@ def replay_prompt(
             no engine steps (the output of plain decoding), only the target check and this drafter's own chain.
         tolerance: logits within which two candidates tie (:func:`numeric_tolerance`).
         anchors_per_forward: drafter blocks per forward.
+        prefix: the :class:`PrefixCache` of the replay's earlier prompts (None: a whole forward, nothing kept).
 
     Returns:
         :class:`PromptReplay`.
@@ -192,14 +271,53 @@ def replay_prompt(
     Raises:
         ValueError: the prompt or the output is empty.
     """
+    replays = replay_prompt_drafters(
+        target, {"drafter": drafter}, prompt_ids, output_ids, engine_steps, tolerance=tolerance,
+        anchors_per_forward=anchors_per_forward, prefix=prefix,
+    )  # fmt: skip
+    return replays["drafter"]
+
+
+@torch.no_grad()
+def replay_prompt_drafters(
+    target: nn.Module,
+    drafters: Mapping[str, nn.Module],
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    engine_steps: Sequence[Sequence[int]] | None,
+    *,
+    tolerance: float,
+    anchors_per_forward: int = 64,
+    prefix: PrefixCache | None = None,
+) -> dict[str, PromptReplay]:
+    """:func:`replay_prompt` for several drafters over one target forward (``{name: PromptReplay}``, the names of
+    ``drafters``); the target check is the same for all.
+
+    Raises:
+        ValueError: the prompt or the output is empty, no drafter, or the drafters read different target layers.
+    """
     p, n = len(prompt_ids), len(output_ids)
     if p == 0 or n == 0:
         raise ValueError("replay needs a prompt and at least one output token")
+    if not drafters:
+        raise ValueError("replay needs at least one drafter")
+    layer_sets = {tuple(int(i) for i in d.config.target_layer_ids) for d in drafters.values()}
+    if len(layer_sets) != 1:
+        raise ValueError(f"the drafters replayed together must read the same target layers, got {sorted(layer_sets)}")
     device = next(target.parameters()).device
     ids = torch.tensor([*prompt_ids, *output_ids], dtype=torch.long)
-    features, logits = _features_and_logits(target, ids.to(device), drafter.config.target_layer_ids, n + 1)
-    out = PromptReplay()
-    _check_target(out, logits[:n], ids[p:], tolerance)
+    features, logits = _features_and_logits(target, ids.to(device), list(layer_sets.pop()), n + 1, prefix)
+    checked = PromptReplay()
+    _check_target(checked, logits[:n], ids[p:], tolerance)
+    return {
+        name: _replay_drafter(drafter, ids, features, p, n, engine_steps, checked, tolerance, anchors_per_forward)
+        for name, drafter in drafters.items()
+    }
+
+
+def _replay_drafter(drafter, ids, features, p, n, engine_steps, checked, tolerance, anchors_per_forward):
+    """One drafter's :class:`PromptReplay` given the target's features of ``ids`` (prompt ``p`` + output ``n``)."""
+    out = PromptReplay(target_mismatches=list(checked.target_mismatches), target_ties=checked.target_ties)
     # drafts at every output position a block can start from: anchors p .. p+n-2 (the last token drafts nothing)
     anchors = torch.arange(p, p + n - 1)
     k = int(drafter.config.block_size) - 1

@@ -52,6 +52,9 @@ def held_lock(lock_path: Path, what: str, log: Callable[[str], None]):
         except BlockingIOError:
             lock.seek(0)
             holder = lock.read().strip() or "another process"
+            if holder.startswith(f"pid {os.getpid()} on {process_record()['host']} "):
+                # a background thread of this run holds it (``run`` starts the install before the stages)
+                holder = f"this run's own background install ({holder})"
             log(f"{what}: waiting for {holder}, which is making or checking it")
             fcntl.flock(lock, fcntl.LOCK_EX)
         record = process_record()

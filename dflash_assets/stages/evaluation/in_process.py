@@ -106,23 +106,28 @@ def _replay(log, target, drafters: dict, prompts, engine_section: dict, dtype: s
         log.info("replaying with layer 0's k_norm on every layer's context keys, as this vLLM build computes it")
     tolerance = numeric_tolerance(getattr(torch, str(dtype), torch.float32))
     total = sum(len(v) for v in prompts.values())
-    log.info(f"replaying the engine's {total} outputs here (one target forward each; tolerance {tolerance} logits)")
+    # the untrained floor (when loaded) rides on the same target forwards
+    replayed_drafters = {
+        "trained": drafter,
+        **({"untrained": drafters["untrained"]} if "untrained" in drafters else {}),
+    }
+    log.info(
+        f"replaying the engine's {total} outputs here (one target forward each for {', '.join(replayed_drafters)}; "
+        f"tolerance {tolerance} logits)"
+    )
     started = time.monotonic()
     with StageProgressBar("drafter_evaluation replay", total, unit="prompt") as bar:
-        replayed = replay_engine_datasets(
-            target, drafter, prompts, engine_section["requests"], tolerance, progress=lambda d, t: bar.update_to(d)
-        )
-    for name, entry in replayed.items():
-        s = entry["step_parity"]
+        results = replay_engine_datasets(
+            target, replayed_drafters, prompts, engine_section["requests"], tolerance,
+            progress=lambda d, t: bar.update_to(d), log=log.info,
+        )  # fmt: skip
+    for name, entries in results.items():
+        s = entries["trained"]["step_parity"]
         log.info(
             f"replay {name}: {s['prompts_replayed']} prompts, {s['steps_compared']} engine steps, "
-            f"{s['mismatches']} mismatches, {s['ties']} ties; {time.monotonic() - started:.0f} s into the replay"
+            f"{s['mismatches']} mismatches, {s['ties']} ties; {s['wall_s']:.0f} s"
         )
-    results = {name: {"trained": entry} for name, entry in replayed.items()}
-    if "untrained" in drafters:
-        floor = replay_engine_datasets(target, drafters["untrained"], prompts, engine_section["requests"], tolerance)
-        for name, entry in floor.items():
-            results[name]["untrained"] = entry
+    log.info(f"replay: {time.monotonic() - started:.0f} s in all")
     return results
 
 
