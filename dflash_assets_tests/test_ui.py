@@ -334,7 +334,16 @@ def test_ui_launches_partitions_one_at_a_time_under_the_inference_pool(tmp_path)
             # 3. launch 3 partitions at once; the dialog makes that a backfill of one run per partition
             page.get_by_role("button", name="Materialize…").first.click()
             dialog = page.get_by_role("dialog")
-            dialog.get_by_role("img", name="expand_more").click()
+            # the picker's first click can land before the dialog takes clicks on a loaded machine (seen once in a
+            # whole-suite run: no menu after 30 s); open it again while no menu item shows
+            for attempt in range(3):
+                dialog.get_by_role("img", name="expand_more").click()
+                try:
+                    expect(page.get_by_role("menuitem").filter(has_text=batch[0])).to_be_visible(timeout=10_000)
+                    break
+                except AssertionError:
+                    if attempt == 2:
+                        raise
             for pk in batch:
                 page.get_by_role("menuitem").filter(has_text=pk).click()
             page.keyboard.press("Escape")  # closes the partition picker only

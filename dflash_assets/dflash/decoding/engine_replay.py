@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflash_assets.dflash.decoding.speculative import FeatureCapture, _cache_kwarg, _new_cache, _target_forward
+from dflash_assets.dflash.decoding.speculative import FeatureCapture, cached_target_forward
 from dflash_assets.dflash.shards.dataset import collate_training_batch
 from dflash_assets.dflash.target.hybrid_cache import crop_attention_layers
 
@@ -191,12 +191,10 @@ def _features_and_logits(
             out = target(input_ids=ids[None], logits_to_keep=keep, use_cache=False)
             features = capture.pop()[0].float()
         else:
-            if shared:
-                cache = prefix.cache
+            cache = prefix.cache if shared else None
+            if cache is not None:
                 crop_attention_layers(cache, shared)
-            else:
-                cache = _new_cache(target)
-            out = _target_forward(target, ids[shared:], shared, cache, _cache_kwarg(target), logits_to_keep=keep)
+            out, cache = cached_target_forward(target, ids[shared:], shared, cache, logits_to_keep=keep)
             new = capture.pop()[0].float()
             features = torch.cat([prefix.features[:shared], new]) if shared else new
             prefix.ids, prefix.cache, prefix.features = ids, cache, features

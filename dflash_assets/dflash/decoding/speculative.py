@@ -43,6 +43,7 @@ from dflash_assets.dflash.target.hybrid_cache import VerifyRollback
 __all__ = [
     "FeatureCapture",
     "SpecResult",
+    "cached_target_forward",
     "dflash_generate",
     "target_generate",
 ]
@@ -196,6 +197,14 @@ def _target_forward(target, ids: torch.Tensor, start: int, cache, cache_kw: str,
     return target(
         input_ids=ids[None], position_ids=positions, use_cache=True, logits_to_keep=logits_to_keep, **{cache_kw: cache}
     )
+
+
+def cached_target_forward(target: nn.Module, ids: torch.Tensor, start: int, cache=None, logits_to_keep: int = 0):
+    """One target forward over ``ids`` (int64 ``[T]``) at positions ``start .. start+T-1``, extending ``cache`` (a
+    ``DynamicCache`` holding positions ``0 .. start-1``; None: a new one, ``start`` 0). Returns ``(output, cache)``;
+    ``output.logits`` is ``[1, logits_to_keep or T, V]``."""
+    cache = _new_cache(target) if cache is None else cache
+    return _target_forward(target, ids, start, cache, _cache_kwarg(target), logits_to_keep=logits_to_keep), cache
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
