@@ -3,12 +3,14 @@
 A bench calls :func:`headline` once per figure it is judged by; the line is ``HEADLINE `` followed by a
 JSON object ``{"figure", "value", "goal", "met"}``. ``bench/run_all`` copies these objects into
 ``bench/RESULTS.md`` and ignores every other line, so a bench may print whatever else helps a reader.
+Also the CPU steal readings (:func:`cpu_steal_counters`) that ``run_all`` and timed benches report beside a time.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 PREFIX = "HEADLINE "
 
@@ -35,3 +37,22 @@ def parse(line: str) -> dict | None:
     except ValueError:
         return None
     return obj if isinstance(obj, dict) and {"figure", "value", "goal"} <= obj.keys() else None
+
+
+def cpu_steal_counters() -> tuple[int, int] | None:
+    """(steal, total) jiffies of all CPUs from /proc/stat (Linux), None elsewhere. Steal is the time the hypervisor
+    ran other guests while this one had work: 40% of it was seen on the 2-core VM mid-session (``vmstat``'s
+    ``st``), every stage of the main job ~25% slower at a load average that read as idle."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    values = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return values[7], sum(values)
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time stolen between two :func:`cpu_steal_counters` readings, None when unknown."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])

@@ -274,3 +274,27 @@ def test_runs_list_every_run_that_still_has_a_row_and_no_other(tmp_path):
         assert run_all(benches, results, name).returncode == 0
     listed = [ln.split("`: ")[1].split(";")[0] for ln in results.read_text().splitlines() if ln.startswith("- run ")]
     assert listed == ["bench_b", "bench_a"]
+
+
+def test_each_runs_cpu_steal_is_recorded_beside_its_load_average(tmp_path):
+    """A load average that reads idle hid a hypervisor taking 40% of the CPUs (vmstat's ``st``) mid-session: every
+    stage of the main job ran ~25% slower. The run line says how much CPU time each bench lost to steal, from
+    /proc/stat's counters before and after it."""
+    import importlib.machinery
+    import importlib.util
+    import re
+
+    loader = importlib.machinery.SourceFileLoader("run_all_steal", str(ROOT / "bench" / "run_all"))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    assert module.steal_share((10, 1000), (60, 1200)) == pytest.approx(0.25)  # 50 of 200 jiffies
+    assert module.steal_share(None, (60, 1200)) is None and module.steal_share((1, 5), (1, 5)) is None
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    steal, total = module.cpu_steal_counters()
+    assert fields[0] == "cpu" and steal == int(fields[8]) and steal <= total
+    benches, results = tmp_path / "benches", tmp_path / "RESULTS.md"
+    benches.mkdir()
+    fake_bench(benches, "bench_a", 'print(\'HEADLINE {"figure": "x", "value": 1, "goal": "-", "met": null}\')')
+    assert run_all(benches, results, "bench_a").returncode == 0
+    (run_line,) = [ln for ln in results.read_text().splitlines() if ln.startswith("- run ")]
+    assert re.search(r"; CPU steal \(time the hypervisor gave other guests\) bench_a \d+%$", run_line), run_line
