@@ -142,10 +142,10 @@ def ready_machine_headline(wall_s: float, peak_mb: float | None) -> tuple[str, f
 GOALS = {"humaneval": 1.2, "bfcl": 1.0}
 
 
-def engine_headlines(report: dict, cache: Path | None) -> float | None:
+def engine_headlines(report: dict, cache: Path | None) -> None:
     """The vLLM measurement's headlines (issue 31): its tau beside the in-process one, what the engine added to
     the job's time, the n-gram baseline's time and the drafter against it (issue 42), and the environment's
-    install time when this run made it (returned, seconds; else None)."""
+    install time when this run made it (``cache``: the run's own cache)."""
     engine, checks = report.get("engine"), report.get("checks") or {}
     if not engine:
         print("no engine section: the config measures in process only")
@@ -196,7 +196,6 @@ def engine_headlines(report: dict, cache: Path | None) -> float | None:
             f">= {goal} and > 1 by 2 SE",
             ratio >= goal and ratio - 2 * se > 1,
         )
-    made = None
     ready = sorted(cache.glob("engines/*/ready.json")) if cache else []
     for path in ready:  # made by this run, in the background while the earlier stages ran
         install_s = json.loads(path.read_text()).get("install_s")
@@ -207,8 +206,6 @@ def engine_headlines(report: dict, cache: Path | None) -> float | None:
                 "< 300",
                 install_s < 300,
             )
-            made = (made or 0.0) + install_s
-    return made
 
 
 if __name__ == "__main__":

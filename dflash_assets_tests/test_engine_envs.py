@@ -125,10 +125,35 @@ def test_gpu_extra_holds_only_the_linear_attention_kernels():
     assert extras["gpu"] == ["flash-linear-attention[cuda]==0.6.0", "causal-conv1d==1.7.0"]
 
 
+def _wait_line(lock, what: str, release) -> list[str]:
+    """What :func:`held_lock` says while it waits on ``lock`` (held elsewhere): a thread takes and leaves the lock,
+    ``release`` frees the holder once the thread has spoken (or after 5 s)."""
+    import threading
+
+    from dflash_assets.generation.engines.install import held_lock
+
+    lines: list[str] = []
+
+    def take_and_leave():
+        with held_lock(lock, what, lines.append):
+            pass
+
+    waiter = threading.Thread(target=take_and_leave)
+    waiter.start()
+    for _ in range(100):
+        if lines:
+            break
+        threading.Event().wait(0.05)
+    release()
+    waiter.join(10)
+    return lines
+
+
 def test_a_wait_on_this_runs_own_install_says_so(tmp_path):
     """The helper's first run read "waiting for pid 20555 ... which is making or checking it" with 20555 its own
     process (``run`` installs in a background thread while a stage waits on the same lock); another holder is named
     as recorded."""
+    import fcntl
     import os
     import threading
 
@@ -144,32 +169,14 @@ def test_a_wait_on_this_runs_own_install_says_so(tmp_path):
     holder = threading.Thread(target=hold)
     holder.start()
     held.wait(10)
-    lines: list[str] = []
-    waiter = threading.Thread(target=lambda: held_lock(lock, "engine environment vllm", lines.append).__enter__())
-    waiter.start()
-    for _ in range(100):
-        if lines:
-            break
-        threading.Event().wait(0.05)
-    done.set()
+    lines = _wait_line(lock, "engine environment vllm", done.set)
     holder.join(10)
-    waiter.join(10)
     assert len(lines) == 1 and lines[0].startswith(
         f"engine environment vllm: waiting for this run's own background install (pid {os.getpid()} on "
     ), lines
     other = tmp_path / "other.lock"
     other.write_text("pid 1 on node-7 since 10:00:00\n")
     with open(other) as f:  # held elsewhere: the recorded holder is named as is
-        import fcntl
-
         fcntl.flock(f, fcntl.LOCK_EX)
-        got: list[str] = []
-        t = threading.Thread(target=lambda: held_lock(other, "env", got.append).__enter__())
-        t.start()
-        for _ in range(100):
-            if got:
-                break
-            threading.Event().wait(0.05)
-        fcntl.flock(f, fcntl.LOCK_UN)
-        t.join(10)
+        got = _wait_line(other, "env", lambda: fcntl.flock(f, fcntl.LOCK_UN))
     assert got == ["env: waiting for pid 1 on node-7 since 10:00:00, which is making or checking it"]
